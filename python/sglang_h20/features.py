@@ -1,0 +1,81 @@
+"""The features, what each needs, and the one place that decides whether it turns on.
+
+A feature module exposes `hooks(settings) -> list[Hook]`: its whole patch surface as dotted
+SGLang targets, so reading those functions shows everything we change in SGLang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, NamedTuple
+
+from sglang_h20 import compat
+from sglang_h20.settings import BY_NAME, Settings
+
+
+class Hook(NamedTuple):
+    target: str  # dotted path resolved by sglang.srt.plugins.hook_registry.HookRegistry
+    fn: Callable
+    kind: str = "around"  # before / after / around / replace (HookType values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    switch: str  # key in settings.SWITCHES
+    module: str | None  # provides hooks(settings); None while the feature is not built yet
+    needs_gpu: bool = True  # Hopper (sm_90) or newer
+    kernel_modules: tuple[str, ...] = ()  # must import, or the feature stays off
+
+    def wanted(self, settings: Settings) -> bool:
+        value = settings[self.switch]
+        return value not in (False, 0, 0.0, "off", "upstream")
+
+    def hooks(self, settings: Settings) -> list[Hook]:
+        return importlib.import_module(self.module).hooks(settings)
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("mha_mla_policy", "mha_mla_policy", None),
+    Feature("fp8_mla", "fp8_mla", None, kernel_modules=("triton",)),
+    Feature("swapab", "swapab", None, kernel_modules=("triton",)),
+    Feature("sbo", "sbo", None),
+    Feature("eplb", "eplb", None, needs_gpu=False),
+    Feature("observe", "observe", None),
+)
+
+
+class Decision(NamedTuple):
+    on: bool
+    reason: str
+    hooks: tuple[Hook, ...] = ()
+
+
+def decide(feature: Feature, settings: Settings) -> Decision:
+    """On only if switched on, built, supported here, and every hook target resolves."""
+    switch = BY_NAME[feature.switch]
+    if feature.switch in settings.errors:
+        return Decision(False, f"bad value, upstream behaviour kept: {settings.errors[feature.switch]}")
+    shown = f"{switch.env}={settings[feature.switch]}"
+    if not feature.wanted(settings):
+        return Decision(False, f"switched off ({shown})")
+    if feature.module is None:
+        return Decision(False, f"{shown} asked for it, but this build does not include it yet: upstream behaviour kept")
+    checks = []
+    if not settings["allow_untested"]:
+        checks.append(compat.check_sglang())
+    if feature.needs_gpu:
+        checks.append(compat.check_gpu())
+    checks += [compat.check_import(m) for m in feature.kernel_modules]
+    for ok, why in checks:
+        if not ok:
+            return Decision(False, f"{shown} asked for it, but {why}: upstream behaviour kept")
+    try:
+        hooks = tuple(feature.hooks(settings))
+    except Exception as e:
+        return Decision(False, f"{shown} asked for it, but its hooks failed to build ({type(e).__name__}: {e})")
+    for hook in hooks:
+        ok, why = compat.check_target(hook.target)
+        if not ok:
+            return Decision(False, f"{shown} asked for it, but {why}: upstream behaviour kept")
+    return Decision(True, f"on ({shown}; {len(hooks)} hook(s))", hooks)

@@ -1,0 +1,1 @@
+"""Nightly regression runner: a benchmark matrix, repeated, compared with a stored baseline."""

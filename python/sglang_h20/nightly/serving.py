@@ -1,0 +1,183 @@
+"""Drive a real `python -m sglang.launch_server` and `sglang.bench_serving` from Python.
+
+Shared by the GPU check (scripts/gpu_check.sh), the end-to-end benchmarks and the nightly runner,
+so that every serving number in this project comes from one launcher and one parser.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+DECODE_LINE = re.compile(
+    r"Decode batch.*?#running-req:\s*(?P<running>\d+).*?gen throughput \(token/s\):\s*(?P<tput>[0-9.]+)"
+)
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Server:
+    """A launched SGLang server: start, wait for /health, stop with its whole process tree.
+
+    Use as a context manager. `log_path` receives stdout+stderr; `env` adds to os.environ.
+    """
+
+    def __init__(self, model: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 port: int = 30000, ready_timeout_s: float = 600):
+        self.model, self.args, self.log_path, self.port = model, list(args), Path(log_path), port
+        self.env = {**os.environ, **(env or {})}
+        self.ready_timeout_s = ready_timeout_s
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.start_s: float | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+
+    def __enter__(self) -> "Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        _say(f"launch: {' '.join(self.command)}")
+        t0 = time.time()
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        while time.time() - t0 < self.ready_timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before ready; "
+                                   f"last log lines:\n{tail(self.log_path, 30)}")
+            if _http_status(self.url + "/health") == 200:
+                self.start_s = time.time() - t0
+                _say(f"server ready after {self.start_s:.0f}s")
+                return self
+            time.sleep(2)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"server not ready after {self.ready_timeout_s:.0f}s; log tail:\n{tail(self.log_path, 30)}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def generate(self, text: str | None = None, input_ids: list[int] | None = None,
+                 max_new_tokens: int = 32) -> dict:
+        """One greedy /generate call; returns SGLang's JSON (output_ids under meta/top level)."""
+        body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+        body.update({"input_ids": input_ids} if input_ids is not None else {"text": text})
+        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+
+    def bench(self, out_jsonl: Path, *, num_prompts: int, input_len: int, output_len: int,
+              concurrency: int | None = None, dataset_path: str | None = None, seed: int = 1,
+              extra: list[str] | None = None, timeout_s: float = 600) -> dict:
+        """Run `python -m sglang.bench_serving` against this server; returns its result record."""
+        return run_bench_serving(self.url, self.model, out_jsonl, num_prompts=num_prompts, input_len=input_len,
+                                 output_len=output_len, concurrency=concurrency, dataset_path=dataset_path,
+                                 seed=seed, extra=extra, timeout_s=timeout_s, env=self.env)
+
+
+def _http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except Exception:
+        return 0
+
+
+def tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def output_ids(response: dict) -> list[int]:
+    """The generated token ids of a /generate response (SGLang puts them at the top level)."""
+    ids = response.get("output_ids")
+    if ids is None:
+        ids = response.get("meta_info", {}).get("output_ids")
+    if ids is None:
+        raise KeyError(f"no output_ids in /generate response keys {sorted(response)}")
+    return list(ids)
+
+
+def write_sharegpt(path: Path, n: int = 400, seed: int = 0) -> Path:
+    """bench_serving's random dataset samples from a ShareGPT file; the host has none, so write one.
+
+    Words are 'w<id>' tokens of the generated tokenizer (scripts/make_model.py), one token each.
+    """
+    import random
+
+    rng = random.Random(seed)
+    words = lambda k: " ".join(f"w{rng.randint(4, 129279)}" for _ in range(k))  # noqa: E731
+    convs = [{"conversations": [{"from": "human", "value": words(rng.randint(300, 600))},
+                                {"from": "gpt", "value": words(rng.randint(50, 200))}]} for _ in range(n)]
+    Path(path).write_text(json.dumps(convs))
+    return Path(path)
+
+
+def run_bench_serving(url: str, model: str, out_jsonl: Path, *, num_prompts: int, input_len: int,
+                      output_len: int, concurrency: int | None = None, dataset_path: str | None = None,
+                      seed: int = 1, extra: list[str] | None = None, timeout_s: float = 600,
+                      env: dict | None = None) -> dict:
+    out_jsonl = Path(out_jsonl)
+    if out_jsonl.exists():
+        out_jsonl.unlink()
+    host, port = url.rsplit("//", 1)[1].split(":")
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", host, "--port", port,
+           "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
+           str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(num_prompts),
+           "--tokenizer", model, "--model", model, "--seed", str(seed), "--output-file", str(out_jsonl)]
+    if dataset_path:
+        cmd += ["--dataset-path", dataset_path]
+    if concurrency:
+        cmd += ["--max-concurrency", str(concurrency)]
+    cmd += extra or []
+    _say(f"bench: {' '.join(cmd)}")
+    log = out_jsonl.with_suffix(".log")
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, env=env).returncode
+    if rc != 0 or not out_jsonl.exists():
+        raise RuntimeError(f"bench_serving failed (rc={rc}); log tail:\n{tail(log, 25)}")
+    record = json.loads(out_jsonl.read_text().strip().splitlines()[-1])
+    record["command"] = " ".join(cmd)
+    return record
+
+
+def decode_throughput(log_text: str, min_running: int = 1) -> dict:
+    """Decode-only throughput from the server's 'Decode batch' log lines (prefill excluded).
+
+    Takes the lines whose running-request count is at least `min_running` (the steady state of a
+    run at that concurrency) and reports the median and spread of their gen throughput.
+    """
+    samples = [(int(m["running"]), float(m["tput"])) for m in DECODE_LINE.finditer(log_text)]
+    steady = [t for r, t in samples if r >= min_running and t > 0]
+    if not steady:
+        return {"lines": len(samples), "steady_lines": 0, "median_tok_s": None}
+    return {"lines": len(samples), "steady_lines": len(steady), "median_tok_s": statistics.median(steady),
+            "min_tok_s": min(steady), "max_tok_s": max(steady)}

@@ -1,0 +1,162 @@
+"""Every SGLANG_H20_* switch in one typed place.
+
+The environment is the source of truth because SGLang spawns its scheduler processes and
+each of them loads plugins on its own; `--h20-*` flags on `python -m sglang.launch_server`
+are parsed in the launching process and exported to the environment before anything is
+spawned (see `plugin.export_cli_flags`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Callable, Mapping
+
+ENV_PREFIX = "SGLANG_H20_"
+_TRUE = ("1", "on", "true", "yes")
+_FALSE = ("0", "off", "false", "no", "")
+
+
+class SettingError(ValueError):
+    """A switch holds a value it does not accept; the message names the switch and the choices."""
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise SettingError(f"expected one of on/off/1/0/true/false, got {text!r}")
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        t = text.strip().lower()
+        if t not in choices:
+            raise SettingError(f"expected one of {'/'.join(choices)}, got {text!r}")
+        return t
+
+    parse.choices = choices
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise SettingError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise SettingError(f"expected a number in [0, 1], got {text!r}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """One feature switch: its environment variable, its CLI flag, its parser and default."""
+
+    name: str  # e.g. "fp8_mla" -> SGLANG_H20_FP8_MLA, --h20-fp8-mla
+    parse: Callable[[str], object]
+    default: str
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--h20-" + self.name.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return "h20_" + self.name
+
+    def read(self, environ: Mapping[str, str]) -> object:
+        raw = environ.get(self.env, self.default)
+        try:
+            return self.parse(raw)
+        except SettingError as e:
+            raise SettingError(f"{self.env}={raw!r}: {e}") from None
+
+
+SWITCHES: tuple[Switch, ...] = (
+    Switch("mha_mla_policy", _choice("upstream", "se"), "upstream",
+           "prefill MHA/MLA choice: 'upstream' keeps SGLang's prefix-length rule, "
+           "'se' uses se=sum(extend*(extend+prefix)) against the per-GPU cost table"),
+    Switch("fp8_mla", _parse_bool, "off",
+           "FP8 MLA decode: FP8 KV cache with FP8 QK^T and PV on Hopper tensor cores"),
+    Switch("swapab", _parse_bool, "off",
+           "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert"),
+    Switch("sbo", _parse_bool, "off",
+           "single-batch overlap on SM90: MoE combine with the down GEMM, shared experts with dispatch"),
+    Switch("eplb", _choice("off", "affinity"), "off",
+           "expert placement: 'affinity' = co-activation-aware EPLB with asynchronous migration"),
+    Switch("observe", _fraction, "0",
+           "fraction of decode steps timed per stage with CUDA events (0 = off, e.g. 0.01)"),
+    Switch("allow_untested", _parse_bool, "off",
+           "let features turn on with an sglang version other than the tested one (at your own risk)"),
+)
+BY_NAME = {s.name: s for s in SWITCHES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Parsed values of every switch, plus the errors of those that failed to parse."""
+
+    values: Mapping[str, object]
+    errors: Mapping[str, str]
+
+    def __getitem__(self, name: str) -> object:
+        return self.values[name]
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        values, errors = {}, {}
+        for s in SWITCHES:
+            try:
+                values[s.name] = s.read(environ)
+            except SettingError as e:
+                values[s.name] = s.parse(s.default)  # the feature stays at upstream behaviour
+                errors[s.name] = str(e)
+        return cls(values, errors)
+
+
+def _argparse_type(switch: Switch) -> Callable[[str], str]:
+    """argparse type: validate with the switch's parser, keep the text (it is exported as-is)."""
+
+    def check(text: str) -> str:
+        try:
+            switch.parse(text)
+        except SettingError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    check.__name__ = switch.flag  # argparse names the type in its error message
+    return check
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the --h20-* flags; default None so an unset flag leaves the environment in charge."""
+    group = parser.add_argument_group("sglang-h20 (plugin)", "Each flag overrides its SGLANG_H20_* variable.")
+    for s in SWITCHES:
+        choices = getattr(s.parse, "choices", None)
+        group.add_argument(
+            s.flag, dest=s.dest, default=None, type=_argparse_type(s),
+            nargs="?" if s.parse is _parse_bool else None,
+            const="on" if s.parse is _parse_bool else None,
+            metavar="{" + ",".join(choices) + "}" if choices else None,
+            help=f"{s.help} [env {s.env}, default {s.default}]",
+        )
+
+
+def export_cli_args(namespace: argparse.Namespace, environ: dict | None = None) -> dict[str, str]:
+    """Copy the flags that were given into the environment, so spawned processes see them."""
+    environ = os.environ if environ is None else environ
+    exported = {}
+    for s in SWITCHES:
+        value = getattr(namespace, s.dest, None)
+        if value is not None:
+            environ[s.env] = exported[s.env] = str(value)
+    return exported
