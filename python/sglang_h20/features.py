@@ -56,7 +56,7 @@ def decide(feature: Feature, settings: Settings) -> Decision:
     switch = BY_NAME[feature.switch]
     if feature.switch in settings.errors:
         return Decision(False, f"bad value, upstream behaviour kept: {settings.errors[feature.switch]}")
-    shown = f"{switch.env}={settings[feature.switch]}"
+    shown = f"{switch.env}={switch.show(settings[feature.switch])}"
     if not feature.wanted(settings):
         return Decision(False, f"switched off ({shown})")
     if feature.module is None:

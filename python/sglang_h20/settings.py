@@ -72,6 +72,12 @@ class Switch:
     def dest(self) -> str:
         return "h20_" + self.name
 
+    def show(self, value: object) -> str:
+        """The value as a person would type it (on/off for booleans)."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return str(value)
+
     def read(self, environ: Mapping[str, str]) -> object:
         raw = environ.get(self.env, self.default)
         try:
@@ -146,7 +152,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             s.flag, dest=s.dest, default=None, type=_argparse_type(s),
             nargs="?" if s.parse is _parse_bool else None,
             const="on" if s.parse is _parse_bool else None,
-            metavar="{" + ",".join(choices) + "}" if choices else None,
+            metavar="{" + ",".join(choices) + "}" if choices else ("{on,off}" if s.parse is _parse_bool else "FRACTION"),
             help=f"{s.help} [env {s.env}, default {s.default}]",
         )
 

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Does installing sglang-h20 with every feature off change anything? Same server, with and without it.
+
+Phases alternate between `upstream` (SGLANG_PLUGINS names no plugin, so ours is never loaded) and
+`plugin-off` (ours loaded, all features off). Each phase launches the real server, sends fixed
+greedy prompts one at a time (batch composition identical), then runs bench_serving `--repeats`
+times. The record holds the output ids, their agreement, every throughput and the spread.
+
+usage: plugin_parity.py --model DIR --out DIR [--phases upstream plugin-off upstream] [--server-args "..."]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import time
+from pathlib import Path
+
+from sglang_h20 import provenance
+from sglang_h20.nightly.serving import Server, output_ids, write_sharegpt
+
+PHASE_ENV = {"upstream": {"SGLANG_PLUGINS": "__none__"}, "plugin-off": {}}
+PLUGIN_MARK = "[sglang-h20 pid"
+
+
+def prompts(n: int = 6) -> list[str]:
+    return [" ".join(f"w{(977 * i + 131 * j) % 129000 + 100}" for j in range(40 + 23 * i)) for i in range(n)]
+
+
+def run_phase(phase: str, args, port: int, sharegpt: Path) -> dict:
+    out = args.out / phase
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"server-{port}.log"
+    t0 = time.time()
+    with Server(args.model, shlex.split(args.server_args), log, env=PHASE_ENV[phase], port=port) as srv:
+        ids = [output_ids(srv.generate(text=p, max_new_tokens=args.gen_tokens)) for p in prompts()]
+        benches = []
+        for r in range(args.repeats):
+            rec = srv.bench(out / f"bench{r}.jsonl", num_prompts=args.num_prompts, input_len=args.input_len,
+                            output_len=args.output_len, concurrency=args.concurrency, dataset_path=str(sharegpt))
+            benches.append({k: rec[k] for k in ("output_throughput", "median_itl_ms", "p99_itl_ms",
+                                                "median_ttft_ms", "duration", "completed")})
+            print(f"  {phase} bench {r}: {rec['output_throughput']:.1f} tok/s, median ITL {rec['median_itl_ms']:.2f} ms",
+                  flush=True)
+        start_s = srv.start_s
+    text = log.read_text(errors="replace")
+    return {"phase": phase, "server_start_s": start_s, "wall_s": time.time() - t0, "output_ids": ids,
+            "bench": benches, "plugin_log_lines": [ln for ln in text.splitlines() if PLUGIN_MARK in ln],
+            "hooks_applied": [ln.split("] ", 1)[-1] for ln in text.splitlines()
+                              if "Applied" in ln and "hook(s)" in ln and "sglang_h20" in ln]}
+
+
+def summarize(phases: list[dict]) -> dict:
+    by = {}
+    for p in phases:
+        by.setdefault(p["phase"], []).append(p)
+    tput = {k: [b["output_throughput"] for p in v for b in p["bench"]] for k, v in by.items()}
+    ref_ids = phases[0]["output_ids"]
+    summary = {
+        "greedy_ids_identical": all(p["output_ids"] == ref_ids for p in phases),
+        "per_phase_ids_identical": {p["phase"] + f"#{i}": p["output_ids"] == ref_ids for i, p in enumerate(phases)},
+        "plugin_loaded_only_when_expected": all(bool(p["plugin_log_lines"]) == (p["phase"] == "plugin-off")
+                                                for p in phases),
+        "output_throughput": {k: {"runs": v, "median": statistics.median(v),
+                                  "spread_pct": 100 * (max(v) - min(v)) / statistics.median(v)}
+                              for k, v in tput.items()},
+    }
+    if {"upstream", "plugin-off"} <= tput.keys():
+        up, pl = tput["upstream"], tput["plugin-off"]
+        summary["plugin_vs_upstream_median_ratio"] = statistics.median(pl) / statistics.median(up)
+        summary["run_to_run_spread_pct"] = max(s["spread_pct"] for s in summary["output_throughput"].values())
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--phases", nargs="+", default=["upstream", "plugin-off"], choices=sorted(PHASE_ENV))
+    ap.add_argument("--server-args", default="--load-format dummy")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="skip phases that would start after this")
+    ap.add_argument("--result", type=Path, help="results JSON (default OUT/plugin_parity.json)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    sharegpt = write_sharegpt(args.out / "sharegpt.json")
+    t0, phases = time.time(), []
+    for i, phase in enumerate(args.phases):
+        if phases and time.time() - t0 > args.deadline_s:
+            print(f"deadline: skipping phase {phase} and later", flush=True)
+            break
+        phases.append(run_phase(phase, args, 30000 + i, sharegpt))
+    record = {**provenance.record(), "benchmark": "plugin_parity", "model": args.model,
+              "server_args": args.server_args,
+              "workload": {k: getattr(args, k) for k in ("num_prompts", "concurrency", "input_len", "output_len",
+                                                          "repeats", "gen_tokens")},
+              "summary": summarize(phases), "phases": phases}
+    result = args.result or args.out / "plugin_parity.json"
+    result.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["summary"], indent=1))
+    return 0 if record["summary"]["greedy_ids_identical"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The one-command GPU check, run ON the offline GPU host from the checkout root (device tool):
+#   1. unpack ../shared/devkit's bundle (.devkit/: sglang 0.5.17, sgl-kernel, flashinfer, deps) to /tmp/site
+#   2. install this package there (entry point visible to SGLang), generate the two standard models
+#   3. pytest -m gpu
+#   4. launch the real server with and without the plugin on dsv3-4l (plugin_parity.py): greedy ids,
+#      plugin log lines, applied hooks, bench_serving throughput; JSON to $OUT
+#   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
+# Knobs (env): STEPS="tests parity" PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
+set -u
+T0=$(date +%s)
+OUT=${OUT:-/tmp/gpu_check_out}; mkdir -p "$OUT"
+DK=${DK:-.devkit}
+STEPS=${STEPS:-"tests parity"}
+DEADLINE_S=${DEADLINE_S:-540}
+say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
+
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export SGLANG_ENABLE_JIT_DEEPGEMM=${SGLANG_ENABLE_JIT_DEEPGEMM:-0} SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
+export SGL_KERNEL_FLASHINFER=${SGL_KERNEL_FLASHINFER:-0} SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK=1
+export TRITON_CACHE_DIR=/tmp/jit/triton TVM_FFI_CACHE_DIR=/tmp/jit/tvm-ffi DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm
+export FLASHINFER_WORKSPACE_BASE=/tmp/jit/flashinfer
+mkdir -p /tmp/jit /tmp/site /tmp/dg
+
+say "host: $(nproc) cores, $(python3 -V 2>&1), $(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader 2>&1)"
+tar -xJf "$DK/site.tar.xz" -C /tmp/site || { say "FAIL: unpack $DK/site.tar.xz (build it with ../shared/devkit/build_devkit.sh)"; exit 2; }
+[ -f "$DK/deepgemm.tar.xz" ] && tar -xJf "$DK/deepgemm.tar.xz" -C /tmp/dg
+[ -f "$DK/jitcache.tar.xz" ] && tar -xJf "$DK/jitcache.tar.xz" -C /tmp/jit && say "restored JIT cache"
+export PYTHONPATH=/tmp/site:/tmp/dg
+python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \
+  || { say "FAIL: install sglang-h20"; cat "$OUT/install.log"; exit 2; }
+python3 scripts/make_model.py /tmp/models > /dev/null || { say "FAIL: make_model"; exit 2; }
+say "unpacked + installed; doctor:"
+(cd /tmp && python3 -m sglang_h20 doctor 2>&1 | grep -v Warning | tee "$OUT/doctor.txt")
+
+rc=0
+if [[ " $STEPS " == *" tests "* ]]; then
+  say "pytest -m gpu"
+  python3 -m pytest -m gpu test -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" parity "* ]]; then
+  say "plugin parity (deadline for new phases: $(( $(left) - 150 ))s from now)"
+  python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l --out "$OUT/parity" \
+    --phases ${PHASES:-upstream plugin-off} --deadline-s $(( $(left) - 150 )) \
+    --server-args "--load-format dummy --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
+--fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64 --log-level info" \
+    2>&1 | tee "$OUT/parity.log" | grep -v "^\[.*bench:" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  cp "$OUT/parity/plugin_parity.json" "$OUT/" 2>/dev/null
+  (cd "$OUT/parity" && tar -cJf "$OUT/parity_logs.tar.xz" --exclude sharegpt.json . 2>/dev/null)
+  rm -rf "$OUT/parity"
+fi
+python3 - "$OUT/jitcache.tar.xz" <<'PY'
+import os, sys, tarfile
+with tarfile.open(sys.argv[1], "w:xz", preset=3) as t:
+    for d in sorted(os.listdir("/tmp/jit")):
+        t.add(os.path.join("/tmp/jit", d), arcname=d)
+if os.path.getsize(sys.argv[1]) > 15_500_000:
+    os.remove(sys.argv[1]); print("jit cache too large to bring back")
+PY
+say "done rc=$rc; OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit $rc
