@@ -24,6 +24,7 @@ POST_INIT = "sglang.srt.server_args.ServerArgs.__post_init__"
 
 log = logging.getLogger("sglang_h20")
 _decisions: dict[str, Decision] | None = None  # set once per process by activate()
+_registered: list[str] = []  # every target this process registered, for the "hooks applied" line
 
 
 def _setup_logging() -> None:
@@ -61,6 +62,7 @@ def _register(hooks) -> None:
 
     for h in hooks:
         HookRegistry.register(h.target, h.fn, HookType(h.kind))
+        _registered.append(h.target)
 
 
 def load() -> None:
@@ -88,6 +90,8 @@ def activate(settings: Settings | None = None) -> dict[str, Decision]:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     HookRegistry.apply_hooks()  # idempotent; needed when we activate after load_plugins() applied
+    applied = [t for t in _registered if t in HookRegistry._patched]
+    log.info("hooks applied: %d/%d (%s)", len(applied), len(_registered), ", ".join(_registered))
     log.info("sglang-h20 %s active: %s", __version__,
              ", ".join(n for n, d in _decisions.items() if d.on) or "no features (upstream behaviour)")
     return _decisions

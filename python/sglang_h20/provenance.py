@@ -18,12 +18,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:
-    """HEAD of this checkout; GIT_COMMIT wins (the GPU host receives a tree without .git)."""
+    """HEAD of this checkout, '+dirty' when tracked files differ from it.
+
+    GIT_COMMIT wins: the GPU host receives the working tree without .git.
+    """
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
+    git = ["git", "-C", str(REPO)]
     try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

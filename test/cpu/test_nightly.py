@@ -1,0 +1,454 @@
+"""Nightly regression runner: verdicts, config checks, log parsing, the runner loop and the CLI, all without a GPU."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_h20.nightly import compare as cmp
+from sglang_h20.nightly import config as cfg
+from sglang_h20.nightly import runner, serving
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "nightly"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load(name: str) -> dict:
+    return json.loads((DATA / f"{name}.json").read_text())
+
+
+def record(points: dict) -> dict:
+    """A minimal record: {point_id: {metric: (values, better)}}."""
+    return {"schema": 1, "threshold": {"rel": 0.03, "noise_k": 3.0},
+            "points": {pid: {"kind": "serving", "error": None,
+                             "metrics": {m: {"values": v, "better": b} for m, (v, b) in ms.items()}}
+                       for pid, ms in points.items()}}
+
+
+def verdicts(rows) -> dict:
+    return {(r.point, r.metric): r.verdict for r in rows}
+
+
+# --- verdicts ---------------------------------------------------------------------------------------------------
+
+def test_real_regression_detected():
+    row = cmp.compare_metric("p", "output_throughput", [89.0, 90.0, 91.0], [99.0, 100.0, 101.0], "higher")
+    assert row.verdict == "regression"
+    assert row.change == pytest.approx(-0.10)
+    assert row.noise == pytest.approx(1.4826 * 1 / 90)  # the larger of the two spreads: 1/90 > 1/100
+    assert row.tolerance == pytest.approx(3 * 1.4826 / 90)
+
+
+def test_noise_is_tolerated():
+    base, cur = [95.0, 100.0, 105.0], [91.0, 96.0, 101.0]  # -4% while repeats spread +-5%
+    row = cmp.compare_metric("p", "output_throughput", cur, base, "higher")
+    assert row.change == pytest.approx(-0.04)
+    assert row.noise == pytest.approx(1.4826 * 5 / 96)
+    assert row.verdict == "same"
+    # the same -4% with quiet repeats is past the 3% floor: it was the noise that excused it
+    assert cmp.compare_metric("p", "m", [95.9, 96.0, 96.1], [99.9, 100.0, 100.1], "higher").verdict == "regression"
+
+
+def test_noise_of_either_side_counts():
+    quiet, noisy = [99.9, 100.0, 100.1], [90.0, 100.0, 110.0]
+    assert cmp.compare_metric("p", "m", [92.0, 93.0, 94.0], noisy, "higher").verdict == "same"
+    assert cmp.compare_metric("p", "m", [83.0, 93.0, 103.0], quiet, "higher").verdict == "same"
+    assert cmp.compare_metric("p", "m", [92.9, 93.0, 93.1], quiet, "higher").verdict == "regression"
+
+
+def test_improvement_detected():
+    row = cmp.compare_metric("p", "output_throughput", [111.0, 112.0, 113.0], [99.0, 100.0, 101.0], "higher")
+    assert row.verdict == "improvement" and row.change == pytest.approx(0.12)
+
+
+def test_floor_applies_to_quiet_points():
+    # no noise at all: 2% is under the 3% floor, 4% is over it
+    assert cmp.compare_metric("p", "m", [98.0] * 3, [100.0] * 3, "higher").verdict == "same"
+    assert cmp.compare_metric("p", "m", [96.0] * 3, [100.0] * 3, "higher").verdict == "regression"
+    assert cmp.compare_metric("p", "m", [96.0] * 3, [100.0] * 3, "higher", rel=0.05).verdict == "same"
+
+
+def test_lower_is_better_direction():
+    slower = cmp.compare_metric("p", "median_itl_ms", [5.49, 5.5, 5.51], [4.99, 5.0, 5.01], "lower")
+    assert slower.verdict == "regression" and slower.change == pytest.approx(-0.10)
+    faster = cmp.compare_metric("p", "median_itl_ms", [4.49, 4.5, 4.51], [4.99, 5.0, 5.01], "lower")
+    assert faster.verdict == "improvement" and faster.change == pytest.approx(0.10)
+    # the same numbers read as higher-is-better flip the verdicts
+    assert cmp.compare_metric("p", "m", [5.49, 5.5, 5.51], [4.99, 5.0, 5.01], "higher").verdict == "improvement"
+
+
+def test_new_and_missing_points_and_metrics():
+    base = record({"a": {"tput": ([100.0] * 3, "higher"), "gone": ([1.0] * 3, "lower")},
+                   "old": {"tput": ([50.0] * 3, "higher")}})
+    run = record({"a": {"tput": ([100.0] * 3, "higher"), "added": ([7.0] * 3, "higher")},
+                  "fresh": {"tput": ([10.0] * 3, "higher")}})
+    rows = cmp.compare(run, base)
+    assert verdicts(rows) == {("a", "tput"): "same", ("a", "added"): "new", ("a", "gone"): "missing",
+                              ("fresh", "tput"): "new", ("old", "tput"): "missing"}
+    assert cmp.regressions(rows) == []
+    missing = next(r for r in rows if r.point == "old")
+    assert missing.baseline == 50.0 and missing.current is None
+
+
+def test_regressions_lists_only_regressions():
+    base = record({"a": {"x": ([100.0] * 3, "higher")}, "b": {"x": ([100.0] * 3, "higher")},
+                   "c": {"x": ([100.0] * 3, "higher")}})
+    run = record({"a": {"x": ([80.0] * 3, "higher")}, "b": {"x": ([120.0] * 3, "higher")}})
+    assert [(r.point, r.verdict) for r in cmp.regressions(cmp.compare(run, base))] == [("a", "regression")]
+
+
+def test_thresholds_come_from_the_run_record():
+    base = record({"a": {"x": ([100.0] * 3, "higher")}})
+    run = record({"a": {"x": ([95.0] * 3, "higher")}})
+    assert verdicts(cmp.compare(run, base))[("a", "x")] == "regression"
+    run["threshold"]["rel"] = 0.06
+    assert verdicts(cmp.compare(run, base))[("a", "x")] == "same"
+
+
+def test_failures_exclude_skipped_points():
+    run = record({"ok": {"x": ([1.0], "higher")}})
+    run["points"]["broken"] = {"kind": "serving", "metrics": {}, "error": "repeat 1: RuntimeError: boom"}
+    run["points"]["absent"] = {"kind": "kernel", "metrics": {}, "error": "skipped: not found: b.py"}
+    assert cmp.failures(run) == {"broken": "repeat 1: RuntimeError: boom"}
+
+
+def test_fixtures_regression_run():
+    rows = cmp.compare(load("run_regression"), load("baseline"))
+    got = verdicts(rows)
+    c48 = "serving/dsv3-4l/features-on/c48"
+    assert {(r.point, r.metric) for r in cmp.regressions(rows)} == {
+        (c48, "output_throughput"), (c48, "decode_tok_s"), (c48, "median_itl_ms"), (c48, "p99_itl_ms"),
+        ("kernel/mla_decode", "latency_us"), ("kernel/mla_decode", "tflops")}
+    assert got[("serving/dsv3-ep16-slice/features-off/c16", "output_throughput")] == "same"  # -4% in +-5% noise
+    assert got[("serving/dsv3-ep16-slice/features-on/c128", "output_throughput")] == "improvement"
+    assert got[("serving/dsv3-ep16-slice/features-on/c128", "p99_itl_ms")] == "improvement"
+    assert got[("kernel/grouped_gemm", "tflops")] == "missing"  # skipped in the run, measured in the baseline
+    assert cmp.failures(load("run_regression")) == {}
+
+
+def test_fixtures_clean_run():
+    rows = cmp.compare(load("run_clean"), load("baseline"))
+    assert cmp.regressions(rows) == []
+    assert {r.verdict for r in rows} == {"same"}
+    assert len(rows) == 12 * 5 + 2 * 2  # every serving and kernel metric compared
+
+
+def test_check_record_rejects_other_schemas():
+    with pytest.raises(ValueError, match="schema"):
+        cmp.check_record({"schema": 2, "points": {}}, "x.json")
+    with pytest.raises(ValueError, match="not a nightly run record"):
+        cmp.check_record([1, 2], "x.json")
+
+
+# --- config -----------------------------------------------------------------------------------------------------
+
+def minimal(**overrides) -> dict:
+    doc = {"name": "t", "gpu": "H200",
+           "kernel": [{"name": "k", "command": "python k.py --json {out}", "metrics": {"tflops": "higher"}}],
+           "serving": [{"name": "m/off", "model": "{models}/m", "server_args": ["--x"], "env": {},
+                        "points": [{"concurrency": 16, "input_len": 8, "output_len": 4, "num_prompts": 32}]}]}
+    doc.update(overrides)
+    return doc
+
+
+def test_config_defaults():
+    c = cfg.parse(minimal())
+    assert (c.repeats, c.threshold.rel, c.threshold.noise_k) == (3, 0.03, 3.0)
+    assert c.kernels[0].point_id == "kernel/k"
+    assert c.serving[0].point_id(c.serving[0].points[0]) == "serving/m/off/c16"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(repeat=3), "top level: unknown key(s) 'repeat'"),
+    (lambda d: d.pop("gpu"), "top level: missing required key(s) 'gpu'"),
+    (lambda d: d["kernel"][0]["metrics"].update(tflops="up"),
+     "kernel[0] 'k': metric 'tflops': direction must be \"higher\" or \"lower\""),
+    (lambda d: d["kernel"][0].pop("command"), "kernel[0] 'k': missing required key(s) 'command'"),
+    (lambda d: d["kernel"][0].update(command="python k.py"), "command must contain {out}"),
+    (lambda d: d["serving"][0]["points"][0].pop("num_prompts"),
+     "serving[0] 'm/off': points[0]: missing required key(s) 'num_prompts'"),
+    (lambda d: d["serving"][0]["points"][0].update(concurrency=0), "points[0]: concurrency: expected a positive"),
+    (lambda d: d["serving"][0].update(serverargs=[]), "serving[0] 'm/off': unknown key(s) 'serverargs'"),
+    (lambda d: d["serving"][0]["env"].update(SGLANG_H20_FP8MLA="1"), "SGLANG_H20_FP8MLA is not a plugin switch"),
+    (lambda d: d["serving"][0]["env"].update(SGLANG_H20_MHA_MLA_POLICY="fast"), "expected one of upstream/se"),
+    (lambda d: d["serving"][0]["env"].update(SGLANG_H20_FP8_MLA=1), "env: SGLANG_H20_FP8_MLA: expected a non-empty string"),
+    (lambda d: d["serving"][0]["points"].append(dict(d["serving"][0]["points"][0])), "duplicate point ids"),
+    (lambda d: d.update(threshold={"rel": -1}), "threshold.rel: expected a number >= 0"),
+    (lambda d: d.update(kernel=[], serving=[]), "nothing to run"),
+])
+def test_config_errors_are_clear(mutate, message):
+    doc = minimal()
+    mutate(doc)
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.parse(doc, source="my.toml")
+    assert str(e.value).startswith("my.toml: ")
+    assert message in str(e.value)
+
+
+def test_config_load_reports_toml_errors_and_missing_files(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(cfg.ConfigError, match="invalid TOML"):
+        cfg.load(bad)
+    with pytest.raises(cfg.ConfigError, match="no such config file.*shipped configs: h20, h200"):
+        cfg.load(tmp_path / "nope.toml")
+
+
+def test_models_placeholder():
+    s = cfg.parse(minimal()).serving[0]
+    assert s.model_path("/data/models/") == "/data/models/m"
+    with pytest.raises(cfg.ConfigError, match="needs --models"):
+        s.model_path(None)
+
+
+@pytest.mark.parametrize("name, gpu", [("h200", "H200"), ("h20", "H20")])
+def test_shipped_configs(name, gpu):
+    c = cfg.load(name)
+    assert c.gpu == gpu and c.repeats == 3
+    assert [k.name for k in c.kernels] == ["mla_decode", "grouped_gemm"]
+    assert all("benchmark/kernels/bench_" in k.command and "--quick --json {out}" in k.command for k in c.kernels)
+    assert [s.name for s in c.serving] == ["dsv3-4l/features-off", "dsv3-4l/features-on",
+                                           "dsv3-ep16-slice/features-off", "dsv3-ep16-slice/features-on"]
+    on = {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_FP8_MLA": "1", "SGLANG_H20_SWAPAB": "1"}
+    for s in c.serving:
+        assert s.model == "{models}/" + s.name.split("/")[0]
+        assert s.env == (on if s.name.endswith("features-on") else {})
+        assert " ".join(s.server_args) == ("--load-format dummy --attention-backend flashmla --mem-fraction-static "
+                                           "0.8 --cuda-graph-max-bs 128 --grammar-backend none --trust-remote-code")
+        assert [(p.concurrency, p.input_len, p.output_len, p.num_prompts) for p in s.points] == [
+            (cc, 1024, 256, 2 * cc) for cc in (16, 48, 128)]
+
+
+def test_h20_config_says_it_is_untried():
+    text = (cfg.SHIPPED_DIR / "h20.toml").read_text()
+    assert "H20 host" in text and "not yet run" in text
+
+
+# --- server log parsing -----------------------------------------------------------------------------------------
+
+LOG = """\
+[2026-11-29 10:00:00] Prefill batch, #new-seq: 48, #new-token: 49152, #cached-token: 0, token usage: 0.02, #running-req: 0, #queue-req: 0
+[2026-11-29 10:00:01] Decode batch, #running-req: 12, #token: 15360, token usage: 0.01, cuda graph: True, gen throughput (token/s): 900.12, #queue-req: 0
+[2026-11-29 10:00:01] Decode batch, #running-req: 48, #token: 61440, token usage: 0.02, cuda graph: True, gen throughput (token/s): 2345.67, #queue-req: 0
+[2026-11-29 10:00:02] Decode batch, #running-req: 48, #token: 63360, token usage: 0.02, cuda graph: True, gen throughput (token/s): 2401.50, #queue-req: 0
+[2026-11-29 10:00:03] Decode batch, #running-req: 48, #token: 65280, token usage: 0.02, cuda graph: True, gen throughput (token/s): 2380.00, #queue-req: 0
+[2026-11-29 10:00:04] INFO:     127.0.0.1:51234 - "POST /generate HTTP/1.1" 200 OK
+"""
+
+
+def test_decode_throughput_parses_real_log_lines():
+    d = serving.decode_throughput(LOG, min_running=48)
+    assert d == {"lines": 4, "steady_lines": 3, "median_tok_s": 2380.0, "min_tok_s": 2345.67, "max_tok_s": 2401.5}
+    assert serving.decode_throughput(LOG, min_running=1)["steady_lines"] == 4
+    assert serving.decode_throughput(LOG, min_running=64)["median_tok_s"] is None
+    assert serving.decode_throughput("no decode here")["lines"] == 0
+
+
+# --- runner -----------------------------------------------------------------------------------------------------
+
+def test_gpu_label_matching():
+    assert runner.gpu_matches("H20", "NVIDIA H20")
+    assert not runner.gpu_matches("H20", "NVIDIA H200")
+    assert runner.gpu_matches("H200", "NVIDIA H200 NVL")
+    assert not runner.gpu_matches("H200", None)
+
+
+def test_runner_kernels_record_values_skips_and_failures(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench_ok.py").write_text(
+        "import json, sys\njson.dump({'tflops': 500.0, 'latency_us': 41.5, 'extra': 'ignored'}, open(sys.argv[1], 'w'))\n")
+    (tmp_path / "bench_bad.py").write_text("import sys\nprint('CUDA error: out of memory')\nsys.exit(3)\n")
+    py = sys.executable
+    conf = cfg.parse({"name": "t", "gpu": "H200", "repeats": 2, "kernel": [
+        {"name": "ok", "command": f"{py} bench_ok.py {{out}}", "metrics": {"tflops": "higher", "latency_us": "lower"}},
+        {"name": "absent", "command": "python benchmark/kernels/bench_nope.py --json {out}", "metrics": {"t": "higher"}},
+        {"name": "bad", "command": f"{py} bench_bad.py {{out}}", "metrics": {"t": "higher"}},
+        {"name": "after", "command": f"{py} bench_ok.py {{out}}", "metrics": {"tflops": "higher"}},
+    ]})
+    rec = runner.run(conf, tmp_path / "out", command="python -m sglang_h20.nightly run ...")
+    assert json.loads((tmp_path / "out" / "run.json").read_text()) == rec
+    assert rec["schema"] == 1 and rec["config"] == "t" and rec["command"].startswith("python -m")
+    assert {"python", "torch", "sglang", "sglang_h20", "triton"} <= set(rec["versions"])
+    assert rec["date"].endswith("+00:00")
+    pts = rec["points"]
+    assert pts["kernel/ok"]["metrics"] == {"tflops": {"values": [500.0, 500.0], "better": "higher"},
+                                           "latency_us": {"values": [41.5, 41.5], "better": "lower"}}
+    assert pts["kernel/ok"]["error"] is None
+    assert pts["kernel/absent"]["error"] == "skipped: not found: benchmark/kernels/bench_nope.py"
+    assert "exit status 3" in pts["kernel/bad"]["error"] and "out of memory" in pts["kernel/bad"]["error"]
+    assert pts["kernel/after"]["metrics"]["tflops"]["values"] == [500.0, 500.0]  # the run went on
+    assert cmp.failures(rec) == {"kernel/bad": pts["kernel/bad"]["error"]}
+
+
+def test_runner_only_filter_and_missing_metric(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "b.py").write_text("import json, sys\njson.dump({'tflops': 1.0}, open(sys.argv[1], 'w'))\n")
+    conf = cfg.parse({"name": "t", "gpu": "H200", "repeats": 1, "kernel": [
+        {"name": "one", "command": f"{sys.executable} b.py {{out}}", "metrics": {"gbps": "higher"}},
+        {"name": "two", "command": f"{sys.executable} b.py {{out}}", "metrics": {"tflops": "higher"}}]})
+    rec = runner.run(conf, tmp_path / "out", only="kernel/one")
+    assert list(rec["points"]) == ["kernel/one"]
+    assert "lacks metric(s) ['gbps']" in rec["points"]["kernel/one"]["error"]
+    with pytest.raises(ValueError, match="selects no point"):
+        runner.run(conf, tmp_path / "out", only="serving/")
+
+
+class FakeServer:
+    """Stands in for serving.Server: appends 'Decode batch' lines to its log during each bench."""
+
+    instances: list["FakeServer"] = []
+
+    def __init__(self, model, args, log_path, env=None, port=30000, ready_timeout_s=600):
+        self.model, self.args, self.log_path, self.env, self.port = model, args, Path(log_path), env, port
+        self.proc, self.calls = None, []
+        FakeServer.instances.append(self)
+
+    def __enter__(self):
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log("Decode batch, #running-req: 64, #token: 1, token usage: 0.01, cuda graph: True, "
+                  "gen throughput (token/s): 99999.00, #queue-req: 0")  # startup noise, before any bench
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def _log(self, line):
+        with open(self.log_path, "a") as f:
+            f.write(f"[2026-11-29 10:00:00] {line}\n")
+
+    def bench(self, out_jsonl, *, num_prompts, input_len, output_len, concurrency=None, dataset_path=None, **kw):
+        self.calls.append((Path(out_jsonl).name, concurrency, num_prompts, dataset_path))
+        n = len(self.calls)
+        if concurrency == 48 and n == 4:  # first repeat at c48 breaks
+            raise RuntimeError("bench_serving failed (rc=1)")
+        for running, tput in ((concurrency // 2, 1.0), (concurrency, 1000.0 * n), (concurrency, 1000.0 * n + 10)):
+            self._log(f"Decode batch, #running-req: {running}, #token: 4096, token usage: 0.02, cuda graph: True, "
+                      f"gen throughput (token/s): {tput:.2f}, #queue-req: 0")
+        return {"output_throughput": 100.0 * n, "median_itl_ms": 5.0, "p99_itl_ms": 30.0, "median_ttft_ms": 80.0,
+                "completed": num_prompts}
+
+
+def test_runner_serving_with_fake_server(tmp_path, monkeypatch):
+    monkeypatch.setattr(serving, "Server", FakeServer)
+    monkeypatch.setenv("SGLANG_H20_FP8_MLA", "1")  # must not leak into a features-off server
+    FakeServer.instances = []
+    conf = cfg.parse({"name": "t", "gpu": "H200", "repeats": 2, "serving": [
+        {"name": "m/off", "model": "{models}/m", "server_args": ["--a"], "points": [
+            {"concurrency": 16, "input_len": 64, "output_len": 16, "num_prompts": 32},
+            {"concurrency": 48, "input_len": 64, "output_len": 16, "num_prompts": 96},
+            {"concurrency": 128, "input_len": 64, "output_len": 16, "num_prompts": 256}]},
+        {"name": "m/on", "model": "{models}/m", "env": {"SGLANG_H20_FP8_MLA": "1"}, "points": [
+            {"concurrency": 16, "input_len": 64, "output_len": 16, "num_prompts": 32}]}]})
+    rec = runner.run(conf, tmp_path, models="/models")
+    off, on = FakeServer.instances
+    assert (off.model, off.port, on.port) == ("/models/m", 30000, 30001)
+    assert off.env["SGLANG_H20_FP8_MLA"] == "off" and on.env["SGLANG_H20_FP8_MLA"] == "1"
+    assert off.calls[0][0] == "m_off.warmup.jsonl"  # one warm-up before the points
+    assert all(c[3] == str(tmp_path / "sharegpt.json") for c in off.calls)
+    assert (tmp_path / "sharegpt.json").is_file()
+    pts = rec["points"]
+    assert list(pts) == ["serving/m/off/c16", "serving/m/off/c48", "serving/m/off/c128", "serving/m/on/c16"]
+    c16 = pts["serving/m/off/c16"]
+    # calls 2 and 3: decode median of each bench's own steady lines, not the startup line or earlier benches
+    assert c16["metrics"]["decode_tok_s"]["values"] == [2005.0, 3005.0]
+    assert c16["metrics"]["output_throughput"] == {"values": [200.0, 300.0], "better": "higher"}
+    assert c16["metrics"]["median_itl_ms"]["better"] == "lower"
+    assert c16["params"]["concurrency"] == 16 and c16["error"] is None
+    assert "bench_serving failed" in pts["serving/m/off/c48"]["error"]
+    assert pts["serving/m/off/c128"]["metrics"]["decode_tok_s"]["values"] == [5005.0, 6005.0]  # run went on
+
+
+def test_runner_records_a_server_that_fails_to_start(tmp_path, monkeypatch):
+    class Broken(FakeServer):
+        def __enter__(self):
+            raise RuntimeError("server exited with 1 before ready")
+
+    monkeypatch.setattr(serving, "Server", Broken)
+    conf = cfg.parse(minimal(kernel=[]))
+    rec = runner.run(conf, tmp_path, models="/m")
+    assert rec["points"]["serving/m/off/c16"]["error"] == "server: RuntimeError: server exited with 1 before ready"
+
+
+# --- CLI --------------------------------------------------------------------------------------------------------
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "sglang_h20.nightly", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, timeout=300)
+
+
+def assert_png(path: Path):
+    data = path.read_bytes()
+    assert len(data) > 1000 and data.startswith(PNG_MAGIC), path
+
+
+def test_cli_compare_regression_fixture(tmp_path):
+    p = cli("compare", DATA / "run_regression.json", DATA / "baseline.json", "--out", tmp_path)
+    assert p.returncode == 1, p.stderr
+    assert "REGRESSION serving/dsv3-4l/features-on/c48 output_throughput" in p.stdout
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# Nightly h200: 6 regressions")
+    assert "9d3f2a1b8c7e46d5a4b3c2d1e0f9a8b7c6d5e4f3" in md and "NVIDIA H200" in md and "0.5.17" in md
+    assert "--config h200" in md and "2026-11-30T02:15:31" in md
+    # the regressed point's table comes before every point that only has 'same' rows
+    assert md.index("### `serving/dsv3-4l/features-on/c48` (regression)") < md.index("(same)")
+    assert "| output_throughput (higher is better) | 8,436 | 7,556 | -10.4% | 3.0% | **regression** |" in md
+    assert "skipped: not found: benchmark/kernels/bench_grouped_gemm.py" in md
+    for png in ("throughput.png", "itl.png"):
+        assert_png(tmp_path / png)
+
+
+def test_cli_compare_clean_fixture(tmp_path):
+    p = cli("compare", DATA / "run_clean.json", DATA / "baseline.json", "--out", tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "0 regressions, 0 failed points" in p.stdout
+    assert (tmp_path / "report.md").read_text().startswith("# Nightly h200: no changes")
+    for png in ("throughput.png", "itl.png"):
+        assert_png(tmp_path / png)
+
+
+def test_cli_compare_fails_on_failed_points(tmp_path):
+    run = load("run_clean")
+    run["points"]["serving/dsv3-4l/features-off/c128"] = {"kind": "serving", "metrics": {},
+                                                          "error": "server: RuntimeError: boom"}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    p = cli("compare", tmp_path / "run.json", DATA / "baseline.json", "--out", tmp_path / "r")
+    assert p.returncode == 1 and "FAILED serving/dsv3-4l/features-off/c128" in p.stdout
+
+
+def test_cli_usage_errors_exit_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\ngpu = "H200"\nrepeats = 3\ncolour = "blue"\n')
+    p = cli("run", "--config", bad, "--out", tmp_path / "o")
+    assert p.returncode == 2 and "unknown key(s) 'colour'" in p.stderr
+    p = cli("run", "--config", "h200", "--out", tmp_path / "o", "--only", "serving/")
+    assert p.returncode == 2 and "needs --models" in p.stderr
+    p = cli("compare", tmp_path / "missing.json", DATA / "baseline.json", "--out", tmp_path)
+    assert p.returncode == 2 and "cannot read" in p.stderr
+    assert cli("run", "--out", tmp_path).returncode == 2  # argparse: --config is required
+    assert cli("run", "--config", "h200", "--out", tmp_path, "--repeats", "0").returncode == 2
+
+
+def test_cli_help():
+    p = cli("run", "--help")
+    assert p.returncode == 0 and "--baseline" in p.stdout and "h20, h200" in p.stdout
+
+
+@pytest.mark.parametrize("tflops, status", [(511.0, 0), (440.0, 1)])
+def test_cli_run_kernel_only_against_baseline(tmp_path, tflops, status):
+    (tmp_path / "bench.py").write_text(
+        f"import json, sys\njson.dump({{'latency_us': 41.7, 'tflops': {tflops}}}, open(sys.argv[1], 'w'))\n")
+    (tmp_path / "k.toml").write_text(
+        'name = "k"\ngpu = "H200"\n[[kernel]]\nname = "mla_decode"\n'
+        f'command = "{sys.executable} bench.py {{out}}"\nmetrics = {{ latency_us = "lower", tflops = "higher" }}\n')
+    p = cli("run", "--config", "k.toml", "--out", "out", "--baseline", DATA / "baseline.json", "--only", "kernel/mla",
+            cwd=tmp_path)
+    assert p.returncode == status, p.stdout + p.stderr
+    assert "kernel/mla_decode repeat 3/3" in p.stdout  # progress per repeat
+    rec = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert rec["points"]["kernel/mla_decode"]["metrics"]["tflops"]["values"] == [tflops] * 3
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "serving/" not in md and "missing" not in md  # --only also narrows the baseline
+    assert ("**regression**" in md) == (status == 1)
