@@ -4,7 +4,7 @@
 # (requirements-cpu.txt): the full set pulls several GB of GPU-only packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${VIRTUAL_ENV:-}" ]; then
+if [ -z "${VIRTUAL_ENV:-}" ]; then  # standalone use
   [ -d .venv ] || python3 -m venv .venv
   . .venv/bin/activate
 fi
