@@ -5,6 +5,8 @@
 #   3. pytest -m gpu
 #   4. launch the real server with and without the plugin on dsv3-4l (plugin_parity.py): greedy ids,
 #      plugin log lines, applied hooks, bench_serving throughput; JSON to $OUT
+#   (STEPS calibrate) python -m sglang_h20 calibrate mha-mla on this GPU -> $OUT/mha_mla_<gpu>.json
+#   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
 # Knobs (env): STEPS="tests parity" PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
 set -u
@@ -51,6 +53,23 @@ if [[ " $STEPS " == *" parity "* ]]; then
   cp "$OUT/parity/plugin_parity.json" "$OUT/" 2>/dev/null
   (cd "$OUT/parity" && tar -cJf "$OUT/parity_logs.tar.xz" --exclude sharegpt.json . 2>/dev/null)
   rm -rf "$OUT/parity"
+fi
+if [[ " $STEPS " == *" calibrate "* ]]; then
+  say "calibrate mha-mla"
+  python3 -m sglang_h20 calibrate mha-mla --grid ${GRID:-quick} --work-dir /tmp/calib --out "$OUT/mha_mla_table.json" 2>&1 \
+    | tee "$OUT/calibrate.log" | grep -v "bench:" | tail -60
+  [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -40 /tmp/calib/server-*.log; }
+  # the servers started after this use the table just measured
+  [ -f "$OUT/mha_mla_table.json" ] && cp "$OUT/mha_mla_table.json" \
+    "$(python3 -c 'from sglang_h20 import compat; from sglang_h20.attention.mha_mla import table_path; print(table_path(compat.gpu().name))' 2>/dev/null)"
+fi
+if [[ " $STEPS " == *" ttft "* ]] && [ "$(left)" -gt 200 ]; then
+  say "prefix TTFT (deadline for new phases: $(( $(left) - 130 ))s from now)"
+  python3 benchmark/serving/prefix_ttft.py --model /tmp/models/dsv3-4l --out /tmp/ttft --deadline-s $(( $(left) - 130 )) \
+    --server-args "--load-format dummy --attention-backend flashmla --sampling-backend pytorch --moe-runner-backend triton \
+--fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/ttft.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/ttft/server-*.log; }
+  cp /tmp/ttft/prefix_ttft.json "$OUT/" 2>/dev/null
 fi
 python3 - "$OUT/jitcache.tar.xz" <<'PY'
 import os, sys, tarfile

@@ -5,6 +5,7 @@ import sys
 
 COMMANDS = {
     "doctor": ("sglang_h20.doctor", "versions, GPU, and which features would activate, and why"),
+    "calibrate": ("sglang_h20.calibrate", "measure per-GPU tables on this GPU (mha-mla)"),
     "nightly": ("sglang_h20.nightly.__main__", "the nightly regression runner (run / compare)"),
 }
 

@@ -36,7 +36,7 @@ class Feature:
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("mha_mla_policy", "mha_mla_policy", None),
+    Feature("mha_mla_policy", "mha_mla_policy", "sglang_h20.attention.mha_mla"),
     Feature("fp8_mla", "fp8_mla", None, kernel_modules=("triton",)),
     Feature("swapab", "swapab", None, kernel_modules=("triton",)),
     Feature("sbo", "sbo", None),

@@ -87,9 +87,10 @@ class Switch:
 
 
 SWITCHES: tuple[Switch, ...] = (
-    Switch("mha_mla_policy", _choice("upstream", "se"), "upstream",
-           "prefill MHA/MLA choice: 'upstream' keeps SGLang's prefix-length rule, "
-           "'se' uses se=sum(extend*(extend+prefix)) against the per-GPU cost table"),
+    Switch("mha_mla_policy", _choice("upstream", "se", "mha", "mla"), "upstream",
+           "prefill MHA/MLA choice: 'upstream' keeps SGLang's prefix-length rule, 'se' uses "
+           "se=sum(extend*(extend+prefix)) with the per-GPU cost table, 'mha'/'mla' force one path "
+           "(calibration, A/B)"),
     Switch("fp8_mla", _parse_bool, "off",
            "FP8 MLA decode: FP8 KV cache with FP8 QK^T and PV on Hopper tensor cores"),
     Switch("swapab", _parse_bool, "off",

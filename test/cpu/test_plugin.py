@@ -109,7 +109,7 @@ def test_flags_appear_in_launch_server_help():
 
 @pytest.mark.parametrize("argv, message", [
     (["--h20-fp8-mla", "maybe"], "argument --h20-fp8-mla: expected one of on/off/1/0/true/false, got 'maybe'"),
-    (["--h20-mha-mla-policy", "fast"], "argument --h20-mha-mla-policy: expected one of upstream/se, got 'fast'"),
+    (["--h20-mha-mla-policy", "fast"], "argument --h20-mha-mla-policy: expected one of upstream/se/mha/mla, got 'fast'"),
     (["--h20-observe", "2"], "argument --h20-observe: expected a number in [0, 1], got '2'"),
 ])
 def test_bad_flag_values_are_rejected_with_a_clear_message(argv, message):

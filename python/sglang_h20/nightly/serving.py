@@ -90,6 +90,15 @@ class Server:
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.loads(r.read())
 
+    def generate_batch(self, texts: list[str], max_new_tokens: int = 1, return_logprob: bool = False) -> list[dict]:
+        """One batched greedy /generate call: all texts reach the scheduler together."""
+        body = {"text": texts, "return_logprob": return_logprob,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
     def bench(self, out_jsonl: Path, *, num_prompts: int, input_len: int, output_len: int,
               concurrency: int | None = None, dataset_path: str | None = None, seed: int = 1,
               extra: list[str] | None = None, timeout_s: float = 600) -> dict:
