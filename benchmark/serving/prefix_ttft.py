@@ -80,10 +80,10 @@ def main() -> int:
         for n, r in phases[name].items():
             print(f"  {name} L={n}: TTFT {r['median_ttft_ms_single']:.1f} ms single, "
                   f"{r['median_burst_ms']:.1f} ms for a burst of {r['burst']}", flush=True)
-    ratios = {}
+    ratios = {}  # keys name both phases: only the no-prefill-graph pair isolates the policy
     for other in ("upstream", "upstream-no-prefill-graph"):
         if other in phases and "se-no-prefill-graph" in phases:
-            ratios[f"se_vs_{other}"] = {
+            ratios[f"se-no-prefill-graph_vs_{other}"] = {
                 n: {"single": phases["se-no-prefill-graph"][n]["median_ttft_ms_single"] / phases[other][n]["median_ttft_ms_single"],
                     "burst": phases["se-no-prefill-graph"][n]["median_burst_ms"] / phases[other][n]["median_burst_ms"]}
                 for n in phases[other]}

@@ -1,12 +1,14 @@
 """`python -m sglang_h20 calibrate mha-mla`: measure SGLang's real MHA and MLA prefill paths, fit the table.
 
-How: two real servers on a one-layer DeepSeek-V3 model (dummy weights), one forcing MHA and one MLA
+How: two real servers on an attention-heavy DeepSeek-V3 model (8 MLA layers of the real shape, dense
+MLPs shrunk to 256; dummy weights), one forcing MHA and one MLA
 through this plugin's policy switch, prefill CUDA graphs off (they pin MLA). For every grid point
 (batch, extend, prefix) each request's prefix is first cached (radix cache), then the batch's new
 tokens are sent as one batched /generate with one output token; the server's prefill time is the
 wall time of that call. Per method, a non-negative least-squares fit of time against the features
-(se, total prefix, total extend, 1) gives the cost table. Costs common to both paths (MLP, lm_head,
-HTTP) fall into the extend and constant terms of both and cancel in the comparison.
+(se, total prefix, total extend, 1) gives the cost table, divided by the layer count so that the
+se/prefix/extend terms are per attention layer. Costs common to both paths (MLP, lm_head, HTTP) fall
+into the extend and constant terms of both and cancel in the comparison.
 
 `modelled` builds a table from published or measured rates instead (used for the H20 until an H20
 run calibrates it); the file says which it is.
@@ -94,10 +96,17 @@ def measure_point(srv, batch: int, extend: int, prefix: int, repeats: int, rng: 
     return statistics.median(times)
 
 
-def fit_table(gpu: str, points: list[dict], meta: dict) -> CostTable:
-    """Fit both methods' linear models to measured points ({batch, extend, prefix, mha_us, mla_us})."""
+CALIBRATION_MODEL, CALIBRATION_LAYERS = "dsv3-attn8", 8
+
+
+def fit_table(gpu: str, points: list[dict], meta: dict, layers: int = 1) -> CostTable:
+    """Fit both methods' linear models to measured points ({batch, extend, prefix, mha_us, mla_us}).
+
+    Times are whole prefills of a `layers`-layer model; coefficients are divided by `layers`.
+    """
     rows = [BatchShape([p["extend"]] * p["batch"], [p["prefix"]] * p["batch"]).features() for p in points]
-    coef = {m: nnls_fit(rows, [p[f"{m}_us"] for p in points]) for m in ("mha", "mla")}
+    coef = {m: {t: v / layers for t, v in nnls_fit(rows, [p[f"{m}_us"] for p in points]).items()}
+            for m in ("mha", "mla")}
     table = CostTable(gpu, f"measured on {gpu}", coef["mha"], coef["mla"], {"measured": True, **meta})
     for p, r in zip(points, rows):  # how good is the fit where it was measured
         shape = BatchShape([p["extend"]] * p["batch"], [p["prefix"]] * p["batch"])
@@ -133,7 +142,7 @@ def run_calibration(a) -> int:
     if g is None:
         print("calibrate mha-mla needs a CUDA GPU; none is visible")
         return 2
-    model = make(a.work_dir / "models", "dsv3-1l-dense")
+    model = make(a.work_dir / "models", CALIBRATION_MODEL)
     grid = QUICK_GRID if a.grid == "quick" else FULL_GRID
     points = [{"batch": b, "extend": e, "prefix": p} for b, e, p in grid_points(grid)]
     args = ["--load-format", "dummy", "--attention-backend", a.backend, "--mem-fraction-static", "0.3",
@@ -151,7 +160,8 @@ def run_calibration(a) -> int:
                 pt[f"{method}_us"] = 1e6 * measure_point(srv, pt["batch"], pt["extend"], pt["prefix"], a.repeats, rng)
                 print(f"[{time.time() - t0:6.0f}s] {method} {k + 1}/{len(points)}: batch {pt['batch']} "
                       f"extend {pt['extend']} prefix {pt['prefix']}: {pt[f'{method}_us'] / 1e3:.2f} ms", flush=True)
-    table = fit_table(g.name, points, {"backend": a.backend, "grid": a.grid, "repeats": a.repeats})
+    table = fit_table(g.name, points, {"backend": a.backend, "grid": a.grid, "repeats": a.repeats,
+                                       "model": CALIBRATION_MODEL}, layers=CALIBRATION_LAYERS)
     out = a.out or table_path(g.name)
     consistency = compare_probes(probes["mha"], probes["mla"])
     print("MHA vs MLA on the same inputs:", json.dumps(consistency))
@@ -168,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="what", required=True)
     m = sub.add_parser("mha-mla", help="measure MHA and MLA prefill on this GPU and write the cost table")
     m.add_argument("--grid", choices=["quick", "full"], default="quick")
-    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--repeats", type=int, default=5)
     m.add_argument("--backend", default="flashmla", help="attention backend of the measuring servers")
     m.add_argument("--work-dir", type=Path, default=Path("/tmp/sglang_h20_calibrate"))
     m.add_argument("--out", type=Path, help="table file (default: the package's tables/mha_mla_<gpu>.json)")

@@ -41,8 +41,9 @@ DEEPSEEK_V3 = {  # the published DeepSeek-V3 config; models below override a few
 MODELS = {
     "dsv3-4l": {"num_hidden_layers": 4, "first_k_dense_replace": 1},
     "dsv3-ep16-slice": {"n_routed_experts": 16, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1},
-    # one dense layer: the attention calibration model (python -m sglang_h20 calibrate mha-mla)
-    "dsv3-1l-dense": {"num_hidden_layers": 1, "first_k_dense_replace": 1},
+    # attention-heavy calibration model (python -m sglang_h20 calibrate mha-mla): 8 real MLA layers,
+    # dense MLPs shrunk to 256 so that prefill time is attention plus a fixed per-request overhead
+    "dsv3-attn8": {"num_hidden_layers": 8, "first_k_dense_replace": 8, "intermediate_size": 256},
 }
 STANDARD = ("dsv3-4l", "dsv3-ep16-slice")
 

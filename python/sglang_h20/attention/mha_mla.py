@@ -69,7 +69,7 @@ class CostTable:
         return "mha" if self.cost("mha", shape) <= self.cost("mla", shape) else "mla"
 
     def to_json(self) -> dict:
-        return {"gpu": self.gpu, "source": self.source, "unit": "us per attention layer",
+        return {"gpu": self.gpu, "source": self.source, "unit": "us per attention layer (const: per prefill)",
                 "terms": list(TERMS), "mha": self.mha, "mla": self.mla, **self.meta}
 
     @classmethod
