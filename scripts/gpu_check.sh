@@ -5,6 +5,7 @@
 #   3. pytest -m gpu
 #   4. launch the real server with and without the plugin on dsv3-4l (plugin_parity.py): greedy ids,
 #      plugin log lines, applied hooks, bench_serving throughput; JSON to $OUT
+#   (STEPS kernels) benchmark/kernels/bench_*.py ${KERNEL_ARGS:---quick} -> $OUT/bench_<name>.json (+ PNG)
 #   (STEPS calibrate) python -m sglang_h20 calibrate mha-mla on this GPU -> $OUT/mha_mla_<gpu>.json
 #   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
@@ -41,6 +42,14 @@ if [[ " $STEPS " == *" tests "* ]]; then
   say "pytest -m gpu"
   python3 -m pytest -m gpu test -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" kernels "* ]]; then
+  for b in benchmark/kernels/bench_*.py; do
+    name=$(basename "$b" .py)
+    say "$name ${KERNEL_ARGS:---quick}"
+    timeout $(( $(left) - 30 )) python3 "$b" ${KERNEL_ARGS:---quick} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -25
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  done
 fi
 if [[ " $STEPS " == *" parity "* ]]; then
   say "plugin parity (deadline for new phases: $(( $(left) - 150 ))s from now)"

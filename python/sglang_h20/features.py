@@ -40,7 +40,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("fp8_mla", "fp8_mla", None, kernel_modules=("triton",)),
     Feature("swapab", "swapab", None, kernel_modules=("triton",)),
     Feature("sbo", "sbo", None),
-    Feature("eplb", "eplb", None, needs_gpu=False),
+    Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False),
     Feature("observe", "observe", None),
 )
 

@@ -152,7 +152,7 @@ def test_cli_flags_reach_a_spawned_child_process(tmp_path):
     out = json.loads(r.stdout.split("RESULT", 1)[1])
     assert out["child"]["env"] == {"SGLANG_H20_SBO": "on", "SGLANG_H20_EPLB": "affinity", "SGLANG_H20_OBSERVE": "0.05"}
     assert out["child"]["sbo"].startswith("SGLANG_H20_SBO=on asked for it")
-    assert out["child"]["eplb"].startswith("SGLANG_H20_EPLB=affinity asked for it")  # the flag beat the env
+    assert out["child"]["eplb"].startswith("on (SGLANG_H20_EPLB=affinity;")  # the flag beat the env
     assert out["launcher"]["sbo"] == out["child"]["sbo"]
 
 
@@ -201,15 +201,18 @@ def test_feature_with_an_unresolvable_hook_target_stays_off(monkeypatch):
     assert not d.on and "has no attribute 'gone_in_a_later_version'" in d.reason
 
 
-def test_every_built_feature_hook_target_resolves():
+def test_every_built_feature_hook_target_resolves(monkeypatch):
     """For each built feature, with its switch on, every hook target resolves in the installed sglang."""
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 140.0))  # tables are per GPU
     env = {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_FP8_MLA": "1", "SGLANG_H20_SWAPAB": "1",
            "SGLANG_H20_SBO": "1", "SGLANG_H20_EPLB": "affinity", "SGLANG_H20_OBSERVE": "0.01"}
     s = Settings.from_env(env)
-    for f in FEATURES:
-        if f.module is None:
-            continue
-        for hook in f.hooks(s):
+    built = [f for f in FEATURES if f.module is not None]
+    assert {"mha_mla_policy", "eplb"} <= {f.name for f in built}
+    for f in built:
+        hooks = f.hooks(s)
+        assert hooks, f.name
+        for hook in hooks:
             assert compat.check_target(hook.target) == (True, hook.target), f.name
 
 

@@ -175,28 +175,47 @@ def on_post_process_topk_ids(*args, **kwargs):
     return None
 
 
+def _hook_failed(where: str, e: Exception) -> None:
+    _state.disabled = f"{where}: {type(e).__name__}: {e}"
+    _warn_once("hook-error-" + where, "co-activation recorder off after an error in %s: %s: %s",
+               where, type(e).__name__, e)
+
+
 def on_forward_pass(recorder_self, *args, **kwargs):
     """BEFORE with_forward_pass: record exactly while SGLang's expert-distribution recorder records."""
-    want = bool(getattr(recorder_self, "recording", False))
-    rec = _state.recorder
-    if rec is not None:
-        if want and not _state.active_wanted:
-            rec.reset()  # a new window, as SGLang's start_record resets its own counts
-        rec.set_active(want)
-    _state.active_wanted = want
+    try:
+        want = bool(getattr(recorder_self, "recording", False))
+        rec = _state.recorder
+        if rec is not None:
+            if want and not _state.active_wanted:
+                rec.reset()  # a new window, as SGLang's start_record resets its own counts
+            rec.set_active(want)
+        _state.active_wanted = want
+    except Exception as e:
+        _hook_failed("with_forward_pass", e)
     return None
 
 
 def on_forward_pass_end(*args, **kwargs):
     """BEFORE EPLBManager.on_forward_pass_end: advance the sampling step (target passes only)."""
-    if _state.recorder is not None:
-        _state.recorder.step()
+    try:
+        if _state.recorder is not None:
+            _state.recorder.step()
+    except Exception as e:
+        _hook_failed("on_forward_pass_end", e)
     return None
 
 
 def after_dump_record(result, recorder_self, *args, **kwargs):
     """AFTER dump_record: all-reduce our counts at SGLang's collective point, keep, reset."""
-    output_mode = kwargs.get("output_mode", args[0] if args else "file")
+    try:
+        _snapshot_after_dump(recorder_self, kwargs.get("output_mode", args[0] if args else "file"))
+    except Exception as e:  # the next rebalance then falls back to upstream (or an older snapshot)
+        _hook_failed("dump_record", e)
+    return None
+
+
+def _snapshot_after_dump(recorder_self, output_mode) -> None:
     rec = _state.recorder
     if rec is None:  # every rank must join the all-reduce with the same shape
         m = recorder_self._expert_location_metadata
@@ -216,7 +235,6 @@ def after_dump_record(result, recorder_self, *args, **kwargs):
             log.info("co-activation written to %s", path)
         except Exception as e:
             log.warning("co-activation dump failed: %s: %s", type(e).__name__, e)
-    return None
 
 
 def _rank() -> int:

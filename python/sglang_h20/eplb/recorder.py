@@ -67,8 +67,11 @@ class CoactivationRecorder:
         self.device = torch.device(device)
         self.sample_every = int(sample_every)
         E = self.num_experts
-        self.acc = torch.zeros((self.num_layers, E + 1, E + 1), dtype=torch.int64, device=self.device)
-        self._gate = torch.ones((), dtype=torch.float32, device=self.device)
+        # Normal tensors even when built inside SGLang's inference_mode forward: inference tensors
+        # reject the in-place updates (step, reset) that happen outside it.
+        with torch.inference_mode(False):
+            self.acc = torch.zeros((self.num_layers, E + 1, E + 1), dtype=torch.int64, device=self.device)
+            self._gate = torch.ones((), dtype=torch.float32, device=self.device)
         self._gate_value = 1.0  # host copy of _gate, so an unchanged gate costs no kernel
         self._step = 0
         self._active = True

@@ -287,7 +287,7 @@ def _default_placer() -> Placer | None:
     return place
 
 
-def _traces(cfg: SimConfig) -> dict[str, list[np.ndarray]]:
+def _traces(cfg: SimConfig, progress: bool = False) -> dict[str, list[np.ndarray]]:
     if cfg.dump:
         from sglang_h20.eplb.trace import read_sglang_dump
 
@@ -301,10 +301,17 @@ def _traces(cfg: SimConfig) -> dict[str, list[np.ndarray]]:
     for structure in cfg.structures:
         if structure not in ("clusters", "none"):
             raise ValueError(f"unknown structure {structure!r} (clusters, none)")
-        out[structure] = list(synthetic_trace(
+        trace = synthetic_trace(
             cfg.layers, cfg.num_experts, cfg.top_k, cfg.tokens_per_step, cfg.steps, skew=cfg.skew,
             drift=cfg.drift, clusters=cfg.clusters if structure == "clusters" else None,
-            cluster_strength=cfg.cluster_strength, seed=cfg.seed))
+            cluster_strength=cfg.cluster_strength, seed=cfg.seed)
+        bar = _progress(cfg.steps, progress)
+        bar.set_description(f"trace {structure}")
+        out[structure] = []
+        for step in trace:
+            out[structure].append(step)
+            bar.update(1)
+        bar.close()
     return out
 
 
@@ -362,7 +369,7 @@ def simulate(cfg: SimConfig, *, placer: Placer | None = None, progress: bool = T
         raise RuntimeError(f"sglang_h20.eplb.placement.place is not available; algorithms {needs_placer} "
                            f"need it (only '{TRIVIAL}' is built in)")
     topos = {name: make_topology(name, cfg.num_experts, cfg.redundant_slots) for name in cfg.topologies}
-    traces = _traces(cfg)
+    traces = _traces(cfg, progress)
     plans = {}
     for structure, steps in traces.items():
         if len(steps) <= cfg.warmup:
