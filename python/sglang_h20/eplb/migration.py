@@ -1,0 +1,807 @@
+"""Asynchronous, hierarchical expert-weight migration that never stalls decode.
+
+SGLang 0.5.17 rebalances in one blocking call (`ExpertLocationUpdater.update`, driven by
+`EPLBManager.rebalance`): every rank posts its P2P ops, waits for all of them, copies the received
+weights into the live expert slots and only then runs the next forward pass. With DeepSeek-V3
+(44 MB per expert, 58 MoE layers) that is seconds of lost decode. This module splits it into
+
+1. a PLANNER, `plan_migration(old, new, expert_bytes, staging_budget_bytes)`, that gives every
+   (layer, slot) whose expert changes exactly one transfer, and picks its source hierarchically:
+
+   ``local``    the destination GPU already holds the expert (another slot, old placement):
+                a device-local copy, no link used;
+   ``nvlink``   another GPU of the same node holds it: a copy over NVLink from the least-loaded
+                such GPU (send bytes per chunk, ties to the lowest GPU id);
+   ``network``  only other nodes hold it: fetched ONCE per (layer, destination node, expert),
+                into the "gateway" GPU of that node with the least network bytes received so far,
+                from the least-loaded holder (ties: same local rank as the gateway, i.e. the same
+                rail, then the lowest GPU id);
+   ``forward``  every other slot of the node that needs that expert copies it from the gateway's
+                staging buffer, over NVLink (or as a plain copy on the gateway GPU itself). Two
+                slots of one GPU that need the same expert over NVLink also fetch it once; the
+                second one is a forward from the first one's staging buffer.
+
+   Changed layers are packed, in layer order, into CHUNKS such that every rank's staging memory
+   (one expert per incoming transfer) for the chunk is <= `staging_budget_bytes`; a layer never
+   straddles chunks, since it switches all at once. Inside a chunk the transfers run in STAGES
+   ``local -> nvlink -> network -> forward`` (a forward reads a buffer filled in an earlier
+   stage). `plan.completion[layer][rank]` is the set of transfers that must have arrived on `rank`
+   before `layer` is ready there, and `plan.totals` reports copies and bytes per kind and per link
+   ("gpu", "nvlink", "network").
+
+2. an EXECUTOR, `MigrationExecutor`, that runs the plan off the critical path. A background
+   TRANSFER thread runs chunk after chunk: it allocates the chunk's staging buffers, then for each
+   stage posts this rank's `isend`/`irecv` (gloo on CPU; NCCL `batch_isend_irecv` on a side CUDA
+   stream on GPU) and local copies into STAGING buffers (never into live weights) and waits for
+   them with a deadline. When all of this rank's incoming transfers of a layer have completed, the
+   layer is locally ready. The next chunk starts once the previous chunk's layers have switched
+   and their staging is freed, so staging in use never exceeds the budget.
+
+   Switching happens only in `maybe_switch()`, which the decode loop calls once BETWEEN forward
+   passes on every rank. For the layers it switches it copies staging into the live slots (same
+   tensors, so CUDA graphs stay valid; on GPU the copy is ordered on the compute stream) and
+   replaces the layer's routing row (physical slot -> logical expert): each forward pass sees, per
+   layer, either the old slots + old map or the new slots + new map.
+
+Switching protocol (every rank switches a layer at the same step boundary)
+------------------------------------------------------------------------
+All ranks call `start()` at the same step boundary and then `maybe_switch()` exactly once per
+boundary (true in SGLang: EP ranks run the same forward passes, and `EPLBManager` is driven by
+`on_forward_pass_end` on every rank). Boundary b counts calls since `start()`. Decision ROUND r
+takes effect at boundary B_r = (r + 1) * switch_every. Agreement uses the c10d key-value store
+(the TCPStore every process group already has; hosted by the launcher or rank 0):
+
+* ready counters: a rank adds 1 to ``ready/<layer>`` once the layer is locally ready (a rank
+  without incoming transfers for a layer adds at the start of its chunk). Counter == world means
+  every rank holds all the layer's new weights in staging (and every send of it has been
+  consumed, since each send has a receiver that is ready).
+* decisions: round r's decision is the value of key ``round/<r>``, written with
+  `compare_set(key, "", value)`: the first writer wins and every rank reads the same value.
+  A background CONTROL thread proposes, once its rank has passed boundary B_r - decide_ahead,
+  ``S:<layers whose counter == world>`` (or ``A:<reason>`` after a local failure). Whatever is
+  stored is what every rank applies at B_r.
+* `maybe_switch` never waits: at B_r it applies the decision if the control thread already has
+  it (the normal case: it is fetched `decide_ahead` boundaries early); otherwise it proposes
+  ``S:`` (switch nothing this round) itself with one compare_set (one store round trip, ~0.1 ms)
+  and applies whatever won. Between boundaries it only increments a counter.
+Hence every rank switches the same layers at the same boundary, for any skew between ranks' decode
+loops and any delay of the control threads; a slow rank only makes the others defer a round.
+
+Fault handling
+--------------
+A failed or timed-out transfer (each stage's waits have a deadline of `timeout_s` from posting;
+gloo reports a dead peer at once as "connection closed"), a store error, or no global progress for
+`watchdog_s` (default 2 * timeout_s; covers a peer that stopped without us waiting on it) makes
+the rank propose ``A:<reason>`` for the next undecided round. The abort is then applied by every
+surviving rank at the same boundary: layers that switched in earlier rounds keep the new placement
+(they switched on all ranks together, so each layer is still consistent everywhere); every other
+layer keeps its old weights and old routing row; staging is dropped; threads stop at their next
+check (a thread blocked in a wait leaves at its deadline); one ERROR line per rank says which
+layers were aborted and why; `status` reports ``aborted`` with the reason. A gloo wait that times
+out closes that pair and NCCL ops cannot be cancelled (on CUDA we abort the migration group), so
+after an abort the migration group must be re-created before the next migration. The store must
+outlive the failed rank (true for torchrun's agent-hosted store); if the store itself is lost,
+each rank aborts locally and consistency can no longer be guaranteed.
+
+Known limits: migration advances only while decode steps run (switching needs boundaries; an idle
+server would have to call `maybe_switch` from its idle loop, in lockstep on all ranks); the
+executor expects a dedicated process group (`group`) so that its P2P ops never interleave with the
+model's own collectives; for NCCL that group must be initialised eagerly (one collective on it at
+creation) because the first op on a group must include all ranks. The CUDA path is written but
+only the CPU/gloo path is tested.
+
+Where it would plug into SGLang 0.5.17 (not wired up here)
+---------------------------------------------------------
+`ModelRunner.forward` calls `EPLBManager.on_forward_pass_end()` after every forward pass, which
+advances the `_entrypoint` generator; every `rebalance_num_iterations` passes it runs
+`yield from self.rebalance()`, which calls `update_expert_location_with_recovery` ->
+`ExpertLocationUpdater.update` (blocking P2P of all layers, then
+`ExpertLocationMetadata.update(new, update_layer_ids)`). A plugin hook AROUND
+`EPLBManager.rebalance` would keep the upstream front half (dump_record all-reduce and
+`_compute_expert_location_metadata`, identical on every rank) and replace the update with:
+old/new `Placement` from `physical_to_logical_map_cpu` of the current and new metadata,
+`Topology(nnodes, ep_size // nnodes, num_local_physical_experts)`, `plan_migration` with
+expert_bytes = sum of `t[0].nbytes` over `model.routed_experts_weights_of_layer[layer]`, a
+`MigrationExecutor(ep_rank, ep_size, topo, model.routed_experts_weights_of_layer, plan,
+group=<NCCL group created once at ModelRunner init>, on_switch=lambda ls:
+get_global_expert_location_metadata().update(new_metadata, update_layer_ids=ls))`, `start()`, and
+then `while ex.status.state == "running": yield; ex.maybe_switch()`, since each `yield` is one
+forward pass on every rank. Afterwards: `init_lplb_solvers` when ep_dispatch_algorithm == "lp".
+Both the weights (copied in place) and the metadata tensors (updated in place) keep their
+addresses, so captured CUDA graphs stay valid. Elastic-EP post-scale rebalances stay upstream.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import logging
+import threading
+import time
+import zlib
+from collections import Counter, defaultdict
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sglang_h20.eplb.placement import Placement, Topology
+
+log = logging.getLogger("sglang_h20.eplb.migration")
+
+KINDS = ("local", "nvlink", "network", "forward")  # also the stage order inside a chunk
+LINKS = ("gpu", "nvlink", "network")
+
+
+# --------------------------------------------------------------------------------------------
+# Plan
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One expert copy into the staging buffer of (dst_rank, dst_slot).
+
+    The source is the live slot `src_slot` of `src_rank` (old placement), except for ``forward``
+    transfers, whose source is the staging buffer filled by transfer `src_tid` (held by
+    `src_rank`, for slot `src_slot`). Slots are global physical slot ids.
+    """
+
+    tid: int
+    layer: int
+    expert: int
+    kind: str
+    link: str
+    src_rank: int
+    src_slot: int
+    dst_rank: int
+    dst_slot: int
+    nbytes: int
+    chunk: int
+    src_tid: int = -1
+
+    @property
+    def from_staging(self) -> bool:
+        return self.kind == "forward"
+
+    def describe(self) -> str:
+        src = f"staging of transfer {self.src_tid} on rank {self.src_rank}" if self.from_staging \
+            else f"rank {self.src_rank} slot {self.src_slot}"
+        return (f"transfer {self.tid} ({self.kind}, layer {self.layer}, expert {self.expert}: "
+                f"{src} -> rank {self.dst_rank} slot {self.dst_slot})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    kind: str
+    tids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    index: int
+    layers: tuple[int, ...]
+    stages: tuple[Stage, ...]          # non-empty stages, in KINDS order
+    staging_bytes: tuple[int, ...]     # per rank: staging this chunk needs (incoming transfers)
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrationPlan:
+    old: Placement
+    new: Placement
+    expert_bytes: int
+    staging_budget_bytes: int
+    transfers: tuple[Transfer, ...]                       # indexed by tid
+    chunks: tuple[Chunk, ...]
+    completion: Mapping[int, tuple[frozenset, ...]]       # layer -> per rank: incoming tids
+    totals: Mapping
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layers that change, in execution order."""
+        return tuple(l for c in self.chunks for l in c.layers)
+
+    def incoming(self, rank: int, layer: int) -> frozenset:
+        return self.completion[layer][rank]
+
+    def summary(self) -> str:
+        t = self.totals
+        parts = ", ".join(f"{k} {t['copies'][k]} ({t['bytes'][k] / 2**20:.1f} MiB)" for k in KINDS)
+        return (f"{t['changed_slots']} slot changes in {len(self.layers)} layers, "
+                f"{len(self.chunks)} chunks: {parts}; max staging/rank "
+                f"{t['max_staging_bytes'] / 2**20:.1f} MiB <= budget "
+                f"{self.staging_budget_bytes / 2**20:.1f} MiB")
+
+
+def plan_migration(old: Placement, new: Placement, expert_bytes: int,
+                   staging_budget_bytes: int) -> MigrationPlan:
+    """Plan the weight moves from placement `old` to `new` (see the module docstring)."""
+    if old.topology != new.topology or old.phy2log.shape != new.phy2log.shape:
+        raise ValueError("placements differ in topology or shape")
+    if old.num_experts != new.num_experts:
+        raise ValueError("placements differ in num_experts")
+    if expert_bytes <= 0:
+        raise ValueError("expert_bytes must be positive")
+    topo = old.topology
+    L, S = old.phy2log.shape
+    if S != topo.num_slots:
+        raise ValueError(f"{S} slots per layer, topology has {topo.num_slots}")
+    G, gpn = topo.num_gpus, topo.gpus_per_node
+    slot_gpu = topo.slot_gpu()
+    node_of = lambda g: int(g) // gpn
+    changed = old.phy2log != new.phy2log
+
+    # chunks: whole layers, greedily, while every rank's staging fits the budget
+    need = np.zeros((L, G), dtype=np.int64)
+    ll, ss = np.nonzero(changed)
+    np.add.at(need, (ll, slot_gpu[ss]), expert_bytes)
+    chunk_layers: list[list[int]] = []
+    cur: list[int] = []
+    cur_need = np.zeros(G, dtype=np.int64)
+    for l in (int(x) for x in np.flatnonzero(changed.any(axis=1))):
+        if need[l].max() > staging_budget_bytes:
+            r = int(np.argmax(need[l]))
+            raise ValueError(
+                f"staging budget {staging_budget_bytes} B is below the {int(need[l, r])} B that rank "
+                f"{r} needs for layer {l} (a layer switches at once, so its staging must fit)")
+        if cur and (cur_need + need[l] > staging_budget_bytes).any():
+            chunk_layers.append(cur)
+            cur, cur_need = [], np.zeros(G, dtype=np.int64)
+        cur.append(l)
+        cur_need += need[l]
+    if cur:
+        chunk_layers.append(cur)
+
+    transfers: list[Transfer] = []
+    chunks: list[Chunk] = []
+    for ci, layers in enumerate(chunk_layers):
+        raw: list[dict] = []  # transfers of this chunk before numbering
+        send_load = {k: np.zeros(G, dtype=np.int64) for k in ("nvlink", "network", "forward")}
+        net_recv = np.zeros(G, dtype=np.int64)
+
+        def add(kind, layer, e, src_gpu, src_slot, dst_slot, src_ref=None):
+            dst_gpu = int(slot_gpu[dst_slot])
+            link = "gpu" if src_gpu == dst_gpu else ("nvlink" if node_of(src_gpu) == node_of(dst_gpu)
+                                                     else "network")
+            raw.append(dict(layer=layer, expert=int(e), kind=kind, link=link, src_rank=int(src_gpu),
+                            src_slot=int(src_slot), dst_rank=dst_gpu, dst_slot=int(dst_slot),
+                            src_ref=src_ref))
+            if kind in send_load and link != "gpu":
+                send_load[kind][src_gpu] += expert_bytes
+            return len(raw) - 1
+
+        for l in layers:
+            old_row, new_row = old.phy2log[l], new.phy2log[l]
+            first_slot: dict[tuple[int, int], int] = {}  # (gpu, expert) -> a slot holding it (old)
+            for s in range(S):
+                first_slot.setdefault((int(slot_gpu[s]), int(old_row[s])), s)
+            holders: dict[int, list[int]] = defaultdict(list)  # expert -> GPUs holding it (old)
+            for g, e in sorted(first_slot):
+                holders[e].append(g)
+            by_gpu: dict[tuple[int, int], list[int]] = defaultdict(list)   # NVLink candidates
+            by_node: dict[tuple[int, int], list[int]] = defaultdict(list)  # network candidates
+            for s in (int(x) for x in np.flatnonzero(changed[l])):
+                e, g = int(new_row[s]), int(slot_gpu[s])
+                if (g, e) in first_slot:
+                    add("local", l, e, g, first_slot[(g, e)], s)
+                elif any(node_of(h) == node_of(g) for h in holders[e]):
+                    by_gpu[(g, e)].append(s)
+                else:
+                    by_node[(node_of(g), e)].append(s)
+            for (g, e), slots in sorted(by_gpu.items()):
+                cands = [h for h in holders[e] if node_of(h) == node_of(g)]
+                src = min(cands, key=lambda h: (send_load["nvlink"][h], h))
+                head = add("nvlink", l, e, src, first_slot[(src, e)], slots[0])
+                for s in slots[1:]:
+                    add("forward", l, e, g, slots[0], s, src_ref=head)
+            for (n, e), slots in sorted(by_node.items()):
+                per_gpu: dict[int, list[int]] = defaultdict(list)
+                for s in slots:
+                    per_gpu[int(slot_gpu[s])].append(s)
+                gw = min(per_gpu, key=lambda g: (net_recv[g], -len(per_gpu[g]), g))
+                gw_slot = per_gpu[gw][0]
+                src = min(holders[e], key=lambda h: (send_load["network"][h], h % gpn != gw % gpn, h))
+                head = add("network", l, e, src, first_slot[(src, e)], gw_slot)
+                net_recv[gw] += expert_bytes
+                for s in sorted(slots):
+                    if s != gw_slot:
+                        add("forward", l, e, gw, gw_slot, s, src_ref=head)
+
+        # number the chunk's transfers stage by stage, then by (layer, destination slot)
+        order = sorted(range(len(raw)), key=lambda i: (KINDS.index(raw[i]["kind"]), raw[i]["layer"],
+                                                      raw[i]["dst_slot"]))
+        tid_of = {i: len(transfers) + j for j, i in enumerate(order)}
+        stage_tids: dict[str, list[int]] = defaultdict(list)
+        for i in order:
+            d = dict(raw[i])
+            ref = d.pop("src_ref")
+            t = Transfer(tid=tid_of[i], nbytes=expert_bytes, chunk=ci,
+                         src_tid=-1 if ref is None else tid_of[ref], **d)
+            transfers.append(t)
+            stage_tids[t.kind].append(t.tid)
+        stages = tuple(Stage(k, tuple(stage_tids[k])) for k in KINDS if stage_tids[k])
+        staging = tuple(int(x) for x in need[layers].sum(axis=0))
+        chunks.append(Chunk(ci, tuple(layers), stages, staging))
+
+    completion: dict[int, tuple[frozenset, ...]] = {}
+    per: dict[tuple[int, int], set] = defaultdict(set)
+    for t in transfers:
+        per[(t.layer, t.dst_rank)].add(t.tid)
+    for c in chunks:
+        for l in c.layers:
+            completion[l] = tuple(frozenset(per[(l, r)]) for r in range(G))
+
+    copies = Counter(t.kind for t in transfers)
+    links = Counter(t.link for t in transfers)
+    totals = {
+        "copies": {k: copies.get(k, 0) for k in KINDS},
+        "bytes": {k: copies.get(k, 0) * expert_bytes for k in KINDS},
+        "link_bytes": {k: links.get(k, 0) * expert_bytes for k in LINKS},
+        "total_bytes": len(transfers) * expert_bytes,
+        "changed_slots": int(changed.sum()),
+        "num_chunks": len(chunks),
+        "max_staging_bytes": max((max(c.staging_bytes) for c in chunks), default=0),
+    }
+    return MigrationPlan(old, new, int(expert_bytes), int(staging_budget_bytes), tuple(transfers),
+                         tuple(chunks), completion, totals)
+
+
+# --------------------------------------------------------------------------------------------
+# Executor
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MigrationStatus:
+    state: str                          # "pending" | "running" | "done" | "aborted"
+    switched_layers: tuple[int, ...]    # on the new placement (switched on every rank together)
+    pending_layers: tuple[int, ...]     # still on the old placement
+    ready_layers: tuple[int, ...]       # locally complete, not switched yet
+    switch_boundary: Mapping[int, int]  # layer -> boundary (maybe_switch call) it switched at
+    error: str | None
+    boundary: int
+    staging_bytes: int
+    peak_staging_bytes: int
+    bytes_received: int
+    deferred_rounds: int                # rounds this rank had to settle itself at the boundary
+    max_switch_s: float                 # longest maybe_switch call
+
+
+_SEQ = itertools.count()
+_TAG_SPAN = 1 << 20
+
+
+class MigrationExecutor:
+    """Runs a MigrationPlan on one rank; see the module docstring for the protocol.
+
+    rank/world: this rank in `group` (= its GPU index in `topology`); `weights`: layer -> this
+    rank's live expert tensors, a Tensor [slots_per_gpu, ...] or a list of them (SGLang's
+    `routed_experts_weights_of_layer`); `group`: a process group dedicated to migration (None:
+    the default group); `timeout_s`: deadline of every stage's waits.
+
+    Use: `ex.start()` at the same step boundary on every rank, then `ex.maybe_switch()` after
+    every forward pass; route with `ex.routing_map` (or `ex.placement`); read `ex.status`.
+    `on_switch(layers)`, if given, runs inside maybe_switch right after those layers' weights were
+    swapped in (e.g. to update SGLang's ExpertLocationMetadata for the same layers).
+    """
+
+    def __init__(self, rank: int, world: int, topology: Topology,
+                 weights: Mapping[int, torch.Tensor | Sequence[torch.Tensor]], plan: MigrationPlan,
+                 group=None, timeout_s: float = 60.0, *, store=None, switch_every: int = 4,
+                 decide_ahead: int = 2, watchdog_s: float | None = None,
+                 migration_id: str | None = None,
+                 on_switch: Callable[[list[int]], None] | None = None):
+        if world != topology.num_gpus:
+            raise ValueError(f"world {world} != {topology.num_gpus} GPUs of the topology")
+        if plan.old.topology != topology:
+            raise ValueError("plan was made for another topology")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside world {world}")
+        if switch_every < 1 or not 0 <= decide_ahead < switch_every:
+            raise ValueError("need switch_every >= 1 and 0 <= decide_ahead < switch_every")
+        self.rank, self.world, self.topology, self.plan = rank, world, topology, plan
+        self._k = topology.slots_per_gpu
+        self._weights: dict[int, list[torch.Tensor]] = {}
+        for l, w in weights.items():
+            ws = [w] if isinstance(w, torch.Tensor) else list(w)
+            if any(t.shape[0] != self._k for t in ws):
+                raise ValueError(f"layer {l}: expert tensors must have {self._k} slots in dim 0")
+            self._weights[int(l)] = ws
+        for l in plan.layers:
+            if l not in self._weights:
+                raise ValueError(f"no weights for layer {l}")
+            nbytes = sum(t[0].numel() * t[0].element_size() for t in self._weights[l])
+            if nbytes != plan.expert_bytes:
+                raise ValueError(f"layer {l}: an expert has {nbytes} B, the plan assumed "
+                                 f"{plan.expert_bytes} B (staging budget would be wrong)")
+        self._ntensors = max((len(self._weights[l]) for l in plan.layers), default=1)
+        if len(plan.transfers) * self._ntensors >= _TAG_SPAN:
+            raise ValueError("plan too large for the P2P tag space")
+        any_w = next(iter(self._weights[plan.layers[0]])) if plan.layers else None
+        self._device = any_w.device if any_w is not None else torch.device("cpu")
+        self._cuda = self._device.type == "cuda"
+        self._stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._group = group
+        self._on_switch = on_switch
+        self._start_event = None
+        self.timeout_s = float(timeout_s)
+        self._watchdog_s = 2.0 * self.timeout_s if watchdog_s is None else float(watchdog_s)
+        self._every, self._ahead = int(switch_every), int(decide_ahead)
+        self.migration_id = migration_id if migration_id is not None else f"m{next(_SEQ)}"
+        self._tag_base = (zlib.crc32(self.migration_id.encode()) % 1024) * _TAG_SPAN
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        self._store = dist.PrefixStore(f"sglang_h20/eplb_migration/{self.migration_id}/", base)
+
+        self._phy2log = plan.old.phy2log.copy()   # live routing map, rows replaced at switch
+        self._all_layers = frozenset(plan.layers)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._state = "pending"
+        self._boundary = 0
+        self._next_round = 0
+        self._decisions: dict[int, tuple[str, object]] = {}
+        self._switched: dict[int, int] = {}       # layer -> boundary
+        self._ready: set[int] = set()
+        self._staging: dict[int, list[torch.Tensor]] = {}
+        self._staging_bytes = self._peak_staging = self._bytes_received = 0
+        self._local_abort: str | None = None
+        self._error: str | None = None
+        self._stop = False
+        self._last_progress = time.monotonic()
+        self._wake_at = 0          # boundary at which maybe_switch wakes the control thread
+        self._deferred = 0
+        self._max_switch_s = 0.0
+        self._threads: list[threading.Thread] = []
+
+    # ---------------------------------------------------------------- decode-thread API
+    def start(self) -> None:
+        """Begin; call at the same step boundary on every rank."""
+        with self._lock:
+            if self._state != "pending":
+                raise RuntimeError(f"migration already {self._state}")
+            self._state = "running" if self._all_layers else "done"
+            self._last_progress = time.monotonic()
+        if self._cuda:  # the side stream must see every earlier write to the live weights
+            self._start_event = torch.cuda.Event()
+            self._start_event.record(torch.cuda.current_stream(self._device))
+        if not self._all_layers:
+            return
+        for name, fn in (("transfer", self._transfer_main), ("control", self._control_main)):
+            t = threading.Thread(target=fn, name=f"eplb-migration-{name}-r{self.rank}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def maybe_switch(self) -> list[int]:
+        """Call once per step boundary (between forward passes). Returns the layers switched now.
+
+        Never waits for transfers: at a decision boundary it applies the agreed decision, or,
+        if it is not known yet, settles the round as "switch nothing" with one store round trip.
+        """
+        if self._state != "running":
+            return []
+        t0 = time.perf_counter()
+        with self._cv:
+            self._boundary += 1
+            b, r = self._boundary, self._next_round
+            if b >= self._wake_at:  # the control thread waits for this boundary
+                self._cv.notify_all()
+            if b < (r + 1) * self._every:
+                self._max_switch_s = max(self._max_switch_s, time.perf_counter() - t0)
+                return []
+            dec = self._decisions.get(r)
+        if dec is None:
+            try:
+                dec = _parse(self._store.compare_set(_round_key(r), "", "S:"))
+            except Exception as e:  # store lost: nothing can be agreed any more
+                dec = ("abort", f"rank {self.rank}: store unreachable at boundary {b}: {e}")
+            with self._lock:
+                dec = self._decisions.setdefault(r, dec)
+                self._deferred += 1
+        switched = self._apply(r, b, dec)
+        with self._cv:
+            self._next_round = r + 1
+            self._cv.notify_all()
+        self._max_switch_s = max(self._max_switch_s, time.perf_counter() - t0)
+        return switched
+
+    @property
+    def routing_map(self) -> np.ndarray:
+        """[L, S] physical slot -> logical expert now in force (read-only view)."""
+        v = self._phy2log.view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self._phy2log.copy(), self.topology, self.plan.old.num_experts,
+                         self.plan.new.algorithm)
+
+    @property
+    def status(self) -> MigrationStatus:
+        with self._lock:
+            sw = dict(self._switched)
+            return MigrationStatus(
+                state=self._state, switched_layers=tuple(sorted(sw)),
+                pending_layers=tuple(sorted(self._all_layers - sw.keys())),
+                ready_layers=tuple(sorted(self._ready - sw.keys())), switch_boundary=sw,
+                error=self._error, boundary=self._boundary, staging_bytes=self._staging_bytes,
+                peak_staging_bytes=self._peak_staging, bytes_received=self._bytes_received,
+                deferred_rounds=self._deferred, max_switch_s=self._max_switch_s)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop (aborting if still running) and join the background threads."""
+        if self._state == "running":
+            self._abort(self._next_round, self._boundary, f"rank {self.rank}: closed while running")
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout)
+
+    # ---------------------------------------------------------------- switching
+    def _apply(self, r: int, b: int, dec) -> list[int]:
+        kind, payload = dec
+        if kind == "abort":
+            self._abort(r, b, payload)
+            return []
+        layers = [l for l in payload if l in self._all_layers and l not in self._switched]
+        stream = torch.cuda.current_stream(self._device) if self._cuda else None
+        for l in layers:
+            if l not in self._ready:  # cannot happen: counter == world includes this rank
+                self._abort(r, b, f"rank {self.rank}: protocol error, layer {l} agreed but not ready")
+                return []
+            tids = self.plan.incoming(self.rank, l)
+            with self._lock:
+                bufs = {tid: self._staging.pop(tid) for tid in tids}
+            for tid, buf in bufs.items():
+                j = self.plan.transfers[tid].dst_slot - self.rank * self._k
+                for w, s in zip(self._weights[l], buf):
+                    w[j].copy_(s, non_blocking=self._cuda)
+                    if stream is not None:
+                        s.record_stream(stream)
+            self._phy2log[l] = self.plan.new.phy2log[l]
+            with self._cv:
+                self._staging_bytes -= len(bufs) * self.plan.expert_bytes
+                self._switched[l] = b
+                self._last_progress = time.monotonic()
+                if self._all_layers <= self._switched.keys():
+                    self._state = "done"
+                self._cv.notify_all()
+        if layers and self._on_switch is not None:
+            self._on_switch(layers)
+        if layers and self._state == "done":
+            log.info("EPLB migration %s done at step boundary %d: %s", self.migration_id, b,
+                     self.plan.summary())
+        return layers
+
+    def _abort(self, r: int, b: int, reason: str) -> None:
+        with self._cv:
+            if self._state in ("done", "aborted"):
+                return
+            self._state, self._error, self._stop = "aborted", reason, True
+            freed, self._staging_bytes = self._staging_bytes, 0
+            self._staging.clear()
+            switched = sorted(self._switched)
+            aborted = sorted(self._all_layers - self._switched.keys())
+            self._cv.notify_all()
+        log.error("EPLB migration %s aborted on rank %d at step boundary %d (round %d): %s. "
+                  "Layers %s stay on the old placement; layers %s had already switched (on all "
+                  "ranks) and keep the new one; %d staging bytes freed.", self.migration_id,
+                  self.rank, b, r, reason, aborted, switched, freed)
+        if self._cuda and self._group is not None:
+            try:  # NCCL P2P cannot be cancelled; the dedicated migration group is given up
+                dist.distributed_c10d._abort_process_group(self._group)
+            except Exception:  # pragma: no cover - GPU only
+                log.debug("could not abort the migration group", exc_info=True)
+
+    # ---------------------------------------------------------------- control thread
+    def _control_main(self) -> None:
+        try:
+            self._control_loop()
+        except Exception as e:  # store failure
+            self._fail(f"rank {self.rank}: control thread failed: {type(e).__name__}: {e}")
+
+    def _control_loop(self) -> None:
+        st = self._store
+        for l in self.plan.layers:
+            st.add(_ready_key(l), 0)   # create the counters, so that multi_get never blocks
+        st.add("progress", 0)
+        seen_progress = -1
+        r = 0
+        while True:
+            with self._cv:
+                while True:
+                    if self._stop or self._state != "running":
+                        return
+                    r = max(r, self._next_round)
+                    while r in self._decisions:
+                        r += 1
+                    if self._local_abort is not None:
+                        break
+                    self._wake_at = (r + 1) * self._every - self._ahead
+                    if self._boundary >= self._wake_at:
+                        break
+                    idle = time.monotonic() - self._last_progress
+                    if idle > self._watchdog_s:
+                        self._local_abort = (f"rank {self.rank}: no migration progress for "
+                                             f"{idle:.1f} s (peers stopped?)")
+                        break
+                    self._cv.wait(timeout=min(0.05, self._watchdog_s))
+                abort = self._local_abort
+                pending = sorted(self._all_layers - self._switched.keys()
+                                 - {l for d in self._decisions.values() if d[0] == "switch"
+                                    for l in d[1]})
+            if abort is not None:
+                value = "A:" + abort
+            else:
+                keys = [_ready_key(l) for l in pending] + ["progress"]
+                vals = [int(v) for v in st.multi_get(keys)]
+                if vals[-1] != seen_progress:
+                    seen_progress = vals[-1]
+                    with self._lock:
+                        self._last_progress = time.monotonic()
+                value = "S:" + ",".join(str(l) for l, v in zip(pending, vals) if v >= self.world)
+            dec = _parse(st.compare_set(_round_key(r), "", value))
+            with self._cv:
+                dec = self._decisions.setdefault(r, dec)
+                self._cv.notify_all()
+            if dec[0] == "abort" or set(pending) <= set(dec[1]):
+                return
+            r += 1
+
+    def _fail(self, reason: str) -> None:
+        with self._cv:
+            if self._local_abort is None and self._state == "running":
+                self._local_abort = reason
+                log.debug("EPLB migration %s: %s", self.migration_id, reason)
+            self._cv.notify_all()
+
+    # ---------------------------------------------------------------- transfer thread
+    def _transfer_main(self) -> None:
+        try:
+            if self._cuda:  # pragma: no cover - GPU only
+                torch.cuda.set_device(self._device)
+                self._stream.wait_event(self._start_event)
+            for chunk in self.plan.chunks:
+                if not self._gate(chunk):
+                    return
+                self._run_chunk(chunk)
+        except Exception as e:
+            self._fail(f"rank {self.rank}: {type(e).__name__}: {e}")
+
+    def _gate(self, chunk: Chunk) -> bool:
+        """Wait until the previous chunk's layers switched (their staging is free)."""
+        prev = self.plan.chunks[chunk.index - 1].layers if chunk.index else ()
+        with self._cv:
+            while not self._stop and not all(l in self._switched for l in prev):
+                self._cv.wait(timeout=0.1)
+            return not self._stop
+
+    def _run_chunk(self, chunk: Chunk) -> None:
+        plan, me = self.plan, self.rank
+        bufs = {}
+        for l in chunk.layers:
+            for tid in plan.incoming(me, l):
+                bufs[tid] = [torch.empty_like(w[0]) for w in self._weights[l]]
+        with self._cv:
+            if self._stop:
+                return
+            self._staging.update(bufs)
+            self._staging_bytes += len(bufs) * plan.expert_bytes
+            self._peak_staging = max(self._peak_staging, self._staging_bytes)
+        waiting = {l: set(plan.incoming(me, l)) for l in chunk.layers}
+        for l in [l for l, s in waiting.items() if not s]:
+            self._mark_ready(l)
+            del waiting[l]
+        for stage in chunk.stages:
+            if self._stop:
+                return
+            done = self._run_stage(chunk, stage)
+            self._store.add("progress", 1)
+            for l in list(waiting):
+                waiting[l] -= done
+                if not waiting[l]:
+                    self._mark_ready(l)
+                    del waiting[l]
+
+    def _mark_ready(self, layer: int) -> None:
+        with self._cv:
+            if self._stop:
+                return
+            self._ready.add(layer)
+            self._last_progress = time.monotonic()
+        self._store.add(_ready_key(layer), 1)
+
+    def _src_tensors(self, t: Transfer) -> list[torch.Tensor]:
+        if t.from_staging:
+            with self._lock:
+                return self._staging[t.src_tid]
+        j = t.src_slot - self.rank * self._k
+        return [w[j] for w in self._weights[t.layer]]
+
+    def _run_stage(self, chunk: Chunk, stage: Stage) -> set[int]:
+        """Post this rank's part of one stage and wait for it; returns the tids received here."""
+        me, plan = self.rank, self.plan
+        mine = [plan.transfers[i] for i in stage.tids
+                if plan.transfers[i].src_rank == me or plan.transfers[i].dst_rank == me]
+        if not mine:
+            return set()
+        with self._lock:
+            if self._stop:
+                return set()
+            staging = {t.tid: self._staging[t.tid] for t in mine if t.dst_rank == me}
+        ops, copies, received = [], [], set()
+        for t in mine:
+            if t.dst_rank == me:
+                received.add(t.tid)
+            if t.src_rank == me and t.dst_rank == me:
+                copies.append((self._src_tensors(t), staging[t.tid]))
+            elif t.src_rank == me:
+                for i, x in enumerate(self._src_tensors(t)):
+                    ops.append((dist.isend, x if x.is_contiguous() else x.contiguous(), t.dst_rank,
+                                self._tag(t, i), f"send of {t.describe()}"))
+            else:
+                for i, x in enumerate(staging[t.tid]):
+                    ops.append((dist.irecv, x, t.src_rank, self._tag(t, i), f"recv of {t.describe()}"))
+        deadline = time.monotonic() + self.timeout_s
+        if self._cuda:
+            self._run_stage_cuda(ops, copies, deadline, stage)
+        else:
+            works = []
+            for op, x, peer, tag, what in ops:
+                kw = {"group_dst": peer} if op is dist.isend else {"group_src": peer}
+                works.append((op(x, group=self._group, tag=tag, **kw), what))
+            for src, dst in copies:
+                for s, d in zip(src, dst):
+                    d.copy_(s)
+            for w, what in works:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{what}: not complete after {self.timeout_s:.1f} s")
+                try:
+                    w.wait(timeout=datetime.timedelta(seconds=max(left, 1e-3)))
+                except Exception as e:
+                    raise RuntimeError(f"{what} failed: {e}") from e
+        with self._lock:
+            self._bytes_received += len(received) * plan.expert_bytes
+            self._last_progress = time.monotonic()
+        return received
+
+    def _run_stage_cuda(self, ops, copies, deadline, stage) -> None:  # pragma: no cover - GPU only
+        """NCCL path: everything on the side stream; the host polls an event with a deadline."""
+        with torch.cuda.stream(self._stream):
+            for src, dst in copies:
+                for s, d in zip(src, dst):
+                    d.copy_(s, non_blocking=True)
+            if ops:
+                # both ends post in (tid, tensor) order, which is how NCCL matches a pair's ops
+                p2p = [dist.P2POp(op, x, group=self._group, tag=tag, group_peer=peer)
+                       for op, x, peer, tag, _ in ops]
+                for w in dist.batch_isend_irecv(p2p):
+                    w.wait()  # stream-level: the side stream waits for the NCCL stream
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{stage.kind} stage ({len(ops)} P2P ops) not complete after "
+                                   f"{self.timeout_s:.1f} s")
+            time.sleep(5e-4)
+
+    def _tag(self, t: Transfer, i: int) -> int:
+        return self._tag_base + t.tid * self._ntensors + i
+
+
+def _round_key(r: int) -> str:
+    return f"round/{r}"
+
+
+def _ready_key(layer: int) -> str:
+    return f"ready/{layer}"
+
+
+def _parse(raw) -> tuple[str, object]:
+    s = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+    if s.startswith("A:"):
+        return ("abort", s[2:])
+    if s.startswith("S:"):
+        return ("switch", tuple(int(x) for x in s[2:].split(",") if x))
+    raise ValueError(f"unexpected migration decision {s!r}")
