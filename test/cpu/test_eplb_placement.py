@@ -1,0 +1,276 @@
+"""Placement algorithms (sglang_h20.eplb.placement.place) on synthetic co-activation stats.
+
+Metrics are computed here from the stats alone, independently of the planner's internals:
+GPU balancedness (mean / max GPU load, a replicated expert's load split evenly over its copies)
+and the co-activation cut (pair weight between experts that share no node).
+"""
+import time
+
+import numpy as np
+import pytest
+
+from sglang_h20.eplb.placement import ALGORITHMS, Placement, Topology, place
+from sglang_h20.eplb.stats import CoactivationStats
+
+E, K = 256, 8  # DeepSeek-V3: 256 routed experts, top-8
+
+
+# --- synthetic routing and metrics ----------------------------------------------------------
+
+def routing(L, T, rng, skew=0.3, cluster=0, noise=0.0, num_experts=E):
+    """topk ids [L, T, K]. Without clusters: experts drawn by a lognormal popularity (sigma
+    `skew`). With clusters: per layer the experts are split into random groups of `cluster`
+    that always fire together (a token fires one whole group, groups drawn by popularity), and a
+    `noise` fraction of the slots goes to random experts. Returns (topk, groups or None)."""
+    pop = rng.normal(0.0, skew, (L, num_experts))
+    if not cluster:
+        score = pop[:, None, :] + rng.gumbel(size=(L, T, num_experts))
+        return np.argpartition(-score, K, axis=2)[..., :K], None
+    groups = np.stack([rng.permutation(num_experts) for _ in range(L)]).reshape(L, -1, cluster)
+    topk = np.empty((L, T, K), dtype=np.int64)
+    for l in range(L):
+        p = np.exp(pop[l, : groups.shape[1]])
+        topk[l] = groups[l, rng.choice(groups.shape[1], T, p=p / p.sum())][:, :K]
+        r = rng.random((T, K)) < noise
+        topk[l][r] = rng.integers(0, num_experts, r.sum())
+    return topk, groups
+
+
+def stats_from(topk, num_experts=E) -> CoactivationStats:
+    """Same counts as CoactivationStats.from_topk_ids, through a float32 matmul (fast, exact)."""
+    L, T, _ = topk.shape
+    coact = np.empty((L, num_experts, num_experts), dtype=np.int64)
+    for l in range(L):
+        onehot = np.zeros((T, num_experts), dtype=np.float32)
+        np.put_along_axis(onehot, topk[l], 1.0, axis=1)
+        coact[l] = (onehot.T @ onehot).astype(np.int64)
+    return CoactivationStats(coact, T)
+
+
+def gpu_balancedness(p: Placement, load: np.ndarray) -> np.ndarray:
+    """[L] mean / max GPU load, each copy carrying load / replicas."""
+    w = np.take_along_axis(load / p.replica_counts(), p.phy2log, axis=1)
+    gpu = w.reshape(w.shape[0], p.topology.num_gpus, -1).sum(axis=2)
+    return gpu.mean(axis=1) / gpu.max(axis=1)
+
+
+def expert_nodes(p: Placement, layer: int) -> np.ndarray:
+    """[E, N] bool: expert has a copy on node."""
+    has = np.zeros((p.num_experts, p.topology.num_nodes), dtype=bool)
+    has[p.phy2log[layer], p.topology.slot_node()] = True
+    return has
+
+
+def cut_fraction(p: Placement, coact: np.ndarray) -> np.ndarray:
+    """[L] share of the co-activation pair weight between experts that share no node."""
+    out = []
+    for l in range(coact.shape[0]):
+        has = expert_nodes(p, l).astype(float)
+        w = coact[l].astype(float)
+        np.fill_diagonal(w, 0.0)
+        out.append((w * ((has @ has.T) == 0)).sum() / max(w.sum(), 1.0))
+    return np.array(out)
+
+
+def clusters_on_one_node(p: Placement, groups: np.ndarray) -> float:
+    """Share of planted clusters whose members all have a copy on one common node."""
+    return float(np.mean([expert_nodes(p, l)[groups[l]].all(axis=1).any(axis=1).mean()
+                          for l in range(groups.shape[0])]))
+
+
+# --- invariants -----------------------------------------------------------------------------
+
+TOPOLOGIES = {  # name: (topology without redundancy, with 64 redundant slots)
+    "2x8": (Topology(2, 8, 16), Topology(2, 8, 20)),
+    "4x8": (Topology(4, 8, 8), Topology(4, 8, 10)),
+    "8x8": (Topology(8, 8, 4), Topology(8, 8, 5)),
+}
+
+
+@pytest.fixture(scope="module")
+def random_stats():
+    return stats_from(routing(3, 2048, np.random.default_rng(1), skew=0.5)[0])
+
+
+def check_invariants(p: Placement, topo: Topology, num_layers: int, num_experts: int = E):
+    assert p.phy2log.shape == (num_layers, topo.num_slots) and p.phy2log.dtype == np.int64
+    p.validate()  # ids in range, every expert >= 1 replica, log2phy/phy2log agree
+    counts = p.replica_counts()
+    assert (counts >= 1).all()
+    assert (counts.sum(axis=1) == topo.num_slots).all()
+    for l in range(num_layers):
+        slots = p.log2phy(l)
+        assert sorted(np.concatenate(slots).tolist()) == list(range(topo.num_slots))
+        for e in range(num_experts):
+            assert (p.phy2log[l, slots[e]] == e).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("redundant", [False, True], ids=["no-redundancy", "64-redundant"])
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+def test_invariants(random_stats, algorithm, redundant, name):
+    topo = TOPOLOGIES[name][redundant]
+    if algorithm == "balanced" and redundant:
+        with pytest.raises(ValueError, match="without replication"):
+            place(random_stats, topo, algorithm)
+        return
+    p = place(random_stats, topo, algorithm)
+    assert p.algorithm == algorithm and p.topology == topo and p.num_experts == E
+    check_invariants(p, topo, random_stats.num_layers)
+    if algorithm in ("balanced", "contiguous") and not redundant:
+        assert (p.replica_counts() == 1).all()
+    if algorithm == "contiguous" and not redundant:
+        assert (p.phy2log == np.arange(E)).all()
+    if algorithm == "affinity":  # never two copies of an expert on one node
+        sn = topo.slot_node()
+        for l in range(random_stats.num_layers):
+            for slots in p.log2phy(l):
+                assert len(set(sn[slots].tolist())) == len(slots)
+
+
+@pytest.mark.parametrize("topo,num_experts", [(Topology(3, 2, 4), 20), (Topology(2, 8, 4), 60),
+                                              (Topology(1, 4, 4), 16)])
+def test_affinity_odd_shapes(topo, num_experts):
+    """Odd node counts, experts not divisible by nodes or GPUs, a single node."""
+    rng = np.random.default_rng(2)
+    st = stats_from(routing(2, 512, rng, skew=0.5, num_experts=num_experts)[0], num_experts)
+    for algorithm in ("contiguous", "deepseek", "affinity"):
+        check_invariants(place(st, topo, algorithm), topo, 2, num_experts)
+
+
+def test_empty_stats_give_valid_placements():
+    st = CoactivationStats.empty(2, E)
+    for topo in TOPOLOGIES["8x8"]:
+        for algorithm in ("contiguous", "deepseek", "deepseek_hierarchical", "affinity"):
+            check_invariants(place(st, topo, algorithm), topo, 2)
+
+
+def test_contiguous_replicates_the_heaviest_experts(random_stats):
+    topo = TOPOLOGIES["8x8"][1]  # 4 experts + 1 replica per GPU
+    p = place(random_stats, topo, "contiguous")
+    base = p.phy2log.reshape(3, topo.num_gpus, topo.slots_per_gpu)
+    assert (base[:, :, :4].reshape(3, -1) == np.arange(E)).all()
+    for l in range(3):
+        heaviest = np.argsort(-random_stats.load[l], kind="stable")[:topo.num_gpus]
+        assert base[l, :, 4].tolist() == heaviest.tolist()
+
+
+def test_balanced_is_lpt_without_replication(random_stats):
+    topo = TOPOLOGIES["8x8"][0]
+    p = place(random_stats, topo, "balanced")
+    bal = gpu_balancedness(p, random_stats.load)
+    naive = gpu_balancedness(place(random_stats, topo, "contiguous"), random_stats.load)
+    eplb = gpu_balancedness(place(random_stats, topo, "deepseek"), random_stats.load)
+    assert (bal > naive + 0.1).all() and (bal >= eplb - 1e-9).all()  # EPLB packs by LPT too
+
+
+def test_deepseek_matches_sglang_directly(random_stats):
+    import torch
+    from sglang.srt.eplb.eplb_algorithms import EplbAlgorithm, rebalance_experts
+
+    topo = TOPOLOGIES["4x8"][1]
+    for algorithm, groups in (("deepseek", 1), ("deepseek_hierarchical", 8)):
+        ref, _, _ = rebalance_experts(
+            tokens_per_expert=torch.tensor(random_stats.load)[None], num_physical_experts=topo.num_slots,
+            num_local_physical_experts=topo.slots_per_gpu, num_groups=groups, num_nodes=topo.num_nodes,
+            algorithm=EplbAlgorithm[algorithm])
+        assert (place(random_stats, topo, algorithm).phy2log == ref.numpy()).all()
+
+
+def test_argument_errors(random_stats):
+    topo = TOPOLOGIES["8x8"][0]
+    with pytest.raises(ValueError, match="unknown placement algorithm"):
+        place(random_stats, topo, "nope")
+    with pytest.raises(ValueError, match="affinity must lie"):
+        place(random_stats, topo, "affinity", affinity=1.5)
+    with pytest.raises(ValueError, match="cannot hold"):
+        place(random_stats, Topology(8, 8, 3), "affinity")
+    with pytest.raises(ValueError, match="num_groups"):
+        place(random_stats, topo, "deepseek_hierarchical", num_groups=6)
+    with pytest.raises(ValueError, match="num_groups"):
+        place(random_stats, Topology(16, 4, 4), "deepseek_hierarchical")  # 8 groups, 16 nodes
+    with pytest.raises(ValueError, match="copies"):
+        place(random_stats, Topology(1, 8, 40), "affinity")  # 1 node: one copy per expert at most
+
+
+# --- the affinity algorithm -----------------------------------------------------------------
+
+def test_affinity_is_deterministic_for_a_seed(random_stats):
+    topo = TOPOLOGIES["8x8"][1]
+    a = place(random_stats, topo, "affinity", seed=3)
+    b = place(random_stats, topo, "affinity", seed=3)
+    assert (a.phy2log == b.phy2log).all()
+    check_invariants(place(random_stats, topo, "affinity", seed=4), topo, 3)
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """32 clusters of 8 experts that fire together; 10% of the routed slots are noise."""
+    topk, groups = routing(4, 4096, np.random.default_rng(0), skew=0.3, cluster=8, noise=0.1)
+    return stats_from(topk), groups
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("redundant", [False, True], ids=["no-redundancy", "64-redundant"])
+def test_affinity_keeps_planted_clusters_on_one_node(planted, name, redundant):
+    st, groups = planted
+    topo = TOPOLOGIES[name][redundant]
+    aff = place(st, topo, "affinity")
+    ds = place(st, topo, "deepseek")
+    kept_aff, kept_ds = clusters_on_one_node(aff, groups), clusters_on_one_node(ds, groups)
+    cut_aff, cut_ds = cut_fraction(aff, st.coact).mean(), cut_fraction(ds, st.coact).mean()
+    print(f"{name} redundant={redundant}: clusters on one node {kept_aff:.2f} vs deepseek "
+          f"{kept_ds:.2f}; cut {cut_aff:.3f} vs {cut_ds:.3f}; balancedness "
+          f"{gpu_balancedness(aff, st.load).mean():.3f} vs {gpu_balancedness(ds, st.load).mean():.3f}")
+    assert kept_aff >= 0.7 and kept_aff >= kept_ds + 0.6
+    assert cut_aff <= 0.4 * cut_ds
+    assert gpu_balancedness(aff, st.load).min() >= 0.95
+
+
+@pytest.fixture(scope="module")
+def skewed():
+    """Moderately skewed load (lognormal popularity, sigma 0.3: hottest expert ~2x the mean)."""
+    return stats_from(routing(6, 4096, np.random.default_rng(5), skew=0.3)[0])
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("redundant", [False, True], ids=["no-redundancy", "64-redundant"])
+def test_affinity_balancedness_on_skewed_load(skewed, name, redundant):
+    topo = TOPOLOGIES[name][redundant]
+    aff = place(skewed, topo, "affinity")
+    ds = place(skewed, topo, "deepseek")
+    bal, bal_ds = gpu_balancedness(aff, skewed.load), gpu_balancedness(ds, skewed.load)
+    cut, cut_ds = cut_fraction(aff, skewed.coact).mean(), cut_fraction(ds, skewed.coact).mean()
+    print(f"{name} redundant={redundant}: balancedness min {bal.min():.3f} (deepseek "
+          f"{bal_ds.min():.3f}); cut {cut:.3f} (deepseek {cut_ds:.3f})")
+    assert bal.min() >= 0.95
+    assert cut < cut_ds  # some locality even without planted structure
+
+
+def test_affinity_knob_trades_balance_for_locality(planted):
+    st, _ = planted
+    topo = TOPOLOGIES["8x8"][1]
+    res = {a: place(st, topo, "affinity", affinity=a) for a in (0.0, 0.5, 1.0)}
+    bal = {a: gpu_balancedness(p, st.load).mean() for a, p in res.items()}
+    cut = {a: cut_fraction(p, st.coact).mean() for a, p in res.items()}
+    print("balancedness", bal, "cut", cut)
+    ds_bal = gpu_balancedness(place(st, topo, "deepseek"), st.load).mean()
+    assert bal[0.0] >= ds_bal - 0.005  # affinity 0: pure balance, at least EPLB's
+    assert bal[0.0] >= bal[0.5] >= bal[1.0] - 0.005 and bal[1.0] >= 0.9
+    assert cut[1.0] <= cut[0.5] + 0.01 and cut[0.5] < 0.5 * cut[0.0]
+
+
+@pytest.mark.parametrize("spg", [4, 5], ids=["no-redundancy", "64-redundant"])
+def test_affinity_planner_time_58_layers_64_gpus(spg):
+    """DeepSeek-V3 size: 58 MoE layers x 256 experts on 8 nodes x 8 GPUs, under 1 s. The planner
+    is single-threaded numpy (the one matmul is small); best of 3 against scheduler noise."""
+    st = stats_from(routing(58, 1024, np.random.default_rng(7), skew=0.5)[0])
+    topo = Topology(8, 8, spg)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        p = place(st, topo, "affinity")
+        times.append(time.perf_counter() - t0)
+    print(f"planner time 58x256 on 8x8x{spg}: best {min(times):.3f} s, all {times}")
+    p.validate()
+    assert min(times) < 1.0
