@@ -90,19 +90,36 @@ def test_evaluate_two_layers_and_padding():
     assert m["network_copies"] == 1 and m["nvlink_copies"] == 1  # lands GPU2, forwarded to GPU3
 
 
-def test_replica_choice_prefers_own_node_then_round_robin():
+def test_replica_choice_prefers_own_node_then_hashed():
     # expert 0 in slots 0 (GPU0), 3 (GPU1), 7 (GPU3); expert 1 only in slots 1 and 2 (node 0)
     pl = P([0, 1, 1, 0, 2, 3, 4, 0], experts=5)
     ids = np.array([[[0], [0], [0], [0], [1], [1], [1]]])
     node = np.array([0, 0, 0, 1, 1, 1, 0])
     slots = sim.choose_slots(pl, ids, node)[0, :, 0]
-    # node-0 tokens round-robin over node-0 replicas [0, 3] by token index; node-1 token -> slot 7;
-    # expert 1 has no node-1 replica: round-robin over all replicas [1, 2] by token index
-    assert slots.tolist() == [0, 3, 0, 7, 1, 2, 1]
+    pick = lambda t, e: (t * 2654435761 + e * 40503) % 2147483647  # noqa: E731  (the documented rule)
+    # node-0 tokens choose among node-0 replicas [0, 3]; the node-1 token -> slot 7 (its only local one);
+    # expert 1 has no node-1 replica: every token chooses among all replicas [1, 2]
+    want = [[0, 3][pick(0, 0) % 2], [0, 3][pick(1, 0) % 2], [0, 3][pick(2, 0) % 2], 7,
+            [1, 2][pick(4, 1) % 2], [1, 2][pick(5, 1) % 2], [1, 2][pick(6, 1) % 2]]
+    assert slots.tolist() == want
     m = sim.evaluate(pl, ids, token_node=node)
-    assert m["gpu_load"].tolist() == [[4, 2, 0, 1]]
-    assert m["balancedness"] == pytest.approx((7 / 4) / 4)
+    load = np.bincount(np.array(want) // 2, minlength=4)
+    assert m["gpu_load"].tolist() == [load.tolist()]
+    assert m["balancedness"] == pytest.approx((7 / 4) / load.max())
     assert m["cross_node_total"] == 2  # tokens 4 and 5 (node 1) -> node 0
+
+
+def test_remote_replica_choice_does_not_follow_token_origin():
+    """Each node's tokens spread evenly over remote replicas (no aliasing with t % num_nodes)."""
+    # 4 nodes x 1 GPU x 2 slots; expert 0 on nodes 1 and 2 only: node-0 tokens (t = 0, 4, 8, ...) would
+    # all take the same replica under a plain t % replicas rule
+    pl = sim.Placement(np.array([[1, 2, 0, 3, 0, 4, 5, 6]]), sim.Topology(4, 1, 2), 7)
+    T = 4000
+    ids = np.zeros((1, T, 1), dtype=np.int64)
+    node = np.arange(T) % 4
+    slots = sim.choose_slots(pl, ids, node)[0, :, 0]
+    from_node0 = np.bincount(slots[node == 0], minlength=8)[[2, 4]]
+    assert from_node0.min() > 0.85 * from_node0.max(), from_node0
 
 
 def test_evaluate_rejects_bad_inputs():

@@ -3,8 +3,9 @@
 Model of one MoE layer of one step (see `evaluate`):
   * token t originates on node token_node[t] (default t % num_nodes) and, inside it, on GPU
     node * gpus_per_node + (t's ordinal among its node's tokens) % gpus_per_node;
-  * for each of its experts the token picks one replica: one on its own node if any (round-robin
-    over those by token index), else round-robin over all replicas by token index;
+  * for each of its experts the token picks one replica: one on its own node if any, else any replica;
+    among the candidates by a hash of (token, expert), so the choice is spread evenly and does not
+    correlate with the token's origin node (which is also derived from the token index);
   * GPU load = (token, expert) pairs a GPU's slots receive, its own tokens included;
     balancedness = mean / max GPU load (SGLang's definition), 1.0 = perfect;
   * cross-node traffic = distinct remote nodes among the token's chosen replicas;
@@ -108,13 +109,14 @@ def choose_slots(placement: Placement, topk_ids: np.ndarray, token_node: np.ndar
         ncounts = np.bincount(nkey, minlength=E * N)
         nstarts = np.cumsum(ncounts) - ncounts
         e = ids[layer]
+        pick = (t * 2654435761 + e * 40503) % 2147483647  # decorrelated from t % N (token origin)
         en = e * N + key_node
         lc = ncounts[en]
-        local = norder[np.minimum(nstarts[en] + t % np.maximum(lc, 1), len(row) - 1)]
+        local = norder[np.minimum(nstarts[en] + pick % np.maximum(lc, 1), len(row) - 1)]
         c = counts[e]
         if (c[valid[layer]] == 0).any():
             raise ValueError(f"layer {layer}: a routed expert has no replica in the placement")
-        anywhere = order[np.minimum(starts[e] + t % np.maximum(c, 1), len(row) - 1)]
+        anywhere = order[np.minimum(starts[e] + pick % np.maximum(c, 1), len(row) - 1)]
         out[layer] = np.where(lc > 0, local, anywhere)
     out[~valid] = -1
     return out
