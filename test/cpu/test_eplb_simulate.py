@@ -372,13 +372,14 @@ def test_simulate_without_place_needs_trivial_only(monkeypatch):
 
 def test_summary_reduction():
     def alg(c, b):
-        return {"cross_node_mean": c, "balancedness": b}
+        return {"cross_node_mean": c, "balancedness": b, "balancedness_window": b + 0.05}
     res = {"clusters": {"ep16": {"algorithms": {"deepseek": alg(2.0, 0.9), "deepseek_hierarchical": alg(1.6, 0.8),
                                                 "affinity": alg(1.2, 0.85), "contiguous": alg(0.5, 0.3)}}}}
     s = sim.summarize(res)["clusters"]["ep16"]
     assert s["best_sglang"] == "deepseek_hierarchical"
     assert s["affinity_reduction_pct"] == pytest.approx(25.0)
     assert s["best_sglang_balancedness"] == 0.8 and s["affinity_balancedness"] == 0.85
+    assert s["affinity_balancedness_window"] == pytest.approx(0.9)
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------------

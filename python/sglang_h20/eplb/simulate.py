@@ -393,7 +393,7 @@ def simulate(cfg: SimConfig, *, placer: Placer | None = None, progress: bool = T
                 for alg in cfg.algorithms:
                     bar.set_description(f"{structure} {tname} {alg}")
                     current = trivial_placement(topo, L, cfg.num_experts)
-                    per_step, migrations, plan_s = [], [], 0.0
+                    per_step, migrations, plan_s, window_load = [], [], 0.0, None
                     error = None
                     for i, (point, stats, (lo, hi)) in enumerate(plans[structure]):
                         if alg == TRIVIAL:
@@ -415,7 +415,8 @@ def simulate(cfg: SimConfig, *, placer: Placer | None = None, progress: bool = T
                         current = new
                         for s in range(lo, hi):
                             m = evaluate(current, steps[s])
-                            m.pop("gpu_load")
+                            load = m.pop("gpu_load")
+                            window_load = load if window_load is None else window_load + load
                             per_step.append(m)
                             bar.update(1)
                     if error is not None:
@@ -427,6 +428,8 @@ def simulate(cfg: SimConfig, *, placer: Placer | None = None, progress: bool = T
                     algs[alg] = {
                         "balancedness": _mean([m["balancedness"] for m in per_step]),
                         "balancedness_min": float(min(m["balancedness"] for m in per_step)),
+                        # over the whole evaluation window, as SGLang's EPLB accounts load (per layer, averaged)
+                        "balancedness_window": float((window_load.mean(axis=1) / window_load.max(axis=1)).mean()),
                         "balancedness_per_layer": np.mean([m["balancedness_per_layer"] for m in per_step],
                                                           axis=0).tolist(),
                         "cross_node_mean": _mean([m["cross_node_mean"] for m in per_step]),
@@ -464,7 +467,8 @@ def summarize(results: dict) -> dict:
         for tname, r in by_topo.items():
             algs = {a: v for a, v in r["algorithms"].items() if "error" not in v}
             row = {"cross_node_mean": {a: v["cross_node_mean"] for a, v in algs.items()},
-                   "balancedness": {a: v["balancedness"] for a, v in algs.items()}}
+                   "balancedness": {a: v["balancedness"] for a, v in algs.items()},
+                   "balancedness_window": {a: v["balancedness_window"] for a, v in algs.items()}}
             sg = [a for a in SGLANG_ALGORITHMS if a in algs]
             if sg and "affinity" in algs:
                 best = min(sg, key=lambda a: algs[a]["cross_node_mean"])
@@ -474,6 +478,8 @@ def summarize(results: dict) -> dict:
                     "affinity_reduction_pct": (b - a) / b * 100.0 if b > 0 else 0.0,
                     "best_sglang_balancedness": algs[best]["balancedness"],
                     "affinity_balancedness": algs["affinity"]["balancedness"],
+                    "best_sglang_balancedness_window": algs[best]["balancedness_window"],
+                    "affinity_balancedness_window": algs["affinity"]["balancedness_window"],
                 })
             out.setdefault(structure, {})[tname] = row
     return out
@@ -576,7 +582,8 @@ def format_summary(record: dict) -> str:
                 if "error" in v:
                     lines.append(f"  {a:<22} skipped: {v['error']}")
                     continue
-                lines.append(f"  {a:<22} cross-node {v['cross_node_mean']:.3f}  bal {v['balancedness']:.3f}  "
+                lines.append(f"  {a:<22} cross-node {v['cross_node_mean']:.3f}  bal {v['balancedness']:.3f} "
+                             f"(window {v['balancedness_window']:.3f})  "
                              f"net {v['network_bytes_per_step'] / 1e9:.2f}  nvl {v['nvlink_bytes_per_step'] / 1e9:.2f}"
                              f"  mig {v['migration_bytes_per_rebalance'] / 1e9:.2f}")
             sm = record["summary"][s][t]
