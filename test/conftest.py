@@ -1,5 +1,14 @@
-"""Test-suite wiring: `gpu`-marked tests are skipped unless a Hopper-class CUDA GPU is visible."""
-import pytest
+"""Test-suite wiring: `gpu`-marked tests are skipped unless a Hopper-class CUDA GPU is visible.
+
+Without an NVIDIA device, Triton kernels run on its CPU interpreter: TRITON_INTERPRET must be set
+before anything imports triton, so it is set here, first.
+"""
+import os
+
+if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

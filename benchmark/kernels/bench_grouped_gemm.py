@@ -1,0 +1,607 @@
+#!/usr/bin/env python3
+"""FP8 block-scaled grouped GEMMs for DeepSeek-V3 MoE: ours (swapab, normal) against upstream.
+
+Providers (each timed on the same quantized inputs; one that cannot run is recorded under
+"unavailable" with the reason, never silently dropped):
+  ours-swapab, ours-normal     sgl_kernel_ext.grouped_gemm_fp8, masked and contiguous layouts,
+                               tiles from the heuristic (or the tuned table when one ships)
+  deepgemm                     deep_gemm.m_grouped_fp8_gemm_nt_contiguous (rows padded per expert to
+                               DeepGEMM's M alignment, padding rows m_indices = -1, as SGLang does) and
+                               the masked entry (fp8_m_grouped_gemm_nt_masked / m_grouped_fp8_gemm_nt_masked,
+                               expected_m = tokens per expert)
+  sglang-triton[-swapab]       SGLang 0.5.17's Triton fused-MoE GEMM,
+                               sglang.kernels.ops.moe.fused_moe_triton_kernels.invoke_fused_moe_kernel,
+                               top_k = 1 so that it is the same grouped GEMM (one routed copy per row), FP8
+                               w8a8 with block_shape [128, 128] and pre-quantized activations; swap_ab is
+                               forced off / on by replacing the module's should_enable_swap_ab (upstream
+                               turns it on only on sm90 for BLOCK_SIZE_M < 64 <= BLOCK_SIZE_N); the config
+                               is upstream's try_get_optimal_moe_config (swapab: BLOCK_SIZE_M cut to the
+                               power of two covering the tokens per expert, >= 16). moe_align_block_size
+                               runs outside the timed region.
+Points: shapes gate_up (N=4096, K=7168) and down (N=7168, K=2048) × experts {8,16,32,256} × tokens per
+expert {1,2,4,8,16,24,32,64,128,256}, each uniform, plus an "uneven" draw with the same total (Zipf-like
+expert popularity, some experts empty). Dense small-M linears (fp8_gemm_nt vs deep_gemm.fp8_gemm_nt):
+N×K = 24576×1536, 7168×16384, 2112×7168 at M {1..256}.
+
+Per point: µs (median of triton.testing.do_bench, L2 flushed before each run, the call captured in a
+CUDA graph where possible so that launch overhead is excluded), weight bytes read per µs (TB/s; weights
+of non-empty experts only, with scales), useful TFLOP/s (2·K·N·Σm), the relative error of one expert's
+output against float32 on dequantized inputs, and an H20 time labelled "modelled":
+    max(issued FLOPs / 296e12, bytes / 4.0e12)
+where issued FLOPs count the provider's tile padding (Σ_g ceil(m_g/T_tok)·T_tok · ceil(N/T_w)·T_w · 2K)
+and bytes = active weights + scales + activations + output. Peak read bandwidth of this GPU is measured
+first with a read-only Triton sum-reduction over a 4 GiB tensor.
+
+Output: --json OUT holds one object: numeric "latency_us" and "tflops" at the representative point
+(gate_up, 32 experts, 8 tokens each, ours-swapab, masked layout), "provenance"
+(sglang_h20.provenance.record()), "peak_read_tbs", "points", "unavailable", and "table_entries" in the
+format of python/sglang_h20/tables/grouped_gemm_<gpu>.json (see grouped_gemm_fp8.load_table). A roofline
+PNG goes next to it (--png to move it). --quick runs a small subset (about a minute on an H200).
+
+usage: bench_grouped_gemm.py [--quick] [--json OUT] [--png OUT] [--shapes gate_up down dense]
+                             [--groups 8 32] [--tokens 1 8 32] [--tune]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+REPO = Path(__file__).resolve().parents[2]
+for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout without installing
+    if str(_p) not in sys.path:
+        sys.path.append(str(_p))
+
+MOE_SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
+DENSE_SHAPES = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "qkv_a": (2112, 7168)}
+GROUPS = [8, 16, 32, 256]
+TOKENS = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256]
+DENSE_M = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+QUICK = {"groups": [8, 32], "tokens": [1, 8, 32, 128], "dense_m": [1, 32], "uneven_tokens": [8]}
+H20_FP8_FLOPS = 296e12  # dense FP8 tensor throughput
+H20_HBM_BPS = 4.0e12
+H200_FP8_FLOPS = 1979e12  # dense FP8, for the roofline plot's compute roof
+REPRESENTATIVE = {"shape": "gate_up", "groups": 32, "tokens_per_group": 8, "provider": "ours-swapab",
+                  "layout": "masked", "distribution": "uniform"}
+TUNE_GRID = {
+    "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4}
+               for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2)],
+    "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": 1, "num_warps": w}
+               for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for w in (4, 8)],
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small subset: groups 8,32; tokens 1,8,32,128")
+    ap.add_argument("--json", type=Path, help="write the results object here")
+    ap.add_argument("--png", type=Path, help="roofline plot (default: next to --json)")
+    ap.add_argument("--shapes", nargs="+", default=["gate_up", "down", "dense"],
+                    choices=[*MOE_SHAPES, "dense"])
+    ap.add_argument("--groups", nargs="+", type=int, help=f"experts per GPU (default {GROUPS})")
+    ap.add_argument("--tokens", nargs="+", type=int, help=f"tokens per expert (default {TOKENS})")
+    ap.add_argument("--providers", nargs="+",
+                    default=["ours-swapab", "ours-normal", "deepgemm", "sglang-triton", "sglang-triton-swapab"])
+    ap.add_argument("--layouts", nargs="+", default=["masked", "contiguous"], choices=["masked", "contiguous"])
+    ap.add_argument("--no-uneven", action="store_true", help="skip the uneven-distribution points")
+    ap.add_argument("--tune", action="store_true",
+                    help="also sweep each variant's tile grid (TUNE_GRID) and keep the best config per point")
+    ap.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per point (ms)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and the streaming-read peak
+# ---------------------------------------------------------------------------------------------
+def bench_us(fn, rep_ms):
+    """Median µs; the call is replayed from a CUDA graph when it can be captured."""
+    fn()  # compile / JIT / autotune outside the timed region
+    torch.cuda.synchronize()
+    run = fn
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        run = graph.replay
+    except Exception:
+        torch.cuda.synchronize()
+    return 1e3 * triton.testing.do_bench(run, warmup=10, rep=rep_ms, return_mode="median")
+
+
+@triton.jit
+def _read_sum_kernel(x_ptr, out_ptr, n, NUM_PROGRAMS, BLOCK: tl.constexpr):
+    """Read-only stream: each program sums a grid-strided share of x."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid * BLOCK, n, NUM_PROGRAMS * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def measure_peak_read(rep_ms) -> dict:
+    n = (4 << 30) // 4  # 4 GiB of fp32
+    x = torch.rand(n, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best = None
+    for per_sm in (2, 4, 8):
+        progs = sms * per_sm
+        out = torch.empty(progs, device="cuda")
+        us = bench_us(lambda: _read_sum_kernel[(progs,)](x, out, n, progs, BLOCK=4096, num_warps=8), rep_ms)
+        tbs = x.numel() * 4 / us / 1e6
+        if best is None or tbs > best["tbs"]:
+            best = {"tbs": tbs, "us": us, "programs": progs}
+    want = x.sum(dtype=torch.float64).item()
+    check = abs(out.double().sum().item() - want) / want
+    del x
+    torch.cuda.empty_cache()
+    return {"peak_read_tbs": best["tbs"], "bytes": n * 4, "us": best["us"], "programs": best["programs"],
+            "method": "Triton grid-stride fp32 sum-reduction over 4 GiB (read-only), best of 2/4/8 programs per SM",
+            "sum_rel_err": check}
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and models
+# ---------------------------------------------------------------------------------------------
+def random_fp8(shape, gen):
+    """Random finite e4m3 bit patterns (|x| <= 240, no NaN codes), made without an fp32 copy."""
+    bits = torch.randint(0, 0x78, shape, dtype=torch.uint8, device="cuda", generator=gen)
+    sign = torch.randint(0, 2, shape, dtype=torch.uint8, device="cuda", generator=gen) << 7
+    return (bits | sign).view(torch.float8_e4m3fn)
+
+
+def make_weights(groups, n, k, gen):
+    b = random_fp8((groups, n, k), gen)
+    b_s = torch.rand(groups, math.ceil(n / 128), k // 128, device="cuda", generator=gen) * 1e-3 + 1e-4
+    return b, b_s
+
+
+def make_acts(shape, gen):
+    return random_fp8(shape, gen), torch.rand(*shape[:-1], shape[-1] // 128, device="cuda", generator=gen) + 0.5
+
+
+def uneven_counts(groups, mean, rng):
+    """Same total as uniform, Zipf-like popularity over a random expert order (some experts empty)."""
+    w = [1.0 / (i + 1) ** 1.1 for i in range(groups)]
+    rng.shuffle(w)
+    counts = [0] * groups
+    for g in rng.choices(range(groups), weights=w, k=groups * mean):
+        counts[g] += 1
+    return counts
+
+
+def issued_flops(counts, n, k, tok_tile, w_tile):
+    return sum(2 * k * math.ceil(m / tok_tile) * tok_tile * math.ceil(n / w_tile) * w_tile for m in counts if m)
+
+
+def traffic_bytes(counts, n, k):
+    active = sum(1 for m in counts if m)
+    tokens = sum(counts)
+    weights = active * (n * k + math.ceil(n / 128) * (k // 128) * 4)
+    return weights, weights + tokens * (k + k // 128 * 4) + tokens * n * 2
+
+
+def metrics(us, counts, n, k, tiles):
+    wbytes, tbytes = traffic_bytes(counts, n, k)
+    flops = 2 * k * n * sum(counts)
+    issued = issued_flops(counts, n, k, *tiles)
+    return {"us": us, "weight_tbs": wbytes / us / 1e6, "tflops": flops / us / 1e6,
+            "weight_bytes": wbytes, "total_bytes": tbytes, "useful_flops": flops, "issued_flops": issued,
+            "tiles_tok_w": list(tiles),
+            "h20_modelled_us": 1e6 * max(issued / H20_FP8_FLOPS, tbytes / H20_HBM_BPS)}
+
+
+def rel_err(out_rows, a, a_s, b, b_s):
+    """One expert's output rows against float32 on dequantized inputs (only where the output is known)."""
+    from sgl_kernel_ext.quant import dequant_per_block, dequant_per_token_group
+
+    ref = dequant_per_token_group(a, a_s) @ dequant_per_block(b, b_s).T
+    return ((out_rows.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Providers
+# ---------------------------------------------------------------------------------------------
+class Unavailable(Exception):
+    pass
+
+
+def _deep_gemm():
+    try:
+        import deep_gemm
+    except Exception as e:  # not installed, or its CUDA libraries do not load
+        raise Unavailable(f"import deep_gemm failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    return deep_gemm
+
+
+def _dg_scales(dg, s):
+    for path in ("utils.layout.get_mn_major_tma_aligned_tensor", "get_mn_major_tma_aligned_tensor",
+                 "get_col_major_tma_aligned_tensor"):
+        obj = dg
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            return obj(s)
+        except AttributeError:
+            continue
+    return s  # new DeepGEMM transforms fp32 scales itself
+
+
+def deepgemm_masked(a, a_s, b, b_s, masked_m, expected_m):
+    dg = _deep_gemm()
+    fn = getattr(dg, "fp8_m_grouped_gemm_nt_masked", None) or getattr(dg, "m_grouped_fp8_gemm_nt_masked", None)
+    if fn is None:
+        raise Unavailable("deep_gemm has no fp8_m_grouped_gemm_nt_masked / m_grouped_fp8_gemm_nt_masked")
+    out = torch.empty(a.shape[0], a.shape[1], b.shape[1], dtype=torch.bfloat16, device="cuda")
+    lhs, rhs = (a, _dg_scales(dg, a_s)), (b, b_s)
+    return (lambda: fn(lhs, rhs, out, masked_m, expected_m)), out
+
+
+def deepgemm_contiguous(counts, k, b, b_s, gen):
+    """DeepGEMM's layout: each expert's rows padded to its M alignment, padding rows m_indices = -1."""
+    dg = _deep_gemm()
+    fn = getattr(dg, "m_grouped_fp8_gemm_nt_contiguous", None)
+    if fn is None:
+        raise Unavailable("deep_gemm has no m_grouped_fp8_gemm_nt_contiguous")
+    align_fn = (getattr(dg, "get_mk_alignment_for_contiguous_layout", None)
+                or getattr(dg, "get_m_alignment_for_contiguous_layout", None))
+    align = align_fn() if align_fn else 128
+    idx, starts = [], []
+    for g, m in enumerate(counts):
+        starts.append(len(idx))
+        padded = math.ceil(m / align) * align
+        idx += [g] * m + [-1] * (padded - m)
+    rows = len(idx)
+    if rows == 0:
+        raise Unavailable("no rows")
+    a, a_s = make_acts((rows, k), gen)
+    m_indices = torch.tensor(idx, dtype=torch.int32, device="cuda")
+    out = torch.empty(rows, b.shape[1], dtype=torch.bfloat16, device="cuda")
+    lhs, rhs = (a, _dg_scales(dg, a_s)), (b, b_s)
+    return (lambda: fn(lhs, rhs, out, m_indices)), out, a, a_s, starts, align
+
+
+def deepgemm_dense(a, a_s, b, b_s):
+    dg = _deep_gemm()
+    fn = getattr(dg, "fp8_gemm_nt", None) or getattr(dg, "gemm_fp8_fp8_bf16_nt", None)
+    if fn is None:
+        raise Unavailable("deep_gemm has no fp8_gemm_nt")
+    out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device="cuda")
+    lhs, rhs = (a, _dg_scales(dg, a_s)), (b, b_s)
+    return (lambda: fn(lhs, rhs, out)), out
+
+
+def sglang_triton(a, a_s, b, b_s, counts, swap_ab: bool):
+    """SGLang's Triton fused-MoE GEMM on the contiguous rows (top_k = 1: row r goes to its expert)."""
+    try:
+        from sglang.kernels.ops.moe import fused_moe_triton_kernels as fmk
+        from sglang.srt.layers.moe.moe_runner.triton_utils import moe_align_block_size, try_get_optimal_moe_config
+    except Exception as e:
+        raise Unavailable(f"sglang fused-MoE import failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    groups, n, k = b.shape
+    tokens = a.shape[0]
+    try:
+        cfg = dict(try_get_optimal_moe_config((groups, n, k), (groups, k, n // 2), 1, "fp8_w8a8", tokens,
+                                              block_shape=[128, 128]))
+    except Exception:
+        cfg = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 32,
+               "num_warps": 4, "num_stages": 3}
+    if swap_ab:
+        per_expert = max(1, math.ceil(tokens / max(1, sum(1 for m in counts if m))))
+        cfg["BLOCK_SIZE_M"] = max(16, min(cfg["BLOCK_SIZE_M"], 1 << (per_expert - 1).bit_length()))
+    topk_ids = torch.repeat_interleave(torch.arange(groups, device="cuda", dtype=torch.int32),
+                                       torch.tensor(counts, device="cuda")).view(-1, 1)
+    topk_w = torch.ones(tokens, 1, device="cuda", dtype=torch.float32)
+    sorted_ids, expert_ids, ntp = moe_align_block_size(topk_ids, cfg["BLOCK_SIZE_M"], groups)
+    out = torch.empty(tokens, 1, n, dtype=torch.bfloat16, device="cuda")
+    original = fmk.should_enable_swap_ab
+
+    def call():
+        fmk.should_enable_swap_ab = lambda bm, bn: swap_ab
+        try:
+            fmk.invoke_fused_moe_kernel(a, b, None, out, a_s, b_s, None, topk_w, topk_ids, sorted_ids, expert_ids,
+                                        ntp, False, 1, cfg, tl.bfloat16, True, False, False, False, False,
+                                        block_shape=[128, 128])
+        finally:
+            fmk.should_enable_swap_ab = original
+
+    return call, out.view(tokens, n), cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep
+# ---------------------------------------------------------------------------------------------
+def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune):
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    n, k = MOE_SHAPES[shape]
+    b, b_s = make_weights(groups, n, k, gen)
+    base = {"kind": "moe", "shape": shape, "n": n, "k": k, "groups": groups, "tokens_per_group": tokens,
+            "distribution": dist, "counts": counts}
+    first = next((g for g, m in enumerate(counts) if m), None)
+    total = sum(counts)
+    mean = max(1, math.ceil(total / groups))
+    results = []
+
+    def record(provider, layout, us, tiles, err=None, config=None, extra=None):
+        p = {**base, "provider": provider, "layout": layout, "config": config, "rel_err": err,
+             **metrics(us, counts, n, k, tiles), **(extra or {})}
+        results.append(p)
+        print(f"{shape:8s} G={groups:3d} t={tokens:3d} {dist:7s} {layout:10s} {provider:22s} "
+              f"{us:9.1f} us  {p['weight_tbs']:5.2f} TB/s  {p['tflops']:7.1f} TFLOP/s  "
+              f"H20 modelled {p['h20_modelled_us']:8.1f} us  err {err if err is None else f'{err:.1e}'}",
+              flush=True)
+
+    # masked layout
+    max_m = max(max(counts), 1)
+    a_m, a_ms = make_acts((groups, max_m, k), gen)
+    masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    # contiguous layout (no padding)
+    a_c, a_cs = make_acts((max(total, 1), k), gen)
+    indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+
+    for variant in ("swapab", "normal"):
+        if f"ours-{variant}" not in args.providers:
+            continue
+        for layout in args.layouts:
+            configs = [None] + (TUNE_GRID[variant] if tune else [])
+            best = None
+            for cfg in configs:
+                try:
+                    if layout == "masked":
+                        out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
+                        fn = lambda: gg.m_grouped_fp8_gemm_nt_masked(a_m, a_ms, b, b_s, masked_m, out=out,  # noqa: E731
+                                                                      variant=variant, expected_m=mean, config=cfg)
+                    else:
+                        out = torch.empty(max(total, 1), n, dtype=torch.bfloat16, device="cuda")
+                        fn = lambda: gg.m_grouped_fp8_gemm_nt_contiguous(a_c, a_cs, b, b_s, indptr, out=out,  # noqa: E731
+                                                                          variant=variant, config=cfg)
+                    us = bench_us(fn, args.rep_ms)
+                except Exception as e:
+                    print(f"  ours-{variant} {layout} config {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
+                    continue
+                if best is None or us < best[0]:
+                    used = gg.choose_config(variant, mean, n, k, groups, layout=layout)
+                    used.update(cfg or {})
+                    best = (us, used, out.clone())
+            if best is None:
+                unavailable[f"ours-{variant}-{layout}"] = "every config failed (see stderr)"
+                continue
+            us, used, out = best
+            err = None
+            if first is not None:
+                if layout == "masked":
+                    err = rel_err(out[first, :counts[first]], a_m[first, :counts[first]],
+                                  a_ms[first, :counts[first]], b[first], b_s[first])
+                else:
+                    lo, hi = indptr[first].item(), indptr[first + 1].item()
+                    err = rel_err(out[lo:hi], a_c[lo:hi], a_cs[lo:hi], b[first], b_s[first])
+            tiles = (used["BLOCK_T"], used["BLOCK_N"])
+            record(f"ours-{variant}", layout, us, tiles, err, used)
+
+    if "deepgemm" in args.providers:
+        for layout in args.layouts:
+            try:
+                if layout == "masked":
+                    fn, out = deepgemm_masked(a_m, a_ms, b, b_s, masked_m, mean)
+                    us = bench_us(fn, args.rep_ms)
+                    err = None if first is None else rel_err(out[first, :counts[first]], a_m[first, :counts[first]],
+                                                             a_ms[first, :counts[first]], b[first], b_s[first])
+                    bm = 64 if mean <= 64 else 128  # DeepGEMM's block M for this expected_m (assumed)
+                    record("deepgemm", layout, us, (bm, 128), err, {"assumed_block_m": bm})
+                else:
+                    fn, out, a_d, a_ds, starts, align = deepgemm_contiguous(counts, k, b, b_s, gen)
+                    us = bench_us(fn, args.rep_ms)
+                    err = None
+                    if first is not None:
+                        lo = starts[first]
+                        hi = lo + counts[first]
+                        err = rel_err(out[lo:hi], a_d[lo:hi], a_ds[lo:hi], b[first], b_s[first])
+                    record("deepgemm", layout, us, (align, 128), err, {"m_alignment": align},
+                           {"padded_rows": a_d.shape[0]})
+            except Unavailable as e:
+                unavailable[f"deepgemm-{layout}"] = str(e)
+            except Exception as e:
+                unavailable[f"deepgemm-{layout}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+    for swap in (False, True):
+        name = "sglang-triton-swapab" if swap else "sglang-triton"
+        if name not in args.providers or "contiguous" not in args.layouts or total == 0:
+            continue
+        try:
+            fn, out, cfg = sglang_triton(a_c[:total], a_cs[:total], b, b_s, counts, swap)
+            us = bench_us(fn, args.rep_ms)
+            err = None
+            if first is not None:
+                lo, hi = indptr[first].item(), indptr[first + 1].item()
+                err = rel_err(out[lo:hi], a_c[lo:hi], a_cs[lo:hi], b[first], b_s[first])
+            record(name, "contiguous", us, (cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"]), err, cfg)
+        except Unavailable as e:
+            unavailable[name] = str(e)
+        except Exception as e:
+            unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            traceback.print_exc()
+    del b, b_s, a_m, a_ms, a_c, a_cs
+    torch.cuda.empty_cache()
+    return results
+
+
+def dense_points(args, shape, m, gen, unavailable):
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    n, k = DENSE_SHAPES[shape]
+    b, b_s = make_weights(1, n, k, gen)
+    b, b_s = b[0], b_s[0]
+    a, a_s = make_acts((m, k), gen)
+    results = []
+    base = {"kind": "dense", "shape": shape, "n": n, "k": k, "groups": 1, "tokens_per_group": m,
+            "distribution": "dense", "counts": [m]}
+    for variant in ("swapab", "normal"):
+        if f"ours-{variant}" not in args.providers:
+            continue
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        us = bench_us(lambda: gg.fp8_gemm_nt(a, a_s, b, b_s, out=out, variant=variant), args.rep_ms)
+        _, cfg, split_k = gg.plan_fp8_gemm_nt(m, n, k, variant,
+                                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+        p = {**base, "provider": f"ours-{variant}", "layout": "dense", "config": {**cfg, "split_k": split_k},
+             "rel_err": rel_err(out, a, a_s, b, b_s), **metrics(us, [m], n, k, (cfg["BLOCK_T"], cfg["BLOCK_N"]))}
+        results.append(p)
+        print(f"dense {shape:7s} m={m:4d} ours-{variant:8s} {us:8.1f} us {p['weight_tbs']:.2f} TB/s", flush=True)
+    if "deepgemm" in args.providers:
+        try:
+            fn, out = deepgemm_dense(a, a_s, b, b_s)
+            us = bench_us(fn, args.rep_ms)
+            bm = 64 if m <= 64 else 128
+            p = {**base, "provider": "deepgemm", "layout": "dense", "config": {"assumed_block_m": bm},
+                 "rel_err": rel_err(out, a, a_s, b, b_s), **metrics(us, [m], n, k, (bm, 128))}
+            results.append(p)
+            print(f"dense {shape:7s} m={m:4d} deepgemm        {us:8.1f} us {p['weight_tbs']:.2f} TB/s", flush=True)
+        except Exception as e:
+            unavailable["deepgemm-dense"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return results
+
+
+def table_entries(points):
+    """Per (shape, groups, uniform tokens, layout): the fastest of ours-swapab / ours-normal / upstream."""
+    keyed = {}
+    for p in points:
+        if p["kind"] != "moe" or p["distribution"] != "uniform":
+            continue
+        key = (p["n"], p["k"], p["groups"], p["tokens_per_group"], p["layout"])
+        name = {"ours-swapab": "swapab", "ours-normal": "normal"}.get(p["provider"], "upstream")
+        slot = keyed.setdefault(key, {"us": {}, "config": {}})
+        if name not in slot["us"] or p["us"] < slot["us"][name]:
+            slot["us"][name] = p["us"]
+            if name != "upstream":
+                slot["config"][name] = {kk: p["config"][kk] for kk in
+                                        ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm")
+                                        if kk in p["config"]}
+    entries = []
+    for (n, k, groups, m, layout), slot in sorted(keyed.items()):
+        entries.append({"n": n, "k": k, "groups": groups, "m": m, "layout": layout,
+                        "best": min(slot["us"], key=slot["us"].get), "us": slot["us"], "config": slot["config"]})
+    return entries
+
+
+def roofline_png(path, points, peak_tbs):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return f"matplotlib unavailable: {e}"
+    fig, ax = plt.subplots(figsize=(9, 6))
+    xs = [p["useful_flops"] / p["total_bytes"] for p in points if p["us"] > 0]
+    lo, hi = max(min(xs, default=0.5) / 2, 0.1), max(max(xs, default=1000) * 2, 10)
+    grid = [lo * (hi / lo) ** (i / 100) for i in range(101)]
+    ax.plot(grid, [min(H200_FP8_FLOPS, peak_tbs * 1e12 * x) / 1e12 for x in grid], "k-",
+            label=f"this GPU: measured read {peak_tbs:.2f} TB/s, FP8 {H200_FP8_FLOPS / 1e12:.0f} TFLOP/s (spec)")
+    ax.plot(grid, [min(H20_FP8_FLOPS, H20_HBM_BPS * x) / 1e12 for x in grid], "k--",
+            label="H20 (modelled roof): 4.0 TB/s, 296 TFLOP/s")
+    markers = {"ours-swapab": "o", "ours-normal": "s", "deepgemm": "^", "sglang-triton": "v",
+               "sglang-triton-swapab": "D"}
+    for prov, mk in markers.items():
+        sel = [p for p in points if p["provider"] == prov]
+        if sel:
+            ax.scatter([p["useful_flops"] / p["total_bytes"] for p in sel], [p["tflops"] for p in sel],
+                       marker=mk, s=18, alpha=0.7, label=prov)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (useful FLOP / byte moved)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title("FP8 block-scaled grouped GEMMs, DeepSeek-V3 shapes")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from sglang_h20 import provenance
+
+    if not torch.cuda.is_available():
+        print("bench_grouped_gemm needs a CUDA GPU (sm_90)", file=sys.stderr)
+        return 2
+    groups = args.groups or (QUICK["groups"] if args.quick else GROUPS)
+    tokens = args.tokens or (QUICK["tokens"] if args.quick else TOKENS)
+    uneven_tokens = [] if args.no_uneven else (QUICK["uneven_tokens"] if args.quick else tokens)
+    dense_m = QUICK["dense_m"] if args.quick else DENSE_M
+    if REPRESENTATIVE["groups"] not in groups or REPRESENTATIVE["tokens_per_group"] not in tokens:
+        print("note: the representative point (gate_up, 32 experts x 8 tokens) is outside this sweep; "
+              "latency_us / tflops will come from the first ours-swapab point", file=sys.stderr)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    unavailable: dict[str, str] = {}
+    peak = measure_peak_read(args.rep_ms)
+    print(f"peak read bandwidth: {peak['peak_read_tbs']:.2f} TB/s ({peak['method']})", flush=True)
+
+    points = []
+    for shape in [s for s in args.shapes if s in MOE_SHAPES]:
+        for g in groups:
+            for t in tokens:
+                points += moe_points(args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune)
+            for t in uneven_tokens:
+                points += moe_points(args, shape, g, t, "uneven", uneven_counts(g, t, rng), gen, unavailable,
+                                     args.tune)
+    if "dense" in args.shapes:
+        for shape in DENSE_SHAPES:
+            for m in dense_m:
+                points += dense_points(args, shape, m, gen, unavailable)
+
+    rep = next((p for p in points if all(p.get(kk) == v for kk, v in REPRESENTATIVE.items())), None)
+    rep = rep or next((p for p in points if p["provider"] == "ours-swapab"), None) or (points[0] if points else None)
+    result = {
+        "benchmark": "grouped_gemm_fp8",
+        "latency_us": rep["us"] if rep else float("nan"),
+        "tflops": rep["tflops"] if rep else float("nan"),
+        "representative": rep,
+        "provenance": provenance.record(),
+        "peak_read": peak,
+        "peak_read_tbs": peak["peak_read_tbs"],
+        "h20_model": {"label": "modelled", "fp8_flops": H20_FP8_FLOPS, "hbm_bytes_per_s": H20_HBM_BPS,
+                      "formula": "max(issued FLOPs incl. tile padding / 296e12, bytes / 4.0e12)"},
+        "unavailable": unavailable,
+        "points": points,
+        "table_entries": table_entries(points),
+        "quick": args.quick,
+    }
+    if unavailable:
+        for kk, v in unavailable.items():
+            print(f"unavailable: {kk}: {v}", file=sys.stderr)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    png = args.png or (args.json.with_suffix(".png") if args.json else None)
+    if png and points:
+        why = roofline_png(png, points, peak["peak_read_tbs"])
+        print(why or f"wrote {png}")
+    if rep:
+        print(f"representative: {rep['shape']} G={rep['groups']} t={rep['tokens_per_group']} {rep['provider']} "
+              f"{rep['layout']}: {rep['us']:.1f} us, {rep['tflops']:.1f} TFLOP/s, {rep['weight_tbs']:.2f} TB/s "
+              f"(median over points of ours-swapab: "
+              f"{statistics.median([p['us'] for p in points if p['provider'] == 'ours-swapab'] or [0]):.1f} us)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

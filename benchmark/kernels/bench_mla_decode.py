@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""FP8 MLA decode (DeepSeek-V3: 576-d QK, 512-d V, one latent KV head, page 64): ours against upstream.
+
+Providers (each timed on the same latent cache; one that cannot run is recorded under "unavailable" with the
+reason, never silently dropped):
+  ours               sgl_kernel_ext.mla_decode: FP8 cache (576 B + 5 fp32 scales = 596 B/token), FP8 QK and
+                     PV; metadata from get_mla_decode_metadata outside the timed region. --configs adds tile
+                     variants "ours[BHxBNwWsS]"; --precise adds "ours-precise" (precise_q + precise_pv).
+  flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
+                     (1152 B/token), metadata get_mla_metadata(seqlens, q_len*H, 1) outside the timed region.
+  flashmla-fp8       the same entry with FP8 q and cache as SGLang's flashmla backend calls it: per-tensor
+                     scales (descale_q, descale_k of shape (1,)), metadata with is_fp8_kvcache=True (576 B/token).
+  sglang-triton      SGLang 0.5.17's Triton grouped decode (sglang.kernels.ops.attention.decode_attention.
+                     decode_attention_fwd, has_mla=True) on the bf16 cache, page_size 1 token-slot indices; the
+                     q_len x B queries become rows with their causal lengths; num_kv_splits from upstream's
+                     get_num_kv_splits_triton with max_kv_splits = _mla_decode_kv_splits_cap(8, SMs, context).
+Points: batch {1,16,64,128} x context {1k,4k,16k} x heads {16,128} x q_len {1,2}; every sequence of a point has
+the context's length. --quick: 4 points at context 4k.
+
+Per point and provider: µs (median of triton.testing.do_bench; L2 flushed before each run; the call captured in
+a CUDA graph, so launch overhead is out; input sets rotated, as many as make 2x the L2 up to 8, each with its
+own pages and q), TFLOP/s (2·H·(576+512) per visible (query, token) pair), GB/s (KV bytes in the provider's own
+format + q + out), the roofline fraction max(FLOPs/peak, bytes/BW) / time against ceilings measured in the same
+run (device-to-device copy of 4 GiB, read + written; torch._scaled_mm FP8 and torch.matmul BF16 on 8192^3 random
+data), an H20 time labelled "modelled" (max(FLOPs / 296e12 (FP8) or 148e12 (BF16), bytes / 4.0e12)), and the
+relative error (Frobenius) against fp32 attention on the bf16 inputs over the first two sequences.
+
+Output: --json OUT holds one object: numeric "latency_us" and "tflops" of ours at the representative point
+(batch 64, context 4096, 128 heads, q_len 1), "provenance" (sglang_h20.provenance.record()), "ceilings",
+"points", "unavailable". A roofline PNG goes next to it (--png to move it).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout without installing
+    if str(_p) not in sys.path:
+        sys.path.append(str(_p))
+
+BATCHES = [1, 16, 64, 128]
+CONTEXTS = [1024, 4096, 16384]
+HEADS = [16, 128]
+QLENS = [1, 2]
+QUICK_POINTS = [(1, 4096, 128, 1), (64, 4096, 128, 1), (64, 4096, 128, 2), (64, 4096, 16, 1)]
+REPRESENTATIVE = (64, 4096, 128, 1)
+PAGE = 64
+DEFAULT_PROVIDERS = ["ours", "flashmla-bf16", "flashmla-fp8", "sglang-triton"]
+H20_FP8_FLOPS, H20_BF16_FLOPS, H20_HBM_BPS = 296e12, 148e12, 4.0e12
+L2_BYTES_FALLBACK = 60 * 2**20
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--quick", action="store_true", help="4 points at context 4k (the nightly's mode)")
+    ap.add_argument("--json", type=Path, help="write the results object here")
+    ap.add_argument("--png", type=Path, help="roofline plot (default: next to --json)")
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    ap.add_argument("--heads", type=int, nargs="+", default=HEADS)
+    ap.add_argument("--qlens", type=int, nargs="+", default=QLENS)
+    ap.add_argument("--providers", nargs="+", default=DEFAULT_PROVIDERS)
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="extra tile configs of ours, BHxBNxWxS[v] e.g. 64x64x8x2 64x32x8x3v 16x64x4x2 (block_h, "
+                         "block_n, warps, stages; v: v_reload); with --only-configs instead of the default")
+    ap.add_argument("--only-configs", action="store_true", help="time only the --configs variants of ours")
+    ap.add_argument("--precise", action="store_true", help="also time ours with precise_q + precise_pv")
+    ap.add_argument("--no-accuracy", action="store_true", help="skip the error check against fp32")
+    ap.add_argument("--max-sets", type=int, default=8, help="rotating input sets at most")
+    ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep (ms)")
+    return ap.parse_args(argv)
+
+
+# --- ceilings ---------------------------------------------------------------------------------------------------
+
+def measure_ceilings(torch, triton) -> dict:
+    dev = "cuda"
+    x = torch.empty(4 * 2**30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=5, rep=100, return_mode="median")
+    copy_bps = 2 * x.numel() / (ms * 1e-3)
+    del x, y
+    n = 8192
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.tensor(1.0, device=dev)
+    fp8_ms = triton.testing.do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16),
+                                     warmup=10, rep=200, return_mode="median")
+    a16 = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b16 = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    bf16_ms = triton.testing.do_bench(lambda: a16 @ b16, warmup=10, rep=200, return_mode="median")
+    del a, b, a16, b16
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": copy_bps, "fp8_flops": 2 * n**3 / (fp8_ms * 1e-3),
+            "bf16_flops": 2 * n**3 / (bf16_ms * 1e-3),
+            "how": "copy: 4 GiB device-to-device, bytes read + written; fp8: torch._scaled_mm 8192^3 random e4m3 -> "
+                   "bf16; bf16: torch.matmul 8192^3 random; medians of triton.testing.do_bench"}
+
+
+# --- providers --------------------------------------------------------------------------------------------------
+
+class Unavailable(Exception):
+    pass
+
+
+def time_calls(torch, triton, calls, rep_ms):
+    """Median µs of the calls, rotating through them; each captured in a CUDA graph when that works."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    mode = "cuda-graph"
+    try:
+        graphs = []
+        for c in calls:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                c()
+            graphs.append(g)
+        runs = [g.replay for g in graphs]
+    except Exception:  # a provider that syncs inside: time it eagerly
+        torch.cuda.synchronize()
+        runs, mode = list(calls), "eager"
+    it = itertools.cycle(runs)
+    ms = triton.testing.do_bench(lambda: next(it)(), warmup=25, rep=rep_ms, return_mode="median")
+    return ms * 1e3, mode
+
+
+def make_ours(torch, mla, sets, ctx, name, cfg=None, precise=False):
+    metas = []
+    for s in sets:
+        kw = {} if cfg is None else dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
+                                         v_reload=cfg[4])
+        metas.append(mla.get_mla_decode_metadata(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1],
+                                                 max_seqlen=ctx, **kw))
+    outs = [torch.empty(*s["q"].shape[:3], 512, dtype=torch.bfloat16, device="cuda") for s in sets]
+
+    def call(i):
+        s = sets[i]
+        return lambda: mla.mla_decode_fp8(s["q"], s["kv_cache"], s["block_table"], s["cache_seqlens"],
+                                          s["softmax_scale"], metas[i], out=outs[i], precise_q=precise,
+                                          precise_pv=precise)
+    info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
+            "block_h": metas[0].block_h, "block_n": metas[0].block_n, "num_warps": metas[0].num_warps,
+            "num_stages": metas[0].num_stages, "v_reload": metas[0].v_reload}
+    return [call(i) for i in range(len(sets))], (lambda: outs[0]), info
+
+
+def make_flashmla(torch, sets, fp8: bool):
+    try:
+        from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+    except Exception as e:
+        raise Unavailable(f"sgl_kernel.flash_mla does not import ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    calls, outs = [], []
+    for s in sets:
+        B, T, H, _ = s["q"].shape
+        if fp8:
+            meta, splits = get_mla_metadata(s["cache_seqlens"], T * H, 1, is_fp8_kvcache=True)
+            q = s["q"].to(torch.float8_e4m3fn)  # per-tensor scale 1, as SGLang's flashmla backend without k_scale
+            cache = s["flashmla_fp8"].view(-1, PAGE, 1, 576)
+            extra = dict(descale_q=torch.ones(1, device="cuda"), descale_k=s["flashmla_fp8_descale"])
+        else:
+            meta, splits = get_mla_metadata(s["cache_seqlens"], T * H, 1)
+            q = s["q"]
+            cache = s["latent_cache"].view(-1, PAGE, 1, 576)
+            extra = {}
+        box = [None]
+
+        def call(q=q, cache=cache, s=s, meta=meta, splits=splits, extra=extra, box=box):
+            o, _ = flash_mla_with_kvcache(q, cache, s["block_table"], s["cache_seqlens"], 512, meta, splits,
+                                          softmax_scale=s["softmax_scale"], causal=True, **extra)
+            box[0] = o
+        calls.append(call)
+        outs.append(box)
+    info = {"bytes_per_token": 576 if fp8 else 1152, "precision": "fp8" if fp8 else "bf16"}
+    return calls, (lambda: outs[0][0]), info
+
+
+def make_sglang_triton(torch, sets, ctx):
+    try:
+        from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+    except Exception:
+        try:
+            from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+        except Exception as e:
+            raise Unavailable(f"SGLang's Triton decode_attention_fwd does not import "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    num_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        from sglang.srt.layers.attention.triton_backend import _mla_decode_kv_splits_cap
+        max_kv_splits = _mla_decode_kv_splits_cap(8, num_sm, ctx)
+    except Exception:
+        max_kv_splits = 8
+    try:
+        from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
+    except Exception:
+        get_num_kv_splits_triton = None
+    calls, outs = [], []
+    for s in sets:
+        B, T, H, D = s["q"].shape
+        lens = s["cache_seqlens"].long()
+        t = torch.arange(T, device="cuda")
+        vis = (lens[:, None] - T + 1 + t[None, :]).clamp_min(0).reshape(-1)  # [B*T], causal per query
+        indptr = torch.zeros(B * T + 1, dtype=torch.int32, device="cuda")
+        indptr[1:] = torch.cumsum(vis, 0).to(torch.int32)
+        pos = torch.cat([torch.arange(int(n), device="cuda") for n in vis.tolist()])
+        row = torch.repeat_interleave(torch.arange(B * T, device="cuda") // T, vis)
+        pages = s["block_table"][row, pos // PAGE].long()
+        indices = (pages * PAGE + pos % PAGE).to(torch.int32)
+        k_buf = s["latent_cache"].view(-1, 1, 576)
+        v_buf = k_buf[..., :512]
+        q = s["q"].reshape(B * T, H, D)
+        o = torch.empty(B * T, H, 512, dtype=torch.bfloat16, device="cuda")
+        logits = torch.empty(B * T, H, max_kv_splits, 512, dtype=torch.float32, device="cuda")
+        lse = torch.empty(B * T, H, max_kv_splits, dtype=torch.float32, device="cuda")
+        splits = torch.full((B * T,), max_kv_splits, dtype=torch.int32, device="cuda")
+        if get_num_kv_splits_triton is not None:
+            n = B * T
+            get_num_kv_splits_triton[(1,)](splits, vis.to(torch.int32), n, 1, H, 1, max_kv_splits, num_sm,
+                                           MAX_NUM_SEQ=max(256, 1 << (n - 1).bit_length()))
+
+        def call(q=q, o=o, indptr=indptr, indices=indices, logits=logits, lse=lse, splits=splits, s=s):
+            decode_attention_fwd(q, k_buf, v_buf, o, indptr, indices, logits, lse, splits, max_kv_splits,
+                                 s["softmax_scale"], 1.0, 1.0, has_mla=True)
+        calls.append(call)
+        outs.append(o.view(B, T, H, 512))
+    info = {"bytes_per_token": 1152, "precision": "bf16", "max_kv_splits": max_kv_splits}
+    return calls, (lambda: outs[0]), info
+
+
+# --- one point --------------------------------------------------------------------------------------------------
+
+def build_sets(torch, mla, batch, ctx, heads, q_len, max_sets, l2_bytes):
+    set_bytes = batch * ctx * 1152
+    n_sets = max(1, min(max_sets, math.ceil(2 * l2_bytes / set_bytes)))
+    d = mla.make_mla_inputs([ctx] * (batch * n_sets), heads, q_len, PAGE, poison=False, device="cuda",
+                            seed=batch * 131 + ctx + heads + q_len)
+    latent = d["latent_cache"]
+    amax = latent.float().abs().amax().item()
+    k_scale = amax / 448.0
+    fl_fp8 = (latent.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    sets = []
+    for i in range(n_sets):
+        sl = slice(i * batch, (i + 1) * batch)
+        sets.append({"q": d["q"][sl].contiguous(), "block_table": d["block_table"][sl].contiguous(),
+                     "cache_seqlens": d["cache_seqlens"][sl].contiguous(), "kv_cache": d["kv_cache"],
+                     "latent_cache": latent, "flashmla_fp8": fl_fp8,
+                     "flashmla_fp8_descale": torch.tensor([k_scale], device="cuda"),
+                     "softmax_scale": d["softmax_scale"]})
+    return sets
+
+
+def run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, unavailable):
+    batch, ctx, heads, q_len = point
+    sets = build_sets(torch, mla, batch, ctx, heads, q_len, args.max_sets, l2_bytes)
+    s0 = sets[0]
+    vis = sum(max(ctx - q_len + 1 + t, 0) for t in range(q_len)) * batch
+    flops = 2.0 * heads * vis * (576 + 512)
+    exact = None
+    if not args.no_accuracy:
+        nb = min(batch, 2)
+        exact, _ = mla.mla_decode_exact(s0["q"][:nb], s0["latent_cache"], s0["block_table"][:nb],
+                                        s0["cache_seqlens"][:nb], s0["softmax_scale"])
+    rows = []
+    for name, maker in providers:
+        key = f"{name}"
+        try:
+            calls, first_out, info = maker(sets, ctx)
+            us, mode = time_calls(torch, triton, calls, args.rep_ms)
+        except Unavailable as e:
+            unavailable.setdefault(name, str(e))
+            continue
+        except Exception as e:  # a failure at one point is data, not the end of the run
+            unavailable.setdefault(f"{name}@B{batch}_ctx{ctx}_H{heads}_T{q_len}",
+                                   f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            traceback.print_exc()
+            continue
+        kv_bytes = batch * ctx * info["bytes_per_token"]
+        qo_bytes = batch * q_len * heads * (576 * (1 if name == "flashmla-fp8" else 2) + 512 * 2)
+        nbytes = kv_bytes + qo_bytes
+        peak = ceilings["fp8_flops"] if info["precision"] == "fp8" else ceilings["bf16_flops"]
+        t_roof = max(flops / peak, nbytes / ceilings["copy_bytes_per_s"])
+        h20_peak = H20_FP8_FLOPS if info["precision"] == "fp8" else H20_BF16_FLOPS
+        err = None
+        if exact is not None:
+            out = first_out()
+            nb = exact.shape[0]
+            err = ((out[:nb].float() - exact).norm() / exact.norm()).item()
+        row = {"provider": key, "batch": batch, "context": ctx, "heads": heads, "q_len": q_len, "latency_us": us,
+               "tflops": flops / (us * 1e-6) / 1e12, "gbps": nbytes / (us * 1e-6) / 1e9,
+               "roofline_frac": t_roof / (us * 1e-6), "bound": "compute" if flops / peak >= nbytes /
+               ceilings["copy_bytes_per_s"] else "memory", "flops": flops, "bytes": nbytes,
+               "h20_modelled_us": max(flops / h20_peak, nbytes / H20_HBM_BPS) * 1e6, "rel_err_vs_exact": err,
+               "timing": mode, "input_sets": len(sets), **info}
+        rows.append(row)
+        print(f"B={batch:4d} ctx={ctx:6d} H={heads:4d} T={q_len} {key:24s} {us:9.1f} us {row['tflops']:7.1f} TFLOP/s "
+              f"{row['gbps']:7.0f} GB/s roof {row['roofline_frac']:.2f} err {err if err is None else round(err, 4)}",
+              flush=True)
+    del sets, exact
+    torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows, ceilings, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 6))
+    xs = [r["flops"] / r["bytes"] for r in rows]
+    lo, hi = min(xs + [1.0]) / 2, max(xs + [1e3]) * 2
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    bw = ceilings["copy_bytes_per_s"]
+    for peak, label in ((ceilings["fp8_flops"], "FP8 roof"), (ceilings["bf16_flops"], "BF16 roof")):
+        ax.plot(grid, [min(peak, bw * x) / 1e12 for x in grid], "--", label=f"{label} ({peak / 1e12:.0f} TFLOP/s, "
+                f"{bw / 1e12:.2f} TB/s)")
+    markers = itertools.cycle("os^Dvx+*")
+    for prov in sorted({r["provider"] for r in rows}):
+        pts = [r for r in rows if r["provider"] == prov]
+        ax.scatter([r["flops"] / r["bytes"] for r in pts], [r["tflops"] for r in pts], marker=next(markers),
+                   label=prov, alpha=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of KV + q + out, in each provider's format)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("MLA decode roofline (measured ceilings)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import triton
+    import triton.testing  # noqa: F401
+
+    if not torch.cuda.is_available():
+        print("bench_mla_decode: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import importlib
+    mla = importlib.import_module("sgl_kernel_ext.mla_decode")
+    from sglang_h20.provenance import record
+
+    points = QUICK_POINTS if args.quick else [(b, c, h, t) for h in args.heads for t in args.qlens
+                                              for c in args.contexts for b in args.batches]
+    l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_BYTES_FALLBACK
+    ceilings = measure_ceilings(torch, triton)
+    print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, FP8 {ceilings['fp8_flops'] / 1e12:.0f} "
+          f"TFLOP/s, BF16 {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+
+    providers = []
+    configs = []
+    for c in args.configs:
+        c = c.lower()
+        vr = c.endswith("v")
+        bh, bn, w, s = (int(x) for x in c.rstrip("v").split("x"))
+        configs.append((bh, bn, w, s, vr))
+    for p in args.providers:
+        if p == "ours":
+            if not args.only_configs:
+                providers.append(("ours", lambda sets, ctx: make_ours(torch, mla, sets, ctx, "ours")))
+            for cfg in configs:
+                providers.append((f"ours[{cfg[0]}x{cfg[1]}w{cfg[2]}s{cfg[3]}{'v' if cfg[4] else ''}]",
+                                  lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
+            if args.precise:
+                providers.append(("ours-precise", lambda sets, ctx: make_ours(torch, mla, sets, ctx, "ours",
+                                                                              precise=True)))
+        elif p == "flashmla-bf16":
+            providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
+        elif p == "flashmla-fp8":
+            providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=True)))
+        elif p == "sglang-triton":
+            providers.append((p, lambda sets, ctx: make_sglang_triton(torch, sets, ctx)))
+        else:
+            print(f"unknown provider {p}", file=sys.stderr)
+            return 2
+
+    rows, unavailable = [], {}
+    for point in points:
+        rows += run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, unavailable)
+
+    rep = [r for r in rows if (r["batch"], r["context"], r["heads"], r["q_len"]) == REPRESENTATIVE
+           and r["provider"] == "ours"]
+    result = {"provenance": record(), "representative": dict(zip(("batch", "context", "heads", "q_len"),
+                                                                  REPRESENTATIVE), provider="ours"),
+              "ceilings": ceilings, "points": rows, "unavailable": unavailable,
+              "kv_bytes_per_token": {"ours": 596, "flashmla-fp8": 576, "bf16": 1152}}
+    if rep:
+        result["latency_us"] = rep[0]["latency_us"]
+        result["tflops"] = rep[0]["tflops"]
+    for name, why in unavailable.items():
+        print(f"unavailable: {name}: {why}")
+    png = args.png or (args.json.with_suffix(".png") if args.json else None)
+    if png and rows:
+        try:
+            plot(rows, ceilings, png)
+            result["png"] = str(png)
+        except Exception as e:
+            print(f"plot failed: {type(e).__name__}: {e}", file=sys.stderr)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    if not rep:
+        print("the representative point of ours was not measured (see above)", file=sys.stderr)
+        return 1
+    print(f"representative {REPRESENTATIVE}: {result['latency_us']:.1f} us, {result['tflops']:.1f} TFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

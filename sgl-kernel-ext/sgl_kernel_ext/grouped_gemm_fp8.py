@@ -1,0 +1,555 @@
+"""FP8 block-scaled grouped GEMMs for DeepSeek-V3 MoE, with a swapAB variant for few tokens per expert.
+
+Math (NT layout, DeepGEMM's names): for each group (expert) g and each of its tokens t,
+
+    out[t, n] = sum_k  A[t, k] * a_scale[t, k // 128]  *  B[g, n, k] * b_scale[g, n // 128, k // 128]
+
+A, B are float8_e4m3fn; a_scale is fp32 [rows, K/128] (1×128 per-token groups, any strides, so
+DeepGEMM's column-major scales work too); b_scale is fp32 [G, ceil(N/128), K/128] (128×128 blocks);
+out is bf16. K must be a multiple of 128. N is arbitrary (tiles are masked).
+
+Layouts
+  contiguous  A [M_total, K], rows sorted by expert; m_indptr [G+1] int32: expert g owns rows
+              m_indptr[g] .. m_indptr[g+1]-1 (no per-expert padding needed, unlike DeepGEMM's 128-row
+              alignment). Output rows outside [m_indptr[0], m_indptr[G]) are not written.
+  masked      A [G, max_m, K]; masked_m [G] int32: expert g owns rows 0 .. masked_m[g]-1; the rest
+              of out[g] is not written (and those A rows are not read).
+  dense       fp8_gemm_nt: one group, A [M, K], B [N, K] (attention / shared-expert linears).
+
+Kernel (`_fp8_grouped_gemm_kernel`, one Triton kernel for all layouts and both variants)
+  * Persistent: NUM_PROGRAMS programs walk a linear tile space group by group (per group:
+    ceil(m_g / BLOCK_T) token tiles x ceil(N / BLOCK_N) weight tiles x SPLIT_K k-slices; k-slice
+    fastest, then token tile, then weight tile, so programs running together share a weight tile
+    through L2 and each weight byte comes from HBM about once). A group with m = 0 has no tiles: only
+    its count is read, never its A, B, scales or output. The schedule is computed on the GPU from
+    m_indptr / masked_m, so there is no host sync and the launch is CUDA-graph safe.
+  * swapAB (small m): the MMA's M side is the weights' N (BLOCK_N = 64/128 rows of B_g, K-major),
+    the MMA's N side is the tokens (BLOCK_T = 16/32/64): acc[BLOCK_N, BLOCK_T] += B_g[n_blk, k_blk] @
+    A_g[t_blk, k_blk]^T, so 1..32 tokens do not pad the 64-row wgmma M to 64 tokens; the tile is
+    transposed once at the store. normal (large m): tokens on M (BLOCK_T = 64/128), weights on N.
+  * BLOCK_K = 128 = the scale block: each K step is one fp32 tl.dot of a 128-deep slice, then
+      acc += dot * a_scale[t, kb] * b_scale[g, nb, kb]
+    in fp32 (b_scale is one scalar per step when BLOCK_N <= 128, a per-column vector for 256).
+    Out-of-range tokens / weight rows load as 0 (and scale 0), stores are masked.
+  * SPLIT_K > 1 (dense small-M GEMMs with too few tiles to fill the GPU): each k-slice writes fp32
+    partials to a workspace, `_splitk_reduce_kernel` sums them into bf16 for valid rows only.
+
+Variant choice (`choose_variant`, `choose_config`): a per-GPU table
+python/sglang_h20/tables/grouped_gemm_<gpu>.json if shipped (see `load_table` for its format),
+else the heuristic: swapab for m <= 64 tokens per group, normal above. No measured table ships yet.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel_ext.quant import dequant_per_block, dequant_per_token_group
+
+FP8 = torch.float8_e4m3fn
+SCALE_BLOCK = 128  # DeepSeek-V3: 1x128 activation groups, 128x128 weight blocks
+LAYOUT_CONTIGUOUS, LAYOUT_MASKED, LAYOUT_DENSE = 0, 1, 2
+VARIANTS = ("swapab", "normal")
+SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels (builtins only, no tl.cdiv / tl.zeros: those are @jit helpers, and when triton.language was
+# imported before TRITON_INTERPRET=1 was set they cannot be called from an interpreted kernel)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _fp8_grouped_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, indptr_ptr, masked_m_ptr,
+    M_DENSE, MAX_M, N, NUM_PROGRAMS,
+    stride_ag, stride_am, stride_ak,
+    stride_asg, stride_asm, stride_ask,
+    stride_bg, stride_bn, stride_bk,
+    stride_bsg, stride_bsn, stride_bsk,
+    stride_og, stride_om, stride_on,
+    stride_ws_split, stride_ws_row,
+    G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = 128
+    KB_PER_SPLIT: tl.constexpr = K // BLOCK_K // SPLIT_K
+    SCALAR_BS: tl.constexpr = BLOCK_N <= 128  # the tile sits inside one 128-row scale block
+
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    tile = pid
+    tiles_before = pid * 0
+    for g in range(G):
+        if LAYOUT == 0:  # contiguous
+            row0 = tl.load(indptr_ptr + g)
+            m = tl.load(indptr_ptr + g + 1) - row0
+        elif LAYOUT == 1:  # masked
+            row0 = 0
+            m = tl.minimum(tl.load(masked_m_ptr + g), MAX_M)
+        else:  # dense
+            row0 = 0
+            m = M_DENSE
+        m = tl.maximum(m, 0)
+        t_tiles = (m + BLOCK_T - 1) // BLOCK_T
+        group_tiles = t_tiles * n_tiles * SPLIT_K
+        g64 = tl.cast(g, tl.int64)
+        while tile < tiles_before + group_tiles:
+            local = tile - tiles_before
+            ks = local % SPLIT_K
+            rest = local // SPLIT_K
+            t_tile = rest % t_tiles
+            n_tile = rest // t_tiles
+
+            offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            t_mask = offs_t < m
+            rows = (row0 + offs_t).to(tl.int64)  # row within the group's A / out slab
+            offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < N
+            k0 = ks * (KB_PER_SPLIT * BLOCK_K)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+
+            a_ptrs = a_ptr + g64 * stride_ag + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_ptrs = (b_ptr + g64 * stride_bg + offs_n.to(tl.int64)[:, None] * stride_bn
+                      + offs_k[None, :] * stride_bk)
+            as_ptrs = as_ptr + g64 * stride_asg + rows * stride_asm + (k0 // BLOCK_K) * stride_ask
+            if SCALAR_BS:
+                bs_ptrs = (bs_ptr + g64 * stride_bsg + ((n_tile * BLOCK_N) // 128) * stride_bsn
+                           + (k0 // BLOCK_K) * stride_bsk)
+            else:
+                bs_ptrs = (bs_ptr + g64 * stride_bsg + (offs_n // 128) * stride_bsn
+                           + (k0 // BLOCK_K) * stride_bsk)
+
+            if SWAP_AB:
+                acc = tl.full([BLOCK_N, BLOCK_T], 0.0, tl.float32)
+            else:
+                acc = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
+            for _ in range(KB_PER_SPLIT):
+                a = tl.load(a_ptrs, mask=t_mask[:, None], other=0.0)  # [BLOCK_T, 128] fp8
+                b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, 128] fp8
+                sa = tl.load(as_ptrs, mask=t_mask, other=0.0)  # [BLOCK_T]
+                if SCALAR_BS:
+                    sb = tl.load(bs_ptrs)
+                else:
+                    sb = tl.load(bs_ptrs, mask=n_mask, other=0.0)  # [BLOCK_N]
+                if SWAP_AB:
+                    d = tl.dot(b, tl.trans(a))  # [BLOCK_N, BLOCK_T]: weights on the MMA's M side
+                    if SCALAR_BS:
+                        acc += d * (sa[None, :] * sb)
+                    else:
+                        acc += d * sa[None, :] * sb[:, None]
+                else:
+                    d = tl.dot(a, tl.trans(b))  # [BLOCK_T, BLOCK_N]
+                    if SCALAR_BS:
+                        acc += d * (sa[:, None] * sb)
+                    else:
+                        acc += d * sa[:, None] * sb[None, :]
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+                as_ptrs += stride_ask
+                bs_ptrs += stride_bsk
+
+            if SWAP_AB:
+                res = tl.trans(acc)  # [BLOCK_T, BLOCK_N]
+            else:
+                res = acc
+            o_mask = t_mask[:, None] & n_mask[None, :]
+            if SPLIT_K == 1:
+                o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+                tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+            else:
+                w_rows = g64 * MAX_M + rows  # flat output row (MAX_M = 0 unless masked)
+                w_ptrs = ws_ptr + ks * stride_ws_split + w_rows[:, None] * stride_ws_row + offs_n[None, :]
+                tl.store(w_ptrs, res, mask=o_mask)
+            tile += NUM_PROGRAMS
+        tiles_before += group_tiles
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr, out_ptr, indptr_ptr, masked_m_ptr,
+    N, MAX_M, stride_ws_split, stride_ws_row, stride_orow,
+    G: tl.constexpr, LAYOUT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out[r, :] = sum over k-slices of ws[:, r, :], for the valid flat rows r only."""
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if LAYOUT == 0:
+        valid = (r >= tl.load(indptr_ptr)) & (r < tl.load(indptr_ptr + G))
+    elif LAYOUT == 1:
+        valid = (r % MAX_M) < tl.minimum(tl.load(masked_m_ptr + r // MAX_M), MAX_M)
+    else:
+        valid = r >= 0
+    mask = (offs < N) & valid
+    r64 = r.to(tl.int64)
+    acc = tl.full([BLOCK], 0.0, tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * stride_ws_split + r64 * stride_ws_row + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + r64 * stride_orow + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration: heuristic, per-GPU table
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 4  # CPU / interpreter: a few programs, so the persistent stride is exercised
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(t: torch.Tensor) -> int:
+    return _num_sms(t.device.index if t.is_cuda else None)
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_name() -> str:
+    try:
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return "cpu"
+
+
+def heuristic_config(variant: str, m: int, n: int, k: int, groups: int, num_sms: int = 132) -> dict:
+    """Tile config without a table. m: (expected) tokens per group.
+
+    swapab: BLOCK_T = 16/32/64 tokens (smallest covering m), BLOCK_N = 128 weight rows, or 64 when
+    128-row tiles would leave SMs idle; 4 warps, 4 stages (smem (BLOCK_N+BLOCK_T)*128 B per stage),
+    2 programs per SM. normal: BLOCK_T = 64 (m <= 96) or 128, BLOCK_N = 128, 3 stages, 1 per SM.
+    """
+    if variant == "swapab":
+        bt = 16 if m <= 16 else 32 if m <= 32 else 64
+        tiles128 = groups * triton.cdiv(max(m, 1), bt) * triton.cdiv(n, 128)
+        bn = 128 if tiles128 >= num_sms else 64
+        return {"BLOCK_N": bn, "BLOCK_T": bt, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2}
+    if variant == "normal":
+        bt = 64 if m <= 96 else 128
+        return {"BLOCK_N": 128, "BLOCK_T": bt, "num_warps": 4 if bt == 64 else 8, "num_stages": 3,
+                "programs_per_sm": 1}
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def _table_dir() -> Path:
+    """python/sglang_h20/tables, found without importing sglang_h20 (this package stands alone)."""
+    spec = importlib.util.find_spec("sglang_h20")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0]) / "tables"
+    return Path(__file__).resolve().parents[2] / "python" / "sglang_h20" / "tables"
+
+
+def table_path(gpu_name: str) -> Path:
+    """tables/grouped_gemm_<gpu>.json: 'NVIDIA H200' -> grouped_gemm_h200.json, 'NVIDIA H20' -> ..._h20.json.
+
+    SGL_KERNEL_EXT_GROUPED_GEMM_TABLE=<file> overrides (for A/B runs and tests).
+    """
+    if os.environ.get("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE"):
+        return Path(os.environ["SGL_KERNEL_EXT_GROUPED_GEMM_TABLE"])
+    key = gpu_name.lower().replace("nvidia", "").strip().split()
+    return _table_dir() / f"grouped_gemm_{key[0] if key else 'unknown'}.json"
+
+
+@functools.lru_cache(maxsize=16)
+def _load_table_cached(path: str, mtime: float) -> dict | None:
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data.get("entries"), list):
+        raise ValueError(f"{path}: no 'entries' list")
+    for e in data["entries"]:
+        missing = {"n", "k", "groups", "m", "best"} - set(e)
+        if missing:
+            raise ValueError(f"{path}: entry {e} lacks {sorted(missing)}")
+        if e["best"] not in (*VARIANTS, "upstream"):
+            raise ValueError(f"{path}: entry {e} has best={e['best']!r}")
+    return data
+
+
+def load_table(gpu_name: str) -> dict | None:
+    """The tuned table for this GPU, or None when none is shipped.
+
+    Format (one JSON object):
+      {"gpu": "NVIDIA H200", "measured": true, "provenance": {...sglang_h20.provenance.record()},
+       "entries": [{"n": 4096, "k": 7168, "groups": 32, "m": 8, "best": "swapab",
+                    "us": {"swapab": 41.0, "normal": 63.2, "upstream": 55.1},
+                    "config": {"swapab": {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 4,
+                                          "num_stages": 4, "programs_per_sm": 2}, "normal": {...}}}]}
+    m is tokens per group; an optional "layout" ("contiguous" | "masked" | "dense") restricts an
+    entry to that layout; "best" is "swapab", "normal" or "upstream" (SGLang's own path, DeepGEMM
+    or its Triton fused-MoE kernel, was fastest: the caller should not use these kernels there).
+
+    How a table is produced (the tune command is still to be written; next GPU session):
+      python -m sglang_h20 calibrate grouped-gemm [--quick]  ->  tables/grouped_gemm_<gpu>.json
+    It will run benchmark/kernels/bench_grouped_gemm.py's sweep (DeepSeek-V3 gate_up N=4096 K=7168 and
+    down N=7168 K=2048, groups {8,16,32,256} x tokens/group {1..256}) over a config grid per variant,
+    keep each variant's best config, and write one entry per point with the winner among swapab,
+    normal and upstream; that benchmark's JSON already carries these entries under "table_entries".
+    """
+    path = table_path(gpu_name)
+    if not path.exists():
+        return None
+    return _load_table_cached(str(path), path.stat().st_mtime)
+
+
+def _lookup(m: int, n: int, k: int, groups: int, gpu_name: str, layout: str | None) -> dict | None:
+    table = load_table(gpu_name)
+    if table is None:
+        return None
+    same = [e for e in table["entries"] if e["n"] == n and e["k"] == k
+            and (layout is None or e.get("layout") in (None, layout))]
+    if not same:
+        return None
+    gdist = lambda e: abs(math.log2(max(e["groups"], 1)) - math.log2(max(groups, 1)))
+    best_g = min(gdist(e) for e in same)
+    same = sorted((e for e in same if gdist(e) == best_g), key=lambda e: e["m"])
+    for e in same:  # the smallest tabulated m that covers this m, else the largest
+        if e["m"] >= m:
+            return e
+    return same[-1]
+
+
+def choose_variant(m: int, n: int, k: int, groups: int, gpu_name: str | None = None,
+                   layout: str | None = None) -> str:
+    """'swapab' | 'normal' | 'upstream' for `groups` experts of about m tokens each, [N, K] weights.
+
+    From the GPU's table (`load_table`; nearest group count in log2, then the smallest tabulated m
+    >= m), else the heuristic: 'swapab' for m <= 64 tokens per group, 'normal' above (never
+    'upstream' without a measurement). gpu_name None: this process's GPU. layout ('contiguous',
+    'masked', 'dense') keeps only entries measured for it (entries without "layout" match any).
+    """
+    entry = _lookup(m, n, k, groups, gpu_name if gpu_name is not None else _gpu_name(), layout)
+    if entry is not None:
+        return entry["best"]
+    return "swapab" if m <= SWAPAB_MAX_M else "normal"
+
+
+def choose_config(variant: str, m: int, n: int, k: int, groups: int, gpu_name: str | None = None,
+                  num_sms: int = 132, layout: str | None = None) -> dict:
+    """Tile config for one of our variants: the table's tuned one when present, else the heuristic."""
+    entry = _lookup(m, n, k, groups, gpu_name if gpu_name is not None else _gpu_name(), layout)
+    cfg = heuristic_config(variant, m, n, k, groups, num_sms)
+    if entry is not None and variant in entry.get("config", {}):
+        cfg.update(entry["config"][variant])
+    return cfg
+
+
+def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, groups: int,
+             num_sms: int, layout: str) -> tuple[str, dict]:
+    if variant == "auto":
+        variant = choose_variant(m_hint, n, k, groups, layout=layout)
+        if variant == "upstream":  # the caller asked us anyway: our best guess
+            variant = "swapab" if m_hint <= SWAPAB_MAX_M else "normal"
+    if variant in VARIANTS:
+        cfg = choose_config(variant, m_hint, n, k, groups, num_sms=num_sms, layout=layout)
+    else:
+        raise ValueError(f"variant must be 'auto' or one of {VARIANTS}, got {variant!r}")
+    if config:
+        cfg = {**cfg, **config}
+    bn, bt = cfg["BLOCK_N"], cfg["BLOCK_T"]
+    if bn not in (16, 32, 64, 128, 256) or bt not in (16, 32, 64, 128, 256):
+        raise ValueError(f"BLOCK_N {bn} / BLOCK_T {bt} must be powers of two in 16..256")
+    return variant, cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch
+# ---------------------------------------------------------------------------------------------
+def _check_operands(a, a_scale, b, b_scale, rows_dims: int):
+    if a.dtype != FP8 or b.dtype != FP8:
+        raise TypeError(f"a and b must be float8_e4m3fn, got {a.dtype}, {b.dtype}")
+    if a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
+        raise TypeError(f"scales must be float32, got {a_scale.dtype}, {b_scale.dtype}")
+    k = a.shape[-1]
+    if k % SCALE_BLOCK or b.shape[-1] != k:
+        raise ValueError(f"K must match and be a multiple of {SCALE_BLOCK}: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if tuple(a_scale.shape) != (*a.shape[:rows_dims], k // SCALE_BLOCK):
+        raise ValueError(f"a_scale {tuple(a_scale.shape)} does not match a {tuple(a.shape)} (1x128 groups)")
+    want = (*b.shape[:-2], triton.cdiv(b.shape[-2], SCALE_BLOCK), k // SCALE_BLOCK)
+    if tuple(b_scale.shape) != want:
+        raise ValueError(f"b_scale {tuple(b_scale.shape)} should be {want} (128x128 blocks)")
+
+
+def _pick_split_k(tiles: int, kb: int, num_sms: int) -> int:
+    """Smallest divisor of the K-block count that gives >= num_sms work items, keeping >= 4 blocks each."""
+    if tiles >= num_sms:
+        return 1
+    for d in range(2, kb + 1):
+        if kb % d == 0 and kb // d >= 4 and tiles * d >= num_sms:
+            return d
+    best = 1
+    for d in range(2, kb + 1):
+        if kb % d == 0 and kb // d >= 4:
+            best = d
+    return best
+
+
+def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, m_dense=0,
+            max_m=0, upper_tiles_t, variant, cfg, split_k):
+    groups, n, k = b.shape
+    swap = variant == "swapab"
+    bn, bt = cfg["BLOCK_N"], cfg["BLOCK_T"]
+    kb = k // SCALE_BLOCK
+    if kb % split_k:
+        raise ValueError(f"split_k {split_k} must divide K/128 = {kb}")
+    a3 = a if a.dim() == 3 else a.unsqueeze(0)
+    s3 = a_scale if a_scale.dim() == 3 else a_scale.unsqueeze(0)
+    o3 = out if out.dim() == 3 else out.unsqueeze(0)
+    group_strides = layout == LAYOUT_MASKED
+    sa_g = (a3.stride(0), s3.stride(0), o3.stride(0)) if group_strides else (0, 0, 0)
+    num_sms = _device_sms(a)
+    upper = max(1, upper_tiles_t * triton.cdiv(n, bn) * split_k)
+    num_programs = min(upper, num_sms * cfg.get("programs_per_sm", 1))
+    dummy = indptr if indptr is not None else masked_m if masked_m is not None else b_scale
+    if split_k > 1:
+        if not out.is_contiguous():
+            raise ValueError("split_k > 1 needs a contiguous out")
+        rows_flat = out.numel() // n
+        ws = torch.empty(split_k, rows_flat, n, dtype=torch.float32, device=a.device)
+        ws_strides = (ws.stride(0), ws.stride(1))
+    else:
+        ws, ws_strides = out, (0, 0)
+    _fp8_grouped_gemm_kernel[(num_programs,)](
+        a3, s3, b, b_scale, o3, ws,
+        indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
+        m_dense, max_m if layout == LAYOUT_MASKED else 0, n, num_programs,
+        sa_g[0], a3.stride(1), a3.stride(2),
+        sa_g[1], s3.stride(1), s3.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+        sa_g[2], o3.stride(1), o3.stride(2),
+        *ws_strides,
+        G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )
+    if split_k > 1:
+        block = 256
+        _splitk_reduce_kernel[(rows_flat, triton.cdiv(n, block))](
+            ws, out, indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
+            n, max(max_m, 1), ws.stride(0), ws.stride(1), n,
+            G=groups, LAYOUT=layout, SPLIT_K=split_k, BLOCK=block, num_warps=4,
+        )
+    return out
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                                     b_scale: torch.Tensor, m_indptr: torch.Tensor,
+                                     out: torch.Tensor | None = None, variant: str = "auto",
+                                     config: dict | None = None, split_k: int = 1) -> torch.Tensor:
+    """Contiguous grouped GEMM: out[r] = A[r] @ B[g]^T for m_indptr[g] <= r < m_indptr[g+1].
+
+    a [M_total, K] fp8, a_scale [M_total, K/128] fp32, b [G, N, K] fp8, b_scale [G, ceil(N/128), K/128]
+    fp32, m_indptr [G+1] int32 (non-decreasing; empty experts allowed). out [M_total, N] bf16 (made if
+    None; rows outside [m_indptr[0], m_indptr[G]) are left as they were). variant: 'auto' (table or
+    heuristic on M_total/G tokens per group), 'swapab' or 'normal'; config overrides tile keys.
+    """
+    _check_operands(a, a_scale, b, b_scale, 1)
+    groups, n, k = b.shape
+    if m_indptr.shape != (groups + 1,) or m_indptr.dtype != torch.int32:
+        raise ValueError(f"m_indptr must be int32 [{groups + 1}], got {m_indptr.dtype} {tuple(m_indptr.shape)}")
+    m_total = a.shape[0]
+    if out is None:
+        out = torch.empty(m_total, n, dtype=torch.bfloat16, device=a.device)
+    if m_total == 0 or groups == 0:
+        return out
+    m_hint = triton.cdiv(m_total, groups)
+    variant, cfg = _resolve(variant, config, m_hint, n, k, groups, _device_sms(a), "contiguous")
+    # sum_g ceil(m_g / BT) <= M_total / BT + (number of non-empty groups)
+    upper_t = m_total // cfg["BLOCK_T"] + min(groups, m_total)
+    return _launch(LAYOUT_CONTIGUOUS, a, a_scale, b, b_scale, out, indptr=m_indptr,
+                   upper_tiles_t=upper_t, variant=variant, cfg=cfg, split_k=split_k)
+
+
+def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                                 b_scale: torch.Tensor, masked_m: torch.Tensor,
+                                 out: torch.Tensor | None = None, variant: str = "auto",
+                                 expected_m: int | None = None, config: dict | None = None,
+                                 split_k: int = 1) -> torch.Tensor:
+    """Masked grouped GEMM: out[g, t] = A[g, t] @ B[g]^T for t < masked_m[g].
+
+    a [G, max_m, K] fp8, a_scale [G, max_m, K/128] fp32, b [G, N, K], b_scale [G, ceil(N/128), K/128],
+    masked_m [G] int32 (values above max_m are clamped). out [G, max_m, N] bf16; rows t >= masked_m[g]
+    are left as they were. expected_m (tokens per group, as in DeepGEMM) picks the variant and tiles
+    for 'auto'; default max_m.
+    """
+    _check_operands(a, a_scale, b, b_scale, 2)
+    groups, n, k = b.shape
+    if a.dim() != 3 or a.shape[0] != groups:
+        raise ValueError(f"a must be [G={groups}, max_m, K], got {tuple(a.shape)}")
+    if masked_m.shape != (groups,) or masked_m.dtype != torch.int32:
+        raise ValueError(f"masked_m must be int32 [{groups}], got {masked_m.dtype} {tuple(masked_m.shape)}")
+    max_m = a.shape[1]
+    if out is None:
+        out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device=a.device)
+    if max_m == 0 or groups == 0:
+        return out
+    m_hint = expected_m if expected_m is not None else max_m
+    variant, cfg = _resolve(variant, config, m_hint, n, k, groups, _device_sms(a), "masked")
+    upper_t = groups * triton.cdiv(max_m, cfg["BLOCK_T"])
+    return _launch(LAYOUT_MASKED, a, a_scale, b, b_scale, out, masked_m=masked_m, max_m=max_m,
+                   upper_tiles_t=upper_t, variant=variant, cfg=cfg, split_k=split_k)
+
+
+def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                out: torch.Tensor | None = None, variant: str = "auto", config: dict | None = None,
+                split_k: int | None = None) -> torch.Tensor:
+    """Dense out[M, N] = A[M, K] @ B[N, K]^T (bf16), the same kernel with one group.
+
+    a_scale [M, K/128], b_scale [ceil(N/128), K/128]. split_k None: automatic (k-slices when the
+    output tiles alone would leave SMs idle, e.g. M = 1..64 with N = 2112).
+    """
+    _check_operands(a, a_scale, b, b_scale, 1)
+    m, k = a.shape
+    n = b.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if m == 0:
+        return out
+    variant, cfg, split_k = plan_fp8_gemm_nt(m, n, k, variant, config, split_k, _device_sms(a))
+    return _launch(LAYOUT_DENSE, a, a_scale, b.unsqueeze(0), b_scale.unsqueeze(0), out, m_dense=m,
+                   upper_tiles_t=triton.cdiv(m, cfg["BLOCK_T"]), variant=variant, cfg=cfg, split_k=split_k)
+
+
+def plan_fp8_gemm_nt(m: int, n: int, k: int, variant: str = "auto", config: dict | None = None,
+                     split_k: int | None = None, num_sms: int = 132) -> tuple[str, dict, int]:
+    """(variant, tile config, split_k) that fp8_gemm_nt uses for this shape (benchmarks record it)."""
+    variant, cfg = _resolve(variant, config, m, n, k, 1, num_sms, "dense")
+    if split_k is None:
+        tiles = triton.cdiv(m, cfg["BLOCK_T"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        split_k = _pick_split_k(tiles, k // SCALE_BLOCK, num_sms * cfg.get("programs_per_sm", 1))
+    return variant, cfg, split_k
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+def grouped_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                           m_indptr: torch.Tensor | None = None,
+                           masked_m: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 result on the DEQUANTIZED inputs; rows that belong to no group are 0.
+
+    Dense (b [N, K], neither index given), contiguous (m_indptr) or masked (masked_m, a [G, max_m, K]).
+    """
+    ad = dequant_per_token_group(a, a_scale)
+    bd = dequant_per_block(b, b_scale, SCALE_BLOCK)
+    if b.dim() == 2:
+        return ad @ bd.T
+    groups, n, _ = b.shape
+    if m_indptr is not None:
+        out = torch.zeros(a.shape[0], n, dtype=torch.float32, device=a.device)
+        ip = m_indptr.tolist()
+        for g in range(groups):
+            if ip[g + 1] > ip[g]:
+                out[ip[g]:ip[g + 1]] = ad[ip[g]:ip[g + 1]] @ bd[g].T
+        return out
+    if masked_m is None:
+        raise ValueError("grouped reference needs m_indptr or masked_m")
+    out = torch.zeros(groups, a.shape[1], n, dtype=torch.float32, device=a.device)
+    for g, mm in enumerate(masked_m.tolist()):
+        mm = min(mm, a.shape[1])
+        if mm > 0:
+            out[g, :mm] = ad[g, :mm] @ bd[g].T
+    return out

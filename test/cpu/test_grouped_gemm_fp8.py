@@ -1,0 +1,359 @@
+"""FP8 block-scaled grouped GEMMs (swapAB and normal), the dense GEMM, and the FP8 quant kernels, on CPU.
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 (set here, and the kernel modules
+re-imported if something imported them compiled first), with tiny shapes. Every output is poisoned with NaN first; every valid element must be finite and match the
+float32 reference on the dequantized inputs (per group: ||out - ref|| / ||ref|| <= 1e-2 and
+max |out - ref| <= 1e-2 * max |ref|); every element outside the groups must still be NaN.
+Inputs are fresh random values with per-row / per-block magnitudes that differ (so a scale applied
+to the wrong row or block shows), never zeros.
+
+Interpreter notes: it truncates fp32 -> bf16 (no rounding), so the measured error here (~3e-3) is
+about 4x what a GPU's round-to-nearest gives; quant.py pre-rounds to the fp8 grid under the
+interpreter because its fp32 -> fp8 conversion drops the mantissa carry.
+"""
+import importlib
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated (module import). Without a GPU, interpret;
+# if another test module imported these kernel modules compiled already, re-import them interpreted.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for _name, _kernel in (("sgl_kernel_ext.quant", "_silu_mul_quant_kernel"),
+                           ("sgl_kernel_ext.grouped_gemm_fp8", "_fp8_grouped_gemm_kernel")):
+        _mod = sys.modules.get(_name)
+        if _mod is not None and not isinstance(getattr(_mod, _kernel), InterpretedFunction):
+            importlib.reload(_mod)
+
+import pytest  # noqa: E402
+
+from sgl_kernel_ext import grouped_gemm_fp8 as gg  # noqa: E402
+from sgl_kernel_ext.quant import (  # noqa: E402
+    FP8_MAX, dequant_per_block, dequant_per_token_group, per_block_quant_fp8, per_token_group_quant_fp8,
+    silu_mul_quant_fp8, silu_mul_quant_fp8_reference,
+)
+
+REL = 1e-2
+# e4m3 round-to-nearest: |q - v| <= half an ulp; the top binade [256, 448] has ulp 32, so the error
+# of a dequantized value is at most 16 * scale = amax * 16 / 448 of its group.
+QUANT_BOUND = 16.0 / FP8_MAX
+
+SWAPAB_CONFIGS = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32}]
+NORMAL_CONFIGS = [None, {"BLOCK_N": 256, "BLOCK_T": 64}]  # 256: the per-column weight-scale path
+CASES = [("swapab", c) for c in SWAPAB_CONFIGS] + [("normal", c) for c in NORMAL_CONFIGS]
+CASE_IDS = [f"{v}-{c['BLOCK_N']}x{c['BLOCK_T']}" if c else f"{v}-default" for v, c in CASES]
+
+
+@pytest.fixture(autouse=True)
+def no_table(monkeypatch, tmp_path):
+    """No shipped table may change what these tests exercise: point the loader at a missing file."""
+    monkeypatch.setenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE", str(tmp_path / "absent.json"))
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def activations(shape, seed):
+    """Random activations, quantized per 1x128 group; row magnitudes spread over ~e^±2."""
+    g = gen(seed)
+    x = torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape[:-1], 1, generator=g))
+    return per_token_group_quant_fp8(x)
+
+
+def weights(groups, n, k, seed):
+    g = gen(seed)
+    w = torch.randn(groups, n, k, generator=g) * 0.05
+    w = w * torch.exp(torch.randn(groups, 1, k, generator=g))  # per-column magnitudes differ
+    return per_block_quant_fp8(w)
+
+
+def poisoned(*shape):
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16)
+
+
+def check_rows(out, ref, what):
+    """out: bf16 rows of one group, ref: fp32; returns (normwise, max-abs relative) errors."""
+    o = out.float()
+    assert torch.isfinite(o).all(), f"{what}: NaN/Inf in valid rows (unwritten or bad math)"
+    norm_err = ((o - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    max_err = ((o - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    assert norm_err <= REL, f"{what}: ||out-ref||/||ref|| = {norm_err:.3e}"
+    assert max_err <= REL, f"{what}: max|out-ref|/max|ref| = {max_err:.3e}"
+    return norm_err, max_err
+
+
+def cumsum0(ms, start=0):
+    return torch.tensor([start] + [start + s for s in itertools.accumulate(ms)], dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped GEMMs
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant,config", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("ms,n,k", [
+    ([3, 0, 17, 1, 40], 192, 384),  # N = 1.5 scale blocks, m = 0, m not a multiple of any tile
+    ([0, 33, 0, 9], 256, 512),
+    ([65, 2], 128, 256),
+])
+def test_contiguous(variant, config, ms, n, k):
+    groups, lead, tail = len(ms), 2, 3  # rows before m_indptr[0] and after m_indptr[G]: not ours
+    m_total = lead + sum(ms) + tail
+    a, a_s = activations((m_total, k), seed=sum(ms) + n)
+    b, b_s = weights(groups, n, k, seed=k)
+    ip = cumsum0(ms, start=lead)
+    out = poisoned(m_total, n)
+    res = gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=out, variant=variant, config=config)
+    assert res is out
+    ref = gg.grouped_gemm_reference(a, a_s, b, b_s, m_indptr=ip)
+    for g in range(groups):
+        lo, hi = ip[g].item(), ip[g + 1].item()
+        if hi > lo:
+            check_rows(out[lo:hi], ref[lo:hi], f"group {g} (m={hi - lo})")
+    assert out[:lead].isnan().all() and out[m_total - tail:].isnan().all(), "rows outside the groups written"
+
+
+@pytest.mark.parametrize("variant,config", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("masked,max_m,n,k", [
+    ([0, 24, 5, 17], 24, 192, 256),
+    ([1, 0, 0, 40, 70], 72, 128, 512),  # 70 of 72: the last tile is partial
+    ([3, 30], 24, 256, 384),  # masked_m > max_m is clamped to max_m
+])
+def test_masked(variant, config, masked, max_m, n, k):
+    groups = len(masked)
+    a, a_s = activations((groups, max_m, k), seed=max_m + n)
+    b, b_s = weights(groups, n, k, seed=k + 1)
+    mm = torch.tensor(masked, dtype=torch.int32)
+    out = poisoned(groups, max_m, n)
+    gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant=variant, config=config)
+    ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+    for g, m in enumerate(masked):
+        m = min(m, max_m)
+        if m:
+            check_rows(out[g, :m], ref[g, :m], f"group {g} (m={m})")
+        assert out[g, m:].isnan().all(), f"group {g}: rows at or past masked_m={m} written"
+
+
+@pytest.mark.parametrize("variant", gg.VARIANTS)
+def test_all_groups_empty(variant):
+    a, a_s = activations((3, 16, 256), seed=5)
+    b, b_s = weights(3, 128, 256, seed=6)
+    out = poisoned(3, 16, 128)
+    gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, torch.zeros(3, dtype=torch.int32), out=out, variant=variant)
+    assert out.isnan().all()
+    a2, a2_s = activations((8, 256), seed=7)
+    out2 = poisoned(8, 128)
+    gg.m_grouped_fp8_gemm_nt_contiguous(a2, a2_s, b, b_s, torch.full((4,), 3, dtype=torch.int32),
+                                        out=out2, variant=variant)
+    assert out2.isnan().all()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_split_k_grouped(layout):
+    """k-slices + the reduce kernel, which must also skip rows outside the groups."""
+    n, k = 192, 512
+    if layout == "contiguous":
+        ms = [4, 0, 19]
+        a, a_s = activations((sum(ms) + 2, k), seed=11)
+        b, b_s = weights(3, n, k, seed=12)
+        ip = cumsum0(ms, start=1)
+        out = poisoned(sum(ms) + 2, n)
+        gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=out, variant="swapab", split_k=2)
+        ref = gg.grouped_gemm_reference(a, a_s, b, b_s, m_indptr=ip)
+        check_rows(out[1:-1], ref[1:-1], "split-k contiguous")
+        assert out[0].isnan().all() and out[-1].isnan().all()
+    else:
+        masked = [6, 0, 13]
+        a, a_s = activations((3, 16, k), seed=13)
+        b, b_s = weights(3, n, k, seed=14)
+        mm = torch.tensor(masked, dtype=torch.int32)
+        out = poisoned(3, 16, n)
+        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="normal", split_k=4)
+        ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+        for g, m in enumerate(masked):
+            if m:
+                check_rows(out[g, :m], ref[g, :m], f"split-k masked group {g}")
+            assert out[g, m:].isnan().all()
+
+
+@pytest.mark.parametrize("m,n,split_k,variant", [
+    (1, 192, None, "auto"), (7, 192, 2, "swapab"), (33, 128, 1, "swapab"), (70, 256, None, "normal"),
+])
+def test_fp8_gemm_nt(m, n, split_k, variant):
+    k = 512
+    a, a_s = activations((m, k), seed=m)
+    w = torch.randn(n, k, generator=gen(n)) * 0.05
+    b, b_s = per_block_quant_fp8(w)
+    out = poisoned(m, n)
+    gg.fp8_gemm_nt(a, a_s, b, b_s, out=out, variant=variant, split_k=split_k)
+    ref = gg.grouped_gemm_reference(a, a_s, b, b_s)
+    check_rows(out, ref, f"dense m={m}")
+    fresh = gg.fp8_gemm_nt(a, a_s, b, b_s, variant=variant, split_k=split_k)
+    assert fresh.dtype == torch.bfloat16 and fresh.shape == (m, n)
+
+
+def test_column_major_activation_scales():
+    """DeepGEMM keeps activation scales MN-major; strides are honoured."""
+    a, a_s = activations((20, 256), seed=21)
+    b, b_s = weights(2, 128, 256, seed=22)
+    a_s_cm = a_s.t().contiguous().t()
+    assert a_s_cm.stride() != a_s.stride()
+    ip = torch.tensor([0, 9, 20], dtype=torch.int32)
+    out = poisoned(20, 128)
+    gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s_cm, b, b_s, ip, out=out, variant="swapab")
+    check_rows(out, gg.grouped_gemm_reference(a, a_s, b, b_s, m_indptr=ip), "column-major scales")
+
+
+def test_rejects_bad_operands():
+    a, a_s = activations((4, 256), seed=1)
+    b, b_s = weights(2, 128, 256, seed=2)
+    ip = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(TypeError):
+        gg.m_grouped_fp8_gemm_nt_contiguous(a.float(), a_s, b, b_s, ip)
+    with pytest.raises(ValueError):
+        gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s[:, :1], b, b_s, ip)
+    with pytest.raises(ValueError):
+        gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip.long())
+    with pytest.raises(ValueError):
+        gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, variant="fast")
+    with pytest.raises(ValueError):
+        gg.fp8_gemm_nt(a, a_s, b[0], b_s[0], split_k=3)  # K/128 = 2 is not divisible by 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Variant selection
+# ---------------------------------------------------------------------------------------------
+def test_choose_variant_heuristic():
+    for m in (0, 1, 16, 64):
+        assert gg.choose_variant(m, 4096, 7168, 32, "NVIDIA H200") == "swapab"
+    for m in (65, 256):
+        assert gg.choose_variant(m, 4096, 7168, 32, "NVIDIA H200") == "normal"
+
+
+def test_table_path_naming(monkeypatch):
+    monkeypatch.delenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE")
+    assert gg.table_path("NVIDIA H200").name == "grouped_gemm_h200.json"
+    assert gg.table_path("NVIDIA H20").name == "grouped_gemm_h20.json"
+    assert gg.table_path("NVIDIA H100 80GB HBM3").name == "grouped_gemm_h100.json"
+    assert gg.table_path("NVIDIA H200").parent.name == "tables"
+
+
+def test_choose_variant_from_table(monkeypatch, tmp_path):
+    entries = [
+        {"n": 4096, "k": 7168, "groups": 32, "m": 4, "best": "swapab",
+         "config": {"swapab": {"BLOCK_N": 64, "BLOCK_T": 16, "num_stages": 5}}},
+        {"n": 4096, "k": 7168, "groups": 32, "m": 32, "best": "upstream"},
+        {"n": 4096, "k": 7168, "groups": 32, "m": 128, "best": "normal"},
+        {"n": 4096, "k": 7168, "groups": 256, "m": 4, "best": "normal"},
+        {"n": 128, "k": 256, "groups": 2, "m": 64, "best": "normal",
+         "config": {"normal": {"BLOCK_N": 64, "BLOCK_T": 16}}},
+    ]
+    path = tmp_path / "grouped_gemm_test.json"
+    path.write_text(json.dumps({"gpu": "test", "measured": False, "entries": entries}))
+    monkeypatch.setenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE", str(path))
+    cv = lambda m, g=32, n=4096, k=7168: gg.choose_variant(m, n, k, g, "test")  # noqa: E731
+    assert cv(1) == "swapab" and cv(4) == "swapab"
+    assert cv(5) == "upstream" and cv(32) == "upstream"
+    assert cv(100) == "normal" and cv(4096) == "normal"  # beyond the table: its largest m
+    assert cv(4, g=200) == "normal"  # nearest group count (log2)
+    assert cv(4, g=40) == "swapab"
+    assert cv(1, n=7168, k=2048) == "swapab" and cv(200, n=7168, k=2048) == "normal"  # no entry: heuristic
+    cfg = gg.choose_config("swapab", 2, 4096, 7168, 32, "test")
+    assert (cfg["BLOCK_N"], cfg["BLOCK_T"], cfg["num_stages"]) == (64, 16, 5)
+    # 'auto' uses the table's variant and its tuned tiles (here normal with 64x16 tiles) and stays right
+    a, a_s = activations((40, 256), seed=31)
+    b, b_s = weights(2, 128, 256, seed=32)
+    ip = torch.tensor([0, 13, 40], dtype=torch.int32)
+    out = poisoned(40, 128)
+    gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=out)
+    check_rows(out, gg.grouped_gemm_reference(a, a_s, b, b_s, m_indptr=ip), "auto from table")
+
+
+def test_bad_table_is_reported(monkeypatch, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"entries": [{"n": 1, "k": 1, "groups": 1, "m": 1, "best": "fastest"}]}))
+    monkeypatch.setenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE", str(path))
+    with pytest.raises(ValueError, match="best"):
+        gg.choose_variant(1, 1, 1, 1, "test")
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization
+# ---------------------------------------------------------------------------------------------
+def group_amax(x, group=128):
+    return x.float().reshape(*x.shape[:-1], -1, group).abs().amax(-1).repeat_interleave(group, -1)
+
+
+@pytest.mark.parametrize("shape", [(7, 256), (3, 5, 384)])
+def test_per_token_group_round_trip(shape):
+    x = torch.randn(*shape, generator=gen(41)) * torch.exp(torch.randn(*shape[:-1], 1, generator=gen(42)))
+    q, s = per_token_group_quant_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (*shape[:-1], shape[-1] // 128)
+    err = (dequant_per_token_group(q, s) - x).abs()
+    assert (err <= group_amax(x) * QUANT_BOUND * (1 + 1e-6)).all()
+    assert (q.float().abs().amax(-1) > 400).all()  # each row's largest group uses the top of the range
+
+
+def test_per_block_round_trip():
+    w = torch.randn(2, 200, 300, generator=gen(43)) * torch.exp(torch.randn(2, 1, 300, generator=gen(44)))
+    q, s = per_block_quant_fp8(w)
+    assert s.shape == (2, 2, 3)
+    wp = torch.zeros(2, 256, 384)
+    wp[:, :200, :300] = w
+    amax = wp.abs().reshape(2, 2, 128, 3, 128).amax(dim=(2, 4))
+    bound = amax.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :200, :300] * QUANT_BOUND
+    assert ((dequant_per_block(q, s) - w).abs() <= bound * (1 + 1e-6)).all()
+
+
+def check_silu_quant(q, s, x):
+    inter = x.shape[-1] // 2
+    y = torch.nn.functional.silu(x[..., :inter].float()) * x[..., inter:].float()
+    qr, sr = silu_mul_quant_fp8_reference(x)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    assert torch.allclose(s, sr, rtol=1e-5, atol=0)
+    deq = dequant_per_token_group(q, s)
+    assert ((deq - y).abs() <= group_amax(y) * QUANT_BOUND * (1 + 1e-5)).all()
+    mismatch = (q.float() != qr.float()).float().mean().item()
+    assert mismatch <= 0.01, f"{mismatch:.3%} of fp8 values differ from the reference"  # ties only
+    return mismatch
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 128), (9, 384), (33, 640)])
+def test_silu_mul_quant(rows, inter):
+    x = (torch.randn(rows, 2 * inter, generator=gen(rows)) * 2).to(torch.bfloat16)
+    q, s = silu_mul_quant_fp8(x)
+    assert q.shape == (rows, inter) and q.dtype == torch.float8_e4m3fn
+    assert s.shape == (rows, inter // 128) and s.dtype == torch.float32
+    check_silu_quant(q, s, x)
+
+
+def test_silu_mul_quant_masked():
+    masked = [0, 5, 12]
+    x = (torch.randn(3, 12, 2 * 256, generator=gen(51)) * 3).to(torch.bfloat16)
+    q, s = silu_mul_quant_fp8(x, masked_m=torch.tensor(masked, dtype=torch.int32))
+    assert q.shape == (3, 12, 256) and s.shape == (3, 12, 2)
+    for g, m in enumerate(masked):
+        if m:
+            check_silu_quant(q[g, :m], s[g, :m], x[g, :m])
+
+
+def test_silu_then_down_gemm():
+    """The MoE chain between up and down: silu_mul_quant_fp8 output feeds the masked GEMM as is."""
+    masked = [4, 0, 11]
+    h = (torch.randn(3, 16, 2 * 256, generator=gen(61)) * 2).to(torch.bfloat16)
+    mm = torch.tensor(masked, dtype=torch.int32)
+    q, s = silu_mul_quant_fp8(h, masked_m=mm)
+    b, b_s = weights(3, 128, 256, seed=62)
+    out = poisoned(3, 16, 128)
+    gg.m_grouped_fp8_gemm_nt_masked(q, s, b, b_s, mm, out=out, variant="swapab")
+    ref = gg.grouped_gemm_reference(q, s, b, b_s, masked_m=mm)
+    for g, m in enumerate(masked):
+        if m:
+            check_rows(out[g, :m], ref[g, :m], f"chain group {g}")
+        assert out[g, m:].isnan().all()

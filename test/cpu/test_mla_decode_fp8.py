@@ -1,0 +1,301 @@
+"""FP8 MLA decode (sgl_kernel_ext.mla_decode) at tiny shapes, on the Triton interpreter when there is no GPU.
+
+Error metric: rel = ||out - ref||_F / ||ref||_F over the whole output. The bounds follow from e4m3's 3 mantissa
+bits: one rounding carries ~2.7% rms relative error (2^-3/sqrt(12) over a binade). Measured values are from this
+file's seeded inputs (generated on the CPU, so the same numbers everywhere).
+
+* kernel vs mla_decode_reference (fp32 math on the dequantized cache and Q): only the FP8 rounding of P (and the
+  bf16 output) differs. DeepSeek-like inputs (latent rows sharing a channel profile, five outlier channels
+  x10..x30): measured 0.8-1.3%, asserted <= 2e-2. i.i.d. zero-mean tokens, the worst case (no common component:
+  the rounding errors are as large as the signal allows): measured 2.6%, asserted <= 3.5e-2. precise_pv (P as two
+  FP8 terms): measured 0.16-0.18%, asserted <= 6e-3. lse: fp32 summation order only, measured <= 2e-6, asserted
+  <= 1e-4.
+* kernel vs mla_decode_exact (fp32 on the bf16 inputs): adds the FP8 rounding of Q, K and V. DeepSeek-like: measured
+  1.6-2.6% at these tiny lengths (1.4-1.9% at 1k-4k tokens), asserted <= 3e-2; i.i.d.: measured 4.8%, asserted
+  <= 6.5e-2.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the kernel module is imported. Without a
+# GPU, interpret; if another test module imported the kernels compiled already, re-import them interpreted.
+if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "sgl_kernel_ext.mla_decode" in sys.modules:
+        importlib.reload(sys.modules["sgl_kernel_ext.mla_decode"])
+
+import pytest  # noqa: E402
+
+import sgl_kernel_ext  # noqa: E402
+
+# the module, not the function of the same name that the package exports (`import a.b as c` would bind that)
+mla = importlib.import_module("sgl_kernel_ext.mla_decode")
+
+DEVICE = "cpu" if mla._INTERPRETED else "cuda"
+DEEPSEEK_LIKE = dict(shared=1.0, outlier_gains=(10.0, 15.0, 20.0, 25.0, 30.0), q_std=0.5)
+IID = dict(shared=0.0, outlier_gains=(), q_std=0.5)
+
+
+@pytest.fixture(autouse=True)
+def _poison_workspace(monkeypatch):
+    monkeypatch.setattr(mla, "_POISON_WORKSPACE", True)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def inputs(lens, heads, q_len, page, seed, **kw) -> dict:
+    """make_mla_inputs generated on the CPU (the same numbers everywhere), then moved to DEVICE."""
+    d = mla.make_mla_inputs(lens, heads, q_len, page, seed=seed, device="cpu", **kw)
+    mv = lambda x: x.to(DEVICE) if torch.is_tensor(x) else x  # noqa: E731
+    return {k: (tuple(mv(x) for x in v) if isinstance(v, tuple) else mv(v)) for k, v in d.items()}
+
+
+def run(d: dict, meta, **kw):
+    """The kernel into a NaN-poisoned output buffer; every element must be written."""
+    B, T, H, _ = d["q"].shape
+    out = torch.full((B, T, H, mla.KV_LORA_RANK), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    o, lse = mla.mla_decode_fp8(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"],
+                                meta, return_lse=True, out=out, **kw)
+    assert o.data_ptr() == out.data_ptr()
+    return o, lse
+
+
+def refs(d: dict, causal: bool = True):
+    args = (d["block_table"], d["cache_seqlens"], d["softmax_scale"])
+    ref, ref_lse = mla.mla_decode_reference(d["q"], d["kv_cache"], *args, causal=causal)
+    exact, _ = mla.mla_decode_exact(d["q"], d["latent_cache"], *args, causal=causal)
+    return ref, ref_lse, exact
+
+
+def check_lse(lse, ref_lse):
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "rows that see tokens must have a finite lse, others -inf"
+    assert (lse[seen] - ref_lse[seen]).abs().max().item() <= 1e-4
+
+
+# --- the format ---------------------------------------------------------------------------------------------------
+
+def test_format_constants():
+    assert mla.KV_BYTES_PER_TOKEN == 576 + 5 * 4 == 596
+    assert callable(sgl_kernel_ext.mla_decode_fp8)
+    for name in ("get_mla_decode_metadata", "quantize_kv_fp8", "dequantize_kv_fp8", "store_kv_fp8",
+                 "mla_decode_reference", "mla_decode_exact"):
+        assert hasattr(sgl_kernel_ext, name), name
+
+
+def test_quantize_roundtrip_error_bound():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(257, 576, generator=g)
+    x[:, [5, 200, 333]] *= torch.tensor([12.0, 25.0, 30.0])  # outlier channels in three latent groups
+    x[:, 512:] *= 7.0                                          # rope part on its own scale
+    x[3] = 0.0                                                 # an all-zero token
+    x = x.bfloat16().to(DEVICE)
+    q, s = mla.quantize_kv_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (257, 576)
+    assert s.dtype == torch.float32 and s.shape == (257, 5)
+    xf = x.float()
+    amax = torch.cat([xf[:, :512].reshape(-1, 4, 128).abs().amax(-1), xf[:, 512:].abs().amax(-1, keepdim=True)], 1)
+    assert torch.allclose(s, torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)), rtol=1e-6, atol=0)
+    y = mla.dequantize_kv_fp8(q, s)
+    assert torch.equal(y[3], torch.zeros(576, device=DEVICE))
+    # e4m3 round-to-nearest: |err| <= 2^-4 |x| for normals, <= 2^-10 * scale (half a subnormal step) below
+    s_per_ch = torch.cat([s[:, :4].repeat_interleave(128, 1), s[:, 4:].expand(-1, 64)], 1)
+    bound = torch.maximum(xf.abs() * 2.0 ** -4, s_per_ch * 2.0 ** -10) * (1 + 1e-6)
+    assert ((y - xf).abs() <= bound).all()
+    assert rel(y, xf) <= 0.03  # ~2.7% rms for a binade-uniform mantissa
+    # the group maxima are exact (448 is representable)
+    assert torch.allclose(y.abs().amax(-1), xf.abs().amax(-1), rtol=1e-6)
+    # uint8 storage reads back the same
+    assert torch.equal(mla.dequantize_kv_fp8(q.view(torch.uint8), s), y)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_store_kv_fp8_writes_only_its_slots(page_size):
+    g = torch.Generator().manual_seed(2)
+    num_pages = 4
+    latent = (torch.randn(9, 576, generator=g) * torch.linspace(0.1, 20.0, 576)).bfloat16().to(DEVICE)
+    latent[4] = 0.0
+    loc = torch.randperm(num_pages * page_size, generator=g)[:9].to(DEVICE)
+    data = torch.full((num_pages, page_size, 576), 0x7F, dtype=torch.uint8, device=DEVICE)  # NaN bytes
+    scales = torch.full((num_pages, page_size, 5), float("nan"), device=DEVICE)
+    mla.store_kv_fp8(data, scales, loc, latent)
+    data_t = data.clone().fill_(0x7F)
+    scales_t = scales.clone().fill_(float("nan"))
+    mla.store_kv_fp8_torch(data_t, scales_t, loc, latent)
+    assert torch.equal(scales.view(-1, 5)[loc], scales_t.view(-1, 5)[loc])
+    ours = data.view(-1, 576)[loc].view(torch.float8_e4m3fn).float()
+    theirs = data_t.view(-1, 576)[loc].view(torch.float8_e4m3fn).float()
+    if mla._INTERPRETED:
+        assert torch.equal(ours, theirs)
+    else:  # the GPU's fp32 division may differ in the last bit: at most one e4m3 step apart, rarely
+        assert ((ours - theirs).abs() <= theirs.abs() * 2.0 ** -3 + 2.0 ** -9).all()
+        assert (ours != theirs).float().mean().item() < 1e-3
+    untouched = torch.ones(num_pages * page_size, dtype=torch.bool, device=DEVICE)
+    untouched[loc] = False
+    assert (data.view(-1, 576)[untouched] == 0x7F).all()
+    assert torch.isnan(scales.view(-1, 5)[untouched]).all()
+    # what was stored decodes to the input within the format's bound
+    assert rel(mla.dequantize_kv_fp8(data.view(-1, 576)[loc], scales.view(-1, 5)[loc]), latent.float()) <= 0.03
+
+
+# --- metadata -----------------------------------------------------------------------------------------------------
+
+def test_metadata_split_counts():
+    def meta(lens, h, t=1, **kw):
+        return mla.get_mla_decode_metadata(torch.tensor(lens, dtype=torch.int32), h, t, num_sm=132, **kw)
+
+    m = meta([4096], 128)  # B=1, 2 row blocks: 2*132 programs wanted, 4096/128 = 32 splits useful
+    assert (m.block_h, m.num_row_blocks, m.num_splits, m.block_n) == (64, 2, 32, 64)
+    assert meta([4096], 16).num_splits == 32
+    assert meta([1024], 16).num_splits == 8     # capped by length (1024 / 128)
+    assert meta([100], 16).num_splits == 1      # short: no split
+    assert meta([1], 16).num_splits == 1
+    assert meta([4096] * 16, 128).num_splits == 9   # ceil(264 / 32)
+    assert meta([4096] * 64, 128).num_splits == 3   # ceil(264 / 128)
+    assert meta([4096] * 128, 128).num_splits == 2
+    assert meta([4096] * 132, 16).num_splits == 2
+    assert meta([4096] * 300, 16).num_splits == 1
+    assert meta([4096], 16, max_splits=8).num_splits == 8
+    assert meta([50, 4096], 16).num_splits == meta([4096, 4096], 16).num_splits  # the longest decides
+    assert meta([5], 16, max_seqlen=4096).num_splits == 32                        # a bucket bound, no sync
+    # rows = q_len x heads, packed q-major into blocks of 64 (padded: FP8 wgmma's M), or of block_h when given
+    assert (meta([64], 16, 1).block_h, meta([64], 16, 1).num_row_blocks) == (64, 1)
+    assert meta([64], 16, 4).num_row_blocks == 1
+    assert meta([64], 128, 2).num_row_blocks == 4
+    assert meta([64], 16, 2, block_h=16).num_row_blocks == 2
+    assert meta([64], 16, 3, block_h=32).num_row_blocks == 2
+    assert meta([4096], 16, block_h=16).num_splits == 32
+    with pytest.raises(ValueError):
+        meta([64], 16, block_n=16)
+    with pytest.raises(ValueError):
+        meta([64], 16, block_h=48)
+
+
+# --- the kernel ---------------------------------------------------------------------------------------------------
+
+# (lengths, heads, q_len, page, block_n, block_h, num_sm -> splits): tiles inside a page and across pages, length 1,
+# lengths off page and split boundaries, 1..3 splits, q_len 1..4, two row blocks (heads 128; 16 heads x 2 in 16s)
+CASES = [
+    ([1, 17, 40], 16, 1, 16, 32, 16, 4),
+    ([1, 17, 40], 16, 2, 16, 32, 64, 4),   # length 1 with q_len 2: the first query sees nothing
+    ([40, 64, 130], 16, 1, 64, 64, 64, 4),
+    ([17, 40], 16, 2, 32, 32, 16, 1),      # one split: bf16 output written directly; two row blocks of 16
+    ([33, 70], 16, 4, 16, 32, 64, 4),
+    ([40], 128, 1, 32, 32, 64, 4),         # two row blocks of 64
+]
+
+
+@pytest.mark.parametrize("lens,heads,q_len,page,block_n,block_h,num_sm", CASES,
+                         ids=[f"L{'-'.join(map(str, c[0]))}_H{c[1]}_T{c[2]}_p{c[3]}_n{c[4]}_h{c[5]}" for c in CASES])
+def test_kernel_matches_references(lens, heads, q_len, page, block_n, block_h, num_sm):
+    d = inputs(lens, heads, q_len, page, seed=sum(lens) + q_len, **DEEPSEEK_LIKE)
+    meta = mla.get_mla_decode_metadata(d["cache_seqlens"], heads, q_len, num_sm=num_sm, block_n=block_n,
+                                       block_h=block_h, min_split_tokens=16)
+    assert meta.num_splits == (1 if num_sm == 1 else min(triton_cdiv(2 * num_sm, len(lens) * meta.num_row_blocks),
+                                                         triton_cdiv(max(lens), block_n)))
+    out, lse = run(d, meta)
+    assert torch.isfinite(out.float()).all(), "NaN/Inf or an unwritten element"
+    ref, ref_lse, exact = refs(d)
+    check_lse(lse, ref_lse)
+    blind = ~torch.isfinite(ref_lse)  # rows that see no token (q_len > length) are zero
+    assert (out.float()[blind] == 0).all()
+    assert rel(out, ref) <= 2e-2
+    assert rel(out, exact) <= 3e-2
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def test_length_one_is_the_value_row():
+    """One visible token: softmax is exactly 1, so the output is V's dequantized row up to bf16 rounding."""
+    d = inputs([1, 1], 16, 1, 16, seed=5, **DEEPSEEK_LIKE)
+    meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 1, num_sm=4)
+    out, lse = run(d, meta)
+    v = mla.dequantize_kv_fp8(*d["kv_cache"])[d["block_table"][:, 0].long(), 0, :512]
+    assert torch.allclose(out.float(), v[:, None, None, :].expand_as(out), rtol=2.0 ** -8, atol=0)
+    assert torch.isfinite(lse).all()
+
+
+def test_splits_agree_and_precise_pv():
+    """The same problem with 1 and 3 splits; and with P as two FP8 terms the P rounding error all but vanishes."""
+    d = inputs([150, 90], 16, 2, 16, seed=7, **DEEPSEEK_LIKE)
+    one = mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 2, num_sm=1, block_n=32)
+    three = mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 2, num_sm=3, block_n=32, min_split_tokens=32)
+    assert (one.num_splits, three.num_splits) == (1, 3)
+    o1, l1 = run(d, one)
+    o3, l3 = run(d, three)
+    ref, ref_lse, _ = refs(d)
+    check_lse(l1, ref_lse)
+    check_lse(l3, ref_lse)
+    # splitting changes P's per-tile FP8 scaling only where a tile's running max differs: both are P-rounding close
+    assert rel(o1, ref) <= 2e-2 and rel(o3, ref) <= 2e-2
+    assert rel(o3, o1) <= 2.5e-2
+    op, _ = run(d, three, precise_pv=True)
+    assert torch.isfinite(op.float()).all()
+    assert rel(op, ref) <= 6e-3
+
+
+def test_precise_q_removes_q_rounding():
+    """precise_q: the kernel then matches the reference with unquantized Q, and gets closer to the exact result."""
+    d = inputs([70], 16, 1, 64, seed=11, **DEEPSEEK_LIKE)
+    meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 1, num_sm=1)
+    args = (d["block_table"], d["cache_seqlens"], d["softmax_scale"])
+    ref_fq, _ = mla.mla_decode_reference(d["q"], d["kv_cache"], *args, quantize_q=False)
+    exact, _ = mla.mla_decode_exact(d["q"], d["latent_cache"], *args)
+    o, _ = run(d, meta, precise_q=True, precise_pv=True)
+    assert rel(o, ref_fq) <= 6e-3
+    base, _ = run(d, meta)
+    assert rel(o, exact) < rel(base, exact)
+
+
+def test_v_reload_is_the_same_math():
+    """The tuning knob v_reload loads V apart from K: the same values, so the same output."""
+    d = inputs([33, 100], 16, 2, 16, seed=23, **DEEPSEEK_LIKE)
+    kw = dict(num_sm=2, block_n=32, min_split_tokens=16)
+    a, la = run(d, mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 2, **kw))
+    b, lb = run(d, mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 2, v_reload=True, **kw))
+    assert torch.isfinite(b.float()).all()
+    assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_not_causal():
+    d = inputs([17, 40], 16, 2, 16, seed=13, **DEEPSEEK_LIKE)
+    meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 2, num_sm=2, block_n=32, min_split_tokens=16)
+    out = mla.mla_decode_fp8(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"],
+                             meta, causal=False)
+    ref, _, exact = refs(d, causal=False)
+    causal_ref, _, _ = refs(d, causal=True)
+    assert rel(out, ref) <= 2e-2 and rel(out, exact) <= 3e-2
+    # query 0 is where the mask would differ: the output must be the unmasked one, and clearly not the masked one
+    assert rel(out[:, 0], causal_ref[:, 0]) > 2 * rel(out[:, 0], ref[:, 0])
+
+
+def test_iid_tokens_worst_case():
+    """No common component across tokens: the FP8 errors are as large as the signal allows (see module doc)."""
+    d = inputs([40, 130], 16, 1, 64, seed=17, **IID)
+    meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 1, num_sm=3, min_split_tokens=16)
+    out, lse = run(d, meta)
+    assert torch.isfinite(out.float()).all()
+    ref, ref_lse, exact = refs(d)
+    check_lse(lse, ref_lse)
+    assert rel(out, ref) <= 3.5e-2
+    assert rel(out, exact) <= 6.5e-2
+
+
+def test_default_metadata_and_input_forms():
+    """No metadata given; uint8 storage and FlashMLA's [pages, page, 1, 576] view; int64 tables are accepted."""
+    d = inputs([20, 50], 16, 1, 16, seed=19, **DEEPSEEK_LIKE)
+    kv, sc = d["kv_cache"]
+    out = mla.mla_decode_fp8(d["q"], (kv.view(torch.uint8).unsqueeze(2), sc), d["block_table"].long(),
+                             d["cache_seqlens"].long(), d["softmax_scale"])
+    assert out.shape == (2, 1, 16, 512) and out.dtype == torch.bfloat16
+    ref, _, _ = refs(d)
+    assert rel(out, ref) <= 2e-2

@@ -1,0 +1,151 @@
+"""FP8 block-scaled grouped GEMMs on a Hopper GPU at DeepSeek-V3's real shapes.
+
+MoE: gate_up (N=4096, K=7168) and down (N=7168, K=2048) with 8 and 32 experts per GPU and
+m in {0, 1, 7, 32, 100, 256} tokens per expert (one expert empty, one at about m/2: uneven), both
+layouts (contiguous, masked) and both variants (swapab, normal). Dense small-M linears through
+fp8_gemm_nt: q_b (N=24576, K=1536), o_proj-like (N=7168, K=16384), fused qkv_a (N=2112, K=7168;
+N is 16.5 scale blocks). Output poisoned with NaN; all valid elements checked against float32 on
+the dequantized inputs (normwise and max-abs relative error <= 1e-2), other rows still NaN.
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+REL = 1e-2
+MOE_SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
+DENSE_SHAPES = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "qkv_a": (2112, 7168)}
+MS = [0, 1, 7, 32, 100, 256]
+
+
+@pytest.fixture(scope="module")
+def mods():
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import quant
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return gg, quant
+
+
+@pytest.fixture(autouse=True)
+def no_table(monkeypatch, tmp_path):
+    """Test the kernels' own heuristic choice, whatever table ships."""
+    monkeypatch.setenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE", str(tmp_path / "absent.json"))
+
+
+def counts(m, groups):
+    """m tokens for most experts, expert 1 empty, expert 2 about m/2 (uneven)."""
+    c = [m] * groups
+    c[1] = 0
+    c[2] = (m + 1) // 2
+    return c
+
+
+def quantized_weights(quant, groups, n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(groups, n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    return quant.per_block_quant_fp8(w)
+
+
+def quantized_acts(quant, shape, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(*shape, device="cuda", generator=g) * torch.exp(
+        torch.randn(*shape[:-1], 1, device="cuda", generator=g))
+    return quant.per_token_group_quant_fp8(x)
+
+
+def check(out, ref, what):
+    o = out.float()
+    assert torch.isfinite(o).all(), f"{what}: NaN/Inf in valid rows"
+    norm_err = ((o - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    max_err = ((o - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    assert norm_err <= REL and max_err <= REL, f"{what}: normwise {norm_err:.2e}, max {max_err:.2e}"
+
+
+@pytest.mark.parametrize("groups", [8, 32])
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_moe_shapes(mods, shape, groups):
+    gg, quant = mods
+    n, k = MOE_SHAPES[shape]
+    b, b_s = quantized_weights(quant, groups, n, k, seed=groups)
+    bd = quant.dequant_per_block(b, b_s)  # fp32 reference weights, once per shape
+    for m in MS:
+        c = counts(m, groups)
+        max_m = max(max(c), 1)
+        # masked layout
+        a, a_s = quantized_acts(quant, (groups, max_m, k), seed=m)
+        ad = quant.dequant_per_token_group(a, a_s)
+        mm = torch.tensor(c, dtype=torch.int32, device="cuda")
+        for variant in gg.VARIANTS:
+            out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant=variant, expected_m=max(m, 1))
+            for g, cm in enumerate(c):
+                if cm:
+                    check(out[g, :cm], ad[g, :cm] @ bd[g].T, f"masked {shape} G={groups} m={m} {variant} g={g}")
+                assert out[g, cm:].isnan().all(), f"masked {variant}: rows past masked_m written"
+        # contiguous layout (a spare row before and after the groups)
+        total = sum(c)
+        a, a_s = quantized_acts(quant, (total + 2, k), seed=1000 + m)
+        ad = quant.dequant_per_token_group(a, a_s)
+        ip = torch.tensor([1] + [1 + sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+        for variant in gg.VARIANTS:
+            out = torch.full((total + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=out, variant=variant)
+            for g in range(groups):
+                lo, hi = ip[g].item(), ip[g + 1].item()
+                if hi > lo:
+                    check(out[lo:hi], ad[lo:hi] @ bd[g].T, f"contiguous {shape} G={groups} m={m} {variant} g={g}")
+            assert out[0].isnan().all() and out[-1].isnan().all(), "rows outside the groups written"
+
+
+@pytest.mark.parametrize("shape", list(DENSE_SHAPES))
+def test_dense_shapes(mods, shape):
+    gg, quant = mods
+    n, k = DENSE_SHAPES[shape]
+    b, b_s = quantized_weights(quant, 1, n, k, seed=n)
+    b, b_s = b[0], b_s[0]
+    bd = quant.dequant_per_block(b, b_s)
+    for m in [1, 7, 32, 100, 256]:
+        a, a_s = quantized_acts(quant, (m, k), seed=m + n)
+        ref = quant.dequant_per_token_group(a, a_s) @ bd.T
+        for variant in ("auto", *gg.VARIANTS):
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gg.fp8_gemm_nt(a, a_s, b, b_s, out=out, variant=variant)
+            check(out, ref, f"dense {shape} m={m} {variant}")
+
+
+def test_silu_mul_quant(mods):
+    gg, quant = mods
+    for rows in (1, 37, 256):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) * 2
+        q, s = quant.silu_mul_quant_fp8(x)
+        qr, sr = quant.silu_mul_quant_fp8_reference(x)
+        torch.testing.assert_close(s, sr, rtol=1e-5, atol=0)
+        y = torch.nn.functional.silu(x[:, :2048].float()) * x[:, 2048:].float()
+        amax = y.reshape(rows, -1, 128).abs().amax(-1).repeat_interleave(128, -1)
+        assert ((quant.dequant_per_token_group(q, s) - y).abs() <= amax * 16 / 448 * (1 + 1e-5)).all()
+        assert (q.float() != qr.float()).float().mean().item() <= 0.01
+
+
+def test_masked_launch_is_graph_safe(mods):
+    """No host sync: a captured launch replays correctly after masked_m changes on the device."""
+    gg, quant = mods
+    groups, max_m, n, k = 8, 64, 4096, 7168
+    b, b_s = quantized_weights(quant, groups, n, k, seed=3)
+    a, a_s = quantized_acts(quant, (groups, max_m, k), seed=4)
+    mm = torch.tensor([1] * groups, dtype=torch.int32, device="cuda")
+    out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
+    gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", expected_m=8)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", expected_m=8)
+    mm.copy_(torch.tensor([0, 5, 64, 9, 0, 17, 33, 2], dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+    for g, m in enumerate(mm.tolist()):
+        if m:
+            check(out[g, :m], ref[g, :m], f"graph replay g={g}")
+        assert out[g, m:].isnan().all()
