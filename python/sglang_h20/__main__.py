@@ -1,4 +1,4 @@
-"""python -m sglang_h20 {doctor, nightly, make-model}."""
+"""python -m sglang_h20 {doctor, calibrate, eplb, nightly}."""
 from __future__ import annotations
 
 import sys
@@ -6,6 +6,7 @@ import sys
 COMMANDS = {
     "doctor": ("sglang_h20.doctor", "versions, GPU, and which features would activate, and why"),
     "calibrate": ("sglang_h20.calibrate", "measure per-GPU tables on this GPU (mha-mla)"),
+    "eplb": ("sglang_h20.eplb.__main__", "expert placement: trace-driven simulator (simulate)"),
     "nightly": ("sglang_h20.nightly.__main__", "the nightly regression runner (run / compare)"),
 }
 
