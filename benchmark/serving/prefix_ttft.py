@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from sglang_h20 import provenance
+from sglang_h20.models import random_words
 from sglang_h20.nightly.serving import Server
 
 NO_PREFILL_GRAPH = ["--cuda-graph-backend-prefill", "disabled"]
@@ -32,10 +33,6 @@ PHASES = {
 }
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randint(4, 129279)}" for _ in range(n))
-
-
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -44,12 +41,12 @@ def timed(fn) -> float:
 
 def measure(srv: Server, length: int, requests: int, burst: int, rng: random.Random) -> dict:
     half = length // 2
-    prefix = words(rng, half)
+    prefix = random_words(rng, half)
     srv.generate_batch([prefix], max_new_tokens=1)  # cache the shared prefix
-    srv.generate_batch([prefix + " " + words(rng, half)], max_new_tokens=1)  # warm this shape
-    single = [timed(lambda: srv.generate_batch([prefix + " " + words(rng, half)], max_new_tokens=1))
+    srv.generate_batch([prefix + " " + random_words(rng, half)], max_new_tokens=1)  # warm this shape
+    single = [timed(lambda: srv.generate_batch([prefix + " " + random_words(rng, half)], max_new_tokens=1))
               for _ in range(requests)]
-    bursts = [timed(lambda: srv.generate_batch([prefix + " " + words(rng, half) for _ in range(burst)],
+    bursts = [timed(lambda: srv.generate_batch([prefix + " " + random_words(rng, half) for _ in range(burst)],
                                                max_new_tokens=1)) for _ in range(max(2, requests // 4))]
     return {"ttft_ms_single": single, "median_ttft_ms_single": statistics.median(single),
             "burst": burst, "burst_ms": bursts, "median_burst_ms": statistics.median(bursts)}

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from sglang_h20 import provenance
 from sglang_h20.attention.mha_mla import TERMS, BatchShape, CostTable, table_path
+from sglang_h20.models import random_words
 
 HEADS = 128  # DeepSeek-V3 query heads per GPU with DP attention
 QUICK_GRID = {"batch": [1, 4], "extend": [256, 1024, 4096], "prefix": [0, 1024, 4096, 16384]}
@@ -78,18 +79,14 @@ def grid_points(grid: dict) -> list[tuple[int, int, int]]:
             if b * (e + p) <= MAX_POINT_TOKENS]
 
 
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randint(4, 129279)}" for _ in range(n))
-
-
 def measure_point(srv, batch: int, extend: int, prefix: int, repeats: int, rng: random.Random) -> float:
     """Median seconds of a batched prefill of `extend` new tokens on top of cached `prefix` tokens."""
-    prefixes = [_words(rng, prefix) for _ in range(batch)]
+    prefixes = [random_words(rng, prefix) for _ in range(batch)]
     if prefix:
         srv.generate_batch(prefixes, max_new_tokens=1)  # fills the radix cache
     times = []
     for _ in range(repeats):
-        texts = [(p + " " if p else "") + _words(rng, extend) for p in prefixes]
+        texts = [(p + " " if p else "") + random_words(rng, extend) for p in prefixes]
         t0 = time.perf_counter()
         srv.generate_batch(texts, max_new_tokens=1)
         times.append(time.perf_counter() - t0)
@@ -118,9 +115,9 @@ def fit_table(gpu: str, points: list[dict], meta: dict, layers: int = 1) -> Cost
 
 def probe_outputs(srv, rng: random.Random) -> list[list]:
     """Greedy tokens and logprobs of prompts on cached prefixes: the same inputs for both paths."""
-    prefixes = [_words(rng, n) for n in (1024, 4096)]
+    prefixes = [random_words(rng, n) for n in (1024, 4096)]
     srv.generate_batch(prefixes, max_new_tokens=1)
-    texts = [p + " " + _words(rng, n) for p, n in zip(prefixes, (512, 2048))] + [_words(rng, 3000)]
+    texts = [p + " " + random_words(rng, n) for p, n in zip(prefixes, (512, 2048))] + [random_words(rng, 3000)]
     out = srv.generate_batch(texts, max_new_tokens=4, return_logprob=True)
     return [[[lp, tok] for lp, tok, *_ in o["meta_info"]["output_token_logprobs"]] for o in out]
 
@@ -154,7 +151,7 @@ def run_calibration(a) -> int:
         env = {"SGLANG_H20_MHA_MLA_POLICY": method}
         with Server(str(model), args, a.work_dir / f"server-{method}.log", env=env, port=31000 + i) as srv:
             rng = random.Random(1234)
-            srv.generate_batch([_words(rng, 512)] * 2, max_new_tokens=1)  # JIT builds, first-call costs
+            srv.generate_batch([random_words(rng, 512)] * 2, max_new_tokens=1)  # JIT builds, first-call costs
             probes[method] = probe_outputs(srv, random.Random(99))
             for k, pt in enumerate(points):
                 pt[f"{method}_us"] = 1e6 * measure_point(srv, pt["batch"], pt["extend"], pt["prefix"], a.repeats, rng)

@@ -48,6 +48,11 @@ MODELS = {
 STANDARD = ("dsv3-4l", "dsv3-ep16-slice")
 
 
+def random_words(rng, n: int) -> str:
+    """n random words of the generated vocabulary: exactly n tokens (specials excluded)."""
+    return " ".join(f"w{rng.randint(4, VOCAB - 1)}" for _ in range(n))
+
+
 def config(name: str) -> dict:
     return {**DEEPSEEK_V3, **MODELS[name]}
 

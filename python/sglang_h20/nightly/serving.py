@@ -55,6 +55,7 @@ class Server:
                                      env=self.env, start_new_session=True)
         while time.time() - t0 < self.ready_timeout_s:
             if self.proc.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"server exited with {self.proc.returncode} before ready; "
                                    f"last log lines:\n{tail(self.log_path, 30)}")
             if _http_status(self.url + "/health") == 200:
@@ -83,17 +84,15 @@ class Server:
     def generate(self, text: str | None = None, input_ids: list[int] | None = None,
                  max_new_tokens: int = 32) -> dict:
         """One greedy /generate call; returns SGLang's JSON (output_ids under meta/top level)."""
-        body = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
-        body.update({"input_ids": input_ids} if input_ids is not None else {"text": text})
-        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())
+        prompt = {"input_ids": input_ids} if input_ids is not None else {"text": text}
+        return self._generate(prompt, max_new_tokens)
 
     def generate_batch(self, texts: list[str], max_new_tokens: int = 1, return_logprob: bool = False) -> list[dict]:
         """One batched greedy /generate call: all texts reach the scheduler together."""
-        body = {"text": texts, "return_logprob": return_logprob,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+        return self._generate({"text": texts, "return_logprob": return_logprob}, max_new_tokens)
+
+    def _generate(self, body: dict, max_new_tokens: int):
+        body = {**body, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
         req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
@@ -142,10 +141,11 @@ def write_sharegpt(path: Path, n: int = 400, seed: int = 0) -> Path:
     """
     import random
 
+    from sglang_h20.models import random_words
+
     rng = random.Random(seed)
-    words = lambda k: " ".join(f"w{rng.randint(4, 129279)}" for _ in range(k))  # noqa: E731
-    convs = [{"conversations": [{"from": "human", "value": words(rng.randint(300, 600))},
-                                {"from": "gpt", "value": words(rng.randint(50, 200))}]} for _ in range(n)]
+    convs = [{"conversations": [{"from": "human", "value": random_words(rng, rng.randint(300, 600))},
+                                {"from": "gpt", "value": random_words(rng, rng.randint(50, 200))}]} for _ in range(n)]
     Path(path).write_text(json.dumps(convs))
     return Path(path)
 
