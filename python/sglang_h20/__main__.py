@@ -1,4 +1,4 @@
-"""python -m sglang_h20 {doctor, calibrate, eplb, nightly}."""
+"""python -m sglang_h20 {doctor, calibrate, eplb, nightly, observe}."""
 from __future__ import annotations
 
 import sys
@@ -8,6 +8,7 @@ COMMANDS = {
     "calibrate": ("sglang_h20.calibrate", "measure per-GPU tables on this GPU (mha-mla)"),
     "eplb": ("sglang_h20.eplb.__main__", "expert placement: trace-driven simulator (simulate)"),
     "nightly": ("sglang_h20.nightly.__main__", "the nightly regression runner (run / compare)"),
+    "observe": ("sglang_h20.observe.__main__", "decode-step observability: synth / analyze / report"),
 }
 
 

@@ -41,7 +41,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("swapab", "swapab", None, kernel_modules=("triton",)),
     Feature("sbo", "sbo", None),
     Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False),
-    Feature("observe", "observe", None),
+    Feature("observe", "observe", "sglang_h20.observe.stages"),
 )
 
 

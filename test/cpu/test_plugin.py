@@ -208,7 +208,7 @@ def test_every_built_feature_hook_target_resolves(monkeypatch):
            "SGLANG_H20_SBO": "1", "SGLANG_H20_EPLB": "affinity", "SGLANG_H20_OBSERVE": "0.01"}
     s = Settings.from_env(env)
     built = [f for f in FEATURES if f.module is not None]
-    assert {"mha_mla_policy", "eplb"} <= {f.name for f in built}
+    assert {"mha_mla_policy", "eplb", "observe"} <= {f.name for f in built}
     for f in built:
         hooks = f.hooks(s)
         assert hooks, f.name

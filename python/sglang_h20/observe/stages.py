@@ -1,0 +1,745 @@
+"""Sampled per-stage timing of the DeepSeek decode step, per layer and per rank, with CUDA graphs on.
+
+Sampling design (why CUDA graphs stay on)
+-----------------------------------------
+A replayed CUDA graph runs no Python, so per-layer hooks cannot time it, and timing inside the
+graph (event nodes or timer kernels) would cost every replay whether sampled or not. So we keep
+the captured graphs for every unsampled step and make each *sampled* decode step run eagerly:
+
+* `ModelRunner.forward` (AROUND) is the step window. `ModelRunner.forward_pass_id + 1` is the
+  id of the pass about to run. Pass p gets stage timing when `p % period == 0`, with
+  `period = round(1 / SGLANG_H20_OBSERVE)` (0.01 -> every 100th pass). The rule is deterministic
+  and uses the same counter on every rank, and all ranks run their passes in lockstep (DP
+  attention runs IDLE passes). So every rank of a TP/EP group runs the same pass eagerly.
+  A rank that alone ran eagerly would all-reduce an unpadded tensor while its peers replay a
+  padded one, which hangs NCCL. This is why we use no random sampling and no per-rank decision.
+  Only decode-family passes are sampled (DECODE, IDLE, TARGET_VERIFY). Prefill already runs
+  eagerly, and it is not the subject. Draft-model (MTP) runners are never sampled.
+* `DecodeCudaGraphRunner.can_run_graph` (AROUND) answers False during a sampled pass, so
+  `_forward_raw` takes its own eager path (`_prepare_eager_forward_batch` + eager runner), the
+  same path SGLang uses for batches above `--cuda-graph-max-bs`. The graphs stay captured and
+  are used for every other pass. We remember what it would have answered (`graph_would_run`).
+* Pass p with `p % period == period // 2` (period >= 2) gets a graph reference: two CUDA events
+  around the unchanged graph replay, emitted as a `kind: "graph"` record. Comparing it with the
+  sampled eager steps' `step_ms` measures how much eager execution inflates the step.
+* Completed samples are read without a device sync: at the start of each later pass we
+  `query()` the sample's last event and only then read elapsed times and the load counts
+  (copied non-blocking into pinned memory before that event).
+
+Cost: at fraction f, a fraction f of decode steps runs eagerly (slower by the eager/graph ratio
+r), plus about 1000 event records (61 layers x 8 frames x 2) and 58 small load-count
+scatters on that step. Graph steps pay nothing. Eager non-sampled passes (prefill) pay one
+global read per hooked call (~0.3 us x ~600 calls). Expected overhead is f*(r-1) plus a small
+amount: about 1% at f = 0.01 and r = 2. This is not measured yet: next GPU session.
+
+Hook targets (sglang 0.5.17, all checked by test_observe against the installed sglang)
+-------------------------------------------------------------------------------------
+step      model_runner.ModelRunner.forward                 AROUND: sample decision, window, drain
+eager     decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph  AROUND: False when sampled
+layer     deepseek_v2.DeepseekV2DecoderLayer.forward       frame "layer_other" (norms, residual,
+          LayerCommunicator collectives, prefetch: whatever no inner stage covers)
+attention deepseek_v2.DeepseekV2AttentionMLA.forward       "attention" (projections, RoPE, core, o_proj)
+moe       deepseek_v2.DeepseekV2MoE.forward                frame "moe_other" (scale/add, TP all-reduce)
+router    deepseek_v2.MoEGate.forward + moe.topk.TopK.forward  "router". TopK's output also gives
+          the top-k *physical* ids (after the EPLB logical->physical remap, padded rows -1)
+          that the per-rank expert load comes from.
+shared    deepseek_v2.DeepseekV2MoE._forward_shared_experts  "shared_expert". On the DeepEP path
+          SGLang issues it on `alt_stream`, so it overlaps dispatch. It is then reported under
+          `overlap`, not in the critical-path stages. Inside SBO's dispatch hook it runs on the
+          main stream, nested in dispatch, and is subtracted from dispatch.
+experts   FusedMoE.forward_impl and DeepEPMoE.forward_impl  frame labelled "dispatch" until the
+          routed GEMMs start, "combine" after them. It includes token quantisation/permutation
+          (standard) or the DeepEP dispatch/combine kernels (a2a).
+routed    FusedMoE.run_moe_core and DeepEPMoE.run_moe_core  "routed_experts" (the grouped GEMMs).
+          DeepEPMoE subclasses override both. With `deprecate_flag` they call super(), so
+          nested calls of the same frame kind are not timed twice.
+dense     deepseek_v2.DeepseekV2MLP.forward                "dense_mlp" (first_k_dense layers only;
+          the shared expert is also a DeepseekV2MLP and is skipped inside an MoE frame)
+Hooking the dispatcher classes directly would need one target per a2a backend (standard,
+DeepEP normal/LL, mooncake, mori, ...). Bracketing `run_moe_core` inside `forward_impl` covers
+them all with four targets.
+
+Attribution
+-----------
+Frames form a stack. Every push and pop on the step's main stream records one event, and each
+segment between two consecutive events is charged to the frame on top at its start, under
+that frame's current label. So the stages of each layer are *exclusive* times, and per-layer
+stages plus `outside` ("outside_layers": embedding, final norm, logits, attention-backend
+metadata) add up to `step_ms` exactly. A frame opened on another stream (shared experts on
+`alt_stream`) is timed start-to-end on that stream and reported under `overlap`. SBO overlap
+windows can be added the same way later. Not covered: two-batch overlap (TBO) runs the
+layers through op_* lists instead of DecoderLayer.forward, so its stages fall into
+`outside`, and a record's `coverage` shows that. mega_moe and flashinfer dual-stream graph
+paths have no per-stage split.
+
+Caveat: eager stage times include the GPU idling while the CPU launches kernels. They can
+differ from graph replay, which also overlaps the shared experts in forward_normal (dual-stream
+only in capture). Compare `step_ms` with the graph reference records.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import deque
+from typing import Any
+
+from sglang_h20.features import Hook
+
+log = logging.getLogger("sglang_h20.observe")
+
+# ----------------------------------------------------------------------------- vocabulary
+STAGES = ("attention", "router", "dispatch", "routed_experts", "combine", "shared_expert",
+          "dense_mlp", "moe_other", "layer_other")
+OUTSIDE = "outside_layers"  # step time outside every layer frame
+COMMUNICATION_STAGES = ("dispatch", "combine")
+EXPERT_STAGES = ("routed_experts",)
+COMPUTE_STAGES = tuple(s for s in STAGES if s not in COMMUNICATION_STAGES + EXPERT_STAGES)
+DECODE_MODES = ("decode", "idle", "target_verify")
+
+DS = "sglang.srt.models.deepseek_v2"
+FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
+DEEPEP_MOE = "sglang.srt.layers.moe.ep_moe.layer.DeepEPMoE"
+STEP_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+GRAPH_TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph"
+LAYER_TARGET = DS + ".DeepseekV2DecoderLayer.forward"
+ATTENTION_TARGET = DS + ".DeepseekV2AttentionMLA.forward"
+MOE_TARGET = DS + ".DeepseekV2MoE.forward"
+SHARED_TARGET = DS + ".DeepseekV2MoE._forward_shared_experts"
+GATE_TARGET = DS + ".MoEGate.forward"
+DENSE_TARGET = DS + ".DeepseekV2MLP.forward"
+TOPK_TARGET = "sglang.srt.layers.moe.topk.TopK.forward"
+EXPERTS_TARGETS = (FUSED_MOE + ".forward_impl", DEEPEP_MOE + ".forward_impl")
+ROUTED_TARGETS = (FUSED_MOE + ".run_moe_core", DEEPEP_MOE + ".run_moe_core")
+MAX_PENDING = 4  # samples waiting for their events; a new sample is skipped beyond this
+
+
+# ----------------------------------------------------------------------------- clocks
+class CpuClock:
+    """time.perf_counter marks: the recorder's bookkeeping, testable without a GPU."""
+
+    name = "cpu"
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def ready(self, mark) -> bool:
+        return True
+
+    def elapsed_ms(self, a, b) -> float:
+        return (b - a) * 1e3
+
+    def stream(self):
+        return None  # one stream
+
+    def release(self, marks) -> None:
+        pass
+
+
+class CudaClock:
+    """CUDA events (enable_timing) recorded on the current stream, recycled through a pool."""
+
+    name = "cuda"
+
+    def __init__(self):
+        import torch
+
+        self._torch = torch
+        self._pool: list = []
+
+    def mark(self):
+        ev = self._pool.pop() if self._pool else self._torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def ready(self, mark) -> bool:
+        return mark.query()
+
+    def elapsed_ms(self, a, b) -> float:
+        return a.elapsed_time(b)
+
+    def stream(self):
+        return self._torch.cuda.current_stream()
+
+    def release(self, marks) -> None:
+        self._pool.extend(marks)
+
+
+def default_clock():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return CudaClock()
+    except Exception:
+        pass
+    return CpuClock()
+
+
+# ----------------------------------------------------------------------------- recorder
+class Frame:
+    __slots__ = ("kind", "label", "layer", "main", "start", "then", "then_parent")
+
+    def __init__(self, kind, label, layer, main, start=None, then=None, then_parent=None):
+        self.kind, self.label, self.layer, self.main = kind, label, layer, main
+        self.start, self.then, self.then_parent = start, then, then_parent
+
+
+@dataclasses.dataclass
+class _Sample:
+    step: int
+    meta: dict
+    timeline: list  # (mark, layer, label); the last entry's label is None (end of step)
+    overlap: list  # (start, end, layer, label) of frames on another stream
+    loads: dict  # layer -> device counts [P]
+    load_meta: dict
+    host_loads: Any  # pinned host copy (filled asynchronously) or None
+    load_layers: list
+    ts: float
+    cpu_ms: float
+
+
+@dataclasses.dataclass
+class _Window:
+    step: int
+    meta: dict
+    start: Any
+    end: Any = None
+    ts: float = 0.0
+
+
+class StageRecorder:
+    """Stack-of-frames stage timer for one step at a time (see the module docstring).
+
+    Use: begin_step(step) ... push()/pop() (or `with stage(...)`) ... end_step(); later poll()
+    returns finished records (dicts in the export schema), oldest first.
+    """
+
+    def __init__(self, clock=None, rank: int = 0, max_pending: int = MAX_PENDING):
+        self.clock = clock if clock is not None else default_clock()
+        self.rank = rank
+        self.max_pending = max_pending
+        self.active = False
+        self.moe_meta: dict | None = None  # experts geometry of the MoE layer being run
+        self._stack: list[Frame] = []
+        self._timeline: list = []
+        self._overlap: list = []
+        self._loads: dict = {}
+        self._load_meta: dict = {}
+        self._main = None
+        self._step = -1
+        self._meta: dict = {}
+        self._ts = 0.0
+        self._cpu0 = 0.0
+        self._pending: deque = deque()  # _Sample or _Window, in issue order
+
+    # -------------------------------------------------------------- step window
+    def can_sample(self) -> bool:
+        return not self.active and len(self._pending) < self.max_pending
+
+    def begin_step(self, step: int, meta: dict | None = None) -> None:
+        if self.active:
+            raise RuntimeError("begin_step inside an open step")
+        self._main = self.clock.stream()
+        self._step, self._meta = int(step), dict(meta or {})
+        self._ts, self._cpu0 = time.time(), time.perf_counter()
+        self._stack = [Frame("step", OUTSIDE, None, True)]
+        self._timeline = [(self.clock.mark(), None, OUTSIDE)]
+        self._overlap, self._loads, self._load_meta = [], {}, {}
+        self.moe_meta = None
+        self.active = True
+
+    def end_step(self, discard: bool = False, **meta) -> None:
+        """Close the step. Unless discarded it is queued until its events complete (poll)."""
+        if not self.active:
+            return
+        self.active = False
+        host, layers = None, sorted(self._loads)
+        if not discard and layers:
+            host = self._copy_loads(layers)
+        end = self.clock.mark()  # after the load copy: ready(end) implies the copy landed
+        timeline = self._timeline + [(end, None, None)]
+        if discard:
+            self.clock.release([m for m, _, _ in timeline] + [m for o in self._overlap for m in o[:2]])
+        else:
+            self._meta.update(meta)
+            self._pending.append(_Sample(self._step, self._meta, timeline, self._overlap, self._loads,
+                                         self._load_meta, host, layers, self._ts,
+                                         (time.perf_counter() - self._cpu0) * 1e3))
+        self._stack, self._timeline, self._overlap, self._loads = [], [], [], {}
+
+    def begin_window(self, step: int, meta: dict | None = None) -> _Window:
+        """Whole-step timing without stages (the graph-replay reference)."""
+        return _Window(int(step), dict(meta or {}), self.clock.mark(), ts=time.time())
+
+    def end_window(self, window: _Window, keep: bool = True, **meta) -> None:
+        window.end = self.clock.mark()
+        if keep:
+            window.meta.update(meta)
+            self._pending.append(window)
+        else:
+            self.clock.release([window.start, window.end])
+
+    # -------------------------------------------------------------- frames
+    def push(self, kind: str, label: str, layer: int | None = None,
+             then: str | None = None, then_parent: str | None = None) -> Frame | None:
+        """Open a frame. `then`: the label the parent takes when this frame closes, if the
+        parent's kind is `then_parent` (routed experts turn an experts frame from dispatch to combine)."""
+        if not self.active:
+            return None
+        parent = self._stack[-1]
+        if not parent.main:
+            return None  # nested inside an off-stream frame: covered by it
+        if layer is None:
+            layer = parent.layer
+        main = self.clock.stream() == self._main
+        f = Frame(kind, label, layer, main, then=then, then_parent=then_parent)
+        if main:
+            self._timeline.append((self.clock.mark(), layer, label))
+        else:
+            f.start = self.clock.mark()
+        self._stack.append(f)
+        return f
+
+    def pop(self, frame: Frame | None) -> None:
+        if frame is None or not self.active or frame not in self._stack:
+            return
+        while self._stack[-1] is not frame:  # an exception skipped inner pops
+            self._stack.pop()
+        self._stack.pop()
+        parent = self._stack[-1]
+        if frame.then is not None and parent.kind == frame.then_parent:
+            parent.label = frame.then
+        if frame.main:
+            self._timeline.append((self.clock.mark(), parent.layer, parent.label))
+        else:
+            self._overlap.append((frame.start, self.clock.mark(), frame.layer, frame.label))
+
+    def stage(self, kind: str, label: str | None = None, **kw):
+        return _StageCtx(self, kind, label or kind, kw)
+
+    def top_kind(self) -> str | None:
+        return self._stack[-1].kind if self._stack else None
+
+    def inside(self, kind: str) -> bool:
+        return any(f.kind == kind for f in self._stack)
+
+    # -------------------------------------------------------------- expert load
+    def record_load(self, layer: int, topk_ids, num_experts: int, experts_per_rank: int = 0,
+                    ep_size: int = 1) -> None:
+        """Count this rank's top-k choices per (physical) expert of `layer`, on the device, no sync.
+
+        Ids outside [0, num_experts) (padding -1) are dropped.
+        """
+        if not self.active or topk_ids is None or layer is None or num_experts <= 0:
+            return
+        import torch
+
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        idx = torch.where((ids >= 0) & (ids < num_experts), ids, torch.full_like(ids, num_experts))
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+        counts.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
+        prev = self._loads.get(layer)
+        self._loads[layer] = counts[:num_experts] if prev is None else prev + counts[:num_experts]
+        self._load_meta = {"num_experts": int(num_experts), "experts_per_rank": int(experts_per_rank),
+                           "ep_size": int(ep_size)}
+
+    def _copy_loads(self, layers):
+        import torch
+
+        dev = torch.stack([self._loads[l] for l in layers])
+        if dev.device.type != "cuda":
+            return dev.clone()
+        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        host.copy_(dev, non_blocking=True)
+        return host
+
+    # -------------------------------------------------------------- read-out
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def poll(self) -> list[dict]:
+        """Records of every queued sample whose events have completed, in order (no sync)."""
+        out = []
+        while self._pending:
+            item = self._pending[0]
+            if isinstance(item, _Window):
+                if not self.clock.ready(item.end):
+                    break
+                out.append(self._window_record(item))
+            else:
+                if not (self.clock.ready(item.timeline[-1][0]) and
+                        all(self.clock.ready(o[1]) for o in item.overlap)):
+                    break
+                out.append(self._sample_record(item))
+            self._pending.popleft()
+        return out
+
+    def _window_record(self, w: _Window) -> dict:
+        ms = self.clock.elapsed_ms(w.start, w.end)
+        self.clock.release([w.start, w.end])
+        return {"kind": "graph", "ts": w.ts, "rank": self.rank, "step": w.step, "step_ms": ms, **w.meta}
+
+    def _sample_record(self, s: _Sample) -> dict:
+        clock = self.clock
+        per_layer: dict[int, dict[str, float]] = {}
+        overlap: dict[int, dict[str, float]] = {}
+        outside: dict[str, float] = {}
+        tl = s.timeline
+        for (m0, layer, label), (m1, _, _) in zip(tl, tl[1:]):
+            ms = clock.elapsed_ms(m0, m1)
+            d = outside if layer is None else per_layer.setdefault(layer, {})
+            d[label] = d.get(label, 0.0) + ms
+        for start, end, layer, label in s.overlap:
+            d = overlap.setdefault(layer if layer is not None else -1, {})
+            d[label] = d.get(label, 0.0) + clock.elapsed_ms(start, end)
+        step_ms = clock.elapsed_ms(tl[0][0], tl[-1][0])
+        clock.release([m for m, _, _ in tl] + [m for o in s.overlap for m in o[:2]])
+        layers = []
+        for layer in sorted(set(per_layer) | {l for l in overlap if l >= 0}):
+            entry = {"layer": layer, "stages": per_layer.get(layer, {})}
+            if layer in overlap:
+                entry["overlap"] = overlap[layer]
+            layers.append(entry)
+        rec = {"kind": "stages", "ts": s.ts, "rank": self.rank, "step": s.step, "clock": clock.name,
+               "step_ms": step_ms, "cpu_ms": s.cpu_ms, "layers": layers, "outside": outside,
+               "coverage": (step_ms - outside.get(OUTSIDE, 0.0)) / step_ms if step_ms > 0 else 0.0}
+        if -1 in overlap:
+            rec["overlap"] = overlap[-1]
+        rec.update(s.meta)
+        if s.host_loads is not None:
+            loads = s.host_loads.tolist()
+            rec["expert_load_layers"] = list(s.load_layers)
+            rec["expert_load"] = loads
+            rec.update(s.load_meta)
+            rec["balancedness"] = balancedness(loads, s.load_meta.get("experts_per_rank", 0),
+                                               s.load_meta.get("ep_size", 1))
+        return rec
+
+
+class _StageCtx:
+    __slots__ = ("rec", "args", "frame")
+
+    def __init__(self, rec, kind, label, kw):
+        self.rec, self.args = rec, (kind, label, kw)
+
+    def __enter__(self):
+        kind, label, kw = self.args
+        self.frame = self.rec.push(kind, label, **kw)
+        return self.frame
+
+    def __exit__(self, *exc):
+        self.rec.pop(self.frame)
+        return False
+
+
+def rank_loads(counts, experts_per_rank: int, ep_size: int):
+    """Tokens received per EP rank from per-physical-expert counts (expert e lives on rank
+    e // experts_per_rank). counts [..., P] -> float array [..., ep_size]."""
+    import numpy as np
+
+    c = np.asarray(counts, dtype=float)
+    n = c.shape[-1]
+    if ep_size <= 1 or n == 0:
+        return c.sum(axis=-1, keepdims=True)
+    per = experts_per_rank if experts_per_rank > 0 else -(-n // ep_size)
+    owner = np.minimum(np.arange(n) // per, ep_size - 1)
+    out = np.zeros(c.shape[:-1] + (ep_size,))
+    for r in range(ep_size):
+        out[..., r] = c[..., owner == r].sum(axis=-1)
+    return out
+
+
+def balancedness(counts, experts_per_rank: int, ep_size: int):
+    """mean / max of the per-rank load (1.0 = perfectly balanced), SGLang's definition.
+    counts [P] -> float; counts [L, P] -> list of floats."""
+    import numpy as np
+
+    loads = rank_loads(counts, experts_per_rank, ep_size)
+    top = loads.max(axis=-1)
+    b = np.where(top > 0, loads.mean(axis=-1) / np.where(top > 0, top, 1.0), 1.0)
+    return float(b) if b.ndim == 0 else [float(x) for x in b]
+
+
+# ----------------------------------------------------------------------------- process state
+class Sampler:
+    """Deterministic pass-id sampling, identical on every rank (see the module docstring)."""
+
+    def __init__(self, fraction: float):
+        self.fraction = float(fraction)
+        self.period = max(1, round(1.0 / self.fraction)) if self.fraction > 0 else 0
+
+    def decide(self, pass_id: int) -> str | None:
+        if self.period == 0:
+            return None
+        phase = pass_id % self.period
+        if phase == 0:
+            return "stages"
+        if self.period >= 2 and phase == self.period // 2:
+            return "graph"
+        return None
+
+
+class _State:
+    def __init__(self):
+        self.sampler = Sampler(0.0)
+        self.recorder: StageRecorder | None = None
+        self.exporter = None
+        self.out_dir: str | None = None
+        self.force_eager = False
+        self.graph_would_run: bool | None = None
+        self.disabled: str | None = None
+        self.warned: set[str] = set()
+
+
+_state = _State()
+_ACTIVE: StageRecorder | None = None  # set only while a sampled step runs: the hot-path check
+
+
+def configure(fraction: float, out_dir: str | None = None, exporter=None, recorder=None) -> None:
+    """Set the sampling fraction and where records go (hooks() calls this)."""
+    _state.sampler = Sampler(fraction)
+    _state.out_dir = out_dir
+    _state.exporter = exporter
+    _state.recorder = recorder
+    _state.disabled = None
+
+
+def reset_state() -> None:
+    global _state, _ACTIVE
+    _state, _ACTIVE = _State(), None
+
+
+def _warn_once(key: str, msg: str, *args) -> None:
+    if key not in _state.warned:
+        _state.warned.add(key)
+        log.warning(msg, *args)
+
+
+def _disable(where: str, e: BaseException) -> None:
+    global _ACTIVE
+    _ACTIVE = None
+    _state.force_eager = False
+    _state.disabled = f"{where}: {type(e).__name__}: {e}"
+    _warn_once("disabled", "observe off after an error in %s", _state.disabled)
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:
+        pass
+    return int(os.environ.get("RANK", "0"))
+
+
+def _get_recorder() -> StageRecorder:
+    if _state.recorder is None:
+        _state.recorder = StageRecorder(rank=_rank())
+    return _state.recorder
+
+
+def _get_exporter():
+    if _state.exporter is None:
+        from sglang_h20.observe import export
+
+        _state.exporter = export.Exporter.for_process(_state.out_dir, _get_recorder().rank)
+    return _state.exporter
+
+
+def drain() -> int:
+    """Export every finished sample (called at the start of each pass; never syncs)."""
+    rec = _state.recorder
+    if rec is None or not rec.pending():
+        return 0
+    records = rec.poll()
+    if records:
+        exporter = _get_exporter()
+        for r in records:
+            exporter.emit(r)
+    return len(records)
+
+
+def _mode_name(forward_batch) -> str:
+    mode = getattr(forward_batch, "forward_mode", None)
+    name = getattr(mode, "name", str(mode))
+    return str(name).lower()
+
+
+def _batch_meta(forward_batch, mode: str) -> dict:
+    meta = {"mode": mode, "eager": True}
+    for key in ("batch_size",):
+        v = getattr(forward_batch, key, None)
+        if isinstance(v, int):
+            meta[key] = v
+    ids = getattr(forward_batch, "input_ids", None)
+    if ids is not None and hasattr(ids, "shape") and len(ids.shape) >= 1:
+        meta["num_tokens"] = int(ids.shape[0])
+    return meta
+
+
+def _capturing() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+# ----------------------------------------------------------------------------- hook functions
+def on_model_runner_forward(orig, runner, forward_batch, *args, **kwargs):
+    """AROUND ModelRunner.forward: sample decision, step window, export of finished samples."""
+    global _ACTIVE
+    if _state.disabled is not None or _state.sampler.period == 0 or getattr(runner, "is_draft_worker", False):
+        return orig(runner, forward_batch, *args, **kwargs)
+    try:
+        drain()
+        mode = _mode_name(forward_batch)
+        pass_id = int(getattr(runner, "forward_pass_id", 0)) + 1  # forward() increments it first
+        what = _state.sampler.decide(pass_id) if mode in DECODE_MODES and not _capturing() else None
+        rec = _get_recorder() if what else None
+        if rec is not None and not rec.can_sample():
+            _warn_once("pending", "observe: samples are not completing, skipping sampled passes")
+            what = None
+    except Exception as e:
+        _disable("ModelRunner.forward (before)", e)
+        return orig(runner, forward_batch, *args, **kwargs)
+    if what is None:
+        return orig(runner, forward_batch, *args, **kwargs)
+    if what == "graph":
+        window = rec.begin_window(pass_id, {"mode": mode, **_batch_meta(forward_batch, mode), "eager": False})
+        out = orig(runner, forward_batch, *args, **kwargs)
+        try:  # keep only passes that really replayed a graph
+            rec.end_window(window, keep=bool(getattr(out, "can_run_graph", False)))
+        except Exception as e:
+            _disable("ModelRunner.forward (graph window)", e)
+        return out
+    ok = False
+    try:
+        _state.force_eager, _state.graph_would_run = True, None
+        rec.begin_step(pass_id, _batch_meta(forward_batch, mode))
+        _ACTIVE = rec
+        out = orig(runner, forward_batch, *args, **kwargs)
+        ok = True
+        return out
+    finally:
+        _ACTIVE = None
+        _state.force_eager = False
+        try:
+            rec.end_step(discard=not ok, graph_would_run=_state.graph_would_run)
+        except Exception as e:
+            _disable("ModelRunner.forward (after)", e)
+
+
+def on_can_run_graph(orig, graph_runner, forward_batch, *args, **kwargs):
+    """AROUND DecodeCudaGraphRunner.can_run_graph: a sampled pass runs eagerly."""
+    answer = orig(graph_runner, forward_batch, *args, **kwargs)
+    if _state.force_eager:
+        _state.graph_would_run = bool(answer)
+        return False
+    return answer
+
+
+def _frame_hook(kind: str, label: str, then: str | None = None, then_parent: str | None = None,
+                no_nest: bool = False, skip_inside: str | None = None):
+    """An AROUND hook that opens a frame around the call while a sampled step runs."""
+
+    def hook(orig, *args, **kwargs):
+        rec = _ACTIVE
+        if rec is None:
+            return orig(*args, **kwargs)
+        if (no_nest and rec.top_kind() == kind) or (skip_inside and rec.inside(skip_inside)):
+            return orig(*args, **kwargs)
+        frame = rec.push(kind, label, then=then, then_parent=then_parent)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            rec.pop(frame)
+
+    hook.__name__ = hook.__qualname__ = f"observe_{kind}_{label}"
+    return hook
+
+
+def on_decoder_layer(orig, layer, *args, **kwargs):
+    rec = _ACTIVE
+    if rec is None:
+        return orig(layer, *args, **kwargs)
+    frame = rec.push("layer", "layer_other", layer=int(getattr(layer, "layer_id", -1)))
+    try:
+        return orig(layer, *args, **kwargs)
+    finally:
+        rec.pop(frame)
+
+
+def _experts_meta(experts) -> dict:
+    return {"num_experts": int(getattr(experts, "num_experts", 0) or 0),
+            "experts_per_rank": int(getattr(experts, "num_local_experts", 0) or 0),
+            "ep_size": int(getattr(experts, "moe_ep_size", 1) or 1)}
+
+
+def on_moe(orig, moe, *args, **kwargs):
+    rec = _ACTIVE
+    if rec is None:
+        return orig(moe, *args, **kwargs)
+    try:
+        rec.moe_meta = None if getattr(moe, "is_nextn", False) else _experts_meta(moe.experts)
+    except Exception:
+        rec.moe_meta = None
+    frame = rec.push("moe", "moe_other")
+    try:
+        return orig(moe, *args, **kwargs)
+    finally:
+        rec.pop(frame)
+        rec.moe_meta = None
+
+
+def on_topk(orig, topk, *args, **kwargs):
+    rec = _ACTIVE
+    if rec is None:
+        return orig(topk, *args, **kwargs)
+    frame = rec.push("router", "router")
+    try:
+        out = orig(topk, *args, **kwargs)
+    finally:
+        rec.pop(frame)
+    try:
+        meta, ids = rec.moe_meta, getattr(out, "topk_ids", None)
+        if meta and ids is not None and rec._stack:
+            layer = next((f.layer for f in reversed(rec._stack) if f.layer is not None), None)
+            rec.record_load(layer, ids, **meta)
+    except Exception as e:
+        _warn_once("load", "observe: expert load not recorded (%s: %s)", type(e).__name__, e)
+    return out
+
+
+on_attention = _frame_hook("attention", "attention")
+on_gate = _frame_hook("router", "router")
+on_shared = _frame_hook("shared", "shared_expert", no_nest=True)
+on_experts = _frame_hook("experts", "dispatch", no_nest=True)
+on_routed = _frame_hook("routed", "routed_experts", then="combine", then_parent="experts", no_nest=True)
+on_dense = _frame_hook("dense", "dense_mlp", skip_inside="moe")
+
+
+def hooks(settings) -> list[Hook]:
+    """The observe feature's whole patch surface (SGLANG_H20_OBSERVE = fraction of decode passes)."""
+    fraction = float(settings["observe"])
+    values = getattr(settings, "values", {}) or {}
+    out_dir = values.get("observe_dir") or os.environ.get("SGLANG_H20_OBSERVE_DIR") or None
+    configure(fraction, out_dir)
+    return [
+        Hook(STEP_TARGET, on_model_runner_forward, "around"),
+        Hook(GRAPH_TARGET, on_can_run_graph, "around"),
+        Hook(LAYER_TARGET, on_decoder_layer, "around"),
+        Hook(ATTENTION_TARGET, on_attention, "around"),
+        Hook(MOE_TARGET, on_moe, "around"),
+        Hook(GATE_TARGET, on_gate, "around"),
+        Hook(TOPK_TARGET, on_topk, "around"),
+        Hook(SHARED_TARGET, on_shared, "around"),
+        *[Hook(t, on_experts, "around") for t in EXPERTS_TARGETS],
+        *[Hook(t, on_routed, "around") for t in ROUTED_TARGETS],
+        Hook(DENSE_TARGET, on_dense, "around"),
+    ]

@@ -1,0 +1,685 @@
+"""observe: stage recorder bookkeeping (CPU clock), hooks, dumps, Prometheus, detector, HTML report.
+
+The detector is checked on synthetic recorded-like dumps (observe.synth) with injected faults
+and on clean dumps over several seeds. The HTML report is rendered in headless Chromium when one
+is on PATH (apt-get install -y chromium); otherwise that test is skipped, with the reason.
+"""
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_h20 import compat
+from sglang_h20.features import Feature, decide
+from sglang_h20.observe import analyze, export, report, stages, synth
+from sglang_h20.observe.stages import OUTSIDE, StageRecorder
+from sglang_h20.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+ON = Settings.from_env({"SGLANG_H20_OBSERVE": "0.25"})
+
+
+# ----------------------------------------------------------------------------- fakes
+class FakeClock:
+    """Marks are the current fake time; streams are plain names ('main', 'alt')."""
+
+    name = "fake"
+
+    def __init__(self):
+        self.now = 0.0
+        self.cur = "main"
+        self.pending_marks = set()
+
+    def advance(self, ms):
+        self.now += ms
+
+    def mark(self):
+        return self.now
+
+    def ready(self, mark):
+        return mark not in self.pending_marks
+
+    def elapsed_ms(self, a, b):
+        return b - a
+
+    def stream(self):
+        return self.cur
+
+    def release(self, marks):
+        pass
+
+
+def _sum_record(rec):
+    return sum(v for e in rec["layers"] for v in e["stages"].values()) + sum(rec["outside"].values())
+
+
+# ----------------------------------------------------------------------------- recorder
+def test_recorder_exclusive_attribution_with_overlap_and_nesting():
+    clk = FakeClock()
+    rec = StageRecorder(clock=clk, rank=3)
+    rec.begin_step(100, {"mode": "decode"})
+    clk.advance(0.5)  # embedding etc.
+    lay = rec.push("layer", "layer_other", layer=7)
+    clk.advance(0.2)  # input norm
+    with rec.stage("attention"):
+        clk.advance(3.0)
+    moe = rec.push("moe", "moe_other")
+    with rec.stage("router", "router"):
+        clk.advance(1.0)
+    clk.cur = "alt"  # shared experts on alt_stream: overlap, not critical path
+    with rec.stage("shared", "shared_expert"):
+        assert rec.push("dense", "dense_mlp") is None  # inside an off-stream frame: covered by it
+        clk.advance(0.1)  # (host time; the alt stream runs concurrently)
+    clk.cur = "main"
+    exp = rec.push("experts", "dispatch")
+    clk.advance(2.0)
+    with rec.stage("shared", "shared_expert"):  # SBO: shared experts inside dispatch, main stream
+        clk.advance(0.7)
+    clk.advance(0.3)
+    with rec.stage("routed", "routed_experts", then="combine", then_parent="experts"):
+        assert rec.push("routed", "routed_experts") is not None  # push itself does not dedupe
+        rec.pop(rec._stack[-1])
+        clk.advance(4.0)
+    clk.advance(1.5)
+    rec.pop(exp)
+    clk.advance(0.25)
+    rec.pop(moe)
+    clk.advance(0.05)
+    rec.pop(lay)
+    clk.advance(0.4)  # final norm, logits
+    rec.end_step()
+    out = rec.poll()
+    assert len(out) == 1
+    r = out[0]
+    assert r["kind"] == "stages" and r["rank"] == 3 and r["step"] == 100 and r["mode"] == "decode"
+    (entry,) = r["layers"]
+    s = entry["stages"]
+    assert entry["layer"] == 7
+    assert s["attention"] == pytest.approx(3.0)
+    assert s["router"] == pytest.approx(1.0)
+    assert s["dispatch"] == pytest.approx(2.3)  # SBO shared expert time taken out of dispatch
+    assert s["shared_expert"] == pytest.approx(0.7)
+    assert s["routed_experts"] == pytest.approx(4.0)
+    assert s["combine"] == pytest.approx(1.5)
+    assert s["moe_other"] == pytest.approx(0.35)  # incl. the main stream while shared was issued on alt
+    assert s["layer_other"] == pytest.approx(0.25)
+    assert entry["overlap"] == {"shared_expert": pytest.approx(0.1)}
+    assert r["outside"][OUTSIDE] == pytest.approx(0.9)
+    assert r["step_ms"] == pytest.approx(clk.now)
+    assert _sum_record(r) == pytest.approx(r["step_ms"], rel=1e-12)
+
+
+def test_recorder_waits_for_events_and_survives_exceptions():
+    clk = FakeClock()
+    rec = StageRecorder(clock=clk, max_pending=2)
+    rec.begin_step(1)
+    f = rec.push("layer", "layer_other", layer=0)
+    rec.push("attention", "attention")
+    clk.advance(1.0)
+    rec.pop(f)  # an exception skipped the attention pop: popping the layer closes both
+    clk.advance(1.0)
+    rec.end_step()
+    clk.pending_marks.add(clk.now)  # last event not complete yet: nothing comes out, no sync
+    assert rec.poll() == [] and rec.pending() == 1
+    clk.pending_marks.clear()
+    (r,) = rec.poll()
+    assert {k: v for k, v in r["layers"][0]["stages"].items() if v} == {"attention": pytest.approx(1.0)}
+    assert _sum_record(r) == pytest.approx(r["step_ms"])
+    # a discarded step (the forward raised) leaves nothing behind
+    rec.begin_step(2)
+    rec.end_step(discard=True)
+    assert rec.poll() == [] and not rec.active
+    # pushes outside a step are no-ops
+    assert rec.push("attention", "attention") is None
+
+
+def test_recorder_cpu_clock_sums_match_step_time():
+    """Real perf_counter on a layered workload: stages sum to the step, and each is about its sleep."""
+    rec = StageRecorder(clock=stages.CpuClock())
+    plan = {"attention": 0.004, "router": 0.001, "dispatch": 0.002, "routed_experts": 0.003, "combine": 0.002}
+    rec.begin_step(5)
+    for layer in range(3):
+        lay = rec.push("layer", "layer_other", layer=layer)
+        with rec.stage("attention"):
+            time.sleep(plan["attention"])
+        moe = rec.push("moe", "moe_other")
+        with rec.stage("router", "router"):
+            time.sleep(plan["router"])
+        exp = rec.push("experts", "dispatch")
+        time.sleep(plan["dispatch"])
+        with rec.stage("routed", "routed_experts", then="combine", then_parent="experts"):
+            time.sleep(plan["routed_experts"])
+        time.sleep(plan["combine"])
+        rec.pop(exp)
+        rec.pop(moe)
+        rec.pop(lay)
+    rec.end_step()
+    (r,) = rec.poll()
+    assert r["clock"] == "cpu"
+    assert _sum_record(r) == pytest.approx(r["step_ms"], rel=1e-9)
+    for e in r["layers"]:
+        for stage, sec in plan.items():
+            got = e["stages"][stage]
+            assert sec * 1e3 * 0.95 <= got <= sec * 1e3 + 15, (stage, got)  # sleep overshoots, never undershoots
+    assert 0.9 < r["coverage"] <= 1.0
+
+
+def test_record_load_counts_and_balancedness():
+    rec = StageRecorder(clock=FakeClock())
+    rec.begin_step(1)
+    ids = torch.tensor([[0, 5], [5, 7], [-1, -1], [3, 5]])  # padded row -1
+    rec.record_load(4, ids, num_experts=8, experts_per_rank=2, ep_size=4)
+    rec.record_load(4, torch.tensor([[1, 9]]), num_experts=8, experts_per_rank=2, ep_size=4)  # 9: not routed
+    rec.end_step()
+    (r,) = rec.poll()
+    assert r["expert_load_layers"] == [4]
+    assert r["expert_load"] == [[1, 1, 0, 1, 0, 3, 0, 1]]
+    per_rank = [2, 1, 3, 1]
+    assert r["balancedness"][0] == pytest.approx(np.mean(per_rank) / max(per_rank))
+    assert (r["num_experts"], r["experts_per_rank"], r["ep_size"]) == (8, 2, 4)
+
+
+# ----------------------------------------------------------------------------- hooks on a fake runner
+class _FakeGraphRunner:
+    def can_run_graph(self, forward_batch):
+        return True
+
+
+class _Attn:
+    def forward(self, x):
+        time.sleep(0.002)
+        return x
+
+
+class _Gate:
+    def forward(self, x):
+        time.sleep(0.0005)
+        return x
+
+
+class _TopK:
+    def forward(self, x, logits):
+        return SimpleNamespace(topk_ids=torch.tensor([[1, 2], [2, 3]]))
+
+
+class _Experts:
+    num_experts, num_local_experts, moe_ep_size = 4, 2, 2
+
+    def forward_impl(self, x, topk):
+        time.sleep(0.001)  # dispatch
+        y = self.run_moe_core(x)
+        time.sleep(0.001)  # combine
+        return y
+
+    def run_moe_core(self, x):
+        time.sleep(0.0015)
+        return x
+
+
+class _MoE:
+    is_nextn = False
+
+    def __init__(self):
+        self.gate, self.topk, self.experts = _Gate(), _TopK(), _Experts()
+
+    def forward(self, x):
+        logits = self.gate.forward(x)
+        shared = self._forward_shared_experts(x)
+        out = self.experts.forward_impl(x, self.topk.forward(x, logits))
+        return out + shared
+
+    def _forward_shared_experts(self, x):
+        time.sleep(0.0005)
+        return 0
+
+
+class _Layer:
+    def __init__(self, i):
+        self.layer_id, self.attn, self.mlp = i, _Attn(), _MoE()
+
+    def forward(self, x):
+        return self.mlp.forward(self.attn.forward(x))
+
+
+class _Runner:
+    is_draft_worker = False
+
+    def __init__(self, layers=2):
+        self.forward_pass_id = 0
+        self.decode_cuda_graph_runner = _FakeGraphRunner()
+        self.layers = [_Layer(i) for i in range(layers)]
+        self.eager_passes = []
+
+    def forward(self, forward_batch):
+        self.forward_pass_id += 1
+        if self.decode_cuda_graph_runner.can_run_graph(forward_batch):
+            return SimpleNamespace(can_run_graph=True)  # replay: no Python runs per layer
+        self.eager_passes.append(self.forward_pass_id)
+        x = 1
+        for layer in self.layers:
+            x = layer.forward(x)
+        return SimpleNamespace(can_run_graph=False)
+
+
+@pytest.fixture
+def wrapped_fakes(monkeypatch):
+    """The fakes' methods wrapped exactly as SGLang's HookRegistry wraps AROUND hooks."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    pairs = [(_Runner, "forward", stages.on_model_runner_forward),
+             (_FakeGraphRunner, "can_run_graph", stages.on_can_run_graph),
+             (_Layer, "forward", stages.on_decoder_layer), (_Attn, "forward", stages.on_attention),
+             (_MoE, "forward", stages.on_moe), (_Gate, "forward", stages.on_gate),
+             (_TopK, "forward", stages.on_topk), (_MoE, "_forward_shared_experts", stages.on_shared),
+             (_Experts, "forward_impl", stages.on_experts), (_Experts, "run_moe_core", stages.on_routed)]
+    for cls, name, fn in pairs:
+        monkeypatch.setattr(cls, name, _wrap_fn(cls.__dict__[name], fn, HookType.AROUND))
+    stages.reset_state()
+    yield
+    stages.reset_state()
+
+
+class _ListExporter:
+    def __init__(self):
+        self.records = []
+
+    def emit(self, r):
+        self.records.append(r)
+
+
+def test_hooks_sample_eagerly_and_keep_graphs_otherwise(wrapped_fakes):
+    exp = _ListExporter()
+    stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=stages.CpuClock(), rank=0))
+    runner = _Runner()
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"), batch_size=2,
+                             input_ids=torch.zeros(2))
+    for _ in range(12):
+        runner.forward(decode)
+    runner.forward(SimpleNamespace(forward_mode=SimpleNamespace(name="EXTEND")))  # pass 13: drains
+    # period 4: passes 4, 8, 12 sampled eagerly; 2, 6, 10 graph references; the rest replayed graphs
+    assert runner.eager_passes == [4, 8, 12]
+    kinds = [(r["kind"], r["step"]) for r in exp.records]
+    assert kinds == [("graph", 2), ("stages", 4), ("graph", 6), ("stages", 8), ("graph", 10), ("stages", 12)]
+    for r in exp.records:
+        if r["kind"] != "stages":
+            continue
+        assert r["graph_would_run"] is True and r["eager"] is True and r["batch_size"] == 2
+        assert [e["layer"] for e in r["layers"]] == [0, 1]
+        for e in r["layers"]:
+            s = e["stages"]
+            assert set(s) >= {"attention", "router", "dispatch", "routed_experts", "combine", "shared_expert"}
+            assert s["attention"] >= 2.0 and s["routed_experts"] >= 1.5 and s["dispatch"] >= 1.0
+        assert _sum_record(r) == pytest.approx(r["step_ms"], rel=1e-9)
+        assert r["expert_load"] == [[0, 1, 2, 1], [0, 1, 2, 1]] and r["ep_size"] == 2
+    assert not stages._state.force_eager and stages._ACTIVE is None
+
+
+def test_hooks_leave_draft_runners_and_off_switch_alone(wrapped_fakes):
+    exp = _ListExporter()
+    stages.configure(1.0, exporter=exp, recorder=StageRecorder(clock=stages.CpuClock()))
+    runner = _Runner()
+    runner.is_draft_worker = True
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"))
+    for _ in range(3):
+        runner.forward(decode)
+    assert runner.eager_passes == [] and exp.records == []
+    stages.configure(0.0, exporter=exp, recorder=StageRecorder(clock=stages.CpuClock()))
+    runner.is_draft_worker = False
+    for _ in range(3):
+        runner.forward(decode)
+    assert runner.eager_passes == [] and exp.records == []
+
+
+def test_sampler_is_deterministic_and_rank_independent():
+    a, b = stages.Sampler(0.01), stages.Sampler(0.01)
+    picks = [p for p in range(1, 1001) if a.decide(p) == "stages"]
+    assert picks == [p for p in range(1, 1001) if b.decide(p) == "stages"] == list(range(100, 1001, 100))
+    assert [p for p in range(1, 301) if a.decide(p) == "graph"] == [50, 150, 250]
+    assert stages.Sampler(1.0).decide(7) == "stages" and stages.Sampler(0).decide(100) is None
+
+
+# ----------------------------------------------------------------------------- hook targets
+def test_every_hook_target_resolves():
+    hooks = stages.hooks(ON)
+    targets = [h.target for h in hooks]
+    assert len(targets) == len(set(targets)) == 13
+    for h in hooks:
+        assert h.kind in ("before", "after", "around", "replace")
+        ok, why = compat.check_target(h.target)
+        assert ok, why
+    stages.reset_state()
+
+
+def test_hooked_signatures_match_what_the_hooks_assume():
+    import pkgutil
+
+    for target, first in ((stages.STEP_TARGET, ["self", "forward_batch"]),
+                          (stages.GRAPH_TARGET, ["self", "forward_batch"]),
+                          (stages.LAYER_TARGET, ["self", "positions", "hidden_states"])):
+        fn = inspect.unwrap(pkgutil.resolve_name(target))
+        assert list(inspect.signature(fn).parameters)[: len(first)] == first, target
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    assert "topk_ids" in StandardTopKOutput._fields
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    src = inspect.getsource(FusedMoE.forward_impl)  # dispatch -> run_moe_core -> combine, in that order
+    assert src.index("dispatcher.dispatch(") < src.index("self.run_moe_core(") < src.index("dispatcher.combine(")
+
+
+def test_feature_decides_on_with_all_hooks():
+    feature = Feature("observe", "observe", "sglang_h20.observe.stages", needs_gpu=False)
+    d = decide(feature, ON)
+    assert d.on, d.reason
+    assert len(d.hooks) == 13
+    off = decide(feature, Settings.from_env({"SGLANG_H20_OBSERVE": "0"}))
+    assert not off.on and "switched off" in off.reason
+    stages.reset_state()
+
+
+def test_hooks_apply_to_the_real_classes():
+    """In a fresh process: SGLang's HookRegistry patches every target (inherited TopK.forward too)."""
+    code = """
+import pkgutil
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang_h20.observe import stages
+from sglang_h20.settings import Settings
+hooks = stages.hooks(Settings.from_env({"SGLANG_H20_OBSERVE": "0.01"}))
+for h in hooks:
+    HookRegistry.register(h.target, h.fn, HookType(h.kind))
+HookRegistry.apply_hooks()
+bad = [h.target for h in hooks if h.target not in HookRegistry._patched
+       or getattr(pkgutil.resolve_name(h.target), "__wrapped__", None) is None]
+from sglang.srt.layers.moe.topk import TopK
+from sglang.srt.layers.utils.multi_platform import MultiPlatformOp
+assert MultiPlatformOp.forward is not TopK.forward  # only TopK is wrapped
+print("BAD", bad)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "BAD []" in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- dumps and export
+def test_dump_round_trip_and_rotation(tmp_path):
+    recs = synth.synthesize(ranks=4, layers=6, steps=3, seed=1, experts=16, first_dense=1)
+    path = export.write_dump(tmp_path / "d.jsonl", recs)
+    assert export.read_dump(path) == sorted(recs, key=lambda r: (r["step"], r["rank"], r["kind"]))
+    with open(path, "a") as fh:
+        fh.write('{"kind": "stages", "rank": 0, "ste')  # a process killed mid-line
+    errors = []
+    assert len(export.read_dump(path, errors)) == len(recs) and len(errors) == 1
+    w = export.JsonlWriter(tmp_path / "dir", rank=2, max_bytes=4000, keep=2)
+    for r in recs:
+        w.write(r)
+    w.close()
+    files = export.dump_files(tmp_path / "dir")
+    assert {f.name for f in files} <= {"observe-rank002.jsonl", "observe-rank002.jsonl.1", "observe-rank002.jsonl.2"}
+    assert len(files) == 3  # rotated, oldest dropped
+    back = export.read_dump(tmp_path / "dir")
+    assert 0 < len(back) < len(recs) and all(r in recs for r in back)
+
+
+class _FakeMetric:
+    def __init__(self, kind, name, doc, labelnames=(), **kw):
+        self.kind, self.name, self.kw, self.labelnames = kind, name, kw, list(labelnames)
+        self.values = {}
+
+    def labels(self, **labels):
+        assert sorted(labels) == sorted(self.labelnames), (self.name, labels)
+        key = tuple(sorted(labels.items()))
+        metric = self
+
+        class _Child:
+            def set(self, v):
+                metric.values[key] = v
+
+            def inc(self, v=1):
+                metric.values[key] = metric.values.get(key, 0) + v
+
+            def observe(self, v):
+                metric.values.setdefault(key, []).append(v)
+
+        return _Child()
+
+
+def test_prometheus_export_with_a_fake_client():
+    made = {}
+
+    def factory(kind):
+        def make(name, doc, **kw):
+            made[name] = _FakeMetric(kind, name, doc, **kw)
+            return made[name]
+
+        return make
+
+    prom = SimpleNamespace(Gauge=factory("gauge"), Histogram=factory("histogram"), Counter=factory("counter"))
+    exp = export.PrometheusExporter(prom=prom)
+    assert made["sglang_h20:stage_ms"].kw["multiprocess_mode"] == "mostrecent"
+    rec = synth.synthesize(ranks=2, layers=4, steps=1, seed=0, experts=8, first_dense=1)
+    for r in rec:
+        exp.observe(r)
+    sm = made["sglang_h20:stage_ms"].values
+    r0 = next(r for r in rec if r["kind"] == "stages" and r["rank"] == 1)
+    assert sm[(("layer", "2"), ("rank", "1"), ("stage", "attention"))] == r0["layers"][2]["stages"]["attention"]
+    assert made["sglang_h20:step_ms"].values[(("kind", "graph"), ("rank", "1"))] > 0
+    assert len(made["sglang_h20:expert_balancedness"].values) == 2 * 3  # ranks x MoE layers
+
+
+def test_prometheus_export_with_the_real_client():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    exp = export.PrometheusExporter(registry=registry)
+    for r in synth.synthesize(ranks=2, layers=3, steps=1, seed=0, experts=8, first_dense=1):
+        exp.observe(r)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'sglang_h20:stage_ms{layer="1",rank="0",stage="attention"}' in text
+    assert "sglang_h20:step_stage_ms_bucket" in text and "sglang_h20:observe_samples_total" in text
+
+
+def test_exporter_writes_and_never_raises(tmp_path):
+    class Broken:
+        def observe(self, r):
+            raise RuntimeError("boom")
+
+    e = export.Exporter(export.JsonlWriter(tmp_path, 0), Broken())
+    e.emit({"kind": "graph", "rank": 0, "step": 1, "step_ms": 1.0})
+    e.emit({"kind": "graph", "rank": 0, "step": 2, "step_ms": 1.0})
+    assert e.prom is None and len(export.read_dump(tmp_path)) == 2
+
+
+# ----------------------------------------------------------------------------- detector
+def _detect(inject, seed, **kw):
+    recs = synth.synthesize(ranks=kw.pop("ranks", 8), layers=kw.pop("layers", 61), steps=kw.pop("steps", 40),
+                            inject=inject, seed=seed, **kw)
+    return analyze.detect(recs)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
+def test_detector_is_quiet_on_clean_data(seed):
+    found = _detect("", seed)
+    assert found == [], [a.message for a in found]
+
+
+def test_detector_is_quiet_on_clean_multi_node_data():
+    found = _detect("", 7, ranks=16, steps=30)  # 2 nodes: inter-node links are not "slow links"
+    assert found == [], [a.message for a in found]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_detector_finds_a_slow_rank_as_compute(seed):
+    found = _detect("slow-rank:3", seed)
+    assert found
+    assert {a.rank for a in found} == {3}, [a.message for a in found]
+    assert {a.kind for a in found} == {"compute"}
+    assert {"attention", "routed_experts"} <= {a.stage for a in found}
+    att = next(a for a in found if a.stage == "attention")
+    assert att.layers == list(range(61)) and att.excess == pytest.approx(0.5, abs=0.05)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_detector_finds_a_slow_dispatch_as_communication(seed):
+    found = _detect("slow-stage:dispatch@rank5", seed)
+    assert [(a.kind, a.rank, a.stage, a.detector) for a in found] == [("communication", 5, "dispatch", "cross-rank")]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_detector_finds_a_hot_expert_as_imbalance(seed):
+    found = _detect("hot-expert:17", seed)
+    assert found and {a.kind for a in found} == {"imbalance"}, [a.message for a in found]
+    hot = [a for a in found if a.detector == "experts"]
+    assert len(hot) == 1 and hot[0].experts == [17] and hot[0].rank == 0  # 256 experts / 8 ranks
+    assert any(a.detector == "load" and a.rank == 0 for a in found)
+    slow = [a for a in found if a.detector == "cross-rank"]
+    assert [(a.rank, a.stage) for a in slow] == [(0, "routed_experts")]  # skewed time, high load
+
+
+def test_detector_separates_combined_faults():
+    found = _detect("slow-rank:3,slow-stage:dispatch@rank5,hot-expert:17", 0)
+    got = {(a.kind, a.rank) for a in found}
+    assert got == {("compute", 3), ("communication", 5), ("imbalance", 0)}, [a.message for a in found]
+
+
+def test_detector_blames_the_straggler_not_the_waiting_peers():
+    found = _detect("spike:attention@rank2:20", 0)
+    assert [(a.kind, a.rank, a.stage, a.detector) for a in found] == [("compute", 2, "attention", "over-time")]
+    assert found[0].steps == [2100] and "peers 0-1,3-7 waited" in found[0].message
+
+
+def test_detector_finds_transient_communication_and_slow_links():
+    found = _detect("spike:combine@rank4:10,slow-link:1-6", 0)
+    assert sorted((a.kind, a.detector, a.rank, a.link) for a in found) == [
+        ("communication", "latency", None, (1, 6)), ("communication", "latency", None, (6, 1)),
+        ("communication", "over-time", 4, None)]
+    found = _detect("slow-link:2-0x5,slow-link:2-1x5,slow-link:2-3x5,slow-link:2-4x5", 1)
+    assert [(a.detector, a.rank) for a in found] == [("latency", 2)]  # one slow rank, not 8 links
+
+
+def test_detector_thresholds_are_configurable():
+    recs = synth.synthesize(ranks=8, layers=8, steps=20, inject="slow-rank:3x1.3", seed=0, first_dense=1)
+    assert {a.rank for a in analyze.detect(recs)} == {3}
+    assert analyze.detect(recs, analyze.Thresholds(rel=0.5)) == []
+
+
+def test_robust_z_ignores_outliers_and_floors_the_scale():
+    x = np.array([10.0, 10.1, 9.9, 10.0, 50.0])
+    z, med, scale = analyze.robust_z(x, 0)
+    assert med.item() == 10.0 and z[-1] > 100 and abs(z[:-1]).max() < 2
+    z, _, scale = analyze.robust_z(np.full(6, 3.0), 0)  # MAD 0: scale floored at 1% of median
+    assert scale.item() == pytest.approx(0.03) and not np.isnan(z).any()
+
+
+def test_synth_rejects_bad_injections():
+    for bad in ("slow-rank:99", "hot-expert:999", "slow-stage:nope@rank1", "what:1", "spike:attention@rank1:500"):
+        with pytest.raises(ValueError):
+            synth.synthesize(ranks=8, layers=4, steps=5, inject=bad, first_dense=1)
+    (inj,) = synth.parse_injections("slow-stage:dispatch@rank5x2.5")
+    assert (inj.stage, inj.rank, inj.factor) == ("dispatch", 5, 2.5)
+
+
+# ----------------------------------------------------------------------------- CLI + HTML report
+def _cli(*args, timeout=300):
+    p = subprocess.run([sys.executable, "-m", "sglang_h20.observe", *args], capture_output=True, text=True,
+                       timeout=timeout, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("observe")
+    _cli("synth", "--ranks", "8", "--layers", "61", "--steps", "50",
+         "--inject", "slow-rank:3,slow-stage:dispatch@rank5,hot-expert:17", "--out", str(d / "dump.jsonl"))
+    out = _cli("report", str(d / "dump.jsonl"), "--out", str(d / "report"))
+    assert "report.html" in out
+    return d / "report"
+
+
+def test_report_is_self_contained_with_every_section(report_dir):
+    page = (report_dir / "report.html").read_text()
+    for sid in report.SECTIONS + report.FIGURES:
+        assert f'id="{sid}"' in page, sid
+    assert not re.search(r'(src|href)="(?!data:|#)', page), "external resource in the report"
+    assert "<link" not in page and "@import" not in page and "url(" not in page
+    imgs = re.findall(r'<img [^>]*src="data:image/png;base64,([^"]+)"', page)
+    assert len(imgs) == len(report.FIGURES)
+    for name in report.FIGURES:
+        png = (report_dir / f"{name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    anomalies = json.loads((report_dir / "anomalies.json").read_text())
+    assert {(a["kind"], a["rank"]) for a in anomalies} == {("compute", 3), ("communication", 5), ("imbalance", 0)}
+    assert "expert 17" in page and "rank 5: dispatch" in page
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _render(html_path: Path) -> str:
+    exe = _chromium()
+    p = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
+                        "--run-all-compositor-stages-before-draw", "--dump-dom", html_path.resolve().as_uri()],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def _render_check(dom: str) -> dict:
+    m = re.search(r'<div id="render-check"([^>]*)>', dom)
+    assert m, "render-check element missing"
+    return dict(re.findall(r'data-([a-z]+)="([^"]*)"', m.group(1)))
+
+
+@pytest.mark.skipif(_chromium() is None,
+                    reason="no chromium on PATH (install: apt-get install -y chromium)")
+def test_report_renders_in_headless_chromium(report_dir, tmp_path):
+    dom = _render(report_dir / "report.html")
+    for sid in report.SECTIONS + report.FIGURES:
+        assert f'id="{sid}"' in dom, sid
+    check = _render_check(dom)
+    assert check.get("total") == str(len(report.FIGURES)), check  # the on-load script ran
+    assert check["ok"] == check["total"] and check["errors"] == "0" and check["bad"] == "", check
+    # the check can fail: one corrupted image is reported
+    page = (report_dir / "report.html").read_text()
+    broken = tmp_path / "broken.html"
+    broken.write_text(page.replace("data:image/png;base64,iVBOR", "data:image/png;base64,AAAA", 1))
+    check = _render_check(_render(broken))
+    assert int(check["ok"]) == len(report.FIGURES) - 1 and check["bad"], check
+
+
+def test_report_without_load_or_latency_keeps_every_section(tmp_path):
+    recs = synth.synthesize(ranks=4, layers=5, steps=10, seed=3, experts=16, first_dense=1, graph_refs=False)
+    for r in recs:  # what a dump without routing capture and without a latency probe looks like
+        for k in ("expert_load", "expert_load_layers", "balancedness", "peer_latency_ms"):
+            r.pop(k, None)
+    page = report.build(recs, tmp_path).read_text()
+    for sid in report.SECTIONS + report.FIGURES:
+        assert f'id="{sid}"' in page, sid
+    assert "No rank x rank latency matrix" in page and "No expert load" in page
+    assert len(re.findall(r"<img ", page)) == 4
+
+
+def test_full_latency_matrix_records_are_read():
+    recs = synth.synthesize(ranks=8, layers=4, steps=10, seed=2, experts=16, first_dense=1, graph_refs=False)
+    m = np.full((8, 8), 0.02)
+    np.fill_diagonal(m, 0)
+    m[3, 4] = 0.2
+    for r in recs:
+        r.pop("peer_latency_ms")
+    recs[0]["rank_latency_ms"] = m.tolist()
+    found = analyze.latency_links(analyze.load(recs), analyze.Thresholds())
+    assert [(a.kind, a.link) for a in found] == [("communication", (3, 4))]
