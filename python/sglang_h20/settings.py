@@ -99,6 +99,8 @@ SWITCHES: tuple[Switch, ...] = (
            "single-batch overlap on SM90: MoE combine with the down GEMM, shared experts with dispatch"),
     Switch("eplb", _choice("off", "affinity"), "off",
            "expert placement: 'affinity' = co-activation-aware EPLB with asynchronous migration"),
+    Switch("eplb_affinity", _fraction, "0.25",
+           "locality vs balance of the affinity placement: 0 = balance only, 1 = most locality"),
     Switch("observe", _fraction, "0",
            "fraction of decode steps timed per stage with CUDA events (0 = off, e.g. 0.01)"),
     Switch("allow_untested", _parse_bool, "off",

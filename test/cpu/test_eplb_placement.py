@@ -215,7 +215,7 @@ def planted():
 def test_affinity_keeps_planted_clusters_on_one_node(planted, name, redundant):
     st, groups = planted
     topo = TOPOLOGIES[name][redundant]
-    aff = place(st, topo, "affinity")
+    aff = place(st, topo, "affinity", affinity=0.5)  # locality-leaning; the default is checked below
     ds = place(st, topo, "deepseek")
     kept_aff, kept_ds = clusters_on_one_node(aff, groups), clusters_on_one_node(ds, groups)
     cut_aff, cut_ds = cut_fraction(aff, st.coact).mean(), cut_fraction(ds, st.coact).mean()
@@ -225,6 +225,11 @@ def test_affinity_keeps_planted_clusters_on_one_node(planted, name, redundant):
     assert kept_aff >= 0.7 and kept_aff >= kept_ds + 0.6
     assert cut_aff <= 0.4 * cut_ds
     assert gpu_balancedness(aff, st.load).min() >= 0.95
+    # the default (balance-leaning) setting still keeps most clusters together
+    dflt = place(st, topo, "affinity")
+    assert clusters_on_one_node(dflt, groups) >= kept_ds + 0.5
+    assert cut_fraction(dflt, st.coact).mean() <= 0.4 * cut_ds
+    assert gpu_balancedness(dflt, st.load).min() >= 0.95
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +279,11 @@ def test_affinity_planner_time_58_layers_64_gpus(spg):
     print(f"planner time 58x256 on 8x8x{spg}: best {min(times):.3f} s, all {times}")
     p.validate()
     assert min(times) < 1.0
+
+
+def test_switch_default_matches_the_planner_default():
+    """SGLANG_H20_EPLB_AFFINITY defaults to the planner's own default (one tuned value)."""
+    from sglang_h20.eplb.placement import DEFAULT_AFFINITY
+    from sglang_h20.settings import Settings
+
+    assert Settings.from_env({})["eplb_affinity"] == DEFAULT_AFFINITY

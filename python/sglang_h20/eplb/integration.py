@@ -286,6 +286,7 @@ def _is_elasticity_aware(algorithm) -> bool:
 
 def make_rebalance_wrapper(settings: Settings):
     on_by_switch = settings["eplb"] == "affinity"
+    affinity = settings["eplb_affinity"]
 
     def around_rebalance_experts(original, *args, **kwargs):
         b = inspect.signature(original).bind(*args, **kwargs)
@@ -309,7 +310,7 @@ def make_rebalance_wrapper(settings: Settings):
             return original(**a)
 
         try:
-            result = _affinity_rebalance(_state.latest, a)
+            result = _affinity_rebalance(_state.latest, a, affinity)
         except _Fallback as f:
             return upstream(str(f))
         except Exception as e:  # a broken placement must not take the server down
@@ -325,7 +326,7 @@ class _Fallback(Exception):
     pass
 
 
-def _affinity_rebalance(stats: CoactivationStats | None, a: dict):
+def _affinity_rebalance(stats: CoactivationStats | None, a: dict, affinity: float):
     tokens_per_expert = a["tokens_per_expert"]
     num_phy, num_local, num_nodes = a["num_physical_experts"], a["num_local_physical_experts"], a["num_nodes"]
     L, E = tuple(tokens_per_expert.shape[-2:])
@@ -345,7 +346,7 @@ def _affinity_rebalance(stats: CoactivationStats | None, a: dict):
         raise _Fallback("sglang_h20.eplb.placement.place is not in this build")
     num_gpus = num_phy // num_local
     topo = placement.Topology(num_nodes=num_nodes, gpus_per_node=num_gpus // num_nodes, slots_per_gpu=num_local)
-    result = place(stats, topo, PLACE_ALGORITHM)
+    result = place(stats, topo, PLACE_ALGORITHM, affinity=affinity)
     phy2log = np.asarray(result.phy2log)
     if phy2log.shape != (L, num_phy):
         raise ValueError(f"place returned phy2log {phy2log.shape}, expected {(L, num_phy)}")

@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from sglang_h20.eplb.placement import Placement, Topology
+from sglang_h20.eplb.placement import DEFAULT_AFFINITY, Placement, Topology
 from sglang_h20.eplb.stats import CoactivationStats
 
 HIDDEN = 7168
@@ -269,7 +269,7 @@ class SimConfig:
     warmup: int = 8  # steps of statistics before the first plan
     rebalance_every: int = 8  # re-plan every N steps from the previous N steps' statistics
     redundant_slots: int = 0  # extra slots per GPU (SGLang --ep-num-redundant-experts = this x GPUs)
-    affinity: float = 0.5
+    affinity: float = DEFAULT_AFFINITY
     seed: int = 0
     skew: float = 0.4
     drift: float = 0.05
