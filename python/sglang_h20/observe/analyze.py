@@ -229,7 +229,8 @@ def robust_z(x: np.ndarray, axis: int, floor: float = 0.01):
         return (x - med) / scale, med, scale
 
 
-def _nanmedian(x, axis):
+def nanmedian(x, axis=None):
+    """np.nanmedian without the all-NaN-slice warning (missing stages are expected)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -272,8 +273,8 @@ def _rank_recv_ratio(ds: Dataset) -> np.ndarray | None:
     """[Lm, ep] each EP rank's median received load / the median rank's."""
     if ds.recv is None:
         return None
-    med = _nanmedian(ds.recv, axis=0)  # [Lm, ep]
-    ref = _nanmedian(med, axis=1)[:, None]
+    med = nanmedian(ds.recv, axis=0)  # [Lm, ep]
+    ref = nanmedian(med, axis=1)[:, None]
     with np.errstate(invalid="ignore", divide="ignore"):
         return med / np.where(ref > 0, ref, np.nan)
 
@@ -282,12 +283,12 @@ def cross_rank(ds: Dataset, th: Thresholds) -> list[Anomaly]:
     R = len(ds.ranks)
     if R < th.min_ranks or not ds.steps:
         return []
-    med = _nanmedian(ds.times, axis=1)  # [R, L, K]
+    med = nanmedian(ds.times, axis=1)  # [R, L, K]
     flag, z, base = _flags(med, 0, th.z, th.rel, th.abs_ms, th.scale_floor)
     tot = np.nansum(med, axis=1)  # [R, K]
     tflag, tz, tbase = _flags(tot, 0, th.z, th.rel, th.abs_ms, th.scale_floor)
-    tok = _nanmedian(ds.tokens, axis=1)  # [R]
-    tok_med = float(_nanmedian(tok, axis=0)) if np.isfinite(tok).any() else float("nan")
+    tok = nanmedian(ds.tokens, axis=1)  # [R]
+    tok_med = float(nanmedian(tok, axis=0)) if np.isfinite(tok).any() else float("nan")
     tok_ratio = tok / tok_med if tok_med > 0 else np.ones(R)
     recv_ratio = _rank_recv_ratio(ds)
     load_li = {l: j for j, l in enumerate(ds.load_layers)}
@@ -379,7 +380,7 @@ def over_time(ds: Dataset, th: Thresholds) -> list[Anomaly]:
 def load_imbalance(ds: Dataset, th: Thresholds) -> list[Anomaly]:
     if ds.recv is None or ds.recv.shape[2] < th.min_ranks:
         return []
-    med = _nanmedian(ds.recv, axis=0)  # [Lm, ep]
+    med = nanmedian(ds.recv, axis=0)  # [Lm, ep]
     flag, z, base = _flags(med, 1, th.load_z, th.load_rel, 0.0, th.scale_floor)
     out = []
     need = max(1, math.ceil(th.load_layer_frac * med.shape[0]))
@@ -475,11 +476,11 @@ def detect(data, thresholds: Thresholds | None = None) -> list[Anomaly]:
 def summary(ds: Dataset) -> dict:
     """Headline numbers for the report and the CLI."""
     tot = ds.stage_totals()  # [R, S, K]
-    stage_ms = {s: float(_nanmedian(tot[:, :, k].ravel(), axis=0)) for k, s in enumerate(ds.stages)} if tot.size else {}
+    stage_ms = {s: float(nanmedian(tot[:, :, k].ravel(), axis=0)) for k, s in enumerate(ds.stages)} if tot.size else {}
     graph = [ms for v in ds.graph.values() for _, ms in v]
     bal = ds.balancedness
-    eager = float(_nanmedian(ds.step_ms.ravel(), axis=0)) if ds.step_ms.size else float("nan")
-    stage_sum = float(_nanmedian((np.nansum(tot, axis=2) + np.nan_to_num(ds.outside)).ravel(), axis=0)) if tot.size else float("nan")
+    eager = float(nanmedian(ds.step_ms.ravel(), axis=0)) if ds.step_ms.size else float("nan")
+    stage_sum = float(nanmedian((np.nansum(tot, axis=2) + np.nan_to_num(ds.outside)).ravel(), axis=0)) if tot.size else float("nan")
     return {
         "records": ds.n_records, "ranks": len(ds.ranks), "passes": len(ds.steps), "layers": len(ds.layers),
         "stages": list(ds.stages),
@@ -487,7 +488,7 @@ def summary(ds: Dataset) -> dict:
         "stage_sum_ms_median": stage_sum,
         "graph_step_ms_median": float(np.median(graph)) if graph else None,
         "stage_ms_median": stage_ms,
-        "balancedness_median": float(_nanmedian(bal.ravel(), axis=0)) if bal is not None and bal.size else None,
+        "balancedness_median": float(nanmedian(bal.ravel(), axis=0)) if bal is not None and bal.size else None,
         "num_experts": ds.num_experts, "ep_size": ds.ep_size,
         "latency_matrix": ds.latency is not None,
     }

@@ -77,17 +77,9 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def _nanmedian(x, axis=None):
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmedian(x, axis=axis)
-
-
 def plot_layer_stage(ds: analyze.Dataset) -> bytes:
     plt = _plt()
-    m = _nanmedian(_nanmedian(ds.times, axis=1), axis=0)  # [L, K]
+    m = analyze.nanmedian(analyze.nanmedian(ds.times, axis=1), axis=0)  # [L, K]
     fig, ax = plt.subplots(figsize=(1.2 + 0.75 * len(ds.stages), 1.5 + 0.12 * len(ds.layers)))
     im = ax.imshow(np.ma.masked_invalid(m * 1e3), aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_xticks(range(len(ds.stages)), ds.stages, rotation=40, ha="right")
@@ -101,8 +93,8 @@ def plot_layer_stage(ds: analyze.Dataset) -> bytes:
 
 def plot_rank_stage(ds: analyze.Dataset) -> bytes:
     plt = _plt()
-    tot = np.nansum(_nanmedian(ds.times, axis=1), axis=1)  # [R, K]
-    ref = _nanmedian(tot, axis=0)
+    tot = np.nansum(analyze.nanmedian(ds.times, axis=1), axis=1)  # [R, K]
+    ref = analyze.nanmedian(tot, axis=0)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where(ref > 0, tot / ref, np.nan)
     dev = np.nanmax(np.abs(ratio - 1)) if np.isfinite(ratio).any() else 0.5
@@ -169,7 +161,7 @@ def plot_balancedness(ds: analyze.Dataset) -> bytes:
     plt = _plt()
     bal = ds.balancedness  # [S, Lm]
     fig, ax = plt.subplots(figsize=(9, 3))
-    ax.plot(ds.load_layers, _nanmedian(bal, axis=0), marker=".", label="median over passes")
+    ax.plot(ds.load_layers, analyze.nanmedian(bal, axis=0), marker=".", label="median over passes")
     ax.fill_between(ds.load_layers, np.nanmin(bal, axis=0), np.nanmax(bal, axis=0), alpha=0.2, label="min-max")
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("MoE layer")
@@ -183,7 +175,7 @@ def plot_balancedness(ds: analyze.Dataset) -> bytes:
 def plot_stage_over_steps(ds: analyze.Dataset) -> bytes:
     plt = _plt()
     tot = ds.stage_totals()  # [R, S, K]
-    med = _nanmedian(tot, axis=0)  # [S, K]
+    med = analyze.nanmedian(tot, axis=0)  # [S, K]
     mx = np.nanmax(np.where(np.isnan(tot), -np.inf, tot), axis=0)
     fig, ax = plt.subplots(figsize=(10, 4))
     for k, stage in enumerate(ds.stages):
