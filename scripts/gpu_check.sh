@@ -10,6 +10,7 @@
 #   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
 # Knobs (env): STEPS="tests parity" PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
+#   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpu_check_out}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ DEADLINE_S=${DEADLINE_S:-540}
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
 
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export MPLBACKEND=Agg PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export SGLANG_ENABLE_JIT_DEEPGEMM=${SGLANG_ENABLE_JIT_DEEPGEMM:-0} SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
 export SGL_KERNEL_FLASHINFER=${SGL_KERNEL_FLASHINFER:-0} SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK=1
 export TRITON_CACHE_DIR=/tmp/jit/triton TVM_FFI_CACHE_DIR=/tmp/jit/tvm-ffi DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm
@@ -40,11 +41,13 @@ say "unpacked + installed; doctor:"
 rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
   say "pytest -m gpu"
-  python3 -m pytest -m gpu test -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+  python3 -m pytest -m gpu ${TESTS:-test} -q -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" kernels "* ]]; then
-  for b in benchmark/kernels/bench_*.py; do
+  benches=benchmark/kernels/bench_*.py
+  [ -n "${BENCHES:-}" ] && benches=$(printf "benchmark/kernels/bench_%s.py " $BENCHES)
+  for b in $benches; do
     name=$(basename "$b" .py)
     say "$name ${KERNEL_ARGS:---quick}"
     timeout $(( $(left) - 30 )) python3 "$b" ${KERNEL_ARGS:---quick} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -25

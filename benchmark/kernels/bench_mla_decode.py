@@ -3,9 +3,9 @@
 
 Providers (each timed on the same latent cache; one that cannot run is recorded under "unavailable" with the
 reason, never silently dropped):
-  ours               sgl_kernel_ext.mla_decode: FP8 cache (576 B + 5 fp32 scales = 596 B/token), FP8 QK and
-                     PV; metadata from get_mla_decode_metadata outside the timed region. --configs adds tile
-                     variants "ours[BHxBNwWsS]"; --precise adds "ours-precise" (precise_q + precise_pv).
+  ours               sgl_kernel_ext.mla_decode: FP8 cache (576 B + 2 fp32 scales = 584 B/token), FP8 QK and
+                     PV; metadata from get_mla_decode_metadata outside the timed region; the Q quantization
+                     pre-pass is inside it. --configs adds tile variants "ours[BHxBNxBVwWsS]".
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
                      (1152 B/token), metadata get_mla_metadata(seqlens, q_len*H, 1) outside the timed region.
   flashmla-fp8       the same entry with FP8 q and cache as SGLang's flashmla backend calls it: per-tensor
@@ -68,10 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--qlens", type=int, nargs="+", default=QLENS)
     ap.add_argument("--providers", nargs="+", default=DEFAULT_PROVIDERS)
     ap.add_argument("--configs", nargs="*", default=[],
-                    help="extra tile configs of ours, BHxBNxWxS[v] e.g. 64x64x8x2 64x32x8x3v 16x64x4x2 (block_h, "
-                         "block_n, warps, stages; v: v_reload); with --only-configs instead of the default")
+                    help="extra tile configs of ours, BHxBNxBVxWxS[b] e.g. 64x32x256x8x2 64x32x512x8x2b (block_h, "
+                         "block_n, block_v, warps, stages; b: PV on fp16 MMA); with --only-configs instead of the default")
     ap.add_argument("--only-configs", action="store_true", help="time only the --configs variants of ours")
-    ap.add_argument("--precise", action="store_true", help="also time ours with precise_q + precise_pv")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the error check against fp32")
     ap.add_argument("--max-sets", type=int, default=8, help="rotating input sets at most")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep (ms)")
@@ -132,11 +131,11 @@ def time_calls(torch, triton, calls, rep_ms):
     return ms * 1e3, mode
 
 
-def make_ours(torch, mla, sets, ctx, name, cfg=None, precise=False):
+def make_ours(torch, mla, sets, ctx, name, cfg=None):
     metas = []
     for s in sets:
-        kw = {} if cfg is None else dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
-                                         v_reload=cfg[4])
+        kw = {} if cfg is None else dict(block_h=cfg[0], block_n=cfg[1], block_v=cfg[2], num_warps=cfg[3],
+                                         num_stages=cfg[4], pv_16bit=cfg[5])
         metas.append(mla.get_mla_decode_metadata(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1],
                                                  max_seqlen=ctx, **kw))
     outs = [torch.empty(*s["q"].shape[:3], 512, dtype=torch.bfloat16, device="cuda") for s in sets]
@@ -144,11 +143,10 @@ def make_ours(torch, mla, sets, ctx, name, cfg=None, precise=False):
     def call(i):
         s = sets[i]
         return lambda: mla.mla_decode_fp8(s["q"], s["kv_cache"], s["block_table"], s["cache_seqlens"],
-                                          s["softmax_scale"], metas[i], out=outs[i], precise_q=precise,
-                                          precise_pv=precise)
+                                          s["softmax_scale"], metas[i], out=outs[i])
     info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
-            "block_h": metas[0].block_h, "block_n": metas[0].block_n, "num_warps": metas[0].num_warps,
-            "num_stages": metas[0].num_stages, "v_reload": metas[0].v_reload}
+            "block_h": metas[0].block_h, "block_n": metas[0].block_n, "block_v": metas[0].block_v,
+            "num_warps": metas[0].num_warps, "num_stages": metas[0].num_stages, "pv_16bit": metas[0].pv_16bit}
     return [call(i) for i in range(len(sets))], (lambda: outs[0]), info
 
 
@@ -308,9 +306,8 @@ def run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, un
 
 
 def plot(rows, ceilings, path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sglang_h20.plotting import pyplot
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 6))
     xs = [r["flops"] / r["bytes"] for r in rows]
@@ -360,19 +357,16 @@ def main(argv=None) -> int:
     configs = []
     for c in args.configs:
         c = c.lower()
-        vr = c.endswith("v")
-        bh, bn, w, s = (int(x) for x in c.rstrip("v").split("x"))
-        configs.append((bh, bn, w, s, vr))
+        configs.append((*(int(x) for x in c.rstrip("b").split("x")), c.endswith("b")))
+        if len(configs[-1]) != 6:
+            raise SystemExit(f"--configs {c}: expected BHxBNxBVxWxS[b]")
     for p in args.providers:
         if p == "ours":
             if not args.only_configs:
                 providers.append(("ours", lambda sets, ctx: make_ours(torch, mla, sets, ctx, "ours")))
             for cfg in configs:
-                providers.append((f"ours[{cfg[0]}x{cfg[1]}w{cfg[2]}s{cfg[3]}{'v' if cfg[4] else ''}]",
+                providers.append((f"ours[{cfg[0]}x{cfg[1]}x{cfg[2]}w{cfg[3]}s{cfg[4]}{'b' if cfg[5] else ''}]",
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
-            if args.precise:
-                providers.append(("ours-precise", lambda sets, ctx: make_ours(torch, mla, sets, ctx, "ours",
-                                                                              precise=True)))
         elif p == "flashmla-bf16":
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
         elif p == "flashmla-fp8":
@@ -392,7 +386,7 @@ def main(argv=None) -> int:
     result = {"provenance": record(), "representative": dict(zip(("batch", "context", "heads", "q_len"),
                                                                   REPRESENTATIVE), provider="ours"),
               "ceilings": ceilings, "points": rows, "unavailable": unavailable,
-              "kv_bytes_per_token": {"ours": 596, "flashmla-fp8": 576, "bf16": 1152}}
+              "kv_bytes_per_token": {"ours": mla.KV_BYTES_PER_TOKEN, "flashmla-fp8": 576, "bf16": 1152}}
     if rep:
         result["latency_us"] = rep[0]["latency_us"]
         result["tflops"] = rep[0]["tflops"]

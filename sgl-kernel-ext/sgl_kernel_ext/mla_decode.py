@@ -9,77 +9,74 @@ with ``q [B, q_len, H, 576]`` bf16 (absorbed query: 512 latent + 64 rope), the p
 ``kv_fp8 [num_pages, page_size, 576]`` and ``out [B, q_len, H, 512]`` bf16. V is the first 512 channels
 of the same latent cache, as in FlashMLA and SGLang's MLA backends.
 
-KV cache format (chosen here; 596 bytes/token against 1152 for BF16, 0.517x)
+KV cache format (chosen here; 584 bytes/token against 1152 for BF16, 0.507x)
 ------------------------------------------------------------------------------
-Per token: the 576 channels as FP8 e4m3 (576 B), plus 5 float32 scales (20 B), one per channel group:
-groups 0..3 are latent channels [128 g, 128 g + 128) and group 4 is the 64 rope channels.
-``value = fp8 * scale``, ``scale = amax(|group|) / 448`` (1.0 for an all-zero group). Two tensors:
+Per token: the 576 channels as FP8 e4m3 (576 B), plus 2 float32 scales (8 B): one for the 512 latent
+channels and one for the 64 rope channels. ``value = fp8 * scale``, ``scale = amax(|part|) / 448`` (1.0 for
+an all-zero part). Two tensors:
 
     kv_fp8    [num_pages, page_size, 576]  float8_e4m3fn (uint8 storage accepted)
-    kv_scales [num_pages, page_size, 5]    float32
+    kv_scales [num_pages, page_size, 2]    float32
 
-Why per (token, 128-channel group) plus a separate rope scale rather than one scale per token:
+Why one latent scale per token and a separate rope scale:
 
 * The rope part is not RMS-normalised (DeepSeek normalises only the 512-d latent before caching), so its
-  magnitude is unrelated to the latent's: sharing one scale lets whichever part is larger set the
-  scale for the other. Its own scale costs 4 bytes.
-* Outlier channels (a few channels 10-30x the rest) only coarsen their own 128-channel group, and the
-  group's FP8 exponent range (e4m3 spans 2^-9..448) keeps the other channels in it normal.
-* The scales come for free in the kernel: QK^T is computed as 5 FP8 dots (K = 128, 128, 128, 128, 64,
-  each a whole number of wgmma k-steps), each scaled by an outer product of Q and K scales before it is
-  summed. V uses the 4 latent scales, folded into P (below).
+  magnitude is unrelated to the latent's: sharing one scale would let the larger part coarsen the other.
+* The latent is RMS-normalised per token, so one scale per token keeps every channel within e4m3's range
+  (2^-9..448 around the token's amax): a channel 30x below the outliers still keeps its 3 mantissa bits, and
+  channels far below amax/448 contribute nothing measurable to a dot product anyway.
+* One latent scale keeps the kernel's MMAs whole: QK^T is one FP8 dot over the 512 latent channels plus one
+  over the 64 rope channels, each scaled by an outer product of Q and K scales; PV is one FP8 dot with the
+  V scale (the latent scale) folded into P. Finer groups cost 4 separate dots and 4 P quantizations per tile.
 * It is quantizable on the fly, token by token, when SGLang writes K/V: no calibration, no history.
   :func:`store_kv_fp8` quantizes and scatters a batch of new tokens into the paged cache.
 
 FP8 math in the kernel
 ----------------------
-* Q is quantized inside the kernel, once per program, per (token, head, group) with the same 5 groups
-  (amax / 448), so the QK scale of group g is ``s_q[h, g] * s_k[n, g]`` (softmax scale and log2(e) are
-  folded into s_q). The fp8 x fp8 products are exact in fp32; accumulation is fp32.
+* Q is quantized once per call by a small kernel (per (token, head): latent and rope scales, as for K),
+  into a [rows, 576] FP8 buffer the decode kernel reads with TMA; the QK scale is ``s_q * s_k`` per part
+  (softmax scale and log2(e) are applied with it). FP8 x FP8 products are exact; accumulation is fp32.
 * Online softmax in fp32, base 2. P = exp2(s - m) lies in [0, 1].
-* PV: ``O[h, c] = sum_n P[h, n] * V8[n, c] * s_v[n, g(c)]``. The V scale varies along the reduction
-  dimension n, so it cannot be applied after the dot, and it cannot be applied to V without
-  dequantizing it. It is folded into P instead, per group g: ``P'_g = P * s_v[:, g]``, then P'_g is
-  quantized to FP8 and ``tl.dot(P'_g, V8_g)`` gives the exact contribution of group g (up to P'
-  rounding). To use the FP8 range, P'_g is stored as ``P * (s_v[n, g] / c_g) * 448`` with c_g the largest
-  s_v of the group in this KV tile (a 64-element reduction, not a [rows, 64] one), so every element is
-  <= 448, and the dot is scaled back by ``c_g / 448``. The 4 group dots have the MMA work of one
-  [rows, N] x [N, 512] dot. The softmax denominator uses the unquantized fp32 P.
-* Error: e4m3 keeps 3 mantissa bits, so every rounding carries about 2.7% rms relative error. The roundings
-  of P, K and V are independent across tokens and partly average out in the output; Q's is shared by every
-  token, moves the whole score row coherently and, with outlier channels in K, is the largest term.
-  Measured (Frobenius norm, CPU interpreter, DeepSeek-like inputs, 1k-4k tokens): 0.3-0.65% against the
-  dequantized reference (P rounding only), 1.4-1.9% against fp32 on the bf16 inputs; with i.i.d. zero-mean
-  tokens, the worst case, about 2.7% and 5%. ``precise_q`` / ``precise_pv`` carry Q / P as two FP8 terms
-  (hi + lo/16) and remove those parts for +53% / +47% tensor-core work.
-  Token scales within a tile that differ by more than ~100x push small P' into e4m3 subnormals; the
-  latent is RMS-normalised per token, which keeps its group scales within a small factor of each other.
+* PV, default (``pv_16bit``): V's FP8 tile is dequantized in registers (times its token's scale) to fp16 and
+  multiplied with P in fp16 on 16-bit tensor cores. Why not FP8: FP8 wgmma takes both operands K-major only,
+  and V's reduction dimension is the token, so an FP8 PV has to transpose every V tile through registers and
+  shared memory; measured on the H200 that costs ~2.9x the whole kernel (below). 16-bit wgmma reads the
+  token-major tile as it lies. So QK^T (576 of the 1088 MACs per (row, token)) runs in FP8, PV in fp16.
+* PV in FP8 (``pv_16bit=False``): ``O[h, c] = sum_n P[h, n] * V8[n, c] * s_v[n]``. The V scale varies along
+  the reduction dimension n, so it is folded into P: ``P' = P * s_v[n] / c * 448`` with c the largest s_v of
+  the tile (so P' <= 448), P' quantized to FP8, and the dot scaled back by ``c / 448``.
+  The softmax denominator uses the unquantized fp32 P in both forms.
+* Error: every e4m3 rounding carries about 2.7% rms relative error; the roundings of K, V and P are independent
+  across tokens and partly average out in the output; Q's is shared by every token. See the GPU tests for the
+  bounds asserted against float32 attention on the bf16 inputs.
 
 Kernels
 -------
-1. ``_mla_fp8_split_kernel``: grid (row_blocks, num_splits, B). Query rows are (q position, head)
-   pairs packed q-major, BLOCK_H rows per program (so an MTP step reads each KV tile once for all its
-   query positions). A program walks its split of the sequence BLOCK_N tokens at a time (pages resolved
-   through the block table, tiles may span pages when BLOCK_N > page_size), computing the 5 scaled FP8
-   QK dots, a causal/length mask per row, the online softmax, and 4 FP8 PV dots into [BLOCK_H, 512] fp32
-   accumulators. With one split it writes bf16 output and lse directly; otherwise a normalised fp32
-   partial and its lse.
-2. ``_mla_fp8_combine_kernel``: grid (rows, B); merges the non-empty splits of a row through their lse.
+1. ``_quant_q_kernel``: q [B, q_len, H, 576] -> q8 [B * q_len * H, 576] FP8 + [.., 2] fp32 scales.
+2. ``_mla_fp8_split_kernel``: grid (row_blocks x value_blocks, num_splits, B). Query rows are (q position,
+   head) pairs packed q-major, BLOCK_H = 64 rows per program (FP8 wgmma's M; an MTP step reads each KV tile
+   once for all its query positions). The 512 value channels are cut into value blocks of BLOCK_V: each
+   program recomputes the (cheap) QK^T for its rows and keeps a [64, BLOCK_V] fp32 accumulator, which is
+   what keeps the kernel in registers (a [64, 512] accumulator spills under Triton). Q, K and V tiles arrive
+   by TMA (tensor descriptors over the flat [slots, 576] cache; a BLOCK_N-token tile lies inside one page).
+   With one split it writes bf16 output and lse directly; otherwise a normalised fp32 partial and its lse.
+3. ``_mla_fp8_combine_kernel``: grid (rows, B); merges the non-empty splits of a row through their lse.
 
 References: :func:`mla_decode_exact` (fp32 math on the bf16 inputs) and :func:`mla_decode_reference`
 (fp32 math on the dequantized FP8 cache and the quantize-dequantized Q, i.e. everything but P rounding).
 
-Tuning notes (from compiling for sm_90a with Triton 3.6 and ptxas; not yet timed on a GPU)
------------------------------------------------------------------------------------------------
-* An FP8 ``tl.dot`` with M < 64 becomes f16 ``mma.sync`` (operands upcast), not FP8 wgmma, so block_h is
-  64 rows by default even for 16 heads x q_len 1 (the rest masked), as in FlashMLA.
-* Default (block_h 64, block_n 64, 8 warps, 2 stages): 255 registers and ~2 KB of spills, 113 KB shared
-  memory, so one program per SM. Triton puts all warps of a chained-dot kernel on M, so with M = 64 both
-  warpgroups compute the whole QK^T (36 x m64n32k32 each); PV is split between them (m64n64k32).
-* A latent K tile that feeds both dots is loaded synchronously (it is stored to shared memory in two layouts;
-  FP8 wgmma takes K-major operands only, so V has to be transposed). ``v_reload=True`` loads V separately:
-  the K tiles then become cp.async-pipelined; (64, 32, 8 warps, 3 stages, v_reload) spills only ~370 B.
-  ``bench_mla_decode.py --configs 64x64x8x2 64x32x8x3v 64x64x8x2v 16x64x4x2`` times them.
+Tuning notes (Triton 3.6, compiled for sm_90a; registers/spills from ptxas; times on the H200, 2026-11-29)
+-------------------------------------------------------------------------------------------------------------
+* Per-element pointer tiles ([512, 32] offsets) cost most of the register file: every variant spilled
+  (0.5-5 KB). TMA descriptors removed that: no spills at (64, 32, BLOCK_V 256, 8 warps).
+* B=64, 4k context, 128 heads, q_len 1 (FlashMLA BF16: 124 us in the same run):
+  FP8 PV, 5 group scales, pointer loads (the first version)  1139 us
+  FP8 PV, 2 scales, TMA, BLOCK_V 256 (no spills)              1251 us  <- spills were not the bottleneck
+  fp16 PV, BLOCK_V 256 / 512                                   749 / 429 us  <- the V transpose was
+  So the kernel is still ~3.5x slower than FlashMLA BF16 on the H200: what is left is Triton's schedule
+  (one warpgroup pair per CTA, no producer/consumer split, P through shared memory between the QK^T and PV
+  warp layouts); beating FlashMLA needs a CUDA kernel with FlashMLA's structure and FP8 QK^T.
+* ``bench_mla_decode.py --configs 64x32x512x8x2b 64x32x256x8x2`` times variants (b: fp16 PV).
 """
 from __future__ import annotations
 
@@ -91,7 +88,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "FP8_MAX", "KV_LORA_RANK", "ROPE_DIM", "HEAD_DIM_QK", "SCALE_GROUP", "NUM_KV_SCALES", "KV_BYTES_PER_TOKEN",
+    "FP8_MAX", "KV_LORA_RANK", "ROPE_DIM", "HEAD_DIM_QK", "NUM_KV_SCALES", "KV_BYTES_PER_TOKEN",
     "MLADecodeMetadata", "get_mla_decode_metadata", "mla_decode_fp8",
     "quantize_kv_fp8", "dequantize_kv_fp8", "quantize_q_fp8", "store_kv_fp8", "store_kv_fp8_torch",
     "mla_decode_reference", "mla_decode_exact", "make_mla_inputs",
@@ -102,10 +99,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 KV_LORA_RANK = 512                   # latent channels, also V's width
 ROPE_DIM = 64
 HEAD_DIM_QK = KV_LORA_RANK + ROPE_DIM  # 576
-SCALE_GROUP = 128                    # latent channels per scale
-NUM_LATENT_GROUPS = KV_LORA_RANK // SCALE_GROUP  # 4
-NUM_KV_SCALES = NUM_LATENT_GROUPS + 1           # + one for the rope part
-KV_BYTES_PER_TOKEN = HEAD_DIM_QK + 4 * NUM_KV_SCALES  # 596
+NUM_KV_SCALES = 2                    # latent, rope
+KV_BYTES_PER_TOKEN = HEAD_DIM_QK + 4 * NUM_KV_SCALES  # 584
 LOG2E = 1.4426950408889634
 
 
@@ -122,49 +117,35 @@ _INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
 # Quantization (torch): the format's definition
 # ----------------------------------------------------------------------------------------------------------------
 
-def _group_view(x: torch.Tensor):
-    """(latent [..., 4, 128], rope [..., 1, 64]) float32 views of x [..., 576]."""
-    assert x.shape[-1] == HEAD_DIM_QK, f"last dim must be {HEAD_DIM_QK}, got {tuple(x.shape)}"
-    xf = x.float()
-    lat = xf[..., :KV_LORA_RANK].reshape(*x.shape[:-1], NUM_LATENT_GROUPS, SCALE_GROUP)
-    rope = xf[..., KV_LORA_RANK:].reshape(*x.shape[:-1], 1, ROPE_DIM)
-    return lat, rope
-
-
-def _quant_groups(g: torch.Tensor):
-    amax = g.abs().amax(dim=-1)
+def _quant_part(x: torch.Tensor):
+    amax = x.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def quantize_kv_fp8(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """latent [..., 576] (bf16/fp16/fp32) -> (kv_fp8 [..., 576] float8_e4m3fn, scales [..., 5] float32).
+    """latent [..., 576] (bf16/fp16/fp32) -> (kv_fp8 [..., 576] float8_e4m3fn, scales [..., 2] float32).
 
-    scales[..., g] = amax(|latent[..., 128 g : 128 g + 128]|) / 448 for g < 4, scales[..., 4] for the rope
-    channels 512..575; 1.0 where a group is all zero. Dequantize with :func:`dequantize_kv_fp8`.
+    scales[..., 0] = amax(|latent[..., :512]|) / 448, scales[..., 1] the same over the rope channels 512..575;
+    1.0 where a part is all zero. Dequantize with :func:`dequantize_kv_fp8`.
     """
-    lat, rope = _group_view(latent)
-    ql, sl = _quant_groups(lat)
-    qr, sr = _quant_groups(rope)
-    lead = latent.shape[:-1]
-    kv = torch.cat([ql.reshape(*lead, KV_LORA_RANK), qr.reshape(*lead, ROPE_DIM)], dim=-1)
-    return kv, torch.cat([sl, sr], dim=-1).contiguous()
+    assert latent.shape[-1] == HEAD_DIM_QK, f"last dim must be {HEAD_DIM_QK}, got {tuple(latent.shape)}"
+    xf = latent.float()
+    ql, sl = _quant_part(xf[..., :KV_LORA_RANK])
+    qr, sr = _quant_part(xf[..., KV_LORA_RANK:])
+    return torch.cat([ql, qr], dim=-1), torch.cat([sl, sr], dim=-1).contiguous()
 
 
 def dequantize_kv_fp8(kv_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`quantize_kv_fp8`: float32 [..., 576]."""
     if kv_fp8.dtype == torch.uint8:
         kv_fp8 = kv_fp8.view(FP8_DTYPE)
-    lead = kv_fp8.shape[:-1]
     f = kv_fp8.float()
-    lat = f[..., :KV_LORA_RANK].reshape(*lead, NUM_LATENT_GROUPS, SCALE_GROUP) * scales[..., :NUM_LATENT_GROUPS, None]
-    rope = f[..., KV_LORA_RANK:] * scales[..., NUM_LATENT_GROUPS:]
-    return torch.cat([lat.reshape(*lead, KV_LORA_RANK), rope], dim=-1)
+    return torch.cat([f[..., :KV_LORA_RANK] * scales[..., :1], f[..., KV_LORA_RANK:] * scales[..., 1:2]], dim=-1)
 
 
 def quantize_q_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's in-register Q quantization, in torch: per (token, head) and the same 5 channel groups."""
+    """What the kernel's Q pre-pass computes, in torch: per (token, head), latent and rope scales."""
     return quantize_kv_fp8(q)
 
 
@@ -204,31 +185,30 @@ def _round_bf16(x, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def _store_kv_fp8_kernel(X, LOC, KV, KVS, stride_xn, stride_kvp, stride_kvt, stride_sp, stride_st,
-                         PAGE_SIZE: tl.constexpr, NUM_G: tl.constexpr, GROUP: tl.constexpr,
-                         ROPE: tl.constexpr, INTERPRET: tl.constexpr):
+def _quant_rows_kernel(X, LOC, OUT, OUTS, stride_xn, stride_on, stride_sn, PAGE_SIZE: tl.constexpr,
+                       stride_op, stride_ot, stride_sp, stride_st, PAGED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Row i of X [N, 576] -> FP8 + (latent, rope) scales; written at row i, or at paged slot LOC[i] (PAGED)."""
     i = tl.program_id(0)
-    loc = tl.load(LOC + i).to(tl.int64)
-    page = loc // PAGE_SIZE
-    tok = loc % PAGE_SIZE
-    kv_base = KV + page * stride_kvp + tok * stride_kvt
-    s_base = KVS + page * stride_sp + tok * stride_st
-    offs_g = tl.arange(0, NUM_G)
-    offs_c = tl.arange(0, GROUP)
-    cols = offs_g[:, None] * GROUP + offs_c[None, :]
-    x = tl.load(X + i * stride_xn + cols).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    xq = tl.clamp(x / scale[:, None], -448.0, 448.0)
-    tl.store(kv_base + cols, _to_fp8(xq, INTERPRET))
-    tl.store(s_base + offs_g, scale)
-    offs_r = tl.arange(0, ROPE)
-    xr = tl.load(X + i * stride_xn + NUM_G * GROUP + offs_r).to(tl.float32)
-    amax_r = tl.max(tl.abs(xr), axis=0)
-    scale_r = tl.where(amax_r > 0, amax_r / 448.0, 1.0)
-    xrq = tl.clamp(xr / scale_r, -448.0, 448.0)
-    tl.store(kv_base + NUM_G * GROUP + offs_r, _to_fp8(xrq, INTERPRET))
-    tl.store(s_base + NUM_G, scale_r)
+    if PAGED:
+        loc = tl.load(LOC + i).to(tl.int64)
+        o_base = OUT + (loc // PAGE_SIZE) * stride_op + (loc % PAGE_SIZE) * stride_ot
+        s_base = OUTS + (loc // PAGE_SIZE) * stride_sp + (loc % PAGE_SIZE) * stride_st
+    else:
+        o_base = OUT + i.to(tl.int64) * stride_on
+        s_base = OUTS + i.to(tl.int64) * stride_sn
+    offs_l = tl.arange(0, 512)
+    offs_r = 512 + tl.arange(0, 64)
+    x_row = X + i.to(tl.int64) * stride_xn
+    xl = tl.load(x_row + offs_l).to(tl.float32)
+    xr = tl.load(x_row + offs_r).to(tl.float32)
+    am_l = tl.max(tl.abs(xl), axis=0)
+    am_r = tl.max(tl.abs(xr), axis=0)
+    s_l = tl.where(am_l > 0, am_l / 448.0, 1.0)
+    s_r = tl.where(am_r > 0, am_r / 448.0, 1.0)
+    tl.store(o_base + offs_l, _to_fp8(tl.clamp(xl / s_l, -448.0, 448.0), INTERPRET))
+    tl.store(o_base + offs_r, _to_fp8(tl.clamp(xr / s_r, -448.0, 448.0), INTERPRET))
+    tl.store(s_base, s_l)
+    tl.store(s_base + 1, s_r)
 
 
 def store_kv_fp8(kv_fp8: torch.Tensor, kv_scales: torch.Tensor, loc: torch.Tensor, latent: torch.Tensor) -> None:
@@ -240,10 +220,22 @@ def store_kv_fp8(kv_fp8: torch.Tensor, kv_scales: torch.Tensor, loc: torch.Tenso
         return
     assert latent.shape[-1] == HEAD_DIM_QK and latent.stride(-1) == 1
     assert data.stride(-1) == 1 and scales.stride(-1) == 1
-    _store_kv_fp8_kernel[(n,)](
-        latent, loc, data, scales, latent.stride(0), data.stride(0), data.stride(1), scales.stride(0),
-        scales.stride(1), PAGE_SIZE=data.shape[1], NUM_G=NUM_LATENT_GROUPS, GROUP=SCALE_GROUP, ROPE=ROPE_DIM,
-        INTERPRET=_INTERPRETED, num_warps=4)
+    _quant_rows_kernel[(n,)](
+        latent, loc, data, scales, latent.stride(0), 0, 0, data.shape[1],
+        data.stride(0), data.stride(1), scales.stride(0), scales.stride(1),
+        PAGED=True, INTERPRET=_INTERPRETED, num_warps=4)
+
+
+def _quantize_q(q: torch.Tensor):
+    """q [B, T, H, 576] -> (q8 [B*T*H, 576] float8_e4m3fn, scales [B*T*H, 2] fp32), one launch."""
+    x = q.reshape(-1, HEAD_DIM_QK)
+    n = x.shape[0]
+    q8 = torch.empty((n, HEAD_DIM_QK), dtype=FP8_DTYPE, device=q.device)
+    qs = torch.empty((n, NUM_KV_SCALES), dtype=torch.float32, device=q.device)
+    if n:
+        _quant_rows_kernel[(n,)](x, x, q8, qs, x.stride(0), q8.stride(0), qs.stride(0), 1, 0, 0, 0, 0,
+                                 PAGED=False, INTERPRET=_INTERPRETED, num_warps=4)
+    return q8, qs
 
 
 def _cache_views(kv_fp8: torch.Tensor, kv_scales: torch.Tensor):
@@ -272,12 +264,13 @@ class MLADecodeMetadata:
     per request, so one plan can be captured in a CUDA graph for a bucket of lengths."""
     num_splits: int      # KV splits per (batch, row block); every sequence is cut into this many parts
     block_h: int         # query rows (q position x head) per program
-    block_n: int         # KV tokens per inner iteration
+    block_n: int         # KV tokens per inner iteration (a divisor of the page size)
+    block_v: int         # value channels per program (512 / block_v programs share a row block)
     num_warps: int
     num_stages: int
     num_row_blocks: int
     num_sm: int
-    v_reload: bool = False  # load V separately from K (see _kv_tile); a tuning knob
+    pv_16bit: bool = True  # PV on fp16 MMA (V dequantized in registers, no transpose); QK^T stays FP8
 
 
 def _default_num_sm() -> int:
@@ -288,26 +281,28 @@ def _default_num_sm() -> int:
 
 def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: int = 1,
                             num_sm: int | None = None, *, max_seqlen: int | None = None,
-                            block_h: int = 64, block_n: int = 64, num_warps: int = 8,
+                            block_h: int = 64, block_n: int = 32, block_v: int = 512, num_warps: int = 8,
                             num_stages: int = 2, waves: float = 2.0, min_split_tokens: int = 128,
-                            max_splits: int = 64, v_reload: bool = False) -> MLADecodeMetadata:
-    """Choose the split-KV factor: enough programs for ``waves`` x num_sm (B x row_blocks x splits), but
-    no split shorter than ``min_split_tokens`` of the longest sequence, and at most ``max_splits``.
+                            max_splits: int = 64, pv_16bit: bool = True) -> MLADecodeMetadata:
+    """Choose the split-KV factor: enough programs for ``waves`` x num_sm (B x row_blocks x value blocks x
+    splits), but no split shorter than ``min_split_tokens`` of the longest sequence, and at most ``max_splits``.
 
     ``max_seqlen`` avoids reading cache_seqlens (a device sync when it lives on the GPU; pass it, e.g. the
     CUDA-graph bucket's bound, on a hot path).
 
     block_h is 64 query rows even for 16 heads x q_len 1 (rows past q_len x heads are masked), as FlashMLA does:
-    Triton 3.6 lowers an FP8 tl.dot with M < 64 on sm_90 to f16 mma.sync (the operands upcast), not to FP8
-    wgmma, whose M is 64 per warpgroup. Smaller block_h stays available for tuning and tests.
+    Triton 3.6 lowers an FP8 tl.dot with M < 64 on sm_90 to f16 mma.sync, not to FP8 wgmma (M = 64 per
+    warpgroup). Smaller block_h stays available for tests.
     """
     if num_heads < 1 or q_len < 1:
         raise ValueError(f"num_heads={num_heads}, q_len={q_len}")
     if block_n < 32 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 32 (FP8 MMA k-step), got {block_n}")
-    rows = num_heads * q_len
     if block_h < 16 or block_h & (block_h - 1):
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
+    if block_v not in (64, 128, 256, 512):
+        raise ValueError(f"block_v must be 64, 128, 256 or 512, got {block_v}")
+    rows = num_heads * q_len
     num_sm = num_sm or _default_num_sm()
     batch = cache_seqlens.numel()
     row_blocks = triton.cdiv(rows, block_h)
@@ -315,10 +310,12 @@ def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: 
         max_seqlen = int(cache_seqlens.max().item()) if batch else 1
     max_seqlen = max(int(max_seqlen), 1)
     useful = triton.cdiv(max_seqlen, max(min_split_tokens, block_n))
-    want = triton.cdiv(int(math.ceil(waves * num_sm)), max(batch * row_blocks, 1))
+    programs = max(batch * row_blocks * (KV_LORA_RANK // block_v), 1)
+    want = triton.cdiv(int(math.ceil(waves * num_sm)), programs)
     num_splits = max(1, min(want, useful, max_splits))
-    return MLADecodeMetadata(num_splits=num_splits, block_h=block_h, block_n=block_n, num_warps=num_warps,
-                             num_stages=num_stages, num_row_blocks=row_blocks, num_sm=num_sm, v_reload=v_reload)
+    return MLADecodeMetadata(num_splits=num_splits, block_h=block_h, block_n=block_n, block_v=block_v,
+                             num_warps=num_warps, num_stages=num_stages, num_row_blocks=row_blocks, num_sm=num_sm,
+                             pv_16bit=pv_16bit)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,147 +323,27 @@ def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: 
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_quant_q(Q, q_off, row_ok, col0, qk_scale, W: tl.constexpr, Q_SPLIT: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """Rows of Q[:, col0:col0+W] -> (fp8 tile [BLOCK_H, W], fp8 residual x16 (Q_SPLIT, else the tile again),
-    dequant scale [BLOCK_H] * qk_scale)."""
-    cols = col0 + tl.arange(0, W)
-    q = tl.load(Q + q_off[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(q), axis=1)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    qs = tl.clamp(q / scale[:, None], -448.0, 448.0)
-    q8 = _to_fp8(qs, INTERPRET)
-    if Q_SPLIT:
-        ql8 = _to_fp8((qs - q8.to(tl.float32)) * 16.0, INTERPRET)
-    else:
-        ql8 = q8
-    return q8, ql8, scale * qk_scale
-
-
-@triton.jit
-def _qk_group(q8, ql8, k8, Q_SPLIT: tl.constexpr):
-    """Q8 K8^T in fp32; with Q_SPLIT (precise_q) plus the Q residual's dot: Q ~ Q_hi + Q_lo/16."""
-    d = tl.dot(q8, k8)
-    if Q_SPLIT:
-        d += tl.dot(ql8, k8) * 0.0625
-    return d
-
-
-@triton.jit
-def _pv_group(acc, p, sv, v_t, P_SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc [BLOCK_H, W] += P [BLOCK_H, N] (fp32 in [0,1]) x diag(sv) x V8 [N, W], with P x sv quantized to FP8.
-
-    P_SPLIT (precise_pv): also quantize the rounding residual (x16) and add a second FP8 dot, P ~ P_hi + P_lo/16,
-    which cuts the P rounding error ~16x for twice the PV tensor-core work (+47% MMA overall).
-    """
-    c = tl.maximum(tl.max(sv, axis=0), 1e-30)
-    pv = tl.minimum(p * (sv * (448.0 / c))[None, :], 448.0)
-    p8 = _to_fp8(pv, INTERPRET)
-    o = tl.dot(p8, v_t)
-    if P_SPLIT:
-        lo8 = _to_fp8((pv - p8.to(tl.float32)) * 16.0, INTERPRET)
-        o += tl.dot(lo8, v_t) * 0.0625
-    return acc + o * (c / 448.0)
-
-
-@triton.jit
-def _kv_tile(n0, end, row_end, m_i, l_i, acc0, acc1, acc2, acc3,
-             q0, q1, q2, q3, qr, ql0, ql1, ql2, ql3, qlr, sq0, sq1, sq2, sq3, sqr,
-             KV, KVS, bt_row, stride_kvp, stride_kvt, stride_sp, stride_st,
-             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, Q_SPLIT: tl.constexpr, P_SPLIT: tl.constexpr,
-             V_RELOAD: tl.constexpr, INTERPRET: tl.constexpr):
-    """One BLOCK_N-token step of the split kernel: FP8 QK^T, online softmax, FP8 PV."""
-    G: tl.constexpr = 128
-    R: tl.constexpr = 64
-    offs_g = tl.arange(0, G)
-    offs_r = tl.arange(0, R)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < end
-    if BLOCK_N <= PAGE_SIZE:  # the tile lies inside one page
-        page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
-        in_page = (offs_n % PAGE_SIZE).to(tl.int64)
-        kv_tok = page * stride_kvp + in_page * stride_kvt
-        s_tok = page * stride_sp + in_page * stride_st
-    else:  # the tile spans BLOCK_N // PAGE_SIZE pages
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_page = (offs_n % PAGE_SIZE).to(tl.int64)
-        kv_tok = page * stride_kvp + in_page * stride_kvt
-        s_tok = page * stride_sp + in_page * stride_st
-
-    # K^T tiles [channels, BLOCK_N] in FP8, and their per-token scales
-    k0 = tl.load(KV + kv_tok[None, :] + (0 * G + offs_g)[:, None], mask=n_ok[None, :], other=0.0)
-    k1 = tl.load(KV + kv_tok[None, :] + (1 * G + offs_g)[:, None], mask=n_ok[None, :], other=0.0)
-    k2 = tl.load(KV + kv_tok[None, :] + (2 * G + offs_g)[:, None], mask=n_ok[None, :], other=0.0)
-    k3 = tl.load(KV + kv_tok[None, :] + (3 * G + offs_g)[:, None], mask=n_ok[None, :], other=0.0)
-    kr = tl.load(KV + kv_tok[None, :] + (4 * G + offs_r)[:, None], mask=n_ok[None, :], other=0.0)
-    s0 = tl.load(KVS + s_tok + 0, mask=n_ok, other=0.0)
-    s1 = tl.load(KVS + s_tok + 1, mask=n_ok, other=0.0)
-    s2 = tl.load(KVS + s_tok + 2, mask=n_ok, other=0.0)
-    s3 = tl.load(KVS + s_tok + 3, mask=n_ok, other=0.0)
-    sr = tl.load(KVS + s_tok + 4, mask=n_ok, other=0.0)
-
-    # S = Q K^T in log2 units: 5 FP8 dots, each with its outer-product scale
-    qk = _qk_group(q0, ql0, k0, Q_SPLIT) * (sq0[:, None] * s0[None, :])
-    qk += _qk_group(q1, ql1, k1, Q_SPLIT) * (sq1[:, None] * s1[None, :])
-    qk += _qk_group(q2, ql2, k2, Q_SPLIT) * (sq2[:, None] * s2[None, :])
-    qk += _qk_group(q3, ql3, k3, Q_SPLIT) * (sq3[:, None] * s3[None, :])
-    qk += _qk_group(qr, qlr, kr, Q_SPLIT) * (sqr[:, None] * sr[None, :])
-    visible = n_ok[None, :] & (offs_n[None, :] < row_end[:, None])
-    qk = tl.where(visible, qk, float("-inf"))
-
-    # online softmax (fp32)
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(qk - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    m_i = m_new
-
-    # O += P V: V group g = latent channels of K group g, its scale folded into P
-    # V_RELOAD: load V [BLOCK_N, 128] again (an L1/L2 hit). A K tile that feeds both dots is loaded synchronously
-    # into registers and stored to shared memory in two layouts (FP8 wgmma wants K-major operands); loaded once
-    # per dot, the K tiles become cp.async-pipelined and only V goes through registers (to be transposed).
-    if V_RELOAD:
-        v0 = tl.load(KV + kv_tok[:, None] + (0 * G + offs_g)[None, :], mask=n_ok[:, None], other=0.0)
-        v1 = tl.load(KV + kv_tok[:, None] + (1 * G + offs_g)[None, :], mask=n_ok[:, None], other=0.0)
-        v2 = tl.load(KV + kv_tok[:, None] + (2 * G + offs_g)[None, :], mask=n_ok[:, None], other=0.0)
-        v3 = tl.load(KV + kv_tok[:, None] + (3 * G + offs_g)[None, :], mask=n_ok[:, None], other=0.0)
-    else:
-        v0 = tl.trans(k0)
-        v1 = tl.trans(k1)
-        v2 = tl.trans(k2)
-        v3 = tl.trans(k3)
-    acc0 = _pv_group(acc0 * alpha[:, None], p, s0, v0, P_SPLIT, INTERPRET)
-    acc1 = _pv_group(acc1 * alpha[:, None], p, s1, v1, P_SPLIT, INTERPRET)
-    acc2 = _pv_group(acc2 * alpha[:, None], p, s2, v2, P_SPLIT, INTERPRET)
-    acc3 = _pv_group(acc3 * alpha[:, None], p, s3, v3, P_SPLIT, INTERPRET)
-    return m_i, l_i, acc0, acc1, acc2, acc3
-
-
-@triton.jit
 def _mla_fp8_split_kernel(
-    Q, KV, KVS, BT, SEQ, OP, LP, OUT, LSE,
+    Q8_LAT, Q8_ROPE, QS, K_LAT, K_ROPE, V, KVS, BT, SEQ, OP, LP, OUT, LSE,
     qk_scale,
-    stride_qb, stride_qt, stride_qh,
-    stride_kvp, stride_kvt, stride_sp, stride_st, stride_btb,
+    stride_sp, stride_st, stride_btb,
     stride_opb, stride_opr, stride_ops, stride_lpb, stride_lpr,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     num_heads, num_rows, q_len, num_splits,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DIRECT: tl.constexpr, Q_SPLIT: tl.constexpr, P_SPLIT: tl.constexpr,
-    V_RELOAD: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    PV_16BIT: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    G: tl.constexpr = 128
-    R: tl.constexpr = 64
-    rb = tl.program_id(0)
+    L: tl.constexpr = 512
+    NUM_VB: tl.constexpr = L // BLOCK_V
+    rb = tl.program_id(0) // NUM_VB
+    vb = tl.program_id(0) % NUM_VB
     sp = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    b = tl.program_id(2)
 
     rows = rb * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < num_rows
     t = rows // num_heads
     h = rows % num_heads
-
     seqlen = tl.load(SEQ + b)
     if CAUSAL:
         row_end = seqlen - q_len + 1 + t  # query t of q_len sees positions < seqlen - q_len + t + 1
@@ -478,21 +355,19 @@ def _mla_fp8_split_kernel(
     start = sp * split_len
     end = tl.minimum(start + split_len, seqlen)  # empty for splits past a short sequence: nothing stored
 
-    q_off = b * stride_qb + t.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
-    q0, ql0, sq0 = _load_quant_q(Q, q_off, row_ok, 0 * G, qk_scale, G, Q_SPLIT, INTERPRET)
-    q1, ql1, sq1 = _load_quant_q(Q, q_off, row_ok, 1 * G, qk_scale, G, Q_SPLIT, INTERPRET)
-    q2, ql2, sq2 = _load_quant_q(Q, q_off, row_ok, 2 * G, qk_scale, G, Q_SPLIT, INTERPRET)
-    q3, ql3, sq3 = _load_quant_q(Q, q_off, row_ok, 3 * G, qk_scale, G, Q_SPLIT, INTERPRET)
-    qr, qlr, sqr = _load_quant_q(Q, q_off, row_ok, 4 * G, qk_scale, R, Q_SPLIT, INTERPRET)
+    # Q: this row block of the pre-quantized [B * rows, 576] buffer (rows past num_rows belong to the next
+    # sequence or lie past the end, where TMA fills zeros; they see no token and are not stored)
+    q_row0 = b * num_rows + rb * BLOCK_H
+    q_lat = Q8_LAT.load([q_row0, 0])
+    q_rope = Q8_ROPE.load([q_row0, L])
+    qs_off = (b * num_rows + rows).to(tl.int64) * 2
+    sq_lat = tl.load(QS + qs_off, mask=row_ok, other=1.0) * qk_scale
+    sq_rope = tl.load(QS + qs_off + 1, mask=row_ok, other=1.0) * qk_scale
 
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    offs_g = tl.arange(0, G)
-    bt_row = BT + b * stride_btb
+    acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_btb
 
     # A `for` over runtime bounds is what Triton software-pipelines (num_stages) on the GPU. The interpreter
     # (TRITON_INTERPRET=1) cannot run one under numpy >= 2.4 (its scalars are 1-element arrays, and int() of
@@ -500,41 +375,78 @@ def _mla_fp8_split_kernel(
     if INTERPRET:
         n0 = start
         while n0 < end:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _kv_tile(
-                n0, end, row_end, m_i, l_i, acc0, acc1, acc2, acc3, q0, q1, q2, q3, qr, ql0, ql1, ql2, ql3, qlr,
-                sq0, sq1, sq2, sq3, sqr, KV, KVS, bt_row, stride_kvp, stride_kvt, stride_sp, stride_st,
-                PAGE_SIZE, BLOCK_N, Q_SPLIT, P_SPLIT, V_RELOAD, INTERPRET)
+            m_i, l_i, acc = _kv_tile(n0, end, row_end, m_i, l_i, acc, q_lat, q_rope, sq_lat, sq_rope,
+                                     K_LAT, K_ROPE, V, KVS, bt_row, stride_sp, stride_st, vb,
+                                     PAGE_SIZE, BLOCK_N, BLOCK_V, PV_16BIT, INTERPRET)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc0, acc1, acc2, acc3 = _kv_tile(
-                n0, end, row_end, m_i, l_i, acc0, acc1, acc2, acc3, q0, q1, q2, q3, qr, ql0, ql1, ql2, ql3, qlr,
-                sq0, sq1, sq2, sq3, sqr, KV, KVS, bt_row, stride_kvp, stride_kvt, stride_sp, stride_st,
-                PAGE_SIZE, BLOCK_N, Q_SPLIT, P_SPLIT, V_RELOAD, INTERPRET)
+            m_i, l_i, acc = _kv_tile(n0, end, row_end, m_i, l_i, acc, q_lat, q_rope, sq_lat, sq_rope,
+                                     K_LAT, K_ROPE, V, KVS, bt_row, stride_sp, stride_st, vb,
+                                     PAGE_SIZE, BLOCK_N, BLOCK_V, PV_16BIT, INTERPRET)
 
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     if DIRECT:
-        o_ptr = OUT + b * stride_ob + t.to(tl.int64)[:, None] * stride_ot + h.to(tl.int64)[:, None] * stride_oh
-        dt = OUT.dtype.element_ty
-        o0 = _round_bf16(acc0 * inv_l[:, None], ROUND_BF16).to(dt)
-        o1 = _round_bf16(acc1 * inv_l[:, None], ROUND_BF16).to(dt)
-        o2 = _round_bf16(acc2 * inv_l[:, None], ROUND_BF16).to(dt)
-        o3 = _round_bf16(acc3 * inv_l[:, None], ROUND_BF16).to(dt)
-        tl.store(o_ptr + (0 * G + offs_g)[None, :], o0, mask=row_ok[:, None])
-        tl.store(o_ptr + (1 * G + offs_g)[None, :], o1, mask=row_ok[:, None])
-        tl.store(o_ptr + (2 * G + offs_g)[None, :], o2, mask=row_ok[:, None])
-        tl.store(o_ptr + (3 * G + offs_g)[None, :], o3, mask=row_ok[:, None])
-        tl.store(LSE + b * stride_lb + t * stride_lt + h, lse, mask=row_ok)
+        o_ptr = OUT + b.to(tl.int64) * stride_ob + t.to(tl.int64)[:, None] * stride_ot \
+            + h.to(tl.int64)[:, None] * stride_oh + offs_v[None, :]
+        o = _round_bf16(acc * inv_l[:, None], ROUND_BF16).to(OUT.dtype.element_ty)
+        tl.store(o_ptr, o, mask=row_ok[:, None])
+        if vb == 0:
+            tl.store(LSE + b.to(tl.int64) * stride_lb + t * stride_lt + h, lse, mask=row_ok)
     else:  # the combine kernel reads only the splits that hold tokens (start < end)
         w_ok = row_ok & (start < end)
-        o_ptr = OP + b * stride_opb + rows.to(tl.int64)[:, None] * stride_opr + sp * stride_ops
-        tl.store(o_ptr + (0 * G + offs_g)[None, :], acc0 * inv_l[:, None], mask=w_ok[:, None])
-        tl.store(o_ptr + (1 * G + offs_g)[None, :], acc1 * inv_l[:, None], mask=w_ok[:, None])
-        tl.store(o_ptr + (2 * G + offs_g)[None, :], acc2 * inv_l[:, None], mask=w_ok[:, None])
-        tl.store(o_ptr + (3 * G + offs_g)[None, :], acc3 * inv_l[:, None], mask=w_ok[:, None])
-        tl.store(LP + b * stride_lpb + rows * stride_lpr + sp, lse, mask=w_ok)
+        o_ptr = OP + b.to(tl.int64) * stride_opb + rows.to(tl.int64)[:, None] * stride_opr + sp * stride_ops
+        tl.store(o_ptr + offs_v[None, :], acc * inv_l[:, None], mask=w_ok[:, None])
+        if vb == 0:
+            tl.store(LP + b.to(tl.int64) * stride_lpb + rows * stride_lpr + sp, lse, mask=w_ok)
+
+
+@triton.jit
+def _kv_tile(n0, end, row_end, m_i, l_i, acc, q_lat, q_rope, sq_lat, sq_rope,
+             K_LAT, K_ROPE, V, KVS, bt_row, stride_sp, stride_st, vb,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, PV_16BIT: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """One BLOCK_N-token step (inside one page): FP8 QK^T, online softmax, FP8 PV into this value block."""
+    L: tl.constexpr = 512
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < end
+    page = tl.load(bt_row + n0 // PAGE_SIZE)
+    slot = page * PAGE_SIZE + n0 % PAGE_SIZE
+    k_lat = K_LAT.load([slot, 0])          # [BLOCK_N, 512]
+    k_rope = K_ROPE.load([slot, L])        # [BLOCK_N, 64]
+    s_tok = page.to(tl.int64) * stride_sp + (offs_n % PAGE_SIZE) * stride_st
+    s_lat = tl.load(KVS + s_tok, mask=n_ok, other=0.0)
+    s_rope = tl.load(KVS + s_tok + 1, mask=n_ok, other=0.0)
+
+    # S = Q K^T in log2 units: two FP8 dots, each with its outer-product scale
+    qk = tl.dot(q_lat, tl.trans(k_lat)) * (sq_lat[:, None] * s_lat[None, :])
+    qk += tl.dot(q_rope, tl.trans(k_rope)) * (sq_rope[:, None] * s_rope[None, :])
+    visible = n_ok[None, :] & (offs_n[None, :] < row_end[:, None])
+    qk = tl.where(visible, qk, float("-inf"))  # also drops whatever lies in the page past `end` (NaN included)
+
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    # O += P diag(s_v) V8, the V scale folded into P; V rows past `end` zeroed (0 x NaN would poison the MMA)
+    if BLOCK_V == L:
+        v = k_lat
+    else:
+        v = V.load([slot, vb * BLOCK_V])   # [BLOCK_N, BLOCK_V]
+    if PV_16BIT:  # 16-bit MMA takes V as it lies (token-major); FP8 MMA needs it transposed through registers
+        v = tl.where(n_ok[:, None], v.to(tl.float32) * s_lat[:, None], 0.0).to(tl.float16)  # |v| <= amax
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+    else:
+        v = tl.where(n_ok[:, None], v.to(tl.uint8, bitcast=True), 0).to(tl.float8e4nv, bitcast=True)
+        c = tl.maximum(tl.max(s_lat, axis=0), 1e-30)
+        p8 = _to_fp8(tl.minimum(p * (s_lat * (448.0 / c))[None, :], 448.0), INTERPRET)
+        acc = acc * alpha[:, None] + tl.dot(p8, v) * (c / 448.0)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -590,27 +502,23 @@ _POISON_WORKSPACE = False  # tests set this: split-KV partial buffers start as N
 
 def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    softmax_scale: float, metadata: MLADecodeMetadata | None = None, causal: bool = True,
-                   return_lse: bool = False, out: torch.Tensor | None = None, precise_q: bool = False,
-                   precise_pv: bool = False):
+                   return_lse: bool = False, out: torch.Tensor | None = None):
     """MLA decode over the FP8 paged cache.
 
     q [B, q_len, H, 576] (bf16; fp16/fp32 accepted), kv_cache = (kv_fp8 [P, page, 576] (or [P, page, 1, 576]),
-    kv_scales [P, page, 5] float32), block_table [B, max_pages] int32, cache_seqlens [B] int32 (>= q_len;
+    kv_scales [P, page, 2] float32), block_table [B, max_pages] int32, cache_seqlens [B] int32 (>= q_len;
     includes the q_len new tokens). With causal (only matters for q_len > 1) query i sees positions
     < seqlen - q_len + i + 1. Returns out [B, q_len, H, 512] in q's dtype, and with return_lse also
     lse [B, q_len, H] float32 (natural log; -inf for a row that sees no token).
-
-    precise_q / precise_pv (off by default; for accuracy A/B runs): carry Q / P as two FP8 terms, hi + lo/16,
-    each costing a second set of FP8 dots (+53% / +47% tensor-core work). Q's rounding error is the same for
-    every token, so it moves the whole attention distribution coherently and, with outlier channels, is the
-    largest FP8 error term; P's is independent per token and averages out in part. See the module docstring.
     """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     kv_data, kv_scales = _cache_views(*kv_cache)
     B, q_len, H, D = q.shape
     assert D == HEAD_DIM_QK, f"q last dim must be {HEAD_DIM_QK}, got {D}"
-    assert q.stride(-1) == 1, "q must be contiguous in its last dim"
     page_size = kv_data.shape[1]
     assert page_size >= 1 and page_size & (page_size - 1) == 0, f"page_size must be a power of two, got {page_size}"
+    assert kv_data.is_contiguous(), "the FP8 cache must be contiguous (read as a flat [slots, 576] TMA tensor)"
     assert block_table.dim() == 2 and block_table.shape[0] >= B, tuple(block_table.shape)
     assert cache_seqlens.numel() == B
     if block_table.dtype != torch.int32:
@@ -621,6 +529,7 @@ def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_s
         metadata = get_mla_decode_metadata(cache_seqlens, H, q_len)
     rows = q_len * H
     assert metadata.num_row_blocks == triton.cdiv(rows, metadata.block_h), "metadata is for another heads x q_len"
+    assert page_size % metadata.block_n == 0, f"block_n {metadata.block_n} must divide the page size {page_size}"
     S = metadata.num_splits
     if out is None:
         out = torch.empty((B, q_len, H, KV_LORA_RANK), dtype=q.dtype, device=q.device)
@@ -641,27 +550,31 @@ def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_s
             lp.fill_(float("nan"))
         sop = (op.stride(0), op.stride(1), op.stride(2))
         slp = (lp.stride(0), lp.stride(1))
-    grid = (metadata.num_row_blocks, S, B)
+
+    q8, qs = _quantize_q(q)
+    bh, bn, bv = metadata.block_h, metadata.block_n, metadata.block_v
+    flat = kv_data.view(-1, HEAD_DIM_QK)
+    descs = (TensorDescriptor.from_tensor(q8, [bh, KV_LORA_RANK]), TensorDescriptor.from_tensor(q8, [bh, ROPE_DIM]),
+             qs, TensorDescriptor.from_tensor(flat, [bn, KV_LORA_RANK]),
+             TensorDescriptor.from_tensor(flat, [bn, ROPE_DIM]), TensorDescriptor.from_tensor(flat, [bn, bv]))
+    grid = (metadata.num_row_blocks * (KV_LORA_RANK // bv), S, B)
     round_bf16 = _INTERPRETED and out.dtype == torch.bfloat16
     _mla_fp8_split_kernel[grid](
-        q, kv_data, kv_scales, block_table, cache_seqlens, op, lp, out, lse,
+        *descs, kv_scales, block_table, cache_seqlens, op, lp, out, lse,
         float(softmax_scale) * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_data.stride(0), kv_data.stride(1), kv_scales.stride(0), kv_scales.stride(1), block_table.stride(0),
+        kv_scales.stride(0), kv_scales.stride(1), block_table.stride(0),
         *sop, *slp,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         H, rows, q_len, S,
-        PAGE_SIZE=page_size, BLOCK_H=metadata.block_h, BLOCK_N=metadata.block_n,
-        CAUSAL=bool(causal), DIRECT=direct, Q_SPLIT=bool(precise_q), P_SPLIT=bool(precise_pv),
-        V_RELOAD=metadata.v_reload,
-        INTERPRET=_INTERPRETED, ROUND_BF16=round_bf16,
+        PAGE_SIZE=page_size, BLOCK_H=bh, BLOCK_N=bn, BLOCK_V=bv, PV_16BIT=metadata.pv_16bit,
+        CAUSAL=bool(causal), DIRECT=direct, INTERPRET=_INTERPRETED, ROUND_BF16=round_bf16,
         num_warps=metadata.num_warps, num_stages=metadata.num_stages,
     )
     if not direct:
         _mla_fp8_combine_kernel[(rows, B)](
             op, lp, cache_seqlens, out, lse, *sop, *slp,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            H, S, BLOCK_N=metadata.block_n, SPLITS_P2=max(triton.next_power_of_2(S), 2), DV=KV_LORA_RANK,
+            H, S, BLOCK_N=bn, SPLITS_P2=max(triton.next_power_of_2(S), 2), DV=KV_LORA_RANK,
             INTERPRET=_INTERPRETED, ROUND_BF16=round_bf16,
             num_warps=4,
         )

@@ -503,10 +503,9 @@ def _grouped_bars(ax, topos, algs, value, ylabel, title, fmt=None):
 
 def plot(record: dict, out: Path) -> list[Path]:
     """PNGs: cross_node_traffic, balancedness, bytes (network vs NVLink), migration (over time)."""
-    import matplotlib
+    from sglang_h20.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out = Path(out)
     res = record["results"]

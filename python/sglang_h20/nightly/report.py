@@ -133,10 +133,9 @@ def serving_curves(record: dict, metric: str) -> dict[str, list[tuple[int, float
 
 def write_plots(out_dir: Path, run: dict, baseline: dict | None) -> list[Path]:
     """(a) output throughput and (b) median/p99 ITL vs concurrency per serving config; none without serving points."""
-    import matplotlib
+    from sglang_h20.plotting import pyplot
 
-    matplotlib.use("Agg")  # no display on a benchmark host
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter
 
     base = baseline or {"points": {}}

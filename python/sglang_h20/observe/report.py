@@ -62,12 +62,9 @@ CHECK_JS = """
 
 # ----------------------------------------------------------------------------- plots
 def _plt():
-    import matplotlib
+    from sglang_h20.plotting import pyplot
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def _png(fig) -> bytes:
