@@ -38,8 +38,14 @@ Output: --json OUT holds one object: numeric "latency_us" and "tflops" at the re
 format of python/sglang_h20/tables/grouped_gemm_<gpu>.json (see grouped_gemm_fp8.load_table). A roofline
 PNG goes next to it (--png to move it). --quick runs a small subset (about a minute on an H200).
 
+Table for the swapAB integration (sglang_h20.moe.swapab, grouped_gemm_fp8.load_table): --tune also
+writes the table of this run (grouped_gemm_fp8.table_from_result) to --table-out, by default this
+user's cache, ~/.cache/sglang_h20/grouped_gemm_<gpu>.json, which the loader reads before the shipped
+one. --table-from RESULTS.json only converts an earlier run's results (no GPU needed).
+
 usage: bench_grouped_gemm.py [--quick] [--json OUT] [--png OUT] [--shapes gate_up down dense]
-                             [--groups 8 32] [--tokens 1 8 32] [--tune]
+                             [--groups 8 32] [--tokens 1 8 32] [--tune] [--table-out FILE]
+       bench_grouped_gemm.py --table-from RESULTS.json --table-out FILE
 """
 from __future__ import annotations
 
@@ -95,6 +101,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-uneven", action="store_true", help="skip the uneven-distribution points")
     ap.add_argument("--tune", action="store_true",
                     help="also sweep each variant's tile grid (TUNE_GRID) and keep the best config per point")
+    ap.add_argument("--table-out", type=Path,
+                    help="write the integration table here (with --tune: default ~/.cache/sglang_h20/...)")
+    ap.add_argument("--table-from", type=Path, help="build the table from this results JSON and exit")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per point (ms)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -478,33 +487,27 @@ def dense_points(args, shape, m, gen, unavailable):
 
 
 def table_entries(points):
-    """Per (shape, groups, uniform tokens, layout): the fastest of ours-swapab / ours-normal / upstream."""
-    keyed = {}
-    for p in points:
-        if p["kind"] != "moe" or p["distribution"] != "uniform":
-            continue
-        key = (p["n"], p["k"], p["groups"], p["tokens_per_group"], p["layout"])
-        name = {"ours-swapab": "swapab", "ours-normal": "normal"}.get(p["provider"], "upstream")
-        slot = keyed.setdefault(key, {"us": {}, "config": {}})
-        if name not in slot["us"] or p["us"] < slot["us"][name]:
-            slot["us"][name] = p["us"]
-            if name != "upstream":
-                slot["config"][name] = {kk: p["config"][kk] for kk in
-                                        ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm")
-                                        if kk in p["config"]}
-    entries = []
-    for (n, k, groups, m, layout), slot in sorted(keyed.items()):
-        entries.append({"n": n, "k": k, "groups": groups, "m": m, "layout": layout,
-                        "best": min(slot["us"], key=slot["us"].get), "us": slot["us"], "config": slot["config"]})
-    return entries
+    """Per (shape, groups, tokens, layout): the winner among ours-swapab / ours-normal / upstream."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    return gg.table_entries(points)
+
+
+def write_table(result: dict, out: Path, results_file: str | None) -> None:
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    table = gg.table_from_result(result, results_file, " ".join(["python", *sys.argv]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1))
+    wins = sum(e["best"] != "upstream" for e in table["entries"])
+    print(f"wrote {out}: {len(table['entries'])} entries, ours best at {wins} ({table['gpu']})")
 
 
 def roofline_png(path, points, peak_tbs):
     try:
-        import matplotlib
+        from sglang_h20.plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except Exception as e:
         return f"matplotlib unavailable: {e}"
     fig, ax = plt.subplots(figsize=(9, 6))
@@ -537,6 +540,11 @@ def roofline_png(path, points, peak_tbs):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from sglang_h20 import provenance
+
+    if args.table_from:
+        write_table(json.loads(args.table_from.read_text()), args.table_out or Path("grouped_gemm_table.json"),
+                    str(args.table_from))
+        return 0
 
     if not torch.cuda.is_available():
         print("bench_grouped_gemm needs a CUDA GPU (sm_90)", file=sys.stderr)
@@ -591,9 +599,17 @@ def main(argv=None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
+    if args.tune or args.table_out:
+        from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+        write_table(result, args.table_out or gg.user_table_path(torch.cuda.get_device_name(0)),
+                    str(args.json) if args.json else None)
     png = args.png or (args.json.with_suffix(".png") if args.json else None)
     if png and points:
-        why = roofline_png(png, points, peak["peak_read_tbs"])
+        try:  # matplotlib's backend setup can fail on a host with a broken IPython; the JSON is what counts
+            why = roofline_png(png, points, peak["peak_read_tbs"])
+        except Exception as e:
+            why = f"roofline plot failed: {type(e).__name__}: {e}"
         print(why or f"wrote {png}")
     if rep:
         print(f"representative: {rep['shape']} G={rep['groups']} t={rep['tokens_per_group']} {rep['provider']} "

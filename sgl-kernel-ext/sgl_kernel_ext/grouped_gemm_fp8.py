@@ -15,8 +15,12 @@ Layouts
   masked      A [G, max_m, K]; masked_m [G] int32: expert g owns rows 0 .. masked_m[g]-1; the rest
               of out[g] is not written (and those A rows are not read).
   dense       fp8_gemm_nt: one group, A [M, K], B [N, K] (attention / shared-expert linears).
+  aligned     m_grouped_fp8_gemm_nt_aligned: SGLang's moe_align_block_size output as is (pair ids
+              sorted by expert, padded per expert to the token tile); A rows are read through the
+              ids, so SGLang's Triton MoE path needs no gather (`_fp8_moe_aligned_kernel`).
 
-Kernel (`_fp8_grouped_gemm_kernel`, one Triton kernel for all layouts and both variants)
+Kernel (`_fp8_grouped_gemm_kernel` for the first three layouts and both variants; the aligned
+layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
   * Persistent: NUM_PROGRAMS programs walk a linear tile space group by group (per group:
     ceil(m_g / BLOCK_T) token tiles x ceil(N / BLOCK_N) weight tiles x SPLIT_K k-slices; k-slice
     fastest, then token tile, then weight tile, so programs running together share a weight tile
@@ -34,9 +38,13 @@ Kernel (`_fp8_grouped_gemm_kernel`, one Triton kernel for all layouts and both v
   * SPLIT_K > 1 (dense small-M GEMMs with too few tiles to fill the GPU): each k-slice writes fp32
     partials to a workspace, `_splitk_reduce_kernel` sums them into bf16 for valid rows only.
 
-Variant choice (`choose_variant`, `choose_config`): a per-GPU table
-python/sglang_h20/tables/grouped_gemm_<gpu>.json if shipped (see `load_table` for its format),
-else the heuristic: swapab for m <= 64 tokens per group, normal above. No measured table ships yet.
+Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
+else the shipped python/sglang_h20/tables/grouped_gemm_<gpu>.json; H200 ships, measured) feeds
+  `choose_variant` / `choose_config`  variant='auto' for direct callers; without a table the
+                                      heuristic: swapab for m <= 64 tokens per group, normal above;
+  `table_choice`                      the SGLang integration: ours only where measured, else upstream.
+Re-tune on your GPU with one command (writes the user table):
+    python benchmark/kernels/bench_grouped_gemm.py --tune
 """
 from __future__ import annotations
 
@@ -46,6 +54,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -65,6 +74,60 @@ SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
 # imported before TRITON_INTERPRET=1 was set they cannot be called from an interpreted kernel)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _mma_tile(
+    a_g, as_g, b_g, bs_g, rows, t_mask, n_tile, k0, n_lim,
+    stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk,
+    KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """One output tile in fp32, [BLOCK_T, BLOCK_N]: KB scale blocks of K from k0, for A rows `rows`
+    (t_mask: which are real) against weight rows n_tile*BLOCK_N.. of one group (bases a_g, as_g, b_g,
+    bs_g already point at that group). Weight rows >= n_lim are not read (n_lim = 0: none are)."""
+    BLOCK_K: tl.constexpr = 128
+    SCALAR_BS: tl.constexpr = BLOCK_N <= 128  # the tile sits inside one 128-row scale block
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_lim
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a_ptrs = a_g + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_g + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_bk
+    as_ptrs = as_g + rows * stride_asm + (k0 // BLOCK_K) * stride_ask
+    if SCALAR_BS:
+        bs_ptrs = bs_g + ((n_tile * BLOCK_N) // 128) * stride_bsn + (k0 // BLOCK_K) * stride_bsk
+    else:
+        bs_ptrs = bs_g + (offs_n // 128) * stride_bsn + (k0 // BLOCK_K) * stride_bsk
+    if SWAP_AB:
+        acc = tl.full([BLOCK_N, BLOCK_T], 0.0, tl.float32)
+    else:
+        acc = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
+    for _ in range(KB):
+        a = tl.load(a_ptrs, mask=t_mask[:, None], other=0.0)  # [BLOCK_T, 128] fp8
+        b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, 128] fp8
+        sa = tl.load(as_ptrs, mask=t_mask, other=0.0)  # [BLOCK_T]
+        if SCALAR_BS:
+            sb = tl.load(bs_ptrs, mask=n_lim > n_tile * BLOCK_N, other=0.0)
+        else:
+            sb = tl.load(bs_ptrs, mask=n_mask, other=0.0)  # [BLOCK_N]
+        if SWAP_AB:
+            d = tl.dot(b, tl.trans(a))  # [BLOCK_N, BLOCK_T]: weights on the MMA's M side
+            if SCALAR_BS:
+                acc += d * (sa[None, :] * sb)
+            else:
+                acc += d * sa[None, :] * sb[:, None]
+        else:
+            d = tl.dot(a, tl.trans(b))  # [BLOCK_T, BLOCK_N]
+            if SCALAR_BS:
+                acc += d * (sa[:, None] * sb)
+            else:
+                acc += d * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        as_ptrs += stride_ask
+        bs_ptrs += stride_bsk
+    if SWAP_AB:
+        return tl.trans(acc)  # [BLOCK_T, BLOCK_N]
+    return acc
+
+
+@triton.jit
 def _fp8_grouped_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, indptr_ptr, masked_m_ptr,
     M_DENSE, MAX_M, N, NUM_PROGRAMS,
@@ -77,9 +140,7 @@ def _fp8_grouped_gemm_kernel(
     G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    BLOCK_K: tl.constexpr = 128
-    KB_PER_SPLIT: tl.constexpr = K // BLOCK_K // SPLIT_K
-    SCALAR_BS: tl.constexpr = BLOCK_N <= 128  # the tile sits inside one 128-row scale block
+    KB_PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
 
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
@@ -111,53 +172,10 @@ def _fp8_grouped_gemm_kernel(
             rows = (row0 + offs_t).to(tl.int64)  # row within the group's A / out slab
             offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < N
-            k0 = ks * (KB_PER_SPLIT * BLOCK_K)
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-
-            a_ptrs = a_ptr + g64 * stride_ag + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-            b_ptrs = (b_ptr + g64 * stride_bg + offs_n.to(tl.int64)[:, None] * stride_bn
-                      + offs_k[None, :] * stride_bk)
-            as_ptrs = as_ptr + g64 * stride_asg + rows * stride_asm + (k0 // BLOCK_K) * stride_ask
-            if SCALAR_BS:
-                bs_ptrs = (bs_ptr + g64 * stride_bsg + ((n_tile * BLOCK_N) // 128) * stride_bsn
-                           + (k0 // BLOCK_K) * stride_bsk)
-            else:
-                bs_ptrs = (bs_ptr + g64 * stride_bsg + (offs_n // 128) * stride_bsn
-                           + (k0 // BLOCK_K) * stride_bsk)
-
-            if SWAP_AB:
-                acc = tl.full([BLOCK_N, BLOCK_T], 0.0, tl.float32)
-            else:
-                acc = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
-            for _ in range(KB_PER_SPLIT):
-                a = tl.load(a_ptrs, mask=t_mask[:, None], other=0.0)  # [BLOCK_T, 128] fp8
-                b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, 128] fp8
-                sa = tl.load(as_ptrs, mask=t_mask, other=0.0)  # [BLOCK_T]
-                if SCALAR_BS:
-                    sb = tl.load(bs_ptrs)
-                else:
-                    sb = tl.load(bs_ptrs, mask=n_mask, other=0.0)  # [BLOCK_N]
-                if SWAP_AB:
-                    d = tl.dot(b, tl.trans(a))  # [BLOCK_N, BLOCK_T]: weights on the MMA's M side
-                    if SCALAR_BS:
-                        acc += d * (sa[None, :] * sb)
-                    else:
-                        acc += d * sa[None, :] * sb[:, None]
-                else:
-                    d = tl.dot(a, tl.trans(b))  # [BLOCK_T, BLOCK_N]
-                    if SCALAR_BS:
-                        acc += d * (sa[:, None] * sb)
-                    else:
-                        acc += d * sa[:, None] * sb[None, :]
-                a_ptrs += BLOCK_K * stride_ak
-                b_ptrs += BLOCK_K * stride_bk
-                as_ptrs += stride_ask
-                bs_ptrs += stride_bsk
-
-            if SWAP_AB:
-                res = tl.trans(acc)  # [BLOCK_T, BLOCK_N]
-            else:
-                res = acc
+            res = _mma_tile(a_ptr + g64 * stride_ag, as_ptr + g64 * stride_asg, b_ptr + g64 * stride_bg,
+                            bs_ptr + g64 * stride_bsg, rows, t_mask, n_tile, ks * (KB_PER_SPLIT * 128), N,
+                            stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
+                            stride_bsn, stride_bsk, KB_PER_SPLIT, SWAP_AB, BLOCK_N, BLOCK_T)
             o_mask = t_mask[:, None] & n_mask[None, :]
             if SPLIT_K == 1:
                 o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -168,6 +186,50 @@ def _fp8_grouped_gemm_kernel(
                 tl.store(w_ptrs, res, mask=o_mask)
             tile += NUM_PROGRAMS
         tiles_before += group_tiles
+
+
+@triton.jit
+def _fp8_moe_aligned_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, sorted_ptr, expert_ptr, ntpp_ptr, w_ptr,
+    N, NUM_PROGRAMS, NUM_VALID, w_scale,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_bg, stride_bn, stride_bk,
+    stride_bsg, stride_bsn, stride_bsk,
+    stride_om, stride_on,
+    K: tl.constexpr, A_DIV: tl.constexpr, HAS_WEIGHT: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grouped GEMM on moe_align_block_size's layout (block size BLOCK_T): block j holds BLOCK_T
+    (token, slot) pair ids sorted_ptr[j*BLOCK_T ..] of expert expert_ptr[j]; ids >= NUM_VALID pad.
+
+    Pair id p reads A row p // A_DIV (A_DIV = top_k: the token's hidden state; 1: a per-pair row) and
+    writes out row p, times w_ptr[p] * w_scale with HAS_WEIGHT. Blocks of expert -1 (filtered under
+    expert parallelism) write zeros without reading weights. Persistent over blocks x weight tiles;
+    the number of blocks is read on the GPU (num_tokens_post_padded), so there is no host sync.
+    """
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    n_blocks = tl.load(ntpp_ptr) // BLOCK_T
+    tile = pid
+    while tile < n_blocks * n_tiles:
+        blk = tile % n_blocks
+        n_tile = tile // n_blocks  # blocks fastest: one expert's blocks share each weight tile in L2
+        e = tl.load(expert_ptr + blk)
+        ids = tl.load(sorted_ptr + blk * BLOCK_T + tl.arange(0, BLOCK_T))
+        real = ids < NUM_VALID
+        rows = ids.to(tl.int64)
+        e64 = tl.maximum(e, 0).to(tl.int64)
+        res = _mma_tile(a_ptr, as_ptr, b_ptr + e64 * stride_bg, bs_ptr + e64 * stride_bsg,
+                        rows // A_DIV, real & (e >= 0), n_tile, 0, tl.where(e >= 0, N, 0),
+                        stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
+                        stride_bsn, stride_bsk, K // 128, SWAP_AB, BLOCK_N, BLOCK_T)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + rows, mask=real, other=0.0).to(tl.float32) * w_scale
+            res = res * w[:, None]
+        offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=real[:, None] & (offs_n[None, :] < N))
+        tile += NUM_PROGRAMS
 
 
 @triton.jit
@@ -244,15 +306,37 @@ def _table_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "python" / "sglang_h20" / "tables"
 
 
-def table_path(gpu_name: str) -> Path:
-    """tables/grouped_gemm_<gpu>.json: 'NVIDIA H200' -> grouped_gemm_h200.json, 'NVIDIA H20' -> ..._h20.json.
-
-    SGL_KERNEL_EXT_GROUPED_GEMM_TABLE=<file> overrides (for A/B runs and tests).
-    """
-    if os.environ.get("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE"):
-        return Path(os.environ["SGL_KERNEL_EXT_GROUPED_GEMM_TABLE"])
+def _gpu_key(gpu_name: str) -> str:
     key = gpu_name.lower().replace("nvidia", "").strip().split()
-    return _table_dir() / f"grouped_gemm_{key[0] if key else 'unknown'}.json"
+    return key[0] if key else "unknown"
+
+
+def table_path(gpu_name: str) -> Path:
+    """The shipped table: tables/grouped_gemm_<gpu>.json ('NVIDIA H200' -> grouped_gemm_h200.json,
+    'NVIDIA H20' -> grouped_gemm_h20.json).
+
+    SGLANG_H20_GEMM_TABLE=<file> overrides (for A/B runs and tests).
+    """
+    if os.environ.get("SGLANG_H20_GEMM_TABLE"):
+        return Path(os.environ["SGLANG_H20_GEMM_TABLE"])
+    return _table_dir() / f"grouped_gemm_{_gpu_key(gpu_name)}.json"
+
+
+def user_table_path(gpu_name: str) -> Path:
+    """Where a re-tune on this machine writes (and the loader looks first):
+    $XDG_CACHE_HOME (default ~/.cache) /sglang_h20/grouped_gemm_<gpu>.json."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "sglang_h20" / f"grouped_gemm_{_gpu_key(gpu_name)}.json"
+
+
+def find_table(gpu_name: str) -> Path | None:
+    """The table file in force: the override if set (even if missing), else this user's re-tune,
+    else the shipped one; None if none exists."""
+    if os.environ.get("SGLANG_H20_GEMM_TABLE"):
+        candidates = [table_path(gpu_name)]
+    else:
+        candidates = [user_table_path(gpu_name), table_path(gpu_name)]
+    return next((p for p in candidates if p.exists()), None)
 
 
 @functools.lru_cache(maxsize=16)
@@ -266,31 +350,30 @@ def _load_table_cached(path: str, mtime: float) -> dict | None:
             raise ValueError(f"{path}: entry {e} lacks {sorted(missing)}")
         if e["best"] not in (*VARIANTS, "upstream"):
             raise ValueError(f"{path}: entry {e} has best={e['best']!r}")
-    return data
+    return {**data, "path": path}
 
 
 def load_table(gpu_name: str) -> dict | None:
-    """The tuned table for this GPU, or None when none is shipped.
+    """The table for this GPU (see `find_table` for which file), or None when there is none.
 
     Format (one JSON object):
-      {"gpu": "NVIDIA H200", "measured": true, "provenance": {...sglang_h20.provenance.record()},
-       "entries": [{"n": 4096, "k": 7168, "groups": 32, "m": 8, "best": "swapab",
+      {"gpu": "NVIDIA H200", "measured": true, "date": "...", "source": {"command": ..., ...},
+       "provenance": {...sglang_h20.provenance.record() of the benchmark run},
+       "entries": [{"n": 4096, "k": 7168, "groups": 32, "m": 8, "layout": "masked", "best": "swapab",
                     "us": {"swapab": 41.0, "normal": 63.2, "upstream": 55.1},
                     "config": {"swapab": {"BLOCK_N": 64, "BLOCK_T": 16, "num_warps": 4,
                                           "num_stages": 4, "programs_per_sm": 2}, "normal": {...}}}]}
     m is tokens per group; an optional "layout" ("contiguous" | "masked" | "dense") restricts an
     entry to that layout; "best" is "swapab", "normal" or "upstream" (SGLang's own path, DeepGEMM
     or its Triton fused-MoE kernel, was fastest: the caller should not use these kernels there).
+    The returned dict also carries "path", the file it came from.
 
-    How a table is produced (the tune command is still to be written; next GPU session):
-      python -m sglang_h20 calibrate grouped-gemm [--quick]  ->  tables/grouped_gemm_<gpu>.json
-    It will run benchmark/kernels/bench_grouped_gemm.py's sweep (DeepSeek-V3 gate_up N=4096 K=7168 and
-    down N=7168 K=2048, groups {8,16,32,256} x tokens/group {1..256}) over a config grid per variant,
-    keep each variant's best config, and write one entry per point with the winner among swapab,
-    normal and upstream; that benchmark's JSON already carries these entries under "table_entries".
+    Produced by benchmark/kernels/bench_grouped_gemm.py (`table_from_result` below):
+      python benchmark/kernels/bench_grouped_gemm.py --tune       -> user_table_path(<this GPU>)
+      python benchmark/kernels/bench_grouped_gemm.py --table-from RESULTS.json --table-out FILE
     """
-    path = table_path(gpu_name)
-    if not path.exists():
+    path = find_table(gpu_name)
+    if path is None:
         return None
     return _load_table_cached(str(path), path.stat().st_mtime)
 
@@ -337,6 +420,52 @@ def choose_config(variant: str, m: int, n: int, k: int, groups: int, gpu_name: s
     return cfg
 
 
+class TableChoice(NamedTuple):
+    best: str  # 'swapab' | 'normal' | 'upstream'
+    config: dict | None  # the table's tuned tiles for `best` (None: use the heuristic)
+    why: str
+
+
+def _nearest(values, x: float) -> tuple[list, float]:
+    """The values nearest to x in log2 (all of them on a tie) and that distance."""
+    dist = {v: abs(math.log2(max(v, 1e-9)) - math.log2(max(x, 1e-9))) for v in values}
+    best = min(dist.values())
+    return sorted(v for v in dist if dist[v] - best < 1e-9), best
+
+
+def table_choice(m: float, n: int, k: int, groups: float, layout: str,
+                 gpu_name: str | None = None) -> TableChoice:
+    """Ours or upstream for one GEMM shape, from the measured table only; upstream whenever unsure.
+
+    Stricter than `choose_variant` (which serves direct callers of 'auto'), because here a wrong
+    "ours" costs serving time: take the measured group count(s) nearest to `groups` in log2, then the
+    token count(s) nearest to `m` (both neighbours on a tie, e.g. 16 groups between 8 and 32); ours
+    only if every one of those entries names the same variant of ours. Upstream when there is no
+    table, no entry for (n, k, layout), or the nearest measured point is over 2x away in groups or m.
+    """
+    gpu = gpu_name if gpu_name is not None else _gpu_name()
+    table = load_table(gpu)
+    if table is None:
+        return TableChoice("upstream", None, f"no grouped-GEMM table for {gpu}")
+    same = [e for e in table["entries"] if e["n"] == n and e["k"] == k and e.get("layout") in (None, layout)]
+    if not same:
+        return TableChoice("upstream", None, f"no {layout} entry for N={n} K={k}")
+    near_g, dg = _nearest({e["groups"] for e in same}, groups)
+    if dg > 1:
+        return TableChoice("upstream", None, f"{groups:.3g} groups: nearest measured {near_g} is over 2x away")
+    same = [e for e in same if e["groups"] in near_g]
+    near_m, dm = _nearest({e["m"] for e in same}, m)
+    if dm > 1:
+        return TableChoice("upstream", None, f"m={m:.3g}: nearest measured {near_m} is over 2x away")
+    same = [e for e in same if e["m"] in near_m]
+    bests = {e["best"] for e in same}
+    where = f"groups {near_g}, m {near_m}"
+    if len(bests) != 1 or "upstream" in bests:
+        return TableChoice("upstream", None, f"{where}: measured best {sorted(bests)}")
+    best = bests.pop()
+    return TableChoice(best, same[-1].get("config", {}).get(best), f"{where}: measured best {best}")
+
+
 def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, groups: int,
              num_sms: int, layout: str) -> tuple[str, dict]:
     if variant == "auto":
@@ -353,6 +482,69 @@ def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, gro
     if bn not in (16, 32, 64, 128, 256) or bt not in (16, 32, 64, 128, 256):
         raise ValueError(f"BLOCK_N {bn} / BLOCK_T {bt} must be powers of two in 16..256")
     return variant, cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a table from a benchmark run (benchmark/kernels/bench_grouped_gemm.py)
+# ---------------------------------------------------------------------------------------------
+UPSTREAM_PROVIDERS = ("deepgemm", "sglang-triton", "sglang-triton-swapab")  # what SGLang itself runs
+TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm")
+
+
+def table_entries(points: list[dict]) -> list[dict]:
+    """One entry per (n, k, groups, tokens per group, layout) of a bench_grouped_gemm run.
+
+    "us" holds the uniform draw's best time of ours-swapab, ours-normal and upstream (the fastest
+    of UPSTREAM_PROVIDERS measured in that layout); "best" is the fastest (upstream on a tie).
+    Where an uneven draw (same total, Zipf-like expert popularity) was measured at the same key,
+    ours must win there too, else "best" is "upstream": real routing is uneven. A key without an
+    upstream time has no entry (no claim without the comparison).
+    """
+    slots: dict = {}
+    for p in points:
+        if p.get("kind") != "moe":
+            continue
+        name = {"ours-swapab": "swapab", "ours-normal": "normal"}.get(p["provider"])
+        if name is None and p["provider"] not in UPSTREAM_PROVIDERS:
+            continue
+        name = name or "upstream"
+        key = (p["n"], p["k"], p["groups"], p["tokens_per_group"], p["layout"])
+        d = slots.setdefault(key, {}).setdefault(p["distribution"], {"us": {}, "config": {}, "by": {}})
+        if name == "upstream":
+            d["by"][p["provider"]] = p["us"]
+        if name not in d["us"] or p["us"] < d["us"][name]:
+            d["us"][name] = p["us"]
+            if name != "upstream" and p.get("config"):
+                d["config"][name] = {kk: p["config"][kk] for kk in TILE_KEYS if kk in p["config"]}
+    entries = []
+    for (n, k, groups, m, layout), slot in sorted(slots.items()):
+        uni, uneven = slot.get("uniform"), slot.get("uneven")
+        if uni is None or "upstream" not in uni["us"]:
+            continue
+        best = min(uni["us"], key=lambda v: (uni["us"][v], v != "upstream"))  # a tie is upstream's
+        if best != "upstream" and uneven and "upstream" in uneven["us"]:
+            if uneven["us"].get(best, math.inf) >= uneven["us"]["upstream"]:
+                best = "upstream"
+        e = {"n": n, "k": k, "groups": groups, "m": m, "layout": layout, "best": best, "us": uni["us"],
+             "upstream_us_by_provider": uni["by"], "config": uni["config"]}
+        if uneven:
+            e["us_uneven"] = uneven["us"]
+        entries.append(e)
+    return entries
+
+
+def table_from_result(result: dict, results_file: str | None = None, command: str | None = None) -> dict:
+    """A table (`load_table` format) from one bench_grouped_gemm results object, with its provenance."""
+    prov = result.get("provenance") or {}
+    return {
+        "gpu": prov.get("gpu"), "measured": True, "date": prov.get("date"),
+        "source": {"benchmark_command": prov.get("command"), "results_file": results_file,
+                   "table_command": command, "quick": result.get("quick")},
+        "rule": "best = fastest of ours-swapab / ours-normal / upstream (fastest of "
+                + ", ".join(UPSTREAM_PROVIDERS) + " in that layout) on the uniform draw; ours must also "
+                "win the uneven draw where one was measured",
+        "provenance": prov, "entries": table_entries(result.get("points", [])),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,6 +703,56 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
     variant, cfg, split_k = plan_fp8_gemm_nt(m, n, k, variant, config, split_k, _device_sms(a))
     return _launch(LAYOUT_DENSE, a, a_scale, b.unsqueeze(0), b_scale.unsqueeze(0), out, m_dense=m,
                    upper_tiles_t=triton.cdiv(m, cfg["BLOCK_T"]), variant=variant, cfg=cfg, split_k=split_k)
+
+
+def m_grouped_fp8_gemm_nt_aligned(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                                  b_scale: torch.Tensor, sorted_token_ids: torch.Tensor,
+                                  expert_ids: torch.Tensor, num_tokens_post_padded: torch.Tensor,
+                                  num_valid: int, out: torch.Tensor, block_t: int, a_div: int = 1,
+                                  topk_weights: torch.Tensor | None = None, weight_scale: float = 1.0,
+                                  variant: str = "swapab", config: dict | None = None) -> torch.Tensor:
+    """MoE grouped GEMM straight on SGLang's `moe_align_block_size(topk_ids, block_t, E)` output.
+
+    Why this layout: SGLang's Triton MoE path already sorts (token, slot) pairs by expert this way,
+    padded to block_t per expert; reading A rows through sorted_token_ids (pair p reads row
+    p // a_div) saves both a gather pass and a copy of the activations.
+    a [rows, K] fp8, a_scale [rows, K/128] fp32 (any strides); b [E, N, K], b_scale
+    [E, ceil(N/128), K/128]; out [num_valid, N] bf16 (num_valid = topk_ids.numel()): out[p] =
+    A[p // a_div] @ B[expert(p)]^T, times topk_weights.view(-1)[p] * weight_scale when given. Pairs
+    of expert -1 get zero rows. block_t is the alignment's block size and becomes the token tile.
+    """
+    _check_operands(a, a_scale, b, b_scale, 1)
+    groups, n, k = b.shape
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if block_t not in (16, 32, 64, 128, 256):
+        raise ValueError(f"block_t {block_t} must be a power of two in 16..256")
+    if sorted_token_ids.dtype != torch.int32 or expert_ids.dtype != torch.int32:
+        raise ValueError("sorted_token_ids and expert_ids must be int32")
+    if out.shape != (num_valid, n) or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be bf16 [{num_valid}, {n}], got {out.dtype} {tuple(out.shape)}")
+    if topk_weights is not None:
+        topk_weights = topk_weights.reshape(-1)
+        if topk_weights.numel() != num_valid:
+            raise ValueError(f"topk_weights has {topk_weights.numel()} values for {num_valid} pairs")
+    if num_valid == 0:
+        return out
+    cfg = {**heuristic_config(variant, block_t, n, k, groups), **(config or {}), "BLOCK_T": block_t}
+    bn = cfg["BLOCK_N"]
+    upper = triton.cdiv(sorted_token_ids.numel(), block_t) * triton.cdiv(n, bn)
+    num_programs = max(1, min(upper, _device_sms(a) * cfg.get("programs_per_sm", 1)))
+    _fp8_moe_aligned_kernel[(num_programs,)](
+        a, a_scale, b, b_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        topk_weights if topk_weights is not None else b_scale,
+        n, num_programs, num_valid, float(weight_scale),
+        a.stride(0), a.stride(1), a_scale.stride(0), a_scale.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+        out.stride(0), out.stride(1),
+        K=k, A_DIV=a_div, HAS_WEIGHT=topk_weights is not None, SWAP_AB=variant == "swapab",
+        BLOCK_N=bn, BLOCK_T=block_t, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )
+    return out
 
 
 def plan_fp8_gemm_nt(m: int, n: int, k: int, variant: str = "auto", config: dict | None = None,

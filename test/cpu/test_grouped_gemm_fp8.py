@@ -53,7 +53,7 @@ CASE_IDS = [f"{v}-{c['BLOCK_N']}x{c['BLOCK_T']}" if c else f"{v}-default" for v,
 @pytest.fixture(autouse=True)
 def no_table(monkeypatch, tmp_path):
     """No shipped table may change what these tests exercise: point the loader at a missing file."""
-    monkeypatch.setenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE", str(tmp_path / "absent.json"))
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
 
 
 def gen(seed):
@@ -237,7 +237,7 @@ def test_choose_variant_heuristic():
 
 
 def test_table_path_naming(monkeypatch):
-    monkeypatch.delenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE")
+    monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
     assert gg.table_path("NVIDIA H200").name == "grouped_gemm_h200.json"
     assert gg.table_path("NVIDIA H20").name == "grouped_gemm_h20.json"
     assert gg.table_path("NVIDIA H100 80GB HBM3").name == "grouped_gemm_h100.json"
@@ -256,7 +256,7 @@ def test_choose_variant_from_table(monkeypatch, tmp_path):
     ]
     path = tmp_path / "grouped_gemm_test.json"
     path.write_text(json.dumps({"gpu": "test", "measured": False, "entries": entries}))
-    monkeypatch.setenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE", str(path))
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(path))
     cv = lambda m, g=32, n=4096, k=7168: gg.choose_variant(m, n, k, g, "test")  # noqa: E731
     assert cv(1) == "swapab" and cv(4) == "swapab"
     assert cv(5) == "upstream" and cv(32) == "upstream"
@@ -278,7 +278,7 @@ def test_choose_variant_from_table(monkeypatch, tmp_path):
 def test_bad_table_is_reported(monkeypatch, tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"entries": [{"n": 1, "k": 1, "groups": 1, "m": 1, "best": "fastest"}]}))
-    monkeypatch.setenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE", str(path))
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(path))
     with pytest.raises(ValueError, match="best"):
         gg.choose_variant(1, 1, 1, 1, "test")
 

@@ -30,7 +30,7 @@ def mods():
 @pytest.fixture(autouse=True)
 def no_table(monkeypatch, tmp_path):
     """Test the kernels' own heuristic choice, whatever table ships."""
-    monkeypatch.setenv("SGL_KERNEL_EXT_GROUPED_GEMM_TABLE", str(tmp_path / "absent.json"))
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
 
 
 def counts(m, groups):

@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""swapAB MoE GEMMs end to end: DeepSeek-V3 served with SGLANG_H20_SWAPAB off and on, same GPU, same run.
+
+Model: dsv3-ep16-slice (scripts/make_model.py; 61 layers, 16 routed experts, top-8: one GPU's share
+of a 16-GPU expert-parallel decode instance), dummy weights, the Triton MoE runner (the path the
+swapab hook serves on one GPU). Decode with B running requests gives each expert about B/2 tokens.
+
+Phases
+  layer   (a child process, before any server) one MoE layer of the model: upstream's fused_experts
+          against our sequence (forced on), both replayed from CUDA graphs, at several token counts;
+          the relative difference of the outputs; and what the table in force would choose there.
+  arms    one server per arm, sequential: 'off' (SGLANG_H20_SWAPAB=off), 'on' (=on with the table
+          the plugin finds on this GPU, or --table FILE), 'forced' (=on with a table naming ours for
+          this model's shapes at every decode size: measures our path itself). Per arm: one warm-up
+          (Triton JIT of eager batch sizes), then bench_serving at each --concurrency: output tok/s,
+          median ITL, TTFT; the server's sglang-h20 log lines, incl. the batch sizes swapab served.
+The deadline splits what is left after the layer phase between the arms; later arms run only the
+concurrency levels the first one finished, so every number has its pair.
+
+usage: swapab_e2e.py --out DIR [--model /tmp/models/dsv3-ep16-slice] [--deadline-s 360]
+                     [--arms off on forced] [--table FILE] [--concurrency 16 48 128] [--no-layer]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from plugin_parity import HOOKS_APPLIED, PLUGIN_MARK  # same directory
+
+from sglang_h20 import provenance
+from sglang_h20.nightly.serving import Server, write_sharegpt
+
+SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-backend pytorch "
+               "--moe-runner-backend triton --fp8-gemm-backend triton --grammar-backend none "
+               "--mem-fraction-static 0.6 --cuda-graph-max-bs 64")
+BASE_ENV = {"SGL_KERNEL_FLASHINFER": "0", "SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK": "1",
+            "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
+TABLE_ENV = "SGLANG_H20_GEMM_TABLE"
+LAYER_TOKENS = [1, 4, 8, 16, 32, 64]
+DECODE_M = [1, 2, 4, 8, 16, 32, 64]  # with the 2x rule: ours up to 128 tokens per expert
+
+
+def model_shapes(model: str) -> dict:
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return {"experts": cfg["n_routed_experts"], "top_k": cfg["num_experts_per_tok"],
+            "hidden": cfg["hidden_size"], "inter": cfg["moe_intermediate_size"],
+            "routed_scaling_factor": cfg.get("routed_scaling_factor")}
+
+
+def forced_table(path: Path, shapes: dict) -> Path:
+    """A table naming ours (swapab) for this model's two MoE GEMMs at every decode size (few tokens
+    reach few experts: group counts from 1 up to all experts)."""
+    e, h, i = shapes["experts"], shapes["hidden"], shapes["inter"]
+    groups = sorted({g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256) if g < e} | {e})
+    entries = [{"n": n, "k": k, "groups": g, "m": m, "layout": layout, "best": "swapab"}
+               for n, k in ((2 * i, h), (h, i)) for g in groups for m in DECODE_M
+               for layout in ("contiguous", "masked")]
+    path.write_text(json.dumps({"gpu": "forced (swapab_e2e.py)", "measured": False, "date": None,
+                                "entries": entries}, indent=1))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer phase (child process: its CUDA context is gone before the servers start)
+# ---------------------------------------------------------------------------------------------
+def layer_phase(model: str, table: Path, tokens_list: list[int]) -> dict:
+    import torch
+    import triton
+
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sgl_kernel_ext.quant import per_block_quant_fp8
+
+    from sglang_h20.moe import swapab
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path=model, load_format="dummy"))
+    fm = __import__(swapab.TRITON_MOE_MODULE, fromlist=["x"])
+    s = model_shapes(model)
+    e, h, i, k = s["experts"], s["hidden"], s["inter"], s["top_k"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1, w1s = per_block_quant_fp8(torch.randn(e, 2 * i, h, device="cuda", generator=gen) * 0.02)
+    w2, w2s = per_block_quant_fp8(torch.randn(e, h, i, device="cuda", generator=gen) * 0.02)
+    cfg = MoeRunnerConfig(num_experts=e, num_local_experts=e, top_k=k, inplace=True,
+                          routed_scaling_factor=s["routed_scaling_factor"])
+    hooked = _wrap_fn(fm.fused_experts, swapab.fused_experts_hook, HookType.AROUND)
+    default_env = os.environ.pop(TABLE_ENV, None)
+    rows = []
+    for t in tokens_list:
+        x0 = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+        ids = torch.argsort(torch.rand(t, e, device="cuda", generator=gen), dim=1)[:, :k].to(torch.int32)
+        w = torch.rand(t, k, device="cuda", generator=gen) + 0.1
+        topk = StandardTopKOutput(w, ids, None)
+        swapab.reset()
+        if default_env is not None:
+            os.environ[TABLE_ENV] = default_env
+        else:
+            os.environ.pop(TABLE_ENV, None)
+        would = swapab.plan_moe(t, k, e, h, i)
+        os.environ[TABLE_ENV] = str(table)
+        swapab.reset()
+        plan = swapab.plan_moe(t, k, e, h, i)
+        row = {"tokens": t, "tokens_per_expert": t * k / e,
+               "table_in_force_picks": would.variant if would else "upstream", "forced_plan": plan and plan.variant}
+        for name, fn in (("upstream", fm.fused_experts), ("ours", hooked)):
+            x = x0.clone()
+
+            def run(fn=fn, x=x):  # inplace, as the model runs it: reload the input first
+                x.copy_(x0)
+                return fn(x, w1, w2, topk, moe_runner_config=cfg, use_fp8_w8a8=True, w1_scale=w1s,
+                          w2_scale=w2s, block_shape=[128, 128])
+
+            run()
+            row[f"out_{name}"] = run().clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                run()
+                with torch.cuda.graph(graph, stream=stream):
+                    run()
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            row[f"us_{name}"] = 1e3 * triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+        a, b = row.pop("out_ours").float(), row.pop("out_upstream").float()
+        row["rel_diff"] = ((a - b).norm() / b.norm()).item()
+        row["speedup"] = row["us_upstream"] / row["us_ours"]
+        print(f"  layer t={t:4d}: upstream {row['us_upstream']:7.1f} us, ours {row['us_ours']:7.1f} us "
+              f"({row['speedup']:.3f}x), rel diff {row['rel_diff']:.1e}, table in force: "
+              f"{row['table_in_force_picks']}", flush=True)
+        rows.append(row)
+    return {"shapes": s, "rows": rows, "timing": "median of triton do_bench over a CUDA-graph replay "
+            "(includes one input copy in both arms)"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving arms
+# ---------------------------------------------------------------------------------------------
+def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, sharegpt: Path, port: int) -> dict:
+    t0 = time.time()
+    out = args.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "server.log"
+    results = {}
+    with Server(args.model, shlex.split(args.server_args), log, env={**BASE_ENV, **env}, port=port) as srv:
+        start_s = srv.start_s
+        top = max(levels)
+        srv.bench(out / "warmup.jsonl", num_prompts=top, input_len=args.input_len, output_len=16,
+                  concurrency=top, dataset_path=str(sharegpt))  # Triton JIT of eager batch sizes: not timed
+        for c in levels:
+            if results and time.time() - t0 > budget_s:
+                print(f"  {name}: arm budget spent, skipping concurrency {c} and later", flush=True)
+                break
+            rec = srv.bench(out / f"c{c}.jsonl", num_prompts=max(args.min_prompts, args.waves * c),
+                            input_len=args.input_len, output_len=args.output_len, concurrency=c,
+                            dataset_path=str(sharegpt))
+            results[c] = {k: rec.get(k) for k in ("output_throughput", "median_itl_ms", "p99_itl_ms",
+                                                  "median_ttft_ms", "duration", "completed")}
+            print(f"  {name} c={c}: {rec['output_throughput']:.1f} tok/s, median ITL {rec['median_itl_ms']:.2f} ms",
+                  flush=True)
+    text = log.read_text(errors="replace")
+    mine = [ln for ln in text.splitlines() if PLUGIN_MARK in ln]
+    return {"arm": name, "env": env, "server_start_s": start_s, "wall_s": time.time() - t0,
+            "levels": results, "plugin_log_lines": mine,
+            "hooks_applied": [m.group(0) for ln in mine for m in [HOOKS_APPLIED.search(ln)] if m],
+            "swapab_ours_lines": [ln for ln in mine if "swapab: MoE" in ln and "-> ours" in ln]}
+
+
+def compare(arms: list[dict]) -> dict:
+    """Each swapab arm against 'off', per concurrency level both ran."""
+    by = {a["arm"]: a for a in arms}
+    out = {}
+    for name in ("on", "forced"):
+        if "off" not in by or name not in by:
+            continue
+        for c, off in by["off"]["levels"].items():
+            on = by[name]["levels"].get(c)
+            if on:
+                out.setdefault(name, {})[str(c)] = {
+                    "output_throughput_ratio": on["output_throughput"] / off["output_throughput"],
+                    "median_itl_ratio": on["median_itl_ms"] / off["median_itl_ms"]}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="/tmp/models/dsv3-ep16-slice")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "forced"])
+    ap.add_argument("--table", type=Path, help="table file for the 'on' arm (default: the one the plugin finds)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 48, 128])
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--waves", type=int, default=1, help="prompts per level = waves x concurrency")
+    ap.add_argument("--min-prompts", type=int, default=16)
+    ap.add_argument("--server-args", default=SERVER_ARGS)
+    ap.add_argument("--deadline-s", type=float, default=360)
+    ap.add_argument("--no-layer", action="store_true", help="skip the in-process MoE layer phase")
+    ap.add_argument("--layer-only", type=Path, help=argparse.SUPPRESS)  # child mode: write layer JSON here
+    ap.add_argument("--result", type=Path, help="results JSON (default OUT/swapab_e2e.json)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shapes = model_shapes(args.model)
+    forced = forced_table(args.out / "forced_table.json", shapes)
+    if args.layer_only:
+        args.layer_only.write_text(json.dumps(layer_phase(args.model, forced, LAYER_TOKENS), indent=1))
+        return 0
+
+    t0 = time.time()
+    layer = None
+    if not args.no_layer:
+        path = args.out / "layer.json"
+        cmd = [sys.executable, __file__, "--model", args.model, "--out", str(args.out), "--layer-only", str(path)]
+        try:
+            rc = subprocess.run(cmd, env={**os.environ, **BASE_ENV}, timeout=max(60, args.deadline_s / 3)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        layer = json.loads(path.read_text()) if rc == 0 and path.exists() else {"error": f"layer phase rc={rc}"}
+    envs = {"off": {"SGLANG_H20_SWAPAB": "off"},
+            "on": {"SGLANG_H20_SWAPAB": "on", **({TABLE_ENV: str(args.table.resolve())} if args.table else {})},
+            "forced": {"SGLANG_H20_SWAPAB": "on", TABLE_ENV: str(forced)}}
+    sharegpt = write_sharegpt(args.out / "sharegpt.json")
+    arms, levels = [], list(args.concurrency)
+    for n, name in enumerate(args.arms):
+        left = args.deadline_s - (time.time() - t0)
+        if arms and left < 60:
+            print(f"deadline: skipping arm {name}", flush=True)
+            break
+        arm = run_arm(name, args, envs[name], levels, left / (len(args.arms) - n), sharegpt, 30000 + n)
+        arms.append(arm)
+        levels = [c for c in levels if c in arm["levels"]]  # the next arm pairs with these
+    record = {**provenance.record(), "benchmark": "swapab_e2e", "model": args.model, "model_shapes": shapes,
+              "server_args": args.server_args, "env": BASE_ENV, "table_on_arm": str(args.table or "plugin default"),
+              "workload": {k: getattr(args, k) for k in ("concurrency", "input_len", "output_len", "waves",
+                                                          "min_prompts")},
+              "layer": layer, "arms": arms, "vs_off": compare(arms)}
+    result = args.result or args.out / "swapab_e2e.json"
+    result.write_text(json.dumps(record, indent=1))
+    print(json.dumps({"vs_off": record["vs_off"],
+                      "batch sizes served by ours": {a["arm"]: len(a["swapab_ours_lines"]) for a in arms}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

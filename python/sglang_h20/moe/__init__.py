@@ -1,0 +1,1 @@
+"""MoE-side features: swapAB FP8 grouped GEMMs in SGLang's MoE paths (swapab.py)."""

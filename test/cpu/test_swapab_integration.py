@@ -1,0 +1,594 @@
+"""The swapAB integration (sglang_h20.moe.swapab) against the installed SGLang 0.5.17.
+
+CPU (Triton interpreter), tiny shapes: 4 experts, hidden H = 256, intermediate I = 256 (two 128
+scale blocks each way), top-k 2..3, 4..6 tokens, FP8 block-quantized weights from random data.
+The hooked forward is called the way SGLang's HookRegistry installs an AROUND hook; upstream's
+result comes from calling its fused_experts_impl directly on the same inputs.
+
+Tolerances (measured here: ours vs upstream 0.5-1.2e-2; vs exact 1.4-2.6e-2, upstream 1.5-2.7e-2).
+Ours vs upstream: normwise relative difference <= 2.5e-2. Both re-quantize the SiLU*up intermediate
+to FP8 (3 mantissa bits), upstream after rounding it to bf16, ours from fp32, so some of its values
+land one FP8 step (6-12%) apart. Against a float64 MoE on the dequantized operands with an exact
+intermediate: ours <= 4e-2 (the FP8 intermediate alone costs about 2.5e-2) and no worse than
+upstream's own error (x1.05 + 1e-3). The interpreter truncates fp32 -> bf16; a GPU rounds.
+
+To run upstream's CPU path, a module fixture stands in for what only a GPU server provides, in
+upstream's own module namespace: moe_align_block_size (a CUDA op) by a torch version, the tuned-config
+lookup (needs a GPU name) by a fixed config, the runtime-context reads (published ServerArgs) by
+stubs, the Triton per-token-group quant by the exact torch one (the interpreter's fp32->fp8
+conversion drops mantissa carries), and the interpreter's `__index__` of a scalar (numpy >= 2.3
+refuses int() of a 1-element array, which upstream's `range(0, K, BLOCK_K)` needs).
+"""
+import contextlib
+import importlib
+import inspect
+import json
+import logging
+import os
+import sys
+import types
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for _name, _kernel in (("sgl_kernel_ext.quant", "_silu_mul_quant_kernel"),
+                           ("sgl_kernel_ext.grouped_gemm_fp8", "_fp8_grouped_gemm_kernel")):
+        _mod = sys.modules.get(_name)
+        if _mod is not None and not isinstance(getattr(_mod, _kernel), InterpretedFunction):
+            importlib.reload(_mod)
+
+import pytest  # noqa: E402
+
+from sgl_kernel_ext import grouped_gemm_fp8 as gg  # noqa: E402
+from sgl_kernel_ext.quant import (  # noqa: E402
+    dequant_per_block, dequant_per_token_group, per_block_quant_fp8, per_token_group_quant_fp8,
+)
+from sglang_h20 import compat  # noqa: E402
+from sglang_h20.features import FEATURES, decide  # noqa: E402
+from sglang_h20.moe import swapab  # noqa: E402
+from sglang_h20.settings import Settings  # noqa: E402
+
+E, H, INTER = 4, 256, 256
+REL_UPSTREAM, REL_EXACT, REL_GEMM = 2.5e-2, 4e-2, 1e-2
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHIPPED_RESULTS = os.path.join(REPO, "benchmark", "results", "grouped_gemm_quick_h200.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+def align_reference(topk_ids, block, num_experts, ignore_invalid_expert=False):
+    """moe_align_block_size in torch: pairs grouped by expert (filtered -1 pairs as expert -1),
+    each group padded to `block` with the pad id P; sizes as upstream's. Entries past
+    num_tokens_post_padded hold junk that must never be read."""
+    flat = topk_ids.flatten()
+    pairs = flat.numel()
+    ids, experts = [], []
+    for e in [*range(num_experts), -1]:
+        rows = (flat == e).nonzero().flatten().tolist()
+        if rows:
+            padded = -(-len(rows) // block) * block
+            ids += rows + [pairs] * (padded - len(rows))
+            experts += [e] * (padded // block)
+    max_padded = pairs + (num_experts + 1) * (block - 1) if pairs >= num_experts + 1 else pairs * block
+    sorted_ids = torch.full((max_padded,), pairs, dtype=torch.int32)
+    sorted_ids[:len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    expert_ids = torch.full((-(-max_padded // block),), 1 << 20, dtype=torch.int32)  # junk: out of range
+    expert_ids[:len(experts)] = torch.tensor(experts, dtype=torch.int32)
+    return sorted_ids, expert_ids, torch.tensor([len(ids)], dtype=torch.int32)
+
+
+def write_table(path, entries, gpu="test"):
+    path.write_text(json.dumps({"gpu": gpu, "measured": False, "date": "test", "entries": entries}))
+    return path
+
+
+def tiny_entries(best="swapab", groups=(4,), ms=(1, 2, 4, 8), config=None):
+    return [{"n": n, "k": k, "groups": g, "m": m, "layout": "contiguous", "best": best,
+             "config": {best: config} if config else {}}
+            for n, k in ((2 * INTER, H), (H, INTER)) for g in groups for m in ms]
+
+
+@pytest.fixture(autouse=True)
+def isolated_tables(monkeypatch, tmp_path):
+    """No user cache or shipped table leaks in; each test sets its own; decisions start fresh."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
+    swapab.reset()
+    yield
+    swapab.reset()
+
+
+def use_table(monkeypatch, path):
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(path))
+    swapab.reset()
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    """Upstream's Triton MoE module, runnable on CPU (see the module docstring for each stand-in)."""
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    fm = importlib.import_module(swapab.TRITON_MOE_MODULE)
+    fmk = importlib.import_module(swapab.QUANT_KERNELS_MODULE)
+    original_patch = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    config = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+              "num_warps": 4, "num_stages": 2}
+    exec_stub = types.SimpleNamespace(moe=types.SimpleNamespace(enable_fused_moe_sum_all_reduce=False))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interp, "_patch_lang_tensor", patch_lang_tensor)
+        mp.setattr(fm, "moe_align_block_size", align_reference)
+        mp.setattr(fm, "try_get_optimal_moe_config", lambda *a, **k: (dict(config), (None, None)))
+        mp.setattr(fm, "get_exec", lambda: exec_stub)
+        mp.setattr(fm, "is_allocation_symmetric", lambda: False)
+        mp.setattr(fm, "get_tp_group", lambda: None)
+        mp.setattr(fm, "use_symmetric_memory", lambda *a, **k: contextlib.nullcontext())
+        mp.setattr(fmk, "per_token_group_quant_fp8", lambda x, group, **k: per_token_group_quant_fp8(x, group))
+        yield fm
+
+
+def make_moe(seed, tokens, top_k, filtered=0):
+    """FP8 block-quantized experts and a routing; `filtered` pairs get expert -1 (EP: not local)."""
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(E, 2 * INTER, H, generator=g) * 0.06 * torch.exp(torch.randn(E, 1, H, generator=g) * 0.5)
+    w2 = torch.randn(E, H, INTER, generator=g) * 0.06
+    w1q, w1s = per_block_quant_fp8(w1)
+    w2q, w2s = per_block_quant_fp8(w2)
+    x = (torch.randn(tokens, H, generator=g) * torch.exp(torch.randn(tokens, 1, generator=g))).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    if filtered:
+        ids.view(-1)[torch.randperm(ids.numel(), generator=g)[:filtered]] = -1
+    w = torch.rand(tokens, top_k, generator=g) + 0.1
+    return x, w1q, w1s, w2q, w2s, w, ids
+
+
+def moe_reference(x, w1q, w1s, w2q, w2s, w, ids, scale=1.0, a1=None):
+    """float64 MoE on the dequantized operands, the intermediate kept exact (not re-quantized)."""
+    xq, xs = a1 if a1 is not None else per_token_group_quant_fp8(x)
+    xd = dequant_per_token_group(xq, xs).double()
+    w1d, w2d = dequant_per_block(w1q, w1s).double(), dequant_per_block(w2q, w2s).double()
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e >= 0:
+                h = xd[t] @ w1d[e].T
+                out[t] += float(w[t, j]) * scale * ((torch.nn.functional.silu(h[:INTER]) * h[INTER:]) @ w2d[e].T)
+    return out
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def hooked(fm):
+    """fused_experts as SGLang's HookRegistry wraps it with our AROUND hook (not installed globally)."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    return _wrap_fn(fm.fused_experts, swapab.fused_experts_hook, HookType.AROUND)
+
+
+def runner_config(top_k, inplace, scale=None, num_experts=E):
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+
+    return MoeRunnerConfig(num_experts=num_experts, num_local_experts=E, top_k=top_k, inplace=inplace,
+                           routed_scaling_factor=scale)
+
+
+def call(fn, x, w1q, w1s, w2q, w2s, w, ids, cfg, **kw):
+    """The call fused_experts_none_to_triton makes (keywords after the first five)."""
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    return fn(x, w1q, w2q, StandardTopKOutput(w, ids, None), moe_runner_config=cfg, use_fp8_w8a8=True,
+              w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128], **kw)
+
+
+def upstream_reference(fm, x, w1q, w1s, w2q, w2s, w, ids, cfg, a1_q=None, a1_scale=None):
+    """Upstream's fused_experts, by its body fused_experts_impl (the custom-op wrapper in between is
+    registered for CUDA only), with the arguments fused_experts derives from the runner config."""
+    return fm.fused_experts_impl(
+        x, w1q, w2q, w, ids, inplace=cfg.inplace, activation=cfg.activation, is_gated=cfg.is_gated,
+        use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, a1_scale=a1_scale, block_shape=[128, 128],
+        no_combine=cfg.no_combine, routed_scaling_factor=cfg.routed_scaling_factor,
+        filter_expert=cfg.num_experts is None or cfg.num_experts != cfg.num_local_experts, a1_q=a1_q)
+
+
+@pytest.fixture
+def spy_aligned(monkeypatch):
+    calls = []
+    real = gg.m_grouped_fp8_gemm_nt_aligned
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("variant"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gg, "m_grouped_fp8_gemm_nt_aligned", spy)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------
+# Wiring against the installed SGLang
+# ---------------------------------------------------------------------------------------------
+def test_hook_targets_resolve_and_take_upstreams_parameters():
+    for target, hook in ((swapab.TRITON_MOE, swapab.fused_experts_hook),
+                         (swapab.DEEPEP_MASKED, swapab.masked_gemm_hook)):
+        assert compat.check_target(target) == (True, target)
+        module, _, name = target.rpartition(".")
+        up = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+        ours = list(inspect.signature(hook).parameters.values())[1:]  # after `original`
+        assert [(p.name, p.default) for p in ours] == [(p.name, p.default) for p in up.values()], target
+    # the masked wrapper is what the DeepEP runner calls, through the package
+    from sglang.srt.layers import deep_gemm_wrapper
+    from sglang.srt.layers.deep_gemm_wrapper import entrypoint
+    assert deep_gemm_wrapper.grouped_gemm_nt_f8f8bf16_masked is entrypoint.grouped_gemm_nt_f8f8bf16_masked
+
+
+def test_feature_points_at_this_module_and_needs_a_gpu():
+    feature = next(f for f in FEATURES if f.name == "swapab")
+    assert feature.module == "sglang_h20.moe.swapab" and feature.needs_gpu
+    d = decide(feature, Settings.from_env({"SGLANG_H20_SWAPAB": "on"}))
+    if compat.gpu() is None:
+        assert not d.on and "no CUDA GPU visible" in d.reason and "upstream behaviour kept" in d.reason
+    assert not decide(feature, Settings.from_env({})).on
+
+
+def test_hooks_need_a_table_for_this_gpu(monkeypatch, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_h20.swapab")
+    assert swapab.hooks(Settings.from_env({})) == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "no grouped-GEMM table" in lines[0] and "--tune" in lines[0]
+    caplog.clear()
+    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries()))
+    hooks = swapab.hooks(Settings.from_env({}))
+    assert [(h.target, h.kind) for h in hooks] == [(swapab.TRITON_MOE, "around"), (swapab.DEEPEP_MASKED, "around")]
+    assert len(caplog.records) == 1 and "t.json" in caplog.records[0].getMessage()
+
+
+# ---------------------------------------------------------------------------------------------
+# The hooked Triton MoE forward against upstream's
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [
+    dict(tokens=5, top_k=2, inplace=False, variant="swapab"),
+    dict(tokens=4, top_k=3, inplace=True, scale=2.5, variant="swapab", prequant=True),
+    dict(tokens=6, top_k=2, inplace=False, variant="normal", filtered=3),
+], ids=["swapab", "inplace-scaled-prequant", "normal-ep-filtered"])
+def test_hooked_moe_matches_upstream(case, upstream, monkeypatch, tmp_path, spy_aligned):
+    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries(case["variant"])))
+    x, w1q, w1s, w2q, w2s, w, ids = make_moe(seed=case["tokens"], tokens=case["tokens"], top_k=case["top_k"],
+                                             filtered=case.get("filtered", 0))
+    scale, inplace = case.get("scale"), case["inplace"]
+    num_experts = 2 * E if case.get("filtered") else E  # EP: the runner filters non-local experts
+    cfg = runner_config(case["top_k"], inplace, scale, num_experts)
+    kw, a1 = {}, None
+    if case.get("prequant"):  # SGLANG_OPT_MOE_QUANT_ONCE: the caller's fp8 copy, column-major scales
+        xq, xs = per_token_group_quant_fp8(x)
+        a1 = (xq, xs)
+        kw = dict(a1_q=xq, a1_scale=xs.t().contiguous().t())
+
+    x_ours, x_up = x.clone(), x.clone()
+    ours = call(hooked(upstream), x_ours, w1q, w1s, w2q, w2s, w, ids, cfg, **kw)
+    assert spy_aligned == [case["variant"]] * 2, "our kernels did not run"
+    ref = upstream_reference(upstream, x_up, w1q, w1s, w2q, w2s, w, ids, cfg, **kw)
+    if inplace:
+        assert ours is x_ours and ref is x_up
+    else:
+        assert torch.equal(x_ours, x)
+    assert ours.dtype == torch.bfloat16 and ours.shape == x.shape and torch.isfinite(ours).all()
+    exact = moe_reference(x, w1q, w1s, w2q, w2s, w, ids, 1.0 if scale is None else scale, a1)
+    err_ours, err_up = rel(ours, exact), rel(ref, exact)
+    assert rel(ours, ref) <= REL_UPSTREAM, f"ours vs upstream {rel(ours, ref):.3e}"
+    assert err_ours <= REL_EXACT and err_ours <= 1.05 * err_up + 1e-3, (err_ours, err_up)
+    if case.get("filtered"):  # a token whose every slot is filtered gets exactly zero
+        for t in range(ids.shape[0]):
+            if (ids[t] < 0).all():
+                assert (ours[t] == 0).all()
+
+
+def test_no_host_sync_in_our_sequence(upstream, monkeypatch, tmp_path):
+    """CPU stand-in for CUDA-graph safety: our sequence never reads a tensor value on the host
+    (the alignment stand-in itself does, so it runs with the guard lifted, as a CUDA op would)."""
+    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries()))
+    x, w1q, w1s, w2q, w2s, w, ids = make_moe(seed=3, tokens=5, top_k=2)
+    guard = {"on": True}
+
+    def forbid(name):
+        real = getattr(torch.Tensor, name)
+
+        def fn(self, *a, **k):
+            if guard["on"]:
+                raise AssertionError(f"host sync: Tensor.{name}")
+            return real(self, *a, **k)
+        return fn
+
+    def align_unguarded(*a, **k):
+        guard["on"] = False
+        try:
+            return align_reference(*a, **k)
+        finally:
+            guard["on"] = True
+
+    plan = swapab.plan_moe(5, 2, E, H, INTER)  # the decision: host integers only
+    assert plan is not None and plan.variant == "swapab"
+    monkeypatch.setattr(upstream, "moe_align_block_size", align_unguarded)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__"):
+            mp.setattr(torch.Tensor, name, forbid(name))
+        out = swapab.moe_forward(plan, x, w1q, w2q, w, ids, w1s, w2s)
+    assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Fallbacks: upstream runs unchanged, each reason logged once
+# ---------------------------------------------------------------------------------------------
+def recording_original(calls):
+    def original(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "upstream"
+    return original
+
+
+def test_fallbacks_call_upstream_unchanged_and_log_once(monkeypatch, tmp_path, caplog, spy_aligned):
+    caplog.set_level(logging.INFO, logger="sglang_h20.swapab")
+    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries()))
+    x, w1q, w1s, w2q, w2s, w, ids = make_moe(seed=1, tokens=4, top_k=2)
+    cfg = runner_config(2, False)
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    topk = StandardTopKOutput(w, ids, None)
+    cases = {
+        "block shape": dict(block_shape=[64, 64]),
+        "not FP8": dict(use_fp8_w8a8=False, use_int8_w8a8=True),
+        "fp32 scales": dict(w1_scale=w1s.to(torch.bfloat16)),
+        "biases": dict(b1=torch.zeros(E, 2 * INTER)),
+    }
+    for why, change in cases.items():
+        kw = {**dict(use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128]), **change}
+        for _ in range(2):
+            calls = []
+            assert swapab.fused_experts_hook(recording_original(calls), x, w1q, w2q, topk, cfg, **kw) == "upstream"
+            (args, kwargs), = calls
+            assert args[0] is x and args[3] is topk and args[4] is cfg
+            for k, v in kw.items():
+                assert kwargs[k] is v, (why, k)
+    for k in ("activation", "no_combine"):
+        calls = []
+        bad = runner_config(2, False)
+        setattr(bad, k, "gelu" if k == "activation" else True)
+        swapab.fused_experts_hook(recording_original(calls), x, w1q, w2q, topk, bad, use_fp8_w8a8=True,
+                                  w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
+        assert len(calls) == 1
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(cases) + 2 and len(set(lines)) == len(lines), lines  # once per reason
+    assert spy_aligned == []
+
+
+def test_table_decides_and_missing_table_means_upstream(upstream, monkeypatch, tmp_path, spy_aligned):
+    x, w1q, w1s, w2q, w2s, w, ids = make_moe(seed=2, tokens=4, top_k=2)
+    cfg = runner_config(2, False)
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    topk = StandardTopKOutput(w, ids, None)
+    kw = dict(use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
+    for entries in (None, tiny_entries("upstream"), tiny_entries(ms=(64, 128)),  # m ~2: too far from 64
+                    [e for e in tiny_entries() if e["n"] == H]):  # gate_up not measured
+        if entries is not None:
+            use_table(monkeypatch, write_table(tmp_path / "t.json", entries))
+        else:
+            swapab.reset()
+        calls = []
+        assert swapab.fused_experts_hook(recording_original(calls), x, w1q, w2q, topk, cfg, **kw) == "upstream"
+        assert len(calls) == 1
+    assert spy_aligned == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked path (DeepEP low latency)
+# ---------------------------------------------------------------------------------------------
+def masked_inputs(seed, groups=3, max_m=8, n=256, k=256):
+    g = torch.Generator().manual_seed(seed)
+    a, a_s = per_token_group_quant_fp8(torch.randn(groups, max_m, k, generator=g))
+    b, b_s = per_block_quant_fp8(torch.randn(groups, n, k, generator=g) * 0.05)
+    masked_m = torch.tensor([3, 0, 8][:groups], dtype=torch.int32)
+    out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16)
+    return (a, a_s.transpose(1, 2).contiguous().transpose(1, 2)), (b, b_s), out, masked_m
+
+
+def masked_table(tmp_path, best):
+    return write_table(tmp_path / "m.json", [{"n": 256, "k": 256, "groups": 3, "m": m, "layout": "masked",
+                                              "best": best} for m in (2, 4, 8)])
+
+
+def test_masked_hook_runs_ours_where_the_table_says(monkeypatch, tmp_path):
+    use_table(monkeypatch, masked_table(tmp_path, "swapab"))
+    lhs, rhs, out, masked_m = masked_inputs(5)
+    calls = []
+    assert swapab.masked_gemm_hook(recording_original(calls), lhs, rhs, out, masked_m, 4) is None
+    assert calls == []
+    ref = gg.grouped_gemm_reference(lhs[0], lhs[1], rhs[0], rhs[1], masked_m=masked_m)
+    for g, m in enumerate(masked_m.tolist()):
+        if m:
+            assert rel(out[g, :m], ref[g, :m]) <= REL_GEMM
+        assert out[g, m:].isnan().all()
+
+
+def test_masked_hook_falls_back(monkeypatch, tmp_path):
+    lhs, rhs, out, masked_m = masked_inputs(6)
+    packed = (lhs[0], lhs[1].to(torch.int32))  # UE8M0-packed scales
+    cases = [("upstream", dict(), lhs),  # the table says upstream
+             ("swapab", dict(overlap_args=object()), lhs),  # SBO's overlap signal: DeepGEMM's only
+             ("swapab", dict(recipe_a=(1, 128)), lhs),
+             ("swapab", dict(), packed)]
+    for best, kwargs, lhs_ in cases:
+        use_table(monkeypatch, masked_table(tmp_path, best))
+        calls = []
+        assert swapab.masked_gemm_hook(recording_original(calls), lhs_, rhs, out, masked_m, 4, **kwargs) == "upstream"
+        (args, kw), = calls
+        assert args[0] is lhs_ and args[1] is rhs and args[4] == 4
+        assert kw["overlap_args"] is kwargs.get("overlap_args") and kw["recipe_a"] == kwargs.get("recipe_a")
+    assert out.isnan().all()
+    lhs2, rhs2, out2, mm2 = masked_inputs(7, n=128)  # a shape the table does not hold (e.g. MLA's bmm)
+    calls = []
+    swapab.masked_gemm_hook(recording_original(calls), lhs2, rhs2, out2, mm2, 4)
+    assert len(calls) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Table lookup
+# ---------------------------------------------------------------------------------------------
+def grid_entries(best_of, layout="contiguous", n=4096, k=7168):
+    return [{"n": n, "k": k, "groups": g, "m": m, "layout": layout, "best": best_of(g, m),
+             "config": {"swapab": {"BLOCK_T": 16 if m <= 16 else 32}}}
+            for g in (8, 32) for m in (1, 8, 32, 128)]
+
+
+def test_table_choice_rounds_to_nearest_and_defaults_to_upstream(monkeypatch, tmp_path):
+    best = {(8, 1): "swapab", (8, 8): "swapab", (8, 32): "upstream", (8, 128): "normal",
+            (32, 1): "upstream", (32, 8): "swapab", (32, 32): "swapab", (32, 128): "upstream"}
+    entries = grid_entries(lambda g, m: best[g, m]) + grid_entries(lambda g, m: "swapab", layout="masked")
+    use_table(monkeypatch, write_table(tmp_path / "t.json", entries))
+
+    def tc(m, g, layout="contiguous", n=4096, k=7168):
+        return gg.table_choice(m, n, k, g, layout, "test").best
+
+    assert tc(8, 8) == "swapab" and tc(32, 8) == "upstream" and tc(128, 8) == "normal"  # measured points
+    assert tc(6, 8) == "swapab" and tc(11, 8) == "swapab" and tc(20, 8) == "upstream"  # nearest m (log2)
+    assert tc(8, 11) == "swapab" and tc(1, 11) == "swapab" and tc(1, 23) == "upstream"  # nearest groups
+    assert tc(8, 16) == "swapab"  # 16 is between 8 and 32: both measured swapab
+    assert tc(1, 16) == "upstream" and tc(32, 16) == "upstream"  # neighbours disagree: unsure
+    assert tc(2.83, 8) == "upstream" and tc(2, 8) == "swapab"  # 2.83 is over 2x from both m = 1 and 8
+    assert tc(16, 8) == "upstream"  # halfway between m = 8 (swapab) and 32 (upstream)
+    assert tc(256, 8) == "normal" and tc(257, 8) == "upstream"  # over 2x beyond the largest m
+    assert tc(8, 4) == "swapab" and tc(8, 3.9) == "upstream" and tc(8, 65) == "upstream"  # groups: same rule
+    assert tc(8, 8, n=4096, k=2048) == "upstream"  # shape not measured
+    assert tc(32, 8, layout="masked") == "swapab"  # layouts are kept apart
+    assert tc(32, 8, layout="dense") == "upstream"
+    choice = gg.table_choice(8, 4096, 7168, 8, "contiguous", "test")
+    assert choice.config == {"BLOCK_T": 16} and "measured best swapab" in choice.why
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "none.json"))
+    assert gg.table_choice(8, 4096, 7168, 8, "contiguous", "test") == ("upstream", None, "no grouped-GEMM table for test")
+
+
+def test_plan_moe_needs_both_gemms_and_uses_expected_load(monkeypatch, tmp_path):
+    active, m = swapab.expected_load(16, 8, 16)  # 128 pairs over 16 experts: all active, 8 each
+    assert 15.9 < active <= 16 and 7.9 < m < 8.1
+    active, m = swapab.expected_load(1, 8, 256)  # decode of one token: 8 experts, 1 token each
+    assert 7.8 < active < 8 and 1 <= m < 1.02
+    up = lambda g, m: "swapab" if m <= 8 else "upstream"  # noqa: E731
+    entries = grid_entries(up) + grid_entries(lambda g, m: "swapab" if m <= 1 else "upstream", n=7168, k=2048)
+    use_table(monkeypatch, write_table(tmp_path / "t.json", entries))
+    plan = swapab.plan_moe(1, 8, 32, 7168, 2048)  # m ~1: both GEMMs say swapab
+    assert plan is not None and plan.variant == "swapab" and plan.block_t == 16
+    assert swapab.plan_moe(32, 8, 32, 7168, 2048) is None  # m = 8: down says upstream
+    assert swapab.plan_moe(1, 8, 32, 7168, 1024) is None  # down shape not measured
+
+
+def test_user_retune_comes_before_the_shipped_table(monkeypatch, tmp_path):
+    monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
+    assert gg.find_table("NVIDIA H200") == gg.table_path("NVIDIA H200")  # shipped
+    assert gg.table_path("NVIDIA H200").exists()
+    user = gg.user_table_path("NVIDIA H200")
+    assert user == tmp_path / "cache" / "sglang_h20" / "grouped_gemm_h200.json"
+    user.parent.mkdir(parents=True)
+    write_table(user, tiny_entries(), gpu="NVIDIA H200")
+    assert gg.find_table("NVIDIA H200") == user and gg.load_table("NVIDIA H200")["path"] == str(user)
+    assert gg.find_table("NVIDIA H20") is None and gg.load_table("NVIDIA H20") is None  # nothing shipped for H20
+
+
+def test_shipped_h200_table_is_the_measured_run(monkeypatch):
+    monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
+    table = gg.load_table("NVIDIA H200")
+    results = json.load(open(SHIPPED_RESULTS))
+    assert table["gpu"] == results["provenance"]["gpu"] == "NVIDIA H200" and table["measured"] is True
+    assert table["date"] == results["provenance"]["date"]
+    assert table["source"]["benchmark_command"] == results["provenance"]["command"]
+    assert "--table-from" in table["source"]["table_command"]
+    assert table["entries"] == gg.table_entries(results["points"])  # rebuilt from the recorded points
+    tc = lambda m, n, k, g, layout: gg.table_choice(m, n, k, g, layout, "NVIDIA H200").best  # noqa: E731
+    assert tc(1, 4096, 7168, 32, "masked") == "swapab"  # 224.7 us vs DeepGEMM 246.8
+    assert tc(128, 4096, 7168, 32, "masked") == "upstream"  # 468.5 vs 280.7
+    assert tc(8, 4096, 7168, 8, "contiguous") == "upstream"  # uniform win, but the uneven draw loses
+    assert tc(32, 4096, 7168, 32, "masked") == "upstream"  # an exact tie (239.7 us) is upstream's
+
+
+def test_table_entries_rules():
+    def pt(provider, us, layout="masked", dist="uniform", m=8):
+        return {"kind": "moe", "provider": provider, "us": us, "n": 1, "k": 128, "groups": 2,
+                "tokens_per_group": m, "layout": layout, "distribution": dist,
+                "config": {"BLOCK_N": 64, "BLOCK_T": 16, "rel_err": 0}}
+    points = [pt("ours-swapab", 10), pt("ours-normal", 12), pt("deepgemm", 11), pt("sglang-triton", 9, "contiguous"),
+              pt("ours-swapab", 10, "contiguous"), pt("ours-swapab", 10, dist="uneven"), pt("deepgemm", 9, dist="uneven"),
+              pt("ours-swapab", 5, m=1), pt("deepgemm", 5, m=1), pt("ours-swapab", 5, m=2)]
+    entries = {(e["layout"], e["m"]): e for e in gg.table_entries(points)}
+    assert entries["contiguous", 8]["best"] == "upstream"  # 9 < 10
+    masked = entries["masked", 8]
+    assert masked["best"] == "upstream" and masked["us"] == {"swapab": 10, "normal": 12, "upstream": 11}
+    assert masked["us_uneven"] == {"swapab": 10, "upstream": 9} and masked["config"]["swapab"] == {"BLOCK_N": 64, "BLOCK_T": 16}
+    assert entries["masked", 1]["best"] == "upstream"  # tie
+    assert ("masked", 2) not in entries  # no upstream time, no claim
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU (pytest -m gpu): the real shapes, the real upstream, a CUDA graph
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_gpu_slice_moe_matches_upstream_and_replays_from_a_cuda_graph(tokens, monkeypatch, tmp_path):
+    """dsv3-ep16-slice's MoE (16 experts, H 7168, I 2048, top-8), ours forced on by a table: equals
+    upstream's fused_experts within REL_UPSTREAM; a CUDA graph of our sequence (capture fails on any
+    host sync) replayed with new inputs and routing equals an eager call."""
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", load_format="dummy"))
+    experts, hidden, inter, top_k = 16, 7168, 2048, 8
+    entries = [{"n": n, "k": k, "groups": g, "m": m, "layout": "contiguous", "best": "swapab"}
+               for n, k in ((2 * inter, hidden), (hidden, inter)) for g in (1, 2, 4, 8, 16)
+               for m in (1, 2, 4, 8, 16, 32, 64)]
+    use_table(monkeypatch, write_table(tmp_path / "forced.json", entries))
+    fm = importlib.import_module(swapab.TRITON_MOE_MODULE)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    w1, w1s = per_block_quant_fp8(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * 0.02)
+    w2, w2s = per_block_quant_fp8(torch.randn(experts, hidden, inter, device="cuda", generator=g) * 0.02)
+
+    def inputs():
+        x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+        ids = torch.argsort(torch.rand(tokens, experts, device="cuda", generator=g), 1)[:, :top_k].to(torch.int32)
+        return x, ids, torch.rand(tokens, top_k, device="cuda", generator=g) + 0.1
+
+    x, ids, w = inputs()
+    cfg = MoeRunnerConfig(num_experts=experts, num_local_experts=experts, top_k=top_k, inplace=True,
+                          routed_scaling_factor=2.5)
+    kw = dict(moe_runner_config=cfg, use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
+    ours = hooked(fm)(x.clone(), w1, w2, StandardTopKOutput(w, ids, None), **kw)
+    ref = fm.fused_experts(x.clone(), w1, w2, StandardTopKOutput(w, ids, None), **kw)
+    assert torch.isfinite(ours).all() and rel(ours, ref) <= REL_UPSTREAM, rel(ours, ref)
+
+    plan = swapab.plan_moe(tokens, top_k, experts, hidden, inter)
+    assert plan is not None
+    xs, ids_s, ws = x.clone(), ids.clone(), w.clone()
+
+    def run():
+        return swapab.moe_forward(plan, xs, w1, w2, ws, ids_s, w1s, w2s, routed_scaling_factor=2.5)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        run()
+        with torch.cuda.graph(graph, stream=stream):
+            out_graph = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    x2, ids2, w2_ = inputs()
+    xs.copy_(x2), ids_s.copy_(ids2), ws.copy_(w2_)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = swapab.moe_forward(plan, x2, w1, w2, w2_, ids2, w1s, w2s, routed_scaling_factor=2.5)
+    assert rel(out_graph, eager) <= 1e-3
