@@ -5,6 +5,7 @@ our AROUND hook around it with the same random batches and constraint flags.
 """
 import importlib
 import json
+import math
 import random
 from types import SimpleNamespace
 
@@ -201,3 +202,105 @@ def test_fit_table_reports_the_loss_of_its_own_choice():
     for m in ("mha", "mla"):
         for term, v in getattr(t, m).items():
             assert getattr(t8, m)[term] == pytest.approx(v / 8, rel=1e-9, abs=1e-12)
+
+
+# --- tables that carry their measured grid --------------------------------------------------------------------------
+
+GRID_AXES = {"batch": [1, 4], "extend": [128, 1024, 8192], "prefix": [0, 4096, 65536]}
+
+
+def bumped_points(skip=()):
+    """Measured times that a linear model cannot follow: MLA has a 25% bump at extend 1024."""
+    pts = []
+    for b in GRID_AXES["batch"]:
+        for e in GRID_AXES["extend"]:
+            for p in GRID_AXES["prefix"]:
+                if (b, e, p) in skip:
+                    continue
+                s = BatchShape([e] * b, [p] * b)
+                pts.append({"batch": b, "extend": e, "prefix": p, "mha_us": H200.cost("mha", s),
+                            "mla_us": H200.cost("mla", s) * (1.25 if e == 1024 else 1.0)})
+    return pts
+
+
+def grid_table(pts):
+    return CostTable("NVIDIA H200", "measured on NVIDIA H200", H200.mha, H200.mla, {"measured": True},
+                     mha_mla.grid_from_points(pts))
+
+
+def test_grid_table_reproduces_its_measurements_and_round_trips():
+    pts = bumped_points()
+    t = grid_table(pts)
+    for p in pts:
+        s = BatchShape([p["extend"]] * p["batch"], [p["prefix"]] * p["batch"])
+        assert t.cost("mha", s) == pytest.approx(p["mha_us"], rel=1e-9)
+        assert t.cost("mla", s) == pytest.approx(p["mla_us"], rel=1e-9)
+        assert t.choose(s) == ("mha" if p["mha_us"] <= p["mla_us"] else "mla")
+    back = CostTable.from_json(json.loads(json.dumps(t.to_json())))
+    assert back.measured_grid == t.measured_grid and "measured_grid" not in back.meta
+    assert back.to_json()["measured_grid"]["mla_us"][0][1][0] == pts[3]["mla_us"]  # [batch 1][extend 1024][prefix 0]
+    lin = CostTable.from_json({k: v for k, v in t.to_json().items() if k != "measured_grid"})
+    s = BatchShape([1024], [0])
+    assert lin.measured_grid is None and lin.cost("mla", s) < t.cost("mla", s)
+
+
+def test_grid_interpolates_between_nodes_and_keeps_the_linear_model_outside():
+    t = grid_table(bumped_points())
+    s = BatchShape([2048] * 2, [1024] * 2)  # between nodes on every axis: corrected by a fraction of the bump
+    assert H200.cost("mla", s) < t.cost("mla", s) < 1.25 * H200.cost("mla", s)
+    for s in (BatchShape([8192] * 2, [4096] * 2), BatchShape([32] * 64, [200000] * 64)):  # no bump / outside
+        assert t.cost("mla", s) == pytest.approx(H200.cost("mla", s), rel=1e-9)
+        assert t.cost("mha", s) == pytest.approx(H200.cost("mha", s), rel=1e-9)
+
+
+def test_unmeasured_nodes_take_their_neighbours_residual():
+    t = grid_table(bumped_points(skip={(4, 1024, 4096), (4, 8192, 65536)}))
+    for b, e, p in ((4, 1024, 4096), (4, 8192, 65536)):
+        s = BatchShape([e] * b, [p] * b)
+        assert math.isfinite(t.cost("mha", s)) and math.isfinite(t.cost("mla", s))
+    # (4, 1024, 4096): neighbours are three nodes with the 1.25 bump and two without
+    s = BatchShape([1024] * 4, [4096] * 4)
+    assert H200.cost("mla", s) < t.cost("mla", s) < 1.25 * H200.cost("mla", s)
+
+
+def test_mixed_batches_are_looked_up_at_the_uniform_batch_with_the_same_se_and_prefix():
+    rng = random.Random(11)
+    for _ in range(200):
+        n = rng.randint(1, 16)
+        s = BatchShape([rng.randint(1, 20000) for _ in range(n)],
+                       [rng.choice([0, rng.randint(1, 70000)]) for _ in range(n)])
+        b, e, p = mha_mla.equivalent_uniform(s)
+        assert b == n and b * p == pytest.approx(sum(s.prefix))
+        assert b * e * (e + p) == pytest.approx(s.se, rel=1e-9)
+    assert mha_mla.equivalent_uniform(BatchShape([300] * 3, [700] * 3)) == pytest.approx((3, 300, 700))
+    t = grid_table(bumped_points())
+    assert t.choose(BatchShape([8192, 16], [0, 65536])) in ("mha", "mla")
+
+
+def test_malformed_grids_are_rejected():
+    g = mha_mla.grid_from_points(bumped_points())
+    with pytest.raises(ValueError, match="mla_us must be nested lists of shape"):
+        CostTable("G", "measured on G", H200.mha, H200.mla, {}, {**g, "mla_us": g["mla_us"][:1]})
+    with pytest.raises(ValueError, match="axis extend must be ascending"):
+        CostTable("G", "measured on G", H200.mha, H200.mla, {}, {**g, "extend": [1024, 128, 8192]})
+
+
+def test_choice_is_cheap_and_remembered_for_the_next_layer():
+    import time
+
+    t = grid_table(bumped_points())
+    shapes = [BatchShape([random.Random(i).randint(1, 9000) for _ in range(32)], [i * 7] * 32) for i in range(400)]
+    t0 = time.perf_counter()
+    first = [t.choose(s) for s in shapes]  # all new: computed
+    per_call = (time.perf_counter() - t0) / len(shapes)
+    assert per_call < 1e-3  # pure Python on CPU lists; measured ~20 us
+    assert len(t._memo) <= mha_mla.MEMO_SIZE
+    assert [t.choose(s) for s in shapes] == first  # remembered or recomputed: the same answer
+
+
+def test_router_uses_a_grid_table_like_any_policy():
+    original = h._handle_attention_backend
+    route = _router(grid_table(bumped_points()))
+    attn, fb = fake([16], [65536])  # upstream: MHA; 16 new tokens do not pay for expanding 64k
+    assert original(attn, fb, "fa3") in (M.MHA_ONE_SHOT, M.MHA_CHUNKED_KV)
+    assert route(original, attn, fb, "fa3") == M.MLA

@@ -11,11 +11,19 @@ flashinfer, flashmla, cutlass_mla, fa4 and intel_xpu handlers) and only re-decid
 itself was free to choose: captured prefill, context-parallel prefill, ragged-disabled backends,
 speculative modes and a disabled chunked prefix cache all keep upstream's answer. Backends with
 their own rule (triton, trtllm_mla, aiter, dsa, ...) are not touched.
+
+A table may also carry the measured grid it was fitted to (`measured_grid`, written by
+benchmark/attention/mha_mla_layer.py): kernel efficiency changes with shape in ways four linear terms
+cannot follow, so near the crossover a linear model alone can pick the slower path by more than a few
+percent. The grid corrects each method's linear cost by its measured log-residual, interpolated
+between grid nodes (see MeasuredGrid); at a measured shape the choice is the measured faster one.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -48,29 +56,175 @@ class BatchShape:
         return {"se": self.se, "prefix": sum(self.prefix), "extend": sum(self.extend), "const": 1.0}
 
 
+GRID_AXES = ("batch", "extend", "prefix")
+MEMO_SIZE = 256  # the router asks once per layer with the same batch: remember recent answers
+
+
+def _uniform(batch: int, extend: float, prefix: float) -> dict[str, float]:
+    """Features of `batch` requests of `extend` new tokens on `prefix` cached tokens each."""
+    return {"se": batch * extend * (extend + prefix), "prefix": batch * prefix, "extend": batch * extend, "const": 1.0}
+
+
+def _linear(coef: dict[str, float], f: dict[str, float]) -> float:
+    return sum(coef.get(t, 0.0) * f[t] for t in TERMS)
+
+
+def _coords(axis: str, values: Sequence[float]) -> list[float]:
+    """Interpolation coordinates: log2 of batch and extend, log2(1 + prefix) (prefix 0 is a grid line)."""
+    return [math.log2(1 + v) if axis == "prefix" else math.log2(v) for v in values]
+
+
+def _bracket(coords: list[float], x: float) -> tuple[int, int, float]:
+    """Neighbouring nodes and the weight of the upper one; clamped to the edge outside the grid."""
+    if x <= coords[0]:
+        return 0, 0, 0.0
+    if x >= coords[-1]:
+        n = len(coords) - 1
+        return n, n, 0.0
+    i = bisect.bisect_right(coords, x) - 1
+    return i, i + 1, (x - coords[i]) / (coords[i + 1] - coords[i])
+
+
+def grid_from_points(points: Sequence[dict]) -> dict:
+    """The JSON grid of measured points ({batch, extend, prefix, mha_us, mla_us}); null where not measured."""
+    axes = {a: sorted({int(p[a]) for p in points}) for a in GRID_AXES}
+    at = {(int(p["batch"]), int(p["extend"]), int(p["prefix"])): p for p in points}
+    grid: dict = dict(axes)
+    for m in ("mha", "mla"):
+        grid[f"{m}_us"] = [[[at[(b, e, q)].get(f"{m}_us") if (b, e, q) in at else None for q in axes["prefix"]]
+                            for e in axes["extend"]] for b in axes["batch"]]
+    return grid
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredGrid:
+    """Per-method log(measured / linear) on a (batch, extend, prefix) grid of uniform batches.
+
+    Why: the correction keeps the linear model's shape dependence (se, prefix) between and beyond the
+    measured points while matching the measurement at each of them. Between nodes the residual is
+    trilinear in (log2 batch, log2 extend, log2(1 + prefix)); outside it is the edge's. A node that was
+    not measured (over the benchmark's token budget) takes the mean residual of its measured axis
+    neighbours, or else that of the nearest measured node.
+    A mixed batch is looked up at the uniform batch with the same size, se and total prefix.
+    """
+
+    axes: dict[str, list[float]]  # interpolation coordinates per axis
+    residual: dict[str, list]  # method -> [batch][extend][prefix] log residual
+
+    @classmethod
+    def build(cls, grid: dict, mha: dict[str, float], mla: dict[str, float]) -> "MeasuredGrid":
+        axes = {a: [float(v) for v in grid[a]] for a in GRID_AXES}
+        for a, vals in axes.items():
+            if not vals or any(v < (0 if a == "prefix" else 1) for v in vals) or vals != sorted(set(vals)):
+                raise ValueError(f"cost table grid: axis {a} must be ascending, distinct, in range: {grid[a]}")
+        shape = tuple(len(axes[a]) for a in GRID_AXES)
+        residual = {}
+        for m, coef in (("mha", mha), ("mla", mla)):
+            t = grid.get(f"{m}_us")
+            if (t is None or len(t) != shape[0] or any(len(r) != shape[1] for r in t)
+                    or any(len(c) != shape[2] for r in t for c in r)):
+                raise ValueError(f"cost table grid: {m}_us must be nested lists of shape {shape}")
+            res: dict[tuple[int, int, int], float] = {}
+            for i, b in enumerate(axes["batch"]):
+                for j, e in enumerate(axes["extend"]):
+                    for k, p in enumerate(axes["prefix"]):
+                        v = t[i][j][k]
+                        if v is not None and v > 0:
+                            lin = max(_linear(coef, _uniform(b, e, p)), 1e-3)
+                            res[(i, j, k)] = math.log(v / lin)
+            residual[m] = [[[res[(i, j, k)] if (i, j, k) in res else cls._fill(res, i, j, k)
+                             for k in range(shape[2])] for j in range(shape[1])] for i in range(shape[0])]
+        return cls({a: _coords(a, axes[a]) for a in GRID_AXES}, residual)
+
+    @staticmethod
+    def _fill(res: dict, i: int, j: int, k: int) -> float:
+        """An unmeasured node: the mean of its measured axis neighbours, else the nearest measured node."""
+        near = [res[n] for n in ((i, j - 1, k), (i, j + 1, k), (i, j, k - 1), (i, j, k + 1), (i - 1, j, k),
+                                 (i + 1, j, k)) if n in res]
+        if near:
+            return sum(near) / len(near)
+        if not res:
+            return 0.0
+        # the same batch first (a batch step weighs more than any extend/prefix step), then the closest node
+        key = min(res, key=lambda n: (100 * abs(n[0] - i) + abs(n[1] - j) + abs(n[2] - k), n))
+        return res[key]
+
+    def correction(self, method: str, batch: float, extend: float, prefix: float) -> float:
+        """exp(interpolated residual) at a uniform batch: multiply the linear cost by it."""
+        r = self.residual[method]
+        (i0, i1, ti), (j0, j1, tj), (k0, k1, tk) = (
+            _bracket(self.axes[a], c) for a, c in zip(GRID_AXES, _coords_of(batch, extend, prefix)))
+        acc = 0.0
+        for i, wi in ((i0, 1 - ti), (i1, ti)):
+            for j, wj in ((j0, 1 - tj), (j1, tj)):
+                for k, wk in ((k0, 1 - tk), (k1, tk)):
+                    w = wi * wj * wk
+                    if w:
+                        acc += w * r[i][j][k]
+        return math.exp(acc)
+
+
+def _coords_of(batch: float, extend: float, prefix: float) -> tuple[float, float, float]:
+    return math.log2(batch), math.log2(max(extend, 1e-9)), math.log2(1 + prefix)
+
+
+def equivalent_uniform(shape: BatchShape) -> tuple[int, float, float]:
+    """(batch, extend, prefix) of the uniform batch with the same size, se and total prefix as `shape`."""
+    b, total_prefix, se = len(shape.extend), sum(shape.prefix), shape.se
+    if se <= 0:
+        return b, 0.0, total_prefix / b
+    # b*e^2 + total_prefix*e = se
+    e = 2 * se / (total_prefix + math.sqrt(total_prefix * total_prefix + 4 * b * se))
+    return b, e, total_prefix / b
+
+
 @dataclasses.dataclass(frozen=True)
 class CostTable:
-    """Linear time models (microseconds) of one attention layer's prefill, per method, for one GPU."""
+    """Time models (microseconds) of one attention layer's prefill, per method, for one GPU.
+
+    Linear in the batch features; with `measured_grid`, corrected by it (MeasuredGrid).
+    """
 
     gpu: str
     source: str  # "measured on <GPU> ..." or "modelled from ..."
     mha: dict[str, float]
     mla: dict[str, float]
     meta: dict = dataclasses.field(default_factory=dict)
+    measured_grid: dict | None = None  # grid_from_points(...) of a measurement, or None: linear only
+    _measured: MeasuredGrid | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
+    _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.measured_grid is not None:
+            object.__setattr__(self, "_measured", MeasuredGrid.build(self.measured_grid, self.mha, self.mla))
+
+    def linear_cost(self, method: str, shape: BatchShape) -> float:
+        return _linear(self.mha if method == "mha" else self.mla, shape.features())
 
     def cost(self, method: str, shape: BatchShape) -> float:
-        coef = self.mha if method == "mha" else self.mla
-        f = shape.features()
-        return sum(coef.get(t, 0.0) * f[t] for t in TERMS)
+        lin = self.linear_cost(method, shape)
+        if self._measured is None or not shape.extend:
+            return lin
+        return max(lin, 1e-3) * self._measured.correction(method, *equivalent_uniform(shape))
 
     def choose(self, shape: BatchShape) -> str:
         if not shape.extend:
             return "mla"  # nothing to compute; keep the cheap-to-plan path
-        return "mha" if self.cost("mha", shape) <= self.cost("mla", shape) else "mla"
+        key = (tuple(shape.extend), tuple(shape.prefix))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = "mha" if self.cost("mha", shape) <= self.cost("mla", shape) else "mla"
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            self._memo[key] = hit
+        return hit
 
     def to_json(self) -> dict:
-        return {"gpu": self.gpu, "source": self.source, "unit": "us per attention layer (const: per prefill)",
-                "terms": list(TERMS), "mha": self.mha, "mla": self.mla, **self.meta}
+        d = {"gpu": self.gpu, "source": self.source, "unit": "us per attention layer (const: per prefill)",
+             "terms": list(TERMS), "mha": self.mha, "mla": self.mla, **self.meta}
+        if self.measured_grid is not None:
+            d["measured_grid"] = self.measured_grid
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "CostTable":
@@ -78,8 +232,9 @@ class CostTable:
             unknown = set(d[m]) - set(TERMS)
             if unknown:
                 raise ValueError(f"cost table for {d.get('gpu')}: unknown {m} terms {sorted(unknown)}")
-        meta = {k: v for k, v in d.items() if k not in ("gpu", "source", "mha", "mla", "unit", "terms")}
-        return cls(d["gpu"], d["source"], dict(d["mha"]), dict(d["mla"]), meta)
+        own = ("gpu", "source", "mha", "mla", "unit", "terms", "measured_grid")
+        meta = {k: v for k, v in d.items() if k not in own}
+        return cls(d["gpu"], d["source"], dict(d["mha"]), dict(d["mla"]), meta, d.get("measured_grid"))
 
 
 @dataclasses.dataclass(frozen=True)
