@@ -8,6 +8,7 @@
 #   (STEPS kernels) benchmark/kernels/bench_*.py ${KERNEL_ARGS:---quick} -> $OUT/bench_<name>.json (+ PNG)
 #   (STEPS calibrate) python -m sglang_h20 calibrate mha-mla on this GPU -> $OUT/mha_mla_<gpu>.json
 #   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
+#   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
 # Knobs (env): STEPS="tests parity" PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
 #   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
@@ -82,6 +83,24 @@ if [[ " $STEPS " == *" ttft "* ]] && [ "$(left)" -gt 200 ]; then
 --fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/ttft.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/ttft/server-*.log; }
   cp /tmp/ttft/prefix_ttft.json "$OUT/" 2>/dev/null
+fi
+if [[ " $STEPS " == *" layer "* ]] && [ "$(left)" -gt 90 ]; then
+  say "MHA/MLA layer-level bench (deadline $(( $(left) - 60 ))s)"
+  python3 benchmark/attention/mha_mla_layer.py --json "$OUT/mha_mla_layer.json" --write-table "$OUT/mha_mla_table_layer.json" \
+    --deadline-s $(( $(left) - 60 )) 2>&1 | tee "$OUT/mha_mla_layer.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" swapab "* ]] && [ "$(left)" -gt 120 ]; then
+  say "swapAB e2e on dsv3-ep16-slice (arms ${SWAPAB_ARMS:-off forced})"
+  python3 benchmark/serving/swapab_e2e.py --model /tmp/models/dsv3-ep16-slice --out "$OUT/swapab_e2e" \
+    --deadline-s $(( $(left) - 40 )) --arms ${SWAPAB_ARMS:-off forced} ${SWAPAB_ARGS:-} 2>&1 | tee "$OUT/swapab_e2e.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" fp8mla "* ]] && [ "$(left)" -gt 120 ]; then
+  say "FP8 MLA backend e2e on dsv3-ep16-slice"
+  python3 benchmark/serving/fp8_mla_e2e.py --model /tmp/models/dsv3-ep16-slice --out "$OUT/fp8_mla_e2e" \
+    --deadline-s $(( $(left) - 40 )) ${FP8MLA_ARGS:-} 2>&1 | tee "$OUT/fp8_mla_e2e.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 python3 - "$OUT/jitcache.tar.xz" <<'PY'
 import os, sys, tarfile

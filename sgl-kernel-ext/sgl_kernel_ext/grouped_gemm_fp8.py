@@ -123,7 +123,7 @@ def _mma_tile(
         as_ptrs += stride_ask
         bs_ptrs += stride_bsk
     if SWAP_AB:
-        return tl.trans(acc)  # [BLOCK_T, BLOCK_N]
+        acc = tl.trans(acc)  # [BLOCK_T, BLOCK_N]; one return: Triton 3.6 rejects returns of different shapes
     return acc
 
 
