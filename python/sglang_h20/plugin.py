@@ -39,14 +39,21 @@ def _setup_logging() -> None:
 
 def _add_flags(_result, parser):
     settings_mod.add_cli_args(parser)
+    from sglang_h20.attention import fp8_mla_backend
+
+    fp8_mla_backend.add_backend_choice()  # --attention-backend h20_fp8_mla must parse before features activate
 
 
 def _export_flags(_cls, namespace):
     settings_mod.export_cli_args(namespace)
 
 
-def _activate_before_post_init(*_args, **_kwargs):
-    activate()
+def _activate_before_post_init(server_args, *_args, **_kwargs):
+    from sglang_h20.attention import fp8_mla_backend
+
+    fp8_mla_backend.request_from(server_args)  # naming the backend switches its feature on
+    decisions = activate()
+    fp8_mla_backend.fallback_if_off(server_args, decisions["fp8_mla"])  # ... or, if it stays off, drops the name
 
 
 def plugin_hooks(in_launcher: bool) -> list[Hook]:

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""The h20_fp8_mla attention backend end to end, against upstream FlashMLA with BF16 and FP8 KV caches.
+
+Phases (each a fresh `python -m sglang.launch_server` with the same --server-args plus its own flags):
+  triton         --attention-backend triton (BF16 KV): the greedy reference only, no benchmark
+  ours           --attention-backend h20_fp8_mla (this plugin; FP8 latent + per-token scales)
+  flashmla       --attention-backend flashmla (BF16 KV)
+  flashmla-fp8   --attention-backend flashmla --kv-cache-dtype fp8_e4m3
+Upstream phases run with SGLANG_PLUGINS=__none__ (plain SGLang).
+
+Per phase: greedy ids of a few prompts (each sent twice: the second time its prefix is in the radix cache, so
+prefill reads the cached KV; for ours that is the gather-and-dequantize path), their agreement with the triton
+reference (matching prefix length and position-wise match rate; dummy weights make logits nearly flat, so
+even two BF16 backends drift apart: the flashmla BF16 row is the noise floor to read the FP8 rows against),
+then sglang.bench_serving workloads (random dataset, one wave: num-prompts = concurrency unless given), each
+with the decode-only throughput read from the server log lines of that workload.
+
+--deadline-s: after the first phase, a phase starts only if its expected startup plus its greedy step fits; a
+workload runs only if its expected duration (measured in an earlier phase, or a default guess) fits. Whatever is
+skipped is recorded. --reference reuses the triton ids of an earlier run, so a budget can go to one more phase.
+
+usage (on the GPU host, SGLang and this package on PYTHONPATH):
+  python3 benchmark/serving/fp8_mla_e2e.py --model /tmp/models/dsv3-ep16-slice --out /tmp/fp8_mla_e2e --deadline-s 480
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import time
+from pathlib import Path
+
+from sglang_h20 import provenance
+from sglang_h20.models import random_words
+from sglang_h20.nightly.serving import Server, decode_throughput, output_ids, tail, write_sharegpt
+
+SERVER_ARGS = ("--load-format dummy --sampling-backend pytorch --moe-runner-backend triton --fp8-gemm-backend triton "
+               "--grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64")
+HOST_ENV = {"SGL_KERNEL_FLASHINFER": "0", "SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK": "1",
+            "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
+UPSTREAM = {"SGLANG_PLUGINS": "__none__"}
+PHASES = {  # name: (extra server flags, extra env, run benchmarks)
+    "triton": (["--attention-backend", "triton"], UPSTREAM, False),
+    "ours": (["--attention-backend", "h20_fp8_mla"], {}, True),
+    "flashmla": (["--attention-backend", "flashmla"], UPSTREAM, True),
+    "flashmla-fp8": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], UPSTREAM, True),
+}
+WORKLOADS = ["4096x512@16", "4096x512@48", "4096x512@128", "1024x256@128"]  # input x output @ concurrency
+# expected seconds until a phase has measured them (guesses for a 61-layer dummy DeepSeek-V3 slice on one H200)
+GUESS_S = {"startup": 240.0, "greedy": 40.0, "4096x512@16": 45.0, "4096x512@48": 70.0, "4096x512@128": 120.0,
+           "1024x256@128": 50.0}
+PROMPT_LENGTHS = (64, 320, 1600, 900, 32, 2500)
+PLUGIN_MARK = "[sglang-h20 pid"
+KV_MARKS = ("KV Cache is allocated", "max_total_num_tokens")  # capacity: FP8 holds about twice BF16's tokens
+
+
+def parse_workload(w: str) -> tuple[int, int, int]:
+    io, conc = w.split("@")
+    i, o = io.split("x")
+    return int(i), int(o), int(conc)
+
+
+def prompts(n: int) -> list[str]:
+    """n prompts of PROMPT_LENGTHS tokens: short and long contexts for the decode steps."""
+    rng = random.Random(11)
+    return [random_words(rng, PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]) for i in range(n)]
+
+
+def agreement(ids: list[list[int]], ref: list[list[int]]) -> dict:
+    """Per prompt: tokens equal to the reference before the first difference, and the share of equal positions."""
+    rows = []
+    for a, b in zip(ids, ref):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        rows.append({"matching_prefix": same, "match_rate": sum(x == y for x, y in zip(a, b)) / max(len(b), 1)})
+    return {"per_prompt": rows, "mean_matching_prefix": sum(r["matching_prefix"] for r in rows) / max(len(rows), 1),
+            "mean_match_rate": sum(r["match_rate"] for r in rows) / max(len(rows), 1),
+            "identical": all(a == b for a, b in zip(ids, ref))}
+
+
+class Clock:
+    def __init__(self, deadline_s: float):
+        self.t0, self.deadline_s = time.time(), deadline_s
+
+    def left(self) -> float:
+        return self.deadline_s - (time.time() - self.t0)
+
+
+def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured: dict) -> dict:
+    flags, env, bench = PHASES[name]
+    out = args.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "server.log"
+    rec: dict = {"phase": name, "flags": flags, "env": env, "skipped": []}
+    t0 = time.time()
+    with Server(args.model, shlex.split(args.server_args) + flags, log, env=env, port=port,
+                ready_timeout_s=max(60.0, clock.left())) as srv:
+        rec["server_start_s"] = srv.start_s
+        measured["startup"] = max(measured.get("startup", 0.0), srv.start_s)
+        t1 = time.time()
+        texts = prompts(args.prompts)
+        rec["ids"] = [output_ids(srv.generate(text=t, max_new_tokens=args.gen_tokens)) for t in texts]
+        rec["ids_repeat"] = [output_ids(srv.generate(text=t, max_new_tokens=args.gen_tokens)) for t in texts]
+        measured["greedy"] = time.time() - t1
+        rec["benches"] = {}
+        for w in (args.workloads if bench else []):
+            guess = measured.get(w, GUESS_S.get(w, 120.0))
+            if clock.left() < guess:
+                rec["skipped"].append(f"{w}: {clock.left():.0f}s left < ~{guess:.0f}s expected")
+                continue
+            inp, outp, conc = parse_workload(w)
+            before = log.stat().st_size
+            tb = time.time()
+            try:
+                r = srv.bench(out / f"bench-{w.replace('@', '-c')}.jsonl", num_prompts=args.num_prompts or conc,
+                              input_len=inp, output_len=outp, concurrency=conc, dataset_path=str(sharegpt),
+                              timeout_s=max(60.0, clock.left()))
+            except Exception as e:  # a failed workload is a result too; the next one may still run
+                rec["benches"][w] = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
+                continue
+            measured[w] = max(measured.get(w, 0.0), time.time() - tb)
+            with open(log, errors="replace") as f:
+                f.seek(before)
+                new_log = f.read()
+            rec["benches"][w] = {**{k: r.get(k) for k in ("output_throughput", "input_throughput",
+                                                           "median_itl_ms", "p99_itl_ms", "median_ttft_ms",
+                                                           "p99_ttft_ms", "duration", "completed")},
+                                 "decode_log": decode_throughput(new_log, min_running=max(1, int(0.9 * conc))),
+                                 "command": r.get("command")}
+            b = rec["benches"][w]
+            print(f"  {name} {w}: {b['output_throughput']:.1f} tok/s out, median ITL {b['median_itl_ms']:.2f} ms, "
+                  f"decode-only {b['decode_log'].get('median_tok_s')} tok/s", flush=True)
+    text = log.read_text(errors="replace")
+    rec["plugin_log_lines"] = [ln for ln in text.splitlines() if PLUGIN_MARK in ln]
+    rec["kv_cache_log_lines"] = [ln for ln in text.splitlines() if any(m in ln for m in KV_MARKS)][:8]
+    rec["wall_s"] = time.time() - t0
+    return rec
+
+
+def summarize(phases: dict, ref: list | None) -> dict:
+    s: dict = {}
+    if ref:
+        s["greedy_agreement_vs_triton"] = {n: agreement(p["ids"], ref) for n, p in phases.items()
+                                           if n != "triton" and p.get("ids")}
+    s["repeat_agreement (cached prefix vs fresh prefill)"] = {
+        n: agreement(p["ids_repeat"], p["ids"]) for n, p in phases.items() if p.get("ids_repeat")}
+    table = {}
+    for n, p in phases.items():
+        for w, b in (p.get("benches") or {}).items():
+            if "error" not in b:
+                table.setdefault(w, {})[n] = {"output_tok_s": b["output_throughput"],
+                                              "median_itl_ms": b["median_itl_ms"],
+                                              "decode_only_tok_s": b["decode_log"].get("median_tok_s")}
+    s["throughput"] = table
+    s["ours_over"] = {w: {other: v["ours"]["output_tok_s"] / v[other]["output_tok_s"]
+                          for other in ("flashmla", "flashmla-fp8") if other in v}
+                      for w, v in table.items() if "ours" in v}
+    ours = phases.get("ours", {})
+    s["ours_backend_selected"] = any("fp8_mla: attention backend h20_fp8_mla" in ln
+                                     for ln in ours.get("plugin_log_lines", []))
+    s["ours_fallback_lines"] = [ln for ln in ours.get("plugin_log_lines", []) if "fall" in ln or "upstream" in ln]
+    return s
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
+    ap.add_argument("--workloads", nargs="+", default=WORKLOADS, help="INxOUT@CONCURRENCY, in order of priority")
+    ap.add_argument("--num-prompts", type=int, default=0, help="per workload (default: its concurrency, one wave)")
+    ap.add_argument("--server-args", default=SERVER_ARGS)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--deadline-s", type=float, default=480.0)
+    ap.add_argument("--reference", type=Path, help="an earlier fp8_mla_e2e.json: reuse its triton greedy ids "
+                                                     "(same model and prompts) instead of running the triton phase")
+    args = ap.parse_args()
+    for k, v in HOST_ENV.items():
+        os.environ.setdefault(k, v)
+    args.out.mkdir(parents=True, exist_ok=True)
+    sharegpt = write_sharegpt(args.out / "sharegpt.json")
+    clock, measured, phases, skipped, errors = Clock(args.deadline_s), {}, {}, [], {}
+    ref = None
+    if args.reference:
+        old = json.loads(args.reference.read_text())
+        ref = old["phases"]["triton"]["ids"]
+        assert old["model"] == args.model and len(ref) >= args.prompts, "reference from another model or fewer prompts"
+        args.phases = [p for p in args.phases if p != "triton"]
+    for i, name in enumerate(args.phases):
+        need = measured.get("startup", GUESS_S["startup"]) + measured.get("greedy", GUESS_S["greedy"])
+        if (phases or errors) and clock.left() < need:  # the first phase always runs
+            skipped.append(f"phase {name}: {clock.left():.0f}s left < ~{need:.0f}s for startup + greedy")
+            print(f"deadline: {skipped[-1]}", flush=True)
+            continue
+        try:
+            phases[name] = run_phase(name, args, 30100 + i, sharegpt, clock, measured)
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {str(e)[-3000:]}"
+            print(f"phase {name} failed: {errors[name]}\n{tail(args.out / name / 'server.log', 40)}", flush=True)
+    if ref is None and "triton" in phases:
+        ref = phases["triton"]["ids"]
+    record = {**provenance.record(), "benchmark": "fp8_mla_e2e", "model": args.model, "server_args": args.server_args,
+              "host_env": {k: os.environ.get(k) for k in HOST_ENV}, "workloads": args.workloads,
+              "num_prompts": args.num_prompts or "= concurrency", "deadline_s": args.deadline_s,
+              "wall_s": time.time() - clock.t0, "skipped": skipped + [f"{n}: {s}" for n, p in phases.items()
+                                                                      for s in p["skipped"]],
+              "reference": str(args.reference) if args.reference else "triton phase",
+              "errors": errors, "summary": summarize(phases, ref[:args.prompts] if ref else None), "phases": phases}
+    path = args.out / "fp8_mla_e2e.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["summary"], indent=1))
+    print(f"wrote {path}")
+    return 1 if errors or ("ours" in args.phases and "ours" not in phases) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,487 @@
+"""Attention backend `h20_fp8_mla`: DeepSeek MLA decode on an FP8 latent KV cache (sgl_kernel_ext.mla_decode).
+
+Selecting it (precedence, decided once in the launching process, logged in one line):
+1. `--attention-backend h20_fp8_mla` asks for it and switches the feature on (SGLANG_H20_FP8_MLA=on is exported
+   to the processes SGLang spawns). If the feature cannot turn on here (no sm_90+, untested sglang, kernel does
+   not import) or the launch is unsupported (model, dtype, ...), one line says why and SGLang picks its default
+   backend instead; speculative decoding is refused with an error, as it has no verify path here.
+2. `SGLANG_H20_FP8_MLA=on` (or `--h20-fp8-mla`) selects it when --attention-backend is unset or `flashmla` and no
+   split prefill/decode backend is given; any other explicit backend is kept (and logged).
+3. Otherwise upstream behaviour. `--prefill/--decode-attention-backend h20_fp8_mla` is an error: the backend
+   owns the KV format, so it must serve both phases.
+When selected: page size 64, `--kv-cache-dtype fp8_e4m3` (an explicit other KV dtype means "not ours"), no
+captured prefill.
+
+KV cache (fp8_kv_pool.FP8MLATokenToKVPool): the 576-channel latent in FP8 plus NUM_KV_SCALES float32 scales per
+token, KV_BYTES_PER_TOKEN = 576 + 4 * NUM_KV_SCALES bytes per token per layer (584 today) against 1152 for BF16;
+SGLang's pool sizing is told the same number through calculate_mla_kv_cache_dim. Every write quantizes only the
+new tokens.
+
+Decode: block tables from req_to_token (page 64), as upstream flashmla builds them, and mla_decode_fp8. The
+split plan is computed in init_forward_metadata from a known max length (no device sync); under CUDA graphs
+the block table and lengths live in static buffers refreshed before each replay, and each captured batch
+size keeps the plan chosen at capture from the model's context length (the kernel cuts each sequence by its
+real length inside that split count).
+
+Prefill: DeepSeek's dispatch is upstream's (`_handle_attention_backend`, so the mha_mla policy applies):
+* MHA (chunked-prefix form): SGLang's FlashInfer MLA backend's ragged and chunked-prefix MHA, exactly what
+  upstream flashmla runs. It never reads the pool; the cached prefix reaches it through the pool's
+  get_mla_kv_buffer, which dequantizes only the gathered tokens. (MHA one-shot is not offered: it is chosen by
+  backend name upstream, and the chunked form covers the same batches.)
+* MLA (absorbed, e.g. a short prefix): the prefix tokens are gathered and dequantized to BF16 and SGLang's
+  Triton extend kernel attends over them plus the new tokens (the same kernel `--attention-backend triton` uses).
+Without flashinfer every prefill takes the MLA form.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from sglang_h20.features import Hook
+from sglang_h20.settings import BY_NAME, Settings
+
+if TYPE_CHECKING:
+    from sgl_kernel_ext.mla_decode import MLADecodeMetadata
+
+NAME = "h20_fp8_mla"
+KV_LORA_RANK, ROPE_DIM = 512, 64  # DeepSeek-V2/V3's MLA latent, the shape the kernel is built for
+HEAD_DIM_QK = KV_LORA_RANK + ROPE_DIM
+PAGE_SIZE = 64
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+HANDLER_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
+SELECT_TARGET = "sglang.srt.server_args.ServerArgs._handle_attention_backend_compatibility"
+POOL_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mla_kv_pool"
+CELL_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.calculate_mla_kv_cache_dim"
+SPLIT_FIELDS = ("prefill_attention_backend", "decode_attention_backend")
+
+log = logging.getLogger("sglang_h20")
+
+
+def _kernel():
+    """sgl_kernel_ext.mla_decode, imported on first use: parsing the CLI must not depend on the kernel importing
+    (the feature's guard reports that case)."""
+    return importlib.import_module("sgl_kernel_ext.mla_decode")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The feature: hooks, registration, selection
+# ------------------------------------------------------------------------------------------------------------
+
+def hooks(settings: Settings) -> list[Hook]:
+    """Register the name with SGLang's registries, and patch: backend selection (launcher), the MLA pool
+    class and its per-token size (schedulers)."""
+    register()
+    return [Hook(SELECT_TARGET, select_backend, "before"),
+            Hook(POOL_TARGET, build_pool, "around"),
+            Hook(CELL_TARGET, kv_cache_dim, "around")]
+
+
+def add_backend_choice() -> None:
+    """Make `--attention-backend h20_fp8_mla` parse. argparse holds SGLang's choices list by reference, so
+    this works after the parser is built (the plugin calls it from its add_cli_args hook)."""
+    from sglang.srt import server_args as sa
+
+    if NAME not in sa.ATTENTION_BACKEND_CHOICES:
+        sa.add_attention_backend_choices([NAME])
+
+
+def register() -> None:
+    """Through SGLang's own registration functions: the backend factory, DeepSeek's prefill dispatch for the
+    name, chunked-prefix-cache support (our MHA prefill is FlashInfer's chunked one), the CLI choice."""
+    from sglang.srt import server_args as sa
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    add_backend_choice()
+    if NAME not in sa.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS:
+        sa.add_chunked_prefix_cache_attention_backend(NAME)
+    register_attention_backend(NAME)(create_backend)
+    importlib.import_module(HANDLER_MODULE).AttentionBackendRegistry.register(NAME, dispatch_deepseek)
+
+
+def _named(server_args) -> bool:
+    return NAME in (server_args.attention_backend, *(getattr(server_args, f, None) for f in SPLIT_FIELDS))
+
+
+def request_from(server_args, environ=None) -> None:
+    """Launcher, before features are decided: naming the backend switches the feature on, here and (through
+    the environment) in the processes SGLang spawns."""
+    if _named(server_args):
+        (os.environ if environ is None else environ)[BY_NAME["fp8_mla"].env] = "on"
+
+
+def fallback_if_off(server_args, decision) -> None:
+    """Launcher: the feature did not turn on (its guards said why); a named h20_fp8_mla becomes SGLang's
+    default backend, with one line, instead of failing later in the scheduler."""
+    if decision.on or not _named(server_args):
+        return
+    log.info("fp8_mla: --attention-backend %s asked for, but the feature is off (%s): SGLang's default "
+             "attention backend is used", NAME, decision.reason)
+    for field in ("attention_backend", *SPLIT_FIELDS):
+        if getattr(server_args, field, None) == NAME:
+            setattr(server_args, field, None)
+
+
+def model_problem(model_config) -> str | None:
+    """Why this model cannot use the backend, or None. Shared by the launcher, the pool and the factory."""
+    from sglang.srt.configs.model_config import AttentionArch, is_deepseek_dsa, is_deepseek_v4
+
+    archs = list(getattr(model_config.hf_config, "architectures", None) or [])
+    if model_config.attention_arch != AttentionArch.MLA:
+        return f"the model ({', '.join(archs) or '?'}) does not use MLA"
+    if is_deepseek_dsa(model_config.hf_config) or is_deepseek_v4(model_config.hf_config):
+        return "the model uses DeepSeek sparse attention, which has its own KV format"
+    if not any(a in DEEPSEEK_ARCHS for a in archs):
+        return f"the model ({', '.join(archs) or '?'}) is not DeepSeek-V2/V3 (the dispatch this backend plugs into)"
+    if (model_config.kv_lora_rank, model_config.qk_rope_head_dim) != (KV_LORA_RANK, ROPE_DIM):
+        return (f"the MLA latent is {model_config.kv_lora_rank}+{model_config.qk_rope_head_dim}, the kernel's is "
+                f"{KV_LORA_RANK}+{ROPE_DIM}")
+    if model_config.dtype not in (torch.bfloat16, torch.float16):
+        return f"the model dtype is {model_config.dtype} (bf16 or fp16 needed)"
+    return None
+
+
+def launch_problem(sa) -> str | None:
+    """Why this launch cannot use the backend (model, then server arguments), or None."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+
+    problem = model_problem(sa.get_model_config())
+    if problem:
+        return problem
+    if sa.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+        return f"--kv-cache-dtype {sa.kv_cache_dtype} was asked for (this backend stores its own FP8 format)"
+    if sa.speculative_algorithm:
+        return f"speculative decoding ({sa.speculative_algorithm}) is not supported (no verify/draft path)"
+    if getattr(sa, "dcp_size", 1) > 1 or getattr(sa, "enable_prefill_cp", False):
+        return "context parallelism is not supported"
+    if getattr(sa, "disaggregation_mode", "null") != "null":
+        return "PD disaggregation is not supported (the KV transfer would miss the scales)"
+    if getattr(sa, "enable_hierarchical_cache", False):
+        return "the hierarchical cache is not supported (host copies would miss the scales)"
+    cg = getattr(sa, "cuda_graph_config", None)
+    if (cg is not None and (Phase.PREFILL, "backend") in getattr(sa, "_cuda_graph_config_locked", set())
+            and cg.prefill.backend != Backend.DISABLED):
+        return f"a captured prefill ({cg.prefill.backend}) was asked for (prefill here is eager)"
+    return None
+
+
+def plan_selection(sa) -> tuple[dict, str]:
+    """(declarations for SGLang's resolution pipeline, the one log line) for this launch; see the module
+    docstring for the precedence. Reads the user's own backend fields, not model defaults declared so far."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    user = sa.attention_backend
+    split = tuple(getattr(sa, f, None) for f in SPLIT_FIELDS)
+    if NAME in split:
+        raise ValueError(f"{NAME} owns the KV cache format, so it serves prefill and decode: use --attention-backend "
+                         f"{NAME} and leave --prefill-attention-backend/--decode-attention-backend unset")
+    if user == NAME:
+        why = f"--attention-backend {NAME}"
+    elif user in (None, "flashmla") and split == (None, None):
+        why = f"SGLANG_H20_FP8_MLA=on and --attention-backend {user or 'unset'}"
+    else:
+        chosen = user if split == (None, None) else f"{user} (prefill {split[0]}, decode {split[1]})"
+        return {}, (f"fp8_mla: keeping the explicitly chosen attention backend {chosen}; SGLANG_H20_FP8_MLA "
+                    f"replaces only an unset or flashmla backend")
+    problem = launch_problem(sa)
+    if problem:
+        if user == NAME and sa.speculative_algorithm:
+            raise ValueError(f"--attention-backend {NAME}: {problem}; drop --speculative-algorithm or use flashmla")
+        fallback = None if user == NAME else user
+        return ({"attention_backend": None} if user == NAME else {}), (
+            f"fp8_mla: {why}, but {problem}: {fallback or 'SGLang default'} attention backend (upstream behaviour)")
+    notes = ""
+    if sa.page_size not in (None, PAGE_SIZE):
+        notes += f", page size {sa.page_size} -> {PAGE_SIZE}"
+    cg = getattr(sa, "cuda_graph_config", None)
+    if cg is not None and cg.prefill.backend != Backend.DISABLED:
+        cg.prefill.backend = Backend.DISABLED  # as upstream does for trtllm_mla; prefill here is eager
+        notes += ", prefill CUDA graph off"
+    decl = {"attention_backend": NAME, "page_size": PAGE_SIZE, "kv_cache_dtype": "fp8_e4m3"}
+    return decl, (f"fp8_mla: attention backend {NAME} ({why}): FP8 latent KV cache, {_kernel().KV_BYTES_PER_TOKEN} "
+                  f"B/token/layer (BF16: {2 * HEAD_DIM_QK}), page size {PAGE_SIZE}{notes}")
+
+
+def select_backend(server_args, *_args, **_kwargs):
+    """BEFORE ServerArgs._handle_attention_backend_compatibility (launcher): declare this launch's backend,
+    page size and KV dtype through SGLang's resolution pipeline, before it fills defaults and page sizes."""
+    from sglang.srt.arg_groups.overrides import run_post_process_pass
+
+    decl, line = plan_selection(server_args)
+    log.info(line)
+
+    def fp8_mla_selection(_view):
+        return decl
+
+    if decl:
+        run_post_process_pass(server_args, fp8_mla_selection)
+
+
+def build_pool(original, kvc, *, max_total_num_tokens):
+    """AROUND KVCacheConfigurator._build_mla_kv_pool (scheduler): our FP8 pool for this backend."""
+    if (kvc.server_args.attention_backend != NAME or getattr(kvc, "is_draft_worker", False)
+            or model_problem(kvc.model_config)):
+        return original(kvc, max_total_num_tokens=max_total_num_tokens)
+    from sglang.srt.runtime_context import get_exec
+
+    from sglang_h20.attention.fp8_kv_pool import FP8MLATokenToKVPool
+
+    return FP8MLATokenToKVPool(
+        max_total_num_tokens, page_size=kvc.pool_page_size, dtype=kvc.kv_cache_dtype,
+        kv_lora_rank=kvc.model_config.kv_lora_rank, qk_rope_head_dim=kvc.model_config.qk_rope_head_dim,
+        layer_num=kvc.layer_info.num_effective_layers, device=kvc.device,
+        enable_memory_saver=get_exec().features.enable_memory_saver,
+        start_layer=kvc.layer_info.start_layer, end_layer=kvc.layer_info.end_layer)
+
+
+def kv_cache_dim(original, *, model_config, kv_cache_dtype, server_args):
+    """AROUND calculate_mla_kv_cache_dim: SGLang sizes the pool as dim x element size x layers; at 1-byte
+    elements, the kernel's KV_BYTES_PER_TOKEN makes that the real footprint (FP8 latent + scales)."""
+    dim = original(model_config=model_config, kv_cache_dtype=kv_cache_dtype, server_args=server_args)
+    if (server_args.attention_backend == NAME and torch._utils._element_size(kv_cache_dtype) == 1
+            and model_problem(model_config) is None):
+        return _kernel().KV_BYTES_PER_TOKEN
+    return dim
+
+
+def create_backend(runner):
+    """Factory registered under NAME. Re-checks the model and the pool (defence in depth: the launcher has
+    already checked); on a problem, one line and SGLang's triton backend."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    from sglang_h20.attention.fp8_kv_pool import FP8MLATokenToKVPool
+
+    problem = model_problem(runner.model_config)
+    if problem is None and not isinstance(runner.token_to_kv_pool, FP8MLATokenToKVPool):
+        problem = f"the KV pool is {type(runner.token_to_kv_pool).__name__}, not the FP8 pool"
+    if problem:
+        log.warning("fp8_mla: %s: backend %s falls back to SGLang's triton backend", problem, NAME)
+        return ATTENTION_BACKENDS["triton"](runner)
+    return FP8MLABackend(runner)
+
+
+def _active_backend():
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    backend = get_attn_backend()
+    return backend.primary if isinstance(backend, TboAttnBackend) else backend
+
+
+def dispatch_deepseek(attn, forward_batch):
+    """DeepSeek's MHA/MLA choice for NAME: upstream's shared rule (and so the mha_mla policy's hook), except
+    that MHA needs the FlashInfer prefill; without it, or with ragged MHA disabled, always MLA."""
+    h = importlib.import_module(HANDLER_MODULE)
+    backend = _active_backend()
+    if not isinstance(backend, FP8MLABackend):  # the factory fell back to triton
+        return h.handle_attention_triton(attn, forward_batch)
+    if not backend.mha_prefill or attn.flashinfer_mla_disable_ragged:
+        return h._dispatch_mla_subtype(attn, forward_batch)
+    return h._handle_attention_backend(attn, forward_batch, NAME)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The backend
+# ------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class DecodeMeta:
+    block_table: torch.Tensor    # [bs, pages] int32
+    cache_seqlens: torch.Tensor  # [bs] int32, the new token included
+    plan: MLADecodeMetadata
+
+
+@dataclasses.dataclass
+class ExtendMeta:
+    """The absorbed-MLA prefill's view of the batch: new tokens per request, and the cached prefix as slots."""
+    qo_indptr: torch.Tensor   # [bs + 1] int32
+    kv_indptr: torch.Tensor   # [bs + 1] int32, into the gathered prefix
+    kv_indices: torch.Tensor  # [total_prefix] int64: 0..total-1 (the gathered prefix is contiguous)
+    prefix_loc: torch.Tensor  # [total_prefix] int64 pool slots
+    max_extend: int
+
+
+def _kernel_flag(name: str) -> bool:
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(getattr(get_exec().kernel, name))
+    except Exception:  # no runtime context (unit tests)
+        return False
+
+
+def _make_prefill_backend(model_runner):
+    """SGLang's FlashInfer MLA backend for MHA prefill (the one upstream flashmla inherits), or None."""
+    from sglang.srt.utils import is_flashinfer_available
+
+    if not is_flashinfer_available():
+        log.warning("fp8_mla: flashinfer is not available: every prefill runs absorbed MLA (Triton extend kernel)")
+        return None
+    from sglang.srt.layers.attention.flashinfer_mla_backend import FlashInferMLAAttnBackend
+
+    return FlashInferMLAAttnBackend(model_runner)
+
+
+class FP8MLABackend(AttentionBackend):
+    """Decode and absorbed-MLA prefill on the FP8 pool; MHA prefill through SGLang's FlashInfer MLA backend."""
+
+    needs_cpu_seq_lens = False  # decode uses seq_lens_cpu only when present; prefill batches always carry it
+
+    def __init__(self, model_runner, prefill_backend="auto", num_heads: int | None = None):
+        super().__init__()
+        self.mla = _kernel()
+        assert (self.mla.KV_LORA_RANK, self.mla.HEAD_DIM_QK) == (KV_LORA_RANK, HEAD_DIM_QK)
+        mc = model_runner.model_config
+        if num_heads is None:
+            from sglang.srt.runtime_context import get_parallel
+
+            num_heads = mc.num_attention_heads // get_parallel().attn_tp_size
+        self.num_heads = num_heads
+        self.max_context_len = mc.context_len
+        self.device = model_runner.device
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.pool = model_runner.token_to_kv_pool
+        self.page_size = self.pool.page_size
+        if self.page_size != PAGE_SIZE:
+            raise ValueError(f"{NAME} needs page size {PAGE_SIZE}, the pool has {self.page_size}")
+        self.prefill = _make_prefill_backend(model_runner) if prefill_backend == "auto" else prefill_backend
+        self.mha_prefill = self.prefill is not None and not _kernel_flag("flashinfer_mla_disable_ragged")
+        self.decode: DecodeMeta | None = None
+        self._extend: ExtendMeta | None = None
+        self._graph_block_table: torch.Tensor | None = None
+        self._graph_seqlens: torch.Tensor | None = None
+        self._graph_plans: dict[int, MLADecodeMetadata] = {}
+
+    # ---- metadata ------------------------------------------------------------------------------------------
+
+    def _plan(self, cache_seqlens: torch.Tensor, max_seqlen: int) -> MLADecodeMetadata:
+        """The kernel's split plan for one query token per sequence; max_seqlen keeps it free of device syncs."""
+        return self.mla.get_mla_decode_metadata(cache_seqlens, self.num_heads, 1, max_seqlen=max_seqlen)
+
+    def _block_table(self, req_pool_indices: torch.Tensor, num_pages: int, out: torch.Tensor | None = None):
+        """Page ids [bs, num_pages] int32: req_to_token at every page start, divided by the page size. Entries
+        past a sequence's end hold some valid page (the kernel stops at the length)."""
+        cols = (torch.arange(num_pages, device=self.req_to_token.device) * self.page_size).clamp_(
+            max=self.req_to_token.shape[1] - 1)
+        pages = self.req_to_token[req_pool_indices.long().unsqueeze(1), cols.unsqueeze(0)] // self.page_size
+        if out is None:
+            return pages.to(torch.int32)
+        return out.copy_(pages)
+
+    def init_forward_metadata(self, forward_batch):
+        """Eager path. Decode: block table, lengths and split plan (max length from the CPU copy when the batch
+        has one, else the context length: no device sync). Prefill: FlashInfer's plan for batches without a
+        cached prefix (MHA); the MLA form builds its own on first use."""
+        self._extend = None
+        mode = forward_batch.forward_mode
+        if mode.is_decode_or_idle():
+            bs = forward_batch.batch_size
+            if bs == 0:
+                self.decode = None
+                return
+            cpu = forward_batch.seq_lens_cpu
+            max_len = int(cpu[:bs].max()) if cpu is not None else self.max_context_len
+            seqlens = forward_batch.seq_lens[:bs].to(torch.int32)
+            block_table = self._block_table(forward_batch.req_pool_indices[:bs], triton.cdiv(max_len, self.page_size))
+            self.decode = DecodeMeta(block_table, seqlens, self._plan(seqlens, max_len))
+        elif mode.is_target_verify() or mode.is_draft_extend_v2():
+            raise NotImplementedError(f"{NAME}: speculative decoding is not supported (refused at startup)")
+        elif self.mha_prefill and not any(forward_batch.extend_prefix_lens_cpu):
+            self.prefill.init_forward_metadata(forward_batch)
+
+    def init_mha_chunk_metadata(self, forward_batch):
+        """Called by DeepSeek's chunked-prefix MHA: FlashInfer plans its per-chunk ragged attention."""
+        self.prefill.init_mha_chunk_metadata(forward_batch)
+
+    def _extend_meta(self, forward_batch) -> ExtendMeta:
+        bs = forward_batch.batch_size
+        dev = self.req_to_token.device
+        prefix_lens = forward_batch.extend_prefix_lens[:bs].to(torch.int32)
+        total = int(sum(forward_batch.extend_prefix_lens_cpu))
+        kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+        kv_indptr[1:] = torch.cumsum(prefix_lens, 0)
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+        qo_indptr[1:] = torch.cumsum(forward_batch.extend_seq_lens[:bs], 0)
+        row = torch.repeat_interleave(torch.arange(bs, device=dev), prefix_lens, output_size=total)
+        col = torch.arange(total, device=dev) - kv_indptr[row]
+        prefix_loc = self.req_to_token[forward_batch.req_pool_indices[row].long(), col].long()
+        return ExtendMeta(qo_indptr, kv_indptr, torch.arange(total, device=dev), prefix_loc,
+                          int(max(forward_batch.extend_seq_lens_cpu)))
+
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        pages = triton.cdiv(self.max_context_len, self.page_size)
+        self._graph_block_table = torch.zeros((max_bs, pages), dtype=torch.int32, device=self.device)
+        self._graph_seqlens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self._graph_plans = {}
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Before capture and before every replay: refresh the static block table and lengths. The split plan
+        of a batch size is fixed at its capture, from the context length (the graph bakes its grid)."""
+        if not forward_batch.forward_mode.is_decode_or_idle():
+            raise NotImplementedError(f"{NAME}: only decode is captured (prefill runs eagerly)")
+        bs = forward_batch.batch_size
+        seqlens = self._graph_seqlens[:bs]
+        seqlens.copy_(forward_batch.seq_lens[:bs])
+        block_table = self._block_table(forward_batch.req_pool_indices[:bs], self._graph_block_table.shape[1],
+                                        out=self._graph_block_table[:bs])
+        plan = self._graph_plans.get(bs)
+        if plan is None:
+            plan = self._graph_plans[bs] = self._plan(seqlens, self.max_context_len)
+        self.decode = DecodeMeta(block_table, seqlens, plan)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    # ---- forward -------------------------------------------------------------------------------------------
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if k is not None and save_kv_cache:
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        m = self.decode
+        heads = layer.tp_q_head_num
+        q = q.view(m.cache_seqlens.shape[0], 1, heads, HEAD_DIM_QK)
+        o = self.mla.mla_decode_fp8(q, self.pool.kv_cache(layer.layer_id), m.block_table, m.cache_seqlens,
+                                    layer.scaling, m.plan)
+        return o.view(-1, heads * KV_LORA_RANK)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        mode = forward_batch.forward_mode
+        if mode.is_target_verify() or mode.is_draft_extend_v2():
+            raise NotImplementedError(f"{NAME}: speculative decoding is not supported (refused at startup)")
+        if layer.head_dim == HEAD_DIM_QK and layer.tp_k_head_num == 1:
+            return self._forward_extend_mla(q, k, v, layer, forward_batch, save_kv_cache)
+        if self.prefill is None:
+            raise RuntimeError(f"{NAME}: MHA prefill reached the backend without the FlashInfer prefill")
+        # MHA over per-head K/V: the FlashInfer backend never touches the pool on this path
+        return self.prefill.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _forward_extend_mla(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """Absorbed MLA prefill: new tokens in BF16 from k/v, the cached prefix gathered and dequantized."""
+        from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+        if k is not None and save_kv_cache:
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        if k is None:  # cross-layer KV sharing: the new tokens are in the pool already
+            k = self.pool.dequantize_tokens(layer.layer_id, forward_batch.out_cache_loc, q.dtype)
+        if self._extend is None:
+            self._extend = self._extend_meta(forward_batch)
+        m = self._extend
+        heads = layer.tp_q_head_num
+        q = q.reshape(-1, heads, HEAD_DIM_QK)
+        k = k.reshape(-1, 1, HEAD_DIM_QK)
+        prefix = self.pool.dequantize_tokens(layer.layer_id, m.prefix_loc, q.dtype)
+        if prefix.shape[0] == 0:  # nothing cached: the kernel reads no prefix, but wants a real pointer
+            prefix = q.new_zeros((1, 1, HEAD_DIM_QK))
+        o = q.new_empty((q.shape[0], heads, KV_LORA_RANK))
+        extend_attention_fwd(q, k.contiguous(), k[..., :KV_LORA_RANK].contiguous(), o, prefix,
+                             prefix[..., :KV_LORA_RANK], m.qo_indptr, m.kv_indptr, m.kv_indices, None, True, None,
+                             m.max_extend, 1.0, 1.0, sm_scale=layer.scaling, logit_cap=layer.logit_cap or 0.0)
+        return o.view(-1, heads * KV_LORA_RANK)

@@ -1,0 +1,590 @@
+"""The h20_fp8_mla attention backend inside the installed SGLang 0.5.17: registration, selection, KV pool, decode.
+
+Kernels run on the Triton interpreter without a GPU (conftest sets TRITON_INTERPRET). The decode path runs the real
+FP8 kernel through the backend and the real FP8 pool (real SGLang pool base class and RadixAttention layers; the
+ForwardBatch and ModelRunner are small stand-ins with the fields the backend reads). Error bounds, for
+rel = ||out - ref||_F / ||ref||_F with DeepSeek-like latents (RMS-normalised rows sharing a channel profile, rope
+on its own scale):
+* against fp32 attention on the dequantized pool contents (what the backend wrote; only the kernel's Q and P
+  roundings remain): <= 2e-2, the kernel's own bound against its reference;
+* against fp32 attention on the original bf16 latents (adds the FP8 rounding of K/V): <= 4e-2.
+SGLang's Triton extend kernel does not run on the interpreter, so the absorbed-MLA prefill test swaps it for a
+float32 function of the same contract (the gpu-marked test runs the real one). Launcher behaviour (argparse, the
+one log line, fallback) runs in fresh processes, since SGLang's plugin state is per process.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_h20 import compat
+from sglang_h20.attention import fp8_mla_backend as fb
+from sglang_h20.features import FEATURES, Decision, decide
+from sglang_h20.settings import Settings
+
+mla = importlib.import_module("sgl_kernel_ext.mla_decode")
+DEVICE = "cpu" if mla._INTERPRETED else "cuda"
+REPO = Path(__file__).resolve().parents[2]
+CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_H20_") and k != "SGLANG_PLUGINS"}
+PAGE = 64
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ---- registration and hook targets -----------------------------------------------------------------------------
+
+def test_feature_points_at_this_module_and_every_hook_target_resolves():
+    feature = next(f for f in FEATURES if f.name == "fp8_mla")
+    assert feature.module == fb.__name__
+    hooks = feature.hooks(Settings.from_env({"SGLANG_H20_FP8_MLA": "on"}))
+    assert {h.target for h in hooks} == {fb.SELECT_TARGET, fb.POOL_TARGET, fb.CELL_TARGET}
+    for hook in hooks:
+        assert compat.check_target(hook.target) == (True, hook.target)
+
+
+def test_decide_turns_it_on_with_a_hopper_gpu(monkeypatch):
+    monkeypatch.setattr(compat, "check_gpu", lambda: (True, "NVIDIA H200 (sm_90, 140 GiB)"))
+    feature = next(f for f in FEATURES if f.name == "fp8_mla")
+    d = decide(feature, Settings.from_env({"SGLANG_H20_FP8_MLA": "on"}))
+    assert d.on and d.reason == "on (SGLANG_H20_FP8_MLA=on; 3 hook(s))"
+    old = "NVIDIA A100 (sm_80, 80 GiB) is older than sm_90 (Hopper)"
+    monkeypatch.setattr(compat, "check_gpu", lambda: (False, old))
+    d = decide(feature, Settings.from_env({"SGLANG_H20_FP8_MLA": "on"}))
+    assert not d.on and "older than sm_90" in d.reason
+
+
+def test_registration_makes_the_name_resolvable():
+    from sglang.srt import server_args as sa
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+
+    fb.register()
+    fb.register()  # idempotent: one entry each
+    assert ATTENTION_BACKENDS[fb.NAME] is fb.create_backend
+    assert AttentionBackendRegistry.get_handler(fb.NAME) is fb.dispatch_deepseek
+    assert sa.ATTENTION_BACKEND_CHOICES.count(fb.NAME) == 1
+    assert sa.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS.count(fb.NAME) == 1
+    # the same lists SGLang's model runner and argparse read
+    from sglang.srt.model_executor.model_runner_components import misc_utils
+
+    assert fb.NAME in misc_utils.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sa.ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--model-path", "m", "--attention-backend", fb.NAME]).attention_backend == fb.NAME
+
+
+# ---- launcher: precedence and fallback -------------------------------------------------------------------------
+
+def deepseek_config(**kw):
+    from sglang.srt.configs.model_config import AttentionArch
+
+    cfg = dict(attention_arch=AttentionArch.MLA, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+               hf_config=SimpleNamespace(architectures=["DeepseekV3ForCausalLM"]), context_len=512)
+    cfg.update(kw)
+    return SimpleNamespace(**cfg)
+
+
+def server_args(model=None, **kw):
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
+
+    args = dict(attention_backend=None, prefill_attention_backend=None, decode_attention_backend=None,
+                kv_cache_dtype="auto", speculative_algorithm=None, page_size=None, dcp_size=1,
+                disaggregation_mode="null", enable_hierarchical_cache=False, cuda_graph_config=CudaGraphConfig(),
+                _cuda_graph_config_locked=set())
+    args.update(kw)
+    model = model or deepseek_config()
+    return SimpleNamespace(get_model_config=lambda: model, **args)
+
+
+@pytest.mark.parametrize("user", [fb.NAME, None, "flashmla"])
+def test_selection_takes_an_unset_flashmla_or_named_backend(user):
+    sa = server_args(attention_backend=user, page_size=16)
+    decl, line = fb.plan_selection(sa)
+    assert decl == {"attention_backend": fb.NAME, "page_size": 64, "kv_cache_dtype": "fp8_e4m3"}
+    assert line.startswith(f"fp8_mla: attention backend {fb.NAME} (")
+    assert f"{mla.KV_BYTES_PER_TOKEN} B/token/layer" in line and "page size 16 -> 64" in line
+    assert sa.cuda_graph_config.prefill.backend == "disabled"  # prefill runs eagerly
+
+
+def test_selection_keeps_an_explicit_other_backend():
+    for sa in (server_args(attention_backend="fa3"), server_args(prefill_attention_backend="fa3")):
+        decl, line = fb.plan_selection(sa)
+        assert decl == {} and "keeping the explicitly chosen attention backend" in line
+
+
+@pytest.mark.parametrize("kw, model, problem", [
+    (dict(kv_cache_dtype="bf16"), None, "--kv-cache-dtype bf16 was asked for"),
+    (dict(speculative_algorithm="EAGLE"), None, "speculative decoding (EAGLE) is not supported"),
+    (dict(dcp_size=2), None, "context parallelism"),
+    (dict(disaggregation_mode="decode"), None, "PD disaggregation"),
+    ({}, dict(attention_arch="MHA", hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])), "does not use MLA"),
+    ({}, dict(hf_config=SimpleNamespace(architectures=["MiniCPM3ForCausalLM"])), "is not DeepSeek-V2/V3"),
+    ({}, dict(kv_lora_rank=256), "the MLA latent is 256+64"),
+    ({}, dict(dtype=torch.float32), "the model dtype is torch.float32"),
+])
+def test_unsupported_launches_keep_upstream_behaviour(kw, model, problem):
+    from sglang.srt.configs.model_config import AttentionArch
+
+    if model and model.get("attention_arch") == "MHA":
+        model["attention_arch"] = AttentionArch.MHA
+    # through the env switch: the user's backend stays, one line says why
+    decl, line = fb.plan_selection(server_args(deepseek_config(**(model or {})), attention_backend="flashmla", **kw))
+    assert decl == {} and problem in line and line.endswith("flashmla attention backend (upstream behaviour)")
+    # named explicitly: SGLang's default instead (speculative decoding is an error, see below)
+    if "speculative_algorithm" not in kw:
+        decl, line = fb.plan_selection(server_args(deepseek_config(**(model or {})), attention_backend=fb.NAME, **kw))
+        assert decl == {"attention_backend": None} and problem in line and "SGLang default" in line
+
+
+def test_speculative_decoding_and_split_backends_are_refused_at_startup():
+    with pytest.raises(ValueError, match="speculative decoding .* is not supported"):
+        fb.plan_selection(server_args(attention_backend=fb.NAME, speculative_algorithm="EAGLE"))
+    with pytest.raises(ValueError, match="serves prefill and decode"):
+        fb.plan_selection(server_args(decode_attention_backend=fb.NAME))
+
+
+def test_fallback_when_the_feature_is_off_logs_one_line(caplog):
+    sa = SimpleNamespace(attention_backend=fb.NAME, prefill_attention_backend=None, decode_attention_backend=None)
+    with caplog.at_level(logging.INFO, logger="sglang_h20"):
+        fb.fallback_if_off(sa, Decision(True, "on"))
+        assert sa.attention_backend == fb.NAME and not caplog.records
+        fb.fallback_if_off(sa, Decision(False, "SGLANG_H20_FP8_MLA=on asked for it, but no CUDA GPU visible"))
+    assert sa.attention_backend is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"fp8_mla: --attention-backend {fb.NAME} asked for, but the feature is off (SGLANG_H20_FP8_MLA=on asked for "
+        "it, but no CUDA GPU visible): SGLang's default attention backend is used"]
+    env = {}
+    fb.request_from(SimpleNamespace(attention_backend=fb.NAME, prefill_attention_backend=None,
+                                    decode_attention_backend=None), env)
+    assert env == {"SGLANG_H20_FP8_MLA": "on"}
+
+
+def test_factory_falls_back_to_triton_for_another_model(monkeypatch, caplog):
+    from sglang.srt.layers.attention import attention_registry as reg
+
+    monkeypatch.setitem(reg.ATTENTION_BACKENDS, "triton", lambda runner: ("triton", runner))
+    runner = SimpleNamespace(model_config=deepseek_config(kv_lora_rank=256), token_to_kv_pool=None)
+    with caplog.at_level(logging.WARNING, logger="sglang_h20"):
+        assert fb.create_backend(runner) == ("triton", runner)
+    assert len(caplog.records) == 1 and "falls back to SGLang's triton backend" in caplog.records[0].getMessage()
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """`prepare_server_args` with the plugin loaded and --attention-backend h20_fp8_mla, in two fresh processes run
+    side by side: as on this machine (no GPU), and with the GPU guard answering as on an H200."""
+    root = tmp_path_factory.mktemp("launch")
+    subprocess.run([sys.executable, "scripts/make_model.py", str(root), "--models", "dsv3-4l"], check=True,
+                   cwd=REPO, capture_output=True, timeout=300)
+    procs = {}
+    for name, hopper in (("cpu", False), ("hopper", True)):
+        script = root / f"{name}.py"
+        script.write_text(textwrap.dedent(LAUNCH.format(hopper=hopper, model=root / "dsv3-4l",
+                                                        flags=["--attention-backend", fb.NAME])))
+        procs[name] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=CLEAN_ENV)
+    done = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        done[name] = SimpleNamespace(returncode=p.returncode, stdout=out, stderr=err)
+    return done
+
+
+LAUNCH = """
+    if {hopper}:  # what decide() sees on an H200
+        from sglang_h20 import compat
+        compat.check_gpu = lambda: (True, "NVIDIA H200 (sm_90, 140 GiB)")
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    a = prepare_server_args(["--model-path", "{model}", "--device", "cpu", "--load-format", "dummy", *{flags}])
+    print("RESULT", a.attention_backend, a.page_size, a.kv_cache_dtype)
+"""
+
+
+def plugin_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if "[sglang-h20" in ln and "fp8_mla:" in ln]
+
+
+def test_launcher_accepts_the_name_and_falls_back_without_a_gpu(launches):
+    r = launches["cpu"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = r.stdout.split("RESULT ", 1)[1].split()
+    assert result[0] != fb.NAME and result[2] == "auto"  # SGLang's own choice for this device
+    lines = plugin_lines(r.stderr)
+    assert len(lines) == 2, lines  # the feature's decision, then the fallback
+    assert "asked for, but the feature is off" in lines[1] and "no CUDA GPU visible" in lines[1]
+
+
+def test_launcher_selects_it_on_hopper(launches):
+    r = launches["hopper"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split("RESULT ", 1)[1].split() == [fb.NAME, "64", "fp8_e4m3"]
+    lines = plugin_lines(r.stderr)
+    assert len(lines) == 2, lines
+    assert lines[0].endswith("fp8_mla: on (SGLANG_H20_FP8_MLA=on; 3 hook(s))")
+    assert f"fp8_mla: attention backend {fb.NAME} (--attention-backend {fb.NAME})" in lines[1]
+
+
+# ---- pool sizing hooks -----------------------------------------------------------------------------------------
+
+def test_pool_size_per_token_is_the_fp8_format():
+    calls = []
+
+    def original(**kw):
+        calls.append(kw)
+        return 576
+
+    ours = SimpleNamespace(attention_backend=fb.NAME)
+    assert fb.kv_cache_dim(original, model_config=deepseek_config(), kv_cache_dtype=torch.float8_e4m3fn,
+                           server_args=ours) == mla.KV_BYTES_PER_TOKEN == 576 + 4 * mla.NUM_KV_SCALES
+    assert fb.kv_cache_dim(original, model_config=deepseek_config(), kv_cache_dtype=torch.float8_e4m3fn,
+                           server_args=SimpleNamespace(attention_backend="flashmla")) == 576
+    assert len(calls) == 2
+
+
+def test_pool_hook_builds_the_fp8_pool_only_for_this_backend(monkeypatch):
+    import sglang.srt.runtime_context as rc
+
+    from sglang_h20.attention.fp8_kv_pool import FP8MLATokenToKVPool
+
+    monkeypatch.setattr(rc, "get_exec", lambda: SimpleNamespace(features=SimpleNamespace(enable_memory_saver=False)))
+    kvc = SimpleNamespace(server_args=SimpleNamespace(attention_backend=fb.NAME), model_config=deepseek_config(),
+                          pool_page_size=PAGE, kv_cache_dtype=torch.float8_e4m3fn, device="cpu", is_draft_worker=False,
+                          layer_info=SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2))
+    pool = fb.build_pool(lambda *a, **k: "upstream", kvc, max_total_num_tokens=4 * PAGE)
+    assert isinstance(pool, FP8MLATokenToKVPool) and pool.layer_num == 2
+    kvc.server_args.attention_backend = "flashmla"
+    assert fb.build_pool(lambda *a, **k: "upstream", kvc, max_total_num_tokens=4 * PAGE) == "upstream"
+
+
+# ---- the pool ----------------------------------------------------------------------------------------------------
+
+def make_pool(pages=8, layers=2):
+    from sglang_h20.attention.fp8_kv_pool import FP8MLATokenToKVPool
+
+    return FP8MLATokenToKVPool(pages * PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn, kv_lora_rank=512,
+                               qk_rope_head_dim=64, layer_num=layers, device=DEVICE, enable_memory_saver=False)
+
+
+def deepseek_latent(n, gen, mu) -> torch.Tensor:
+    """[n, 1, 576] bf16 like DeepSeek's cache: RMS-normalised latent with a shared profile, rope on its own scale."""
+    z = torch.randn(n, 512, generator=gen) + mu
+    z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return torch.cat([z, 2.0 * torch.randn(n, 64, generator=gen)], -1).unsqueeze(1).bfloat16().to(DEVICE)
+
+
+def layer(layer_id=1, heads=16):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return RadixAttention(heads, 576, 1 / math.sqrt(192), 1, layer_id, v_head_dim=512)
+
+
+def test_pool_layout_bytes_and_writes_touch_only_their_slots():
+    pool = make_pool(pages=4, layers=2)
+    slots = (4 + 1) * PAGE  # the padded page included
+    assert pool.get_kv_size_bytes() == 2 * slots * mla.KV_BYTES_PER_TOKEN
+    kv, scales = pool.kv_cache(1)
+    assert kv.shape == (5, PAGE, 576) and kv.dtype == torch.float8_e4m3fn and kv.is_contiguous()
+    assert scales.shape == (5, PAGE, mla.NUM_KV_SCALES) and scales.dtype == torch.float32
+    for buf in (*pool.kv_buffer, *pool.kv_scale_buffer):
+        buf.view(torch.uint8).fill_(0x7F)  # NaN everywhere: any write outside loc would show
+    gen = torch.Generator().manual_seed(0)
+    latent = deepseek_latent(10, gen, torch.randn(512, generator=gen))
+    loc = torch.tensor([3, 64, 65, 100, 127, 128, 200, 255, 256, 300], device=DEVICE)
+    lyr = layer(1)
+    pool.set_kv_buffer(lyr, loc[:5], latent[:5], latent[:5, :, :512])
+    pool.set_mla_kv_buffer(lyr, loc[5:], latent[5:, :, :512], latent[5:, :, 512:])
+    back = pool.dequantize_tokens(1, loc, torch.float32)
+    assert back.shape == (10, 1, 576)
+    assert rel(back, latent) <= 3.5e-2  # e4m3 keeps 3 mantissa bits: ~2.7% rms per element
+    q8, s = mla.quantize_kv_fp8(latent[:, 0])
+    assert torch.equal(pool.kv_buffer[1].view(-1, 576)[loc], q8.view(torch.uint8))
+    untouched = torch.ones(slots, dtype=torch.bool, device=DEVICE)
+    untouched[loc] = False
+    assert (pool.kv_buffer[1].view(-1, 576)[untouched] == 0x7F).all()
+    assert (pool.kv_buffer[0].view(-1, 576) == 0x7F).all()  # the other layer
+    nope, rope = pool.get_mla_kv_buffer(lyr, loc, torch.bfloat16)
+    assert nope.shape == (10, 1, 512) and rope.shape == (10, 1, 64) and nope.dtype == torch.bfloat16
+    assert nope.is_contiguous() and rope.is_contiguous()  # kv_b_proj reads k_nope
+    assert torch.equal(torch.cat([nope, rope], -1), back.bfloat16())
+    pool.move_kv_cache(torch.tensor([5], device=DEVICE), loc[:1])
+    assert torch.equal(pool.dequantize_tokens(1, torch.tensor([5], device=DEVICE), torch.float32), back[:1])
+
+
+# ---- the backend: decode ---------------------------------------------------------------------------------------
+
+class Batch:
+    """A pool filled with the cached part of some requests, their pages shuffled as SGLang's allocator leaves them."""
+
+    def __init__(self, lens, heads=16, seed=0, max_reqs=4, context=512, pages=16):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.mu = torch.randn(512, generator=self.gen)
+        self.pool = make_pool(pages=pages)
+        self.req_to_token = torch.zeros(max_reqs, context, dtype=torch.int32, device=DEVICE)
+        self.heads, self.lens = heads, list(lens)
+        free = (torch.randperm(pages, generator=self.gen) + 1).tolist()  # page 0 is SGLang's padding page
+        self.latent = []
+        for r, n in enumerate(self.lens):
+            pos = torch.arange(context)
+            page_ids = torch.tensor([free.pop() for _ in range(triton_cdiv(n, PAGE))] or [0])
+            row = page_ids[(pos // PAGE).clamp(max=len(page_ids) - 1)] * PAGE + pos % PAGE
+            self.req_to_token[r] = row.int().to(DEVICE)
+            self.latent.append(deepseek_latent(n, self.gen, self.mu))
+        self.runner = SimpleNamespace(model_config=SimpleNamespace(context_len=context), device=DEVICE,
+                                      req_to_token_pool=SimpleNamespace(req_to_token=self.req_to_token),
+                                      token_to_kv_pool=self.pool)
+
+    def slots(self, r, start, end):
+        return self.req_to_token[r, start:end].long()
+
+    def store(self, lyr, r, start, end):
+        self.pool.set_kv_buffer(lyr, self.slots(r, start, end), self.latent[r][start:end], None)
+
+    def backend(self, prefill=None):
+        return fb.FP8MLABackend(self.runner, prefill_backend=prefill, num_heads=self.heads)
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def attend(q, kv, scale, causal_offset=None):
+    """fp32 attention of q [T, H, 576] over kv [N, 576]; causal: query t sees keys < causal_offset + t + 1."""
+    s = torch.einsum("thd,nd->thn", q.float(), kv.float()) * scale
+    if causal_offset is not None:
+        t = torch.arange(q.shape[0], device=q.device)[:, None, None]
+        s = s.masked_fill(torch.arange(kv.shape[0], device=q.device)[None, None, :] > causal_offset + t, float("-inf"))
+    return torch.einsum("thn,nc->thc", s.softmax(-1), kv[:, :512].float())
+
+
+def decode_batch(b):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    bs = len(b.lens)
+    lens = torch.tensor(b.lens, device=DEVICE)
+    return SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=bs,
+                           req_pool_indices=torch.arange(bs, device=DEVICE),
+                           seq_lens=lens, seq_lens_cpu=lens.cpu(),
+                           out_cache_loc=torch.stack([b.slots(r, n - 1, n)[0] for r, n in enumerate(b.lens)]))
+
+
+def check_decode(b, out, q, lyr):
+    for r, n in enumerate(b.lens):
+        got = out[r].view(b.heads, 512)
+        cached = b.pool.dequantize_tokens(lyr.layer_id, b.slots(r, 0, n), torch.float32)[:, 0]
+        want = attend(q[r:r + 1], cached, lyr.scaling)[0]
+        exact = attend(q[r:r + 1], b.latent[r][:, 0], lyr.scaling)[0]
+        assert torch.isfinite(got.float()).all()
+        assert rel(got, want) <= 2e-2, (r, rel(got, want))
+        assert rel(got, exact) <= 4e-2, (r, rel(got, exact))
+
+
+def test_decode_writes_the_new_token_and_matches_fp32():
+    b = Batch([70, 1, 129], heads=16, seed=1)  # across pages, length 1, one past two pages
+    lyr = layer(1)
+    for r, n in enumerate(b.lens):
+        b.store(lyr, r, 0, n - 1)  # the cache before this step
+    be = b.backend()
+    fbatch = decode_batch(b)
+    be.init_forward_metadata(fbatch)
+    assert be.decode.block_table.dtype == torch.int32 and be.decode.block_table.shape == (3, 3)
+    assert torch.equal(be.decode.block_table[:, 0], (b.req_to_token[:3, 0] // PAGE))
+    assert be.decode.plan.num_row_blocks == 1
+    q = torch.randn(3, 16, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
+    k = torch.cat([b.latent[r][n - 1:n] for r, n in enumerate(b.lens)])
+    out = be.forward(q, k, k[..., :512], lyr, fbatch)
+    assert out.shape == (3, 16 * 512) and out.dtype == torch.bfloat16
+    check_decode(b, out, q, lyr)
+
+
+def test_cuda_graph_metadata_lives_in_static_buffers():
+    b = Batch([40, 100], heads=16, seed=2)
+    lyr = layer(0)
+    for r, n in enumerate(b.lens):
+        b.store(lyr, r, 0, n)
+    be = b.backend()
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    fbatch = decode_batch(b)
+    be.init_forward_metadata_out_graph(fbatch, in_capture=True)
+    captured = be.decode
+    assert captured.block_table.data_ptr() == be._graph_block_table.data_ptr()
+    assert captured.cache_seqlens.data_ptr() == be._graph_seqlens.data_ptr()
+    assert captured.block_table.shape == (2, 512 // PAGE)
+    # the plan is fixed at capture from the context bound, whatever the lengths of a later replay
+    assert captured.plan == mla.get_mla_decode_metadata(torch.ones(2), 16, 1, max_seqlen=512)
+    b.lens = [41, 101]  # the next step: one more token each
+    for r, n in enumerate(b.lens):
+        b.latent[r] = torch.cat([b.latent[r], deepseek_latent(1, b.gen, b.mu)])
+    fbatch = decode_batch(b)
+    be.init_forward_metadata_out_graph(fbatch)
+    assert be.decode.plan is captured.plan
+    assert be.decode.block_table.data_ptr() == captured.block_table.data_ptr()
+    assert be.decode.cache_seqlens.tolist() == [41, 101]
+    q = torch.randn(2, 16, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
+    k = torch.cat([b.latent[r][n - 1:n] for r, n in enumerate(b.lens)])
+    out = be.forward_decode(q, k, k[..., :512], lyr, fbatch)
+    check_decode(b, out, q, lyr)
+    assert be.get_cuda_graph_seq_len_fill_value() == 1
+
+
+# ---- the backend: prefill ----------------------------------------------------------------------------------------
+
+def extend_reference_kernel(q, k, v, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask,
+                            is_causal, mask_indptr, max_len_extend, k_scale, v_scale, sm_scale=None, logit_cap=0.0,
+                            **_):
+    """SGLang's extend_attention_fwd contract in float32: request b's queries see its prefix (k_buffer rows at
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]]) and, causally, its own new tokens."""
+    assert custom_mask is None and is_causal and k.shape[1] == 1 and logit_cap == 0.0
+    for bi in range(qo_indptr.numel() - 1):
+        q0, q1 = int(qo_indptr[bi]), int(qo_indptr[bi + 1])
+        pre = k_buffer[kv_indices[int(kv_indptr[bi]):int(kv_indptr[bi + 1])].long(), 0]
+        assert torch.equal(v_buffer[kv_indices[int(kv_indptr[bi]):int(kv_indptr[bi + 1])].long(), 0], pre[:, :512])
+        kv = torch.cat([pre, k[q0:q1, 0]]).float()
+        assert torch.equal(v[q0:q1, 0], k[q0:q1, 0, :512])
+        o[q0:q1] = attend(q[q0:q1], kv, sm_scale, causal_offset=pre.shape[0]).to(o.dtype)
+
+
+def extend_batch(b, prefix, new):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    bs = len(prefix)
+    out_loc = torch.cat([b.slots(r, p, p + e) for r, (p, e) in enumerate(zip(prefix, new))])
+    return SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=bs,
+                           req_pool_indices=torch.arange(bs, device=DEVICE),
+                           seq_lens=torch.tensor([p + e for p, e in zip(prefix, new)], device=DEVICE),
+                           extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=DEVICE),
+                           extend_prefix_lens_cpu=list(prefix), extend_seq_lens=torch.tensor(new, device=DEVICE),
+                           extend_seq_lens_cpu=list(new), out_cache_loc=out_loc)
+
+
+def check_mla_extend(b, be, prefix, new, lyr):
+    """Prefix cached; the backend stores the new tokens and attends over FP8 prefix + bf16 new tokens."""
+    for r, p in enumerate(prefix):
+        b.store(lyr, r, 0, p)
+    fbatch = extend_batch(b, prefix, new)
+    be.init_forward_metadata(fbatch)
+    T = sum(new)
+    q = torch.randn(T, b.heads, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
+    k = torch.cat([b.latent[r][p:p + e] for r, (p, e) in enumerate(zip(prefix, new))])
+    out = be.forward(q, k, k[..., :512], lyr, fbatch).view(T, b.heads, 512)
+    q0 = 0
+    for r, (p, e) in enumerate(zip(prefix, new)):
+        pre = b.pool.dequantize_tokens(lyr.layer_id, b.slots(r, 0, p), torch.bfloat16)[:, 0]
+        want = attend(q[q0:q0 + e], torch.cat([pre, b.latent[r][p:p + e, 0]]), lyr.scaling, causal_offset=p)
+        exact = attend(q[q0:q0 + e], b.latent[r][:p + e, 0], lyr.scaling, causal_offset=p)
+        assert rel(out[q0:q0 + e], want) <= 1e-2, (r, rel(out[q0:q0 + e], want))  # bf16 output rounding
+        assert rel(out[q0:q0 + e], exact) <= 4e-2
+        # the new tokens went into the pool, quantized
+        stored = b.pool.dequantize_tokens(lyr.layer_id, b.slots(r, p, p + e), torch.float32)
+        assert rel(stored, b.latent[r][p:p + e]) <= 3.5e-2
+        q0 += e
+
+
+def test_mla_prefill_reads_the_dequantized_prefix(monkeypatch):
+    import sglang.kernels.ops.attention.extend_attention as ext
+
+    if DEVICE == "cpu":  # SGLang's Triton extend kernel does not run on the interpreter
+        monkeypatch.setattr(ext, "extend_attention_fwd", extend_reference_kernel)
+    b = Batch([75, 40, 9], heads=16, seed=3)
+    check_mla_extend(b, b.backend(), prefix=[70, 0, 4], new=[5, 40, 5], lyr=layer(1))
+
+
+class FakePrefill:
+    """Stands in for SGLang's FlashInfer MLA backend: records what the backend hands it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init_forward_metadata(self, fbatch):
+        self.calls.append(("init", fbatch.batch_size))
+
+    def init_mha_chunk_metadata(self, fbatch):
+        self.calls.append(("chunk", fbatch.batch_size))
+
+    def forward_extend(self, q, k, v, lyr, fbatch, save_kv_cache):
+        self.calls.append(("forward", lyr.layer_id, save_kv_cache))
+        return q.new_zeros(q.shape[0], lyr.tp_q_head_num * lyr.v_head_dim)
+
+
+def test_mha_prefill_goes_to_flashinfer_and_never_reads_the_pool(monkeypatch):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    b = Batch([32, 16], heads=16, seed=4)
+    fake = FakePrefill()
+    be = b.backend(prefill=fake)
+    assert be.mha_prefill
+    mha = RadixAttention(16, 192, 1 / math.sqrt(192), 16, 2, v_head_dim=128)
+    fbatch = extend_batch(b, [0, 0], [32, 16])
+    be.init_forward_metadata(fbatch)  # no cached prefix: FlashInfer plans its ragged MHA
+    q = torch.zeros(48, 16, 192, device=DEVICE)
+    before = [t.clone() for t in (*b.pool.kv_buffer, *b.pool.kv_scale_buffer)]
+    out = be.forward(q, q, q[..., :128], mha, fbatch, save_kv_cache=False)
+    assert out.shape == (48, 16 * 128)
+    assert fake.calls == [("init", 2), ("forward", 2, False)]
+    assert all(torch.equal(x, y) for x, y in zip(before, (*b.pool.kv_buffer, *b.pool.kv_scale_buffer)))
+    fake.calls.clear()
+    be.init_forward_metadata(extend_batch(b, [16, 0], [16, 16]))  # a prefix: chunked MHA plans per chunk later
+    be.init_mha_chunk_metadata(fbatch)
+    assert fake.calls == [("chunk", 2)]
+
+
+def test_speculative_modes_are_refused_by_the_backend():
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    be = Batch([8]).backend()
+    with pytest.raises(NotImplementedError, match="speculative decoding"):
+        be.init_forward_metadata(SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY))
+
+
+# ---- DeepSeek's MHA/MLA dispatch ---------------------------------------------------------------------------------
+
+def test_dispatch_is_upstreams_shared_rule_when_flashinfer_prefill_exists(monkeypatch):
+    h = importlib.import_module(fb.HANDLER_MODULE)
+    seen = []
+    monkeypatch.setattr(h, "_handle_attention_backend", lambda attn, fbatch, name: seen.append(name) or "RULE")
+    monkeypatch.setattr(h, "_dispatch_mla_subtype", lambda attn, fbatch: "MLA")
+    monkeypatch.setattr(h, "handle_attention_triton", lambda attn, fbatch: "TRITON")
+    attn = SimpleNamespace(flashinfer_mla_disable_ragged=False)
+    be = Batch([8]).backend(prefill=FakePrefill())
+    monkeypatch.setattr(fb, "_active_backend", lambda: be)
+    assert fb.dispatch_deepseek(attn, None) == "RULE" and seen == [fb.NAME]  # the mha_mla policy wraps this
+    attn.flashinfer_mla_disable_ragged = True
+    assert fb.dispatch_deepseek(attn, None) == "MLA"
+    attn.flashinfer_mla_disable_ragged = False
+    be.mha_prefill = False  # no flashinfer: absorbed MLA for every prefill
+    assert fb.dispatch_deepseek(attn, None) == "MLA"
+    monkeypatch.setattr(fb, "_active_backend", lambda: object())  # the factory fell back to triton
+    assert fb.dispatch_deepseek(attn, None) == "TRITON"
+
+
+# ---- GPU: the same paths with the real kernels -------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_decode_and_mla_prefill_with_real_kernels():
+    b = Batch([300, 1, 1000], heads=128, seed=5, context=1024, pages=40)
+    lyr = layer(1, heads=128)
+    for r, n in enumerate(b.lens):
+        b.store(lyr, r, 0, n - 1)
+    be = b.backend()
+    fbatch = decode_batch(b)
+    be.init_forward_metadata(fbatch)
+    q = torch.randn(3, 128, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
+    k = torch.cat([b.latent[r][n - 1:n] for r, n in enumerate(b.lens)])
+    check_decode(b, be.forward(q, k, k[..., :512], lyr, fbatch), q, lyr)
+    b2 = Batch([200, 64, 90], heads=128, seed=6, context=1024, pages=40)
+    check_mla_extend(b2, b2.backend(), prefix=[150, 0, 89], new=[50, 64, 1], lyr=layer(0, heads=128))
