@@ -8,7 +8,8 @@
 #   (STEPS kernels) benchmark/kernels/bench_*.py ${KERNEL_ARGS:---quick} -> $OUT/bench_<name>.json (+ PNG)
 #   (STEPS calibrate) python -m sglang_h20 calibrate mha-mla on this GPU -> $OUT/mha_mla_<gpu>.json
 #   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
-#   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py
+#   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
+#   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
 # Knobs (env): STEPS="tests parity" PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
 #   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
@@ -95,6 +96,11 @@ if [[ " $STEPS " == *" swapab "* ]] && [ "$(left)" -gt 120 ]; then
   python3 benchmark/serving/swapab_e2e.py --model /tmp/models/dsv3-ep16-slice --out "$OUT/swapab_e2e" \
     --deadline-s $(( $(left) - 40 )) --arms ${SWAPAB_ARMS:-off forced} ${SWAPAB_ARGS:-} 2>&1 | tee "$OUT/swapab_e2e.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" fp8smoke "* ]] && [ "$(left)" -gt 120 ]; then
+  say "h20_fp8_mla smoke on dsv3-4l"
+  timeout $(( $(left) - 20 )) python3 scripts/fp8_mla_smoke.py /tmp/models/dsv3-4l "$OUT/fp8_smoke" 2>&1 | tail -5
+  [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; grep -A20 Traceback "$OUT/fp8_smoke/server.log" | tail -25; }
 fi
 if [[ " $STEPS " == *" fp8mla "* ]] && [ "$(left)" -gt 120 ]; then
   say "FP8 MLA backend e2e on dsv3-ep16-slice"

@@ -210,7 +210,9 @@ def main() -> int:
     shapes = model_shapes(args.model)
     forced = forced_table(args.out / "forced_table.json", shapes)
     if args.layer_only:
-        args.layer_only.write_text(json.dumps(layer_phase(args.model, forced, LAYER_TOKENS), indent=1))
+        res = layer_phase(args.model, forced, LAYER_TOKENS)
+        res["provenance"] = provenance.record()
+        args.layer_only.write_text(json.dumps(res, indent=1))
         return 0
 
     t0 = time.time()

@@ -14,6 +14,8 @@ one log line, fallback) runs in fresh processes, since SGLang's plugin state is 
 """
 from __future__ import annotations
 
+import inspect
+
 import importlib
 import logging
 import math
@@ -392,6 +394,18 @@ def check_decode(b, out, q, lyr):
         assert torch.isfinite(got.float()).all()
         assert rel(got, want) <= 2e-2, (r, rel(got, want))
         assert rel(got, exact) <= 4e-2, (r, rel(got, exact))
+
+
+def test_backend_exposes_the_pools_to_sglangs_forward_context():
+    """SGLang's model code writes K/V through get_token_to_kv_pool() = the attention backend's token_to_kv_pool
+    (seen failing on the H200 when the backend lacked it)."""
+    from sglang.srt.model_executor import forward_context
+
+    b = Batch([70], seed=3)
+    backend = b.backend()
+    assert backend.token_to_kv_pool is b.pool and backend.req_to_token_pool is b.runner.req_to_token_pool
+    src = inspect.getsource(forward_context.get_token_to_kv_pool)
+    assert "get_attn_backend().token_to_kv_pool" in src  # the contract this test stands for
 
 
 def test_decode_writes_the_new_token_and_matches_fp32():

@@ -345,8 +345,11 @@ class FP8MLABackend(AttentionBackend):
         self.num_heads = num_heads
         self.max_context_len = mc.context_len
         self.device = model_runner.device
+        # SGLang's forward context reaches the pools through the attention backend (get_token_to_kv_pool())
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        self.pool = model_runner.token_to_kv_pool
+        self.pool = self.token_to_kv_pool
         self.page_size = self.pool.page_size
         if self.page_size != PAGE_SIZE:
             raise ValueError(f"{NAME} needs page size {PAGE_SIZE}, the pool has {self.page_size}")

@@ -1,0 +1,25 @@
+#!/usr/bin/env python3
+"""Smoke test of the h20_fp8_mla backend in the real server (GPU host): start it on a dummy model, greedy-decode a few
+prompts twice (the second time their prefix is cached, so prefill reads the FP8 pool), and write what came back."""
+import json
+import sys
+import time
+from pathlib import Path
+
+from sglang_h20.nightly.serving import Server, output_ids
+
+model, out = sys.argv[1], Path(sys.argv[2])
+out.mkdir(parents=True, exist_ok=True)
+args = ("--load-format dummy --attention-backend h20_fp8_mla --sampling-backend pytorch --moe-runner-backend triton "
+        "--fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 16").split()
+texts = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * (20 + 30 * i) for i in range(4)]
+t0 = time.time()
+res = {"model": model, "args": args}
+with Server(model, args, out / "server.log") as s:
+    res["startup_s"] = round(time.time() - t0, 1)
+    first = [output_ids(r) for r in s.generate_batch(texts, max_new_tokens=32)]
+    again = [output_ids(r) for r in s.generate_batch(texts, max_new_tokens=32)]
+res["ids"], res["ids_repeat"] = first, again
+res["repeat_equal"] = [a == b for a, b in zip(first, again)]
+(out / "smoke.json").write_text(json.dumps(res, indent=1))
+print(json.dumps({k: res[k] for k in ("startup_s", "repeat_equal")}), [len(x) for x in first])
