@@ -1,10 +1,13 @@
 """On a Hopper GPU: SGLang 0.5.17's MHA and absorbed-MLA prefill paths give the same attention output.
 
-The paths are the benchmark's (benchmark/attention/mha_mla_layer.py), which call SGLang's own fa3-backend
-kernels: MHA one shot (latent gather, kv_b_proj, concat_mla_k, causal fa3 varlen over prefix + new tokens),
-MHA with a chunked prefix (fa3 with lse per chunk, merge_state_v2) and absorbed MLA (W_UK bmm, fa3 kvcache with
-qv over the paged latent cache, W_UV bmm). Random non-zero weights and inputs, DeepSeek-V3 shapes (128 heads,
-kv_lora 512, nope 128, rope 64, v 128), bf16.
+The paths are the benchmark's (benchmark/attention/mha_mla_layer.py), run with each kernel provider that
+works on the host (the other is skipped, with the reason; all are skipped where neither runs):
+flashinfer, what `--attention-backend flashmla` runs for prefill (FlashMLABackend delegates it to
+FlashInferMLAAttnBackend): MHA one shot (latent gather, kv_b_proj, concat_mla_k, causal ragged prefill over
+prefix + new tokens), MHA with a chunked prefix (ragged prefill with lse per chunk, merge_state_v2) and absorbed
+MLA (W_UK bmm, BatchMLAPagedAttentionWrapper over the latent cache in 64-token pages, W_UV bmm); fa3, what
+`--attention-backend fa3` runs (fa3 varlen; fa3 kvcache with qv), where sgl_kernel ships FA3. Random non-zero
+weights and inputs, DeepSeek-V3 shapes (128 heads, kv_lora 512, nope 128, rope 64, v 128), bf16.
 
 Error metric: rel = ||out - ref||_F / ||ref||_F on the [tokens, 128, 128] output that o_proj reads.
 Bounds: MHA vs MLA and each vs float32 <= 2e-2 (both are bf16 end to end: expected well under 1%);
@@ -39,12 +42,15 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def kernels():
+@pytest.fixture(scope="module", params=bench.PROVIDERS)
+def kernels(request):
+    """Each provider that imports here, its JIT kernels built once (a build failure is a failure, not a skip)."""
     try:
-        return bench.load_kernels()
+        k = bench.load_kernels("bf16", request.param)
     except bench.Unavailable as e:
-        pytest.fail(f"on a Hopper host SGLang's kernels must run: {e}")
+        pytest.skip(f"{request.param} kernels cannot run here: {e}")
+    print(f"\n{request.param}: built in {bench.compile_kernels(k, bench.Layer(k))} s")
+    return k
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +129,7 @@ def test_a_benchmark_point_checks_and_times_both_paths(kernels, layer):
 
 def test_fp8_kv_b_proj_variant(kernels):
     try:
-        k = bench.load_kernels("fp8")
+        k = bench.load_kernels("fp8", kernels.provider)
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"FP8 kv_b_proj path does not load: {type(e).__name__}: {e}")
     layer = bench.Layer(k)
@@ -132,3 +138,17 @@ def test_fp8_kv_b_proj_variant(kernels):
     r_ref, r_between = bench.rel(mha[:37], ref), bench.rel(mha, mla)
     print(f"\nfp8 kv_b_proj: MHA vs fp32 {r_ref:.4f}, MHA vs MLA {r_between:.4f}")
     assert r_ref <= bench.TOLERANCE_FP8 and r_between <= bench.TOLERANCE_FP8
+
+
+def test_flashinfer_lse_is_base_2_so_the_merge_converts_it(kernels, layer):
+    """Why the chunked path multiplies flashinfer's lse by ln 2: merged as SGLang 0.5.17 does (as is), the
+    result is visibly off (sgl-project/sglang#40903); converted, it matches float32."""
+    if kernels.provider != "flashinfer":
+        pytest.skip("flashinfer only")
+    X = bench.Batch(kernels, [256], [4096], 1024, seed=6)
+    ref = bench.reference_rows(kernels, layer, X, 0, list(range(256)), expanded=True)
+    good = bench.rel(bench.mha_forward(kernels, layer, X, chunked=True), ref)
+    as_upstream = bench.rel(bench.mha_forward(kernels, layer, X, chunked=True, lse_to_e=False), ref)
+    print(f"\nchunked ({len(X.chunks)} chunks) vs fp32: lse x ln2 {good:.4f}, lse as is (SGLang 0.5.17) "
+          f"{as_upstream:.4f}")
+    assert good <= 2e-2 < as_upstream
