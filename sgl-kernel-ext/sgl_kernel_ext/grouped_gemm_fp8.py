@@ -37,6 +37,10 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     Out-of-range tokens / weight rows load as 0 (and scale 0), stores are masked.
   * SPLIT_K > 1 (dense small-M GEMMs with too few tiles to fill the GPU): each k-slice writes fp32
     partials to a workspace, `_splitk_reduce_kernel` sums them into bf16 for valid rows only.
+  * signal (masked / contiguous, SPLIT_K = 1; single-batch overlap, `sgl_kernel_ext.sbo`): after a
+    tile's store, a CTA barrier, then one atomic +1 with release semantics on signal[g, token tile],
+    so a consumer that reads ceil(N / BLOCK_N) there with acquire sees every row of that token tile.
+    num_sms caps the persistent grid, to lend SMs to that consumer.
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
 else the shipped python/sglang_h20/tables/grouped_gemm_<gpu>.json; H200 ships, measured) feeds
@@ -137,8 +141,9 @@ def _fp8_grouped_gemm_kernel(
     stride_bsg, stride_bsn, stride_bsk,
     stride_og, stride_om, stride_on,
     stride_ws_split, stride_ws_row,
+    sig_ptr, SIG_STRIDE,
     G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
 ):
     KB_PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
 
@@ -180,6 +185,10 @@ def _fp8_grouped_gemm_kernel(
             if SPLIT_K == 1:
                 o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
                 tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+                if HAS_SIGNAL:  # SBO: one count per finished N-tile of (group, token tile)
+                    tl.debug_barrier()  # the whole CTA's stores precede the release below
+                    tl.atomic_add(sig_ptr + g64 * SIG_STRIDE + t_tile, 1, mask=t_tile < SIG_STRIDE,
+                                  sem="release")
             else:
                 w_rows = g64 * MAX_M + rows  # flat output row (MAX_M = 0 unless masked)
                 w_ptrs = ws_ptr + ks * stride_ws_split + w_rows[:, None] * stride_ws_row + offs_n[None, :]
@@ -466,6 +475,13 @@ def table_choice(m: float, n: int, k: int, groups: float, layout: str,
     return TableChoice(best, same[-1].get("config", {}).get(best), f"{where}: measured best {best}")
 
 
+def resolve_config(variant: str, config: dict | None, m_hint: int, n: int, k: int, groups: int,
+                   layout: str, num_sms: int = 132) -> tuple[str, dict]:
+    """(variant, full tile config) that the grouped GEMMs use for these arguments: callers that
+    need the token tile (SBO signal granularity) resolve first and pass the config back."""
+    return _resolve(variant, config, m_hint, n, k, groups, num_sms, layout)
+
+
 def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, groups: int,
              num_sms: int, layout: str) -> tuple[str, dict]:
     if variant == "auto":
@@ -580,7 +596,7 @@ def _pick_split_k(tiles: int, kb: int, num_sms: int) -> int:
 
 
 def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, m_dense=0,
-            max_m=0, upper_tiles_t, variant, cfg, split_k):
+            max_m=0, upper_tiles_t, variant, cfg, split_k, signal=None, num_sms=None):
     groups, n, k = b.shape
     swap = variant == "swapab"
     bn, bt = cfg["BLOCK_N"], cfg["BLOCK_T"]
@@ -592,7 +608,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     o3 = out if out.dim() == 3 else out.unsqueeze(0)
     group_strides = layout == LAYOUT_MASKED
     sa_g = (a3.stride(0), s3.stride(0), o3.stride(0)) if group_strides else (0, 0, 0)
-    num_sms = _device_sms(a)
+    num_sms = _device_sms(a) if num_sms is None else num_sms
     upper = max(1, upper_tiles_t * triton.cdiv(n, bn) * split_k)
     num_programs = min(upper, num_sms * cfg.get("programs_per_sm", 1))
     dummy = indptr if indptr is not None else masked_m if masked_m is not None else b_scale
@@ -604,6 +620,12 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         ws_strides = (ws.stride(0), ws.stride(1))
     else:
         ws, ws_strides = out, (0, 0)
+    if signal is not None:
+        if split_k > 1:
+            raise ValueError("signal needs split_k == 1 (a k-slice is not a finished tile)")
+        if signal.dtype != torch.int32 or signal.dim() != 2 or signal.shape[0] != groups or not signal.is_contiguous():
+            raise ValueError(f"signal must be a contiguous int32 [G={groups}, token blocks], got "
+                             f"{signal.dtype} {tuple(signal.shape)}")
     _fp8_grouped_gemm_kernel[(num_programs,)](
         a3, s3, b, b_scale, o3, ws,
         indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
@@ -614,8 +636,9 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         sa_g[2], o3.stride(1), o3.stride(2),
         *ws_strides,
+        signal if signal is not None else dummy, signal.shape[1] if signal is not None else 0,
         G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        HAS_SIGNAL=signal is not None, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     if split_k > 1:
         block = 256
@@ -630,13 +653,15 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
 def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                                      b_scale: torch.Tensor, m_indptr: torch.Tensor,
                                      out: torch.Tensor | None = None, variant: str = "auto",
-                                     config: dict | None = None, split_k: int = 1) -> torch.Tensor:
+                                     config: dict | None = None, split_k: int = 1,
+                                     signal: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
     """Contiguous grouped GEMM: out[r] = A[r] @ B[g]^T for m_indptr[g] <= r < m_indptr[g+1].
 
     a [M_total, K] fp8, a_scale [M_total, K/128] fp32, b [G, N, K] fp8, b_scale [G, ceil(N/128), K/128]
     fp32, m_indptr [G+1] int32 (non-decreasing; empty experts allowed). out [M_total, N] bf16 (made if
     None; rows outside [m_indptr[0], m_indptr[G]) are left as they were). variant: 'auto' (table or
     heuristic on M_total/G tokens per group), 'swapab' or 'normal'; config overrides tile keys.
+    signal / num_sms: as for m_grouped_fp8_gemm_nt_masked (signal[g, j]: group g's token tile j).
     """
     _check_operands(a, a_scale, b, b_scale, 1)
     groups, n, k = b.shape
@@ -652,20 +677,29 @@ def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: 
     # sum_g ceil(m_g / BT) <= M_total / BT + (number of non-empty groups)
     upper_t = m_total // cfg["BLOCK_T"] + min(groups, m_total)
     return _launch(LAYOUT_CONTIGUOUS, a, a_scale, b, b_scale, out, indptr=m_indptr,
-                   upper_tiles_t=upper_t, variant=variant, cfg=cfg, split_k=split_k)
+                   upper_tiles_t=upper_t, variant=variant, cfg=cfg, split_k=split_k, signal=signal,
+                   num_sms=num_sms)
 
 
 def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                                  b_scale: torch.Tensor, masked_m: torch.Tensor,
                                  out: torch.Tensor | None = None, variant: str = "auto",
                                  expected_m: int | None = None, config: dict | None = None,
-                                 split_k: int = 1) -> torch.Tensor:
+                                 split_k: int = 1, signal: torch.Tensor | None = None,
+                                 num_sms: int | None = None) -> torch.Tensor:
     """Masked grouped GEMM: out[g, t] = A[g, t] @ B[g]^T for t < masked_m[g].
 
     a [G, max_m, K] fp8, a_scale [G, max_m, K/128] fp32, b [G, N, K], b_scale [G, ceil(N/128), K/128],
     masked_m [G] int32 (values above max_m are clamped). out [G, max_m, N] bf16; rows t >= masked_m[g]
     are left as they were. expected_m (tokens per group, as in DeepGEMM) picks the variant and tiles
     for 'auto'; default max_m.
+
+    signal (single-batch overlap): int32 [G, ceil(max_m / BLOCK_T)], zeroed by the caller; each
+    finished [BLOCK_T, BLOCK_N] output tile adds 1 to signal[g, token tile] with release semantics
+    after its store, so a consumer that reads ceil(N / BLOCK_N) there with acquire may read those
+    rows while the GEMM still runs (sgl_kernel_ext.sbo). Pass the full config so BLOCK_T is known
+    (`resolve_config`). Token tiles beyond signal.shape[1] are not signalled. num_sms: SMs the
+    persistent grid may fill (default all), to leave some to a concurrent kernel.
     """
     _check_operands(a, a_scale, b, b_scale, 2)
     groups, n, k = b.shape
@@ -682,7 +716,8 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     variant, cfg = _resolve(variant, config, m_hint, n, k, groups, _device_sms(a), "masked")
     upper_t = groups * triton.cdiv(max_m, cfg["BLOCK_T"])
     return _launch(LAYOUT_MASKED, a, a_scale, b, b_scale, out, masked_m=masked_m, max_m=max_m,
-                   upper_tiles_t=upper_t, variant=variant, cfg=cfg, split_k=split_k)
+                   upper_tiles_t=upper_t, variant=variant, cfg=cfg, split_k=split_k, signal=signal,
+                   num_sms=num_sms)
 
 
 def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""Single-batch overlap (SBO) on one Hopper GPU: down GEMM + combine, with and without overlap.
+
+DeepSeek-V3 MoE layer at decode batch {8, 16, 32, 56, 64}: 256 experts (--experts to change), top-8,
+uniform random routing, down GEMM N = H = 7168, K = I = 2048 (FP8, 128x128 weight blocks), bf16 out.
+Per batch (µs, median of triton.testing.do_bench_cudagraph: each call captured in a CUDA graph, so
+launch overhead is out; a point whose capture fails is timed with do_bench and says so):
+  gemm_alone          down GEMM on every SM, no signals
+  gemm_lent[b]        down GEMM on SMs - b with signals on (what the overlapped GEMM costs by itself:
+                      the slowdown from lending b SMs to the combine)
+  combine_alone       the combine kernel on a finished GEMM output (no waiting)
+  serial              moe_down_and_combine(overlap=False): GEMM, then combine, one stream
+  overlap[b]          moe_down_and_combine(overlap=True, combine_sms=b)
+  shared_alone        the shared expert (FP8 gate_up 7168 -> 4096, SiLU*up, down 2048 -> 7168; our dense GEMMs)
+  serial+shared       shared expert, then serial down+combine, then the add (one stream)
+  overlap+shared[b]   shared expert on a third stream beside overlap[b], joined before the add
+Every overlapped output is compared with the serial one (bit for bit) and its error flag checked.
+Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_scaling_factor 2.5):
+  layer_upstream      SGLang's fused_experts (triton runner), inplace as the model runs it
+  layer_ours_serial   sglang_h20.moe.sbo.moe_forward(overlap=False)
+  layer_ours_overlap  moe_forward(overlap=True), what --h20-sbo runs for these calls
+(upstream needs SGLang's global server args: --model PATH gives a config dir, else a dummy attempt;
+a failure is recorded under "unavailable", never dropped silently).
+
+Output: --json OUT (provenance = sglang_h20.provenance.record(), points, per-batch summary, numeric
+"latency_us" = overlap at the best budget for batch 32) and a PNG next to it (--png to move it).
+Takes about 3 minutes on an H200 (--quick: batches 8 and 64, one budget).
+
+usage: bench_sbo.py [--json OUT] [--png OUT] [--batches 8 16 ...] [--budgets 4 8 16] [--experts 256] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout without installing
+    if str(_p) not in sys.path:
+        sys.path.append(str(_p))
+
+BATCHES = [8, 16, 32, 56, 64]
+BUDGETS = [4, 8, 16]
+H, I, TOPK, SHARED_I = 7168, 2048, 8, 2048
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--png", type=Path)
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    ap.add_argument("--budgets", type=int, nargs="+", default=BUDGETS)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--rep-ms", type=int, default=60)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", help="model dir for SGLang's server args (upstream layer arm)")
+    ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer comparison")
+    return ap.parse_args(argv)
+
+
+def quant_weights(torch, e, n, k, gen, chunk=32):
+    """[e, n, k] random FP8 weights with 128x128 scales, quantized 32 experts at a time (memory)."""
+    from sgl_kernel_ext.quant import per_block_quant_fp8
+
+    parts = [per_block_quant_fp8(torch.randn(min(chunk, e - i), n, k, device="cuda", generator=gen,
+                                             dtype=torch.bfloat16) * 0.02, 128) for i in range(0, e, chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def timer(torch, triton, fn, rep_ms):
+    """(µs, how): CUDA-graph median, else plain do_bench."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3, "cudagraph"
+    except Exception as e:  # capture not possible: eager timing, labelled
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3, \
+            f"eager ({type(e).__name__})"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import triton
+    import triton.testing  # noqa: F401
+
+    if not torch.cuda.is_available():
+        print("bench_sbo: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import quant, sbo
+
+    from sglang_h20.provenance import record
+
+    if args.quick:
+        args.batches, args.budgets = [8, 64], [8]
+    dev = "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    e = args.experts
+    g = torch.Generator(device=dev).manual_seed(0)
+    w2q, w2s = quant_weights(torch, e, H, I, g)
+    sh1q, sh1s = quant.per_block_quant_fp8(torch.randn(2 * SHARED_I, H, device=dev, generator=g) * 0.02, 128)
+    sh2q, sh2s = quant.per_block_quant_fp8(torch.randn(H, SHARED_I, device=dev, generator=g) * 0.02, 128)
+    shared_stream = torch.cuda.Stream()
+
+    def shared_expert(x):
+        a, s = quant.per_token_group_quant_fp8(x, 128)
+        h = gg.fp8_gemm_nt(a, s, sh1q, sh1s)
+        q, qs = quant.silu_mul_quant_fp8(h)
+        return gg.fp8_gemm_nt(q, qs, sh2q, sh2s)
+
+    points, summary = [], {}
+    for t in args.batches:
+        ids = torch.stack([torch.randperm(e, device=dev, generator=g)[:TOPK] for _ in range(t)]).to(torch.int32)
+        w = torch.rand(t, TOPK, device=dev, generator=g) + 0.05
+        lay = sbo.build_layout(ids, e)
+        q, qs = quant.per_token_group_quant_fp8(torch.randn(t * TOPK, I, device=dev, generator=g), 128)
+        x = torch.randn(t, H, device=dev, generator=g).to(torch.bfloat16)
+        out = torch.empty(t, H, device=dev, dtype=torch.bfloat16)
+        status = torch.zeros(1, dtype=torch.int32, device=dev)
+        m_hint = max(1, -(-t * TOPK // min(e, t * TOPK)))
+        variant, cfg = gg.resolve_config("auto", None, m_hint, H, I, e, "contiguous", sms)
+        y = torch.empty(t * TOPK, H, device=dev, dtype=torch.bfloat16)
+        sig = torch.zeros(e, triton.cdiv(lay.max_m, cfg["BLOCK_T"]), dtype=torch.int32, device=dev)
+
+        def add(name, fn, budget=None, **extra):
+            us, how = timer(torch, triton, fn, args.rep_ms)
+            p = {"batch": t, "experts": e, "name": name, "budget_sms": budget, "us": us, "timing": how,
+                 "variant": variant, "config": cfg, **extra}
+            points.append(p)
+            print(f"batch {t:3d} {name:18s} {'' if budget is None else f'b={budget:<3d}'} {us:8.1f} us  {how}",
+                  flush=True)
+            return us
+
+        def serial():
+            sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, out, overlap=False, variant=variant, config=cfg)
+
+        ref = torch.empty_like(out)
+        sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, ref, overlap=False, variant=variant, config=cfg)
+        s = {"gemm_alone": add("gemm_alone", lambda: gg.m_grouped_fp8_gemm_nt_contiguous(
+            q, qs, w2q, w2s, lay.m_indptr, out=y, variant=variant, config=cfg))}
+        s["combine_alone"] = add("combine_alone", lambda: sbo.combine(y, lay, w, out, block_t=cfg["BLOCK_T"]))
+        s["serial"] = add("serial", serial)
+        s["shared_alone"] = add("shared_alone", lambda: shared_expert(x))
+
+        def serial_shared():
+            sh = shared_expert(x)
+            serial()
+            out.add_(sh)
+
+        s["serial+shared"] = add("serial+shared", serial_shared)
+        for b in args.budgets:
+            s[f"gemm_lent[{b}]"] = add("gemm_lent", lambda b=b: (sig.zero_(), gg.m_grouped_fp8_gemm_nt_contiguous(
+                q, qs, w2q, w2s, lay.m_indptr, out=y, variant=variant, config=cfg, signal=sig, num_sms=sms - b)), b)
+
+            def overlapped(b=b):
+                sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, out, overlap=True, combine_sms=b,
+                                         variant=variant, config=cfg, status=status)
+
+            status.zero_()
+            overlapped()
+            torch.cuda.synchronize()
+            same = bool(torch.equal(out, ref)) and int(status) == 0
+            s[f"overlap[{b}]"] = add("overlap", overlapped, b, equal_to_serial=same)
+
+            def overlapped_shared(b=b):
+                main = torch.cuda.current_stream()
+                shared_stream.wait_stream(main)
+                with torch.cuda.stream(shared_stream):
+                    sh = shared_expert(x)
+                overlapped(b)
+                main.wait_stream(shared_stream)
+                out.add_(sh)
+
+            s[f"overlap+shared[{b}]"] = add("overlap+shared", overlapped_shared, b)
+            if not same:
+                print(f"batch {t}: overlapped output differs from serial at budget {b}!", file=sys.stderr)
+        best = min(args.budgets, key=lambda b: s[f"overlap[{b}]"])
+        s["best_budget"] = best
+        s["overlap_gain_us"] = s["serial"] - s[f"overlap[{best}]"]
+        s["gemm_slowdown_pct_at_best"] = 100 * (s[f"gemm_lent[{best}]"] / s["gemm_alone"] - 1)
+        s["with_shared_gain_us"] = s["serial+shared"] - min(s[f"overlap+shared[{b}]"] for b in args.budgets)
+        summary[t] = s
+
+    unavailable, layer_rows = {}, []
+    if not args.no_layer:
+        torch.cuda.empty_cache()
+        try:
+            layer_rows = layer_compare(torch, triton, args, e, unavailable)
+        except Exception as ex:
+            unavailable["layer"] = f"{type(ex).__name__}: {ex}"
+            print(f"layer comparison unavailable: {unavailable['layer']}", file=sys.stderr)
+    all_equal = all(p.get("equal_to_serial", True) for p in points) and \
+        all(r.get("overlap_equal_serial", True) for r in layer_rows)
+    result = {"provenance": record(), "shape": {"experts": e, "top_k": TOPK, "hidden": H, "inter": I,
+                                                 "shared_inter": SHARED_I, "sms": sms},
+              "points": points, "summary": summary, "layer": layer_rows, "unavailable": unavailable,
+              "all_overlapped_equal_to_serial": all_equal}
+    if 32 in summary:
+        result["latency_us"] = summary[32][f"overlap[{summary[32]['best_budget']}]"]
+    png = args.png or (args.json.with_suffix(".png") if args.json else None)
+    if png:
+        try:
+            plot(summary, args.budgets, png)
+            result["png"] = str(png)
+        except Exception as ex:
+            print(f"plot failed: {type(ex).__name__}: {ex}", file=sys.stderr)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    for t, s in summary.items():
+        best_us = s[f"overlap[{s['best_budget']}]"]
+        print(f"batch {t}: serial {s['serial']:.1f} us, overlap {best_us:.1f} us "
+              f"(b={s['best_budget']}, gain {s['overlap_gain_us']:.1f} us, GEMM +{s['gemm_slowdown_pct_at_best']:.1f}%), "
+              f"with shared: gain {s['with_shared_gain_us']:.1f} us")
+    return 0 if all_equal else 1
+
+
+def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
+    """Whole MoE layer: upstream fused_experts vs the plugin's SBO path (see the module doc)."""
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    upstream = None
+    try:
+        from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+        from sglang.srt.layers.moe.topk import StandardTopKOutput
+        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+        model = args.model or next((m for m in ("/tmp/models/dsv3-4l",) if Path(m).exists()), "dummy")  # gpu_check's
+        set_global_server_args_for_scheduler(ServerArgs(model_path=model, load_format="dummy"))
+        fm = __import__("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe", fromlist=["x"])
+        cfg = MoeRunnerConfig(num_experts=e, num_local_experts=e, top_k=TOPK, inplace=True, routed_scaling_factor=2.5)
+        upstream = (fm, cfg, StandardTopKOutput)
+    except Exception as ex:
+        unavailable["layer_upstream"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w1, w1s = quant_weights(torch, e, 2 * I, H, g)
+    w2, w2s = quant_weights(torch, e, H, I, g)
+    rows = []
+    for t in args.batches:
+        x0 = torch.randn(t, H, device="cuda", generator=g).to(torch.bfloat16)
+        ids = torch.argsort(torch.rand(t, e, device="cuda", generator=g), dim=1)[:, :TOPK].to(torch.int32)
+        w = torch.rand(t, TOPK, device="cuda", generator=g) + 0.1
+        x = x0.clone()
+        arms = {"layer_ours_serial": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
+                                                                    routed_scaling_factor=2.5, overlap=False),
+                "layer_ours_overlap": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
+                                                                     routed_scaling_factor=2.5, overlap=True)}
+        if upstream is not None:
+            fm, cfg, topk_cls = upstream
+
+            def up():
+                x.copy_(x0)  # inplace, as the model runs it
+                return fm.fused_experts(x, w1, w2, topk_cls(w, ids, None), moe_runner_config=cfg, use_fp8_w8a8=True,
+                                        w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
+
+            arms["layer_upstream"] = up
+        row = {"batch": t, "experts": e}
+        outs = {}
+        for name, fn in arms.items():
+            try:
+                outs[name] = fn().clone()
+                row[name + "_us"], row[name + "_timing"] = timer(torch, triton, fn, args.rep_ms)
+            except Exception as ex:
+                unavailable[f"{name}@{t}"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
+        if "layer_ours_serial" in outs and "layer_ours_overlap" in outs:
+            row["overlap_equal_serial"] = bool(torch.equal(outs["layer_ours_serial"], outs["layer_ours_overlap"]))
+        if "layer_upstream" in outs and "layer_ours_overlap" in outs:
+            a, b = outs["layer_ours_overlap"].float(), outs["layer_upstream"].float()
+            row["rel_diff_vs_upstream"] = float((a - b).norm() / b.norm())
+        print("layer", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        rows.append(row)
+    return rows
+
+
+def plot(summary, budgets, png: Path):
+    from sglang_h20.plotting import pyplot
+
+    plt = pyplot()
+    batches = sorted(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, suffix, base in ((axes[0], "", "serial"), (axes[1], "+shared", "serial+shared")):
+        ax.plot(batches, [summary[t][base] for t in batches], "k-o", label=base)
+        for b in budgets:
+            ax.plot(batches, [summary[t][f"overlap{suffix}[{b}]"] for t in batches], "--s",
+                    label=f"overlap{suffix}, {b} SMs to combine")
+        if not suffix:
+            ax.plot(batches, [summary[t]["gemm_alone"] for t in batches], ":", label="down GEMM alone")
+            ax.plot(batches, [summary[t]["combine_alone"] for t in batches], ":", label="combine alone")
+        ax.set_xlabel("batch (tokens)")
+        ax.set_ylabel("µs")
+        ax.set_title("down GEMM + combine" + (" + shared expert" if suffix else ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Single-batch overlap (SBO) on SM90: MoE combine with the down GEMM, shared experts beside the routed ones.
+
+Switch: SGLANG_H20_SBO=on (--h20-sbo on). Upstream 0.5.17 refuses --enable-single-batch-overlap on
+SM90 because DeepGEMM/DeepEP wheels lack the SM90 down-GEMM signal. Our hooks (SM90 only; on any
+other GPU `hooks()` returns none and logs one line, so upstream's own SBO applies there):
+
+1. INIT_MOE_CONFIG (around): --enable-single-batch-overlap on SM90 no longer raises; SGLang's SBO
+   flag is set as on other GPUs, so upstream's SM90-capable part runs (DeepEP low-latency: shared
+   experts inside the dispatch, `SboFlags.enable_dispatch_shared_one_stream_overlap`), and
+2. COMBINE_DOWN_FLAG (around): upstream's down-GEMM/combine overlap, the DeepGEMM+DeepEP signal path
+   that does not exist on SM90, answers False there. The flag's remaining meaning is ours:
+3. TRITON_MOE (around `fused_experts`, single GPU / TP): FP8 block-quant [128, 128] MoE with bf16
+   activations and at most MAX_TOKENS tokens runs dispatch (on-GPU map, `sgl_kernel_ext.sbo`), our
+   gate_up grouped GEMM, SiLU*up -> fp8, then `moe_down_and_combine(overlap=True)`: the combine
+   consumes the down GEMM's per-(expert, token tile) signals on a second stream. Other calls go on
+   unchanged. Chaining with swapab (same target): features register in FEATURES order, swapab first,
+   so this hook is the outer one; when it serves a call, swapab's hook is not consulted for that
+   call; when it declines, `original` is swapab's wrapper, which decides as if we were not there.
+4. SHARED_FORWARD (around `DeepseekV2MoE.forward_normal`): shared experts on the layer's alt stream,
+   forked before the gate, so they run concurrently with gate, top-k, dispatch and routed experts;
+   joined before the final add. Only where upstream adds shared after the routed output anyway
+   (tp_size == 1, or shared experts replicated per rank: `_shared_expert_tp1`), so the result is the
+   same sum. Under CUDA-graph capture upstream already takes `forward_normal_dual_stream` (the same
+   overlap), and its DeepEP path already forks shared experts when SBO is off: this hook covers the
+   eager forward_normal (prefill, non-graph decode).
+Every decline reason is logged once.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_h20.features import Hook
+from sglang_h20.settings import Settings
+
+INIT_MOE_CONFIG = "sglang.srt.layers.moe.utils.initialize_moe_config"
+COMBINE_DOWN_FLAG = ("sglang.srt.batch_overlap.single_batch_overlap.SboFlags."
+                     "enable_combine_down_gemm_two_stream_overlap")
+TRITON_MOE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.fused_experts"
+SHARED_FORWARD = "sglang.srt.models.deepseek_v2.DeepseekV2MoE.forward_normal"
+MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys nothing
+
+log = logging.getLogger("sglang_h20.sbo")
+_noted: set[str] = set()
+
+
+def _note(reason: str) -> None:
+    if reason not in _noted:
+        _noted.add(reason)
+        log.info("sbo: upstream for %s", reason)
+
+
+def _sm90() -> bool:
+    from sglang_h20 import compat
+
+    g = compat.gpu()
+    return g is not None and g.capability[0] == 9
+
+
+# ---------------------------------------------------------------------------------------------
+# 1, 2: upstream's flag on SM90
+# ---------------------------------------------------------------------------------------------
+def init_moe_config_hook(original, server_args):
+    """AROUND initialize_moe_config: accept --enable-single-batch-overlap on SM90 (see module doc)."""
+    if not (getattr(server_args, "enable_single_batch_overlap", False) and _sm90()):
+        return original(server_args)
+    server_args.enable_single_batch_overlap = False  # skip upstream's SM90 refusal ...
+    try:
+        result = original(server_args)
+    finally:
+        server_args.enable_single_batch_overlap = True
+    from sglang.srt.layers.moe.utils import get_flags
+
+    get_flags().moe.sbo_enabled = True  # ... and set what it would have set
+    log.info("sbo: --enable-single-batch-overlap on SM90 -> sglang-h20 SBO (triton MoE: combine overlapped "
+             "with the down GEMM; shared experts on a side stream; DeepEP: upstream's shared-in-dispatch, "
+             "no down-GEMM signal)")
+    return result
+
+
+def combine_down_flag_hook(original, cls):
+    """AROUND SboFlags.enable_combine_down_gemm_two_stream_overlap: no DeepGEMM signal path on SM90."""
+    return False if _sm90() else original(cls)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3: the triton MoE path
+# ---------------------------------------------------------------------------------------------
+def _ep_size() -> int:
+    try:
+        from sglang.srt.distributed.parallel_state import get_moe_expert_parallel_world_size
+
+        return get_moe_expert_parallel_world_size()
+    except Exception:  # not initialized (tests, single process)
+        return 1
+
+
+def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, a1_q=None, a1_scale=None,
+                out=None, routed_scaling_factor=None, overlap: bool = True, combine_sms: int | None = None):
+    """FP8 MoE through our kernels with the SBO down GEMM + combine; returns out [T, H] bf16."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import sbo
+    from sgl_kernel_ext.quant import per_token_group_quant_fp8, silu_mul_quant_fp8
+
+    num_experts = w1.shape[0]
+    layout = sbo.build_layout(topk_ids, num_experts)
+    if a1_q is not None:
+        a, a_scale = a1_q, a1_scale
+    elif hidden_states.is_cuda:
+        from sglang.kernels.ops.moe.fused_moe_triton_kernels import sglang_per_token_group_quant_fp8
+
+        a, a_scale = sglang_per_token_group_quant_fp8(hidden_states, 128)
+    else:
+        a, a_scale = per_token_group_quant_fp8(hidden_states, 128)
+    h = gg.m_grouped_fp8_gemm_nt_contiguous(sbo.dispatch_rows(a, layout), sbo.dispatch_rows(a_scale, layout),
+                                            w1, w1_scale, layout.m_indptr)
+    q, q_scale = silu_mul_quant_fp8(h)
+    out = torch.empty_like(hidden_states) if out is None else out
+    return sbo.moe_down_and_combine(q, q_scale, w2, w2_scale, topk_weights, layout, out,
+                                    weight_scale=1.0 if routed_scaling_factor is None else routed_scaling_factor,
+                                    overlap=overlap, combine_sms=combine_sms)
+
+
+def fused_experts_hook(original, hidden_states, w1, w2, topk_output, moe_runner_config, b1=None, b2=None,
+                       use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                       per_channel_quant=False, w1_scale=None, w2_scale=None, w1_zp=None, w2_zp=None,
+                       a1_scale=None, a2_scale=None, block_shape=None, a1_q=None):
+    """AROUND fused_experts (same parameters): ours for supported FP8 decode-size calls, else `original`."""
+    from sglang_h20.moe import swapab  # its host-side shape checks; swapab itself is not changed
+
+    topk_weights, topk_ids = topk_output[0], topk_output[1]
+    cfg = moe_runner_config
+    why = swapab.moe_unsupported(hidden_states, w1, w2, topk_ids, cfg, b1, b2, use_fp8_w8a8, use_int8_w8a8,
+                                 use_int8_w8a16, use_int4_w4a16, per_channel_quant, w1_scale, w2_scale,
+                                 block_shape, a1_q, a1_scale)
+    if why is None and not hidden_states.is_cuda:
+        why = "MoE on a non-CUDA device"
+    if why is None and hidden_states.shape[0] > MAX_TOKENS:
+        why = f"MoE calls above {MAX_TOKENS} tokens"
+    if why is None and (torch.compiler.is_compiling() or _in_piecewise_graph()):
+        why = "MoE under torch.compile or a piecewise/breakable CUDA graph"
+    if why is None and _ep_size() > 1:
+        why = "MoE with expert parallelism (top-k ids may be -1)"
+    if why is None:
+        fm = swapab._modules()[0]
+        if fm.get_exec().moe.enable_fused_moe_sum_all_reduce:
+            why = "MoE with the fused sum + all-reduce"
+    if why is not None:
+        _note(why)
+        return original(hidden_states, w1, w2, topk_output, moe_runner_config, b1=b1, b2=b2,
+                        use_fp8_w8a8=use_fp8_w8a8, use_int8_w8a8=use_int8_w8a8, use_int8_w8a16=use_int8_w8a16,
+                        use_int4_w4a16=use_int4_w4a16, per_channel_quant=per_channel_quant,
+                        w1_scale=w1_scale, w2_scale=w2_scale, w1_zp=w1_zp, w2_zp=w2_zp, a1_scale=a1_scale,
+                        a2_scale=a2_scale, block_shape=block_shape, a1_q=a1_q)
+    if cfg.inplace:
+        out = hidden_states
+    elif fm.is_allocation_symmetric():  # as upstream: the output feeds a symmetric-memory all-reduce
+        with fm.use_symmetric_memory(fm.get_tp_group()):
+            out = torch.empty_like(hidden_states)
+    else:
+        out = torch.empty_like(hidden_states)
+    return moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
+                       a1_q=a1_q, a1_scale=a1_scale if a1_q is not None else None, out=out,
+                       routed_scaling_factor=cfg.routed_scaling_factor, overlap=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4: shared experts beside the routed ones
+# ---------------------------------------------------------------------------------------------
+def shared_unsupported(moe, hidden_states, skip_shared_experts: bool) -> str | None:
+    """Why the shared-expert overlap cannot serve this forward_normal call (None: it can)."""
+    if skip_shared_experts:
+        return "forward_normal with skip_shared_experts (shared experts computed elsewhere)"
+    if not hasattr(moe, "shared_experts") or getattr(moe, "num_fused_shared_experts", 1) != 0:
+        return "MoE without separate shared experts (fused into the routed ones)"
+    if getattr(moe, "alt_stream", None) is None or not hidden_states.is_cuda:
+        return "MoE without an alt stream / off CUDA"
+    if hidden_states.shape[0] == 0:
+        return "empty MoE input"
+    if not (getattr(moe, "tp_size", 1) == 1 or getattr(moe, "_shared_expert_tp1", False)):
+        return "shared experts that must be added before the TP all-reduce"
+    if torch.compiler.is_compiling() or _in_piecewise_graph():
+        return "forward_normal under torch.compile or a piecewise/breakable CUDA graph"
+    return None
+
+
+def _in_piecewise_graph() -> bool:
+    """Piecewise (torch.compile) or breakable CUDA-graph capture: keep upstream's stream handling there."""
+    try:
+        from sglang.srt.models import deepseek_v2 as dsv2
+
+        return bool(dsv2.is_in_tc_piecewise_cuda_graph() or dsv2.is_in_breakable_cuda_graph())
+    except Exception:
+        return False
+
+
+def forward_normal_hook(original, self, hidden_states, gemm_output_zero_allocator=None, input_ids=None,
+                        input_ids_global=None, skip_shared_experts=False):
+    """AROUND DeepseekV2MoE.forward_normal: shared experts on alt_stream, routed on the current one."""
+    why = shared_unsupported(self, hidden_states, skip_shared_experts)
+    if why is not None:
+        _note(why)
+        return original(self, hidden_states, gemm_output_zero_allocator, input_ids,
+                        input_ids_global=input_ids_global, skip_shared_experts=skip_shared_experts)
+    main, side = torch.cuda.current_stream(), self.alt_stream
+    inplace = getattr(getattr(self.experts, "moe_runner_config", None), "inplace", True)
+    x = hidden_states.clone() if inplace else hidden_states  # the routed experts may overwrite it
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        shared = self._forward_shared_experts(x)  # no bump allocator: it is not meant for two streams
+    routed = original(self, hidden_states, gemm_output_zero_allocator, input_ids,
+                      input_ids_global=input_ids_global, skip_shared_experts=True)
+    main.wait_stream(side)
+    shared.record_stream(main)  # made on the side stream, used and freed on this one
+    return routed.add_(shared)
+
+
+# ---------------------------------------------------------------------------------------------
+# Feature entry
+# ---------------------------------------------------------------------------------------------
+def hooks(settings: Settings) -> list[Hook]:
+    """All four hooks on SM90; none elsewhere (one log line: upstream's SBO applies there)."""
+    from sglang_h20 import compat
+
+    g = compat.gpu()
+    if g is None or g.capability[0] != 9:
+        log.info("sbo: %s is not SM90: upstream's own SBO (--enable-single-batch-overlap) applies, ours is off",
+                 g.label if g else "no GPU")
+        return []
+    _noted.clear()
+    return [Hook(INIT_MOE_CONFIG, init_moe_config_hook, "around"),
+            Hook(COMBINE_DOWN_FLAG, combine_down_flag_hook, "around"),
+            Hook(TRITON_MOE, fused_experts_hook, "around"),
+            Hook(SHARED_FORWARD, forward_normal_hook, "around")]
+
+
+ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD)

@@ -1,0 +1,283 @@
+"""SBO on CPU: the down GEMM's completion signals, the signal-waiting combine, the layout maps, the
+error flag, and the plugin's hooks against the installed SGLang.
+
+Under TRITON_INTERPRET programs run one after another, so "overlap" is emulated in order: the GEMM
+runs first with signals on, then the consumer waits on them (every wait succeeds at once). What can
+still fail here: a missing or miscounted signal (the consumer then flags an error), a wrong inverse
+map, a token reduced twice or never, a sum in a timing-dependent order (the waiting and non-waiting
+combines must agree bit for bit), a hook target that does not resolve. Races need the GPU test
+(test/gpu/test_sbo_gpu.py).
+"""
+import importlib
+import logging
+import os
+import sys
+import types
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for _name, _kernel in (("sgl_kernel_ext.quant", "_silu_mul_quant_kernel"),
+                           ("sgl_kernel_ext.grouped_gemm_fp8", "_fp8_grouped_gemm_kernel"),
+                           ("sgl_kernel_ext.sbo", "_combine_kernel")):
+        _mod = sys.modules.get(_name)
+        if _mod is not None and not isinstance(getattr(_mod, _kernel), InterpretedFunction):
+            importlib.reload(_mod)
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+
+from sgl_kernel_ext import grouped_gemm_fp8 as gg  # noqa: E402
+from sgl_kernel_ext import sbo  # noqa: E402
+from sgl_kernel_ext.quant import per_block_quant_fp8, per_token_group_quant_fp8  # noqa: E402
+
+E, H, I = 4, 256, 128  # experts, hidden (down N; two 128-row N-tiles at BLOCK_N 128), intermediate (down K)
+
+
+@pytest.fixture(autouse=True)
+def no_table(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def routing(t, k, seed, experts=E, skip=()):
+    """topk_ids [t, k]: k distinct experts per token, never one of `skip` (0-token experts)."""
+    g = gen(seed)
+    allowed = torch.tensor([e for e in range(experts) if e not in skip])
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(t)])
+    w = torch.rand(t, k, generator=g) + 0.1
+    return ids.to(torch.int32), w.float()
+
+
+def down_operands(rows_shape, seed, experts=E, n=H, k=I):
+    g = gen(seed)
+    x = torch.randn(*rows_shape, k, generator=g) * (torch.rand(*rows_shape, 1, generator=g) + 0.5)
+    q, qs = per_token_group_quant_fp8(x, 128)
+    w = torch.randn(experts, n, k, generator=g) * 0.05
+    wq, ws = per_block_quant_fp8(w, 128)
+    return q, qs, wq, ws
+
+
+CFG = {"BLOCK_N": 128, "BLOCK_T": 16}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_layout_maps_are_inverse(masked):
+    ids, _ = routing(7, 2, seed=1, skip=(2,))
+    lay = sbo.build_layout(ids, E, masked_max_m=9 if masked else None)
+    p = ids.numel()
+    assert torch.equal(lay.pair_of_row[lay.row_of_pair.long()], torch.arange(p, dtype=torch.int32))
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    rows = lay.row_of_pair.long()
+    expert_of_pair = ids.reshape(-1).long()
+    if masked:
+        assert torch.equal(lay.masked_m, counts.int())
+        assert torch.equal(rows // 9, expert_of_pair)
+        assert bool(((rows % 9) < counts[expert_of_pair]).all())
+    else:
+        assert torch.equal(lay.m_indptr[1:].long(), counts.cumsum(0))
+        lo, hi = lay.m_indptr[expert_of_pair].long(), lay.m_indptr[expert_of_pair + 1].long()
+        assert bool(((rows >= lo) & (rows < hi)).all())
+    assert int(lay.m_indptr[3] - lay.m_indptr[2]) == 0 if not masked else int(lay.masked_m[2]) == 0
+
+
+def test_masked_gemm_signals_count_finished_tiles():
+    masked_m = torch.tensor([5, 0, 19, 16], dtype=torch.int32)
+    max_m = 20
+    q, qs, wq, ws = down_operands((E, max_m), seed=2)
+    plain = gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, masked_m, config=CFG, variant="swapab")
+    sig = torch.zeros(E, triton.cdiv(max_m, 16), dtype=torch.int32)
+    out = gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, masked_m, config=CFG, variant="swapab", signal=sig)
+    for g, m in enumerate(masked_m.tolist()):
+        assert torch.equal(out[g, :m], plain[g, :m])
+        tiles = triton.cdiv(m, 16)
+        assert sig[g, :tiles].tolist() == [H // 128] * tiles
+        assert sig[g, tiles:].tolist() == [0] * (sig.shape[1] - tiles)
+
+
+def test_signal_rejects_split_k_and_bad_shape():
+    masked_m = torch.tensor([3, 3, 3, 3], dtype=torch.int32)
+    q, qs, wq, ws = down_operands((E, 4), seed=3, k=256)
+    with pytest.raises(ValueError, match="split_k"):
+        gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, masked_m, config=CFG, split_k=2,
+                                        signal=torch.zeros(E, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, masked_m, config=CFG, signal=torch.zeros(E, 1, dtype=torch.int64))
+
+
+def run_case(t, k, seed, masked, skip=(), weight_scale=1.0):
+    ids, w = routing(t, k, seed, skip=skip)
+    lay = sbo.build_layout(ids, E, masked_max_m=t if masked else None)
+    rows = (E, t) if masked else (t * k,)
+    q, qs, wq, ws = down_operands(rows, seed + 100)
+    return ids, w, lay, q, qs, wq, ws
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("t,k,skip", [(5, 2, (1,)), (9, 3, ()), (1, 1, (0, 2, 3))])
+def test_overlap_emulated_equals_plain_and_torch(masked, t, k, skip):
+    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=10 + t, masked=masked, skip=skip)
+    ref = sbo.moe_down_and_combine_reference(q, qs, wq, ws, w, lay, weight_scale=2.5)
+    plain = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
+                                     weight_scale=2.5, overlap=False, config=CFG, variant="swapab")
+    torch.testing.assert_close(plain.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+    # the overlapped order, sequentially: GEMM with signals, then the waiting consumer
+    y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
+    wsp = sbo.workspace(lay, t, 16, "cpu")
+    if masked:
+        gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=CFG, variant="swapab",
+                                        signal=wsp.signal)
+    else:
+        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
+                                            signal=wsp.signal)
+    out = sbo.combine(y, lay, w, torch.full((t, H), float("nan"), dtype=torch.bfloat16), weight_scale=2.5,
+                      signal=wsp.signal, expect=H // 128, block_t=16, counters=wsp.counters, status=wsp.status,
+                      num_programs=3, max_spin=10)
+    assert int(wsp.status) == 0
+    assert torch.equal(out, plain)  # bit for bit: the sum order never depends on timing
+    assert torch.equal(wsp.counters, torch.full((t,), k, dtype=torch.int32))  # every pair arrived once
+    # and the torch combine on the same GEMM output (exact up to the bf16 conversion)
+    torch.testing.assert_close(out.float(), sbo.combine_reference(y, lay, w, 2.5).float(), rtol=1e-2, atol=1e-3)
+
+
+def test_missing_signal_sets_error_flag_and_terminates():
+    t, k = 6, 2
+    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=40, masked=False)
+    y = gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, config=CFG, variant="swapab")
+    wsp = sbo.workspace(lay, t, 16, "cpu")
+    # every unit complete except one with tokens, which got one N-tile short
+    counts = (lay.m_indptr[1:] - lay.m_indptr[:-1]).tolist()
+    for e, c in enumerate(counts):
+        wsp.signal[e, :triton.cdiv(c, 16)] = H // 128
+    busy = next(e for e, c in enumerate(counts) if c > 0)
+    wsp.signal[busy, 0] = H // 128 - 1
+    sbo.combine(y, lay, w, torch.zeros(t, H, dtype=torch.bfloat16), signal=wsp.signal, expect=H // 128, block_t=16,
+                counters=wsp.counters, status=wsp.status, num_programs=2, max_spin=5)
+    assert int(wsp.status) == 1
+    wsp2 = sbo.workspace(lay, t, 16, "cpu")  # nothing signalled at all
+    sbo.combine(y, lay, w, torch.zeros(t, H, dtype=torch.bfloat16), signal=wsp2.signal, expect=H // 128,
+                block_t=16, counters=wsp2.counters, status=wsp2.status, num_programs=1, max_spin=3)
+    assert int(wsp2.status) == 1
+
+
+def test_moe_forward_matches_reference():
+    """The whole SBO MoE (dispatch, gate_up, SiLU, down + combine) on tiny shapes vs float32 torch."""
+    from sglang_h20.moe import sbo as plugin_sbo
+    from sgl_kernel_ext.quant import dequant_per_block, dequant_per_token_group
+
+    t, k, hidden, inter = 5, 2, 128, 128
+    ids, w = routing(t, k, seed=50, skip=(3,))
+    g = gen(51)
+    x = (torch.randn(t, hidden, generator=g)).to(torch.bfloat16)
+    w1q, w1s = per_block_quant_fp8(torch.randn(E, 2 * inter, hidden, generator=g) * 0.05, 128)
+    w2q, w2s = per_block_quant_fp8(torch.randn(E, hidden, inter, generator=g) * 0.05, 128)
+    out = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=1.5, overlap=False)
+    a, as_ = per_token_group_quant_fp8(x, 128)
+    ad = dequant_per_token_group(a, as_)
+    w1d, w2d = dequant_per_block(w1q, w1s, 128), dequant_per_block(w2q, w2s, 128)
+    ref = torch.zeros(t, hidden)
+    for ti in range(t):
+        for kk in range(k):
+            e = int(ids[ti, kk])
+            hh = ad[ti] @ w1d[e].T
+            act = torch.nn.functional.silu(hh[:inter]) * hh[inter:]
+            ref[ti] += 1.5 * w[ti, kk] * (act @ w2d[e].T)
+    torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2 * ref.abs().max().item())
+
+
+# ---------------------------------------------------------------------------------------------
+# The plugin module
+# ---------------------------------------------------------------------------------------------
+def test_feature_line_and_hook_targets_resolve():
+    from sglang_h20 import compat
+    from sglang_h20.features import FEATURES
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    f = next(f for f in FEATURES if f.name == "sbo")
+    assert f.module == "sglang_h20.moe.sbo" and "sgl_kernel_ext.sbo" in f.kernel_modules
+    names = [x.name for x in FEATURES]
+    assert names.index("swapab") < names.index("sbo")  # sbo's fused_experts hook wraps swapab's (module doc)
+    assert plugin_sbo.TRITON_MOE == __import__("sglang_h20.moe.swapab", fromlist=["x"]).TRITON_MOE
+    for target in plugin_sbo.ALL_TARGETS:
+        assert compat.check_target(target) == (True, target)
+
+
+def fake_gpu(monkeypatch, cap):
+    from sglang_h20 import compat
+
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("Fake", cap, 80.0))
+
+
+def test_hooks_only_on_sm90(monkeypatch, caplog):
+    from sglang_h20.moe import sbo as plugin_sbo
+    from sglang_h20.settings import Settings
+
+    fake_gpu(monkeypatch, (10, 0))
+    with caplog.at_level(logging.INFO, logger="sglang_h20.sbo"):
+        assert plugin_sbo.hooks(Settings.from_env({"SGLANG_H20_SBO": "on"})) == []
+    assert sum("not SM90" in r.message for r in caplog.records) == 1
+    fake_gpu(monkeypatch, (9, 0))
+    targets = [h.target for h in plugin_sbo.hooks(Settings.from_env({"SGLANG_H20_SBO": "on"}))]
+    assert targets == list(plugin_sbo.ALL_TARGETS)
+
+
+def test_init_hook_lifts_the_sm90_refusal(monkeypatch):
+    from sglang.srt.layers.moe import utils as moe_utils
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    seen = []
+
+    def original(server_args):  # what upstream does on SM90 with the flag
+        seen.append(server_args.enable_single_batch_overlap)
+        if server_args.enable_single_batch_overlap:
+            raise ValueError("SBO (single batch overlap) is not supported on SM90 GPUs")
+        moe_utils.get_flags().moe.sbo_enabled = False
+
+    args = types.SimpleNamespace(enable_single_batch_overlap=True)
+    fake_gpu(monkeypatch, (9, 0))
+    plugin_sbo.init_moe_config_hook(original, args)
+    assert seen == [False] and args.enable_single_batch_overlap is True
+    assert moe_utils.get_flags().moe.sbo_enabled is True
+    assert plugin_sbo.combine_down_flag_hook(lambda cls: True, object) is False
+    fake_gpu(monkeypatch, (10, 0))  # elsewhere: upstream as called
+    with pytest.raises(ValueError):
+        plugin_sbo.init_moe_config_hook(original, args)
+    assert plugin_sbo.combine_down_flag_hook(lambda cls: True, object) is True
+    moe_utils.get_flags().moe.sbo_enabled = False
+
+
+def test_triton_hook_declines_to_original_off_cuda():
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    calls = []
+    cfg = types.SimpleNamespace(activation="silu", is_gated=True, gemm1_alpha=None, gemm1_clamp_limit=None,
+                                no_combine=False, apply_router_weight_on_input=False, inplace=False,
+                                routed_scaling_factor=None)
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    w1, w1s = per_block_quant_fp8(torch.randn(E, 256, 128) * 0.05, 128)
+    w2, w2s = per_block_quant_fp8(torch.randn(E, 128, 128) * 0.05, 128)
+    ids, w = routing(2, 2, seed=60)
+    r = plugin_sbo.fused_experts_hook(lambda *a, **kw: calls.append(kw) or "upstream", x, w1, w2, (w, ids, None), cfg,
+                                      use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
+    assert r == "upstream" and calls[0]["block_shape"] == [128, 128]
+
+
+def test_shared_overlap_declines_where_unsafe():
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    x = torch.zeros(3, 8)
+    moe = types.SimpleNamespace(shared_experts=object(), num_fused_shared_experts=0, alt_stream=None, tp_size=1)
+    assert "alt stream" in plugin_sbo.shared_unsupported(moe, x, False)
+    assert "skip_shared_experts" in plugin_sbo.shared_unsupported(moe, x, True)
+    moe.num_fused_shared_experts = 1
+    assert "fused" in plugin_sbo.shared_unsupported(moe, x, False)
+    calls = []
+    r = plugin_sbo.forward_normal_hook(lambda *a, **kw: calls.append(kw) or "upstream", moe, x)
+    assert r == "upstream" and calls == [{"input_ids_global": None, "skip_shared_experts": False}]
