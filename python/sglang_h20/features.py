@@ -39,8 +39,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("mha_mla_policy", "mha_mla_policy", "sglang_h20.attention.mha_mla"),
     Feature("fp8_mla", "fp8_mla", "sglang_h20.attention.fp8_mla_backend", kernel_modules=("sgl_kernel_ext.mla_decode",)),
     Feature("swapab", "swapab", "sglang_h20.moe.swapab", kernel_modules=("triton", "sgl_kernel_ext.grouped_gemm_fp8")),
-    Feature("sbo", "sbo", None),
+    Feature("sbo", "sbo", "sglang_h20.moe.sbo", kernel_modules=("triton", "sgl_kernel_ext.sbo")),
     Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False),
+    Feature("eplb_async", "eplb_async", "sglang_h20.eplb.async_rebalance", needs_gpu=False),
     Feature("observe", "observe", "sglang_h20.observe.stages"),
 )
 

@@ -51,6 +51,13 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _path(text: str) -> str:
+    return text.strip()
+
+
+_path.metavar = "PATH"
+
+
 @dataclasses.dataclass(frozen=True)
 class Switch:
     """One feature switch: its environment variable, its CLI flag, its parser and default."""
@@ -99,10 +106,16 @@ SWITCHES: tuple[Switch, ...] = (
            "single-batch overlap on SM90: MoE combine with the down GEMM, shared experts with dispatch"),
     Switch("eplb", _choice("off", "affinity"), "off",
            "expert placement: 'affinity' = co-activation-aware EPLB with asynchronous migration"),
+    Switch("eplb_async", _parse_bool, "off",
+           "EPLB rebalance without decode stalls: placement in a background thread, weights moved "
+           "on a side stream, each layer switched between forward passes once ready on all ranks"),
     Switch("eplb_affinity", _fraction, "0.25",
            "locality vs balance of the affinity placement: 0 = balance only, 1 = most locality"),
     Switch("observe", _fraction, "0",
            "fraction of decode steps timed per stage with CUDA events (0 = off, e.g. 0.01)"),
+    Switch("observe_control", _path, "",
+           "file holding the observe fraction, re-read while serving (flip observation on/off in one "
+           "server; takes effect only when SGLANG_H20_OBSERVE > 0 installed the hooks)"),
     Switch("allow_untested", _parse_bool, "off",
            "let features turn on with an sglang version other than the tested one (at your own risk)"),
 )
@@ -155,7 +168,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             s.flag, dest=s.dest, default=None, type=_argparse_type(s),
             nargs="?" if s.parse is _parse_bool else None,
             const="on" if s.parse is _parse_bool else None,
-            metavar="{" + ",".join(choices) + "}" if choices else ("{on,off}" if s.parse is _parse_bool else "FRACTION"),
+            metavar="{" + ",".join(choices) + "}" if choices else ("{on,off}" if s.parse is _parse_bool
+                                                                   else getattr(s.parse, "metavar", "FRACTION")),
             help=f"{s.help} [env {s.env}, default {s.default}]",
         )
 

@@ -90,8 +90,8 @@ model's own collectives; for NCCL that group must be initialised eagerly (one co
 creation) because the first op on a group must include all ranks. The CUDA path is written but
 only the CPU/gloo path is tested.
 
-Where it would plug into SGLang 0.5.17 (not wired up here)
----------------------------------------------------------
+Where it plugs into SGLang 0.5.17 (wired up in sglang_h20.eplb.async_rebalance, switch eplb_async)
+---------------------------------------------------------------------------------------------
 `ModelRunner.forward` calls `EPLBManager.on_forward_pass_end()` after every forward pass, which
 advances the `_entrypoint` generator; every `rebalance_num_iterations` passes it runs
 `yield from self.rebalance()`, which calls `update_expert_location_with_recovery` ->

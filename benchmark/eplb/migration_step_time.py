@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Decode step time while the MoE expert weights are re-placed: ours (side stream) vs blocking.
+
+Question (issue 7): does a full re-placement of the MoE layers stall decode? One GPU, no server:
+the MoE weights are allocated directly in the shapes SGLang holds them (per MoE layer, for E local
+slots: w13 [E, 2I, H] fp8 + block scales [E, 2I/128, H/128] fp32, w2 [E, H, I] fp8 + scales),
+and the decode step is a documented GPU-shaped stand-in:
+
+  decode step  = for each MoE layer: the FP8 block-scaled grouped GEMM gate_up over the routed
+                 (token, expert) rows (contiguous layout, sgl_kernel_ext.grouped_gemm_fp8, the
+                 kernel of our swapab feature), SiLU*mul + per-token-group FP8 quant, the down
+                 grouped GEMM; bs x topk rows spread over the E slots by a fixed random routing.
+                 Captured once in a CUDA graph (pointers to the live expert tensors), replayed per
+                 step, then a stream sync (SGLang syncs each step for the sampled tokens).
+  re-placement = every slot of every MoE layer gets another expert (a random permutation per
+                 layer); on one GPU every source is local, so the plan is all "local" copies.
+  ours         = sglang_h20.eplb.migration: plan_migration + MigrationExecutor (world 1, in-process
+                 store): copies into staging on its side CUDA stream, a layer's staging copied into
+                 the live slots on the compute stream between two steps (maybe_switch), staging
+                 budget one layer (as upstream's temp buffers).
+  blocking     = the same kind of plan run as SGLang 0.5.17's updater does it: between two steps,
+                 layer by layer, every copy into a temp buffer and back into the live slots, then
+                 the next step (its time lands in one step).
+
+Windows: steady (no migration), ours (from start() until done, plus 10 steps), blocking (the same
+number of steps, migration before the first). Per window: p50 / p99 / max step time (ms) and
+p99 / steady p50 and p99 / steady p99. After each migration every slot is checked against the
+expert it should hold (per-slot byte fingerprints). Presets: dsv3-4l (the 4-layer dummy model of
+scripts/make_model.py on one GPU: 3 MoE layers x 256 experts, 34 GB) and ep16-slice (what one GPU of
+EP16 holds for DeepSeek-V3: 58 MoE layers x 18 slots, 46 GB); each is skipped when --deadline-s
+would be exceeded. --device cpu runs a tiny smoke version (torch matmuls, no graph) for CI.
+
+usage: migration_step_time.py [--json OUT] [--deadline-s 220] [--presets dsv3-4l ep16-slice]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sglang_h20 import provenance
+from sglang_h20.eplb.migration import MigrationExecutor, plan_migration
+from sglang_h20.eplb.placement import Placement, Topology
+
+H, I = 7168, 2048  # DeepSeek-V3 hidden / moe_intermediate
+PRESETS = {  # MoE layers, local expert slots, tokens per step (bs), top-k
+    "dsv3-4l": dict(layers=3, slots=256, bs=64, topk=8),
+    "ep16-slice": dict(layers=58, slots=18, bs=64, topk=8),
+    "cpu-smoke": dict(layers=3, slots=8, bs=4, topk=2),
+}
+
+
+def make_weights(layers: int, slots: int, dev: torch.device, h: int, i: int) -> dict[int, list]:
+    """SGLang's routed_experts_weights_of_layer for one GPU: random FP8 (no NaN codes), scales ~1e-3."""
+    out = {}
+    for l in range(layers):
+        w13 = torch.empty(slots, 2 * i, h, dtype=torch.uint8, device=dev).random_(0, 0x7F)
+        w2 = torch.empty(slots, h, i, dtype=torch.uint8, device=dev).random_(0, 0x7F)
+        fp8 = torch.float8_e4m3fn
+        s13 = torch.rand(slots, 2 * i // 128, h // 128, device=dev) * 1e-3
+        s2 = torch.rand(slots, h // 128, i // 128, device=dev) * 1e-3
+        out[l] = [w13.view(fp8), s13, w2.view(fp8), s2]
+    return out
+
+
+def fingerprint(weights) -> dict[int, torch.Tensor]:
+    """Per layer, per slot: byte sums of every tensor (int64 [slots, tensors]), to check moves."""
+    return {l: torch.stack([t.view(torch.uint8).reshape(t.shape[0], -1).sum(1, dtype=torch.int64)
+                            for t in ws], dim=1).cpu() for l, ws in weights.items()}
+
+
+class DecodeStep:
+    """The stand-in decode step over the live expert tensors (see the module docstring)."""
+
+    def __init__(self, weights, bs: int, topk: int, dev: torch.device, graph: bool, seed: int = 0):
+        self.weights, self.dev = weights, dev
+        slots = next(iter(weights.values()))[0].shape[0]
+        rows = bs * topk
+        g = torch.Generator().manual_seed(seed)
+        counts = torch.bincount(torch.randint(0, slots, (rows,), generator=g), minlength=slots)
+        self.indptr = torch.zeros(slots + 1, dtype=torch.int32)
+        self.indptr[1:] = torch.cumsum(counts, 0)
+        self.indptr = self.indptr.to(dev)
+        h = next(iter(weights.values()))[0].shape[2]
+        self.a = (torch.randn(rows, h, device=dev) * 0.5).to(torch.float8_e4m3fn)
+        self.a_s = torch.full((rows, h // 128), 1e-2, device=dev)
+        self.cpu = dev.type == "cpu"
+        self.graph = None
+        if not self.cpu:
+            from sgl_kernel_ext.grouped_gemm_fp8 import m_grouped_fp8_gemm_nt_contiguous
+            from sgl_kernel_ext.quant import silu_mul_quant_fp8
+
+            self._gemm, self._act = m_grouped_fp8_gemm_nt_contiguous, silu_mul_quant_fp8
+            for _ in range(2):  # compile + warm up outside the capture
+                self._body()
+            torch.cuda.synchronize()
+            if graph:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    self._body()
+                torch.cuda.current_stream().wait_stream(s)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self._body()
+                torch.cuda.synchronize()
+
+    def _body(self):
+        out = None
+        for l, (w13, s13, w2, s2) in self.weights.items():
+            if self.cpu:  # smoke: the same data flow with float matmuls on a few rows
+                x = self.a.float()[:8] @ w13[0].float().T
+                out = x[:, : x.shape[1] // 2] @ w2[0].float().T
+                continue
+            up = self._gemm(self.a, self.a_s, w13, s13, self.indptr)
+            q, qs = self._act(up)
+            out = self._gemm(q, qs, w2, s2, self.indptr)
+        return out
+
+    def __call__(self):
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._body()
+        if not self.cpu:
+            torch.cuda.current_stream().synchronize()
+
+
+def stats(ms: list[float]) -> dict:
+    a = np.asarray(ms)
+    return {"steps": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
+            "max_ms": float(a.max()), "mean_ms": float(a.mean())}
+
+
+def run_blocking(plan, weights) -> None:
+    """SGLang 0.5.17's updater on one GPU: per layer, copies into temp buffers, then into the live slots."""
+    for l in plan.layers:
+        ws = weights[l]
+        temps = [torch.empty_like(t) for t in ws]  # create_temp_buffers: one layer
+        moves = [t for t in plan.transfers if t.layer == l]
+        for t in moves:
+            src = t.src_slot if not t.from_staging else plan.transfers[t.src_tid].src_slot
+            for tmp, w in zip(temps, ws):
+                tmp[t.dst_slot].copy_(w[src])
+        for t in moves:
+            for tmp, w in zip(temps, ws):
+                w[t.dst_slot].copy_(tmp[t.dst_slot])
+        del temps
+
+
+def moved_ok(fp_before, fp_after, old, new) -> bool:
+    """Slot s of layer l now holds what the slot holding expert new[l, s] held before."""
+    for l in fp_before:
+        where = {int(e): s for s, e in enumerate(old[l])}
+        src = torch.tensor([where[int(e)] for e in new[l]])
+        if not torch.equal(fp_after[l], fp_before[l][src]):
+            return False
+    return True
+
+
+def run_preset(name: str, cfg: dict, a, dev: torch.device, deadline: float) -> dict:
+    layers, slots = cfg["layers"], cfg["slots"]
+    h, i = (H, I) if dev.type == "cuda" else (256, 128)
+    t0 = time.monotonic()
+    weights = make_weights(layers, slots, dev, h, i)
+    expert_bytes = sum(t[0].numel() * t.element_size() for t in weights[0])
+    step = DecodeStep(weights, cfg["bs"], cfg["topk"], dev, graph=dev.type == "cuda")
+    topo = Topology(1, 1, slots)
+    rng = np.random.default_rng(0)
+    ident = np.tile(np.arange(slots), (layers, 1))
+    perm = np.stack([rng.permutation(slots) for _ in range(layers)])
+    while (perm == ident).any(axis=1).any():  # every slot changes (a derangement per layer)
+        perm = np.stack([rng.permutation(slots) for _ in range(layers)])
+    p_old, p_new = Placement(ident, topo, slots), Placement(perm, topo, slots)
+    budget = a.staging_layers * slots * expert_bytes
+    res = {"layers": layers, "slots": slots, "bs": cfg["bs"], "topk": cfg["topk"],
+           "expert_bytes": expert_bytes, "live_gb": layers * slots * expert_bytes / 1e9,
+           "staging_budget_gb": budget / 1e9, "setup_s": None}
+
+    def timed(n, before=None):
+        ms = []
+        for k in range(n):
+            s0 = time.perf_counter()
+            if before is not None:
+                before(k)
+            step()
+            ms.append((time.perf_counter() - s0) * 1e3)
+        return ms
+
+    timed(20)
+    res["setup_s"] = time.monotonic() - t0
+    steady = timed(a.steady_steps)
+    res["steady"] = stats(steady)
+
+    # ours: executor on the side stream, maybe_switch between steps
+    fp0 = fingerprint(weights)
+    plan = plan_migration(p_old, p_new, expert_bytes, budget)
+    ex = MigrationExecutor(0, 1, topo, weights, plan, timeout_s=120.0, store=torch.distributed.HashStore(),
+                           switch_every=a.switch_every, decide_ahead=a.decide_ahead,
+                           migration_id=f"bench-{name}")
+    ours, switch_ms = [], []
+    tm = time.monotonic()
+    ex.start()
+    tail = None
+    while (tail is None or tail > 0) and time.monotonic() < deadline:
+        s0 = time.perf_counter()
+        step()
+        s1 = time.perf_counter()
+        ex.maybe_switch()
+        s2 = time.perf_counter()
+        ours.append((s2 - s0) * 1e3)
+        switch_ms.append((s2 - s1) * 1e3)
+        if tail is None and ex.status.state != "running":
+            tail, mig_s = 10, time.monotonic() - tm
+        elif tail is not None:
+            tail -= 1
+    st = ex.status
+    ex.close(timeout=5)
+    if st.state != "done":
+        res["ours"] = {"state": st.state, "error": st.error or "deadline"}
+        return res
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    ok_ours = moved_ok(fp0, fingerprint(weights), ident, perm)
+    res["ours"] = {**stats(ours), "migration_s": mig_s, "migration_steps": len(ours) - 10,
+                   "max_maybe_switch_ms": max(switch_ms), "chunks": len(plan.chunks),
+                   "bytes_copied_gb": plan.totals["total_bytes"] / 1e9, "bit_identical": ok_ours,
+                   "peak_staging_gb": st.peak_staging_bytes / 1e9}
+
+    # blocking: the reverse re-placement (same size), all of it between two steps
+    if time.monotonic() > deadline:
+        res["blocking"] = {"skipped": "deadline"}
+        return res
+    back = plan_migration(p_new, p_old, expert_bytes, budget)
+    fp1 = fingerprint(weights)
+    n = len(ours)
+    blk = timed(n, before=lambda k: run_blocking(back, weights) if k == 0 else None)
+    ok_blk = moved_ok(fp1, fingerprint(weights), perm, ident)
+    res["blocking"] = {**stats(blk), "migration_step_ms": blk[0], "bit_identical": ok_blk}
+    sp50, sp99 = res["steady"]["p50_ms"], res["steady"]["p99_ms"]
+    for k in ("ours", "blocking"):
+        res[k]["p99_over_steady_p50"] = res[k]["p99_ms"] / sp50
+        res[k]["p99_over_steady_p99"] = res[k]["p99_ms"] / sp99
+        res[k]["max_over_steady_p50"] = res[k]["max_ms"] / sp50
+    return res  # weights, staging and the graph are freed with this frame
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--deadline-s", type=float, default=220.0, help="skip what would not finish by then")
+    ap.add_argument("--presets", nargs="+", default=None, choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--steady-steps", type=int, default=200)
+    ap.add_argument("--switch-every", type=int, default=2)
+    ap.add_argument("--decide-ahead", type=int, default=1)
+    ap.add_argument("--staging-layers", type=int, default=1)
+    a = ap.parse_args()
+    start = time.monotonic()
+    deadline = start + a.deadline_s
+    dev = torch.device(a.device)
+    presets = a.presets or (["dsv3-4l", "ep16-slice"] if dev.type == "cuda" else ["cpu-smoke"])
+    out = {"benchmark": "eplb_migration_step_time", "provenance": provenance.record(),
+           "stand_in": "decode step = per MoE layer FP8 grouped GEMMs (gate_up, SiLU*mul+quant, down) over "
+                       "the live expert tensors in a CUDA graph; see the script's docstring",
+           "switch_every": a.switch_every, "decide_ahead": a.decide_ahead, "presets": {}}
+    for name in presets:
+        left = deadline - time.monotonic()
+        if left < 30 and dev.type == "cuda":
+            out["presets"][name] = {"skipped": f"deadline ({left:.0f} s left)"}
+            continue
+        try:
+            r = run_preset(name, PRESETS[name], a, dev, deadline)
+        except torch.cuda.OutOfMemoryError as e:
+            r = {"error": f"out of memory: {e}"}
+        out["presets"][name] = r
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        s = lambda k: r.get(k, {})
+        print(f"{name}: steady p50 {s('steady').get('p50_ms', math.nan):.2f} ms p99 "
+              f"{s('steady').get('p99_ms', math.nan):.2f} | ours p99 {s('ours').get('p99_ms', math.nan):.2f} "
+              f"max {s('ours').get('max_ms', math.nan):.2f} over {s('ours').get('migration_steps', 0)} steps | "
+              f"blocking p99 {s('blocking').get('p99_ms', math.nan):.2f} max "
+              f"{s('blocking').get('max_ms', math.nan):.2f}", flush=True)
+    out["wall_s"] = time.monotonic() - start
+    text = json.dumps(out, indent=1)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(text + "\n")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""eplb_async: SGLang's EPLB rebalance without stalling decode (hooks for SGLang 0.5.17).
+
+Upstream `EPLBManager.rebalance` (a generator driven once per forward pass by
+`on_forward_pass_end`) computes the new placement and then runs `ExpertLocationUpdater.update`:
+blocking P2P of every layer before the next forward pass. With this switch on it becomes:
+
+forward thread (between passes; never waits on a transfer)
+  1. as upstream: skip when rebalancing is disabled; `dump_record("object")` (SGLang's all-reduce,
+     in lockstep on every rank) and `_check_rebalance_needed`. The logical counts are copied to the
+     host asynchronously (pinned buffer + event), so this step adds no device sync.
+  2. start a PLACEMENT thread, then `yield` (= let one forward pass run) until the start GATE
+     (below) says go. Elastic-EP post-scale rebalances and a world != ep_size stay upstream.
+  3. `MigrationExecutor.start()` at the agreed boundary, then `yield; maybe_switch()` until the
+     executor is done or aborted. `on_switch(layers)` copies those layers' rows of every routing
+     field of the new metadata into the live `ExpertLocationMetadata` (same fields as upstream's
+     `update`, but row copies in place: pointers captured by CUDA graphs stay valid, and the cost
+     is per switched layer). Weights are swapped in by the executor in the same call, on the
+     compute stream, so each forward pass sees per layer either old weights + old maps or new + new.
+  4. done: `init_lplb_solvers` when ep_dispatch_algorithm == "lp" (as upstream).
+
+placement thread (off the critical path)
+  `ExpertLocationMetadata.init_by_eplb` with the host counts and a CPU view of server_args, i.e.
+  upstream's algorithm as configured (`--eplb-algorithm`; our affinity placement when the eplb
+  feature hooks `rebalance_experts`); rows of non-MoE layers are kept; all ranks check through the
+  store that they computed the same placement; `plan_migration` (staging budget = layers of local
+  slots: `eplb_rebalance_layers_per_chunk`, or TUNING.staging_layers, as upstream's one layer of
+  temp buffers); the new metadata's tensors are copied to their devices on a side stream; an
+  executor is built (its transfer thread later runs on its own CUDA stream). While it runs the
+  Python switch interval is lowered, so the decode thread gets the GIL back quickly.
+
+start gate (same round protocol as the executor's switches)
+  Every rank must call `start()` at the same boundary. Rounds end at boundaries
+  (r + 1) * switch_every counted from the rebalance start; round r's decision is the first value
+  written to store key ``round/<r>`` by `compare_set` ("G" go, "W" wait, "A:<why>" abort). A
+  placement thread proposes "G" for a round its decode loop has not reached minus decide_ahead,
+  once every rank added 1 to ``ready`` (plan and executor built); a rank whose decode loop reaches
+  a round boundary without knowing the decision writes "W" itself (one store round trip, the only
+  store access of the decode thread). Hence every rank starts at the same boundary.
+
+Failures: a placement error, ranks disagreeing on the placement, or not all ranks ready within
+TUNING.placement_timeout_s make the gate abort (every rank, same boundary, one ERROR line each);
+transfer failures, timeouts and dead peers are handled by the executor (abort at the same
+boundary on every survivor, one ERROR line). Layers not switched keep the old weights and maps;
+after an executor abort the migration process group is re-created at the next rebalance. If SGLang
+drops the generator (`reset_generator`, e.g. disable_rebalance), the migration is closed locally;
+peers then abort through their watchdog.
+
+Hook targets: `EPLBManager.__init__` (AFTER: create the dedicated migration process group, eagerly
+initialised, at startup rather than in the serving loop) and `EPLBManager.rebalance` (AROUND).
+Trigger options stay upstream: `eplb_rebalance_num_iterations` (the `_entrypoint` loop calls our
+rebalance), `eplb_min_rebalancing_utilization_threshold`, disable/enable_rebalance.
+
+Tested on CPU with gloo (test/cpu/test_eplb_migration_async.py); the CUDA parts (pinned async
+copy of the counts, side-stream metadata upload, NCCL migration group) are written but not yet run
+on GPUs with EP > 1. The migration's NCCL P2P run concurrently with the model's own collectives on
+another communicator; NCCL supports that, but it has not been exercised here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+import time
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sglang_h20.eplb.migration import MigrationExecutor, plan_migration
+from sglang_h20.eplb.placement import Placement, Topology
+from sglang_h20.features import Hook
+from sglang_h20.settings import Settings
+
+log = logging.getLogger("sglang_h20.eplb.async")
+
+MANAGER = "sglang.srt.eplb.eplb_manager.EPLBManager"
+INIT_TARGET = MANAGER + ".__init__"
+REBALANCE_TARGET = MANAGER + ".rebalance"
+
+# ExpertLocationMetadata fields that route tokens (the list upstream's `update` copies), dim 0 = layer
+ROUTING_FIELDS = ("physical_to_logical_map", "physical_to_logical_map_cpu",
+                  "logical_to_all_physical_map", "logical_to_all_physical_map_cpu",
+                  "logical_to_all_physical_map_num_valid", "logical_to_rank_dispatch_physical_map")
+
+
+@dataclasses.dataclass
+class Tuning:
+    switch_every: int = 4             # decision rounds every N forward passes
+    decide_ahead: int = 2             # decided N passes before the round's boundary
+    timeout_s: float = 60.0           # per transfer stage (the executor's deadline)
+    placement_timeout_s: float = 300.0  # every rank must have its plan within this
+    staging_layers: int = 1           # staging budget, in layers of this rank's slots
+    gil_switch_s: float = 5e-4        # sys.setswitchinterval while the placement thread runs
+
+
+TUNING = Tuning()
+EXECUTOR = MigrationExecutor  # tests substitute a failing executor
+
+
+class _OnCpu:
+    """server_args as seen by init_by_eplb in the placement thread: everything on the host."""
+
+    device = "cpu"
+
+    def __init__(self, server_args):
+        self._sa = server_args
+
+    def __getattr__(self, name):
+        return getattr(self._sa, name)
+
+
+class _State:
+    """Per-EPLBManager state (attribute `_h20_async`)."""
+
+    def __init__(self):
+        self.group = None
+        self.dead_groups = []  # groups given up after an abort: never destroyed on the decode thread
+        self.seq = 0
+        self.history: list[dict] = []   # one entry per rebalance: outcome, steps, error
+        self.warned: set[str] = set()
+
+
+def _state(manager) -> _State:
+    st = getattr(manager, "_h20_async", None)
+    if st is None:
+        st = manager._h20_async = _State()
+    return st
+
+
+def history(manager) -> list[dict]:
+    """What each asynchronous rebalance of this manager ended with (tests, logs)."""
+    return _state(manager).history
+
+
+def _new_group():
+    """A process group only the migration uses, initialised now (NCCL: first op needs all ranks)."""
+    cuda = torch.cuda.is_available() and "nccl" in str(dist.get_backend())
+    g = dist.new_group(backend="nccl" if cuda else "gloo")
+    x = torch.zeros(1, device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+    dist.all_reduce(x, group=g)
+    return g
+
+
+def after_init(_result, manager, *args, **kwargs):
+    """AFTER EPLBManager.__init__: the migration group, created at startup on every rank."""
+    try:
+        if dist.is_initialized():
+            _state(manager).group = _new_group()
+    except Exception as e:  # rebalance then retries, or falls back upstream
+        log.warning("eplb_async: migration group not created at startup: %s: %s", type(e).__name__, e)
+    return None
+
+
+# ----------------------------------------------------------------------------- start gate
+def _decode(raw) -> tuple[str, str]:
+    s = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+    return {"G": "go", "W": "wait", "A": "abort"}[s[0]], s[2:]
+
+
+class _Gate:
+    """Agree on the boundary at which every rank starts the migration (or gives up)."""
+
+    def __init__(self, store, world: int, every: int, ahead: int):
+        self.store, self.world, self.every, self.ahead = store, world, every, ahead
+        self.cv = threading.Condition()
+        self.boundary = 0
+        self.next_round = 0
+        self.decisions: dict[int, tuple[str, str]] = {}
+
+    def step(self):
+        """Decode thread, once per boundary: the decision of the round ending here, else None."""
+        with self.cv:
+            self.boundary += 1
+            b, r = self.boundary, self.next_round
+            self.cv.notify_all()
+            if b < (r + 1) * self.every:
+                return None
+            dec = self.decisions.get(r)
+        if dec is None:
+            try:
+                dec = _decode(self.store.compare_set(f"round/{r}", "", "W:"))
+            except Exception as e:
+                dec = ("abort", f"store unreachable: {e}")
+        with self.cv:
+            dec = self.decisions.setdefault(r, dec)
+            self.next_round = r + 1
+        return dec
+
+    def propose(self, value: str, stop: threading.Event) -> None:
+        """Placement thread: write `value` for the next round still ahead, until one is not "wait"."""
+        r = 0
+        while not stop.is_set():
+            with self.cv:
+                r = max(r, self.next_round)
+                while r in self.decisions:
+                    if self.decisions[r][0] != "wait":
+                        return
+                    r += 1
+                if self.boundary > (r + 1) * self.every - self.ahead:
+                    r += 1  # too close to that round's boundary: the decode thread settles it
+                    continue
+            dec = _decode(self.store.compare_set(f"round/{r}", "", value))
+            with self.cv:
+                dec = self.decisions.setdefault(r, dec)
+            if dec[0] != "wait":
+                return
+            r += 1
+
+
+# ----------------------------------------------------------------------------- placement thread
+class _Job:
+    """Placement, plan and executor for one rebalance, built off the decode thread."""
+
+    def __init__(self, manager, group, counts, counts_ready, mid: str):
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+        self.manager, self.group, self.mid = manager, group, mid
+        self.counts, self.counts_ready = counts, counts_ready
+        self.meta = get_global_expert_location_metadata()
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.store = dist.PrefixStore(f"sglang_h20/eplb_async/{mid}/",
+                                      dist.distributed_c10d._get_default_store())
+        self.gate = _Gate(self.store, self.world, TUNING.switch_every, TUNING.decide_ahead)
+        self.stop = threading.Event()
+        self.plan = self.fields = self.executor = None
+        self.thread = threading.Thread(target=self._main, name=f"eplb-async-placement-{mid}", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            self._build()
+        except Exception as e:
+            self.gate.propose(f"A:rank {self.rank}: placement failed: {type(e).__name__}: {e}", self.stop)
+            return
+        self.store.add("ready", 1)
+        deadline = time.monotonic() + TUNING.placement_timeout_s
+        while not self.stop.is_set() and int(self.store.add("ready", 0)) < self.world:
+            if time.monotonic() > deadline:
+                self.gate.propose(f"A:rank {self.rank}: not every rank had its plan after "
+                                  f"{TUNING.placement_timeout_s:.0f} s", self.stop)
+                return
+            time.sleep(0.005)
+        self.gate.propose("G:", self.stop)
+
+    def _build(self) -> None:
+        from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+
+        m, cur = self.manager, self.meta
+        if cur.physical_to_logical_map.is_cuda:  # this thread's CUDA work goes to the model's GPU
+            torch.cuda.set_device(cur.physical_to_logical_map.device)
+        if self.counts_ready is not None:  # the async host copy of the counts
+            self.counts_ready.synchronize()
+        new = ExpertLocationMetadata.init_by_eplb(_OnCpu(m._server_args), m._model_config, self.counts)
+        weights = m._get_model().routed_experts_weights_of_layer
+        moe = sorted(int(l) for l in weights)
+        old = cur.physical_to_logical_map_cpu.numpy().astype(np.int64)
+        p2l = new.physical_to_logical_map_cpu.numpy().astype(np.int64)
+        keep = np.ones(old.shape[0], dtype=bool)
+        keep[moe] = False
+        p2l[keep] = old[keep]
+        digest = str(zlib.crc32(p2l.tobytes()))
+        agreed = self.store.compare_set("placement", "", digest)
+        agreed = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+        if agreed != digest:
+            raise RuntimeError("ranks computed different placements (crc32 %s vs %s)" % (digest, agreed))
+        k = cur.num_local_physical_experts
+        nnodes = int(getattr(m._server_args, "nnodes", 1) or 1)
+        topo = Topology(nnodes, self.world // nnodes, k)
+        E = cur.num_logical_experts
+        expert_bytes = sum(t[0].numel() * t.element_size() for t in weights[moe[0]])
+        layers_per_chunk = getattr(m._server_args, "eplb_rebalance_layers_per_chunk", None)
+        budget = (layers_per_chunk or TUNING.staging_layers) * k * expert_bytes
+        self.plan = plan_migration(Placement(old, topo, E), Placement(p2l, topo, E, "sglang"),
+                                   expert_bytes, budget)
+        self.fields = self._to_devices(new)
+        self.executor = EXECUTOR(
+            self.rank, self.world, topo, {l: weights[l] for l in self.plan.layers}, self.plan,
+            group=self.group, timeout_s=TUNING.timeout_s, switch_every=TUNING.switch_every,
+            decide_ahead=TUNING.decide_ahead, migration_id=self.mid, on_switch=self.switch_rows)
+
+    def _to_devices(self, new) -> dict[str, torch.Tensor]:
+        """The new metadata's routing fields, each on its live field's device (side stream)."""
+        out, side = {}, None
+        for f in ROUTING_FIELDS:
+            live, src = getattr(self.meta, f), getattr(new, f)
+            if live is None or src is None:
+                if (live is None) != (src is None):
+                    raise RuntimeError(f"metadata field {f} present in only one of old/new")
+                continue
+            if live.shape != src.shape:
+                raise RuntimeError(f"metadata field {f}: shape {tuple(src.shape)} != live {tuple(live.shape)}")
+            if live.device.type == "cuda":
+                side = side or torch.cuda.Stream(live.device)
+                with torch.cuda.stream(side):
+                    out[f] = src.to(live.dtype).pin_memory().to(live.device, non_blocking=True)
+            else:
+                out[f] = src.to(live.dtype).clone()
+        if side is not None:
+            side.synchronize()
+        return out
+
+    def switch_rows(self, layers) -> None:
+        """Decode thread, between passes: the new routing rows of `layers`, copied in place."""
+        stream = None
+        for f, src in self.fields.items():
+            live = getattr(self.meta, f)
+            if live.device.type == "cuda":
+                stream = stream or torch.cuda.current_stream(live.device)
+                src.record_stream(stream)
+            for l in layers:
+                live[l].copy_(src[l], non_blocking=live.device.type == "cuda")
+
+
+# ----------------------------------------------------------------------------- the hook
+def around_rebalance(original, manager, *args, **kwargs):
+    """AROUND EPLBManager.rebalance: the same generator contract, asynchronous migration."""
+    return _rebalance(original, manager, *args, **kwargs)
+
+
+def _upstream_reason(manager) -> str | None:
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    if manager._rebalance_disabled_reason is not None:
+        return "disabled"  # upstream logs and returns
+    es = ElasticEPStateManager.instance()
+    if es is not None and es.has_scaled:
+        return "elastic-EP post-scale rebalance"
+    if not dist.is_initialized():
+        return "torch.distributed is not initialised"
+    meta = get_global_expert_location_metadata()
+    if meta is None or meta.ep_size != dist.get_world_size():
+        return f"ep_size {getattr(meta, 'ep_size', None)} != world size {dist.get_world_size()}"
+    if meta.ep_size % (getattr(manager._server_args, "nnodes", 1) or 1):
+        return "ep_size not divisible by nnodes"
+    return None
+
+
+def _rebalance(original, manager, *args, **kwargs):
+    st = _state(manager)
+    why = _upstream_reason(manager)
+    if why is not None:
+        if why != "disabled" and why not in st.warned:
+            st.warned.add(why)
+            log.warning("eplb_async: %s: this rebalance runs upstream (blocking)", why)
+        yield from original(manager, *args, **kwargs)
+        return
+    from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
+
+    log.info("eplb_async: rebalance start")
+    out = get_global_expert_distribution_recorder().dump_record(output_mode="object")
+    if not manager._check_rebalance_needed(out["average_utilization_rate_over_window"]):
+        return
+    t0 = time.perf_counter()
+    counts, ready = out["logical_count"], None
+    if isinstance(counts, torch.Tensor) and counts.is_cuda:  # async D2H: no device sync here
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        counts = host
+    if st.group is None:  # first use, or re-created after an aborted migration (lockstep)
+        st.group = _new_group()
+    st.seq += 1
+    job = _Job(manager, st.group, counts, ready, f"r{st.seq}")
+    rec = {"id": job.mid, "outcome": "running", "error": None, "gate_steps": 0, "migration_steps": 0}
+    st.history.append(rec)
+    del st.history[:-100]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, TUNING.gil_switch_s))
+    job.thread.start()
+    rec["start_s"] = time.perf_counter() - t0  # our share of this boundary (dump_record is upstream's)
+    ex = None
+    try:
+        while True:  # phase 1: placement in the background, start gate
+            yield
+            rec["gate_steps"] += 1
+            dec = job.gate.step()
+            if dec is None or dec[0] == "wait":
+                continue
+            break
+        sys.setswitchinterval(interval)
+        if dec[0] == "abort":
+            rec.update(outcome="aborted", error=dec[1])
+            log.error("eplb_async: rebalance %s aborted before any transfer: %s; the old placement "
+                      "stays", job.mid, dec[1])
+            return
+        ex, plan = job.executor, job.plan
+        unchanged = sorted(set(map(int, manager._get_model().routed_experts_weights_of_layer))
+                           - set(plan.layers))
+        job.switch_rows(unchanged)  # same weights either way; the maps may still differ in order
+        log.info("eplb_async: rebalance %s: %s", job.mid, plan.summary())
+        ex.start()
+        while ex.status.state == "running":  # phase 2: transfers in the background, switches here
+            yield
+            rec["migration_steps"] += 1
+            ex.maybe_switch()
+        s = ex.status
+        rec.update(outcome=s.state, error=s.error, switched=s.switched_layers)
+        if s.state == "aborted":  # its P2P state is unusable; a new group at the next rebalance
+            st.dead_groups.append(st.group)  # (destroying a gloo group here took ~80 ms)
+            st.group = None
+            return
+        if getattr(manager._server_args, "ep_dispatch_algorithm", None) == "lp":
+            from sglang.srt.model_executor.model_runner_components.moe_ep_setup import init_lplb_solvers
+
+            init_lplb_solvers(model_config=manager._model_config)
+        log.info("eplb_async: rebalance %s end: %d layers switched over %d forward passes "
+                 "(placement %d, migration %d)", job.mid, len(s.switched_layers),
+                 rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"], rec["migration_steps"])
+    finally:
+        sys.setswitchinterval(interval)
+        job.stop.set()
+        if rec["outcome"] == "running":  # generator dropped (reset_generator) mid-way
+            rec["outcome"] = "closed"
+            if ex is not None:
+                ex.close(timeout=0)
+                st.dead_groups.append(st.group)
+                st.group = None
+
+
+def hooks(settings: Settings) -> list[Hook]:
+    """The eplb_async feature's patch surface (empty when the switch is off)."""
+    if not settings["eplb_async"]:
+        return []
+    return [Hook(INIT_TARGET, after_init, "after"), Hook(REBALANCE_TARGET, around_rebalance, "around")]

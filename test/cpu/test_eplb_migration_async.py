@@ -1,0 +1,354 @@
+"""eplb_async: SGLang's EPLB rebalance driven through our hooks (sglang_h20.eplb.async_rebalance).
+
+4 spawned processes on real gloo = 2 nodes x 2 ranks. Each loads the plugin with
+SGLANG_H20_EPLB_ASYNC=on (real HookRegistry patching of the installed sglang), builds SGLang's real
+EPLBManager and ExpertLocationMetadata (init_trivial: 4 layers, layer 0 dense, 8 experts + 4
+redundant = 3 slots per rank, static dispatch) and lets the real `init_by_eplb` + deepseek
+algorithm place. Thin stand-ins: the runtime context (get_exec/get_parallel), the model config,
+the model (routed_experts_weights_of_layer: two tensors per layer) and the distribution recorder
+(all-reduces per-rank counts, as upstream's dump_record does). The placement is slowed by
+PLACEMENT_DELAY_S. A paced "decode loop" checks, before each on_forward_pass_end, that every MoE
+layer's routing fields agree with each other and with the weights they route to:
+  (a) the loop keeps stepping while the placement is computed and while weights move;
+  (b) every step sees, per layer, the old or the new placement (maps and weights), flipping once,
+      at the same step on every rank;
+  (c) at the end the weights are bit-identical to the new placement, layer 0 untouched;
+  (d) no on_forward_pass_end call takes longer than STALL_BOUND_S;
+  (e) a rank that cannot build its plan makes every rank abort at the same step before any
+      transfer, and a rank killed mid-migration makes the survivors abort at the same step; the
+      old placement stays, one error line per rank each time.
+Three rebalances run in one world (the sglang import dominates the runtime): ok, plan failure, kill.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from test_eplb_migration import (STALL_BOUND_S, WORLD, DyingExecutor, _Count, check_consistent,
+                                 checksum, expert_weight, free_port)
+
+NUM_LAYERS, MOE = 4, (1, 2, 3)  # labels per MoE layer: check_consistent expects 3 columns
+E, REDUNDANT, K = 8, 4, 3
+PERIOD_S = 0.002
+REBALANCE_AFTER = 12              # eplb_rebalance_num_iterations
+PLACEMENT_DELAY_S = 0.15
+TOKENS = np.ones(E, dtype=np.int64)
+
+
+def _stand_ins():
+    from types import SimpleNamespace as NS
+
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.eplb import expert_location as el
+
+    par = NS(ep_size=WORLD, nnodes=2, elastic_ep_initial_size=None, max_ep_size=None)
+    exe = NS(moe=NS(ep_num_redundant_experts=REDUNDANT, ep_dispatch_algorithm="static",
+                    moe_a2a_backend="none", ep_join_mode="none"))
+    rc.get_parallel, rc.get_exec = (lambda: par), (lambda: exe)
+    el.ModelConfigForExpertLocation.from_model_config = staticmethod(
+        lambda mc: el.ModelConfigForExpertLocation(NUM_LAYERS, E, None))
+    return NS(eplb_algorithm="auto", device="cpu", nnodes=2, tp_size=WORLD,
+              eplb_rebalance_layers_per_chunk=None, eplb_rebalance_num_iterations=REBALANCE_AFTER,
+              expert_distribution_recorder_buffer_size=1, eplb_min_rebalancing_utilization_threshold=1.0,
+              ep_dispatch_algorithm="static", ep_join_rank_offset=0)
+
+
+class Recorder:
+    """SGLang's recorder as EPLBManager uses it: dump_record all-reduces the logical counts."""
+
+    recording = True
+
+    def __init__(self, rank):
+        self.rank, self.dump_s = rank, []
+        self.reseed(0)
+
+    def reseed(self, phase):
+        rng = np.random.default_rng(100 * phase + self.rank)
+        self.counts = torch.tensor(rng.integers(0, 50, (NUM_LAYERS, E)) ** 2, dtype=torch.int64)
+
+    def start_record(self):
+        pass
+
+    def dump_record(self, output_mode="file"):
+        t = time.perf_counter()
+        c = self.counts.clone()
+        torch.distributed.all_reduce(c)
+        self.dump_s.append(time.perf_counter() - t)
+        return {"logical_count": c, "average_utilization_rate_over_window": None}
+
+
+def scale(layer, e):
+    return torch.full((8,), layer * 10.0 + e, dtype=torch.float32)
+
+
+def maps_agree(meta, l, row) -> bool:
+    """Every routing field of layer l describes the same placement `row`."""
+    if not (meta.physical_to_logical_map_cpu[l].numpy() == row).all():
+        return False
+    for e in range(E):
+        slots = set(np.flatnonzero(row == e).tolist())
+        for m in (meta.logical_to_all_physical_map, meta.logical_to_all_physical_map_cpu):
+            got = [x for x in m[l, e].tolist() if x != -1]
+            if set(got) != slots or len(got) != len(slots):
+                return False
+        if int(meta.logical_to_all_physical_map_num_valid[l, e]) != len(slots):
+            return False
+        if int(meta.logical_to_rank_dispatch_physical_map[l, e]) not in slots:
+            return False
+    return True
+
+
+class FailingExecutor:
+    """Rank 2 cannot build its executor: the start gate must abort every rank."""
+
+    def __init__(self, rank, *args, **kwargs):
+        raise RuntimeError(f"no executor on rank {rank}")
+
+
+def _worker(rank: int, port: int, outdir: str) -> None:
+    """Three rebalances in one run: the first completes; in the second rank 2 fails to plan (abort
+    before any transfer); in the third rank 3 dies mid-migration."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    sa = _stand_ins()
+    from sglang.srt.eplb import eplb_algorithms
+    from sglang.srt.eplb.eplb_manager import EPLBManager
+    from sglang.srt.eplb.expert_distribution import set_global_expert_distribution_recorder
+    from sglang.srt.eplb.expert_location import (ExpertLocationMetadata,
+                                                 set_global_expert_location_metadata)
+
+    from sglang_h20 import plugin
+    from sglang_h20.eplb import async_rebalance as ar
+    from sglang_h20.eplb.migration import MigrationExecutor
+    from sglang_h20.settings import Settings
+
+    decisions = plugin.activate(Settings.from_env({"SGLANG_H20_EPLB_ASYNC": "on"}))
+    errors = _Count()
+    logging.getLogger("sglang_h20").addHandler(errors)
+    ar.TUNING = ar.Tuning(switch_every=8, decide_ahead=6, timeout_s=5.0, placement_timeout_s=20.0)
+    upstream_place = eplb_algorithms.rebalance_experts
+
+    def slow_place(*a, **k):
+        time.sleep(PLACEMENT_DELAY_S)
+        return upstream_place(*a, **k)
+
+    eplb_algorithms.rebalance_experts = slow_place
+
+    meta = ExpertLocationMetadata.init_trivial(sa, None, moe_ep_rank=rank)
+    set_global_expert_location_metadata(meta)
+    recorder = Recorder(rank)
+    set_global_expert_distribution_recorder(recorder)
+    ref = {(l, e): expert_weight(l, e) for l in range(NUM_LAYERS) for e in range(E)}
+    stack = lambda l, row: torch.stack([ref[(l, int(row[rank * K + j]))] for j in range(K)])
+    p2l0 = meta.physical_to_logical_map_cpu.numpy().copy()
+    weights = {l: [stack(l, p2l0[l]).clone(), torch.stack([scale(l, int(p2l0[l, rank * K + j]))
+                                                           for j in range(K)])] for l in MOE}
+    model = type("Model", (), {"routed_experts_weights_of_layer": weights})()
+    mgr = EPLBManager(server_args=sa, model_config=None, ps=type("PS", (), {"tp_rank": rank})(),
+                      get_model=lambda: model, get_expert_location_updater=lambda: None,
+                      get_expert_backup_client=lambda: None, get_weight_updater=lambda: None)
+
+    def bit_ok(p2l):
+        return all(torch.equal(weights[l][0][j], ref[(l, int(p2l[l, rank * K + j]))])
+                   and torch.equal(weights[l][1][j], scale(l, int(p2l[l, rank * K + j])))
+                   for l in MOE for j in range(K))
+
+    res = {"feature": [decisions["eplb_async"].on, decisions["eplb_async"].reason]}
+    dist.barrier()
+    t0 = time.monotonic() + 0.02
+    step, deadline = 0, time.monotonic() + 40
+    for phase in (0, 1, 2):
+        old = meta.physical_to_logical_map_cpu.numpy().copy()
+        n_err = len(errors.messages)
+        rows, oks, call_s, own_s, end_step = [], [], [], [], None
+        while time.monotonic() < deadline:
+            wait = t0 + step * PERIOD_S - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            p2l = meta.physical_to_logical_map  # the forward pass: routing in force, weights it reads
+            r, ok = [], []
+            for l in MOE:
+                row = p2l[l].numpy().copy()
+                ok.append(maps_agree(meta, l, row) and checksum(weights[l][0], row, rank, TOKENS)
+                          == checksum(stack(l, row), row, rank, TOKENS))
+                r.append(row)
+            rows.append(r)
+            oks.append(ok)
+            dumps = len(recorder.dump_s)
+            s0 = time.perf_counter()
+            mgr.on_forward_pass_end()
+            call_s.append(time.perf_counter() - s0)
+            own_s.append(call_s[-1] - sum(recorder.dump_s[dumps:]))  # minus upstream's all-reduce
+            step += 1
+            hist = ar.history(mgr)
+            if end_step is None and len(hist) == phase + 1 and hist[-1]["outcome"] != "running":
+                end_step = step
+            if end_step is not None and step >= end_step + 5:
+                break
+        final = meta.physical_to_logical_map_cpu.numpy().copy()
+        labels = np.array([[(0 if (row == old[l]).all() else 1 if (row == final[l]).all() else -1)
+                            if good else -1 for l, row, good in zip(MOE, r, ok)]
+                           for r, ok in zip(rows, oks)])
+        res[phase] = dict(labels=labels, call_s=call_s, own_s=own_s, steps=len(rows), end_step=end_step,
+                          history=[dict(h) for h in ar.history(mgr)], old=old, final=final,
+                          bit_ok=bit_ok(final), errors=errors.messages[n_err:])
+        recorder.reseed(phase + 1)  # new counts: the next placement differs
+        if phase == 0 and rank == 2:
+            ar.EXECUTOR = FailingExecutor
+        if phase == 1:  # rank 3 will die after its first transfer stage
+            ar.EXECUTOR = DyingExecutor if rank == 3 else MigrationExecutor
+    tmp = os.path.join(outdir, f"rank{rank}.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(res, f)
+    os.replace(tmp, os.path.join(outdir, f"rank{rank}.pkl"))
+    os._exit(0)  # skip process-group teardown (an aborted migration leaves gloo waits behind)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    tmp_path = tmp_path_factory.mktemp("eplb_async")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_H20_")}
+    for k in env:  # the workers' settings come from the test, not from the caller's shell
+        os.environ.pop(k)
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
+    t0 = time.monotonic()
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(90)
+    finally:
+        os.environ.update(env)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    out = {r: pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes())
+           for r in range(WORLD) if (tmp_path / f"rank{r}.pkl").exists()}
+    print(f"\n[eplb_async] wall {time.monotonic() - t0:.1f} s, exit codes {[p.exitcode for p in procs]}")
+    for r, res in out.items():
+        for ph in (0, 1, 2):
+            x = res[ph]
+            print(f"  rank {r} rebalance {ph}: steps {x['steps']} {x['history'][ph]} max "
+                  f"on_forward_pass_end {max(x['call_s']) * 1e3:.2f} ms (ours {max(x['own_s']) * 1e3:.2f} ms)")
+    return [p.exitcode for p in procs], out
+
+
+def test_async_rebalance_through_sglang_hooks(world):
+    codes, out = world
+    assert codes[:3] == [0, 0, 0] and sorted(out) == [0, 1, 2]
+    flips = []
+    for r, res in out.items():
+        assert res["feature"][0], res["feature"]
+        x = res[0]
+        h = x["history"][0]
+        assert h["outcome"] == "done" and h["error"] is None and x["errors"] == []
+        # (a) the loop kept stepping during the placement (slowed) and during the migration
+        assert h["gate_steps"] >= 10 and h["migration_steps"] >= 8
+        # (b) old or new per layer, every step; flips once
+        f = check_consistent(x)
+        changed = [i for i, l in enumerate(MOE) if (x["final"][l] != x["old"][l]).any()]
+        assert len(changed) >= 2 and sorted(f) == changed
+        flips.append(f)
+        # (c) bit-identical weights; the dense layer's row kept
+        assert x["bit_ok"] and (x["final"][0] == x["old"][0]).all()
+        # (d) stall bound of the hooked on_forward_pass_end (upstream's dump_record all-reduce aside)
+        assert max(x["own_s"]) < STALL_BOUND_S and h["start_s"] < STALL_BOUND_S
+    assert all(f == flips[0] for f in flips)  # same step on every rank
+    assert len(set(flips[0].values())) >= 2   # staging of one layer: layers switched at different steps
+    assert min(flips[0].values()) > REBALANCE_AFTER + out[0][0]["history"][0]["gate_steps"]
+
+
+def test_async_rebalance_placement_failure_aborts_before_transfers(world):
+    codes, out = world
+    end = set()
+    for r in range(3):
+        x = out[r][1]
+        h = x["history"][1]
+        assert h["outcome"] == "aborted" and "rank 2: placement failed" in h["error"]
+        assert "migration_steps" in h and h["migration_steps"] == 0
+        assert len(x["errors"]) == 1 and "before any transfer" in x["errors"][0]
+        assert (x["labels"] == 0).all() and (x["final"] == x["old"]).all() and x["bit_ok"]
+        assert max(x["own_s"]) < STALL_BOUND_S
+        end.add(x["end_step"])
+    assert len(end) == 1, f"ranks aborted at different steps: {end}"
+
+
+def test_async_rebalance_rank_killed_survivors_abort(world):
+    codes, out = world
+    assert codes[3] == 17 and 3 not in out
+    end = set()
+    for r in range(3):
+        x = out[r][2]
+        h = x["history"][2]
+        assert h["outcome"] == "aborted" and h["error"] and h["switched"] == ()
+        assert len(x["errors"]) == 1 and "aborted" in x["errors"][0]
+        assert (x["labels"] == 0).all() and (x["final"] == x["old"]).all() and x["bit_ok"]
+        assert (x["old"] == out[r][0]["final"]).all()  # the first rebalance's placement stays
+        assert max(x["own_s"]) < STALL_BOUND_S
+        end.add(x["end_step"])
+    assert len(end) == 1, f"survivors aborted at different steps: {end}"
+
+
+# ----------------------------------------------------------------------------- start gate (in-process)
+def _gates(n=2, every=4, ahead=2):
+    from sglang_h20.eplb.async_rebalance import _Gate
+
+    store = torch.distributed.HashStore()
+    return [_Gate(torch.distributed.PrefixStore("g/", store), n, every, ahead) for _ in range(n)]
+
+
+def test_gate_settles_missed_rounds_as_wait_then_all_go_at_one_boundary():
+    import threading
+
+    g0, g1 = _gates()
+    assert [g0.step() for _ in range(3)] == [None] * 3
+    assert g0.step() == ("wait", "")          # round 0 reached, nobody proposed: settled as wait
+    g1.propose("G:", threading.Event())       # round 0 is taken: lands in round 1 (boundary 8)
+    seen0 = [g0.step() for _ in range(4)]
+    seen1 = [g1.step() for _ in range(8)]
+    assert seen0[-1] == ("go", "") and seen1[3] == ("wait", "") and seen1[7] == ("go", "")
+    assert seen0[:3] == [None] * 3 and all(x is None for i, x in enumerate(seen1) if i not in (3, 7))
+
+
+def test_gate_abort_reaches_every_rank_at_the_same_boundary():
+    import threading
+
+    g0, g1 = _gates()
+    g1.step()
+    g1.propose("A:rank 1: placement failed", threading.Event())
+    g0.propose("G:", threading.Event())       # too late: round 0 already holds the abort
+    for g in (g0, g1):
+        got = [g.step() for _ in range(4 - g.boundary)]
+        assert got[-1] == ("abort", "rank 1: placement failed") and g.boundary == 4
+
+
+def test_step_time_benchmark_cpu_smoke(tmp_path):
+    """benchmark/eplb/migration_step_time.py end to end on CPU (tiny shapes): both moves verified."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, "benchmark/eplb/migration_step_time.py", "--device", "cpu",
+                    "--steady-steps", "20", "--json", str(out)], cwd=root, check=True, timeout=120,
+                   capture_output=True)
+    r = json.loads(out.read_text())
+    p = r["presets"]["cpu-smoke"]
+    assert r["provenance"]["git_commit"] and p["ours"]["bit_identical"] and p["blocking"]["bit_identical"]
+    assert p["ours"]["chunks"] == 3 and p["ours"]["migration_steps"] >= 3
+    assert {"p50_ms", "p99_ms", "p99_over_steady_p50"} <= set(p["blocking"])
