@@ -11,25 +11,12 @@ Interpreter notes: it truncates fp32 -> bf16 (no rounding), so the measured erro
 about 4x what a GPU's round-to-nearest gives; quant.py pre-rounds to the fp8 grid under the
 interpreter because its fp32 -> fp8 conversion drops the mantissa carry.
 """
-import importlib
 import itertools
 import json
-import os
-import sys
 
 import torch
 
-# Triton reads TRITON_INTERPRET when a kernel is decorated (module import). Without a GPU, interpret;
-# if another test module imported these kernel modules compiled already, re-import them interpreted.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    for _name, _kernel in (("sgl_kernel_ext.quant", "_silu_mul_quant_kernel"),
-                           ("sgl_kernel_ext.grouped_gemm_fp8", "_fp8_grouped_gemm_kernel")):
-        _mod = sys.modules.get(_name)
-        if _mod is not None and not isinstance(getattr(_mod, _kernel), InterpretedFunction):
-            importlib.reload(_mod)
+# test/conftest.py sets TRITON_INTERPRET=1 before any kernel module is imported when there is no GPU.
 
 import pytest  # noqa: E402
 

@@ -25,20 +25,10 @@ import inspect
 import json
 import logging
 import os
-import sys
 import types
 
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    for _name, _kernel in (("sgl_kernel_ext.quant", "_silu_mul_quant_kernel"),
-                           ("sgl_kernel_ext.grouped_gemm_fp8", "_fp8_grouped_gemm_kernel")):
-        _mod = sys.modules.get(_name)
-        if _mod is not None and not isinstance(getattr(_mod, _kernel), InterpretedFunction):
-            importlib.reload(_mod)
+# test/conftest.py sets TRITON_INTERPRET=1 before any kernel module is imported when there is no GPU.
 
 import pytest  # noqa: E402
 
