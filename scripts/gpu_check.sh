@@ -10,6 +10,8 @@
 #   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
+#   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
+#   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
 # Knobs (env): STEPS="tests parity" PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
 #   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
@@ -107,6 +109,14 @@ if [[ " $STEPS " == *" fp8mla "* ]] && [ "$(left)" -gt 120 ]; then
   python3 benchmark/serving/fp8_mla_e2e.py --model /tmp/models/dsv3-ep16-slice --out "$OUT/fp8_mla_e2e" \
     --deadline-s $(( $(left) - 40 )) ${FP8MLA_ARGS:-} 2>&1 | tee "$OUT/fp8_mla_e2e.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" observe "* ]] && [ "$(left)" -gt 150 ]; then
+  say "observe overhead on dsv3-ep16-slice (one server, on/off windows; deadline $(( $(left) - 40 ))s)"
+  python3 benchmark/serving/observe_overhead.py --model /tmp/models/dsv3-ep16-slice --out /tmp/observe \
+    --deadline-s $(( $(left) - 40 )) ${OBSERVE_ARGS:-} 2>&1 | tee "$OUT/observe_overhead.log" | grep -v "bench:" | tail -60
+  [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/observe/server.log; }
+  cp /tmp/observe/observe_overhead.json "$OUT/" 2>/dev/null
+  (cd /tmp/observe && tar -cJf "$OUT/observe_logs.tar.xz" server.log dump control ./*.log 2>/dev/null)
 fi
 python3 - "$OUT/jitcache.tar.xz" <<'PY'
 import os, sys, tarfile

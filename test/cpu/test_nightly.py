@@ -241,6 +241,7 @@ LOG = """\
 
 def test_decode_throughput_parses_real_log_lines():
     d = serving.decode_throughput(LOG, min_running=48)
+    assert d.pop("mean_tok_s") == pytest.approx(3 / (1 / 2345.67 + 1 / 2380.0 + 1 / 2401.5))
     assert d == {"lines": 4, "steady_lines": 3, "median_tok_s": 2380.0, "min_tok_s": 2345.67, "max_tok_s": 2401.5}
     assert serving.decode_throughput(LOG, min_running=1)["steady_lines"] == 4
     assert serving.decode_throughput(LOG, min_running=64)["median_tok_s"] is None

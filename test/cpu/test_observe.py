@@ -340,6 +340,91 @@ def test_hooks_leave_draft_runners_and_off_switch_alone(wrapped_fakes):
     assert runner.eager_passes == [] and exp.records == []
 
 
+def test_control_file_reads_only_changes_and_ignores_bad_values(tmp_path):
+    path = tmp_path / "control"
+    ctl = stages.Control(str(path), every=8)
+    assert ctl.read() is None  # missing: keep the current fraction
+    path.write_text("0.01\n")
+    assert ctl.read() == 0.01
+    assert ctl.read() is None  # unchanged (same mtime and size): not read again
+    path.write_text("0")
+    assert ctl.read() == 0.0
+    for bad in ("2", "abc", ""):
+        path.write_text(bad)
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 1))
+        assert ctl.read() is None
+    assert [p for p in range(1, 33) if ctl.due(p)] == [8, 16, 24, 32]
+
+
+def _decode_batch():
+    return SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"), batch_size=2, input_ids=torch.zeros(2))
+
+
+def _set_control(path, value):
+    path.write_text(f"{value}\n")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 1))  # a new mtime even within one clock tick
+
+
+def test_control_file_flips_sampling_at_due_passes_only(wrapped_fakes, tmp_path):
+    path = tmp_path / "control"
+    _set_control(path, 0)
+    exp = _ListExporter()
+    stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=stages.CpuClock()),
+                     control=stages.Control(str(path), every=4))
+    runner = _Runner()
+    for _ in range(10):  # 1-3 at 0.25 from the env (pass 2: graph reference), 4: control says 0
+        runner.forward(_decode_batch())
+    assert runner.eager_passes == [] and [r["step"] for r in exp.records] == [2]
+    _set_control(path, 0.5)  # period 2, applied at pass 12
+    for _ in range(6):  # passes 11..16
+        runner.forward(_decode_batch())
+    assert runner.eager_passes == [12, 14, 16]
+    _set_control(path, 0)  # off again from pass 20: graphs answer as upstream
+    for _ in range(8):  # 17..24
+        runner.forward(_decode_batch())
+    assert runner.eager_passes == [12, 14, 16, 18]
+    assert stages._state.sampler.period == 0 and not stages._state.force_eager
+    assert runner.decode_cuda_graph_runner.can_run_graph(_decode_batch()) is True
+    steps = sorted(r["step"] for r in exp.records if r["kind"] == "stages")
+    assert steps == [12, 14, 16, 18]  # drained while off too
+    assert stages._state.recorder.pending() == 0
+
+
+def test_control_file_value_comes_from_rank_zero_on_every_rank(wrapped_fakes, tmp_path, monkeypatch):
+    """A rank other than 0 never reads the file: it takes rank 0's value from a broadcast, at the
+    same due pass, even while observation is off, so all ranks switch together."""
+    import torch.distributed as dist
+
+    calls = []
+
+    def fake_broadcast(box, src, group):
+        calls.append((box[0], src, group))
+        box[0] = 0.5  # what rank 0 read
+
+    monkeypatch.setattr(dist, "broadcast_object_list", fake_broadcast)
+    path = tmp_path / "control"
+    _set_control(path, 0)  # this rank would read 0: it must not
+    stages.configure(0.25, exporter=_ListExporter(), recorder=StageRecorder(clock=stages.CpuClock()),
+                     control=stages.Control(str(path), every=4))
+    runner = _Runner()
+    runner.tp_group = SimpleNamespace(world_size=2, rank_in_group=1, ranks=[10, 11], cpu_group="gloo")
+    for _ in range(8):
+        runner.forward(_decode_batch())
+    assert calls == [(None, 10, "gloo"), (None, 10, "gloo")]  # passes 4 and 8, src = global rank of 0
+    assert stages._state.sampler.fraction == 0.5 and runner.eager_passes == [4, 6, 8]
+
+
+def test_control_switch_reaches_the_hooks(tmp_path):
+    env = {"SGLANG_H20_OBSERVE": "0.01", "SGLANG_H20_OBSERVE_CONTROL": str(tmp_path / "c")}
+    settings = Settings.from_env(env)
+    assert settings["observe_control"] == str(tmp_path / "c") and not settings.errors
+    stages.hooks(settings)
+    assert stages._state.control.path == str(tmp_path / "c")
+    stages.hooks(ON)
+    assert stages._state.control is None
+    stages.reset_state()
+
+
 def test_sampler_is_deterministic_and_rank_independent():
     a, b = stages.Sampler(0.01), stages.Sampler(0.01)
     picks = [p for p in range(1, 1001) if a.decide(p) == "stages"]

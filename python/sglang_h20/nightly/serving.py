@@ -182,11 +182,13 @@ def decode_throughput(log_text: str, min_running: int = 1) -> dict:
     """Decode-only throughput from the server's 'Decode batch' log lines (prefill excluded).
 
     Takes the lines whose running-request count is at least `min_running` (the steady state of a
-    run at that concurrency) and reports the median and spread of their gen throughput.
+    run at that concurrency) and reports the median and spread of their gen throughput, and their
+    harmonic mean: tokens over time when the lines carry equal token counts, so a rare slow step
+    counts in full (the median would skip the lines that hold it).
     """
     samples = [(int(m["running"]), float(m["tput"])) for m in DECODE_LINE.finditer(log_text)]
     steady = [t for r, t in samples if r >= min_running and t > 0]
     if not steady:
         return {"lines": len(samples), "steady_lines": 0, "median_tok_s": None}
     return {"lines": len(samples), "steady_lines": len(steady), "median_tok_s": statistics.median(steady),
-            "min_tok_s": min(steady), "max_tok_s": max(steady)}
+            "mean_tok_s": statistics.harmonic_mean(steady), "min_tok_s": min(steady), "max_tok_s": max(steady)}

@@ -26,11 +26,21 @@ the captured graphs for every unsampled step and make each *sampled* decode step
   `query()` the sample's last event and only then read elapsed times and the load counts
   (copied non-blocking into pinned memory before that event).
 
+Runtime control (SGLANG_H20_OBSERVE_CONTROL=<file>): the file holds a fraction that replaces
+SGLANG_H20_OBSERVE while serving, so one server can alternate observation on and off
+(benchmark/serving/observe_overhead.py measures the overhead that way). It is checked only on
+passes p with `p % CONTROL_EVERY == 0` (one os.stat; read when mtime or size changed), and on
+a TP group of several ranks rank 0 reads it and broadcasts the value over the group's CPU
+channel, so every rank switches at the same pass and the sampling rule stays identical. At
+fraction 0 the hooks pass every call straight through: graphs replay as upstream. The hooks
+are installed only when SGLANG_H20_OBSERVE > 0 at start.
+
 Cost: at fraction f, a fraction f of decode steps runs eagerly (slower by the eager/graph ratio
 r), plus about 1000 event records (61 layers x 8 frames x 2) and 58 small load-count
 scatters on that step. Graph steps pay nothing. Eager non-sampled passes (prefill) pay one
 global read per hooked call (~0.3 us x ~600 calls). Expected overhead is f*(r-1) plus a small
-amount: about 1% at f = 0.01 and r = 2. This is not measured yet: next GPU session.
+amount: about 1% at f = 0.01 and r = 2. benchmark/serving/observe_overhead.py measures it on
+one server (runtime control above); not run on a GPU yet.
 
 Hook targets (sglang 0.5.17, all checked by test_observe against the installed sglang)
 -------------------------------------------------------------------------------------
@@ -113,6 +123,7 @@ TOPK_TARGET = "sglang.srt.layers.moe.topk.TopK.forward"
 EXPERTS_TARGETS = (FUSED_MOE + ".forward_impl", DEEPEP_MOE + ".forward_impl")
 ROUTED_TARGETS = (FUSED_MOE + ".run_moe_core", DEEPEP_MOE + ".run_moe_core")
 MAX_PENDING = 4  # samples waiting for their events; a new sample is skipped beyond this
+CONTROL_EVERY = 32  # passes between checks of the control file
 
 
 # ----------------------------------------------------------------------------- clocks
@@ -481,9 +492,42 @@ class Sampler:
         return None
 
 
+class Control:
+    """The runtime control file (see the module docstring): its fraction, read only when changed."""
+
+    def __init__(self, path: str, every: int = CONTROL_EVERY):
+        self.path, self.every = str(path), max(1, int(every))
+        self._key = None  # (mtime_ns, size) of the last read
+
+    def due(self, pass_id: int) -> bool:
+        return pass_id % self.every == 0
+
+    def read(self) -> float | None:
+        """The file's fraction when it changed since the last read; None when unchanged, missing
+        or bad (the current fraction stays)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        key = (st.st_mtime_ns, st.st_size)
+        if key == self._key:
+            return None
+        self._key = key
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                text = fh.read().strip()
+            from sglang_h20.settings import _fraction
+
+            return _fraction(text.split()[0] if text else "")
+        except Exception as e:
+            _warn_once("control:" + repr(key), "observe: control file %s ignored (%s)", self.path, e)
+            return None
+
+
 class _State:
     def __init__(self):
         self.sampler = Sampler(0.0)
+        self.control: Control | None = None
         self.recorder: StageRecorder | None = None
         self.exporter = None
         self.out_dir: str | None = None
@@ -497,9 +541,11 @@ _state = _State()
 _ACTIVE: StageRecorder | None = None  # set only while a sampled step runs: the hot-path check
 
 
-def configure(fraction: float, out_dir: str | None = None, exporter=None, recorder=None) -> None:
-    """Set the sampling fraction and where records go (hooks() calls this)."""
+def configure(fraction: float, out_dir: str | None = None, exporter=None, recorder=None,
+              control: Control | str | None = None) -> None:
+    """Set the sampling fraction, where records go and the control file (hooks() calls this)."""
     _state.sampler = Sampler(fraction)
+    _state.control = Control(control) if isinstance(control, str) else control
     _state.out_dir = out_dir
     _state.exporter = exporter
     _state.recorder = recorder
@@ -590,11 +636,42 @@ def _capturing() -> bool:
         return False
 
 
+def poll_control(runner, pass_id: int) -> None:
+    """Apply the control file's fraction at a due pass, the same pass on every rank of the TP group."""
+    ctl = _state.control
+    if ctl is None or not ctl.due(pass_id) or _capturing():
+        return
+    group = getattr(runner, "tp_group", None)
+    shared = group is not None and getattr(group, "world_size", 1) > 1
+    value = ctl.read() if not shared or group.rank_in_group == 0 else None
+    if shared:  # gloo on the group's CPU channel (not its message queue, which SGLang drives)
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
+        value = box[0]
+    if value is not None and value != _state.sampler.fraction:
+        _state.sampler = Sampler(value)
+        log.info("observe: fraction %s from %s at pass %d", value, ctl.path, pass_id)
+
+
 # ----------------------------------------------------------------------------- hook functions
 def on_model_runner_forward(orig, runner, forward_batch, *args, **kwargs):
     """AROUND ModelRunner.forward: sample decision, step window, export of finished samples."""
     global _ACTIVE
-    if _state.disabled is not None or _state.sampler.period == 0 or getattr(runner, "is_draft_worker", False):
+    if getattr(runner, "is_draft_worker", False):
+        return orig(runner, forward_batch, *args, **kwargs)
+    if _state.control is not None:
+        try:  # before any early return: every rank must reach the broadcast
+            poll_control(runner, int(getattr(runner, "forward_pass_id", 0)) + 1)
+        except Exception as e:
+            _warn_once("control", "observe: control file not applied (%s: %s)", type(e).__name__, e)
+    if _state.disabled is not None or _state.sampler.period == 0:
+        if _state.disabled is None and _state.recorder is not None and _state.recorder.pending():
+            try:  # samples still in flight when the control switched observation off
+                drain()
+            except Exception as e:
+                _disable("ModelRunner.forward (drain)", e)
         return orig(runner, forward_batch, *args, **kwargs)
     try:
         drain()
@@ -729,7 +806,7 @@ def hooks(settings) -> list[Hook]:
     fraction = float(settings["observe"])
     values = getattr(settings, "values", {}) or {}
     out_dir = values.get("observe_dir") or os.environ.get("SGLANG_H20_OBSERVE_DIR") or None
-    configure(fraction, out_dir)
+    configure(fraction, out_dir, control=values.get("observe_control") or None)
     return [
         Hook(STEP_TARGET, on_model_runner_forward, "around"),
         Hook(GRAPH_TARGET, on_can_run_graph, "around"),
