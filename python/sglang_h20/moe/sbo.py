@@ -32,6 +32,7 @@ import logging
 import torch
 
 from sglang_h20.features import Hook
+from sglang_h20.logonce import OnceLog
 from sglang_h20.settings import Settings
 
 INIT_MOE_CONFIG = "sglang.srt.layers.moe.utils.initialize_moe_config"
@@ -42,13 +43,7 @@ SHARED_FORWARD = "sglang.srt.models.deepseek_v2.DeepseekV2MoE.forward_normal"
 MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys nothing
 
 log = logging.getLogger("sglang_h20.sbo")
-_noted: set[str] = set()
-
-
-def _note(reason: str) -> None:
-    if reason not in _noted:
-        _noted.add(reason)
-        log.info("sbo: upstream for %s", reason)
+_note = OnceLog(log, "sbo: upstream for ")  # each reason for going upstream, once per process
 
 
 def _sm90() -> bool:
@@ -228,7 +223,7 @@ def hooks(settings: Settings) -> list[Hook]:
         log.info("sbo: %s is not SM90: upstream's own SBO (--enable-single-batch-overlap) applies, ours is off",
                  g.label if g else "no GPU")
         return []
-    _noted.clear()
+    _note.clear()
     return [Hook(INIT_MOE_CONFIG, init_moe_config_hook, "around"),
             Hook(COMBINE_DOWN_FLAG, combine_down_flag_hook, "around"),
             Hook(TRITON_MOE, fused_experts_hook, "around"),

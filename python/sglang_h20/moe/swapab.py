@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from sglang_h20.features import Hook
+from sglang_h20.logonce import OnceLog
 from sglang_h20.settings import Settings
 
 TRITON_MOE_MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
@@ -52,19 +53,12 @@ FP8 = torch.float8_e4m3fn
 
 log = logging.getLogger("sglang_h20.swapab")
 _gpu: str | None = None  # set by hooks(); None: the loader asks torch
-_noted: set[str] = set()
-
-
-def _note(reason: str) -> None:
-    """Log a reason for going upstream once per process, not per call."""
-    if reason not in _noted:
-        _noted.add(reason)
-        log.info("swapab: upstream for %s", reason)
+_note = OnceLog(log, "swapab: upstream for ")  # each reason for going upstream, once per process
 
 
 def reset() -> None:
     """Forget cached decisions and logged reasons (tests, or after writing a new table)."""
-    _noted.clear()
+    _note.clear()
     plan_moe.cache_clear()
     _masked_choice.cache_clear()
 
