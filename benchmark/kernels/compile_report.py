@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Compile our Triton kernels for sm_90a on any machine (no GPU) and report what ptxas made of them.
+
+Why: the compiler's resource report answers most performance questions before any device time is spent
+(registers, spills, shared memory, which MMA instructions and which loads): see sgl-kernel-ext/NOTES.md.
+
+    python benchmark/kernels/compile_report.py                 # every kernel, default configs
+    python benchmark/kernels/compile_report.py mla --mla-configs 64x32x512x8x2b 64x64x512x8x2b
+
+Per variant: registers, spill bytes, shared memory, the wgmma shapes (m64nNkK) and operand types, mma.sync
+count (a slower path), TMA copies, and the release/acquire instructions of the SBO signals.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "sgl-kernel-ext"))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def _signature(fn, const: dict, types: dict) -> dict:
+    """Every parameter: constexpr if given in const, else types[name], else a 32-bit int."""
+    return {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+
+
+def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int = 2, ones=()) -> dict:
+    """As the runtime JIT specializes: `ones` (e.g. unit strides) become constants 1, and pointers and the
+    other strides get Triton's divisible-by-16 hint (true for these shapes)."""
+    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **const,
+             **{n: 1 for n in ones}}
+    sig = _signature(fn, const, types)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (n.startswith("stride_") and sig[n] == "i32")}
+    c = triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET,
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = c.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        Path(src).write_text(ptx)
+        r = subprocess.run([str(PTXAS), "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-500:]}")
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_bytes": int(spill.group(1)) if spill else 0,
+        "shared_bytes": c.metadata.shared,
+        "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+\.\w+\.\w+\.\w+)", ptx))),
+        "mma_sync": len(re.findall(r"\bmma\.sync\.aligned", ptx)),
+        "tma_copies": ptx.count("cp.async.bulk.tensor"),
+        "release_atomics": len(re.findall(r"atom\.[\w.]*release", ptx)),
+        "acquire_loads": len(re.findall(r"ld\.[\w.]*acquire", ptx)),
+    }
+
+
+# ------------------------------------------------------------------------------------------ the kernels
+def mla_variants(configs: list[str]):
+    from sgl_kernel_ext import mla_decode as m
+
+    for cfg in configs:
+        bh, bn, bv, w, s = (int(x) for x in cfg.rstrip("b").split("x"))
+        types = {"Q8_LAT": f"tensordesc<fp8e4nv[{bh}, 512]>", "Q8_ROPE": f"tensordesc<fp8e4nv[{bh}, 64]>",
+                 "K_LAT": f"tensordesc<fp8e4nv[{bn}, 512]>", "K_ROPE": f"tensordesc<fp8e4nv[{bn}, 64]>",
+                 "V": f"tensordesc<fp8e4nv[{bn}, {bv}]>", "QS": "*fp32", "KVS": "*fp32", "BT": "*i32",
+                 "SEQ": "*i32", "OP": "*fp32", "LP": "*fp32", "OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32"}
+        const = dict(PAGE_SIZE=64, BLOCK_H=bh, BLOCK_N=bn, BLOCK_V=bv, PV_16BIT=cfg.endswith("b"), CAUSAL=True,
+                     DIRECT=False, INTERPRET=False, ROUND_BF16=False)
+        yield f"mla_decode[{cfg}]", m._mla_fp8_split_kernel, const, types, w, s, ()
+
+
+def gemm_variants():
+    from sgl_kernel_ext import grouped_gemm_fp8 as g
+
+    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "indptr_ptr": "*i32",
+             "masked_m_ptr": "*i32", "sig_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32", "ws_ptr": "*fp32"}
+    for swap, bt, sig in ((True, 16, False), (False, 64, False), (True, 16, True)):
+        const = dict(G=8, K=2048, LAYOUT=1, SWAP_AB=swap, BLOCK_N=128, BLOCK_T=bt, SPLIT_K=1, HAS_SIGNAL=sig)
+        const = {k: v for k, v in const.items() if k in g._fp8_grouped_gemm_kernel.arg_names}
+        ones = [n for n in ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk")
+                if n in g._fp8_grouped_gemm_kernel.arg_names]
+        yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt}{' signal' if sig else ''}]",
+               g._fp8_grouped_gemm_kernel, const, types, 4, 3, ones)
+
+
+def sbo_variants():
+    from sgl_kernel_ext import sbo
+
+    types = {"y_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "w_scale": "fp32"}
+    types.update({n: "*i32" for n in sbo._combine_kernel.arg_names if n.endswith("_ptr") and n not in types})
+    const = dict(G=16, H=7168, TOPK=8, MASKED=True, WAIT=True, BLOCK_T=16, BLOCK_H=256)  # the wrapper's default
+    yield "sbo_combine[masked wait]", sbo._combine_kernel, const, types, 4, 2, ()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kernels", nargs="*", help="mla, gemm, sbo (default: all)")
+    ap.add_argument("--mla-configs", nargs="+", default=["64x32x512x8x2b", "64x32x256x8x2"],
+                    help="BHxBNxBVxWxS[b] as in bench_mla_decode.py --configs")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    gens = {"mla": lambda: mla_variants(args.mla_configs), "gemm": gemm_variants, "sbo": sbo_variants}
+    if set(args.kernels) - gens.keys():
+        ap.error(f"unknown kernels {sorted(set(args.kernels) - gens.keys())}; choose from {sorted(gens)}")
+    out = {}
+    for k in args.kernels or ["mla", "gemm", "sbo"]:
+        for name, fn, const, types, w, s, ones in gens[k]():
+            try:
+                rep = compile_report(fn, const, types, w, s, ones)
+            except Exception as e:  # report and go on: one variant failing to compile is itself a finding
+                rep = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
+            out[name] = rep
+            print(f"{name:45s} " + (rep["error"] if "error" in rep else
+                  f"regs {rep['registers']} spill {rep['spill_bytes']} B smem {rep['shared_bytes']} B "
+                  f"wgmma {rep['wgmma']} mma.sync {rep['mma_sync']} tma {rep['tma_copies']} "
+                  f"release {rep['release_atomics']} acquire {rep['acquire_loads']}"), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 1 if any("error" in r for r in out.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
