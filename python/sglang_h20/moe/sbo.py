@@ -148,13 +148,7 @@ def fused_experts_hook(original, hidden_states, w1, w2, topk_output, moe_runner_
                         use_int4_w4a16=use_int4_w4a16, per_channel_quant=per_channel_quant,
                         w1_scale=w1_scale, w2_scale=w2_scale, w1_zp=w1_zp, w2_zp=w2_zp, a1_scale=a1_scale,
                         a2_scale=a2_scale, block_shape=block_shape, a1_q=a1_q)
-    if cfg.inplace:
-        out = hidden_states
-    elif fm.is_allocation_symmetric():  # as upstream: the output feeds a symmetric-memory all-reduce
-        with fm.use_symmetric_memory(fm.get_tp_group()):
-            out = torch.empty_like(hidden_states)
-    else:
-        out = torch.empty_like(hidden_states)
+    out = swapab.output_like(hidden_states, cfg.inplace)
     return moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
                        a1_q=a1_q, a1_scale=a1_scale if a1_q is not None else None, out=out,
                        routed_scaling_factor=cfg.routed_scaling_factor, overlap=True)

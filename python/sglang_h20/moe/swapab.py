@@ -148,24 +148,41 @@ def _modules():
     return importlib.import_module(TRITON_MOE_MODULE), importlib.import_module(QUANT_KERNELS_MODULE)
 
 
+def quantize_input(hidden_states, a1_q=None, a1_scale=None):
+    """FP8 activations in 1x128 groups as upstream's fused_experts makes them, or the caller's pre-quantized."""
+    if a1_q is not None:
+        return a1_q, a1_scale
+    fmk = _modules()[1]
+    if hidden_states.is_cuda:
+        return fmk.sglang_per_token_group_quant_fp8(hidden_states, 128)
+    return fmk.per_token_group_quant_fp8(hidden_states, 128)
+
+
+def output_like(hidden_states, inplace: bool):
+    """The MoE output buffer as upstream allocates it: in place, or in symmetric memory when it feeds the
+    symmetric-memory all-reduce."""
+    if inplace:
+        return hidden_states
+    fm = _modules()[0]
+    if fm.is_allocation_symmetric():
+        with fm.use_symmetric_memory(fm.get_tp_group()):
+            return torch.empty_like(hidden_states)
+    return torch.empty_like(hidden_states)
+
+
 def moe_forward(plan: MoePlan, hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
                 a1_q=None, a1_scale=None, inplace: bool = False, routed_scaling_factor=None) -> torch.Tensor:
     """The MoE layer through our kernels (see the module docstring for the sequence)."""
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
     from sgl_kernel_ext.quant import silu_mul_quant_fp8
 
-    fm, fmk = _modules()
+    fm = _modules()[0]
     num_tokens, hidden = hidden_states.shape
     num_experts, n1, _ = w1.shape
     top_k = topk_ids.shape[1]
     pairs = num_tokens * top_k
     sorted_ids, expert_ids, ntpp = fm.moe_align_block_size(topk_ids, plan.block_t, num_experts)
-    if a1_q is not None:
-        a, a_scale = a1_q, a1_scale
-    elif hidden_states.is_cuda:
-        a, a_scale = fmk.sglang_per_token_group_quant_fp8(hidden_states, 128)
-    else:
-        a, a_scale = fmk.per_token_group_quant_fp8(hidden_states, 128)
+    a, a_scale = quantize_input(hidden_states, a1_q, a1_scale)
     h = torch.empty(pairs, n1, dtype=torch.bfloat16, device=hidden_states.device)
     gg.m_grouped_fp8_gemm_nt_aligned(a, a_scale, w1, w1_scale, sorted_ids, expert_ids, ntpp, pairs, h,
                                      plan.block_t, a_div=top_k, variant=plan.variant, config=plan.gate_up)
@@ -175,13 +192,7 @@ def moe_forward(plan: MoePlan, hidden_states, w1, w2, topk_weights, topk_ids, w1
                                      plan.block_t, a_div=1, topk_weights=topk_weights,
                                      weight_scale=1.0 if routed_scaling_factor is None else routed_scaling_factor,
                                      variant=plan.variant, config=plan.down)
-    if inplace:
-        out = hidden_states
-    elif fm.is_allocation_symmetric():  # as upstream: the output feeds a symmetric-memory all-reduce
-        with fm.use_symmetric_memory(fm.get_tp_group()):
-            out = torch.empty_like(hidden_states)
-    else:
-        out = torch.empty_like(hidden_states)
+    out = output_like(hidden_states, inplace)
     torch.sum(y.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out
 
