@@ -67,6 +67,8 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
     if str(_p) not in sys.path:
         sys.path.append(str(_p))
 
+from sglang_h20.gputime import graph_median_us  # noqa: E402
+
 MOE_SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
 DENSE_SHAPES = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "qkv_a": (2112, 7168)}
 GROUPS = [8, 16, 32, 256]
@@ -114,23 +116,7 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------
 def bench_us(fn, rep_ms):
     """Median µs; the call is replayed from a CUDA graph when it can be captured."""
-    fn()  # compile / JIT / autotune outside the timed region
-    torch.cuda.synchronize()
-    run = fn
-    try:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-            with torch.cuda.graph(graph, stream=stream):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        run = graph.replay
-    except Exception:
-        torch.cuda.synchronize()
-    return 1e3 * triton.testing.do_bench(run, warmup=10, rep=rep_ms, return_mode="median")
+    return graph_median_us(fn, rep_ms)[0]
 
 
 @triton.jit

@@ -34,6 +34,7 @@ from pathlib import Path
 from plugin_parity import HOOKS_APPLIED, PLUGIN_MARK  # same directory
 
 from sglang_h20 import provenance
+from sglang_h20.gputime import graph_median_us
 from sglang_h20.nightly.serving import Server, write_sharegpt
 
 SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-backend pytorch "
@@ -71,7 +72,6 @@ def forced_table(path: Path, shapes: dict) -> Path:
 # ---------------------------------------------------------------------------------------------
 def layer_phase(model: str, table: Path, tokens_list: list[int]) -> dict:
     import torch
-    import triton
 
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
     from sglang.srt.layers.moe.topk import StandardTopKOutput
@@ -119,16 +119,7 @@ def layer_phase(model: str, table: Path, tokens_list: list[int]) -> dict:
 
             run()
             row[f"out_{name}"] = run().clone()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
-                run()
-                with torch.cuda.graph(graph, stream=stream):
-                    run()
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            row[f"us_{name}"] = 1e3 * triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+            row[f"us_{name}"] = graph_median_us(run, 100, allow_eager=False)[0]
         a, b = row.pop("out_ours").float(), row.pop("out_upstream").float()
         row["rel_diff"] = ((a - b).norm() / b.norm()).item()
         row["speedup"] = row["us_upstream"] / row["us_ours"]
