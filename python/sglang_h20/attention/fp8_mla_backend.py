@@ -349,8 +349,7 @@ class FP8MLABackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
-        self.pool = self.token_to_kv_pool
-        self.page_size = self.pool.page_size
+        self.page_size = self.token_to_kv_pool.page_size
         if self.page_size != PAGE_SIZE:
             raise ValueError(f"{NAME} needs page size {PAGE_SIZE}, the pool has {self.page_size}")
         self.prefill = _make_prefill_backend(model_runner) if prefill_backend == "auto" else prefill_backend
@@ -447,11 +446,11 @@ class FP8MLABackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if k is not None and save_kv_cache:
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
         m = self.decode
         heads = layer.tp_q_head_num
         q = q.view(m.cache_seqlens.shape[0], 1, heads, HEAD_DIM_QK)
-        o = self.mla.mla_decode_fp8(q, self.pool.kv_cache(layer.layer_id), m.block_table, m.cache_seqlens,
+        o = self.mla.mla_decode_fp8(q, self.token_to_kv_pool.kv_cache(layer.layer_id), m.block_table, m.cache_seqlens,
                                     layer.scaling, m.plan)
         return o.view(-1, heads * KV_LORA_RANK)
 
@@ -471,16 +470,16 @@ class FP8MLABackend(AttentionBackend):
         from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
         if k is not None and save_kv_cache:
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
         if k is None:  # cross-layer KV sharing: the new tokens are in the pool already
-            k = self.pool.dequantize_tokens(layer.layer_id, forward_batch.out_cache_loc, q.dtype)
+            k = self.token_to_kv_pool.dequantize_tokens(layer.layer_id, forward_batch.out_cache_loc, q.dtype)
         if self._extend is None:
             self._extend = self._extend_meta(forward_batch)
         m = self._extend
         heads = layer.tp_q_head_num
         q = q.reshape(-1, heads, HEAD_DIM_QK)
         k = k.reshape(-1, 1, HEAD_DIM_QK)
-        prefix = self.pool.dequantize_tokens(layer.layer_id, m.prefix_loc, q.dtype)
+        prefix = self.token_to_kv_pool.dequantize_tokens(layer.layer_id, m.prefix_loc, q.dtype)
         if prefix.shape[0] == 0:  # nothing cached: the kernel reads no prefix, but wants a real pointer
             prefix = q.new_zeros((1, 1, HEAD_DIM_QK))
         o = q.new_empty((q.shape[0], heads, KV_LORA_RANK))
