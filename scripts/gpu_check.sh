@@ -9,17 +9,18 @@
 #   (STEPS calibrate) python -m sglang_h20 calibrate mha-mla on this GPU -> $OUT/mha_mla_<gpu>.json
 #   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
+#   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
 #   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
-# Knobs (env): STEPS="tests parity" PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
+# Knobs (env): NO_SETUP=1 NO_JITPACK=1 (gpu_parallel.sh) STEPS="tests parity" LAYER_S=240 PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
 #   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpu_check_out}; mkdir -p "$OUT"
 DK=${DK:-.devkit}
-STEPS=${STEPS:-"tests parity"}
+STEPS=${STEPS-"tests parity"}
 DEADLINE_S=${DEADLINE_S:-540}
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
@@ -31,17 +32,22 @@ export TRITON_CACHE_DIR=/tmp/jit/triton TVM_FFI_CACHE_DIR=/tmp/jit/tvm-ffi DG_JI
 export FLASHINFER_WORKSPACE_BASE=/tmp/jit/flashinfer
 mkdir -p /tmp/jit /tmp/site /tmp/dg
 
-say "host: $(nproc) cores, $(python3 -V 2>&1), $(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader 2>&1)"
-tar -xJf "$DK/site.tar.xz" -C /tmp/site || { say "FAIL: unpack $DK/site.tar.xz (build it with ../shared/devkit/build_devkit.sh)"; exit 2; }
-[ -f "$DK/deepgemm.tar.xz" ] && tar -xJf "$DK/deepgemm.tar.xz" -C /tmp/dg
-[ -f "$DK/jitcache.tar.xz" ] && tar -xJf "$DK/jitcache.tar.xz" -C /tmp/jit && say "restored JIT cache"
-export PYTHONPATH=/tmp/site:/tmp/dg
-python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \
-  || { say "FAIL: install sglang-h20"; cat "$OUT/install.log"; exit 2; }
-python3 scripts/make_model.py /tmp/models > /dev/null || { say "FAIL: make_model"; exit 2; }
-say "unpacked + installed; doctor:"
-(cd /tmp && python3 -m sglang_h20 doctor 2>&1 | grep -v Warning | tee "$OUT/doctor.txt")
+if [ -z "${NO_SETUP:-}" ]; then  # scripts/gpu_parallel.sh sets up once, then runs one job per GPU
+  say "host: $(nproc) cores, $(python3 -V 2>&1), $(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader 2>&1)"
+  tar -xJf "$DK/site.tar.xz" -C /tmp/site || { say "FAIL: unpack $DK/site.tar.xz (build it with ../shared/devkit/build_devkit.sh)"; exit 2; }
+  [ -f "$DK/deepgemm.tar.xz" ] && tar -xJf "$DK/deepgemm.tar.xz" -C /tmp/dg
+  [ -f "$DK/jitcache.tar.xz" ] && tar -xJf "$DK/jitcache.tar.xz" -C /tmp/jit && say "restored JIT cache"
+  export PYTHONPATH=/tmp/site:/tmp/dg
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \
+    || { say "FAIL: install sglang-h20"; cat "$OUT/install.log"; exit 2; }
+  python3 scripts/make_model.py /tmp/models > /dev/null || { say "FAIL: make_model"; exit 2; }
+  say "unpacked + installed; doctor:"
+  (cd /tmp && python3 -m sglang_h20 doctor 2>&1 | grep -v Warning | tee "$OUT/doctor.txt")
 
+else
+  export PYTHONPATH=/tmp/site:/tmp/dg
+  say "GPU ${CUDA_VISIBLE_DEVICES:-all}: $(nvidia-smi --query-gpu=name --format=csv,noheader -i ${CUDA_VISIBLE_DEVICES:-0} 2>&1)"
+fi
 rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
   say "pytest -m gpu"
@@ -70,6 +76,16 @@ if [[ " $STEPS " == *" parity "* ]]; then
   (cd "$OUT/parity" && tar -cJf "$OUT/parity_logs.tar.xz" --exclude sharegpt.json . 2>/dev/null)
   rm -rf "$OUT/parity"
 fi
+if [[ " $STEPS " == *" layer "* ]] && [ "$(left)" -gt 90 ]; then
+  lay=${LAYER_S:-$(( $(left) - 60 ))}
+  say "MHA/MLA layer-level bench (deadline ${lay}s)"
+  python3 benchmark/attention/mha_mla_layer.py --json "$OUT/mha_mla_layer.json" --write-table "$OUT/mha_mla_table_layer.json" \
+    --deadline-s $lay 2>&1 | tee "$OUT/mha_mla_layer.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  # the servers started after this (ttft) use the table just measured
+  [ -f "$OUT/mha_mla_table_layer.json" ] && cp "$OUT/mha_mla_table_layer.json" \
+    "$(python3 -c 'from sglang_h20 import compat; from sglang_h20.attention.mha_mla import table_path; print(table_path(compat.gpu().name))' 2>/dev/null)"
+fi
 if [[ " $STEPS " == *" calibrate "* ]]; then
   say "calibrate mha-mla"
   python3 -m sglang_h20 calibrate mha-mla --grid ${GRID:-quick} --work-dir /tmp/calib --out "$OUT/mha_mla_table.json" 2>&1 \
@@ -86,12 +102,6 @@ if [[ " $STEPS " == *" ttft "* ]] && [ "$(left)" -gt 200 ]; then
 --fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/ttft.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/ttft/server-*.log; }
   cp /tmp/ttft/prefix_ttft.json "$OUT/" 2>/dev/null
-fi
-if [[ " $STEPS " == *" layer "* ]] && [ "$(left)" -gt 90 ]; then
-  say "MHA/MLA layer-level bench (deadline $(( $(left) - 60 ))s)"
-  python3 benchmark/attention/mha_mla_layer.py --json "$OUT/mha_mla_layer.json" --write-table "$OUT/mha_mla_table_layer.json" \
-    --deadline-s $(( $(left) - 60 )) 2>&1 | tee "$OUT/mha_mla_layer.log" | tail -30
-  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" swapab "* ]] && [ "$(left)" -gt 120 ]; then
   say "swapAB e2e on dsv3-ep16-slice (arms ${SWAPAB_ARMS:-off forced})"
@@ -118,13 +128,12 @@ if [[ " $STEPS " == *" observe "* ]] && [ "$(left)" -gt 150 ]; then
   cp /tmp/observe/observe_overhead.json "$OUT/" 2>/dev/null
   (cd /tmp/observe && tar -cJf "$OUT/observe_logs.tar.xz" server.log dump control ./*.log 2>/dev/null)
 fi
-python3 - "$OUT/jitcache.tar.xz" <<'PY'
-import os, sys, tarfile
-with tarfile.open(sys.argv[1], "w:xz", preset=3) as t:
-    for d in sorted(os.listdir("/tmp/jit")):
-        t.add(os.path.join("/tmp/jit", d), arcname=d)
-if os.path.getsize(sys.argv[1]) > 15_500_000:
-    os.remove(sys.argv[1]); print("jit cache too large to bring back")
-PY
+if [[ " $STEPS " == *" migration "* ]] && [ "$(left)" -gt 90 ]; then
+  say "EPLB migration step time (deadline $(( $(left) - 40 ))s)"
+  python3 benchmark/eplb/migration_step_time.py --json "$OUT/migration_step_time.json" \
+    --deadline-s $(( $(left) - 40 )) ${MIGRATION_ARGS:-} 2>&1 | tee "$OUT/migration_step_time.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+[ -z "${NO_JITPACK:-}" ] && python3 scripts/pack_jitcache.py "$OUT/jitcache.tar.xz"
 say "done rc=$rc; OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit $rc

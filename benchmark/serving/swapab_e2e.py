@@ -11,14 +11,15 @@ Phases
           the relative difference of the outputs; and what the table in force would choose there.
   arms    one server per arm, sequential: 'off' (SGLANG_H20_SWAPAB=off), 'on' (=on with the table
           the plugin finds on this GPU, or --table FILE), 'forced' (=on with a table naming ours for
-          this model's shapes at every decode size: measures our path itself). Per arm: one warm-up
+          this model's shapes at every decode size: measures our path itself), 'sbo' (SGLANG_H20_SBO=on,
+          swapab off: single-batch overlap, issue 8, on the same workload). Per arm: one warm-up
           (Triton JIT of eager batch sizes), then bench_serving at each --concurrency: output tok/s,
           median ITL, TTFT; the server's sglang-h20 log lines, incl. the batch sizes swapab served.
 The deadline splits what is left after the layer phase between the arms; later arms run only the
 concurrency levels the first one finished, so every number has its pair.
 
 usage: swapab_e2e.py --out DIR [--model /tmp/models/dsv3-ep16-slice] [--deadline-s 360]
-                     [--arms off on forced] [--table FILE] [--concurrency 16 48 128] [--no-layer]
+                     [--arms off on forced sbo] [--table FILE] [--concurrency 16 48 128] [--no-layer]
 """
 from __future__ import annotations
 
@@ -165,10 +166,10 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
 
 
 def compare(arms: list[dict]) -> dict:
-    """Each swapab arm against 'off', per concurrency level both ran."""
+    """Each arm against 'off', per concurrency level both ran."""
     by = {a["arm"]: a for a in arms}
     out = {}
-    for name in ("on", "forced"):
+    for name in by.keys() - {"off"}:
         if "off" not in by or name not in by:
             continue
         for c, off in by["off"]["levels"].items():
@@ -184,7 +185,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/models/dsv3-ep16-slice")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "forced"])
+    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "forced", "sbo"])
     ap.add_argument("--table", type=Path, help="table file for the 'on' arm (default: the one the plugin finds)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 48, 128])
     ap.add_argument("--input-len", type=int, default=256)
@@ -218,7 +219,8 @@ def main() -> int:
         layer = json.loads(path.read_text()) if rc == 0 and path.exists() else {"error": f"layer phase rc={rc}"}
     envs = {"off": {"SGLANG_H20_SWAPAB": "off"},
             "on": {"SGLANG_H20_SWAPAB": "on", **({TABLE_ENV: str(args.table.resolve())} if args.table else {})},
-            "forced": {"SGLANG_H20_SWAPAB": "on", TABLE_ENV: str(forced)}}
+            "forced": {"SGLANG_H20_SWAPAB": "on", TABLE_ENV: str(forced)},
+            "sbo": {"SGLANG_H20_SWAPAB": "off", "SGLANG_H20_SBO": "on"}}
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
     arms, levels = [], list(args.concurrency)
     for n, name in enumerate(args.arms):

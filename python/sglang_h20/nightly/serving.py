@@ -30,10 +30,12 @@ class Server:
     """A launched SGLang server: start, wait for /health, stop with its whole process tree.
 
     Use as a context manager. `log_path` receives stdout+stderr; `env` adds to os.environ.
+    SGLANG_H20_PORT_OFFSET shifts the port, so jobs on different GPUs of one host do not collide.
     """
 
     def __init__(self, model: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
                  port: int = 30000, ready_timeout_s: float = 600):
+        port += int(os.environ.get("SGLANG_H20_PORT_OFFSET", "0"))
         self.model, self.args, self.log_path, self.port = model, list(args), Path(log_path), port
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout_s = ready_timeout_s
