@@ -130,7 +130,7 @@ if [[ " $STEPS " == *" observe "* ]] && [ "$(left)" -gt 150 ]; then
 fi
 if [[ " $STEPS " == *" migration "* ]] && [ "$(left)" -gt 90 ]; then
   say "EPLB migration step time (deadline $(( $(left) - 40 ))s)"
-  python3 benchmark/eplb/migration_step_time.py --json "$OUT/migration_step_time.json" \
+  timeout -s KILL $(( $(left) - 10 )) python3 benchmark/eplb/migration_step_time.py --json "$OUT/migration_step_time.json" \
     --deadline-s $(( $(left) - 40 )) ${MIGRATION_ARGS:-} 2>&1 | tee "$OUT/migration_step_time.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi

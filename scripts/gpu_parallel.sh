@@ -22,7 +22,7 @@ run_job() {  # $1 job index, $2 GPU
   mkdir -p "/tmp/out/gpu$i"
   ( eval "export ${!v}"
     export CUDA_VISIBLE_DEVICES=$g NO_SETUP=1 NO_JITPACK=1 OUT=/tmp/out/gpu$i SGLANG_H20_PORT_OFFSET=$(( i * 1000 ))
-    bash scripts/gpu_check.sh ) > "$OUT/gpu$i.log" 2>&1
+    timeout -s KILL $(( ${DEADLINE_S:-540} + 25 )) bash scripts/gpu_check.sh ) > "$OUT/gpu$i.log" 2>&1
   local rc=$?
   tar -cJf "$OUT/gpu$i.tar.xz" -C "/tmp/out/gpu$i" . 2>/dev/null
   say "job $i (GPU $g) rc=$rc: $(tail -1 "$OUT/gpu$i.log")"

@@ -100,6 +100,11 @@ LN2 = math.log(2.0)  # flashinfer's lse is base 2, merge_state_v2 merges natural
 TOLERANCE = 2e-2
 TOLERANCE_FP8 = 5e-2  # --kv-b-proj fp8: MHA's K/V come from an FP8 GEMM of an FP8-quantized latent
 TARGET_LOSS_PCT = 3.0
+# flashinfer's MLA prefill indexes q/o [tokens, 128, 512] with int32: 32k new tokens in one batch hit an illegal
+# address on the H200 (2026-11-29). SGLang's chunked prefill (8k/16k tokens) never forms such a batch.
+MAX_EXTEND_TOKENS = 2**31 // (128 * 512)
+MLA_OVERFLOW = (f">= {2**31 // (128 * 512)}: flashinfer's MLA prefill overflows int32 offsets (tokens x 128 heads x 512)"
+                "; SGLang's chunked prefill keeps a batch below this")
 RULES = ("upstream", "ours", "ours_loo", "linear", "shipped", "mha", "mla")
 BENCH = "benchmark/attention/mha_mla_layer.py"
 
@@ -116,6 +121,8 @@ def plan(batches, extends, prefixes, max_tokens: int) -> tuple[list[dict], list[
                 pt = {"batch": b, "extend": e, "prefix": p}
                 if tokens > max_tokens:
                     skipped.append({**pt, "reason": f"{tokens} tokens > budget {max_tokens} (--max-tokens)"})
+                elif b * e >= MAX_EXTEND_TOKENS:
+                    skipped.append({**pt, "reason": f"{b * e} new tokens: {MLA_OVERFLOW}"})
                 else:
                     run.append(pt)
     run.sort(key=lambda q: (work(*lists(q)), q["batch"], q["extend"], q["prefix"]))
@@ -130,7 +137,7 @@ def validation_points(n: int, max_tokens: int, seed: int = 7) -> list[dict]:
         b = rng.choice([1, 2, 3, 5, 6, 8, 12])
         ext = [int(2 ** rng.uniform(7, 13.5)) for _ in range(b)]
         pre = [0 if rng.random() < 0.25 else int(2 ** rng.uniform(9, 16)) for _ in range(b)]
-        if sum(ext) + sum(pre) <= max_tokens // 2:
+        if sum(ext) + sum(pre) <= max_tokens // 2 and sum(ext) < MAX_EXTEND_TOKENS:
             out.append({"batch": b, "extend": ext, "prefix": pre})
     return sorted(out, key=lambda q: work(*lists(q)))
 

@@ -163,6 +163,15 @@ def moved_ok(fp_before, fp_after, old, new) -> bool:
     return True
 
 
+def derangement(rng: np.random.Generator, n: int) -> np.ndarray:
+    """A random permutation of n with no fixed point, drawn per layer (about e tries each): resampling
+    all layers at once until none has a fixed point never ends for many layers (0.37**layers)."""
+    while True:
+        p = rng.permutation(n)
+        if not (p == np.arange(n)).any():
+            return p
+
+
 def run_preset(name: str, cfg: dict, a, dev: torch.device, deadline: float) -> dict:
     layers, slots = cfg["layers"], cfg["slots"]
     h, i = (H, I) if dev.type == "cuda" else (256, 128)
@@ -173,9 +182,7 @@ def run_preset(name: str, cfg: dict, a, dev: torch.device, deadline: float) -> d
     topo = Topology(1, 1, slots)
     rng = np.random.default_rng(0)
     ident = np.tile(np.arange(slots), (layers, 1))
-    perm = np.stack([rng.permutation(slots) for _ in range(layers)])
-    while (perm == ident).any(axis=1).any():  # every slot changes (a derangement per layer)
-        perm = np.stack([rng.permutation(slots) for _ in range(layers)])
+    perm = np.stack([derangement(rng, slots) for _ in range(layers)])  # every slot changes
     p_old, p_new = Placement(ident, topo, slots), Placement(perm, topo, slots)
     budget = a.staging_layers * slots * expert_bytes
     res = {"layers": layers, "slots": slots, "bs": cfg["bs"], "topk": cfg["topk"],
@@ -194,6 +201,7 @@ def run_preset(name: str, cfg: dict, a, dev: torch.device, deadline: float) -> d
 
     timed(20)
     res["setup_s"] = time.monotonic() - t0
+    print(f"{name}: set up in {res['setup_s']:.1f} s ({res['live_gb']:.1f} GB of expert weights)", flush=True)
     steady = timed(a.steady_steps)
     res["steady"] = stats(steady)
 
@@ -279,6 +287,9 @@ def main() -> None:
         except torch.cuda.OutOfMemoryError as e:
             r = {"error": f"out of memory: {e}"}
         out["presets"][name] = r
+        if a.json:  # after every preset, so a run cut short keeps what it measured
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(out, indent=1) + "\n")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         s = lambda k: r.get(k, {})
