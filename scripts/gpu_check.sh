@@ -97,7 +97,7 @@ if [[ " $STEPS " == *" calibrate "* ]]; then
 fi
 if [[ " $STEPS " == *" ttft "* ]] && [ "$(left)" -gt 200 ]; then
   say "prefix TTFT (deadline for new phases: $(( $(left) - 130 ))s from now)"
-  python3 benchmark/serving/prefix_ttft.py --model /tmp/models/dsv3-4l --out /tmp/ttft --deadline-s $(( $(left) - 130 )) \
+  python3 benchmark/serving/prefix_ttft.py --model /tmp/models/dsv3-4l --out /tmp/ttft --deadline-s $(( $(left) - 130 )) ${TTFT_ARGS:-} \
     --server-args "--load-format dummy --attention-backend flashmla --sampling-backend pytorch --moe-runner-backend triton \
 --fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/ttft.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/ttft/server-*.log; }

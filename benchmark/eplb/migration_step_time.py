@@ -15,7 +15,7 @@ and the decode step is a documented GPU-shaped stand-in:
   re-placement = every slot of every MoE layer gets another expert (a random permutation per
                  layer); on one GPU every source is local, so the plan is all "local" copies.
   ours         = sglang_h20.eplb.migration: plan_migration + MigrationExecutor (world 1, in-process
-                 store): copies into staging on its side CUDA stream, a layer's staging copied into
+                 store): copies into staging on its side CUDA stream, paced at --copy-gbps, a layer's staging copied into
                  the live slots on the compute stream between two steps (maybe_switch), staging
                  budget one layer (as upstream's temp buffers).
   blocking     = the same kind of plan run as SGLang 0.5.17's updater does it: between two steps,
@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from sglang_h20 import provenance
+from sglang_h20.eplb.async_rebalance import TUNING
 from sglang_h20.eplb.migration import MigrationExecutor, plan_migration
 from sglang_h20.eplb.placement import Placement, Topology
 
@@ -210,7 +211,8 @@ def run_preset(name: str, cfg: dict, a, dev: torch.device, deadline: float) -> d
     plan = plan_migration(p_old, p_new, expert_bytes, budget)
     ex = MigrationExecutor(0, 1, topo, weights, plan, timeout_s=120.0, store=torch.distributed.HashStore(),
                            switch_every=a.switch_every, decide_ahead=a.decide_ahead,
-                           migration_id=f"bench-{name}")
+                           migration_id=f"bench-{name}",
+                           max_bytes_per_s=a.copy_gbps * 1e9 if a.copy_gbps > 0 else None)
     ours, switch_ms = [], []
     tm = time.monotonic()
     ex.start()
@@ -268,6 +270,8 @@ def main() -> None:
     ap.add_argument("--switch-every", type=int, default=2)
     ap.add_argument("--decide-ahead", type=int, default=1)
     ap.add_argument("--staging-layers", type=int, default=1)
+    ap.add_argument("--copy-gbps", type=float, default=TUNING.copy_gbps or 0.0,
+                    help="pace of our side-stream copies, GB/s (0: unpaced); default: the plugin's")
     a = ap.parse_args()
     start = time.monotonic()
     deadline = start + a.deadline_s
@@ -276,7 +280,8 @@ def main() -> None:
     out = {"benchmark": "eplb_migration_step_time", "provenance": provenance.record(),
            "stand_in": "decode step = per MoE layer FP8 grouped GEMMs (gate_up, SiLU*mul+quant, down) over "
                        "the live expert tensors in a CUDA graph; see the script's docstring",
-           "switch_every": a.switch_every, "decide_ahead": a.decide_ahead, "presets": {}}
+           "switch_every": a.switch_every, "decide_ahead": a.decide_ahead, "copy_gbps": a.copy_gbps,
+           "presets": {}}
     for name in presets:
         left = deadline - time.monotonic()
         if left < 30 and dev.type == "cuda":

@@ -193,6 +193,37 @@ def test_executor_rejects_wrong_expert_bytes():
         MigrationExecutor(0, 4, T222, w, plan, store=torch.distributed.HashStore())
 
 
+def test_paced_local_migration_spreads_its_copies_and_lands_bit_identical():
+    """One GPU, every slot of 3 layers re-placed by local copies at a pace of ~40 copies/s: it takes at
+    least the bytes over the pace (not all at once), keeps the old weights until each layer switches, and
+    ends with every slot holding its new expert's bytes."""
+    topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=4)
+    old = Placement(np.tile(np.arange(4), (3, 1)), topo, 4)
+    new = Placement(np.array([[1, 2, 3, 0], [3, 0, 1, 2], [2, 3, 0, 1]]), topo, 4)
+    w = {l: torch.randn(4, 100, generator=torch.Generator().manual_seed(l)) for l in range(3)}
+    before = {l: t.clone() for l, t in w.items()}
+    eb = 400  # 100 fp32 per expert
+    plan = plan_migration(old, new, eb, 4 * eb)
+    ex = MigrationExecutor(0, 1, topo, w, plan, store=torch.distributed.HashStore(), switch_every=1,
+                           decide_ahead=0, max_bytes_per_s=40 * eb)
+    t0 = time.monotonic()
+    ex.start()
+    while ex.status.state == "running" and time.monotonic() - t0 < 20:
+        for l in range(3):  # a layer is all old or all new between two steps
+            assert torch.equal(w[l], before[l]) or torch.equal(w[l], before[l][new.phy2log[l]])
+        ex.maybe_switch()
+        time.sleep(0.005)
+    elapsed = time.monotonic() - t0
+    ex.close(timeout=5)
+    assert ex.status.state == "done", ex.status
+    copies = sum(1 for t in plan.transfers)
+    assert copies == 12 and elapsed >= (copies - 1) / 40  # paced: about 0.3 s for 12 copies
+    for l in range(3):
+        assert torch.equal(w[l], before[l][new.phy2log[l]])
+    with pytest.raises(ValueError, match="positive"):
+        MigrationExecutor(0, 1, topo, w, plan, store=torch.distributed.HashStore(), max_bytes_per_s=0)
+
+
 def test_decision_encoding():
     assert _parse(b"S:") == ("switch", ())
     assert _parse(b"S:0,2") == ("switch", (0, 2))

@@ -174,12 +174,20 @@ def test_plan_covers_the_grid_and_records_why_points_are_skipped():
     assert len(keys) == 105
     for p in run:
         assert p["batch"] * (p["extend"] + p["prefix"]) <= bench.MAX_TOKENS
+        assert p["batch"] * p["extend"] < bench.MAX_EXTEND_TOKENS
     for p in skipped:
-        assert p["batch"] * (p["extend"] + p["prefix"]) > bench.MAX_TOKENS
-        assert "budget" in p["reason"] and "--max-tokens" in p["reason"]
-    # kept on purpose: batch 4 on a 64k prefix up to 16k new tokens, batch 16 with 16k new tokens and no prefix
-    assert (4, 16384, 65536) not in {(p["batch"], p["extend"], p["prefix"]) for p in skipped}
-    assert (16, 16384, 0) in {(p["batch"], p["extend"], p["prefix"]) for p in run}
+        over_budget = p["batch"] * (p["extend"] + p["prefix"]) > bench.MAX_TOKENS
+        over_int32 = p["batch"] * p["extend"] >= bench.MAX_EXTEND_TOKENS
+        assert over_budget or over_int32
+        if over_budget:
+            assert "budget" in p["reason"] and "--max-tokens" in p["reason"]
+        else:
+            assert "int32" in p["reason"]
+    # kept on purpose: batch 4 on a 64k prefix with 4k new tokens; 16k new tokens alone on a 64k prefix
+    assert (4, 4096, 65536) in {(p["batch"], p["extend"], p["prefix"]) for p in run}
+    assert (1, 16384, 65536) in {(p["batch"], p["extend"], p["prefix"]) for p in run}
+    # dropped: 32k new tokens in one batch (flashinfer's MLA prefill overflowed on the H200)
+    assert (16, 2048, 0) in {(p["batch"], p["extend"], p["prefix"]) for p in skipped}
     works = [bench.work(*bench.lists(p)) for p in run]
     assert works == sorted(works)  # cheapest first, so a deadline drops only the largest points
     quick, none = bench.plan(bench.QUICK["batch"], bench.QUICK["extend"], bench.QUICK["prefix"], bench.MAX_TOKENS)
@@ -278,8 +286,8 @@ def test_losses_are_relative_to_the_faster_path():
 
 
 def test_policy_is_within_3pct_of_the_best_at_every_point_of_a_synthetic_measured_grid():
-    """The fitted table with its grid picks the measured faster path everywhere; the linear model alone,
-    upstream's threshold and either fixed path do not."""
+    """The fitted table with its grid picks the measured faster path everywhere; upstream's threshold and
+    either fixed path do not."""
     pts = measured_grid(wobble=0.3)
     val = [{**p, **dict(zip(("mha_us", "mla_us"), truth(bench.shape_of(p), 0.3)))}
            for p in bench.validation_points(12, bench.MAX_TOKENS)]
@@ -287,7 +295,7 @@ def test_policy_is_within_3pct_of_the_best_at_every_point_of_a_synthetic_measure
     s = bench.summarize(pts, [], val)
     assert s["ours_worst_loss_pct"] <= bench.TARGET_LOSS_PCT and s["ours_within_target"]
     assert all(p["ours"] == p["best"] for p in pts)
-    assert s["rules"]["linear"]["worst_loss_pct"] > bench.TARGET_LOSS_PCT  # why the table carries the grid
+    assert s["rules"]["linear"]["worst_loss_pct"] >= s["ours_worst_loss_pct"]  # the grid never makes it worse
     assert s["upstream_worst_loss_pct"] > 50
     assert s["rules"]["mha"]["worst_loss_pct"] > bench.TARGET_LOSS_PCT
     assert s["rules"]["mla"]["worst_loss_pct"] > bench.TARGET_LOSS_PCT

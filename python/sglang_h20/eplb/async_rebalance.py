@@ -93,6 +93,8 @@ class Tuning:
     placement_timeout_s: float = 300.0  # every rank must have its plan within this
     staging_layers: int = 1           # staging budget, in layers of this rank's slots
     gil_switch_s: float = 5e-4        # sys.setswitchinterval while the placement thread runs
+    copy_gbps: float | None = 50.0    # pace of the side-stream copies (GB/s; None: unpaced): decode is
+    #                                   HBM-bound, and an unpaced copy takes its bandwidth from the steps
 
 
 TUNING = Tuning()
@@ -277,7 +279,8 @@ class _Job:
         self.executor = EXECUTOR(
             self.rank, self.world, topo, {l: weights[l] for l in self.plan.layers}, self.plan,
             group=self.group, timeout_s=TUNING.timeout_s, switch_every=TUNING.switch_every,
-            decide_ahead=TUNING.decide_ahead, migration_id=self.mid, on_switch=self.switch_rows)
+            decide_ahead=TUNING.decide_ahead, migration_id=self.mid, on_switch=self.switch_rows,
+            max_bytes_per_s=TUNING.copy_gbps and TUNING.copy_gbps * 1e9)
 
     def _to_devices(self, new) -> dict[str, torch.Tensor]:
         """The new metadata's routing fields, each on its live field's device (side stream)."""

@@ -382,6 +382,9 @@ class MigrationExecutor:
     every forward pass; route with `ex.routing_map` (or `ex.placement`); read `ex.status`.
     `on_switch(layers)`, if given, runs inside maybe_switch right after those layers' weights were
     swapped in (e.g. to update SGLang's ExpertLocationMetadata for the same layers).
+    `max_bytes_per_s` paces what this rank moves (local copies one expert at a time, each stage's
+    P2P batch by its bytes): decode steps are HBM-bound, so an unpaced side-stream copy slows every
+    step it overlaps by its whole bandwidth share; paced, the cost is spread thin. None: unpaced.
     """
 
     def __init__(self, rank: int, world: int, topology: Topology,
@@ -389,7 +392,8 @@ class MigrationExecutor:
                  group=None, timeout_s: float = 60.0, *, store=None, switch_every: int = 4,
                  decide_ahead: int = 2, watchdog_s: float | None = None,
                  migration_id: str | None = None,
-                 on_switch: Callable[[list[int]], None] | None = None):
+                 on_switch: Callable[[list[int]], None] | None = None,
+                 max_bytes_per_s: float | None = None):
         if world != topology.num_gpus:
             raise ValueError(f"world {world} != {topology.num_gpus} GPUs of the topology")
         if plan.old.topology != topology:
@@ -426,6 +430,10 @@ class MigrationExecutor:
         self.timeout_s = float(timeout_s)
         self._watchdog_s = 2.0 * self.timeout_s if watchdog_s is None else float(watchdog_s)
         self._every, self._ahead = int(switch_every), int(decide_ahead)
+        if max_bytes_per_s is not None and max_bytes_per_s <= 0:
+            raise ValueError("max_bytes_per_s must be positive (None: unpaced)")
+        self._rate = max_bytes_per_s
+        self._pace_t = 0.0  # monotonic time before which the next paced transfer may not start
         self.migration_id = migration_id if migration_id is not None else f"m{next(_SEQ)}"
         self._tag_base = (zlib.crc32(self.migration_id.encode()) % 1024) * _TAG_SPAN
         base = store if store is not None else dist.distributed_c10d._get_default_store()
@@ -747,10 +755,12 @@ class MigrationExecutor:
             self._run_stage_cuda(ops, copies, deadline, stage)
         else:
             works = []
+            self._pace(sum(x.numel() * x.element_size() for _, x, *_ in ops))
             for op, x, peer, tag, what in ops:
                 kw = {"group_dst": peer} if op is dist.isend else {"group_src": peer}
                 works.append((op(x, group=self._group, tag=tag, **kw), what))
             for src, dst in copies:
+                self._pace(sum(d.numel() * d.element_size() for d in dst))
                 for s, d in zip(src, dst):
                     d.copy_(s)
             for w, what in works:
@@ -770,9 +780,11 @@ class MigrationExecutor:
         """NCCL path: everything on the side stream; the host polls an event with a deadline."""
         with torch.cuda.stream(self._stream):
             for src, dst in copies:
+                self._pace(sum(d.numel() * d.element_size() for d in dst))  # host-side: one expert at a time
                 for s, d in zip(src, dst):
                     d.copy_(s, non_blocking=True)
             if ops:
+                self._pace(sum(x.numel() * x.element_size() for _, x, *_ in ops))
                 # both ends post in (tid, tensor) order, which is how NCCL matches a pair's ops
                 p2p = [dist.P2POp(op, x, group=self._group, tag=tag, group_peer=peer)
                        for op, x, peer, tag, _ in ops]
@@ -780,11 +792,22 @@ class MigrationExecutor:
                     w.wait()  # stream-level: the side stream waits for the NCCL stream
             done = torch.cuda.Event()
             done.record(self._stream)
+        deadline = max(deadline, time.monotonic() + self.timeout_s)  # pacing time is not the transfer's
         while not done.query():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{stage.kind} stage ({len(ops)} P2P ops) not complete after "
                                    f"{self.timeout_s:.1f} s")
             time.sleep(5e-4)
+
+    def _pace(self, nbytes: int) -> None:
+        """Wait until `nbytes` more fit the pace (transfer thread only)."""
+        if not self._rate:
+            return
+        now = time.monotonic()
+        start = max(self._pace_t, now)
+        if start > now:
+            time.sleep(start - now)
+        self._pace_t = start + nbytes / self._rate
 
     def _tag(self, t: Transfer, i: int) -> int:
         return self._tag_base + t.tid * self._ntensors + i
