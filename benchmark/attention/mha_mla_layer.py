@@ -792,10 +792,9 @@ def run_all(k, L, todo: list[dict], a, t0: float, flush, done: list[dict], skipp
 
 
 def plot(points: list[dict], path: Path, summary: dict) -> None:
-    import matplotlib
+    from sglang_h20.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # the GPU host's IPython stub broke a plain pyplot import (2026-11-29)
 
     fig, ax = plt.subplots(figsize=(9, 6))
     lim = max(abs(math.log2(pt["mha_us"] / pt["mla_us"])) for pt in points) or 1.0
