@@ -449,7 +449,10 @@ class MigrationExecutor:
         self._decisions: dict[int, tuple[str, object]] = {}
         self._switched: dict[int, int] = {}       # layer -> boundary
         self._ready: set[int] = set()
-        self._staging: dict[int, list[torch.Tensor]] = {}
+        self._staging: dict[int, list[torch.Tensor]] = {}  # tid -> views into its layer's block
+        # layer -> (slot index tensor, one staging block per weight tensor [incoming, ...]): the switch
+        # is one index_copy_ per tensor, not one copy per expert (1024 launches for 256 slots x 4)
+        self._blocks: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._staging_bytes = self._peak_staging = self._bytes_received = 0
         self._local_abort: str | None = None
         self._error: str | None = None
@@ -559,16 +562,18 @@ class MigrationExecutor:
                 return []
             tids = self.plan.incoming(self.rank, l)
             with self._lock:
-                bufs = {tid: self._staging.pop(tid) for tid in tids}
-            for tid, buf in bufs.items():
-                j = self.plan.transfers[tid].dst_slot - self.rank * self._k
-                for w, s in zip(self._weights[l], buf):
-                    w[j].copy_(s, non_blocking=self._cuda)
-                    if stream is not None:
-                        s.record_stream(stream)
+                for tid in tids:
+                    del self._staging[tid]
+                idx, block = self._blocks.pop(l, (None, []))
+            for w, b in zip(self._weights[l], block):
+                _raw(w).index_copy_(0, idx, _raw(b))
+                if stream is not None:
+                    b.record_stream(stream)
+            if idx is not None and stream is not None:
+                idx.record_stream(stream)
             self._phy2log[l] = self.plan.new.phy2log[l]
             with self._cv:
-                self._staging_bytes -= len(bufs) * self.plan.expert_bytes
+                self._staging_bytes -= len(tids) * self.plan.expert_bytes
                 self._switched[l] = b
                 self._last_progress = time.monotonic()
                 if self._all_layers <= self._switched.keys():
@@ -588,6 +593,7 @@ class MigrationExecutor:
             self._state, self._error, self._stop = "aborted", reason, True
             freed, self._staging_bytes = self._staging_bytes, 0
             self._staging.clear()
+            self._blocks.clear()
             switched = sorted(self._switched)
             aborted = sorted(self._all_layers - self._switched.keys())
             self._cv.notify_all()
@@ -686,14 +692,22 @@ class MigrationExecutor:
 
     def _run_chunk(self, chunk: Chunk) -> None:
         plan, me = self.plan, self.rank
-        bufs = {}
+        bufs, blocks = {}, {}
         for l in chunk.layers:
-            for tid in plan.incoming(me, l):
-                bufs[tid] = [torch.empty_like(w[0]) for w in self._weights[l]]
+            tids = sorted(plan.incoming(me, l))
+            if not tids:
+                continue
+            block = [torch.empty((len(tids), *w.shape[1:]), dtype=w.dtype, device=w.device)
+                     for w in self._weights[l]]
+            slots = [plan.transfers[tid].dst_slot - me * self._k for tid in tids]
+            blocks[l] = (torch.tensor(slots, dtype=torch.long).to(self._device), block)
+            for n, tid in enumerate(tids):
+                bufs[tid] = [b[n] for b in block]
         with self._cv:
             if self._stop:
                 return
             self._staging.update(bufs)
+            self._blocks.update(blocks)
             self._staging_bytes += len(bufs) * plan.expert_bytes
             self._peak_staging = max(self._peak_staging, self._staging_bytes)
         waiting = {l: set(plan.incoming(me, l)) for l in chunk.layers}
@@ -811,6 +825,11 @@ class MigrationExecutor:
 
     def _tag(self, t: Transfer, i: int) -> int:
         return self._tag_base + t.tid * self._ntensors + i
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """1-byte tensors (FP8 weights) as uint8, which index_copy_ supports on every device."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _round_key(r: int) -> str:
