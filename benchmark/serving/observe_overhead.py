@@ -22,8 +22,12 @@ the real model: no gap, no double count). Also from the dump: sampled steps per 
 windows must have none) and the eager sampled step against the graph-replay reference steps (the
 inflation r behind the expected overhead f * (r - 1)). /metrics is checked for sglang_h20:*.
 
-usage: observe_overhead.py --out DIR [--model /tmp/models/dsv3-ep16-slice] [--fraction 0.01]
-                           [--window-s 10] [--windows 16] [--concurrency 48] [--deadline-s 300]
+The overhead is also modelled from the run's own measurements, f * (r - 1) with r the eager/graph step
+ratio from the dump ("modelled_overhead_pct"): the windows' quantisation noise (a 40-step log line
+either holds a sampled step or not) does not enter it.
+
+usage: observe_overhead.py --out DIR [--model /tmp/models/dsv3-ep16-slice] [--fraction 0.001]
+                           [--window-s 40] [--windows 8] [--concurrency 48] [--deadline-s 300]
 """
 from __future__ import annotations
 
@@ -290,9 +294,14 @@ def analyze(res: dict, out: Path, min_running: int) -> dict:
     ratio_ok = overhead.get("mean") is not None and overhead["mean"] >= 0.99
     off_clean = all(w["sampled_steps"] == 0 for w in res["windows"] if w["state"] == "off")
     on_sampled = sum(w["sampled_steps"] for w in res["windows"] if w["state"] == "on")
-    return {"overhead": overhead, "stage_sum": stage_sum, "eager_vs_graph": eager_vs_graph(records),
+    evg = eager_vs_graph(records)
+    r = evg.get("median_eager_over_graph")
+    frac = float(res.get("server_env", {}).get("SGLANG_H20_OBSERVE", 0) or 0)
+    overhead["modelled_overhead_pct"] = 100 * frac * (r - 1) if r else None  # f * (r - 1)
+    return {"overhead": overhead, "stage_sum": stage_sum, "eager_vs_graph": evg,
             "dump": {"records": len(records), "stages": len(stage_records), "bad_lines": errors[:5]},
             "verdict": {"overhead_within_1pct": ratio_ok,
+                        "modelled_overhead_within_1pct": bool(r) and overhead["modelled_overhead_pct"] <= 1.0,
                         "overhead_conclusive": bool(overhead.get("ci95")) and overhead["ci95"][0] >= 0.99,
                         "stage_sum_within_5pct": stage_sum["ok"],
                         "off_windows_unsampled": off_clean, "on_windows_sampled": on_sampled,
@@ -304,10 +313,11 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/models/dsv3-ep16-slice")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--fraction", type=float, default=0.01, help="observe fraction of the 'on' windows")
+    ap.add_argument("--fraction", type=float, default=0.001,
+                    help="observe fraction of the 'on' windows (0.01 cost 14%% on the H200: eager steps are 9x)")
     ap.add_argument("--warmup-fraction", type=float, default=0.25)
-    ap.add_argument("--window-s", type=float, default=10)
-    ap.add_argument("--windows", type=int, default=16, help="at most this many (even; fewer if the deadline says so)")
+    ap.add_argument("--window-s", type=float, default=40, help="long enough for a few sampled steps at the fraction")
+    ap.add_argument("--windows", type=int, default=8, help="at most this many (even; fewer if the deadline says so)")
     ap.add_argument("--settle-s", type=float, default=3, help="start of each window left out of its measure")
     ap.add_argument("--lead-s", type=float, default=3, help="after the first full-batch decode line")
     ap.add_argument("--tail-s", type=float, default=25, help="kept for shutdown and analysis")

@@ -211,7 +211,9 @@ def test_driver_end_to_end_with_a_fake_server(tmp_path, monkeypatch):
     assert v["on_windows_sampled"] > 0 and not v["metrics_series_present"]
     assert rec["metrics"]["missing"] == [s for s in bench.SERIES if s != "sglang_h20:step_ms"]
     assert rec["load"].startswith("RuntimeError") and "git_commit" in rec
-    assert rec["server_env"]["SGLANG_H20_OBSERVE"] == "0.01"
+    assert rec["server_env"]["SGLANG_H20_OBSERVE"] == "0.001"
+    assert rec["overhead"]["modelled_overhead_pct"] is None  # the fake dump has no graph reference steps
+    assert not v["modelled_overhead_within_1pct"]
 
 
 def test_window_rate_counts_rare_slow_steps_that_the_median_skips():

@@ -38,9 +38,10 @@ are installed only when SGLANG_H20_OBSERVE > 0 at start.
 Cost: at fraction f, a fraction f of decode steps runs eagerly (slower by the eager/graph ratio
 r), plus about 1000 event records (61 layers x 8 frames x 2) and 58 small load-count
 scatters on that step. Graph steps pay nothing. Eager non-sampled passes (prefill) pay one
-global read per hooked call (~0.3 us x ~600 calls). Expected overhead is f*(r-1) plus a small
-amount: about 1% at f = 0.01 and r = 2. benchmark/serving/observe_overhead.py measures it on
-one server (runtime control above); not run on a GPU yet.
+global read per hooked call (~0.3 us x ~600 calls). Expected overhead is f*(r-1). Measured on the
+H200 (dsv3-ep16-slice, 48 running, 2026-11-29): r = 8.7-9.4 (207 ms eager vs 22 ms graph), and
+at f = 0.01 the throughput was 14% lower; so use f <= 0.001 (one sampled step every ~2 s there).
+benchmark/serving/observe_overhead.py measures it on one server (runtime control above).
 
 Hook targets (sglang 0.5.17, all checked by test_observe against the installed sglang)
 -------------------------------------------------------------------------------------
