@@ -9,6 +9,7 @@
 #   (STEPS calibrate) python -m sglang_h20 calibrate mha-mla on this GPU -> $OUT/mha_mla_<gpu>.json
 #   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
+#   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds)
 #   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
@@ -85,6 +86,19 @@ if [[ " $STEPS " == *" layer "* ]] && [ "$(left)" -gt 90 ]; then
   # the servers started after this (ttft) use the table just measured
   [ -f "$OUT/mha_mla_table_layer.json" ] && cp "$OUT/mha_mla_table_layer.json" \
     "$(python3 -c 'from sglang_h20 import compat; from sglang_h20.attention.mha_mla import table_path; print(table_path(compat.gpu().name))' 2>/dev/null)"
+fi
+if [[ " $STEPS " == *" parity_ep "* ]]; then  # the multi-GPU issue: EP = DP attention = every GPU visible
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  say "plugin parity with EP=$n, DP attention (deadline for new phases: $(( $(left) - 200 ))s from now)"
+  NCCL_NVLS_ENABLE=0 python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l --out "$OUT/parity_ep" \
+    --phases ${PHASES:-upstream plugin-off features} --deadline-s $(( $(left) - 200 )) \
+    --server-args "--load-format dummy --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
+--fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64 --log-level info \
+--tp $n --ep-size $n --enable-dp-attention --dp $n" 2>&1 | tee "$OUT/parity_ep.log" | grep -v "^\[.*bench:" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  cp "$OUT/parity_ep/plugin_parity.json" "$OUT/plugin_parity_ep.json" 2>/dev/null
+  (cd "$OUT/parity_ep" && tar -cJf "$OUT/parity_ep_logs.tar.xz" --exclude sharegpt.json . 2>/dev/null)
+  rm -rf "$OUT/parity_ep"
 fi
 if [[ " $STEPS " == *" calibrate "* ]]; then
   say "calibrate mha-mla"

@@ -21,7 +21,10 @@ from pathlib import Path
 from sglang_h20 import provenance
 from sglang_h20.nightly.serving import Server, output_ids, write_sharegpt
 
-PHASE_ENV = {"upstream": {"SGLANG_PLUGINS": "__none__"}, "plugin-off": {}}
+PHASE_ENV = {"upstream": {"SGLANG_PLUGINS": "__none__"}, "plugin-off": {},
+             # the features that keep the model's numerics (the policy picks MHA or MLA: bf16 rounding
+             # only; observation at a low fraction): greedy ids are reported against the first phase
+             "features": {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_OBSERVE": "0.001"}}
 PLUGIN_MARK = "[sglang-h20 pid"
 HOOKS_APPLIED = re.compile(r"hooks applied: (\d+)/(\d+)")
 
