@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import shlex
 import statistics
 import threading
@@ -43,6 +41,8 @@ import urllib.request
 from pathlib import Path
 
 from sglang_h20 import provenance
+from sglang_h20.abstats import mean_ci95
+from sglang_h20.controlfile import write_control
 from sglang_h20.nightly.serving import DECODE_LINE, Server, decode_throughput, write_sharegpt
 
 SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-backend pytorch "
@@ -52,11 +52,6 @@ BASE_ENV = {"SGL_KERNEL_FLASHINFER": "0", "SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOP
             "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
 SERIES = ("sglang_h20:stage_ms", "sglang_h20:step_stage_ms", "sglang_h20:step_ms",
           "sglang_h20:expert_balancedness", "sglang_h20:observe_samples")
-# two-sided 95% Student t quantiles, df 1..30 (normal beyond)
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
-        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
-        2.052, 2.048, 2.045, 2.042)
-
 
 def _say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -70,10 +65,6 @@ def schedule(k: int) -> list[str]:
     return [(("off", "on") if (i // 2) % 2 == 0 else ("on", "off"))[i % 2] for i in range(k)]
 
 
-def t975(df: int) -> float:
-    return T975[df - 1] if 1 <= df <= len(T975) else 1.96
-
-
 def paired_ratio(windows: list[dict], key: str = "tok_s") -> dict:
     """Windows in run order, consecutive pairs (0,1), (2,3), ... each one 'on' and one 'off'.
     Ratio on/off per pair with a value in both; mean, sd and the t 95% interval of the mean."""
@@ -82,15 +73,11 @@ def paired_ratio(windows: list[dict], key: str = "tok_s") -> dict:
         by = {a["state"]: a.get(key), b["state"]: b.get(key)}
         if set(by) == {"on", "off"} and by["on"] and by["off"]:
             ratios.append(by["on"] / by["off"])
-    out = {"pairs": len(ratios), "ratios": ratios}
+    ci = mean_ci95(ratios)
+    out = {"pairs": len(ratios), "ratios": ratios, **{k: v for k, v in ci.items() if k not in ("n", "values")}}
     if not ratios:
-        return {**out, "mean": None}
-    mean = statistics.fmean(ratios)
-    out.update(mean=mean, overhead_pct=(1 - mean) * 100)
-    if len(ratios) >= 2:
-        sd = statistics.stdev(ratios)
-        half = t975(len(ratios) - 1) * sd / math.sqrt(len(ratios))
-        out.update(sd=sd, ci95=[mean - half, mean + half])
+        return out
+    out["overhead_pct"] = (1 - out["mean"]) * 100
     on = [w[key] for w in windows if w["state"] == "on" and w.get(key)]
     off = [w[key] for w in windows if w["state"] == "off" and w.get(key)]
     if on and off:
@@ -180,12 +167,6 @@ def metrics_series(text: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # GPU run
 # ---------------------------------------------------------------------------------------------
-def write_control(path: Path, value: float) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{value}\n")
-    os.replace(tmp, path)  # atomic: the server never reads half a file
-
-
 def wait_full_batch(log: Path, offset: int, min_running: int, timeout_s: float) -> bool:
     """Wait until the server logs a decode batch of at least min_running requests after offset
     (bench_serving takes a while to start: tokenizer, dataset, its own warm-up request)."""

@@ -9,7 +9,14 @@ bursts of `--burst` (one batched prefill). Phases (each a fresh server, env + ex
   se-no-prefill-graph      our policy; prefill CUDA graphs off (they pin MLA for captured sizes)
   upstream-no-prefill-graph  upstream's rule without prefill graphs: isolates the policy's effect
 
+--one-server: instead of one server per phase, ONE server (our hook installed, prefill graphs off)
+whose policy is flipped between 'upstream' and 'se' through SGLANG_H20_MHA_MLA_CONTROL, in ABBA
+blocks per length (each block: --requests single requests and 2 bursts). Server-to-server spread
+(12-16% here) and host load drift then cancel in the paired block ratios; reported per length: the
+ratio of medians and the mean paired ratio with a t-based 95% interval.
+
 usage: prefix_ttft.py --model DIR --out DIR [--lengths 1024 2048 4096] [--phases ...]
+       prefix_ttft.py --model DIR --out DIR --one-server [--blocks 8] [--requests 12]
 """
 from __future__ import annotations
 
@@ -52,6 +59,52 @@ def measure(srv: Server, length: int, requests: int, burst: int, rng: random.Ran
             "burst": burst, "burst_ms": bursts, "median_burst_ms": statistics.median(bursts)}
 
 
+def one_server(args) -> dict:
+    """The A/B inside one server (see the module docstring)."""
+    from sglang_h20.controlfile import write_control
+    from sglang_h20.abstats import mean_ci95
+
+    ctl = (args.out / "policy").resolve()
+    write_control(ctl, "upstream")
+    env = {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_MHA_MLA_CONTROL": str(ctl)}
+    arms = ("upstream", "se")
+    order = [("upstream", "se", "se", "upstream")[b % 4] for b in range(args.blocks)]  # ABBA
+    res: dict = {"order": order, "lengths": {}}
+    with Server(args.model, shlex.split(args.server_args) + NO_PREFILL_GRAPH, args.out / "server-one.log",
+                env=env, port=32100) as srv:
+        rng = random.Random(5)
+        for n in args.lengths:
+            half = n // 2
+            prefix = random_words(rng, half)
+            srv.generate_batch([prefix], max_new_tokens=1)  # cache the shared prefix
+            for arm in arms:  # compile / warm both paths at this shape, untimed
+                write_control(ctl, arm)
+                srv.generate_batch([prefix + " " + random_words(rng, half)], max_new_tokens=1)
+            blocks = []
+            for arm in order:
+                write_control(ctl, arm)
+                single = [timed(lambda: srv.generate_batch([prefix + " " + random_words(rng, half)],
+                                                           max_new_tokens=1)) for _ in range(args.requests)]
+                bursts = [timed(lambda: srv.generate_batch([prefix + " " + random_words(rng, half)
+                                                            for _ in range(args.burst)], max_new_tokens=1))
+                          for _ in range(2)]
+                blocks.append({"arm": arm, "single_ms": single, "burst_ms": bursts})
+            per = {}
+            for mode, key in (("single", "single_ms"), ("burst", "burst_ms")):
+                med = {a: statistics.median(x for b in blocks if b["arm"] == a for x in b[key]) for a in arms}
+                # pairs: blocks (0,1), (2,3), ... each holds one block of each arm
+                pairs = [statistics.median(b2[key]) / statistics.median(b1[key]) if b1["arm"] == "upstream"
+                         else statistics.median(b1[key]) / statistics.median(b2[key])
+                         for b1, b2 in zip(blocks[::2], blocks[1::2])]
+                per[mode] = {"median_ms": med, "ratio_of_medians": med["se"] / med["upstream"],
+                             "paired": mean_ci95(pairs)}
+            res["lengths"][str(n)] = {"blocks": blocks, **per}
+            print(f"  L={n}: ours/upstream TTFT {per['single']['ratio_of_medians']:.3f} single "
+                  f"(paired {per['single']['paired']['mean']:.3f}), {per['burst']['ratio_of_medians']:.3f} burst",
+                  flush=True)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -62,8 +115,18 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--server-args", default="--load-format dummy")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip phases that would start after this")
+    ap.add_argument("--one-server", action="store_true", help="A/B in one server through the control file")
+    ap.add_argument("--blocks", type=int, default=8, help="--one-server: ABBA blocks per length (even)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.one_server:
+        record = {**provenance.record(), "benchmark": "prefix_ttft_one_server", "model": args.model,
+                  "server_args": args.server_args,
+                  "workload": {"lengths": args.lengths, "prefix_fraction": 0.5, "requests": args.requests,
+                               "burst": args.burst, "blocks": args.blocks},
+                  "one_server": one_server(args)}
+        (args.out / "prefix_ttft.json").write_text(json.dumps(record, indent=1))
+        return 0
     t0, phases = time.time(), {}
     for i, name in enumerate(args.phases):
         if phases and time.time() - t0 > args.deadline_s:

@@ -98,6 +98,10 @@ SWITCHES: tuple[Switch, ...] = (
            "prefill MHA/MLA choice: 'upstream' keeps SGLang's prefix-length rule, 'se' uses "
            "se=sum(extend*(extend+prefix)) with the per-GPU cost table, 'mha'/'mla' force one path "
            "(calibration, A/B)"),
+    Switch("mha_mla_control", _path, "",
+           "file holding the MHA/MLA policy ('se', 'upstream', 'mha', 'mla'), re-read while serving, so "
+           "one server alternates policies in A/B runs (benchmark/serving/prefix_ttft.py --one-server); "
+           "takes effect only when SGLANG_H20_MHA_MLA_POLICY is not 'upstream' (that installs the hook)"),
     Switch("fp8_mla", _parse_bool, "off",
            "FP8 MLA decode: FP8 KV cache with FP8 QK^T and PV on Hopper tensor cores"),
     Switch("swapab", _parse_bool, "off",

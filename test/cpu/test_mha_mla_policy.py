@@ -179,6 +179,27 @@ def test_hook_target_resolves_and_policy_follows_the_switch(monkeypatch):
         assert isinstance(hook.fn.policy, kind)
 
 
+def test_control_file_switches_the_policy_in_a_running_server(monkeypatch, tmp_path, caplog):
+    """SGLANG_H20_MHA_MLA_CONTROL: one server alternates upstream's rule and ours (A/B inside one process)."""
+    import os
+
+    from sglang_h20.controlfile import write_control
+
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 140.0))
+    ctl = tmp_path / "policy"
+    (hook,) = mha_mla.hooks(Settings.from_env({"SGLANG_H20_MHA_MLA_POLICY": "se",
+                                               "SGLANG_H20_MHA_MLA_CONTROL": str(ctl)}))
+    policy = hook.fn.policy
+    shape = BatchShape([1024], [1024])  # upstream: prefix < 8192 -> MLA; the H200 table: MHA (4x faster)
+    assert UpstreamRule().choose(shape) == "mla" and mha_mla.load_table("NVIDIA H200").choose(shape) == "mha"
+    assert policy.choose(shape) == "mha"  # no file yet: the switch's own value
+    for i, (word, want) in enumerate((("upstream", "mla"), ("se", "mha"), ("mla", "mla"), ("bogus", "mla"))):
+        write_control(ctl, word)
+        os.utime(ctl, ns=(10**18 + i, 10**18 + i))  # a new version even within the clock's resolution
+        assert policy.choose(shape) == want, word
+    assert any("bogus" in r.getMessage() for r in caplog.records)
+
+
 def test_nnls_fit_recovers_known_coefficients():
     rng = random.Random(3)
     truth = {"se": 2e-6, "prefix": 0.05, "extend": 0.01, "const": 30.0}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_h20 import abstats
 from sglang_h20.observe import export, synth
 from sglang_h20.observe.stages import CpuClock, StageRecorder
 
@@ -44,7 +45,7 @@ def test_paired_ratio_recovers_the_overhead_with_an_interval():
     assert r["overhead_pct"] == pytest.approx(1.0, abs=0.3)
     # the interval is the t interval of the pair ratios
     sd = statistics.stdev(r["ratios"])
-    assert r["ci95"][1] - r["mean"] == pytest.approx(bench.t975(39) * sd / math.sqrt(40))
+    assert r["ci95"][1] - r["mean"] == pytest.approx(abstats.t975(39) * sd / math.sqrt(40))
 
 
 def test_paired_ratio_cancels_a_linear_drift():
@@ -61,7 +62,7 @@ def test_paired_ratio_skips_incomplete_pairs():
     r = bench.paired_ratio(w)
     assert r["pairs"] == 1 and r["mean"] == pytest.approx(0.99) and "ci95" not in r
     assert bench.paired_ratio([])["mean"] is None
-    assert bench.t975(1) == 12.706 and bench.t975(100) == 1.96
+    assert abstats.t975(1) == 12.706 and abstats.t975(100) == 1.96
 
 
 def _decode_line(running, tput):

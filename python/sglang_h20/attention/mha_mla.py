@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Sequence
@@ -33,6 +34,7 @@ from sglang_h20.settings import Settings
 HANDLER_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
 TARGET = HANDLER_MODULE + "._handle_attention_backend"
 TABLE_DIR = Path(__file__).resolve().parent.parent / "tables"
+log = logging.getLogger("sglang_h20.mha_mla")
 TERMS = ("se", "prefix", "extend", "const")  # cost = sum(coef[t] * feature[t])
 UPSTREAM_THRESHOLD = 8192
 
@@ -273,13 +275,53 @@ def load_table(gpu_name: str, path: Path | None = None) -> CostTable:
     return CostTable.from_json(json.loads(path.read_text()))
 
 
-def policy_for(settings: Settings, gpu_name: str):
-    mode = settings["mha_mla_policy"]
+def _policy(mode: str, gpu_name: str):
     if mode == "se":
         return load_table(gpu_name)
     if mode in ("mha", "mla"):
         return Forced(mode)
     return UpstreamRule()
+
+
+class Switchable:
+    """The policy named in a control file (SGLANG_H20_MHA_MLA_CONTROL), re-read when it changes: one
+    server can alternate 'upstream' and 'se' between measured blocks. A missing file or an unknown
+    word keeps the policy in force (one log line per bad version of the file). Each rank reads the
+    file itself, so with several ranks a switch may land one batch apart: both paths give the same
+    attention up to bf16 rounding."""
+
+    MODES = ("se", "upstream", "mha", "mla")
+
+    def __init__(self, initial: str, path: str, gpu_name: str):
+        from sglang_h20.controlfile import ControlFile
+
+        self._file, self._gpu = ControlFile(path), gpu_name
+        self._policies: dict[str, object] = {}
+        self.mode = initial
+        self._current = self._get(initial)
+
+    def _get(self, mode: str):
+        if mode not in self._policies:
+            self._policies[mode] = _policy(mode, self._gpu)
+        return self._policies[mode]
+
+    def choose(self, shape: BatchShape) -> str:
+        got = self._file.changed()
+        if got is not None:
+            _, word = got
+            if word in self.MODES:
+                self.mode, self._current = word, self._get(word)
+            else:
+                log.warning("mha_mla: control file %s says %r; keeping %r (one of %s)", self._file.path, word,
+                            self.mode, "/".join(self.MODES))
+        return self._current.choose(shape)
+
+
+def policy_for(settings: Settings, gpu_name: str):
+    mode = settings["mha_mla_policy"]
+    if settings["mha_mla_control"]:
+        return Switchable(mode, settings["mha_mla_control"], gpu_name)
+    return _policy(mode, gpu_name)
 
 
 def free_to_choose(h, attn, forward_batch, backend_name: str) -> bool:

@@ -96,6 +96,7 @@ import time
 from collections import deque
 from typing import Any
 
+from sglang_h20.controlfile import ControlFile
 from sglang_h20.features import Hook
 
 log = logging.getLogger("sglang_h20.observe")
@@ -498,7 +499,7 @@ class Control:
 
     def __init__(self, path: str, every: int = CONTROL_EVERY):
         self.path, self.every = str(path), max(1, int(every))
-        self._key = None  # (mtime_ns, size) of the last read
+        self._file = ControlFile(self.path)
 
     def due(self, pass_id: int) -> bool:
         return pass_id % self.every == 0
@@ -506,20 +507,14 @@ class Control:
     def read(self) -> float | None:
         """The file's fraction when it changed since the last read; None when unchanged, missing
         or bad (the current fraction stays)."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
+        got = self._file.changed()
+        if got is None:
             return None
-        key = (st.st_mtime_ns, st.st_size)
-        if key == self._key:
-            return None
-        self._key = key
+        key, word = got
         try:
-            with open(self.path, encoding="utf-8") as fh:
-                text = fh.read().strip()
             from sglang_h20.settings import _fraction
 
-            return _fraction(text.split()[0] if text else "")
+            return _fraction(word)
         except Exception as e:
             _warn_once("control:" + repr(key), "observe: control file %s ignored (%s)", self.path, e)
             return None

@@ -1,0 +1,61 @@
+"""prefix_ttft.py --one-server: the ABBA A/B inside one server, through the MHA/MLA control file.
+
+A fake server stands in for SGLang: it answers with a delay set by the policy the control file names
+(through the plugin's real Switchable policy), so the script's blocks, pairing and ratios are checked
+against a known effect, and the control file's round trip into the policy is exercised end to end."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_h20.attention.mha_mla import BatchShape, Switchable
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmark/serving"))
+_spec = importlib.util.spec_from_file_location("prefix_ttft", REPO / "benchmark/serving/prefix_ttft.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+DELAY_S = {"mha": 0.004, "mla": 0.008}  # the fake prefill: MHA twice as fast, as the H200 grid says here
+
+
+class _FakeServer:
+    def __init__(self, model, args, log_path, env=None, port=0, **kw):
+        self.env = env
+        assert "--cuda-graph-backend-prefill" in args  # prefill graphs would pin MLA
+
+    def __enter__(self):
+        self.policy = Switchable(self.env["SGLANG_H20_MHA_MLA_POLICY"], self.env["SGLANG_H20_MHA_MLA_CONTROL"],
+                                 "NVIDIA H200")
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def generate_batch(self, texts, max_new_tokens=1):
+        n = len(texts[0].split())
+        shape = BatchShape([n // 2] * len(texts), [n // 2] * len(texts))
+        time.sleep(DELAY_S[self.policy.choose(shape)])
+
+
+def test_one_server_abba_measures_the_policy_effect(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "Server", _FakeServer)
+    monkeypatch.setattr(bench, "random_words", lambda rng, n: " ".join(["w"] * n))
+    monkeypatch.setattr(sys, "argv", ["prefix_ttft.py", "--model", "m", "--out", str(tmp_path), "--one-server",
+                                      "--lengths", "2048", "--blocks", "4", "--requests", "3", "--burst", "2"])
+    assert bench.main() == 0
+    rec = json.loads((tmp_path / "prefix_ttft.json").read_text())
+    one = rec["one_server"]
+    assert one["order"] == ["upstream", "se", "se", "upstream"]
+    r = one["lengths"]["2048"]
+    assert [b["arm"] for b in r["blocks"]] == one["order"]
+    # upstream picks MLA at prefix 1024 (< 8192), the H200 table MHA: the fake makes MLA 2x slower
+    for mode in ("single", "burst"):
+        assert r[mode]["ratio_of_medians"] == pytest.approx(0.5, abs=0.15)
+        assert r[mode]["paired"]["n"] == 2 and r[mode]["paired"]["mean"] == pytest.approx(0.5, abs=0.15)
+    assert rec["git_commit"] and rec["workload"]["blocks"] == 4
