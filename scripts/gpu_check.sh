@@ -11,12 +11,15 @@
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
 #   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds)
 #   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
+#   ${MIGRATION_ARGS}, e.g. MIGRATION_ARGS="--world 2": experts move between 2 GPUs (NCCL, one process per
+#   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
 #   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
 # Knobs (env): NO_SETUP=1 NO_JITPACK=1 (gpu_parallel.sh) STEPS="tests parity" LAYER_S=240 PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
 #   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
+#   MIGRATION_ARGS="--world 2 --presets ep16-slice" (extra args of migration_step_time.py)
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpu_check_out}; mkdir -p "$OUT"

@@ -356,3 +356,27 @@ def test_step_time_benchmark_cpu_smoke(tmp_path):
     assert r["provenance"]["git_commit"] and p["ours"]["bit_identical"] and p["blocking"]["bit_identical"]
     assert p["ours"]["chunks"] == 3 and p["ours"]["migration_steps"] >= 3
     assert {"p50_ms", "p99_ms", "p99_over_steady_p50"} <= set(p["blocking"])
+
+
+def test_step_time_benchmark_cpu_smoke_two_ranks(tmp_path):
+    """The same benchmark with --world 2 (2 gloo processes, 1 node x 2 GPUs): experts move between the
+    ranks (P2P) and inside them, both migrations land bit-identical on every rank."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    out = tmp_path / "r.json"
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "benchmark/eplb/migration_step_time.py", "--device", "cpu", "--world", "2",
+                    "--steady-steps", "20", "--json", str(out)], cwd=root, check=True, timeout=120,
+                   capture_output=True)
+    r = json.loads(out.read_text())
+    p = r["presets"]["cpu-smoke"]
+    print(f"\n--world 2 cpu-smoke: wall {time.monotonic() - t0:.1f} s, ours {p['ours']}")
+    assert r["world"] == 2 and p["ours"]["bit_identical"] and p["blocking"]["bit_identical"]
+    assert p["ours"]["chunks"] == 3 and p["ours"]["migration_steps"] >= 3
+    for k in ("ours", "blocking"):
+        assert p[k]["bytes_cross_gpu_gb"] > 0 and p[k]["bytes_local_gb"] > 0
+        assert {"p50_ms", "p99_ms", "max_ms", "p99_over_steady_p50"} <= set(p[k])
+    assert p["ours"]["bytes_cross_gpu_gb"] + p["ours"]["bytes_local_gb"] == pytest.approx(p["ours"]["bytes_copied_gb"])
