@@ -8,13 +8,15 @@ launch overhead is out; a point whose capture fails is timed with do_bench and s
   gemm_alone          down GEMM on every SM, no signals
   gemm_lent[b]        down GEMM on SMs - b with signals on (what the overlapped GEMM costs by itself:
                       the slowdown from lending b SMs to the combine)
-  combine_alone       the combine kernel on a finished GEMM output (no waiting)
+  combine_alone       the combine on a finished GEMM output (no waiting; includes zeroing its accumulator)
   serial              moe_down_and_combine(overlap=False): GEMM, then combine, one stream
   overlap[b]          moe_down_and_combine(overlap=True, combine_sms=b)
   shared_alone        the shared expert (FP8 gate_up 7168 -> 4096, SiLU*up, down 2048 -> 7168; our dense GEMMs)
   serial+shared       shared expert, then serial down+combine, then the add (one stream)
   overlap+shared[b]   shared expert on a third stream beside overlap[b], joined before the add
-Every overlapped output is compared with the serial one (bit for bit) and its error flag checked.
+Every overlapped output is compared with the serial one and its error flag checked. The combine sums
+in fp32 in arrival order, so the two agree up to that order's rounding: sbo.order_error <= 1 (one bf16
+ulp, plus 2^-12 of the largest value where sums cancel); each point records the measured order_error.
 Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_scaling_factor 2.5):
   layer_upstream      SGLang's fused_experts (triton runner), inplace as the model runs it
   layer_ours_serial   sglang_h20.moe.sbo.moe_forward(overlap=False)
@@ -160,10 +162,12 @@ def main(argv=None) -> int:
                                          variant=variant, config=cfg, status=status)
 
             status.zero_()
+            out.fill_(float("nan"))
             overlapped()
             torch.cuda.synchronize()
-            same = bool(torch.equal(out, ref)) and int(status) == 0
-            s[f"overlap[{b}]"] = add("overlap", overlapped, b, equal_to_serial=same)
+            err = sbo.order_error(out, ref)
+            same = err <= 1 and int(status) == 0
+            s[f"overlap[{b}]"] = add("overlap", overlapped, b, equal_to_serial=same, order_error=err)
 
             def overlapped_shared(b=b):
                 main = torch.cuda.current_stream()
@@ -220,6 +224,8 @@ def main(argv=None) -> int:
 
 def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
     """Whole MoE layer: upstream fused_experts vs the plugin's SBO path (see the module doc)."""
+    from sgl_kernel_ext import sbo
+
     from sglang_h20.moe import sbo as plugin_sbo
 
     upstream = None
@@ -266,7 +272,8 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
             except Exception as ex:
                 unavailable[f"{name}@{t}"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
         if "layer_ours_serial" in outs and "layer_ours_overlap" in outs:
-            row["overlap_equal_serial"] = bool(torch.equal(outs["layer_ours_serial"], outs["layer_ours_overlap"]))
+            row["overlap_order_error"] = sbo.order_error(outs["layer_ours_overlap"], outs["layer_ours_serial"])
+            row["overlap_equal_serial"] = row["overlap_order_error"] <= 1  # up to the fp32 summation order
         if "layer_upstream" in outs and "layer_ours_overlap" in outs:
             a, b = outs["layer_ours_overlap"].float(), outs["layer_upstream"].float()
             row["rel_diff_vs_upstream"] = float((a - b).norm() / b.norm())

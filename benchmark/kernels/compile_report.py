@@ -8,7 +8,8 @@ Why: the compiler's resource report answers most performance questions before an
     python benchmark/kernels/compile_report.py mla --mla-configs 64x32x512x8x2b 64x64x512x8x2b
 
 Per variant: registers, spill bytes, shared memory, the wgmma shapes (m64nNkK) and operand types, mma.sync
-count (a slower path), TMA copies, and the release/acquire instructions of the SBO signals.
+count (a slower path), TMA copies, the release/acquire instructions of the SBO signals, the combine's fp32
+atomics.
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int
         "tma_copies": ptx.count("cp.async.bulk.tensor"),
         "release_atomics": len(re.findall(r"atom\.[\w.]*release", ptx)),
         "acquire_loads": len(re.findall(r"ld\.[\w.]*acquire", ptx)),
+        "acquire_atomics": len(re.findall(r"atom\.[\w.]*acquire", ptx)),
+        "f32_atomics": len(re.findall(r"(?:atom|red)\.[\w.]*f32", ptx)),
     }
 
 
@@ -101,10 +104,12 @@ def gemm_variants():
 def sbo_variants():
     from sgl_kernel_ext import sbo
 
-    types = {"y_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "w_scale": "fp32"}
+    types = {"y_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "acc_ptr": "*fp32", "w_scale": "fp32"}
     types.update({n: "*i32" for n in sbo._combine_kernel.arg_names if n.endswith("_ptr") and n not in types})
-    const = dict(G=16, H=7168, TOPK=8, MASKED=True, WAIT=True, BLOCK_T=16, BLOCK_H=256)  # the wrapper's default
-    yield "sbo_combine[masked wait]", sbo._combine_kernel, const, types, 4, 2, ()
+    for masked, wait in ((True, True), (False, True), (False, False)):  # the wrapper's defaults otherwise
+        const = dict(H=7168, TOPK=8, MASKED=masked, WAIT=wait, BLOCK_T=16, BLOCK_R=sbo.BLOCK_R, BLOCK_H=sbo.BLOCK_H)
+        yield (f"sbo_combine[{'masked' if masked else 'contiguous'}{' wait' if wait else ''}]", sbo._combine_kernel,
+               const, types, 4, 2, ())
 
 
 def main(argv=None) -> int:
@@ -128,7 +133,8 @@ def main(argv=None) -> int:
             print(f"{name:45s} " + (rep["error"] if "error" in rep else
                   f"regs {rep['registers']} spill {rep['spill_bytes']} B smem {rep['shared_bytes']} B "
                   f"wgmma {rep['wgmma']} mma.sync {rep['mma_sync']} tma {rep['tma_copies']} "
-                  f"release {rep['release_atomics']} acquire {rep['acquire_loads']}"), flush=True)
+                  f"release {rep['release_atomics']} acquire {rep['acquire_loads']}+{rep['acquire_atomics']} atom "
+                  f"f32-atomics {rep['f32_atomics']}"), flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 1 if any("error" in r for r in out.values()) else 0

@@ -4,22 +4,34 @@ Why: at decode sizes the down GEMM's tail (its last tiles on a few SMs) and the 
 pass over the expert outputs are serial work on the critical path. Here the down GEMM
 (`grouped_gemm_fp8`, masked or contiguous layout) publishes one int32 count per (expert, token
 tile), +1 per finished N-tile with release semantics, and a combine kernel on a second stream, with
-a bounded number of programs (the SM budget), reduces each token as soon as its rows exist.
+a bounded number of programs (the SM budget), adds each row into its token as soon as the row exists.
 
 Layout (`MoeLayout`, built on the GPU from topk_ids, no host sync): the P = tokens * top_k
 (token, slot) pairs, pair id p = token * top_k + k, are placed in expert order either
   contiguous  row r = m_indptr[e] + i          (no padding: the single-GPU Triton MoE path), or
   masked      row r = e * max_m + i            ([E, max_m, ...] as DeepEP low-latency uses).
-pair_of_row[r] is the inverse of row_of_pair[p] (the dispatch map and its inverse).
+pair_of_row[r] is the inverse of row_of_pair[p] (the dispatch map and its inverse); sorted_pair[s]
+and sorted_expert[s] name the s-th pair in expert order (the order the GEMM finishes rows in).
 
-Combine consumer (`_combine_kernel`): programs walk the units (expert, token tile) in the order the
-GEMM finishes them. For a unit it spins on the unit's count with acquire loads (bounded: after
-max_spin polls it sets an error flag and goes on, so a missing signal never hangs the GPU), then adds
-1 to each of the unit's tokens' arrival counters (acq_rel). The program that brings a token's counter
-to top_k is the last to see that token's rows complete: it reads the token's top_k rows
-(L2, .cg) and writes out[token] = sum_k weight[token, k] * scale * y[row_of_pair[token, k]], in k
-order and fp32. The sum order never depends on timing, so overlap=True and overlap=False give
-bit-identical outputs. The same kernel without waiting is the non-overlapped path.
+Combine consumer (`_combine_kernel`): the work is split into units (block of BLOCK_R consecutive
+expert-ordered pairs, H-chunk of BLOCK_H columns), numbered in the GEMM's finishing order, chunk
+fastest, so the consumer's programs work side by side on the rows that landed last and every unit
+costs the same. A unit waits (acquire, bounded: after max_spin polls it sets an error flag and goes
+on, so a missing signal never hangs the GPU) until its rows' (expert, token tile) counts are full,
+then adds weight * y[row, chunk] into an fp32 accumulator acc[token, chunk] with atomics and counts
+the contribution per (token, chunk) (acq_rel, after a CTA barrier). The unit that brings a count to
+top_k writes that chunk of out[token] in bf16, so no cast kernel follows. Why not reduce a token
+when its last row lands (the first design): a token's last expert is near the end of the GEMM for
+almost every token, so that work came after the GEMM, on the few lent SMs.
+
+Numerics: the top_k products are summed in fp32 in arrival order, so results may differ from run
+to run (and overlap=True from overlap=False, which runs the same kernel without waiting) by the
+rounding of that order: one bf16 ulp of out, plus fp32 noise where the terms cancel (`order_error`
+measures it; tests: test/cpu/test_sbo.py, test/gpu/test_sbo_gpu.py).
+
+Workspace (`workspace`, one int32 buffer): acc + per-(token, chunk) counts (zeroed on the combine's
+stream, beside the GEMM's start) and the signals + status (zeroed on the GEMM's stream before it
+starts). Every call zeroes them again, so CUDA-graph replays (which replay the memsets) start clean.
 """
 from __future__ import annotations
 
@@ -31,8 +43,10 @@ import triton.language as tl
 
 from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
-DEFAULT_MAX_SPIN = 1 << 20  # polls of one count before giving up (~0.5-1 s; a real down GEMM takes < 1 ms)
-DEFAULT_COMBINE_SMS = 8
+DEFAULT_MAX_SPIN = 1 << 20  # polls of one unit's counts before giving up (~0.5-1 s; a real down GEMM takes < 1 ms)
+DEFAULT_COMBINE_SMS = 16  # a row block's 14 H-chunks side by side; the GEMM measured 3-4% slower with 16 lent
+BLOCK_R = 16  # expert-ordered pairs per combine unit
+BLOCK_H = 512  # hidden columns per combine unit (DeepSeek-V3: 14 chunks of 7168)
 
 
 class MoeLayout(NamedTuple):
@@ -45,6 +59,8 @@ class MoeLayout(NamedTuple):
     row_of_pair: torch.Tensor  # int32 [P]
     m_indptr: torch.Tensor | None  # int32 [E + 1] (contiguous)
     masked_m: torch.Tensor | None  # int32 [E] (masked)
+    sorted_pair: torch.Tensor  # int32 [P]: pair ids in expert order (contiguous: the same tensor as pair_of_row)
+    sorted_expert: torch.Tensor  # int32 [P]: the expert of sorted_pair[s]
 
     @property
     def masked(self) -> bool:
@@ -60,23 +76,22 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, masked_max_m: int | N
     p = t * k
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.sort(flat, stable=True).indices  # pair ids in expert order
+    e_sorted, order = torch.sort(flat, stable=True)  # experts ascending; pair ids in expert order
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     indptr = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
     torch.cumsum(counts, 0, out=indptr[1:])
     sorted_pos = torch.arange(p, dtype=torch.int64, device=dev)
+    sorted_pair, sorted_expert = order.to(torch.int32), e_sorted.to(torch.int32)
     if masked_max_m is None:
-        rows = sorted_pos
-        pair_of_row = order.to(torch.int32)
-        return MoeLayout(k, num_experts, t, pair_of_row, _inverse(order, rows, p), indptr.to(torch.int32), None)
+        return MoeLayout(k, num_experts, t, sorted_pair, _inverse(order, sorted_pos, p), indptr.to(torch.int32), None,
+                         sorted_pair, sorted_expert)
     if masked_max_m < t:
         raise ValueError(f"masked_max_m {masked_max_m} < tokens {t}: pairs would be dropped")
-    e_sorted = flat[order]
     rows = e_sorted * masked_max_m + (sorted_pos - indptr[e_sorted])
     pair_of_row = torch.zeros(num_experts * masked_max_m, dtype=torch.int32, device=dev)
-    pair_of_row[rows] = order.to(torch.int32)
+    pair_of_row[rows] = sorted_pair
     return MoeLayout(k, num_experts, masked_max_m, pair_of_row, _inverse(order, rows, p), None,
-                     counts.to(torch.int32))
+                     counts.to(torch.int32), sorted_pair, sorted_expert)
 
 
 def _inverse(order: torch.Tensor, rows: torch.Tensor, p: int) -> torch.Tensor:
@@ -98,53 +113,59 @@ def dispatch_rows(x: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, sig_ptr, cnt_ptr, out_ptr, pair_ptr, rowp_ptr, w_ptr, indptr_ptr, masked_m_ptr, err_ptr,
-    MAX_M, SIG_STRIDE, EXPECT, NUM_PROGRAMS, MAX_SPIN, w_scale, stride_ym, stride_om,
-    G: tl.constexpr, H: tl.constexpr, TOPK: tl.constexpr, MASKED: tl.constexpr, WAIT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    y_ptr, sig_ptr, acc_ptr, cnt_ptr, out_ptr, spair_ptr, sexp_ptr, rowp_ptr, w_ptr, indptr_ptr, err_ptr,
+    P, MAX_M, SIG_STRIDE, EXPECT, NUM_PROGRAMS, MAX_SPIN, w_scale, stride_ym, stride_om,
+    H: tl.constexpr, TOPK: tl.constexpr, MASKED: tl.constexpr, WAIT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Persistent combine over units (expert g, token tile j) = g * SIG_STRIDE + j; see module doc."""
+    """Persistent combine over units (row block b, H-chunk c) = b * NC + c; see the module doc."""
+    NC: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
     pid = tl.program_id(0)
+    units = (P + BLOCK_R - 1) // BLOCK_R * NC
     u = pid
-    while u < G * SIG_STRIDE:
-        g = u // SIG_STRIDE
-        j = u % SIG_STRIDE
-        if MASKED:
-            row0 = g * MAX_M
-            m = tl.minimum(tl.load(masked_m_ptr + g), MAX_M)
-        else:
-            row0 = tl.load(indptr_ptr + g)
-            m = tl.load(indptr_ptr + g + 1) - row0
-        if j * BLOCK_T < m:
-            if WAIT:
-                seen = tl.atomic_add(sig_ptr + u, 0, sem="acquire")
-                spins = 0
-                while (seen < EXPECT) & (spins < MAX_SPIN):
-                    seen = tl.atomic_add(sig_ptr + u, 0, sem="acquire")
-                    spins += 1
-                if seen < EXPECT:
-                    tl.atomic_xchg(err_ptr, 1)  # never signalled: flag it, do not hang
-                tl.debug_barrier()
-            slots = j * BLOCK_T + tl.arange(0, BLOCK_T)
-            valid = slots < m
-            pair = tl.load(pair_ptr + row0 + slots, mask=valid, other=0)
-            tok = pair // TOPK
-            old = tl.atomic_add(cnt_ptr + tok, 1, mask=valid, sem="acq_rel")
-            tl.debug_barrier()
-            last = valid & (old == TOPK - 1)  # this unit completed these tokens: reduce them
-            for h0 in range(0, H, BLOCK_H):
-                offs_h = h0 + tl.arange(0, BLOCK_H)
-                lm = last[:, None] & (offs_h[None, :] < H)
-                acc = tl.full([BLOCK_T, BLOCK_H], 0.0, tl.float32)
-                for kk in tl.static_range(TOPK):
-                    p = tok * TOPK + kk
-                    r = tl.load(rowp_ptr + p, mask=last, other=0).to(tl.int64)
-                    w = tl.load(w_ptr + p, mask=last, other=0.0).to(tl.float32) * w_scale
-                    y = tl.load(y_ptr + r[:, None] * stride_ym + offs_h[None, :], mask=lm, other=0.0,
-                                cache_modifier=".cg")
-                    acc += y.to(tl.float32) * w[:, None]
-                o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_om + offs_h[None, :]
-                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=lm)
+    while u < units:  # (a while loop: the interpreter cannot range() from a program id)
+        b = u // NC
+        c = u - b * NC
+        s = b * BLOCK_R + tl.arange(0, BLOCK_R)  # expert-ordered pair positions
+        valid = s < P
+        pair = tl.load(spair_ptr + s, mask=valid, other=0)
+        row = tl.load(rowp_ptr + pair, mask=valid, other=0)
+        tok = pair // TOPK
+        w = tl.load(w_ptr + pair, mask=valid, other=0.0).to(tl.float32) * w_scale
+        if WAIT:
+            g = tl.load(sexp_ptr + s, mask=valid, other=0)
+            if MASKED:
+                i = row - g * MAX_M
+            else:
+                i = row - tl.load(indptr_ptr + g, mask=valid, other=0)
+            sp = sig_ptr + g * SIG_STRIDE + i // BLOCK_T  # the (expert, token tile) count of each row
+            pending = valid
+            seen = tl.atomic_add(sp, 0, mask=pending, sem="acquire")
+            pending = pending & (seen < EXPECT)
+            short = tl.sum(pending.to(tl.int32))
+            spins = 0
+            while (short > 0) & (spins < MAX_SPIN):  # re-poll only the rows not seen complete yet
+                seen = tl.atomic_add(sp, 0, mask=pending, sem="acquire")
+                pending = pending & (seen < EXPECT)
+                short = tl.sum(pending.to(tl.int32))
+                spins += 1
+            if short > 0:
+                tl.atomic_xchg(err_ptr, 1)  # never signalled: flag it, do not hang
+            tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
+        offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
+        m2 = valid[:, None] & (offs_h[None, :] < H)
+        y = tl.load(y_ptr + row.to(tl.int64)[:, None] * stride_ym + offs_h[None, :], mask=m2, other=0.0,
+                    cache_modifier=".cg")  # L2: rows another SM just wrote
+        a_ptrs = acc_ptr + tok.to(tl.int64)[:, None] * H + offs_h[None, :]
+        tl.atomic_add(a_ptrs, y.to(tl.float32) * w[:, None], mask=m2, sem="relaxed")
+        tl.debug_barrier()  # every thread's adds precede the release below
+        old = tl.atomic_add(cnt_ptr + tok * NC + c, 1, mask=valid, sem="acq_rel")
+        last = valid & (old == TOPK - 1)  # this unit brought (token, chunk) to top_k: write it out
+        tl.debug_barrier()
+        lm = last[:, None] & (offs_h[None, :] < H)
+        acc = tl.load(a_ptrs, mask=lm, other=0.0, cache_modifier=".cg")
+        o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_om + offs_h[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=lm)
         u += NUM_PROGRAMS
 
 
@@ -163,21 +184,49 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[idx]
 
 
+def _chunks(h: int, block_h: int) -> tuple[int, int]:
+    """(BLOCK_H, number of H-chunks) the kernel uses for hidden size h."""
+    bh = min(block_h, triton.next_power_of_2(h))
+    return bh, triton.cdiv(h, bh)
+
+
 class Workspace(NamedTuple):
-    signal: torch.Tensor  # int32 [E, token tiles]
-    counters: torch.Tensor  # int32 [T]
+    """Views of one int32 buffer; `combine_part` and `gemm_part` are what must be zero before each call."""
+
+    acc: torch.Tensor  # fp32 [T, H]: the atomically added top-k sum
+    counters: torch.Tensor  # int32 [T, H chunks]: contributions added per (token, chunk)
+    signal: torch.Tensor  # int32 [E, token tiles]: finished N-tiles per (expert, token tile)
     status: torch.Tensor  # int32 [1]: 1 = some unit was never signalled
+    combine_part: torch.Tensor  # acc + counters: zeroed on the combine's stream
+    gemm_part: torch.Tensor  # signal + status: zeroed before the GEMM starts
+
+
+def workspace(layout: MoeLayout, num_tokens: int, hidden: int, block_t: int, device, *, block_h: int = BLOCK_H,
+              zero: bool = True) -> Workspace:
+    """The combine's accumulator, counts, signals and status in one int32 buffer (acc first: 16-byte aligned
+    for vector atomics). zero=False leaves zeroing to the caller (`moe_down_and_combine` splits it over
+    its two streams)."""
+    tiles = triton.cdiv(layout.max_m, block_t)
+    n_acc, n_cnt, n_sig = num_tokens * hidden, num_tokens * _chunks(hidden, block_h)[1], layout.num_experts * tiles
+    buf = (torch.zeros if zero else torch.empty)(n_acc + n_cnt + n_sig + 1, dtype=torch.int32, device=device)
+    return Workspace(buf[:n_acc].view(torch.float32).view(num_tokens, hidden),
+                     buf[n_acc:n_acc + n_cnt].view(num_tokens, -1),
+                     buf[n_acc + n_cnt:n_acc + n_cnt + n_sig].view(layout.num_experts, tiles), buf[-1:],
+                     buf[:n_acc + n_cnt], buf[n_acc + n_cnt:])
 
 
 def combine(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Tensor, out: torch.Tensor, *,
             weight_scale: float = 1.0, signal: torch.Tensor | None = None, expect: int = 0,
-            block_t: int = 16, counters: torch.Tensor | None = None, status: torch.Tensor | None = None,
-            num_programs: int | None = None, max_spin: int = DEFAULT_MAX_SPIN, block_h: int = 256) -> torch.Tensor:
-    """out[t] = sum_k topk_weights[t, k] * weight_scale * y[row_of_pair[t*K + k]] (bf16 out, fp32 sum).
+            block_t: int = 16, acc: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+            status: torch.Tensor | None = None, num_programs: int | None = None, max_spin: int = DEFAULT_MAX_SPIN,
+            block_h: int = BLOCK_H, block_r: int = BLOCK_R) -> torch.Tensor:
+    """out[t] = sum_k topk_weights[t, k] * weight_scale * y[row_of_pair[t*K + k]] (bf16 out, fp32 sum in
+    arrival order: see the module doc for the rounding this allows).
 
-    With signal: wait for signal[unit] >= expect before reading a unit's rows (the overlapped
-    consumer; signal [E, ceil(max_m / block_t)]). counters: int32 [T] zeros (made if None).
-    status: int32 [1], set to 1 if a wait gave up. Launched on the current stream.
+    With signal: wait for the count of a row's (expert, token tile) to reach expect before reading the
+    row (the overlapped consumer; signal [E, ceil(max_m / block_t)]). acc fp32 [T, H] and counters
+    int32 [T, ceil(H / block_h)] must be zero (made, zeroed, if None). status: int32 [1], set to 1 if a
+    wait gave up. Launched on the current stream.
     """
     t, k = topk_weights.shape
     h = y.shape[-1]
@@ -189,33 +238,31 @@ def combine(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Tensor, out:
     if t == 0:
         return out
     dev = y.device
-    counters = torch.zeros(t, dtype=torch.int32, device=dev) if counters is None else counters
+    bh, nc = _chunks(h, block_h)
+    acc = torch.zeros(t, h, dtype=torch.float32, device=dev) if acc is None else acc
+    counters = torch.zeros(t, nc, dtype=torch.int32, device=dev) if counters is None else counters
     status = torch.zeros(1, dtype=torch.int32, device=dev) if status is None else status
+    if acc.shape != (t, h) or acc.dtype != torch.float32 or not acc.is_contiguous():
+        raise ValueError(f"acc must be contiguous fp32 [{t}, {h}], got {acc.dtype} {tuple(acc.shape)}")
+    if counters.shape != (t, nc) or counters.dtype != torch.int32 or not counters.is_contiguous():
+        raise ValueError(f"counters must be contiguous int32 [{t}, {nc}], got {counters.dtype} {tuple(counters.shape)}")
     sig_stride = triton.cdiv(layout.max_m, block_t)
     if signal is not None and tuple(signal.shape) != (layout.num_experts, sig_stride):
         raise ValueError(f"signal {tuple(signal.shape)} should be [{layout.num_experts}, {sig_stride}]")
-    units = layout.num_experts * sig_stride
+    p = t * k
+    units = triton.cdiv(p, block_r) * nc
     if num_programs is None:
         num_programs = _num_sms(dev) * 2
     num_programs = max(1, min(num_programs, units))
-    w = topk_weights.reshape(-1)
-    ip = layout.m_indptr if layout.m_indptr is not None else layout.masked_m
+    ip = layout.m_indptr if layout.m_indptr is not None else layout.masked_m  # indptr read only if contiguous
     _combine_kernel[(num_programs,)](
-        y2, signal if signal is not None else counters, counters, out, layout.pair_of_row, layout.row_of_pair,
-        w, ip, ip, status,
-        layout.max_m, sig_stride, expect, num_programs, max_spin, float(weight_scale), y2.stride(0), out.stride(0),
-        G=layout.num_experts, H=h, TOPK=k, MASKED=layout.masked, WAIT=signal is not None,
-        BLOCK_T=block_t, BLOCK_H=min(block_h, triton.next_power_of_2(h)), num_warps=4,
+        y2, signal if signal is not None else counters, acc, counters, out, layout.sorted_pair, layout.sorted_expert,
+        layout.row_of_pair, topk_weights.reshape(-1), ip, status,
+        p, layout.max_m, sig_stride, expect, num_programs, max_spin, float(weight_scale), y2.stride(0), out.stride(0),
+        H=h, TOPK=k, MASKED=layout.masked, WAIT=signal is not None, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_H=bh,
+        num_warps=4,
     )
     return out
-
-
-def workspace(layout: MoeLayout, num_tokens: int, block_t: int, device) -> Workspace:
-    """Signals + token counters + status in one zeroed int32 buffer (one memset per call)."""
-    tiles = triton.cdiv(layout.max_m, block_t)
-    n_sig = layout.num_experts * tiles
-    buf = torch.zeros(n_sig + num_tokens + 1, dtype=torch.int32, device=device)
-    return Workspace(buf[:n_sig].view(layout.num_experts, tiles), buf[n_sig:n_sig + num_tokens], buf[-1:])
 
 
 def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
@@ -228,10 +275,12 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
 
     q [rows, I] (contiguous layout) or [E, max_m, I] (masked) fp8 with q_scale; w2 [E, H, I] fp8,
     w2_scale [E, H/128, I/128]. overlap=True: the combine runs on a second stream with combine_sms
-    programs (default 8) while the GEMM fills the other SMs and signals finished tiles; the current
-    stream waits for both before returning (no host sync; CUDA-graph capturable). overlap=False (or
-    a CPU tensor): GEMM then combine on the current stream, same result bit for bit. status: int32 [1]
-    the caller may read later (1: a wait gave up, out is invalid). y: optional GEMM output buffer.
+    programs (default 16) while the GEMM fills the other SMs and signals finished tiles; the current
+    stream waits for both before returning (no host sync; CUDA-graph capturable: the workspace memsets
+    are captured too, so every replay starts from zero). overlap=False (or a CPU tensor): GEMM then
+    the same combine without waiting, on the current stream. The two agree up to the fp32 summation
+    order (module doc). status: int32 [1] the caller may read later (1: a wait gave up, out is
+    invalid; never cleared here). y: optional GEMM output buffer.
     """
     num_tokens = topk_weights.shape[0]
     e, hdim, inter = w2.shape
@@ -249,9 +298,9 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
         shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
         y = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
     overlap = overlap and q.is_cuda
-    ws = workspace(layout, num_tokens, bt, q.device)
-    if status is not None:
-        ws = ws._replace(status=status)
+    ws = workspace(layout, num_tokens, hdim, bt, q.device, zero=not overlap)  # overlap: zeroed per stream below
+    common = dict(weight_scale=weight_scale, block_t=bt, acc=ws.acc, counters=ws.counters,
+                  status=ws.status if status is None else status, max_spin=max_spin)
 
     def gemm(signal, gemm_sms):
         if layout.masked:
@@ -261,19 +310,29 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
             gg.m_grouped_fp8_gemm_nt_contiguous(q, q_scale, w2, w2_scale, layout.m_indptr, out=y,
                                                 variant=variant, config=cfg, signal=signal, num_sms=gemm_sms)
 
-    common = dict(weight_scale=weight_scale, block_t=bt, counters=ws.counters, status=ws.status, max_spin=max_spin)
     if not overlap:
         gemm(None, None)
         return combine(y, layout, topk_weights, out, **common)
     budget = max(1, min(combine_sms or DEFAULT_COMBINE_SMS, sms - 1))
     main, side = torch.cuda.current_stream(q.device), side_stream(q.device)
-    side.wait_stream(main)  # zeroed workspace and inputs are ready; the GEMM below is not waited for
+    ws.gemm_part.zero_()  # signals (and the internal status) before the GEMM counts into them
+    side.wait_stream(main)  # inputs and zeroed signals are ready; the GEMM below is not waited for
     gemm(ws.signal, sms - budget)  # first, so it never waits behind a spinning consumer
     with torch.cuda.stream(side):
+        ws.combine_part.zero_()  # acc + counts, beside the GEMM's first tiles
         combine(y, layout, topk_weights, out, signal=ws.signal, expect=triton.cdiv(hdim, bn),
                 num_programs=budget, **common)
     main.wait_stream(side)
     return out
+
+
+def order_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """How far got is from want in units of what the fp32 summation order may change: max over elements of
+    |got - want| / (2^-7 |want| + 2^-12 max|want|). <= 1: equal up to that rounding (one bf16 ulp, 2^-8
+    to 2^-7 of the value, plus a small floor for sums that cancel); a wrong row or weight gives >> 1."""
+    g, w = got.double(), want.double()
+    bound = 2.0 ** -7 * w.abs() + 2.0 ** -12 * float(w.abs().max())
+    return float(((g - w).abs() / bound.clamp_min(1e-30)).max()) if w.numel() else 0.0
 
 
 def combine_reference(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Tensor,

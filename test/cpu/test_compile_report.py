@@ -52,10 +52,13 @@ def test_mla_decode_default_config_uses_fp8_wgmma_and_tma(report):
 def test_grouped_gemm_and_sbo_kernels_compile_with_their_signals(report):
     _, rep = report
     gemms = {n: r for n, r in rep.items() if n.startswith("grouped_gemm")}
-    assert len(gemms) == 3 and "sbo_combine[masked wait]" in rep, sorted(rep)
+    combines = ("sbo_combine[masked wait]", "sbo_combine[contiguous wait]", "sbo_combine[contiguous]")
+    assert len(gemms) == 3 and all(n in rep for n in combines), sorted(rep)
     for name, r in rep.items():
         assert r["spill_bytes"] <= SPILL_BOUND and r["mma_sync"] == 0, (name, r)
     assert all(any(x.endswith("e4m3.e4m3") for x in r["wgmma"]) for r in gemms.values()), gemms
-    # the SBO contract: the GEMM publishes with a release atomic only when asked, the combine reads with acquire
+    # the SBO contract: the GEMM publishes with a release atomic only when asked, the combine polls with
+    # acquire atomics only when it waits, and accumulates with fp32 atomics
     assert [r["release_atomics"] for r in gemms.values()] == [0, 0, 1], gemms
-    assert rep["sbo_combine[masked wait]"]["acquire_loads"] >= 1
+    assert [rep[n]["acquire_atomics"] >= 1 for n in combines] == [True, True, False], {n: rep[n] for n in combines}
+    assert all(rep[n]["f32_atomics"] >= 1 for n in combines), {n: rep[n] for n in combines}

@@ -3,10 +3,13 @@ error flag, and the plugin's hooks against the installed SGLang.
 
 Under TRITON_INTERPRET programs run one after another, so "overlap" is emulated in order: the GEMM
 runs first with signals on, then the consumer waits on them (every wait succeeds at once). What can
-still fail here: a missing or miscounted signal (the consumer then flags an error), a wrong inverse
-map, a token reduced twice or never, a sum in a timing-dependent order (the waiting and non-waiting
-combines must agree bit for bit), a hook target that does not resolve. Races need the GPU test
-(test/gpu/test_sbo_gpu.py).
+still fail here: a missing or miscounted signal (the consumer then flags an error), a unit that reads
+a row without waiting for that row's own (expert, token tile) count, a wrong inverse map, a pair
+added twice or never (the per-(token, chunk) counts), a wrong weight or row. The combine sums in fp32
+in arrival order, so outputs are compared up to that order's rounding (`sbo.order_error` <= 1: one
+bf16 ulp) with the non-waiting path, and within 1e-2 of the largest value with a float64 reference.
+(The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: still within both bounds.)
+Races need the GPU test (test/gpu/test_sbo_gpu.py).
 """
 import importlib
 import logging
@@ -119,52 +122,114 @@ def run_case(t, k, seed, masked, skip=(), weight_scale=1.0):
     return ids, w, lay, q, qs, wq, ws
 
 
+def combine64(y, lay, w, weight_scale):
+    """The combine in float64 from the same bf16 rows (no rounding but the inputs')."""
+    t, k = w.shape
+    rows = y.reshape(-1, y.shape[-1]).double()[lay.row_of_pair.long()].view(t, k, -1)
+    return (rows * (w.double() * weight_scale)[..., None]).sum(1)
+
+
+def rel_err(got, ref64):
+    return float((got.double() - ref64).abs().max() / ref64.abs().max())
+
+
+def signalled_gemm(q, qs, wq, ws, lay, y, signal):
+    if lay.masked:
+        gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=CFG, variant="swapab",
+                                        signal=signal)
+    else:
+        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
+                                            signal=signal)
+    return y
+
+
+def test_sorted_maps_follow_expert_order():
+    ids, _ = routing(9, 3, seed=5)
+    for masked in (False, True):
+        lay = sbo.build_layout(ids, E, masked_max_m=9 if masked else None)
+        sp, se = lay.sorted_pair.long(), lay.sorted_expert.long()
+        assert torch.equal(torch.sort(sp).values, torch.arange(27))  # a permutation of the pairs
+        assert torch.equal(se, ids.reshape(-1).long()[sp]) and bool((se[1:] >= se[:-1]).all())
+        assert torch.equal(lay.pair_of_row[lay.row_of_pair[sp].long()].long(), sp)
+
+
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("t,k,skip", [(5, 2, (1,)), (9, 3, ()), (1, 1, (0, 2, 3))])
-def test_overlap_emulated_equals_plain_and_torch(masked, t, k, skip):
+@pytest.mark.parametrize("t,k,skip", [(5, 2, (1,)), (9, 3, ()), (1, 1, (0, 2, 3)), (20, 4, ())])
+def test_overlap_emulated_equals_plain_and_references(masked, t, k, skip):
+    """(20, 4): every expert has 20 rows, so its second token tile (j = 1) is signalled and awaited."""
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=10 + t, masked=masked, skip=skip)
     ref = sbo.moe_down_and_combine_reference(q, qs, wq, ws, w, lay, weight_scale=2.5)
     plain = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
                                      weight_scale=2.5, overlap=False, config=CFG, variant="swapab")
     torch.testing.assert_close(plain.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
-    # the overlapped order, sequentially: GEMM with signals, then the waiting consumer
+    # the overlapped order, sequentially: GEMM with signals, then the waiting consumer; 2 H-chunks,
+    # row blocks of 4 expert-ordered pairs (so a block spans experts and token tiles)
     y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
-    wsp = sbo.workspace(lay, t, 16, "cpu")
-    if masked:
-        gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=CFG, variant="swapab",
-                                        signal=wsp.signal)
-    else:
-        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
-                                            signal=wsp.signal)
+    wsp = sbo.workspace(lay, t, H, 16, "cpu", block_h=128)
+    signalled_gemm(q, qs, wq, ws, lay, y, wsp.signal)
     out = sbo.combine(y, lay, w, torch.full((t, H), float("nan"), dtype=torch.bfloat16), weight_scale=2.5,
-                      signal=wsp.signal, expect=H // 128, block_t=16, counters=wsp.counters, status=wsp.status,
-                      num_programs=3, max_spin=10)
+                      signal=wsp.signal, expect=H // 128, block_t=16, acc=wsp.acc, counters=wsp.counters,
+                      status=wsp.status, num_programs=3, max_spin=10, block_h=128, block_r=4)
     assert int(wsp.status) == 0
-    assert torch.equal(out, plain)  # bit for bit: the sum order never depends on timing
-    assert torch.equal(wsp.counters, torch.full((t,), k, dtype=torch.int32))  # every pair arrived once
-    # and the torch combine on the same GEMM output (exact up to the bf16 conversion)
-    torch.testing.assert_close(out.float(), sbo.combine_reference(y, lay, w, 2.5).float(), rtol=1e-2, atol=1e-3)
+    assert torch.equal(wsp.counters, torch.full((t, 2), k, dtype=torch.int32))  # every pair arrived once per chunk
+    assert sbo.order_error(out, plain) <= 1  # equal up to the fp32 summation order
+    r64 = combine64(y, lay, w, 2.5)
+    assert rel_err(out, r64) <= 1e-2 and rel_err(plain, r64) <= 1e-2
+    assert sbo.order_error(out, sbo.combine_reference(y, lay, w, 2.5)) <= 1
+
+    # the checks can fail: one wrong weight (a 25% error on one slot of one token) is caught by both
+    w_bad = w.clone()
+    w_bad[t // 2, k - 1] *= 1.25
+    bad = sbo.combine(y, lay, w_bad, torch.empty(t, H, dtype=torch.bfloat16), weight_scale=2.5, block_h=128, block_r=4)
+    assert sbo.order_error(bad, plain) > 1 and rel_err(bad, r64) > 1e-2
+
+
+def test_every_tile_signal_is_awaited():
+    """Each non-empty (expert, token tile) in turn one N-tile short: the consumer must notice every time."""
+    t, k = 20, 4
+    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=30, masked=False)
+    y = gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, config=CFG, variant="swapab")
+    counts = (lay.m_indptr[1:] - lay.m_indptr[:-1]).tolist()
+    tiles = [(e, j) for e, c in enumerate(counts) for j in range(triton.cdiv(c, 16))]
+    assert any(j > 0 for _, j in tiles)
+    for e, j in tiles + [(None, None)]:
+        wsp = sbo.workspace(lay, t, H, 16, "cpu", block_h=128)
+        for e2, c in enumerate(counts):
+            wsp.signal[e2, :triton.cdiv(c, 16)] = H // 128
+        if e is not None:
+            wsp.signal[e, j] -= 1
+        sbo.combine(y, lay, w, torch.zeros(t, H, dtype=torch.bfloat16), signal=wsp.signal, expect=H // 128,
+                    block_t=16, acc=wsp.acc, counters=wsp.counters, status=wsp.status, num_programs=3, max_spin=3,
+                    block_h=128, block_r=8)
+        assert int(wsp.status) == (e is not None), (e, j)
 
 
 def test_missing_signal_sets_error_flag_and_terminates():
     t, k = 6, 2
-    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=40, masked=False)
-    y = gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, config=CFG, variant="swapab")
-    wsp = sbo.workspace(lay, t, 16, "cpu")
-    # every unit complete except one with tokens, which got one N-tile short
-    counts = (lay.m_indptr[1:] - lay.m_indptr[:-1]).tolist()
-    for e, c in enumerate(counts):
-        wsp.signal[e, :triton.cdiv(c, 16)] = H // 128
-    busy = next(e for e, c in enumerate(counts) if c > 0)
-    wsp.signal[busy, 0] = H // 128 - 1
-    sbo.combine(y, lay, w, torch.zeros(t, H, dtype=torch.bfloat16), signal=wsp.signal, expect=H // 128, block_t=16,
-                counters=wsp.counters, status=wsp.status, num_programs=2, max_spin=5)
+    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=40, masked=True)
+    y = gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, config=CFG, variant="swapab")
+    wsp = sbo.workspace(lay, t, H, 16, "cpu")  # nothing signalled at all
+    sbo.combine(y, lay, w, torch.zeros(t, H, dtype=torch.bfloat16), signal=wsp.signal, expect=H // 128,
+                block_t=16, acc=wsp.acc, counters=wsp.counters, status=wsp.status, num_programs=1, max_spin=3)
     assert int(wsp.status) == 1
-    wsp2 = sbo.workspace(lay, t, 16, "cpu")  # nothing signalled at all
-    sbo.combine(y, lay, w, torch.zeros(t, H, dtype=torch.bfloat16), signal=wsp2.signal, expect=H // 128,
-                block_t=16, counters=wsp2.counters, status=wsp2.status, num_programs=1, max_spin=3)
-    assert int(wsp2.status) == 1
+    with pytest.raises(ValueError, match="counters"):  # counts sized for another H-chunk width
+        sbo.combine(y, lay, w, torch.zeros(t, H, dtype=torch.bfloat16), acc=wsp.acc, counters=wsp.counters,
+                    block_h=128)
+
+
+def test_workspace_parts_cover_the_buffer():
+    """What moe_down_and_combine zeroes on its two streams is the whole workspace, acc 16-byte aligned."""
+    ids, _ = routing(9, 3, seed=6)
+    lay = sbo.build_layout(ids, E)
+    wsp = sbo.workspace(lay, 9, H, 16, "cpu", zero=False)
+    wsp.combine_part.fill_(7)
+    wsp.gemm_part.fill_(7)
+    for part in (wsp.acc.view(torch.int32), wsp.counters, wsp.signal, wsp.status):
+        assert bool((part == 7).all())
+    assert wsp.combine_part.numel() + wsp.gemm_part.numel() == wsp.acc.numel() + wsp.counters.numel() + \
+        wsp.signal.numel() + 1
+    assert wsp.acc.data_ptr() % 16 == 0 and wsp.counters.shape == (9, triton.cdiv(H, sbo.BLOCK_H))
 
 
 def test_moe_forward_matches_reference():

@@ -1,10 +1,13 @@
-"""SBO on a Hopper GPU: the overlapped down GEMM + combine equals the non-overlapped one, bit for bit.
+"""SBO on a Hopper GPU: the overlapped down GEMM + combine equals the non-overlapped one up to the fp32
+summation order (the combine adds the top-k rows with atomics in arrival order): `sbo.order_error` <= 1,
+i.e. within one bf16 ulp (plus 2^-12 of the largest value where sums cancel).
 
 DeepSeek-V3 down shape (N = H = 7168, K = I = 2048), 256 and 32 experts, top-8; many random routings
 (Zipf-like expert popularity, so some experts get 0 tokens and some many), both layouts, repeated
-runs. The race stress test repeats the overlapped call thousands of times with varying combine SM
-budgets and tile configs, poisoning the output and workspace reuse in between; one mismatch or one
-error flag fails. The non-overlapped path is also checked against float32 torch.
+runs. Every overlapped call gets a NaN-filled GEMM output buffer and output, so a row read before
+the GEMM wrote it, or a token chunk never written, shows up as NaN. The race stress test repeats the
+overlapped call thousands of times with varying combine SM budgets and tile configs; one mismatch or
+one error flag fails. The non-overlapped path is also checked against float32 torch.
 """
 import pytest
 import torch
@@ -57,11 +60,25 @@ def case(mods, weights, t, experts, seed, masked):
     return lay, w, q, qs, wq, ws
 
 
-def run(sbo, lay, w, q, qs, wq, ws, overlap, **kw):
+def nan_y(lay, t):
+    """A poisoned GEMM output buffer: what the combine reads before the GEMM wrote it is NaN."""
+    shape = (lay.num_experts, lay.max_m, H) if lay.masked else (t * lay.top_k, H)
+    return torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+
+
+def run(sbo, lay, w, q, qs, wq, ws, overlap, y=None, **kw):
     out = torch.full((w.shape[0], H), float("nan"), device="cuda", dtype=torch.bfloat16)
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
-    sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, overlap=overlap, status=status, **kw)
+    sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, overlap=overlap, status=status,
+                             y=nan_y(lay, w.shape[0]) if y is None else y, **kw)
     return out, status
+
+
+def combine64(y, lay, w, weight_scale=2.5):
+    """The combine in float64 from the GEMM's bf16 rows."""
+    t, k = w.shape
+    rows = y.reshape(-1, H).double()[lay.row_of_pair.long()].view(t, k, H)
+    return (rows * (w.double() * weight_scale)[..., None]).sum(1)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -73,9 +90,12 @@ def test_overlap_equals_plain_many_routings(mods, weights, experts, masked):
         lay, w, q, qs, wq, ws = case(mods, weights, t, experts, seed, masked)
         plain, st0 = run(sbo, lay, w, q, qs, wq, ws, overlap=False)
         for rep in range(3):
-            over, st = run(sbo, lay, w, q, qs, wq, ws, overlap=True, combine_sms=[2, 8, 16][rep])
+            y = nan_y(lay, t)
+            over, st = run(sbo, lay, w, q, qs, wq, ws, overlap=True, y=y, combine_sms=[2, 8, 16][rep])
             assert int(st) == 0 and int(st0) == 0
-            assert torch.equal(over, plain), (seed, t, rep)
+            assert sbo.order_error(over, plain) <= 1, (seed, t, rep, sbo.order_error(over, plain))
+            r64 = combine64(y, lay, w)
+            assert float((over.double() - r64).abs().max() / r64.abs().max()) <= 1e-2, (seed, t, rep)
         if seed < 4:
             ref = sbo.moe_down_and_combine_reference(q, qs, wq, ws, w, lay, weight_scale=2.5).float()
             err = (plain.float() - ref).norm() / ref.norm()
@@ -92,7 +112,7 @@ def test_some_experts_are_empty(mods):
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_race_stress(mods, weights, masked):
-    """Thousands of overlapped calls, varying SM budgets and token tiles: never a mismatch."""
+    """Thousands of overlapped calls, varying SM budgets and token tiles: never a mismatch, never a NaN."""
     _, _, sbo = mods
     configs = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32}]
     cases = []
@@ -110,14 +130,19 @@ def test_race_stress(mods, weights, masked):
         out, st = run(sbo, lay, w, q, qs, wq, ws, overlap=True, combine_sms=budget, config=configs[ci])
         outs.append((it, out, st, plains[ci]))
         if len(outs) == 100:  # compare in batches: no host sync inside the stream of launches
-            bad += [i for i, o, s, p in outs if int(s) != 0 or not torch.equal(o, p)]
+            bad += [i for i, o, s, p in outs if int(s) != 0 or not sbo.order_error(o, p) <= 1]
             outs = []
-    bad += [i for i, o, s, p in outs if int(s) != 0 or not torch.equal(o, p)]
+    bad += [i for i, o, s, p in outs if int(s) != 0 or not sbo.order_error(o, p) <= 1]
     assert not bad, f"{len(bad)} of {iters} overlapped runs mismatched, first {bad[:10]}"
 
 
 def test_cuda_graph_replay_matches(mods, weights):
-    """Captured once (two-stream fork/join inside the graph), replayed with new routings in place."""
+    """Captured once (two-stream fork/join inside the graph), replayed with new routings in place.
+
+    The workspace (signals, counts, accumulator) is zeroed by memsets inside the graph; the GEMM output
+    buffer is NaN-filled before each replay, so a replay that saw stale 'ready' signals or a stale
+    accumulator would read NaN or add to the previous replay's sums. (The first version of this test
+    captured weight_scale 1.0 and compared with a serial run at 2.5: it could never pass.)"""
     _, _, sbo = mods
     t, experts = 32, 256
     lay, w, q, qs, wq, ws = case(mods, weights, t, experts, seed=77, masked=False)
@@ -125,10 +150,11 @@ def test_cuda_graph_replay_matches(mods, weights):
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
     ids_buf = torch.zeros(t, TOPK, dtype=torch.int32, device="cuda")
     ids_buf.copy_(routing(t, experts, 77)[0])
+    y = nan_y(lay, t)
 
     def step():
         layout = sbo.build_layout(ids_buf, experts)
-        sbo.moe_down_and_combine(q, qs, wq, ws, w, layout, out, overlap=True, status=status)
+        sbo.moe_down_and_combine(q, qs, wq, ws, w, layout, out, weight_scale=2.5, overlap=True, status=status, y=y)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -139,19 +165,22 @@ def test_cuda_graph_replay_matches(mods, weights):
     with torch.cuda.graph(graph):
         step()
     for seed in range(20):
-        ids, _ = routing(t, experts, 500 + seed)
+        ids, _ = routing(t, experts, 500 + seed // 2)  # each routing twice: replay 2 starts from replay 1's state
         ids_buf.copy_(ids)
+        y.fill_(float("nan"))
+        out.fill_(float("nan"))
+        status.zero_()
         graph.replay()
         lay2 = sbo.build_layout(ids, experts)
         plain, _ = run(sbo, lay2, w, q, qs, wq, ws, overlap=False)
         torch.cuda.synchronize()
-        assert int(status) == 0
-        assert torch.equal(out, plain), seed
+        assert int(status) == 0, seed
+        assert sbo.order_error(out, plain) <= 1, (seed, sbo.order_error(out, plain))
 
 
 def test_moe_forward_overlap_equals_plain():
     """The plugin's whole SBO MoE path, overlap on vs off, with DeepSeek-V3 sizes at batch 16."""
-    from sgl_kernel_ext import quant
+    from sgl_kernel_ext import quant, sbo
 
     from sglang_h20.moe import sbo as plugin_sbo
 
@@ -164,7 +193,7 @@ def test_moe_forward_overlap_equals_plain():
     a = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, overlap=False)
     for _ in range(5):
         b = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, overlap=True)
-        assert torch.equal(a, b)
+        assert sbo.order_error(b, a) <= 1, sbo.order_error(b, a)
 
 
 @pytest.mark.parametrize("config", [{"BLOCK_N": 128, "BLOCK_T": 16}, {"BLOCK_N": 64, "BLOCK_T": 32},
