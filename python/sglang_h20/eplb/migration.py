@@ -382,9 +382,10 @@ class MigrationExecutor:
     every forward pass; route with `ex.routing_map` (or `ex.placement`); read `ex.status`.
     `on_switch(layers)`, if given, runs inside maybe_switch right after those layers' weights were
     swapped in (e.g. to update SGLang's ExpertLocationMetadata for the same layers).
-    `max_bytes_per_s` paces what this rank moves (local copies one expert at a time, each stage's
-    P2P batch by its bytes): decode steps are HBM-bound, so an unpaced side-stream copy slows every
-    step it overlaps by its whole bandwidth share; paced, the cost is spread thin. None: unpaced.
+    `max_bytes_per_s` paces what this rank moves (one expert at a time: local copies, and on GPUs one
+    NCCL group per transfer; gloo posts a stage at once, paced by its bytes): decode steps are
+    HBM-bound, so an unpaced side-stream copy slows every step it overlaps by its whole bandwidth
+    share; paced, the cost is spread thin. None: unpaced.
     """
 
     def __init__(self, rank: int, world: int, topology: Topology,
@@ -797,11 +798,15 @@ class MigrationExecutor:
                 self._pace(sum(d.numel() * d.element_size() for d in dst))  # host-side: one expert at a time
                 for s, d in zip(src, dst):
                     d.copy_(s, non_blocking=True)
-            if ops:
-                self._pace(sum(x.numel() * x.element_size() for _, x, *_ in ops))
-                # both ends post in (tid, tensor) order, which is how NCCL matches a pair's ops
+            # One NCCL group per transfer, each paced like a local copy (one group for the whole stage
+            # ran as one unpaced burst). Both ends post in the stage's (tid, tensor) order, which is how
+            # NCCL matches a pair's ops; every rank walks the stage in that same order, so transfer t
+            # completes once both ends are past the transfers before it: no cycle, no deadlock.
+            for _, group in itertools.groupby(ops, key=lambda o: (o[3] - self._tag_base) // self._ntensors):
+                group = list(group)
+                self._pace(sum(x.numel() * x.element_size() for _, x, *_ in group))
                 p2p = [dist.P2POp(op, x, group=self._group, tag=tag, group_peer=peer)
-                       for op, x, peer, tag, _ in ops]
+                       for op, x, peer, tag, _ in group]
                 for w in dist.batch_isend_irecv(p2p):
                     w.wait()  # stream-level: the side stream waits for the NCCL stream
             done = torch.cuda.Event()
