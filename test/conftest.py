@@ -21,3 +21,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_user_tables(tmp_path_factory, monkeypatch):
+    """Tables re-tuned on this machine (~/.cache/sglang_h20) take precedence over the shipped ones; the
+    tests read the shipped ones, wherever they run."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))

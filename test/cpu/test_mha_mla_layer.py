@@ -1,4 +1,4 @@
-"""benchmark/attention/mha_mla_layer.py without a GPU: its plan, losses, table and data flow.
+"""sglang_h20.attention.mha_mla_measure (benchmark/attention/mha_mla_layer.py, calibrate mha-mla) without a GPU: its plan, losses, table and data flow.
 
 The data-flow tests run the benchmark's MHA (one shot and chunked prefix) and MLA paths, for both kernel
 providers, with torch stand-ins for the kernels (flashinfer's ragged-prefill and MLA paged wrappers, fa3
@@ -7,23 +7,18 @@ varlen / kvcache with qv, merge_state_v2, the latent gather) that implement thei
 layouts, paging, planning, chunking and the lse merge are checked here and only the kernels themselves are
 left to the GPU test.
 """
-import importlib.util
 import json
 import math
 import random
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from sglang_h20.attention import mha_mla
+from sglang_h20.attention import mha_mla_measure as bench  # what benchmark/attention/mha_mla_layer.py runs
 from sglang_h20.attention.mha_mla import BatchShape, UpstreamRule
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("mha_mla_layer", REPO / "benchmark/attention/mha_mla_layer.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
 
 GPU = "NVIDIA H200"
 

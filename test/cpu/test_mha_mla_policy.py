@@ -200,6 +200,31 @@ def test_control_file_switches_the_policy_in_a_running_server(monkeypatch, tmp_p
     assert any("bogus" in r.getMessage() for r in caplog.records)
 
 
+def test_a_retune_on_this_machine_takes_precedence_over_the_shipped_table(tmp_path, monkeypatch):
+    """calibrate mha-mla writes ~/.cache/sglang_h20/mha_mla_<gpu>.json; the loader reads it first."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    user = mha_mla.user_table_path("NVIDIA H200")
+    assert user == tmp_path / "sglang_h20" / "mha_mla_h200.json"
+    shipped = mha_mla.load_table("NVIDIA H200")
+    assert shipped.choose(BatchShape([1024], [1024])) == "mha"
+    forced_mla = {**shipped.to_json(), "mha": {"const": 1e9}, "mla": {"const": 0.0}, "measured_grid": None,
+                  "source": "measured on NVIDIA H200 (test)"}
+    user.parent.mkdir(parents=True)
+    user.write_text(json.dumps(forced_mla))
+    assert mha_mla.load_table("NVIDIA H200").choose(BatchShape([1024], [1024])) == "mla"
+    user.unlink()
+    assert mha_mla.load_table("NVIDIA H200").choose(BatchShape([1024], [1024])) == "mha"
+
+
+def test_calibrate_command_says_it_needs_a_gpu(monkeypatch, capsys):
+    from sglang_h20 import calibrate
+
+    monkeypatch.setattr(compat, "gpu", lambda: None)
+    assert calibrate.main(["mha-mla"]) == 2
+    assert calibrate.main(["mha-mla", "--method", "server"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
 def test_nnls_fit_recovers_known_coefficients():
     rng = random.Random(3)
     truth = {"se": 2e-6, "prefix": 0.05, "extend": 0.01, "const": 30.0}

@@ -1,6 +1,6 @@
 """On a Hopper GPU: SGLang 0.5.17's MHA and absorbed-MLA prefill paths give the same attention output.
 
-The paths are the benchmark's (benchmark/attention/mha_mla_layer.py), run with each kernel provider that
+The paths are the benchmark's (sglang_h20.attention.mha_mla_measure), run with each kernel provider that
 works on the host (the other is skipped, with the reason; all are skipped where neither runs):
 flashinfer, what `--attention-backend flashmla` runs for prefill (FlashMLABackend delegates it to
 FlashInferMLAAttnBackend): MHA one shot (latent gather, kv_b_proj, concat_mla_k, causal ragged prefill over
@@ -17,17 +17,12 @@ Each case prints its errors (pytest -s) so that a run records them.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-_spec = importlib.util.spec_from_file_location(
-    "mha_mla_layer", Path(__file__).resolve().parents[2] / "benchmark/attention/mha_mla_layer.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from sglang_h20.attention import mha_mla_measure as bench  # what benchmark/attention/mha_mla_layer.py runs
 
 CAPACITY = 128 * 1024
 # (extend per request, prefix per request, chunk capacity): the capacity decides one shot vs chunked prefix

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -260,14 +261,28 @@ class Forced:
         return self.method
 
 
-def table_path(gpu_name: str) -> Path:
-    """tables/mha_mla_<gpu>.json, e.g. 'NVIDIA H200' -> mha_mla_h200.json, 'NVIDIA H20' -> mha_mla_h20.json."""
+def _table_name(gpu_name: str) -> str:
     key = gpu_name.lower().replace("nvidia", "").strip().split()[0] if gpu_name.strip() else "unknown"
-    return TABLE_DIR / f"mha_mla_{key}.json"
+    return f"mha_mla_{key}.json"
+
+
+def table_path(gpu_name: str) -> Path:
+    """The shipped table: tables/mha_mla_<gpu>.json ('NVIDIA H200' -> mha_mla_h200.json)."""
+    return TABLE_DIR / _table_name(gpu_name)
+
+
+def user_table_path(gpu_name: str) -> Path:
+    """Where `python -m sglang_h20 calibrate mha-mla` writes on this machine, and where the loader looks
+    first: $XDG_CACHE_HOME (default ~/.cache) /sglang_h20/mha_mla_<gpu>.json."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "sglang_h20" / _table_name(gpu_name)
 
 
 def load_table(gpu_name: str, path: Path | None = None) -> CostTable:
-    path = path or table_path(gpu_name)
+    """This machine's re-tune if there is one, else the shipped table (or `path`)."""
+    if path is None:
+        path = next((p for p in (user_table_path(gpu_name), table_path(gpu_name)) if p.exists()),
+                    table_path(gpu_name))
     if not path.exists():
         known = sorted(p.stem.removeprefix("mha_mla_") for p in TABLE_DIR.glob("mha_mla_*.json"))
         raise FileNotFoundError(f"no MHA/MLA cost table for {gpu_name!r} ({path.name}; shipped: {known}); "
