@@ -169,7 +169,7 @@ def compare(arms: list[dict]) -> dict:
     """Each arm against 'off', per concurrency level both ran."""
     by = {a["arm"]: a for a in arms}
     out = {}
-    for name in by.keys() - {"off"}:
+    for name in sorted(by.keys() - {"off"}):
         if "off" not in by or name not in by:
             continue
         for c, off in by["off"]["levels"].items():

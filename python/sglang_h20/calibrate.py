@@ -133,16 +133,11 @@ def compare_probes(a: list[list], b: list[list]) -> dict:
             "max_abs_first_logprob_diff": max(first), "first_logprobs": [[x[0][0], y[0][0]] for x, y in zip(a, b)]}
 
 
-def run_calibration(a) -> int:
+def run_calibration(a, g) -> int:
     """Launch the two forcing servers, measure the grid, fit, write the table and the raw points."""
-    from sglang_h20 import compat
     from sglang_h20.models import make
     from sglang_h20.nightly.serving import Server
 
-    g = compat.gpu()
-    if g is None:
-        print("calibrate mha-mla needs a CUDA GPU; none is visible")
-        return 2
     model = make(a.work_dir / "models", CALIBRATION_MODEL)
     grid = QUICK_GRID if a.grid == "quick" else FULL_GRID
     points = [{"batch": b, "extend": e, "prefix": p} for b, e, p in grid_points(grid)]
@@ -173,16 +168,11 @@ def run_calibration(a) -> int:
     return 0
 
 
-def run_layer_calibration(a) -> int:
+def run_layer_calibration(a, g) -> int:
     """The layer-level measurement (the method behind the shipped H200 table), written where the plugin
     looks first; its results JSON and plot go to the work dir."""
-    from sglang_h20 import compat
     from sglang_h20.attention import mha_mla_measure
 
-    g = compat.gpu()
-    if g is None:
-        print("calibrate mha-mla needs a CUDA GPU; none is visible")
-        return 2
     out = a.out or user_table_path(g.name)
     a.work_dir.mkdir(parents=True, exist_ok=True)
     argv = ["--json", str(a.work_dir / "mha_mla_layer.json"), "--write-table", str(out)]
@@ -221,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps({**table.to_json(), "provenance": provenance.record()}, indent=1) + "\n")
         print("wrote", out)
         return 0
-    if a.method == "layer":
-        return run_layer_calibration(a)
-    return run_calibration(a)
+    from sglang_h20 import compat
+
+    g = compat.gpu()
+    if g is None:
+        print("calibrate mha-mla needs a CUDA GPU; none is visible")
+        return 2
+    return (run_layer_calibration if a.method == "layer" else run_calibration)(a, g)
