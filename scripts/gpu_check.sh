@@ -20,6 +20,7 @@
 # Knobs (env): NO_SETUP=1 NO_JITPACK=1 (gpu_parallel.sh) STEPS="tests parity" LAYER_S=240 PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
 #   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
 #   MIGRATION_ARGS="--world 2 --presets ep16-slice" (extra args of migration_step_time.py)
+#   LAYER_ARGS="--kv-b-proj fp8" (extra args of mha_mla_layer.py)
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpu_check_out}; mkdir -p "$OUT"
@@ -84,7 +85,7 @@ if [[ " $STEPS " == *" layer "* ]] && [ "$(left)" -gt 90 ]; then
   lay=${LAYER_S:-$(( $(left) - 60 ))}
   say "MHA/MLA layer-level bench (deadline ${lay}s)"
   python3 benchmark/attention/mha_mla_layer.py --json "$OUT/mha_mla_layer.json" --write-table "$OUT/mha_mla_table_layer.json" \
-    --deadline-s $lay 2>&1 | tee "$OUT/mha_mla_layer.log" | tail -30
+    --deadline-s $lay ${LAYER_ARGS:-} 2>&1 | tee "$OUT/mha_mla_layer.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   # the servers started after this (ttft) use the table just measured
   [ -f "$OUT/mha_mla_table_layer.json" ] && cp "$OUT/mha_mla_table_layer.json" \

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_h20.eplb.migration import KINDS, MigrationExecutor, _parse, plan_migration
+from sglang_h20.eplb.migration import KINDS, MAX_RUNS, MigrationExecutor, _copy_rows, _parse, _runs, plan_migration
 from sglang_h20.eplb.placement import Placement, Topology
 
 # ----------------------------------------------------------------------------- planner
@@ -222,6 +222,28 @@ def test_paced_local_migration_spreads_its_copies_and_lands_bit_identical():
         assert torch.equal(w[l], before[l][new.phy2log[l]])
     with pytest.raises(ValueError, match="positive"):
         MigrationExecutor(0, 1, topo, w, plan, store=torch.distributed.HashStore(), max_bytes_per_s=0)
+
+
+def test_runs_of_consecutive_slots():
+    assert _runs([3, 4, 5, 0, 1, 9]) == ((3, 0, 3), (0, 3, 2), (9, 5, 1))
+    assert _runs([]) == ()
+    assert _runs(list(range(0, 4 * (MAX_RUNS + 1), 4))) == ()  # too many runs: index_copy_ instead
+
+
+@pytest.mark.parametrize("slots", [[5, 6, 7, 0, 1], [7, 2, 5, 0, 3, 1, 6, 4, 9, 8, 11, 10]])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float32, torch.bfloat16])
+def test_switch_copy_lands_rows_bit_identical(slots, dtype):
+    """The switch copy (slices for a few runs, else a widened index_copy_) puts staging row n in live
+    slot slots[n], bit for bit, and leaves every other slot alone, for FP8 weights and fp32 scales."""
+    g = torch.Generator().manual_seed(len(slots))
+    live = (torch.randn(12, 6, 10, generator=g) * 3).to(dtype)
+    block = (torch.randn(len(slots), 6, 10, generator=g) * 3).to(dtype)
+    want = live.clone()
+    for n, s in enumerate(slots):
+        want[s] = block[n]
+    _copy_rows(live, block, torch.tensor(slots), _runs(slots))
+    assert torch.equal(live.view(torch.uint8) if dtype.itemsize == 1 else live, want.view(torch.uint8)
+                       if dtype.itemsize == 1 else want)
 
 
 def test_decision_encoding():

@@ -93,8 +93,10 @@ class Tuning:
     placement_timeout_s: float = 300.0  # every rank must have its plan within this
     staging_layers: int = 1           # staging budget, in layers of this rank's slots
     gil_switch_s: float = 5e-4        # sys.setswitchinterval while the placement thread runs
-    copy_gbps: float | None = 50.0    # pace of the side-stream copies (GB/s; None: unpaced): decode is
-    #                                   HBM-bound, and an unpaced copy takes its bandwidth from the steps
+    copy_gbps: float | None = 10.0    # pace of the side-stream copies (GB/s; None: unpaced): decode is
+    #                                   HBM-bound, and an unpaced copy takes its bandwidth from the steps.
+    #                                   10 GB/s (~0.2% of an H200's HBM) still moves one EP16 GPU's 46 GB
+    #                                   of experts in ~5 s; a placement is not worth more per second sooner
 
 
 TUNING = Tuning()
