@@ -96,11 +96,12 @@ LN2 = math.log(2.0)  # flashinfer's lse is base 2, merge_state_v2 merges natural
 TOLERANCE = 2e-2
 TOLERANCE_FP8 = 5e-2  # --kv-b-proj fp8: MHA's K/V come from an FP8 GEMM of an FP8-quantized latent
 TARGET_LOSS_PCT = 3.0
-# flashinfer's MLA prefill indexes q/o [tokens, 128, 512] with int32: 32k new tokens in one batch hit an illegal
-# address on the H200 (2026-11-29). SGLang's chunked prefill (8k/16k tokens) never forms such a batch.
-MAX_EXTEND_TOKENS = 2**31 // (HEADS * KV_LORA)
+# flashinfer's MLA prefill indexes q [tokens, 128, 512 + 64] with int32: 32k new tokens in one batch hit an illegal
+# address on the H200, and 31911 gave inf (2026-11-29). SGLang's chunked prefill (8k/16k tokens) never forms such
+# a batch.
+MAX_EXTEND_TOKENS = 2**31 // (HEADS * (KV_LORA + ROPE))
 MLA_OVERFLOW = (f">= {MAX_EXTEND_TOKENS}: flashinfer's MLA prefill overflows int32 offsets (tokens x {HEADS} heads x "
-                f"{KV_LORA}); SGLang's chunked prefill keeps a batch below this")
+                f"{KV_LORA + ROPE}); SGLang's chunked prefill keeps a batch below this")
 RULES = ("upstream", "ours", "ours_loo", "linear", "shipped", "mha", "mla")
 BENCH = "sglang_h20.attention.mha_mla_measure"  # run as benchmark/attention/mha_mla_layer.py or calibrate mha-mla
 
