@@ -38,6 +38,11 @@ TABLE_DIR = Path(__file__).resolve().parent.parent / "tables"
 log = logging.getLogger("sglang_h20.mha_mla")
 TERMS = ("se", "prefix", "extend", "const")  # cost = sum(coef[t] * feature[t])
 UPSTREAM_THRESHOLD = 8192
+# flashinfer's absorbed-MLA prefill (the flashmla and flashinfer backends) was right up to 16436 new tokens in one
+# batch, at up to 278k cached + new tokens, and wrong from 24911 on (H200, 2026-11-29: rel 1.0 / inf against
+# float32, test_chunked_mha_at_full_capacity). SGLang's chunked prefill keeps a batch at <= 16k new tokens; above
+# this bound the policy keeps MHA, which was right at every size.
+MLA_MAX_EXTEND_TOKENS = 16436
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +218,8 @@ class CostTable:
     def choose(self, shape: BatchShape) -> str:
         if not shape.extend:
             return "mla"  # nothing to compute; keep the cheap-to-plan path
+        if sum(shape.extend) > MLA_MAX_EXTEND_TOKENS:
+            return "mha"
         key = (tuple(shape.extend), tuple(shape.prefix))
         hit = self._memo.get(key)
         if hit is None:

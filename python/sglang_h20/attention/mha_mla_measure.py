@@ -78,7 +78,7 @@ import traceback
 from pathlib import Path
 
 
-from sglang_h20.attention.mha_mla import BatchShape, CostTable, UpstreamRule, grid_from_points, load_table  # noqa: E402
+from sglang_h20.attention.mha_mla import MLA_MAX_EXTEND_TOKENS, BatchShape, CostTable, UpstreamRule, grid_from_points, load_table  # noqa: E402
 
 HEADS, KV_LORA, NOPE, ROPE, V_DIM, Q_LORA = 128, 512, 128, 64, 128, 1536
 QK_DIM = NOPE + ROPE
@@ -96,12 +96,9 @@ LN2 = math.log(2.0)  # flashinfer's lse is base 2, merge_state_v2 merges natural
 TOLERANCE = 2e-2
 TOLERANCE_FP8 = 5e-2  # --kv-b-proj fp8: MHA's K/V come from an FP8 GEMM of an FP8-quantized latent
 TARGET_LOSS_PCT = 3.0
-# flashinfer's MLA prefill indexes q [tokens, 128, 512 + 64] with int32: 32k new tokens in one batch hit an illegal
-# address on the H200, and 31911 gave inf (2026-11-29). SGLang's chunked prefill (8k/16k tokens) never forms such
-# a batch.
-MAX_EXTEND_TOKENS = 2**31 // (HEADS * (KV_LORA + ROPE))
-MLA_OVERFLOW = (f">= {MAX_EXTEND_TOKENS}: flashinfer's MLA prefill overflows int32 offsets (tokens x {HEADS} heads x "
-                f"{KV_LORA + ROPE}); SGLang's chunked prefill keeps a batch below this")
+MAX_EXTEND_TOKENS = MLA_MAX_EXTEND_TOKENS + 1  # flashinfer's MLA prefill is wrong from here on (see mha_mla.py)
+MLA_OVERFLOW = (f">= {MAX_EXTEND_TOKENS}: flashinfer's MLA prefill gives wrong results above {MLA_MAX_EXTEND_TOKENS} "
+                "new tokens per batch; SGLang's chunked prefill keeps a batch below this")
 RULES = ("upstream", "ours", "ours_loo", "linear", "shipped", "mha", "mla")
 BENCH = "sglang_h20.attention.mha_mla_measure"  # run as benchmark/attention/mha_mla_layer.py or calibrate mha-mla
 
