@@ -11,6 +11,7 @@ launch overhead is out; a point whose capture fails is timed with do_bench and s
   combine_alone       the combine on a finished GEMM output (no waiting; includes zeroing its accumulator)
   serial              moe_down_and_combine(overlap=False): GEMM, then combine, one stream
   overlap[b]          moe_down_and_combine(overlap=True, combine_sms=b)
+  overlap_nosleep[b]  the same with spin_sleep_ns=0 (the consumer polls without pausing: what the back-off buys)
   shared_alone        the shared expert (FP8 gate_up 7168 -> 4096, SiLU*up, down 2048 -> 7168; our dense GEMMs)
   serial+shared       shared expert, then serial down+combine, then the add (one stream)
   overlap+shared[b]   shared expert on a third stream beside overlap[b], joined before the add
@@ -168,6 +169,9 @@ def main(argv=None) -> int:
             err = sbo.order_error(out, ref)
             same = err <= 1 and int(status) == 0
             s[f"overlap[{b}]"] = add("overlap", overlapped, b, equal_to_serial=same, order_error=err)
+            s[f"overlap_nosleep[{b}]"] = add("overlap_nosleep", lambda b=b: sbo.moe_down_and_combine(
+                q, qs, w2q, w2s, w, lay, out, overlap=True, combine_sms=b, variant=variant, config=cfg,
+                status=status, spin_sleep_ns=0), b)
 
             def overlapped_shared(b=b):
                 main = torch.cuda.current_stream()

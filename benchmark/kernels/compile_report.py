@@ -69,6 +69,7 @@ def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int
         "acquire_loads": len(re.findall(r"ld\.[\w.]*acquire", ptx)),
         "acquire_atomics": len(re.findall(r"atom\.[\w.]*acquire", ptx)),
         "f32_atomics": len(re.findall(r"(?:atom|red)\.[\w.]*f32", ptx)),
+        "nanosleeps": ptx.count("nanosleep"),
     }
 
 
@@ -107,7 +108,8 @@ def sbo_variants():
     types = {"y_ptr": "*bf16", "out_ptr": "*bf16", "w_ptr": "*fp32", "acc_ptr": "*fp32", "w_scale": "fp32"}
     types.update({n: "*i32" for n in sbo._combine_kernel.arg_names if n.endswith("_ptr") and n not in types})
     for masked, wait in ((True, True), (False, True), (False, False)):  # the wrapper's defaults otherwise
-        const = dict(H=7168, TOPK=8, MASKED=masked, WAIT=wait, BLOCK_T=16, BLOCK_R=sbo.BLOCK_R, BLOCK_H=sbo.BLOCK_H)
+        const = dict(H=7168, TOPK=8, MASKED=masked, WAIT=wait, BLOCK_T=16, BLOCK_R=sbo.BLOCK_R, BLOCK_H=sbo.BLOCK_H,
+                     SLEEP_NS=sbo.DEFAULT_SPIN_SLEEP_NS)
         yield (f"sbo_combine[{'masked' if masked else 'contiguous'}{' wait' if wait else ''}]", sbo._combine_kernel,
                const, types, 4, 2, ())
 

@@ -42,8 +42,13 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext import grouped_gemm_fp8 as gg
+from sgl_kernel_ext.quant import _interpreting
 
 DEFAULT_MAX_SPIN = 1 << 20  # polls of one unit's counts before giving up (~0.5-1 s; a real down GEMM takes < 1 ms)
+# Back-off between polls (PTX nanosleep). The first overlap run of this combine (H200, 2026-11-29) made the GEMM
+# ~45% slower while lending it the same SMs without a consumer cost 3.5%: the consumer's programs share SMs with
+# GEMM programs and tight polling takes their issue slots. 0: poll without pause (also under the interpreter).
+DEFAULT_SPIN_SLEEP_NS = 500
 DEFAULT_COMBINE_SMS = 16  # a row block's 14 H-chunks side by side; the GEMM measured 3-4% slower with 16 lent
 BLOCK_R = 16  # expert-ordered pairs per combine unit
 BLOCK_H = 512  # hidden columns per combine unit (DeepSeek-V3: 14 chunks of 7168)
@@ -112,11 +117,18 @@ def dispatch_rows(x: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
 
 
 @triton.jit
+def _nanosleep(ns: tl.constexpr):
+    """Pause this thread about ns nanoseconds (PTX nanosleep, sm_70+); returns 0."""
+    return tl.inline_asm_elementwise(f"nanosleep.u32 {ns}; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _combine_kernel(
     y_ptr, sig_ptr, acc_ptr, cnt_ptr, out_ptr, spair_ptr, sexp_ptr, rowp_ptr, w_ptr, indptr_ptr, err_ptr,
     P, MAX_M, SIG_STRIDE, EXPECT, NUM_PROGRAMS, MAX_SPIN, w_scale, stride_ym, stride_om,
     H: tl.constexpr, TOPK: tl.constexpr, MASKED: tl.constexpr, WAIT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, SLEEP_NS: tl.constexpr,
 ):
     """Persistent combine over units (row block b, H-chunk c) = b * NC + c; see the module doc."""
     NC: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
@@ -145,6 +157,8 @@ def _combine_kernel(
             short = tl.sum(pending.to(tl.int32))
             spins = 0
             while (short > 0) & (spins < MAX_SPIN):  # re-poll only the rows not seen complete yet
+                if SLEEP_NS > 0:
+                    spins += _nanosleep(SLEEP_NS)
                 seen = tl.atomic_add(sp, 0, mask=pending, sem="acquire")
                 pending = pending & (seen < EXPECT)
                 short = tl.sum(pending.to(tl.int32))
@@ -219,14 +233,15 @@ def combine(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Tensor, out:
             weight_scale: float = 1.0, signal: torch.Tensor | None = None, expect: int = 0,
             block_t: int = 16, acc: torch.Tensor | None = None, counters: torch.Tensor | None = None,
             status: torch.Tensor | None = None, num_programs: int | None = None, max_spin: int = DEFAULT_MAX_SPIN,
-            block_h: int = BLOCK_H, block_r: int = BLOCK_R) -> torch.Tensor:
+            block_h: int = BLOCK_H, block_r: int = BLOCK_R, spin_sleep_ns: int = DEFAULT_SPIN_SLEEP_NS) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * weight_scale * y[row_of_pair[t*K + k]] (bf16 out, fp32 sum in
     arrival order: see the module doc for the rounding this allows).
 
     With signal: wait for the count of a row's (expert, token tile) to reach expect before reading the
     row (the overlapped consumer; signal [E, ceil(max_m / block_t)]). acc fp32 [T, H] and counters
     int32 [T, ceil(H / block_h)] must be zero (made, zeroed, if None). status: int32 [1], set to 1 if a
-    wait gave up. Launched on the current stream.
+    wait gave up. spin_sleep_ns: pause between polls (0: none; always 0 under the interpreter). Launched on
+    the current stream.
     """
     t, k = topk_weights.shape
     h = y.shape[-1]
@@ -260,7 +275,7 @@ def combine(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Tensor, out:
         layout.row_of_pair, topk_weights.reshape(-1), ip, status,
         p, layout.max_m, sig_stride, expect, num_programs, max_spin, float(weight_scale), y2.stride(0), out.stride(0),
         H=h, TOPK=k, MASKED=layout.masked, WAIT=signal is not None, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_H=bh,
-        num_warps=4,
+        SLEEP_NS=0 if _interpreting() else int(spin_sleep_ns), num_warps=4,
     )
     return out
 
@@ -270,7 +285,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
                          weight_scale: float = 1.0, overlap: bool = True, combine_sms: int | None = None,
                          variant: str = "auto", config: dict | None = None, expected_m: int | None = None,
                          max_spin: int = DEFAULT_MAX_SPIN, status: torch.Tensor | None = None,
-                         y: torch.Tensor | None = None) -> torch.Tensor:
+                         y: torch.Tensor | None = None, spin_sleep_ns: int = DEFAULT_SPIN_SLEEP_NS) -> torch.Tensor:
     """Down GEMM (FP8 1x128 x 128x128 blocks, bf16 out) + local combine into out [T, H] bf16.
 
     q [rows, I] (contiguous layout) or [E, max_m, I] (masked) fp8 with q_scale; w2 [E, H, I] fp8,
@@ -280,7 +295,8 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     are captured too, so every replay starts from zero). overlap=False (or a CPU tensor): GEMM then
     the same combine without waiting, on the current stream. The two agree up to the fp32 summation
     order (module doc). status: int32 [1] the caller may read later (1: a wait gave up, out is
-    invalid; never cleared here). y: optional GEMM output buffer.
+    invalid; never cleared here). y: optional GEMM output buffer. spin_sleep_ns: the consumer's pause
+    between polls (see DEFAULT_SPIN_SLEEP_NS).
     """
     num_tokens = topk_weights.shape[0]
     e, hdim, inter = w2.shape
@@ -321,7 +337,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     with torch.cuda.stream(side):
         ws.combine_part.zero_()  # acc + counts, beside the GEMM's first tiles
         combine(y, layout, topk_weights, out, signal=ws.signal, expect=triton.cdiv(hdim, bn),
-                num_programs=budget, **common)
+                num_programs=budget, spin_sleep_ns=spin_sleep_ns, **common)
     main.wait_stream(side)
     return out
 

@@ -62,3 +62,5 @@ def test_grouped_gemm_and_sbo_kernels_compile_with_their_signals(report):
     assert [r["release_atomics"] for r in gemms.values()] == [0, 0, 1], gemms
     assert [rep[n]["acquire_atomics"] >= 1 for n in combines] == [True, True, False], {n: rep[n] for n in combines}
     assert all(rep[n]["f32_atomics"] >= 1 for n in combines), {n: rep[n] for n in combines}
+    # and pauses between polls (the back-off that keeps it from taking the GEMM's issue slots)
+    assert [rep[n]["nanosleeps"] >= 1 for n in combines] == [True, True, False], {n: rep[n] for n in combines}
