@@ -10,13 +10,20 @@ bursts of `--burst` (one batched prefill). Phases (each a fresh server, env + ex
   upstream-no-prefill-graph  upstream's rule without prefill graphs: isolates the policy's effect
 
 --one-server: instead of one server per phase, ONE server (our hook installed, prefill graphs off)
-whose policy is flipped between 'upstream' and 'se' through SGLANG_H20_MHA_MLA_CONTROL, in ABBA
-blocks per length (each block: --requests single requests and 2 bursts). Server-to-server spread
-(12-16% here) and host load drift then cancel in the paired block ratios; reported per length: the
-ratio of medians and the mean paired ratio with a t-based 95% interval.
+whose policy is flipped between two arms (--arms, default 'upstream' then 'se') through
+SGLANG_H20_MHA_MLA_CONTROL, in ABBA blocks per length (each block: --requests single requests and 2
+bursts). Server-to-server spread (12-16% here) and host load drift then cancel in the paired block
+ratios; reported per length: the ratio of medians (second arm / first) and the mean paired ratio with a
+t-based 95% interval.
+
+--arms mla mha --fit-overhead: the server-level calibration of the MHA/MLA table. Both paths are forced
+on the same prefills, and the once-per-prefill cost of MHA with a cached prefix is fitted from the single
+requests (mha_mla.fit_mha_prefix_overhead, with the model's layer count). The table this machine uses
+is written back with it, to ~/.cache/sglang_h20/ (or --table-out); start servers after this run.
 
 usage: prefix_ttft.py --model DIR --out DIR [--lengths 1024 2048 4096] [--phases ...]
-       prefix_ttft.py --model DIR --out DIR --one-server [--blocks 8] [--requests 12]
+       prefix_ttft.py --model DIR --out DIR --one-server [--blocks 8] [--requests 12] [--arms upstream se]
+       prefix_ttft.py --model DIR --out DIR --one-server --arms mla mha --fit-overhead [--table-out F]
 """
 from __future__ import annotations
 
@@ -65,11 +72,11 @@ def one_server(args) -> dict:
     from sglang_h20.abstats import mean_ci95
 
     ctl = (args.out / "policy").resolve()
-    write_control(ctl, "upstream")
+    arms = a, b = tuple(args.arms)
+    write_control(ctl, a)
     env = {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_MHA_MLA_CONTROL": str(ctl)}
-    arms = ("upstream", "se")
-    order = [("upstream", "se", "se", "upstream")[b % 4] for b in range(args.blocks)]  # ABBA
-    res: dict = {"order": order, "lengths": {}}
+    order = [(a, b, b, a)[i % 4] for i in range(args.blocks)]  # ABBA
+    res: dict = {"arms": list(arms), "order": order, "lengths": {}}
     with Server(args.model, shlex.split(args.server_args) + NO_PREFILL_GRAPH, args.out / "server-one.log",
                 env=env, port=32100) as srv:
         rng = random.Random(5)
@@ -91,18 +98,42 @@ def one_server(args) -> dict:
                 blocks.append({"arm": arm, "single_ms": single, "burst_ms": bursts})
             per = {}
             for mode, key in (("single", "single_ms"), ("burst", "burst_ms")):
-                med = {a: statistics.median(x for b in blocks if b["arm"] == a for x in b[key]) for a in arms}
+                med = {arm: statistics.median(x for blk in blocks if blk["arm"] == arm for x in blk[key])
+                       for arm in arms}
                 # pairs: blocks (0,1), (2,3), ... each holds one block of each arm
-                pairs = [statistics.median(b2[key]) / statistics.median(b1[key]) if b1["arm"] == "upstream"
+                pairs = [statistics.median(b2[key]) / statistics.median(b1[key]) if b1["arm"] == a
                          else statistics.median(b1[key]) / statistics.median(b2[key])
                          for b1, b2 in zip(blocks[::2], blocks[1::2])]
-                per[mode] = {"median_ms": med, "ratio_of_medians": med["se"] / med["upstream"],
-                             "paired": mean_ci95(pairs)}
+                per[mode] = {"median_ms": med, "ratio_of_medians": med[b] / med[a], "paired": mean_ci95(pairs)}
             res["lengths"][str(n)] = {"blocks": blocks, **per}
-            print(f"  L={n}: ours/upstream TTFT {per['single']['ratio_of_medians']:.3f} single "
+            print(f"  L={n}: {b}/{a} TTFT {per['single']['ratio_of_medians']:.3f} single "
                   f"(paired {per['single']['paired']['mean']:.3f}), {per['burst']['ratio_of_medians']:.3f} burst",
                   flush=True)
     return res
+
+
+def fit_overhead(res: dict, model: str, table_out: Path | None) -> dict:
+    """Fit the table's once-per-prefill MHA cost from a --arms mla mha run and write the table back."""
+    from sglang_h20 import compat
+    from sglang_h20.attention import mha_mla
+
+    g = compat.gpu()
+    gpu = g.name if g else ""
+    table = mha_mla.load_table(gpu)
+    layers = int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
+    samples = [(mha_mla.BatchShape([int(n) // 2], [int(n) // 2]), r["single"]["median_ms"]["mha"],
+                r["single"]["median_ms"]["mla"]) for n, r in res["lengths"].items()]
+    fit = mha_mla.fit_mha_prefix_overhead(table, samples, layers)
+    out = table_out or mha_mla.user_table_path(gpu)
+    d = table.to_json()
+    d["mha_prefix_overhead_us"] = fit["mha_prefix_overhead_us"]
+    d["mha_prefix_overhead"] = {**fit, "gpu": gpu, "model": model, "date": provenance.record()["date"],
+                                "how": "prefix_ttft.py --one-server --arms mla mha --fit-overhead"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(d, indent=1))
+    print(f"MHA prefix overhead {fit['mha_prefix_overhead_us']:.0f} us per prefill ({layers} layers; "
+          f"per length {[round(v) for v in fit['values_us']]}) -> {out}", flush=True)
+    return {**fit, "table": str(out)}
 
 
 def main() -> int:
@@ -117,7 +148,14 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip phases that would start after this")
     ap.add_argument("--one-server", action="store_true", help="A/B in one server through the control file")
     ap.add_argument("--blocks", type=int, default=8, help="--one-server: ABBA blocks per length (even)")
+    ap.add_argument("--arms", nargs=2, default=["upstream", "se"], choices=["upstream", "se", "mha", "mla"],
+                    help="--one-server: the two policies compared (ratios are second / first)")
+    ap.add_argument("--fit-overhead", action="store_true",
+                    help="with --arms mla mha: fit the MHA prefix overhead and write the table (module doc)")
+    ap.add_argument("--table-out", type=Path, help="--fit-overhead: where to write (default: the user table)")
     args = ap.parse_args()
+    if args.fit_overhead and (not args.one_server or set(args.arms) != {"mla", "mha"}):
+        ap.error("--fit-overhead needs --one-server --arms mla mha")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one_server:
         record = {**provenance.record(), "benchmark": "prefix_ttft_one_server", "model": args.model,
@@ -125,6 +163,8 @@ def main() -> int:
                   "workload": {"lengths": args.lengths, "prefix_fraction": 0.5, "requests": args.requests,
                                "burst": args.burst, "blocks": args.blocks},
                   "one_server": one_server(args)}
+        if args.fit_overhead:
+            record["fit_overhead"] = fit_overhead(record["one_server"], args.model, args.table_out)
         (args.out / "prefix_ttft.json").write_text(json.dumps(record, indent=1))
         return 0
     t0, phases = time.time(), {}

@@ -103,6 +103,47 @@ def test_table_round_trips_and_rejects_unknown_terms():
         CostTable.from_json(bad)
 
 
+def test_prefix_overhead_is_charged_once_per_prefill_against_the_layers_gain():
+    """A 4-layer model gains 4x the per-layer difference by taking MHA, a 61-layer one 61x; the once-per-prefill
+    MHA cost decides only the first. Without a layer count (layer-level view) it is not charged."""
+    t = CostTable.from_json({**H200.to_json(), "mha_prefix_overhead_us": 4400.0})
+    assert t.mha_prefix_overhead_us == 4400.0 and CostTable.from_json(t.to_json()) == t
+    small, big = BatchShape([512], [512]), BatchShape([2048] * 8, [2048] * 8)
+    gain = t.cost("mla", small) - t.cost("mha", small)
+    assert 0 < 4 * gain < 4400 < 61 * gain  # the H200-like numbers this was built for
+    assert t.choose(small) == "mha" and t.choose(small, 61) == "mha" and t.choose(small, 4) == "mla"
+    assert t.choose(big, 4) == "mha"
+    assert t.choose(BatchShape([512], [0]), 4) == H200.choose(BatchShape([512], [0]))  # no prefix: no charge
+    assert t.prefill_cost("mha", small, 4) == pytest.approx(4 * t.cost("mha", small) + 4400.0)
+    assert t.prefill_cost("mla", small, 4) == pytest.approx(4 * t.cost("mla", small))
+    assert UpstreamRule().choose(small, 4) == UpstreamRule().choose(small) and Forced("mha").choose(small, 4) == "mha"
+
+
+def test_fit_of_the_prefix_overhead_takes_the_median_and_needs_a_prefix():
+    s1, s2, s3 = BatchShape([512], [512]), BatchShape([1024], [1024]), BatchShape([2048], [2048])
+    gains = [4 * (H200.cost("mla", s) - H200.cost("mha", s)) for s in (s1, s2, s3)]
+    # server: MHA - MLA = F - 4 * gain per layer; F = 3000, 5000 (outlier-free median), 9000 us
+    samples = [(s, 10.0 + (f - g) / 1e3, 10.0) for s, f, g in zip((s1, s2, s3), (3000, 5000, 9000), gains)]
+    fit = mha_mla.fit_mha_prefix_overhead(H200, samples, 4)
+    assert fit["mha_prefix_overhead_us"] == pytest.approx(5000, abs=1e-6) and fit["layers"] == 4
+    assert fit["values_us"] == pytest.approx([3000, 5000, 9000])
+    with pytest.raises(ValueError, match="no cached prefix"):
+        mha_mla.fit_mha_prefix_overhead(H200, [(BatchShape([512], [0]), 5.0, 4.0)], 4)
+
+
+def test_router_passes_the_ranks_attention_layers(monkeypatch):
+    from sglang.srt.model_executor import forward_context
+
+    assert mha_mla.attention_layers() is None  # no forward context outside a forward pass
+    pool = SimpleNamespace(layer_num=4)
+    monkeypatch.setattr(forward_context, "get_token_to_kv_pool", lambda: pool)
+    assert mha_mla.attention_layers() == 4
+    seen = []
+    route = _router(SimpleNamespace(choose=lambda shape, layers=None: seen.append(layers) or "mla"))
+    attn, fb = fake([512], [512])
+    assert route(h._handle_attention_backend, attn, fb, "flashmla") == M.MLA and seen == [4]
+
+
 def test_upstream_rule_matches_the_documented_threshold():
     r = UpstreamRule()
     assert r.choose(BatchShape([10, 10], [0, 0])) == "mha"

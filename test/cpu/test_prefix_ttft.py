@@ -59,3 +59,39 @@ def test_one_server_abba_measures_the_policy_effect(tmp_path, monkeypatch):
         assert r[mode]["ratio_of_medians"] == pytest.approx(0.5, abs=0.15)
         assert r[mode]["paired"]["n"] == 2 and r[mode]["paired"]["mean"] == pytest.approx(0.5, abs=0.15)
     assert rec["git_commit"] and rec["workload"]["blocks"] == 4
+
+
+def test_forced_arms_fit_the_prefix_overhead_into_the_users_table(tmp_path, monkeypatch):
+    """--arms mla mha --fit-overhead: both paths forced on the same prefills; the fake server's MHA costs 4 ms
+    more per prefill, so F = 4 ms + layers x the table's per-layer gain, written where the plugin reads first."""
+    from sglang_h20 import compat
+    from sglang_h20.attention import mha_mla
+
+    monkeypatch.setattr(bench, "Server", _FakeServer)
+    monkeypatch.setattr(bench, "random_words", lambda rng, n: " ".join(["w"] * n))
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 141.0))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    out = tmp_path / "table.json"
+    monkeypatch.setattr(sys, "argv", ["prefix_ttft.py", "--model", str(model), "--out", str(tmp_path / "o"),
+                                      "--one-server", "--lengths", "2048", "--blocks", "2", "--requests", "3",
+                                      "--burst", "2", "--arms", "mla", "mha", "--fit-overhead",
+                                      "--table-out", str(out)])
+    monkeypatch.setitem(DELAY_S, "mha", 0.012)  # MHA 4 ms slower than MLA here
+    assert bench.main() == 0
+    shipped = mha_mla.load_table("NVIDIA H200", mha_mla.table_path("NVIDIA H200"))
+    s = BatchShape([1024], [1024])
+    want = 4000 + 4 * (shipped.cost("mla", s) - shipped.cost("mha", s))
+    fitted = mha_mla.load_table("NVIDIA H200", out)
+    assert fitted.mha_prefix_overhead_us == pytest.approx(want, abs=1500)  # sleep jitter on a loaded host
+    assert fitted.choose(s, 4) == "mla" and fitted.choose(s) == "mha"
+    rec = json.loads((tmp_path / "o" / "prefix_ttft.json").read_text())
+    assert rec["one_server"]["arms"] == ["mla", "mha"] and rec["fit_overhead"]["layers"] == 4
+
+
+def test_fit_overhead_needs_the_forced_arms(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["prefix_ttft.py", "--model", "m", "--out", str(tmp_path), "--one-server",
+                                      "--fit-overhead"])
+    with pytest.raises(SystemExit):
+        bench.main()

@@ -17,6 +17,12 @@ benchmark/attention/mha_mla_layer.py): kernel efficiency changes with shape in w
 cannot follow, so near the crossover a linear model alone can pick the slower path by more than a few
 percent. The grid corrects each method's linear cost by its measured log-residual, interpolated
 between grid nodes (see MeasuredGrid); at a measured shape the choice is the measured faster one.
+
+A layer-level table misses what a whole prefill pays once for taking MHA on a batch with a cached prefix
+(`mha_prefix_overhead_us`, measured in the server: `prefix_ttft.py --one-server --arms mla mha --fit-overhead`).
+On the H200 it was ~4 ms per prefill on the 4-layer model, and of the same order on a 1-layer model, so it is
+charged once per forward, against the per-layer gain times this rank's attention layers (the KV pool's
+layer_num): on 61 layers it rarely matters, on 4 layers it decides the small prefills.
 """
 from __future__ import annotations
 
@@ -199,6 +205,7 @@ class CostTable:
     mla: dict[str, float]
     meta: dict = dataclasses.field(default_factory=dict)
     measured_grid: dict | None = None  # grid_from_points(...) of a measurement, or None: linear only
+    mha_prefix_overhead_us: float = 0.0  # once per prefill that takes MHA with a cached prefix (module doc)
     _measured: MeasuredGrid | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
     _memo: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -215,15 +222,24 @@ class CostTable:
             return lin
         return max(lin, 1e-3) * self._measured.correction(method, *equivalent_uniform(shape))
 
-    def choose(self, shape: BatchShape) -> str:
+    def prefill_cost(self, method: str, shape: BatchShape, layers: int | None = None) -> float:
+        """One prefill over `layers` attention layers, with MHA's once-per-prefill cost; per layer without it
+        when layers is None (the layer-level benchmark's view)."""
+        if not layers:
+            return self.cost(method, shape)
+        fixed = self.mha_prefix_overhead_us if method == "mha" and any(shape.prefix) else 0.0
+        return layers * self.cost(method, shape) + fixed
+
+    def choose(self, shape: BatchShape, layers: int | None = None) -> str:
         if not shape.extend:
             return "mla"  # nothing to compute; keep the cheap-to-plan path
         if sum(shape.extend) > MLA_MAX_EXTEND_TOKENS:
             return "mha"
-        key = (tuple(shape.extend), tuple(shape.prefix))
+        key = (tuple(shape.extend), tuple(shape.prefix), layers)
         hit = self._memo.get(key)
         if hit is None:
-            hit = "mha" if self.cost("mha", shape) <= self.cost("mla", shape) else "mla"
+            hit = "mha" if self.prefill_cost("mha", shape, layers) <= self.prefill_cost("mla", shape, layers) \
+                else "mla"
             if len(self._memo) >= MEMO_SIZE:
                 self._memo.clear()
             self._memo[key] = hit
@@ -232,6 +248,8 @@ class CostTable:
     def to_json(self) -> dict:
         d = {"gpu": self.gpu, "source": self.source, "unit": "us per attention layer (const: per prefill)",
              "terms": list(TERMS), "mha": self.mha, "mla": self.mla, **self.meta}
+        if self.mha_prefix_overhead_us:
+            d["mha_prefix_overhead_us"] = self.mha_prefix_overhead_us
         if self.measured_grid is not None:
             d["measured_grid"] = self.measured_grid
         return d
@@ -242,9 +260,10 @@ class CostTable:
             unknown = set(d[m]) - set(TERMS)
             if unknown:
                 raise ValueError(f"cost table for {d.get('gpu')}: unknown {m} terms {sorted(unknown)}")
-        own = ("gpu", "source", "mha", "mla", "unit", "terms", "measured_grid")
+        own = ("gpu", "source", "mha", "mla", "unit", "terms", "measured_grid", "mha_prefix_overhead_us")
         meta = {k: v for k, v in d.items() if k not in own}
-        return cls(d["gpu"], d["source"], dict(d["mha"]), dict(d["mla"]), meta, d.get("measured_grid"))
+        return cls(d["gpu"], d["source"], dict(d["mha"]), dict(d["mla"]), meta, d.get("measured_grid"),
+                   float(d.get("mha_prefix_overhead_us", 0.0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +272,7 @@ class UpstreamRule:
 
     threshold: int = UPSTREAM_THRESHOLD
 
-    def choose(self, shape: BatchShape) -> str:
+    def choose(self, shape: BatchShape, layers: int | None = None) -> str:
         total = sum(shape.prefix)
         return "mha" if total == 0 or total >= self.threshold else "mla"
 
@@ -264,7 +283,7 @@ class Forced:
 
     method: str
 
-    def choose(self, shape: BatchShape) -> str:
+    def choose(self, shape: BatchShape, layers: int | None = None) -> str:
         return self.method
 
 
@@ -327,7 +346,7 @@ class Switchable:
             self._policies[mode] = _policy(mode, self._gpu)
         return self._policies[mode]
 
-    def choose(self, shape: BatchShape) -> str:
+    def choose(self, shape: BatchShape, layers: int | None = None) -> str:
         got = self._file.changed()
         if got is not None:
             _, word = got
@@ -336,7 +355,7 @@ class Switchable:
             else:
                 log.warning("mha_mla: control file %s says %r; keeping %r (one of %s)", self._file.path, word,
                             self.mode, "/".join(self.MODES))
-        return self._current.choose(shape)
+        return self._current.choose(shape, layers)
 
 
 def policy_for(settings: Settings, gpu_name: str):
@@ -360,6 +379,35 @@ def free_to_choose(h, attn, forward_batch, backend_name: str) -> bool:
     return not (has_prefix and attn.disable_chunked_prefix_cache)
 
 
+def attention_layers() -> int | None:
+    """Attention layers this rank runs per forward (its KV pool's layers); None where SGLang does not say."""
+    try:
+        from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
+
+        n = int(get_token_to_kv_pool().layer_num)
+        return n if n > 0 else None
+    except Exception:
+        return None
+
+
+def fit_mha_prefix_overhead(table: CostTable, samples: Sequence[tuple[BatchShape, float, float]],
+                            layers: int) -> dict:
+    """The once-per-prefill cost of MHA with a cached prefix, from server timings of the same prefill
+    both ways: samples (shape, mha_ms, mla_ms), e.g. paired medians of single requests. Each gives
+    (mha - mla) + layers * (table's per-layer MLA - MHA cost); the median is robust to a noisy one."""
+    vals = []
+    for shape, mha_ms, mla_ms in samples:
+        if not any(shape.prefix):
+            raise ValueError(f"{shape}: no cached prefix, so no MHA prefix cost to see")
+        vals.append(1e3 * (mha_ms - mla_ms) + layers * (table.cost("mla", shape) - table.cost("mha", shape)))
+    if not vals:
+        raise ValueError("no samples")
+    vals.sort()
+    mid = len(vals) // 2
+    med = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+    return {"mha_prefix_overhead_us": max(0.0, med), "values_us": vals, "layers": layers}
+
+
 def make_router(policy):
     """The AROUND hook: upstream's answer unless it was free to choose; then the policy's."""
     import importlib
@@ -371,7 +419,7 @@ def make_router(policy):
             return original(attn, forward_batch, backend_name)
         prefix = forward_batch.extend_prefix_lens_cpu or [0] * len(forward_batch.extend_seq_lens_cpu or [])
         shape = BatchShape(list(forward_batch.extend_seq_lens_cpu or []), list(prefix))
-        if policy.choose(shape) == "mha":
+        if policy.choose(shape, attention_layers()) == "mha":
             if h._support_mha_one_shot(attn, forward_batch, backend_name):
                 return h.AttnForwardMethod.MHA_ONE_SHOT
             return h.AttnForwardMethod.MHA_CHUNKED_KV
