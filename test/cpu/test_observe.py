@@ -324,6 +324,149 @@ def test_hooks_sample_eagerly_and_keep_graphs_otherwise(wrapped_fakes):
     assert not stages._state.force_eager and stages._ACTIVE is None
 
 
+class _Mark:
+    """A timing event of a fake graph: capture creates it, every replay of its graph re-stamps it."""
+
+    def __init__(self):
+        self.t, self.done = time.perf_counter(), True
+
+
+class _ReplayClock(stages.CpuClock):
+    name = "fake_graph"
+
+    def __init__(self):
+        self.capturing = None  # the list a capture collects its marks into
+
+    def mark(self):
+        m = _Mark()
+        if self.capturing is not None:
+            self.capturing.append(m)
+        return m
+
+    def ready(self, mark) -> bool:
+        return mark.done
+
+    def elapsed_ms(self, a, b) -> float:
+        return (b.t - a.t) * 1e3
+
+
+class _CapturingGraphRunner(_FakeGraphRunner):
+    """Captures by running the forward once with the stage hooks live; a replay runs no Python except
+    re-stamping the events its capture recorded (0.5 ms apart), as a CUDA graph's event nodes would."""
+
+    def __init__(self, clock, monkeypatch):
+        self.clock, self.graphs, self.replays, self.mp = clock, {}, [], monkeypatch
+
+    def capture_one_shape(self, size, forward, stream_idx=None, variant_label=None):
+        marks = self.clock.capturing = []
+        self.mp.setattr(stages, "_capturing", lambda: True)
+        try:
+            forward(1)
+        finally:  # torch.cuda.graph ends the capture on an exception too
+            self.mp.setattr(stages, "_capturing", lambda: False)
+            self.clock.capturing = None
+        self.graphs[self._make_graph_key(size, stream_idx, variant_label)] = marks
+
+    def _make_graph_key(self, size, stream_idx=None, variant_label=None):
+        return (size, stream_idx, variant_label)
+
+    def replay(self, key):
+        self.replays.append(key)
+        for m in self.graphs[key]:
+            time.sleep(0.0005)
+            m.t, m.done = time.perf_counter(), True
+
+
+class _GraphRunner(_Runner):
+    def __init__(self, graph_runner, layers=2):
+        super().__init__(layers)
+        self.decode_cuda_graph_runner = graph_runner
+
+    def model_forward(self, x):
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x
+
+    def forward(self, forward_batch):
+        self.forward_pass_id += 1
+        gr = self.decode_cuda_graph_runner
+        if gr.can_run_graph(forward_batch):
+            gr.replay(gr._make_graph_key(forward_batch.batch_size))
+            return SimpleNamespace(can_run_graph=True)
+        self.eager_passes.append(self.forward_pass_id)
+        self.model_forward(1)
+        return SimpleNamespace(can_run_graph=False)
+
+
+def test_sampled_passes_replay_an_instrumented_graph_twin(wrapped_fakes, monkeypatch):
+    """With instrumented twins captured, a sampled pass replays its batch size's twin (no eager pass) and
+    its stages come from the twin's events; a twin whose sample is unread is not replayed again."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    for cls, name, fn in ((_CapturingGraphRunner, "capture_one_shape", stages.on_capture_one_shape),
+                          (_CapturingGraphRunner, "_make_graph_key", stages.on_make_graph_key),
+                          (_GraphRunner, "forward", stages.on_model_runner_forward)):
+        monkeypatch.setattr(cls, name, _wrap_fn(cls.__dict__[name], fn, HookType.AROUND))
+    clock, exp = _ReplayClock(), _ListExporter()
+    stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=clock, rank=0))
+    stages._state.graph_clock = lambda: clock
+    gr = _CapturingGraphRunner(clock, monkeypatch)
+    runner = _GraphRunner(gr)
+    for size in (4, 2):
+        gr.capture_one_shape(size, runner.model_forward)
+    assert set(gr.graphs) == {(4, None, None), (2, None, None), (4, None, "h20_observe"), (2, None, "h20_observe")}
+    assert gr.graphs[(2, None, None)] == [] and len(gr.graphs[(2, None, "h20_observe")]) > 10
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"), batch_size=2, input_ids=torch.zeros(2))
+    for _ in range(8):
+        runner.forward(decode)
+    runner.forward(SimpleNamespace(forward_mode=SimpleNamespace(name="EXTEND"), batch_size=2))  # drains
+    assert runner.eager_passes == []  # sampled passes 4 and 8 replayed the twin instead of running eagerly
+    assert gr.replays.count((2, None, "h20_observe")) == 2 and len(gr.replays) == 9
+    stage_recs = [r for r in exp.records if r["kind"] == "stages"]
+    assert [r["step"] for r in stage_recs] == [4, 8]
+    for r in stage_recs:
+        assert r["eager"] is False and r["graph_sampled"] is True and r["graph_size"] == 2
+        assert [e["layer"] for e in r["layers"]] == [0, 1]
+        assert set(r["layers"][0]["stages"]) >= {"attention", "router", "dispatch", "routed_experts", "combine"}
+        assert _sum_record(r) == pytest.approx(r["step_ms"], rel=1e-9)
+        assert r["window_ms"] >= r["step_ms"] > 0  # timed from outside the replay too
+        assert r["expert_load"] == [[0, 1, 2, 1], [0, 1, 2, 1]]
+    # the twin of size 2 is in flight until drained: a sampled pass meanwhile replays the plain graph
+    tmpl = stages._state.templates[(id(gr), 2, None)]
+    assert not tmpl.in_flight
+    tmpl.in_flight = True
+    for _ in range(4):
+        runner.forward(decode)
+    assert gr.replays[-4:] == [(2, None, None)] * 4 and runner.eager_passes == []
+
+
+def test_a_failed_twin_capture_falls_back_to_eager_sampling(wrapped_fakes, monkeypatch, caplog):
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    for cls, name, fn in ((_CapturingGraphRunner, "capture_one_shape", stages.on_capture_one_shape),
+                          (_CapturingGraphRunner, "_make_graph_key", stages.on_make_graph_key),
+                          (_GraphRunner, "forward", stages.on_model_runner_forward)):
+        monkeypatch.setattr(cls, name, _wrap_fn(cls.__dict__[name], fn, HookType.AROUND))
+    clock, exp = _ReplayClock(), _ListExporter()
+    stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=clock, rank=0))
+    stages._state.graph_clock = lambda: clock
+    gr = _CapturingGraphRunner(clock, monkeypatch)
+    runner = _GraphRunner(gr)
+
+    def broken(x):  # the plain capture works; the twin's (stage hooks live) fails
+        if stages._capturing() and stages._ACTIVE is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return runner.model_forward(x)
+
+    with caplog.at_level("WARNING"):
+        gr.capture_one_shape(2, broken)
+    assert "instrumented graph capture failed" in caplog.text and not stages._state.graph_samples
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"), batch_size=2, input_ids=torch.zeros(2))
+    for _ in range(4):
+        runner.forward(decode)
+    assert runner.eager_passes == [4]  # the eager path samples as before
+
+
 def test_hooks_leave_draft_runners_and_off_switch_alone(wrapped_fakes):
     exp = _ListExporter()
     stages.configure(1.0, exporter=exp, recorder=StageRecorder(clock=stages.CpuClock()))
@@ -437,7 +580,7 @@ def test_sampler_is_deterministic_and_rank_independent():
 def test_every_hook_target_resolves():
     hooks = stages.hooks(ON)
     targets = [h.target for h in hooks]
-    assert len(targets) == len(set(targets)) == 13
+    assert len(targets) == len(set(targets)) == 15
     for h in hooks:
         assert h.kind in ("before", "after", "around", "replace")
         ok, why = compat.check_target(h.target)
@@ -450,6 +593,8 @@ def test_hooked_signatures_match_what_the_hooks_assume():
 
     for target, first in ((stages.STEP_TARGET, ["self", "forward_batch"]),
                           (stages.GRAPH_TARGET, ["self", "forward_batch"]),
+                          (stages.CAPTURE_TARGET, ["self", "size", "forward", "stream_idx", "variant_label"]),
+                          (stages.KEY_TARGET, ["self", "size", "stream_idx", "variant_label"]),
                           (stages.LAYER_TARGET, ["self", "positions", "hidden_states"])):
         fn = inspect.unwrap(pkgutil.resolve_name(target))
         assert list(inspect.signature(fn).parameters)[: len(first)] == first, target
@@ -466,7 +611,7 @@ def test_feature_decides_on_with_all_hooks():
     feature = Feature("observe", "observe", "sglang_h20.observe.stages", needs_gpu=False)
     d = decide(feature, ON)
     assert d.on, d.reason
-    assert len(d.hooks) == 13
+    assert len(d.hooks) == 15
     off = decide(feature, Settings.from_env({"SGLANG_H20_OBSERVE": "0"}))
     assert not off.on and "switched off" in off.reason
     stages.reset_state()

@@ -112,6 +112,12 @@ def test_stage_sum_check_on_recorded_and_corrupted_steps():
     assert c["steps"] == 6 and not c["ok"] and c["share_within"] == pytest.approx(4 / 6)
     assert 0.5 < c["worst"] < 0.8  # one layer of three lost, farther from 1 than the 1.11x step
     assert bench.stage_sum_check([]) == {"steps": 0, "ok": False}
+    # a graph sample is checked against the pass timed from outside the replay (window_ms)
+    g = json.loads(json.dumps(records[:2]))
+    g[0]["window_ms"] = g[0]["step_ms"] * 1.02  # input copies before the replay: within 5%
+    g[1]["window_ms"] = g[1]["step_ms"] * 1.2  # stages cover only 83% of the pass
+    c = bench.stage_sum_check(g)
+    assert c["steps"] == 2 and not c["ok"] and c["share_within"] == 0.5
 
 
 def test_stage_sum_check_on_a_synthetic_dump(tmp_path):

@@ -3,8 +3,22 @@
 Sampling design (why CUDA graphs stay on)
 -----------------------------------------
 A replayed CUDA graph runs no Python, so per-layer hooks cannot time it, and timing inside the
-graph (event nodes or timer kernels) would cost every replay whether sampled or not. So we keep
-the captured graphs for every unsampled step and make each *sampled* decode step run eagerly:
+graph (event nodes or timer kernels) would cost every replay whether sampled or not. So the
+unsampled steps replay the plain graphs, and a *sampled* step replays an instrumented twin:
+
+* Instrumented graphs (`DecodeCudaGraphRunner.capture_one_shape`, AROUND): after SGLang captures a
+  batch size, the same shape is captured again as graph variant "h20_observe" with the stage hooks
+  active, and every push/pop records an external timing event (`torch.cuda.Event(enable_timing=True,
+  external=True)`: an event-record node that each replay re-records). The frames of that capture are
+  the size's template. A sampled pass asks for the variant (`_make_graph_key`, AROUND), and reads the
+  template's events once they complete: per-layer, per-stage times of a real graph replay, for the cost
+  of ~1000 event nodes on that one step instead of an eager step (r ~ 9 on the H200). A template is not
+  replayed again until its last sample was read. If the instrumented capture fails, one warning, and
+  sampling falls back to the eager path below. Graph samples carry `window_ms`, the pass timed around
+  the replay from outside (its input copies included), which the stage sum is checked against.
+
+Eager fallback (no instrumented graph: `--disable-cuda-graph`, or its capture failed): the sampled
+decode step runs eagerly:
 
 * `ModelRunner.forward` (AROUND) is the step window. `ModelRunner.forward_pass_id + 1` is the
   id of the pass about to run. Pass p gets stage timing when `p % period == 0`, with
@@ -35,18 +49,21 @@ channel, so every rank switches at the same pass and the sampling rule stays ide
 fraction 0 the hooks pass every call straight through: graphs replay as upstream. The hooks
 are installed only when SGLANG_H20_OBSERVE > 0 at start.
 
-Cost: at fraction f, a fraction f of decode steps runs eagerly (slower by the eager/graph ratio
-r), plus about 1000 event records (61 layers x 8 frames x 2) and 58 small load-count
-scatters on that step. Graph steps pay nothing. Eager non-sampled passes (prefill) pay one
-global read per hooked call (~0.3 us x ~600 calls). Expected overhead is f*(r-1). Measured on the
-H200 (dsv3-ep16-slice, 48 running, 2026-11-29): r = 8.7-9.4 (207 ms eager vs 22 ms graph), and
-at f = 0.01 the throughput was 14% lower; so use f <= 0.001 (one sampled step every ~2 s there).
+Cost: with instrumented twins, a sampled step is a graph replay plus its ~1000 event nodes (61 layers
+x 8 frames x 2) and 58 small load-count scatters; unsampled steps replay the plain graphs and pay
+nothing; capture time and graph memory double (one twin per captured batch size). Not yet measured
+on a GPU (2026-11-29). In the eager fallback a fraction f of decode steps runs eagerly, slower by the
+eager/graph ratio r: measured on the H200 (dsv3-ep16-slice, 48 running): r = 8.7-9.9 (207-209 ms
+eager vs 21-22 ms graph); f = 0.01 cost 14% of throughput, f = 0.001 1.5-2.2% (not conclusive).
+Eager non-sampled passes (prefill) pay one global read per hooked call (~0.3 us x ~600 calls).
 benchmark/serving/observe_overhead.py measures it on one server (runtime control above).
 
 Hook targets (sglang 0.5.17, all checked by test_observe against the installed sglang)
 -------------------------------------------------------------------------------------
 step      model_runner.ModelRunner.forward                 AROUND: sample decision, window, drain
-eager     decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph  AROUND: False when sampled
+eager     decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph  AROUND: False when sampled eagerly
+twin      DecodeCudaGraphRunner.capture_one_shape           AROUND: capture the instrumented twin
+          DecodeCudaGraphRunner._make_graph_key             AROUND: the twin's key on a sampled pass
 layer     deepseek_v2.DeepseekV2DecoderLayer.forward       frame "layer_other" (norms, residual,
           LayerCommunicator collectives, prefetch: whatever no inner stage covers)
 attention deepseek_v2.DeepseekV2AttentionMLA.forward       "attention" (projections, RoPE, core, o_proj)
@@ -114,7 +131,11 @@ DS = "sglang.srt.models.deepseek_v2"
 FUSED_MOE = "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE"
 DEEPEP_MOE = "sglang.srt.layers.moe.ep_moe.layer.DeepEPMoE"
 STEP_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
-GRAPH_TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph"
+DECODE_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+GRAPH_TARGET = DECODE_RUNNER + ".can_run_graph"
+CAPTURE_TARGET = DECODE_RUNNER + ".capture_one_shape"
+KEY_TARGET = DECODE_RUNNER + "._make_graph_key"
+GRAPH_VARIANT = "h20_observe"  # the instrumented twin of each captured decode batch size
 LAYER_TARGET = DS + ".DeepseekV2DecoderLayer.forward"
 ATTENTION_TARGET = DS + ".DeepseekV2AttentionMLA.forward"
 MOE_TARGET = DS + ".DeepseekV2MoE.forward"
@@ -179,6 +200,21 @@ class CudaClock:
         self._pool.extend(marks)
 
 
+class GraphClock(CudaClock):
+    """External timing events, one per mark: captured as event-record nodes, so every replay of the
+    graph re-records them. They belong to their graph's template and are never pooled."""
+
+    name = "cuda_graph"
+
+    def mark(self):
+        ev = self._torch.cuda.Event(enable_timing=True, external=True)
+        ev.record()
+        return ev
+
+    def release(self, marks) -> None:
+        pass
+
+
 def default_clock():
     try:
         import torch
@@ -211,6 +247,17 @@ class _Sample:
     load_layers: list
     ts: float
     cpu_ms: float
+    owned: bool = True  # False: the marks belong to a graph template (never released)
+    window: tuple | None = None  # (start, end) marks around the pass, from outside the graph
+    template: Any = None  # the _Template whose events these are (graph samples)
+
+
+@dataclasses.dataclass
+class _Template:
+    """An instrumented graph's frames: one _Sample whose marks every replay re-records."""
+
+    sample: _Sample
+    in_flight: bool = False  # a sample of it is queued and not read yet: do not replay it
 
 
 @dataclasses.dataclass
@@ -263,13 +310,14 @@ class StageRecorder:
         self.moe_meta = None
         self.active = True
 
-    def end_step(self, discard: bool = False, **meta) -> None:
-        """Close the step. Unless discarded it is queued until its events complete (poll)."""
+    def end_step(self, discard: bool = False, template: bool = False, **meta) -> None:
+        """Close the step. Unless discarded it is queued until its events complete (poll).
+        template: a graph capture; the load counts stay on the device (no host copy inside a capture)."""
         if not self.active:
             return
         self.active = False
         host, layers = None, sorted(self._loads)
-        if not discard and layers:
+        if not discard and layers and not template:
             host = self._copy_loads(layers)
         end = self.clock.mark()  # after the load copy: ready(end) implies the copy landed
         timeline = self._timeline + [(end, None, None)]
@@ -279,8 +327,21 @@ class StageRecorder:
             self._meta.update(meta)
             self._pending.append(_Sample(self._step, self._meta, timeline, self._overlap, self._loads,
                                          self._load_meta, host, layers, self._ts,
-                                         (time.perf_counter() - self._cpu0) * 1e3))
+                                         (time.perf_counter() - self._cpu0) * 1e3, owned=not template))
         self._stack, self._timeline, self._overlap, self._loads = [], [], [], {}
+
+    def take_template(self) -> _Template | None:
+        """The sample a capture just closed, as a graph template (None if the capture recorded none)."""
+        if not self._pending or not isinstance(self._pending[-1], _Sample) or self._pending[-1].owned:
+            return None
+        return _Template(self._pending.pop())
+
+    def queue_graph_sample(self, tmpl: _Template, step: int, meta: dict, window: tuple) -> None:
+        """A replay of `tmpl`'s graph ran for pass `step`: read its events once they complete."""
+        t = tmpl.sample
+        tmpl.in_flight = True
+        self._pending.append(dataclasses.replace(t, step=int(step), meta={**t.meta, **meta}, ts=time.time(),
+                                                 cpu_ms=0.0, window=window, template=tmpl))
 
     def begin_window(self, step: int, meta: dict | None = None) -> _Window:
         """Whole-step timing without stages (the graph-replay reference)."""
@@ -383,7 +444,8 @@ class StageRecorder:
                 out.append(self._window_record(item))
             else:
                 if not (self.clock.ready(item.timeline[-1][0]) and
-                        all(self.clock.ready(o[1]) for o in item.overlap)):
+                        all(self.clock.ready(o[1]) for o in item.overlap) and
+                        (item.window is None or self.clock.ready(item.window[1]))):
                     break
                 out.append(self._sample_record(item))
             self._pending.popleft()
@@ -408,7 +470,19 @@ class StageRecorder:
             d = overlap.setdefault(layer if layer is not None else -1, {})
             d[label] = d.get(label, 0.0) + clock.elapsed_ms(start, end)
         step_ms = clock.elapsed_ms(tl[0][0], tl[-1][0])
-        clock.release([m for m, _, _ in tl] + [m for o in s.overlap for m in o[:2]])
+        if s.owned:
+            clock.release([m for m, _, _ in tl] + [m for o in s.overlap for m in o[:2]])
+        host_loads = s.host_loads
+        if host_loads is None and s.loads:  # a graph sample: counts are on the device, complete by now
+            import torch
+
+            host_loads = torch.stack([s.loads[l] for l in s.load_layers]).cpu()
+        window_ms = None
+        if s.window is not None:
+            window_ms = clock.elapsed_ms(*s.window)
+            clock.release(list(s.window))
+        if s.template is not None:
+            s.template.in_flight = False
         layers = []
         for layer in sorted(set(per_layer) | {l for l in overlap if l >= 0}):
             entry = {"layer": layer, "stages": per_layer.get(layer, {})}
@@ -420,9 +494,11 @@ class StageRecorder:
                "coverage": (step_ms - outside.get(OUTSIDE, 0.0)) / step_ms if step_ms > 0 else 0.0}
         if -1 in overlap:
             rec["overlap"] = overlap[-1]
+        if window_ms is not None:
+            rec["window_ms"] = window_ms
         rec.update(s.meta)
-        if s.host_loads is not None:
-            loads = s.host_loads.tolist()
+        if host_loads is not None:
+            loads = host_loads.tolist()
             rec["expert_load_layers"] = list(s.load_layers)
             rec["expert_load"] = loads
             rec.update(s.load_meta)
@@ -529,6 +605,11 @@ class _State:
         self.out_dir: str | None = None
         self.force_eager = False
         self.graph_would_run: bool | None = None
+        self.graph_samples = True  # capture instrumented graph twins (off after a failed capture)
+        self.graph_clock = GraphClock  # the templates' clock (tests swap in a fake)
+        self.templates: dict[tuple, _Template] = {}  # (graph runner id, size, stream) -> template
+        self.graph_request = False  # this pass is sampled: replay the instrumented twin if there is one
+        self.graph_hit: tuple | None = None  # (template, graph size) the pass's replay used
         self.disabled: str | None = None
         self.warned: set[str] = set()
 
@@ -683,6 +764,8 @@ def on_model_runner_forward(orig, runner, forward_batch, *args, **kwargs):
         return orig(runner, forward_batch, *args, **kwargs)
     if what is None:
         return orig(runner, forward_batch, *args, **kwargs)
+    if what == "stages" and _state.graph_samples and _state.templates:
+        return _graph_sampled_pass(orig, runner, forward_batch, rec, pass_id, mode, args, kwargs)
     if what == "graph":
         window = rec.begin_window(pass_id, {"mode": mode, **_batch_meta(forward_batch, mode), "eager": False})
         out = orig(runner, forward_batch, *args, **kwargs)
@@ -706,6 +789,78 @@ def on_model_runner_forward(orig, runner, forward_batch, *args, **kwargs):
             rec.end_step(discard=not ok, graph_would_run=_state.graph_would_run)
         except Exception as e:
             _disable("ModelRunner.forward (after)", e)
+
+
+def _graph_sampled_pass(orig, runner, forward_batch, rec, pass_id, mode, args, kwargs):
+    """A sampled pass with instrumented graphs: replay the twin of the batch's graph (if it has one and
+    its last sample was read) and queue its template's events; otherwise the pass goes unsampled."""
+    window = (rec.clock.mark(),)
+    _state.graph_request, _state.graph_hit = True, None
+    try:
+        out = orig(runner, forward_batch, *args, **kwargs)
+    finally:
+        _state.graph_request = False
+    hit, _state.graph_hit = _state.graph_hit, None
+    try:
+        if hit is None:
+            rec.clock.release(list(window))
+        else:
+            tmpl, size = hit
+            meta = {**_batch_meta(forward_batch, mode), "eager": False, "graph_sampled": True, "graph_size": size}
+            rec.queue_graph_sample(tmpl, pass_id, meta, window + (rec.clock.mark(),))
+    except Exception as e:
+        _disable("ModelRunner.forward (graph sample)", e)
+    return out
+
+
+def on_capture_one_shape(orig, graph_runner, size, forward, stream_idx=None, variant_label=None, *args, **kwargs):
+    """AROUND DecodeCudaGraphRunner.capture_one_shape: after SGLang's capture of a batch size, capture its
+    instrumented twin (module doc); a failure falls back to eager sampling, with one warning."""
+    global _ACTIVE
+    out = orig(graph_runner, size, forward, stream_idx, variant_label, *args, **kwargs)
+    if variant_label is not None or not _state.graph_samples or _state.disabled is not None \
+            or getattr(getattr(graph_runner, "model_runner", None), "is_draft_worker", False):
+        return out
+    import functools
+
+    tmpl_rec = StageRecorder(clock=_state.graph_clock(), rank=_rank())
+
+    @functools.wraps(forward)  # SGLang inspects the forward's signature (pp_proxy_tensors, input_embeds)
+    def instrumented(*a, **kw):
+        global _ACTIVE
+        if not _capturing():
+            return forward(*a, **kw)  # warm-up runs: untimed
+        tmpl_rec.begin_step(0, {"mode": "decode"})
+        _ACTIVE = tmpl_rec
+        try:
+            return forward(*a, **kw)
+        finally:
+            _ACTIVE = None
+            tmpl_rec.end_step(template=True)
+
+    try:
+        orig(graph_runner, size, instrumented, stream_idx, GRAPH_VARIANT, *args, **kwargs)
+        tmpl = tmpl_rec.take_template()
+        if tmpl is None:
+            raise RuntimeError("the instrumented capture recorded no frames")
+        _state.templates[(id(graph_runner), int(size), stream_idx)] = tmpl
+    except Exception as e:
+        _ACTIVE = None
+        _state.graph_samples = False
+        _state.templates.clear()
+        _warn_once("graph_capture", "observe: instrumented graph capture failed at size %s (%s: %s); sampled "
+                   "passes run eagerly instead", size, type(e).__name__, e)
+    return out
+
+
+def on_make_graph_key(orig, graph_runner, size, stream_idx=None, variant_label=None, *args, **kwargs):
+    """AROUND DecodeCudaGraphRunner._make_graph_key: on a sampled pass, the instrumented twin's key."""
+    if _state.graph_request and variant_label is None and not _capturing():
+        tmpl = _state.templates.get((id(graph_runner), int(size), stream_idx))
+        if tmpl is not None and not tmpl.in_flight:
+            _state.graph_hit = (tmpl, int(size))
+            return orig(graph_runner, size, stream_idx, GRAPH_VARIANT, *args, **kwargs)
+    return orig(graph_runner, size, stream_idx, variant_label, *args, **kwargs)
 
 
 def on_can_run_graph(orig, graph_runner, forward_batch, *args, **kwargs):
@@ -806,6 +961,8 @@ def hooks(settings) -> list[Hook]:
     return [
         Hook(STEP_TARGET, on_model_runner_forward, "around"),
         Hook(GRAPH_TARGET, on_can_run_graph, "around"),
+        Hook(CAPTURE_TARGET, on_capture_one_shape, "around"),
+        Hook(KEY_TARGET, on_make_graph_key, "around"),
         Hook(LAYER_TARGET, on_decoder_layer, "around"),
         Hook(ATTENTION_TARGET, on_attention, "around"),
         Hook(MOE_TARGET, on_moe, "around"),
