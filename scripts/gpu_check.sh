@@ -8,6 +8,7 @@
 #   (STEPS kernels) benchmark/kernels/bench_*.py ${KERNEL_ARGS:---quick} -> $OUT/bench_<name>.json (+ PNG)
 #   (STEPS calibrate) python -m sglang_h20 calibrate mha-mla on this GPU -> $OUT/mha_mla_<gpu>.json
 #   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
+#   (STEPS profile) benchmark/serving/prefill_profile.py: torch-profiler totals of the same prefills, MHA vs MLA
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
 #   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds)
 #   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
@@ -120,6 +121,14 @@ if [[ " $STEPS " == *" ttft "* ]] && [ "$(left)" -gt 200 ]; then
 --fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/ttft.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/ttft/server-*.log; }
   cp /tmp/ttft/prefix_ttft.json "$OUT/" 2>/dev/null
+fi
+if [[ " $STEPS " == *" profile "* ]] && [ "$(left)" -gt 150 ]; then  # what MHA's extra per-prefill cost is made of
+  say "prefill profile, MHA vs MLA on dsv3-4l"
+  timeout $(( $(left) - 20 )) python3 benchmark/serving/prefill_profile.py --model /tmp/models/dsv3-4l --out /tmp/profile ${PROFILE_ARGS:-} \
+    --server-args "--load-format dummy --attention-backend flashmla --sampling-backend pytorch --moe-runner-backend triton \
+--fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/prefill_profile.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/profile/server.log; }
+  cp /tmp/profile/prefill_profile.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STEPS " == *" swapab "* ]] && [ "$(left)" -gt 120 ]; then
   say "swapAB e2e on dsv3-ep16-slice (arms ${SWAPAB_ARMS:-off forced})"

@@ -93,6 +93,13 @@ class Server:
         """One batched greedy /generate call: all texts reach the scheduler together."""
         return self._generate({"text": texts, "return_logprob": return_logprob}, max_new_tokens)
 
+    def post(self, path: str, body: dict | None = None, timeout: float = 600) -> str:
+        """POST a JSON body to one of the server's endpoints (e.g. /start_profile); returns the reply text."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read().decode(errors="replace")
+
     def _generate(self, body: dict, max_new_tokens: int):
         body = {**body, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
         req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Where does a prefill's time go with MHA vs MLA? Torch-profiler traces of the same prefills both ways.
+
+Why: on dsv3-4l, single prefills of 512 new on 512 cached tokens took 2-3 ms longer with MHA than with MLA
+(prefix_ttft_h200.json), although one attention layer is 3x faster with MHA (mha_mla_layer_h200.json). The
+policy now charges a fitted once-per-prefill MHA cost (mha_mla.py); this finds what it is made of.
+
+One server (our hook, prefill graphs off), the policy forced through SGLANG_H20_MHA_MLA_CONTROL: per arm
+(mla, mha) a few warm-up prefills, then /start_profile (CPU + GPU), --requests single prefills, each timed
+from the client, /stop_profile. The traces are summarised per arm: client wall time per prefill, GPU kernel
+time per prefill (sum of kernel durations), the kernels and the CPU ops with the largest totals, and the
+kernels whose total differs most between the arms. Traces stay in OUT/<arm>/ (gzip JSON).
+
+usage: prefill_profile.py --model DIR --out DIR [--length 1024] [--requests 5] [--server-args "..."]
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import shlex
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from sglang_h20 import provenance
+from sglang_h20.models import random_words
+from sglang_h20.nightly.serving import Server
+
+NO_PREFILL_GRAPH = ["--cuda-graph-backend-prefill", "disabled"]
+TOP = 15
+
+
+def load_trace(path: Path) -> list[dict]:
+    """The traceEvents of one Chrome trace file (.json or .json.gz)."""
+    raw = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    return json.loads(raw).get("traceEvents", [])
+
+
+def summarize(events: list[dict], requests: int) -> dict:
+    """Kernel and CPU-op totals (ms) of a trace, per prefill; the top names of each."""
+    kernels, cpu_ops = defaultdict(float), defaultdict(float)
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        cat = str(e.get("cat", "")).lower()
+        if cat == "kernel":
+            kernels[e.get("name", "?")] += e["dur"] / 1e3
+        elif cat in ("cpu_op", "user_annotation"):
+            cpu_ops[e.get("name", "?")] += e["dur"] / 1e3
+    per = max(1, requests)
+
+    def top(d):
+        return [{"name": k[:160], "ms_per_prefill": v / per} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:TOP]]
+
+    return {"gpu_kernel_ms_per_prefill": sum(kernels.values()) / per, "kernels": top(kernels),
+            "cpu_ops": top(cpu_ops), "_kernel_totals": {k: v / per for k, v in kernels.items()}}
+
+
+def compare(a: dict, b: dict) -> list[dict]:
+    """Kernels by |b - a| per prefill, largest first (names present in either arm)."""
+    ka, kb = a["_kernel_totals"], b["_kernel_totals"]
+    rows = [{"name": n[:160], "a_ms": ka.get(n, 0.0), "b_ms": kb.get(n, 0.0), "diff_ms": kb.get(n, 0.0) - ka.get(n, 0.0)}
+            for n in set(ka) | set(kb)]
+    return sorted(rows, key=lambda r: -abs(r["diff_ms"]))[:TOP]
+
+
+def profile_arm(srv: Server, ctl: Path, arm: str, out: Path, prefix: str, half: int, requests: int,
+                rng: random.Random) -> dict:
+    from sglang_h20.controlfile import write_control
+
+    write_control(ctl, arm)
+    for _ in range(3):  # warm this arm's kernels at this shape
+        srv.generate_batch([prefix + " " + random_words(rng, half)], max_new_tokens=1)
+    out.mkdir(parents=True, exist_ok=True)
+    srv.post("/start_profile", {"output_dir": str(out.resolve()), "activities": ["CPU", "GPU"], "profile_id": arm})
+    wall = []
+    for _ in range(requests):
+        t0 = time.perf_counter()
+        srv.generate_batch([prefix + " " + random_words(rng, half)], max_new_tokens=1)
+        wall.append(1e3 * (time.perf_counter() - t0))
+    srv.post("/stop_profile")
+    deadline = time.time() + 120
+    files: list[Path] = []
+    while time.time() < deadline:  # the scheduler writes the trace after stop returns
+        files = sorted(p for p in out.rglob("*") if p.name.endswith((".json", ".json.gz")))
+        if files and all(p.stat().st_size > 0 for p in files):
+            time.sleep(2)
+            break
+        time.sleep(1)
+    events = [e for p in files for e in load_trace(p)]
+    return {"wall_ms": wall, "median_wall_ms": statistics.median(wall), "trace_files": [str(p) for p in files],
+            **summarize(events, requests)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--length", type=int, default=1024, help="input tokens; half of them cached")
+    ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--server-args", default="--load-format dummy")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    ctl = (a.out / "policy").resolve()
+    from sglang_h20.controlfile import write_control
+
+    write_control(ctl, "mla")
+    env = {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_MHA_MLA_CONTROL": str(ctl),
+           "SGLANG_TORCH_PROFILER_DIR": str((a.out / "profiles").resolve())}
+    half, arms = a.length // 2, {}
+    with Server(a.model, shlex.split(a.server_args) + NO_PREFILL_GRAPH, a.out / "server.log", env=env,
+                port=32300) as srv:
+        rng = random.Random(3)
+        prefix = random_words(rng, half)
+        srv.generate_batch([prefix], max_new_tokens=1)  # cache the shared prefix
+        for arm in ("mla", "mha"):
+            arms[arm] = profile_arm(srv, ctl, arm, a.out / arm, prefix, half, a.requests, rng)
+            print(f"  {arm}: {arms[arm]['median_wall_ms']:.2f} ms per prefill (client), GPU kernels "
+                  f"{arms[arm]['gpu_kernel_ms_per_prefill']:.2f} ms", flush=True)
+    diff = compare(arms["mla"], arms["mha"])
+    for arm in arms.values():
+        arm.pop("_kernel_totals")
+    rec = {**provenance.record(), "benchmark": "prefill_profile", "model": a.model, "server_args": a.server_args,
+           "length": a.length, "requests": a.requests, "arms": arms, "kernels_mha_minus_mla": diff,
+           "wall_mha_minus_mla_ms": arms["mha"]["median_wall_ms"] - arms["mla"]["median_wall_ms"],
+           "gpu_mha_minus_mla_ms": arms["mha"]["gpu_kernel_ms_per_prefill"] - arms["mla"]["gpu_kernel_ms_per_prefill"]}
+    (a.out / "prefill_profile.json").write_text(json.dumps(rec, indent=1))
+    print(f"MHA - MLA per prefill: wall {rec['wall_mha_minus_mla_ms']:+.2f} ms, GPU kernels "
+          f"{rec['gpu_mha_minus_mla_ms']:+.2f} ms; largest kernel differences:", flush=True)
+    for r in diff[:8]:
+        print(f"  {r['diff_ms']:+8.3f} ms  {r['name'][:100]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
