@@ -46,8 +46,9 @@ from sgl_kernel_ext.quant import _interpreting
 
 DEFAULT_MAX_SPIN = 1 << 20  # polls of one unit's counts before giving up (~0.5-1 s; a real down GEMM takes < 1 ms)
 # Back-off between polls (PTX nanosleep). The first overlap run of this combine (H200, 2026-11-29) made the GEMM
-# ~45% slower while lending it the same SMs without a consumer cost 3.5%: the consumer's programs share SMs with
-# GEMM programs and tight polling takes their issue slots. 0: poll without pause (also under the interpreter).
+# ~45% slower while lending it the same SMs without a consumer cost 3.5%: tight polling with atomics on the
+# counts the GEMM adds to. Polls are now plain volatile loads with this pause between them (one acquire atomic
+# per row once complete). 0: poll without pause (also under the interpreter).
 DEFAULT_SPIN_SLEEP_NS = 500
 DEFAULT_COMBINE_SMS = 16  # a row block's 14 H-chunks side by side; the GEMM measured 3-4% slower with 16 lent
 BLOCK_R = 16  # expert-ordered pairs per combine unit
@@ -156,15 +157,19 @@ def _combine_kernel(
             pending = pending & (seen < EXPECT)
             short = tl.sum(pending.to(tl.int32))
             spins = 0
-            while (short > 0) & (spins < MAX_SPIN):  # re-poll only the rows not seen complete yet
+            # Re-poll only the rows not seen complete yet, with plain volatile loads (served by L2) instead of
+            # atomics: an atomic on the count the GEMM is adding to queues behind it in L2's atomic unit.
+            while (short > 0) & (spins < MAX_SPIN):
                 if SLEEP_NS > 0:
                     spins += _nanosleep(SLEEP_NS)
-                seen = tl.atomic_add(sp, 0, mask=pending, sem="acquire")
+                seen = tl.load(sp, mask=pending, other=EXPECT, volatile=True)
                 pending = pending & (seen < EXPECT)
                 short = tl.sum(pending.to(tl.int32))
                 spins += 1
             if short > 0:
                 tl.atomic_xchg(err_ptr, 1)  # never signalled: flag it, do not hang
+            elif spins > 0:  # completion seen by plain loads: one acquire per row orders the reads below
+                tl.atomic_add(sp, 0, mask=valid, sem="acquire")
             tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
         offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
         m2 = valid[:, None] & (offs_h[None, :] < H)
