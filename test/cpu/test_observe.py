@@ -356,6 +356,7 @@ class _CapturingGraphRunner(_FakeGraphRunner):
 
     def __init__(self, clock, monkeypatch):
         self.clock, self.graphs, self.replays, self.mp = clock, {}, [], monkeypatch
+        self.backend = type("FullCudaGraphBackend", (), {})()  # the backend kind twins are made for
 
     def capture_one_shape(self, size, forward, stream_idx=None, variant_label=None):
         marks = self.clock.capturing = []
@@ -438,6 +439,21 @@ def test_sampled_passes_replay_an_instrumented_graph_twin(wrapped_fakes, monkeyp
     for _ in range(4):
         runner.forward(decode)
     assert gr.replays[-4:] == [(2, None, None)] * 4 and runner.eager_passes == []
+
+
+def test_no_twins_for_segmented_graph_backends(wrapped_fakes, monkeypatch, caplog):
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    monkeypatch.setattr(_CapturingGraphRunner, "capture_one_shape", _wrap_fn(
+        _CapturingGraphRunner.__dict__["capture_one_shape"], stages.on_capture_one_shape, HookType.AROUND))
+    clock = _ReplayClock()
+    stages.configure(0.25, exporter=_ListExporter(), recorder=StageRecorder(clock=clock, rank=0))
+    gr = _CapturingGraphRunner(clock, monkeypatch)
+    gr.backend = type("BreakableCudaGraphBackend", (), {})()
+    with caplog.at_level("WARNING"):
+        gr.capture_one_shape(2, _GraphRunner(gr).model_forward)
+    assert list(gr.graphs) == [(2, None, None)] and not stages._state.templates
+    assert "BreakableCudaGraphBackend" in caplog.text
 
 
 def test_a_failed_twin_capture_falls_back_to_eager_sampling(wrapped_fakes, monkeypatch, caplog):
@@ -601,6 +617,12 @@ def test_hooked_signatures_match_what_the_hooks_assume():
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     assert "topk_ids" in StandardTopKOutput._fields
+    # the twins: a variant label in the graph key, and the one-graph-per-shape backend by its name
+    from sglang.srt.model_executor.runner.shape_key import ShapeKey
+    from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import FullCudaGraphBackend
+
+    assert ShapeKey(size=2, stream_idx=None, variant_label=stages.GRAPH_VARIANT).variant_label == "h20_observe"
+    assert FullCudaGraphBackend.__name__ in stages.TWIN_BACKENDS
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     src = inspect.getsource(FusedMoE.forward_impl)  # dispatch -> run_moe_core -> combine, in that order

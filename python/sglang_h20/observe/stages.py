@@ -136,6 +136,7 @@ GRAPH_TARGET = DECODE_RUNNER + ".can_run_graph"
 CAPTURE_TARGET = DECODE_RUNNER + ".capture_one_shape"
 KEY_TARGET = DECODE_RUNNER + "._make_graph_key"
 GRAPH_VARIANT = "h20_observe"  # the instrumented twin of each captured decode batch size
+TWIN_BACKENDS = ("FullCudaGraphBackend",)  # one whole graph per shape: every mark is a graph node
 LAYER_TARGET = DS + ".DeepseekV2DecoderLayer.forward"
 ATTENTION_TARGET = DS + ".DeepseekV2AttentionMLA.forward"
 MOE_TARGET = DS + ".DeepseekV2MoE.forward"
@@ -820,6 +821,11 @@ def on_capture_one_shape(orig, graph_runner, size, forward, stream_idx=None, var
     out = orig(graph_runner, size, forward, stream_idx, variant_label, *args, **kwargs)
     if variant_label is not None or not _state.graph_samples or _state.disabled is not None \
             or getattr(getattr(graph_runner, "model_runner", None), "is_draft_worker", False):
+        return out
+    backend = type(getattr(graph_runner, "backend", None)).__name__
+    if backend not in TWIN_BACKENDS:  # breakable / piecewise graphs run Python between segments
+        _warn_once("twin_backend", "observe: no instrumented graphs with the %s graph backend; sampled passes "
+                   "run eagerly", backend)
         return out
     import functools
 
