@@ -126,8 +126,9 @@ def stage_sum_check(records: list[dict], tol: float = 0.05) -> dict:
 
 
 def eager_vs_graph(records: list[dict]) -> dict:
-    """Sampled (eager) step time against the graph-replay reference steps, overall and matched by
-    batch size: the eager inflation r that sets the overhead (about f * (r - 1))."""
+    """Sampled step time (an instrumented-graph replay, or an eager pass in the fallback) against the
+    graph-replay reference steps, overall and matched by batch size: the inflation r of a sampled step
+    that sets the overhead (about f * (r - 1)). Keys keep the 'eager' names of the first design."""
     eager = [r for r in records if r.get("kind", "stages") == "stages" and r.get("step_ms")]
     graph = [r for r in records if r.get("kind") == "graph" and r.get("step_ms")]
     out = {"eager_steps": len(eager), "graph_steps": len(graph)}
