@@ -399,9 +399,9 @@ class _GraphRunner(_Runner):
         return SimpleNamespace(can_run_graph=False)
 
 
-def test_sampled_passes_replay_an_instrumented_graph_twin(wrapped_fakes, monkeypatch):
-    """With instrumented twins captured, a sampled pass replays its batch size's twin (no eager pass) and
-    its stages come from the twin's events; a twin whose sample is unread is not replayed again."""
+@pytest.fixture
+def twin_fakes(wrapped_fakes, monkeypatch):
+    """A graph runner that captures and replays fake graphs, hooked like the real one; (runner, graphs, exporter)."""
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
     for cls, name, fn in ((_CapturingGraphRunner, "capture_one_shape", stages.on_capture_one_shape),
@@ -412,7 +412,13 @@ def test_sampled_passes_replay_an_instrumented_graph_twin(wrapped_fakes, monkeyp
     stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=clock, rank=0))
     stages._state.graph_clock = lambda: clock
     gr = _CapturingGraphRunner(clock, monkeypatch)
-    runner = _GraphRunner(gr)
+    return _GraphRunner(gr), gr, exp
+
+
+def test_sampled_passes_replay_an_instrumented_graph_twin(twin_fakes):
+    """With instrumented twins captured, a sampled pass replays its batch size's twin (no eager pass) and
+    its stages come from the twin's events; a twin whose sample is unread is not replayed again."""
+    runner, gr, exp = twin_fakes
     for size in (4, 2):
         gr.capture_one_shape(size, runner.model_forward)
     assert set(gr.graphs) == {(4, None, None), (2, None, None), (4, None, "h20_observe"), (2, None, "h20_observe")}
@@ -456,18 +462,8 @@ def test_no_twins_for_segmented_graph_backends(wrapped_fakes, monkeypatch, caplo
     assert "BreakableCudaGraphBackend" in caplog.text
 
 
-def test_a_failed_twin_capture_falls_back_to_eager_sampling(wrapped_fakes, monkeypatch, caplog):
-    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
-
-    for cls, name, fn in ((_CapturingGraphRunner, "capture_one_shape", stages.on_capture_one_shape),
-                          (_CapturingGraphRunner, "_make_graph_key", stages.on_make_graph_key),
-                          (_GraphRunner, "forward", stages.on_model_runner_forward)):
-        monkeypatch.setattr(cls, name, _wrap_fn(cls.__dict__[name], fn, HookType.AROUND))
-    clock, exp = _ReplayClock(), _ListExporter()
-    stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=clock, rank=0))
-    stages._state.graph_clock = lambda: clock
-    gr = _CapturingGraphRunner(clock, monkeypatch)
-    runner = _GraphRunner(gr)
+def test_a_failed_twin_capture_falls_back_to_eager_sampling(twin_fakes, caplog):
+    runner, gr, exp = twin_fakes
 
     def broken(x):  # the plain capture works; the twin's (stage hooks live) fails
         if stages._capturing() and stages._ACTIVE is not None:
