@@ -187,6 +187,10 @@ def test_record_load_counts_and_balancedness():
     per_rank = [2, 1, 3, 1]
     assert r["balancedness"][0] == pytest.approx(np.mean(per_rank) / max(per_rank))
     assert (r["num_experts"], r["experts_per_rank"], r["ep_size"]) == (8, 2, 4)
+    # rank 0 holds experts 0-1: 2 of its 7 routed pairs stay, 5 leave the GPU
+    assert r["remote_share"] == [pytest.approx(5 / 7)]
+    assert stages.remote_share([[0, 0, 3, 1], [2, 0, 0, 0]], 2, 2, rank=1) == [0.0, 1.0]
+    assert stages.remote_share([[0, 0, 0, 0]], 2, 2, rank=0) == [0.0]  # nothing routed
 
 
 # ----------------------------------------------------------------------------- hooks on a fake runner
@@ -723,6 +727,10 @@ def test_prometheus_export_with_a_fake_client():
     assert sm[(("layer", "2"), ("rank", "1"), ("stage", "attention"))] == r0["layers"][2]["stages"]["attention"]
     assert made["sglang_h20:step_ms"].values[(("kind", "graph"), ("rank", "1"))] > 0
     assert len(made["sglang_h20:expert_balancedness"].values) == 2 * 3  # ranks x MoE layers
+    exp.observe({**r0, "graph_sampled": True, "remote_share": [0.25, 0.5, 0.75], "step_ms": 9.0})
+    assert made["sglang_h20:expert_remote_share"].values[(("layer", str(r0["expert_load_layers"][1])),
+                                                          ("rank", "1"))] == 0.5
+    assert made["sglang_h20:step_ms"].values[(("kind", "graph_sampled"), ("rank", "1"))] == 9.0
 
 
 def test_prometheus_export_with_the_real_client():

@@ -12,7 +12,8 @@ kind "stages" (a sampled, eagerly run decode pass):
     batch_size?, num_tokens?,
     expert_load: [[count per physical expert] per MoE layer], expert_load_layers: [layer ids],
     num_experts, experts_per_rank, ep_size, balancedness: [mean/max of the per-rank load per MoE
-    layer, from this rank's own routing]
+    layer, from this rank's own routing], remote_share? (ep_size > 1): [share of this rank's routed
+    (token, expert) pairs sent to another rank, per MoE layer]
     rank_latency_ms?: [[ms]] rank x rank (src row, dst col), when a latency probe provides one
 kind "graph" (a graph-replay reference pass): ts, rank, step, step_ms, mode, eager=false, ...
 
@@ -23,8 +24,9 @@ created in a scheduler process therefore appear on the existing endpoint with no
 like SGLang's own `sglang:*` series (Gauge with multiprocess_mode="mostrecent"). We export:
     sglang_h20:stage_ms{layer,stage,rank}          gauge, last sampled pass
     sglang_h20:step_stage_ms{stage,rank}           histogram, per pass summed over layers
-    sglang_h20:step_ms{rank,kind}                  gauge, kind = eager_sampled | graph
+    sglang_h20:step_ms{rank,kind}                  gauge, kind = graph_sampled | eager_sampled | graph
     sglang_h20:expert_balancedness{layer,rank}     gauge, last sampled pass
+    sglang_h20:expert_remote_share{layer,rank}     gauge, last sampled pass (EP > 1)
     sglang_h20:observe_samples_total{rank,kind}    counter
 """
 from __future__ import annotations
@@ -178,6 +180,9 @@ class PrometheusExporter:
         self.balancedness = self._gauge("sglang_h20:expert_balancedness",
                                         "mean/max per-rank expert load of the last sampled pass",
                                         ["layer", "rank"], kw)
+        self.remote_share = self._gauge("sglang_h20:expert_remote_share",
+                                        "share of this rank's routed tokens sent to another EP rank, last sampled pass",
+                                        ["layer", "rank"], kw)
         self.samples = prom.Counter("sglang_h20:observe_samples", "Sampled passes exported",
                                     labelnames=["rank", "kind"], **kw)
 
@@ -197,7 +202,8 @@ class PrometheusExporter:
         if kind == "graph":
             self.step_ms.labels(rank=rank, kind="graph").set(record["step_ms"])
             return
-        self.step_ms.labels(rank=rank, kind="eager_sampled").set(record["step_ms"])
+        self.step_ms.labels(rank=rank, kind="graph_sampled" if record.get("graph_sampled") else "eager_sampled"
+                            ).set(record["step_ms"])
         for entry in record.get("layers", ()):
             layer = str(entry["layer"])
             for stage, ms in entry.get("stages", {}).items():
@@ -208,6 +214,8 @@ class PrometheusExporter:
             self.step_stage_ms.labels(stage=stage, rank=rank).observe(ms)
         for layer, b in zip(record.get("expert_load_layers", ()), record.get("balancedness", ())):
             self.balancedness.labels(layer=str(layer), rank=rank).set(b)
+        for layer, share in zip(record.get("expert_load_layers", ()), record.get("remote_share", ())):
+            self.remote_share.labels(layer=str(layer), rank=rank).set(share)
 
 
 _PROCESS_PROM: PrometheusExporter | None = None  # the default registry takes each name once

@@ -505,6 +505,9 @@ class StageRecorder:
             rec.update(s.load_meta)
             rec["balancedness"] = balancedness(loads, s.load_meta.get("experts_per_rank", 0),
                                                s.load_meta.get("ep_size", 1))
+            if s.load_meta.get("ep_size", 1) > 1 and self.rank < s.load_meta["ep_size"]:
+                rec["remote_share"] = remote_share(loads, s.load_meta.get("experts_per_rank", 0),
+                                                   s.load_meta["ep_size"], self.rank)
         return rec
 
 
@@ -539,6 +542,17 @@ def rank_loads(counts, experts_per_rank: int, ep_size: int):
     for r in range(ep_size):
         out[..., r] = c[..., owner == r].sum(axis=-1)
     return out
+
+
+def remote_share(counts, experts_per_rank: int, ep_size: int, rank: int) -> list[float]:
+    """Per MoE layer: the share of this rank's routed (token, expert) pairs whose expert lives on another
+    EP rank, i.e. the dispatched tokens that leave this GPU (the quantity expert-affinity placement lowers).
+    counts [L, P] from this rank's own routing; a layer without routed pairs gives 0."""
+    import numpy as np
+
+    loads = np.atleast_2d(rank_loads(counts, experts_per_rank, ep_size))
+    total = loads.sum(axis=-1)
+    return [float(1 - loads[i, rank] / t) if t > 0 else 0.0 for i, t in enumerate(total)]
 
 
 def balancedness(counts, experts_per_rank: int, ep_size: int):
