@@ -11,6 +11,7 @@
 #   (STEPS profile) benchmark/serving/prefill_profile.py: torch-profiler totals of the same prefills, MHA vs MLA
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
 #   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds)
+#   (affinity) affinity_remote_share.py: tokens leaving their GPU, upstream EPLB vs affinity (multi-GPU kinds)
 #   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
 #   ${MIGRATION_ARGS}, e.g. MIGRATION_ARGS="--world 2": experts move between 2 GPUs (NCCL, one process per
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
@@ -104,6 +105,16 @@ if [[ " $STEPS " == *" parity_ep "* ]]; then  # the multi-GPU issue: EP = DP att
   cp "$OUT/parity_ep/plugin_parity.json" "$OUT/plugin_parity_ep.json" 2>/dev/null
   (cd "$OUT/parity_ep" && tar -cJf "$OUT/parity_ep_logs.tar.xz" --exclude sharegpt.json . 2>/dev/null)
   rm -rf "$OUT/parity_ep"
+fi
+if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt 300 ]; then  # multi-GPU: remote share, upstream EPLB vs ours
+  n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  say "expert-affinity placement in the server, EP=$n"
+  NCCL_NVLS_ENABLE=0 timeout $(( $(left) - 20 )) python3 benchmark/serving/affinity_remote_share.py --model /tmp/models/dsv3-4l \
+    --out /tmp/affinity --gpus "$n" ${AFFINITY_ARGS:-} --server-args "--load-format dummy --attention-backend triton \
+--sampling-backend pytorch --moe-runner-backend triton --fp8-gemm-backend triton --grammar-backend none \
+--mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/affinity.log" | grep -v "bench:" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/affinity/*/server.log; }
+  cp /tmp/affinity/affinity_remote_share.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STEPS " == *" calibrate "* ]]; then
   say "calibrate mha-mla"

@@ -1,0 +1,29 @@
+"""affinity_remote_share.py's summary: only sampled passes after the split count, per rank and overall."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmark/serving"))
+_spec = importlib.util.spec_from_file_location("affinity_remote_share",
+                                               REPO / "benchmark/serving/affinity_remote_share.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_summary_counts_sampled_passes_after_the_split_only():
+    recs = [{"kind": "stages", "ts": 5.0, "rank": 0, "remote_share": [0.9, 0.9]},   # before the split
+            {"kind": "stages", "ts": 11.0, "rank": 0, "remote_share": [0.2, 0.4]},
+            {"kind": "stages", "ts": 12.0, "rank": 1, "remote_share": [0.6, 0.6]},
+            {"kind": "stages", "ts": 13.0, "rank": 1, "remote_share": [0.5, 0.7]},
+            {"kind": "graph", "ts": 14.0, "rank": 1, "step_ms": 3.0},                  # no routing
+            {"kind": "stages", "ts": 15.0, "rank": 0}]                                 # EP 1: no share
+    s = bench.summarize(recs, after_ts=10.0)
+    assert s["samples"] == 3
+    assert s["per_rank"] == {"0": pytest.approx(0.3), "1": pytest.approx(0.6)}
+    assert s["remote_share_mean"] == pytest.approx((0.3 + 0.6 + 0.6) / 3)
+    assert bench.summarize(recs, after_ts=100.0) == {"samples": 0, "remote_share_mean": None, "per_rank": {}}
