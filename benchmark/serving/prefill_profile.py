@@ -11,7 +11,9 @@ from the client, /stop_profile. The traces are summarised per arm: client wall t
 time per prefill (sum of kernel durations), the kernels and the CPU ops with the largest totals, and the
 kernels whose total differs most between the arms. Traces stay in OUT/<arm>/ (gzip JSON).
 
-usage: prefill_profile.py --model DIR --out DIR [--length 1024] [--requests 5] [--server-args "..."]
+--cached-fraction 0 profiles prefills without a cached prefix (upstream's MHA case) the same way.
+
+usage: prefill_profile.py --model DIR --out DIR [--length 1024] [--cached-fraction 0.5] [--requests 5]
 """
 from __future__ import annotations
 
@@ -67,19 +69,19 @@ def compare(a: dict, b: dict) -> list[dict]:
     return sorted(rows, key=lambda r: -abs(r["diff_ms"]))[:TOP]
 
 
-def profile_arm(srv: Server, ctl: Path, arm: str, out: Path, prefix: str, half: int, requests: int,
+def profile_arm(srv: Server, ctl: Path, arm: str, out: Path, prefix: str, new: int, requests: int,
                 rng: random.Random) -> dict:
     from sglang_h20.controlfile import write_control
 
     write_control(ctl, arm)
     for _ in range(3):  # warm this arm's kernels at this shape
-        srv.generate_batch([prefix + " " + random_words(rng, half)], max_new_tokens=1)
+        srv.generate_batch([(prefix + " " + random_words(rng, new)).strip()], max_new_tokens=1)
     out.mkdir(parents=True, exist_ok=True)
     srv.post("/start_profile", {"output_dir": str(out.resolve()), "activities": ["CPU", "GPU"], "profile_id": arm})
     wall = []
     for _ in range(requests):
         t0 = time.perf_counter()
-        srv.generate_batch([prefix + " " + random_words(rng, half)], max_new_tokens=1)
+        srv.generate_batch([(prefix + " " + random_words(rng, new)).strip()], max_new_tokens=1)
         wall.append(1e3 * (time.perf_counter() - t0))
     srv.post("/stop_profile")
     deadline = time.time() + 120
@@ -100,7 +102,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--length", type=int, default=1024, help="input tokens; half of them cached")
+    ap.add_argument("--length", type=int, default=1024, help="input tokens")
+    ap.add_argument("--cached-fraction", type=float, default=0.5, help="share of the input that is a cached prefix")
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--server-args", default="--load-format dummy")
     a = ap.parse_args()
@@ -111,21 +114,23 @@ def main() -> int:
     write_control(ctl, "mla")
     env = {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_MHA_MLA_CONTROL": str(ctl),
            "SGLANG_TORCH_PROFILER_DIR": str((a.out / "profiles").resolve())}
-    half, arms = a.length // 2, {}
+    cached = int(a.length * a.cached_fraction)
+    new, arms = a.length - cached, {}
     with Server(a.model, shlex.split(a.server_args) + NO_PREFILL_GRAPH, a.out / "server.log", env=env,
                 port=32300) as srv:
         rng = random.Random(3)
-        prefix = random_words(rng, half)
-        srv.generate_batch([prefix], max_new_tokens=1)  # cache the shared prefix
+        prefix = random_words(rng, cached) if cached else ""
+        if prefix:
+            srv.generate_batch([prefix], max_new_tokens=1)  # cache the shared prefix
         for arm in ("mla", "mha"):
-            arms[arm] = profile_arm(srv, ctl, arm, a.out / arm, prefix, half, a.requests, rng)
+            arms[arm] = profile_arm(srv, ctl, arm, a.out / arm, prefix, new, a.requests, rng)
             print(f"  {arm}: {arms[arm]['median_wall_ms']:.2f} ms per prefill (client), GPU kernels "
                   f"{arms[arm]['gpu_kernel_ms_per_prefill']:.2f} ms", flush=True)
     diff = compare(arms["mla"], arms["mha"])
     for arm in arms.values():
         arm.pop("_kernel_totals")
     rec = {**provenance.record(), "benchmark": "prefill_profile", "model": a.model, "server_args": a.server_args,
-           "length": a.length, "requests": a.requests, "arms": arms, "kernels_mha_minus_mla": diff,
+           "length": a.length, "cached": cached, "requests": a.requests, "arms": arms, "kernels_mha_minus_mla": diff,
            "wall_mha_minus_mla_ms": arms["mha"]["median_wall_ms"] - arms["mla"]["median_wall_ms"],
            "gpu_mha_minus_mla_ms": arms["mha"]["gpu_kernel_ms_per_prefill"] - arms["mla"]["gpu_kernel_ms_per_prefill"]}
     (a.out / "prefill_profile.json").write_text(json.dumps(rec, indent=1))
