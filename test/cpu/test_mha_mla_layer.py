@@ -17,7 +17,7 @@ import torch
 
 from sglang_h20.attention import mha_mla
 from sglang_h20.attention import mha_mla_measure as bench  # what benchmark/attention/mha_mla_layer.py runs
-from sglang_h20.attention.mha_mla import BatchShape, UpstreamRule
+from sglang_h20.attention.mha_mla import BatchShape, CostTable, UpstreamRule
 
 
 GPU = "NVIDIA H200"
@@ -334,6 +334,20 @@ def test_written_table_round_trips_through_load_table(tmp_path):
     for p in pts:
         assert back.choose(bench.shape_of(p)) == p["ours"]
     assert back.choose(BatchShape([8], [65536])) == "mla"  # what the shipped-table test asks of any table
+
+
+def test_a_retune_keeps_the_server_measured_prefill_cost_of_the_same_gpu():
+    pts = measured_grid(wobble=0.3)
+    table = bench.evaluate(pts, GPU, UpstreamRule(), None)
+    summary = bench.summarize(pts, [])
+    old = mha_mla.load_table(GPU, mha_mla.table_path(GPU))  # the shipped H200 table carries one
+    assert old.mha_prefix_overhead_us > 0
+    rec = bench.table_record(table, summary, {}, {"gpu": GPU}, carry_from=old)
+    assert rec["mha_prefix_overhead_us"] == old.mha_prefix_overhead_us
+    assert rec["mha_prefix_overhead"]["carried_from"] == old.source
+    assert CostTable.from_json(rec).mha_prefix_overhead_us == old.mha_prefix_overhead_us
+    other = CostTable.from_json({**old.to_json(), "gpu": "NVIDIA H20"})  # another GPU's cost is not this one's
+    assert "mha_prefix_overhead_us" not in bench.table_record(table, summary, {}, {"gpu": GPU}, carry_from=other)
 
 
 def test_plot_writes_a_png(tmp_path):

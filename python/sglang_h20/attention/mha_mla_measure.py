@@ -282,9 +282,16 @@ def summarize(points: list[dict], skipped: list[dict], validation: list[dict] = 
     return out
 
 
-def table_record(table: CostTable, summary: dict, config: dict, provenance: dict) -> dict:
-    """The file load_table reads: the table, where and how it was measured, and its own losses."""
+def table_record(table: CostTable, summary: dict, config: dict, provenance: dict,
+                 carry_from: CostTable | None = None) -> dict:
+    """The file load_table reads: the table, where and how it was measured, and its own losses.
+    carry_from: the table this one replaces; its server-measured once-per-prefill MHA cost (which this
+    layer-level run cannot see) is kept when it was measured on the same GPU."""
     d = table.to_json()
+    if carry_from is not None and carry_from.gpu == table.gpu and carry_from.mha_prefix_overhead_us > 0:
+        d["mha_prefix_overhead_us"] = carry_from.mha_prefix_overhead_us
+        d["mha_prefix_overhead"] = {**carry_from.meta.get("mha_prefix_overhead", {}),
+                                    "carried_from": carry_from.source}
     d.update({"provenance": provenance, "config": config,
               "fit": {"in_sample_worst_loss_pct": summary.get("ours_worst_loss_pct"),
                       "leave_one_out_worst_loss_pct": summary.get("ours_loo_worst_loss_pct"),
@@ -917,7 +924,7 @@ def main(argv=None) -> int:
     result.update({"points": points, "validation": validation, "skipped": skipped, "summary": summary,
                    "partial": False})
     if table is not None:
-        record = table_record(table, summary, config, result["provenance"])
+        record = table_record(table, summary, config, result["provenance"], carry_from=shipped)
         result["table"] = record
         if a.write_table:
             _write(a.write_table, record)
