@@ -220,6 +220,8 @@ def test_paced_local_migration_spreads_its_copies_and_lands_bit_identical():
     assert copies == 12 and elapsed >= (copies - 1) / 40  # paced: about 0.3 s for 12 copies
     for l in range(3):
         assert torch.equal(w[l], before[l][new.phy2log[l]])
+    sw = ex.status.switch_boundary  # the step boundary each layer switched at
+    assert sorted(sw) == [0, 1, 2] and all(type(b) is int and 1 <= b <= ex.status.boundary for b in sw.values())
     with pytest.raises(ValueError, match="positive"):
         MigrationExecutor(0, 1, topo, w, plan, store=torch.distributed.HashStore(), max_bytes_per_s=0)
 

@@ -567,10 +567,10 @@ class MigrationExecutor:
                 for tid in tids:
                     del self._staging[tid]
                 idx, runs, block = self._blocks.pop(l, (None, (), []))
-            for w, b in zip(self._weights[l], block):
-                _copy_rows(w, b, idx, runs)
+            for w, staged in zip(self._weights[l], block):
+                _copy_rows(w, staged, idx, runs)
                 if stream is not None:
-                    b.record_stream(stream)
+                    staged.record_stream(stream)
             if idx is not None and stream is not None:
                 idx.record_stream(stream)
             self._phy2log[l] = self.plan.new.phy2log[l]
