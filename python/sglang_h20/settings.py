@@ -116,8 +116,9 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("eplb_affinity", _fraction, "0.25",
            "locality vs balance of the affinity placement: 0 = balance only, 1 = most locality"),
     Switch("observe", _fraction, "0",
-           "fraction of decode steps timed per stage with CUDA events (0 = off, e.g. 0.001: a sampled "
-           "step runs eagerly, 9x a graph step on the 61-layer H200 run)"),
+           "fraction of decode steps timed per stage with CUDA events (0 = off, e.g. 0.001): a sampled "
+           "step replays an instrumented twin of its CUDA graph (eagerly without graphs: 9x a graph step "
+           "on the 61-layer H200 run)"),
     Switch("observe_control", _path, "",
            "file holding the observe fraction, re-read while serving (flip observation on/off in one "
            "server; takes effect only when SGLANG_H20_OBSERVE > 0 installed the hooks)"),

@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import statistics
 from pathlib import Path
 from typing import Sequence
 
@@ -402,10 +403,7 @@ def fit_mha_prefix_overhead(table: CostTable, samples: Sequence[tuple[BatchShape
         vals.append(1e3 * (mha_ms - mla_ms) + layers * (table.cost("mla", shape) - table.cost("mha", shape)))
     if not vals:
         raise ValueError("no samples")
-    vals.sort()
-    mid = len(vals) // 2
-    med = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-    return {"mha_prefix_overhead_us": max(0.0, med), "values_us": vals, "layers": layers}
+    return {"mha_prefix_overhead_us": max(0.0, statistics.median(vals)), "values_us": sorted(vals), "layers": layers}
 
 
 def make_router(policy):
