@@ -248,9 +248,8 @@ class _Sample:
     load_layers: list
     ts: float
     cpu_ms: float
-    owned: bool = True  # False: the marks belong to a graph template (never released)
     window: tuple | None = None  # (start, end) marks around the pass, from outside the graph
-    template: Any = None  # the _Template whose events these are (graph samples)
+    template: Any = None  # the _Template whose events these are (graph samples: never released)
 
 
 @dataclasses.dataclass
@@ -294,6 +293,7 @@ class StageRecorder:
         self._ts = 0.0
         self._cpu0 = 0.0
         self._pending: deque = deque()  # _Sample or _Window, in issue order
+        self._captured: _Template | None = None  # the last end_step(template=True)
 
     # -------------------------------------------------------------- step window
     def can_sample(self) -> bool:
@@ -313,7 +313,8 @@ class StageRecorder:
 
     def end_step(self, discard: bool = False, template: bool = False, **meta) -> None:
         """Close the step. Unless discarded it is queued until its events complete (poll).
-        template: a graph capture; the load counts stay on the device (no host copy inside a capture)."""
+        template: a graph capture; the step becomes `take_template()`'s, and its load counts stay on the
+        device (no host copy inside a capture)."""
         if not self.active:
             return
         self.active = False
@@ -326,16 +327,18 @@ class StageRecorder:
             self.clock.release([m for m, _, _ in timeline] + [m for o in self._overlap for m in o[:2]])
         else:
             self._meta.update(meta)
-            self._pending.append(_Sample(self._step, self._meta, timeline, self._overlap, self._loads,
-                                         self._load_meta, host, layers, self._ts,
-                                         (time.perf_counter() - self._cpu0) * 1e3, owned=not template))
+            sample = _Sample(self._step, self._meta, timeline, self._overlap, self._loads, self._load_meta, host,
+                             layers, self._ts, (time.perf_counter() - self._cpu0) * 1e3)
+            if template:
+                self._captured = _Template(sample)
+            else:
+                self._pending.append(sample)
         self._stack, self._timeline, self._overlap, self._loads = [], [], [], {}
 
     def take_template(self) -> _Template | None:
-        """The sample a capture just closed, as a graph template (None if the capture recorded none)."""
-        if not self._pending or not isinstance(self._pending[-1], _Sample) or self._pending[-1].owned:
-            return None
-        return _Template(self._pending.pop())
+        """The step a capture just closed, as a graph template (None if the capture recorded none)."""
+        tmpl, self._captured = self._captured, None
+        return tmpl
 
     def queue_graph_sample(self, tmpl: _Template, step: int, meta: dict, window: tuple) -> None:
         """A replay of `tmpl`'s graph ran for pass `step`: read its events once they complete."""
@@ -471,7 +474,7 @@ class StageRecorder:
             d = overlap.setdefault(layer if layer is not None else -1, {})
             d[label] = d.get(label, 0.0) + clock.elapsed_ms(start, end)
         step_ms = clock.elapsed_ms(tl[0][0], tl[-1][0])
-        if s.owned:
+        if s.template is None:
             clock.release([m for m, _, _ in tl] + [m for o in s.overlap for m in o[:2]])
         host_loads = s.host_loads
         if host_loads is None and s.loads:  # a graph sample: counts are on the device, complete by now
