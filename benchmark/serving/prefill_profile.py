@@ -31,7 +31,7 @@ from sglang_h20 import provenance
 from sglang_h20.models import random_words
 from sglang_h20.nightly.serving import Server
 
-NO_PREFILL_GRAPH = ["--cuda-graph-backend-prefill", "disabled"]
+from prefix_ttft import NO_PREFILL_GRAPH, timed  # the same one-server setup and client timing
 TOP = 15
 
 
@@ -78,11 +78,8 @@ def profile_arm(srv: Server, ctl: Path, arm: str, out: Path, prefix: str, new: i
         srv.generate_batch([(prefix + " " + random_words(rng, new)).strip()], max_new_tokens=1)
     out.mkdir(parents=True, exist_ok=True)
     srv.post("/start_profile", {"output_dir": str(out.resolve()), "activities": ["CPU", "GPU"], "profile_id": arm})
-    wall = []
-    for _ in range(requests):
-        t0 = time.perf_counter()
-        srv.generate_batch([(prefix + " " + random_words(rng, new)).strip()], max_new_tokens=1)
-        wall.append(1e3 * (time.perf_counter() - t0))
+    wall = [timed(lambda: srv.generate_batch([(prefix + " " + random_words(rng, new)).strip()], max_new_tokens=1))
+            for _ in range(requests)]
     srv.post("/stop_profile")
     deadline = time.time() + 120
     files: list[Path] = []
