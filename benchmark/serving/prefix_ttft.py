@@ -66,6 +66,24 @@ def measure(srv: Server, length: int, requests: int, burst: int, rng: random.Ran
             "burst": burst, "burst_ms": bursts, "median_burst_ms": statistics.median(bursts)}
 
 
+def planned_choices(arms, length: int, burst: int, model: str) -> dict:
+    """What each arm's policy picks for this length's prefills (one request; a whole burst as one batch),
+    from the same policy objects and table the server loads on this GPU: the reading key for a ratio near
+    1 (both arms on the same path: the difference is noise). A burst may be scheduled as smaller batches."""
+    from sglang_h20 import compat
+    from sglang_h20.attention import mha_mla
+
+    g = compat.gpu()
+    layers = int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
+    half = length // 2
+    out = {}
+    for arm in arms:
+        policy = mha_mla.named_policy(arm, g.name if g else "")
+        out[arm] = {"single": policy.choose(mha_mla.BatchShape([half], [half]), layers),
+                    "burst": policy.choose(mha_mla.BatchShape([half] * burst, [half] * burst), layers)}
+    return out
+
+
 def one_server(args) -> dict:
     """The A/B inside one server (see the module docstring)."""
     from sglang_h20.controlfile import write_control
@@ -105,7 +123,8 @@ def one_server(args) -> dict:
                          else statistics.median(b1[key]) / statistics.median(b2[key])
                          for b1, b2 in zip(blocks[::2], blocks[1::2])]
                 per[mode] = {"median_ms": med, "ratio_of_medians": med[b] / med[a], "paired": mean_ci95(pairs)}
-            res["lengths"][str(n)] = {"blocks": blocks, **per}
+            res["lengths"][str(n)] = {"blocks": blocks, **per,
+                                      "planned": planned_choices(arms, n, args.burst, args.model)}
             print(f"  L={n}: {b}/{a} TTFT {per['single']['ratio_of_medians']:.3f} single "
                   f"(paired {per['single']['paired']['mean']:.3f}), {per['burst']['ratio_of_medians']:.3f} burst",
                   flush=True)

@@ -44,9 +44,15 @@ class _FakeServer:
 
 
 def test_one_server_abba_measures_the_policy_effect(tmp_path, monkeypatch):
+    from sglang_h20 import compat
+
     monkeypatch.setattr(bench, "Server", _FakeServer)
     monkeypatch.setattr(bench, "random_words", lambda rng, n: " ".join(["w"] * n))
-    monkeypatch.setattr(sys, "argv", ["prefix_ttft.py", "--model", "m", "--out", str(tmp_path), "--one-server",
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 141.0))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    monkeypatch.setattr(sys, "argv", ["prefix_ttft.py", "--model", str(model), "--out", str(tmp_path), "--one-server",
                                       "--lengths", "2048", "--blocks", "4", "--requests", "3", "--burst", "2"])
     assert bench.main() == 0
     rec = json.loads((tmp_path / "prefix_ttft.json").read_text())
@@ -59,6 +65,9 @@ def test_one_server_abba_measures_the_policy_effect(tmp_path, monkeypatch):
         assert r[mode]["ratio_of_medians"] == pytest.approx(0.5, abs=0.15)
         assert r[mode]["paired"]["n"] == 2 and r[mode]["paired"]["mean"] == pytest.approx(0.5, abs=0.15)
     assert rec["git_commit"] and rec["workload"]["blocks"] == 4
+    # what each arm plans with the model's 4 layers: upstream MLA below 8192 total prefix; ours keeps one
+    # 1024+1024 prefill on MLA (MHA's per-prefill cost outweighs 4 layers' gain) and a batch of 2 on MHA
+    assert r["planned"] == {"upstream": {"single": "mla", "burst": "mla"}, "se": {"single": "mla", "burst": "mha"}}
 
 
 def test_forced_arms_fit_the_prefix_overhead_into_the_users_table(tmp_path, monkeypatch):

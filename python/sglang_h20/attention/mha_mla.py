@@ -317,7 +317,8 @@ def load_table(gpu_name: str, path: Path | None = None) -> CostTable:
     return CostTable.from_json(json.loads(path.read_text()))
 
 
-def _policy(mode: str, gpu_name: str):
+def named_policy(mode: str, gpu_name: str):
+    """The policy a switch word names: 'se' (this GPU's table), 'mha'/'mla' (forced), else upstream's rule."""
     if mode == "se":
         return load_table(gpu_name)
     if mode in ("mha", "mla"):
@@ -344,7 +345,7 @@ class Switchable:
 
     def _get(self, mode: str):
         if mode not in self._policies:
-            self._policies[mode] = _policy(mode, self._gpu)
+            self._policies[mode] = named_policy(mode, self._gpu)
         return self._policies[mode]
 
     def choose(self, shape: BatchShape, layers: int | None = None) -> str:
@@ -363,7 +364,7 @@ def policy_for(settings: Settings, gpu_name: str):
     mode = settings["mha_mla_policy"]
     if settings["mha_mla_control"]:
         return Switchable(mode, settings["mha_mla_control"], gpu_name)
-    return _policy(mode, gpu_name)
+    return named_policy(mode, gpu_name)
 
 
 def free_to_choose(h, attn, forward_batch, backend_name: str) -> bool:
