@@ -19,7 +19,8 @@
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
 #   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
-# Knobs (env): NO_SETUP=1 NO_JITPACK=1 (gpu_parallel.sh) STEPS="tests parity" LAYER_S=240 PHASES="upstream plugin-off" DEADLINE_S=540 GIT_COMMIT=...
+# Knobs (env): NO_SETUP=1 NO_JITPACK=1 (gpu_parallel.sh) STEPS="tests parity" LAYER_S=240 PHASES="upstream plugin-off"
+#   PARITY_ARGS="--observe-fraction 0.5 --repeats 1" DEADLINE_S=540 GIT_COMMIT=...
 #   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
 #   MIGRATION_ARGS="--world 2 --presets ep16-slice" (extra args of migration_step_time.py)
 #   LAYER_ARGS="--kv-b-proj fp8" (extra args of mha_mla_layer.py)
@@ -74,7 +75,7 @@ fi
 if [[ " $STEPS " == *" parity "* ]]; then
   say "plugin parity (deadline for new phases: $(( $(left) - 150 ))s from now)"
   python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l --out "$OUT/parity" \
-    --phases ${PHASES:-upstream plugin-off} --deadline-s $(( $(left) - 150 )) \
+    --phases ${PHASES:-upstream plugin-off} --deadline-s $(( $(left) - 150 )) ${PARITY_ARGS:-} \
     --server-args "--load-format dummy --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
 --fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64 --log-level info" \
     2>&1 | tee "$OUT/parity.log" | grep -v "^\[.*bench:" | tail -40
@@ -97,7 +98,7 @@ if [[ " $STEPS " == *" parity_ep "* ]]; then  # the multi-GPU issue: EP = DP att
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   say "plugin parity with EP=$n, DP attention (deadline for new phases: $(( $(left) - 200 ))s from now)"
   NCCL_NVLS_ENABLE=0 python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l --out "$OUT/parity_ep" \
-    --phases ${PHASES:-upstream plugin-off features} --deadline-s $(( $(left) - 200 )) \
+    --phases ${PHASES:-upstream plugin-off features} --deadline-s $(( $(left) - 200 )) ${PARITY_ARGS:-} \
     --server-args "--load-format dummy --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
 --fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64 --log-level info \
 --tp $n --ep-size $n --enable-dp-attention --dp $n" 2>&1 | tee "$OUT/parity_ep.log" | grep -v "^\[.*bench:" | tail -40

@@ -3,8 +3,8 @@
 
 DeepSeek-V3 MoE layer at decode batch {8, 16, 32, 56, 64}: 256 experts (--experts to change), top-8,
 uniform random routing, down GEMM N = H = 7168, K = I = 2048 (FP8, 128x128 weight blocks), bf16 out.
-Per batch (µs, median of triton.testing.do_bench_cudagraph: each call captured in a CUDA graph, so
-launch overhead is out; a point whose capture fails is timed with do_bench and says so):
+Per batch (µs, sglang_h20.gputime.graph_median_us: the median of do_bench over a CUDA-graph replay of the call,
+so launch overhead is out; a point whose capture fails is timed eagerly and says so):
   gemm_alone          down GEMM on every SM, no signals
   gemm_lent[b]        down GEMM on SMs - b with signals on (what the overlapped GEMM costs by itself:
                       the slowdown from lending b SMs to the combine)
@@ -71,18 +71,6 @@ def quant_weights(torch, e, n, k, gen, chunk=32):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def timer(torch, triton, fn, rep_ms):
-    """(µs, how): CUDA-graph median, else plain do_bench."""
-    try:
-        fn()
-        torch.cuda.synchronize()
-        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3, "cudagraph"
-    except Exception as e:  # capture not possible: eager timing, labelled
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3, \
-            f"eager ({type(e).__name__})"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -95,6 +83,7 @@ def main(argv=None) -> int:
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
     from sgl_kernel_ext import quant, sbo
 
+    from sglang_h20.gputime import graph_median_us
     from sglang_h20.provenance import record
 
     if args.quick:
@@ -129,7 +118,7 @@ def main(argv=None) -> int:
         sig = torch.zeros(e, triton.cdiv(lay.max_m, cfg["BLOCK_T"]), dtype=torch.int32, device=dev)
 
         def add(name, fn, budget=None, **extra):
-            us, how = timer(torch, triton, fn, args.rep_ms)
+            us, how = graph_median_us(fn, args.rep_ms)
             p = {"batch": t, "experts": e, "name": name, "budget_sms": budget, "us": us, "timing": how,
                  "variant": variant, "config": cfg, **extra}
             points.append(p)
@@ -230,6 +219,7 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
     """Whole MoE layer: upstream fused_experts vs the plugin's SBO path (see the module doc)."""
     from sgl_kernel_ext import sbo
 
+    from sglang_h20.gputime import graph_median_us
     from sglang_h20.moe import sbo as plugin_sbo
 
     upstream = None
@@ -272,7 +262,7 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         for name, fn in arms.items():
             try:
                 outs[name] = fn().clone()
-                row[name + "_us"], row[name + "_timing"] = timer(torch, triton, fn, args.rep_ms)
+                row[name + "_us"], row[name + "_timing"] = graph_median_us(fn, args.rep_ms)
             except Exception as ex:
                 unavailable[f"{name}@{t}"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
         if "layer_ours_serial" in outs and "layer_ours_overlap" in outs:

@@ -23,7 +23,8 @@ from sglang_h20.nightly.serving import Server, output_ids, write_sharegpt
 
 PHASE_ENV = {"upstream": {"SGLANG_PLUGINS": "__none__"}, "plugin-off": {},
              # the features that keep the model's numerics (the policy picks MHA or MLA: bf16 rounding
-             # only; observation at a low fraction): greedy ids are reported against the first phase
+             # only; observation, whose sampled passes replay instrumented twins of the decode graphs, at
+             # --observe-fraction): greedy ids are reported against the first phase
              "features": {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_OBSERVE": "0.001"}}
 PLUGIN_MARK = "[sglang-h20 pid"
 HOOKS_APPLIED = re.compile(r"hooks applied: (\d+)/(\d+)")
@@ -33,12 +34,31 @@ def prompts(n: int = 6) -> list[str]:
     return [" ".join(f"w{(977 * i + 131 * j) % 129000 + 100}" for j in range(40 + 23 * i)) for i in range(n)]
 
 
+def observed_passes(dump: Path) -> dict:
+    """Sampled decode passes in an observe dump, by how they ran: 'graph' (the instrumented twin replayed) or
+    'eager' (the fallback); empty when the phase observed nothing."""
+    from sglang_h20.observe import export
+
+    counts: dict[str, int] = {}
+    if dump.exists():
+        for r in export.read_dump([dump]):
+            if r.get("kind", "stages") == "stages":
+                how = "graph" if r.get("graph_sampled") else "eager"
+                counts[how] = counts.get(how, 0) + 1
+    return counts
+
+
 def run_phase(phase: str, args, port: int, sharegpt: Path) -> dict:
     out = args.out / phase
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"server-{port}.log"
     t0 = time.time()
-    with Server(args.model, shlex.split(args.server_args), log, env=PHASE_ENV[phase], port=port) as srv:
+    env = dict(PHASE_ENV[phase])
+    if "SGLANG_H20_OBSERVE" in env:
+        if args.observe_fraction is not None:
+            env["SGLANG_H20_OBSERVE"] = str(args.observe_fraction)
+        env["SGLANG_H20_OBSERVE_DIR"] = str((out / "observe").resolve())
+    with Server(args.model, shlex.split(args.server_args), log, env=env, port=port) as srv:
         ids = [output_ids(srv.generate(text=p, max_new_tokens=args.gen_tokens)) for p in prompts()]
         srv.bench(out / "warmup.jsonl", num_prompts=args.concurrency, input_len=args.input_len,
                   output_len=32, concurrency=args.concurrency, dataset_path=str(sharegpt))  # JIT, graphs: not timed
@@ -52,7 +72,8 @@ def run_phase(phase: str, args, port: int, sharegpt: Path) -> dict:
                   flush=True)
         start_s = srv.start_s
     text = log.read_text(errors="replace")
-    return {"phase": phase, "server_start_s": start_s, "wall_s": time.time() - t0, "output_ids": ids,
+    return {"phase": phase, "env": env, "observed_passes": observed_passes(out / "observe"),
+            "server_start_s": start_s, "wall_s": time.time() - t0, "output_ids": ids,
             "bench": benches, "plugin_log_lines": [ln for ln in text.splitlines() if PLUGIN_MARK in ln],
             "hooks_applied_lines": [ln for ln in text.splitlines() if PLUGIN_MARK in ln and "hooks applied" in ln]}
 
@@ -93,6 +114,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--observe-fraction", type=float, help="observed share of passes in 'features' (default 0.001; "
+                    "0.5 makes about half of the greedy decode passes replay the instrumented twin graphs)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip phases that would start after this")
     ap.add_argument("--result", type=Path, help="results JSON (default OUT/plugin_parity.json)")
     args = ap.parse_args()

@@ -35,3 +35,19 @@ def test_partly_applied_hooks_are_flagged():
     s = bench.summarize([phase("upstream", [[1]], []),
                          phase("plugin-off", [[1]], ["[sglang-h20 pid 7] hooks applied: 2/3 (a, b)"])])
     assert not s["plugin_hooks_all_applied"]
+
+
+def test_observed_passes_counts_twin_replays_and_eager_samples(tmp_path):
+    """The 'features' phase reports how its sampled passes ran, so a parity run with observation on shows the
+    instrumented twins were replayed (not silently skipped) while the greedy ids stayed equal."""
+    import json
+
+    assert bench.observed_passes(tmp_path / "missing") == {}
+    dump = tmp_path / "observe"
+    dump.mkdir()
+    recs = [{"kind": "stages", "step": 1, "rank": 0, "graph_sampled": True},
+            {"kind": "stages", "step": 2, "rank": 0, "graph_sampled": True},
+            {"kind": "stages", "step": 3, "rank": 0, "graph_sampled": False},
+            {"kind": "graph", "step": 4, "rank": 0}]
+    (dump / "observe-rank000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert bench.observed_passes(dump) == {"graph": 2, "eager": 1}
