@@ -12,6 +12,9 @@ so launch overhead is out; a point whose capture fails is timed eagerly and says
   serial              moe_down_and_combine(overlap=False): GEMM, then combine, one stream
   overlap[b]          moe_down_and_combine(overlap=True, combine_sms=b)
   overlap_nosleep[b]  the same with spin_sleep_ns=0 (the consumer polls without pausing: what the back-off buys)
+  fused               moe_down_and_combine(fused=True): the combine in the down GEMM's epilogue, one kernel on
+                      every SM (records its order_error against serial: it adds fp32 rows, serial bf16 ones)
+  fused+shared        the shared expert on a second stream beside fused
   shared_alone        the shared expert (FP8 gate_up 7168 -> 4096, SiLU*up, down 2048 -> 7168; our dense GEMMs)
   serial+shared       shared expert, then serial down+combine, then the add (one stream)
   overlap+shared[b]   shared expert on a third stream beside overlap[b], joined before the add
@@ -143,6 +146,28 @@ def main(argv=None) -> int:
             out.add_(sh)
 
         s["serial+shared"] = add("serial+shared", serial_shared)
+
+        def fused():
+            sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, out, fused=True, variant=variant, config=cfg)
+
+        out.fill_(float("nan"))
+        fused()
+        torch.cuda.synchronize()
+        s["fused"] = add("fused", fused, order_error_vs_serial=sbo.order_error(out, ref),
+                         all_written=not bool(torch.isnan(out.float()).any()))
+
+        def fused_shared():
+            main = torch.cuda.current_stream()
+            shared_stream.wait_stream(main)
+            with torch.cuda.stream(shared_stream):
+                sh = shared_expert(x)
+            fused()
+            main.wait_stream(shared_stream)
+            out.add_(sh)
+
+        s["fused+shared"] = add("fused+shared", fused_shared)
+        s["fused_gain_us"] = s["serial"] - s["fused"]
+        s["combine_hidden_pct"] = 100 * s["fused_gain_us"] / s["combine_alone"]
         for b in args.budgets:
             s[f"gemm_lent[{b}]"] = add("gemm_lent", lambda b=b: (sig.zero_(), gg.m_grouped_fp8_gemm_nt_contiguous(
                 q, qs, w2q, w2s, lay.m_indptr, out=y, variant=variant, config=cfg, signal=sig, num_sms=sms - b)), b)
@@ -209,6 +234,8 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(result, indent=1))
     for t, s in summary.items():
         best_us = s[f"overlap[{s['best_budget']}]"]
+        print(f"batch {t}: fused {s['fused']:.1f} us (combine {s['combine_alone']:.1f} us, "
+              f"{s['combine_hidden_pct']:.0f}% hidden), fused+shared {s['fused+shared']:.1f} us")
         print(f"batch {t}: serial {s['serial']:.1f} us, overlap {best_us:.1f} us "
               f"(b={s['best_budget']}, gain {s['overlap_gain_us']:.1f} us, GEMM +{s['gemm_slowdown_pct_at_best']:.1f}%), "
               f"with shared: gain {s['with_shared_gain_us']:.1f} us")
@@ -287,6 +314,7 @@ def plot(summary, budgets, png: Path):
         for b in budgets:
             ax.plot(batches, [summary[t][f"overlap{suffix}[{b}]"] for t in batches], "--s",
                     label=f"overlap{suffix}, {b} SMs to combine")
+        ax.plot(batches, [summary[t][f"fused{suffix}"] for t in batches], "g-^", label=f"fused{suffix} (epilogue combine)")
         if not suffix:
             ax.plot(batches, [summary[t]["gemm_alone"] for t in batches], ":", label="down GEMM alone")
             ax.plot(batches, [summary[t]["combine_alone"] for t in batches], ":", label="combine alone")

@@ -41,6 +41,12 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     tile's store, a CTA barrier, then one atomic +1 with release semantics on signal[g, token tile],
     so a consumer that reads ceil(N / BLOCK_N) there with acquire sees every row of that token tile.
     num_sms caps the persistent grid, to lend SMs to that consumer.
+  * combine (masked / contiguous, SPLIT_K = 1; `EpilogueCombine`): the MoE combine in the epilogue,
+    for one GPU, where a second kernel on lent SMs costs the bandwidth-bound GEMM more than the combine
+    itself. Each finished tile adds weight * row into an fp32 accumulator at its token (relaxed
+    atomics), then counts the contribution per (token, N-tile) with acq_rel after a CTA barrier; the
+    tile that brings a count to top_k writes that N-range of the token's bf16 output. No expert-ordered
+    output buffer is written or read again.
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
 else the shipped python/sglang_h20/tables/grouped_gemm_<gpu>.json; H200 ships, measured) feeds
@@ -71,6 +77,20 @@ SCALE_BLOCK = 128  # DeepSeek-V3: 1x128 activation groups, 128x128 weight blocks
 LAYOUT_CONTIGUOUS, LAYOUT_MASKED, LAYOUT_DENSE = 0, 1, 2
 VARIANTS = ("swapab", "normal")
 SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
+
+
+class EpilogueCombine(NamedTuple):
+    """The MoE combine done in the GEMM's epilogue: out[t] = sum_k weights[t*K + k] * weight_scale *
+    (GEMM row of pair t*K + k). acc (fp32 [T, N]) and counters (int32 [T, ceil(N / BLOCK_N)]) must be
+    zero before the launch; out is [T, N] bf16 with unit inner stride."""
+
+    pair_of_row: torch.Tensor  # int32 [rows]: the (token, slot) pair a GEMM row holds (masked: g * max_m + i)
+    weights: torch.Tensor  # [T * top_k] router weights (fp32 or bf16)
+    acc: torch.Tensor
+    counters: torch.Tensor
+    out: torch.Tensor
+    top_k: int
+    weight_scale: float = 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,8 +162,10 @@ def _fp8_grouped_gemm_kernel(
     stride_og, stride_om, stride_on,
     stride_ws_split, stride_ws_row,
     sig_ptr, SIG_STRIDE,
+    cmb_pair_ptr, cmb_w_ptr, cmb_acc_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
     G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
+    COMBINE_TOPK: tl.constexpr = 0,
 ):
     KB_PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
 
@@ -182,7 +204,21 @@ def _fp8_grouped_gemm_kernel(
                             stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
                             stride_bsn, stride_bsk, KB_PER_SPLIT, SWAP_AB, BLOCK_N, BLOCK_T)
             o_mask = t_mask[:, None] & n_mask[None, :]
-            if SPLIT_K == 1:
+            if COMBINE_TOPK > 0:  # the MoE combine in the epilogue (EpilogueCombine)
+                pair = tl.load(cmb_pair_ptr + g64 * MAX_M + rows, mask=t_mask, other=0)
+                tok = (pair // COMBINE_TOPK).to(tl.int64)
+                w = tl.load(cmb_w_ptr + pair, mask=t_mask, other=0.0).to(tl.float32) * cmb_w_scale
+                acc_ptrs = cmb_acc_ptr + tok[:, None] * N + offs_n[None, :]
+                tl.atomic_add(acc_ptrs, res * w[:, None], mask=o_mask, sem="relaxed")
+                tl.debug_barrier()  # every thread's adds precede the count's release below
+                old = tl.atomic_add(cmb_cnt_ptr + tok * n_tiles + n_tile, 1, mask=t_mask, sem="acq_rel")
+                last = t_mask & (old == COMBINE_TOPK - 1)  # this tile completed (token, N-tile): write it
+                tl.debug_barrier()
+                lm = last[:, None] & n_mask[None, :]
+                total = tl.load(acc_ptrs, mask=lm, other=0.0, cache_modifier=".cg")
+                tl.store(cmb_out_ptr + tok[:, None] * stride_cmb_om + offs_n[None, :],
+                         total.to(cmb_out_ptr.dtype.element_ty), mask=lm)
+            elif SPLIT_K == 1:
                 o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
                 tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
                 if HAS_SIGNAL:  # SBO: one count per finished N-tile of (group, token tile)
@@ -595,8 +631,27 @@ def _pick_split_k(tiles: int, kb: int, num_sms: int) -> int:
     return best
 
 
+def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signal) -> None:
+    if split_k > 1 or signal is not None:
+        raise ValueError("combine needs split_k == 1 and no signal (the epilogue replaces the store)")
+    t = c.out.shape[0]
+    tiles = triton.cdiv(n, block_n)
+    if c.top_k < 1 or c.weights.numel() != t * c.top_k:
+        raise ValueError(f"combine: weights has {c.weights.numel()} entries, want tokens {t} x top_k {c.top_k}")
+    if c.out.shape != (t, n) or c.out.stride(1) != 1:
+        raise ValueError(f"combine: out must be [{t}, {n}] with unit inner stride, got {tuple(c.out.shape)}")
+    if c.acc.shape != (t, n) or c.acc.dtype != torch.float32 or not c.acc.is_contiguous():
+        raise ValueError(f"combine: acc must be contiguous fp32 [{t}, {n}], got {c.acc.dtype} {tuple(c.acc.shape)}")
+    if c.counters.shape != (t, tiles) or c.counters.dtype != torch.int32 or not c.counters.is_contiguous():
+        raise ValueError(f"combine: counters must be contiguous int32 [{t}, {tiles}] (BLOCK_N {block_n}), got "
+                         f"{c.counters.dtype} {tuple(c.counters.shape)}")
+    if c.pair_of_row.dtype != torch.int32:
+        raise ValueError(f"combine: pair_of_row must be int32, got {c.pair_of_row.dtype}")
+
+
 def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, m_dense=0,
-            max_m=0, upper_tiles_t, variant, cfg, split_k, signal=None, num_sms=None):
+            max_m=0, upper_tiles_t, variant, cfg, split_k, signal=None, num_sms=None,
+            combine: EpilogueCombine | None = None):
     groups, n, k = b.shape
     swap = variant == "swapab"
     bn, bt = cfg["BLOCK_N"], cfg["BLOCK_T"]
@@ -626,6 +681,12 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         if signal.dtype != torch.int32 or signal.dim() != 2 or signal.shape[0] != groups or not signal.is_contiguous():
             raise ValueError(f"signal must be a contiguous int32 [G={groups}, token blocks], got "
                              f"{signal.dtype} {tuple(signal.shape)}")
+    if combine is not None:
+        _check_combine(combine, n, cfg["BLOCK_N"], split_k, signal)
+        cmb = (combine.pair_of_row, combine.weights, combine.acc, combine.counters, combine.out,
+               float(combine.weight_scale), combine.out.stride(0))
+    else:
+        cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
     _fp8_grouped_gemm_kernel[(num_programs,)](
         a3, s3, b, b_scale, o3, ws,
         indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
@@ -637,8 +698,9 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         sa_g[2], o3.stride(1), o3.stride(2),
         *ws_strides,
         signal if signal is not None else dummy, signal.shape[1] if signal is not None else 0,
+        *cmb,
         G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
-        HAS_SIGNAL=signal is not None, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        HAS_SIGNAL=signal is not None, COMBINE_TOPK=combine.top_k if combine is not None else 0, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     if split_k > 1:
         block = 256
@@ -654,14 +716,15 @@ def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: 
                                      b_scale: torch.Tensor, m_indptr: torch.Tensor,
                                      out: torch.Tensor | None = None, variant: str = "auto",
                                      config: dict | None = None, split_k: int = 1,
-                                     signal: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
+                                     signal: torch.Tensor | None = None, num_sms: int | None = None,
+                                     combine: EpilogueCombine | None = None) -> torch.Tensor:
     """Contiguous grouped GEMM: out[r] = A[r] @ B[g]^T for m_indptr[g] <= r < m_indptr[g+1].
 
     a [M_total, K] fp8, a_scale [M_total, K/128] fp32, b [G, N, K] fp8, b_scale [G, ceil(N/128), K/128]
     fp32, m_indptr [G+1] int32 (non-decreasing; empty experts allowed). out [M_total, N] bf16 (made if
     None; rows outside [m_indptr[0], m_indptr[G]) are left as they were). variant: 'auto' (table or
     heuristic on M_total/G tokens per group), 'swapab' or 'normal'; config overrides tile keys.
-    signal / num_sms: as for m_grouped_fp8_gemm_nt_masked (signal[g, j]: group g's token tile j).
+    signal / num_sms / combine: as for m_grouped_fp8_gemm_nt_masked (signal[g, j]: group g's token tile j).
     """
     _check_operands(a, a_scale, b, b_scale, 1)
     groups, n, k = b.shape
@@ -678,7 +741,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: 
     upper_t = m_total // cfg["BLOCK_T"] + min(groups, m_total)
     return _launch(LAYOUT_CONTIGUOUS, a, a_scale, b, b_scale, out, indptr=m_indptr,
                    upper_tiles_t=upper_t, variant=variant, cfg=cfg, split_k=split_k, signal=signal,
-                   num_sms=num_sms)
+                   num_sms=num_sms, combine=combine)
 
 
 def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
@@ -686,7 +749,7 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
                                  out: torch.Tensor | None = None, variant: str = "auto",
                                  expected_m: int | None = None, config: dict | None = None,
                                  split_k: int = 1, signal: torch.Tensor | None = None,
-                                 num_sms: int | None = None) -> torch.Tensor:
+                                 num_sms: int | None = None, combine: EpilogueCombine | None = None) -> torch.Tensor:
     """Masked grouped GEMM: out[g, t] = A[g, t] @ B[g]^T for t < masked_m[g].
 
     a [G, max_m, K] fp8, a_scale [G, max_m, K/128] fp32, b [G, N, K], b_scale [G, ceil(N/128), K/128],
@@ -700,6 +763,8 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     rows while the GEMM still runs (sgl_kernel_ext.sbo). Pass the full config so BLOCK_T is known
     (`resolve_config`). Token tiles beyond signal.shape[1] are not signalled. num_sms: SMs the
     persistent grid may fill (default all), to leave some to a concurrent kernel.
+    combine (`EpilogueCombine`): do the MoE combine in the epilogue instead of storing out (out is then
+    not written); pass the full config so BLOCK_N is known for the counters.
     """
     _check_operands(a, a_scale, b, b_scale, 2)
     groups, n, k = b.shape
@@ -717,7 +782,7 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     upper_t = groups * triton.cdiv(max_m, cfg["BLOCK_T"])
     return _launch(LAYOUT_MASKED, a, a_scale, b, b_scale, out, masked_m=masked_m, max_m=max_m,
                    upper_tiles_t=upper_t, variant=variant, cfg=cfg, split_k=split_k, signal=signal,
-                   num_sms=num_sms)
+                   num_sms=num_sms, combine=combine)
 
 
 def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

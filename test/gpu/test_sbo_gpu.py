@@ -7,7 +7,8 @@ DeepSeek-V3 down shape (N = H = 7168, K = I = 2048), 256 and 32 experts, top-8; 
 runs. Every overlapped call gets a NaN-filled GEMM output buffer and output, so a row read before
 the GEMM wrote it, or a token chunk never written, shows up as NaN. The race stress test repeats the
 overlapped call thousands of times with varying combine SM budgets and tile configs; one mismatch or
-one error flag fails. The non-overlapped path is also checked against float32 torch.
+one error flag fails. The non-overlapped path is also checked against float32 torch. The combine done in
+the GEMM's epilogue (fused=True) is checked against float32 torch directly, and stressed the same way.
 """
 import pytest
 import torch
@@ -176,6 +177,67 @@ def test_cuda_graph_replay_matches(mods, weights):
         torch.cuda.synchronize()
         assert int(status) == 0, seed
         assert sbo.order_error(out, plain) <= 1, (seed, sbo.order_error(out, plain))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("experts", [256, 32])
+def test_epilogue_combine_matches_float32(mods, weights, experts, masked):
+    """fused=True (the combine in the down GEMM's epilogue): against the float32 down GEMM + combine it is
+    within the summation-order bound (it adds fp32 GEMM rows, so it is at least as close as the two-kernel
+    path, which rounds them to bf16 first); every token written (NaN-poisoned output)."""
+    _, _, sbo = mods
+    for seed in range(16):
+        t = [1, 3, 8, 16, 32, 56, 64, 100][seed % 8]
+        lay, w, q, qs, wq, ws = case(mods, weights, t, experts, 300 + seed, masked)
+        out = torch.full((t, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True)
+        ref = sbo.moe_down_and_combine_reference(q, qs, wq, ws, w, lay, weight_scale=2.5)
+        assert not torch.isnan(out.float()).any(), (seed, t)
+        assert sbo.order_error(out, ref) <= 1, (seed, t, sbo.order_error(out, ref))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_epilogue_combine_race_stress(mods, weights, masked):
+    """Thousands of fused calls over tile configs: equal to the first run up to the summation order, never NaN,
+    and in a CUDA graph too (the workspace memset is captured)."""
+    _, _, sbo = mods
+    configs = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32}]
+    cases = []
+    for i, t in enumerate([4, 16, 64]):
+        lay, w, q, qs, wq, ws = case(mods, weights, t, 256, 2000 + i, masked)
+        firsts = []
+        for c in configs:
+            o = torch.empty(t, H, device="cuda", dtype=torch.bfloat16)
+            firsts.append(sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, o, weight_scale=2.5, fused=True, config=c))
+        cases.append((lay, w, q, qs, wq, ws, firsts))
+    bad, outs = [], []
+    for it in range(1500):
+        lay, w, q, qs, wq, ws, firsts = cases[it % len(cases)]
+        ci = (it // 3) % len(configs)
+        o = torch.full((w.shape[0], H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, o, weight_scale=2.5, fused=True, config=configs[ci])
+        outs.append((it, o, firsts[ci]))
+        if len(outs) == 100:
+            bad += [i for i, o2, f in outs if not sbo.order_error(o2, f) <= 1]
+            outs = []
+    bad += [i for i, o2, f in outs if not sbo.order_error(o2, f) <= 1]
+    assert not bad, f"{len(bad)} fused runs differ beyond the summation order, first {bad[:10]}"
+    lay, w, q, qs, wq, ws, firsts = cases[1]
+    out = torch.empty(w.shape[0], H, device="cuda", dtype=torch.bfloat16)
+    step = lambda: sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert sbo.order_error(out, firsts[0]) <= 1
 
 
 def test_moe_forward_overlap_equals_plain():
