@@ -24,7 +24,8 @@ ulp, plus 2^-12 of the largest value where sums cancel); each point records the 
 Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_scaling_factor 2.5):
   layer_upstream      SGLang's fused_experts (triton runner), inplace as the model runs it
   layer_ours_serial   sglang_h20.moe.sbo.moe_forward(overlap=False)
-  layer_ours_overlap  moe_forward(overlap=True), what --h20-sbo runs for these calls
+  layer_ours_overlap  moe_forward(overlap=True): the combine on a second stream
+  layer_ours_fused    moe_forward(combine="fused"), what --h20-sbo runs for these calls on one GPU
 (upstream needs SGLang's global server args: --model PATH gives a config dir, else a dummy attempt;
 a failure is recorded under "unavailable", never dropped silently).
 
@@ -274,7 +275,9 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         arms = {"layer_ours_serial": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
                                                                     routed_scaling_factor=2.5, overlap=False),
                 "layer_ours_overlap": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
-                                                                     routed_scaling_factor=2.5, overlap=True)}
+                                                                     routed_scaling_factor=2.5, overlap=True),
+                "layer_ours_fused": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
+                                                                   routed_scaling_factor=2.5, combine="fused")}
         if upstream is not None:
             fm, cfg, topk_cls = upstream
 
@@ -295,6 +298,8 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         if "layer_ours_serial" in outs and "layer_ours_overlap" in outs:
             row["overlap_order_error"] = sbo.order_error(outs["layer_ours_overlap"], outs["layer_ours_serial"])
             row["overlap_equal_serial"] = row["overlap_order_error"] <= 1  # up to the fp32 summation order
+        if "layer_ours_fused" in outs and "layer_ours_serial" in outs:  # fp32 rows vs bf16 rows: recorded only
+            row["fused_order_error_vs_serial"] = sbo.order_error(outs["layer_ours_fused"], outs["layer_ours_serial"])
         if "layer_upstream" in outs and "layer_ours_overlap" in outs:
             a, b = outs["layer_ours_overlap"].float(), outs["layer_upstream"].float()
             row["rel_diff_vs_upstream"] = float((a - b).norm() / b.norm())

@@ -284,8 +284,10 @@ def test_workspace_parts_cover_the_buffer():
     assert wsp.acc.data_ptr() % 16 == 0 and wsp.counters.shape == (9, triton.cdiv(H, sbo.BLOCK_H))
 
 
-def test_moe_forward_matches_reference():
-    """The whole SBO MoE (dispatch, gate_up, SiLU, down + combine) on tiny shapes vs float32 torch."""
+@pytest.mark.parametrize("combine", ["serial", "fused"])
+def test_moe_forward_matches_reference(combine):
+    """The whole SBO MoE (dispatch, gate_up, SiLU, down + combine) on tiny shapes vs float32 torch; 'fused' is
+    what the hook runs on one GPU."""
     from sglang_h20.moe import sbo as plugin_sbo
     from sgl_kernel_ext.quant import dequant_per_block, dequant_per_token_group
 
@@ -295,7 +297,7 @@ def test_moe_forward_matches_reference():
     x = (torch.randn(t, hidden, generator=g)).to(torch.bfloat16)
     w1q, w1s = per_block_quant_fp8(torch.randn(E, 2 * inter, hidden, generator=g) * 0.05, 128)
     w2q, w2s = per_block_quant_fp8(torch.randn(E, hidden, inter, generator=g) * 0.05, 128)
-    out = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=1.5, overlap=False)
+    out = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=1.5, combine=combine)
     a, as_ = per_token_group_quant_fp8(x, 128)
     ad = dequant_per_token_group(a, as_)
     w1d, w2d = dequant_per_block(w1q, w1s, 128), dequant_per_block(w2q, w2s, 128)
@@ -307,6 +309,9 @@ def test_moe_forward_matches_reference():
             act = torch.nn.functional.silu(hh[:inter]) * hh[inter:]
             ref[ti] += 1.5 * w[ti, kk] * (act @ w2d[e].T)
     torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2 * ref.abs().max().item())
+    assert plugin_sbo.ONE_GPU_COMBINE in plugin_sbo.COMBINE_MODES
+    with pytest.raises(ValueError, match="combine"):
+        plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, combine="both")
 
 
 # ---------------------------------------------------------------------------------------------

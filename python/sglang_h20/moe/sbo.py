@@ -11,8 +11,9 @@ other GPU `hooks()` returns none and logs one line, so upstream's own SBO applie
    that does not exist on SM90, answers False there. The flag's remaining meaning is ours:
 3. TRITON_MOE (around `fused_experts`, single GPU / TP): FP8 block-quant [128, 128] MoE with bf16
    activations and at most MAX_TOKENS tokens runs dispatch (on-GPU map, `sgl_kernel_ext.sbo`), our
-   gate_up grouped GEMM, SiLU*up -> fp8, then `moe_down_and_combine(overlap=True)`: the combine
-   consumes the down GEMM's per-(expert, token tile) signals on a second stream. Other calls go on
+   gate_up grouped GEMM, SiLU*up -> fp8, then the down GEMM with the combine in its epilogue
+   (`ONE_GPU_COMBINE`; the signal-consuming combine on a second stream, `combine="overlap"`, is the form
+   a network combine needs, and on one GPU it cost more SM time than it hid). Other calls go on
    unchanged. Chaining with swapab (same target): features register in FEATURES order, swapab first,
    so this hook is the outer one; when it serves a call, swapab's hook is not consulted for that
    call; when it declines, `original` is swapab's wrapper, which decides as if we were not there.
@@ -91,9 +92,23 @@ def _ep_size() -> int:
         return 1
 
 
+COMBINE_MODES = ("fused", "overlap", "serial")
+# How the hook combines on one GPU: in the down GEMM's epilogue. A consumer on a second stream needs SMs lent
+# by the GEMM, which streams weights at full bandwidth on every SM: on the H200 that cost 3-5% of the GEMM,
+# as much as the whole combine (benchmark/results/sbo/bench_sbo_h200.json, 2026-11-29).
+ONE_GPU_COMBINE = "fused"
+
+
 def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, a1_q=None, a1_scale=None,
-                out=None, routed_scaling_factor=None, overlap: bool = True, combine_sms: int | None = None):
-    """FP8 MoE through our kernels with the SBO down GEMM + combine; returns out [T, H] bf16."""
+                out=None, routed_scaling_factor=None, overlap: bool = True, combine_sms: int | None = None,
+                combine: str | None = None):
+    """FP8 MoE through our kernels with the SBO down GEMM + combine; returns out [T, H] bf16.
+
+    combine: 'fused' (in the down GEMM's epilogue), 'overlap' (consumer kernel on a second stream) or
+    'serial'; None: 'overlap' if overlap else 'serial'."""
+    mode = combine or ("overlap" if overlap else "serial")
+    if mode not in COMBINE_MODES:
+        raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
     from sgl_kernel_ext import sbo
     from sgl_kernel_ext.quant import per_token_group_quant_fp8, silu_mul_quant_fp8
@@ -114,7 +129,7 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
     out = torch.empty_like(hidden_states) if out is None else out
     return sbo.moe_down_and_combine(q, q_scale, w2, w2_scale, topk_weights, layout, out,
                                     weight_scale=1.0 if routed_scaling_factor is None else routed_scaling_factor,
-                                    overlap=overlap, combine_sms=combine_sms)
+                                    overlap=mode == "overlap", combine_sms=combine_sms, fused=mode == "fused")
 
 
 def fused_experts_hook(original, hidden_states, w1, w2, topk_output, moe_runner_config, b1=None, b2=None,
@@ -151,7 +166,7 @@ def fused_experts_hook(original, hidden_states, w1, w2, topk_output, moe_runner_
     out = swapab.output_like(hidden_states, cfg.inplace)
     return moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
                        a1_q=a1_q, a1_scale=a1_scale if a1_q is not None else None, out=out,
-                       routed_scaling_factor=cfg.routed_scaling_factor, overlap=True)
+                       routed_scaling_factor=cfg.routed_scaling_factor, combine=ONE_GPU_COMBINE)
 
 
 # ---------------------------------------------------------------------------------------------
