@@ -27,7 +27,8 @@ setup(
     python_requires=">=3.11",
     packages=sorted(PACKAGES),
     package_dir=PACKAGES,
-    package_data={"sglang_h20": ["tables/*.json", "nightly/configs/*.toml"]},
+    package_data={"sglang_h20": ["tables/*.json", "nightly/configs/*.toml"],
+                  "sgl_kernel_ext": ["csrc/*.cu"]},  # compiled at first use (mla_decode_cuda.py)
     install_requires=["sglang==0.5.17"],
     entry_points={
         "sglang.srt.plugins": ["sglang_h20 = sglang_h20.plugin:load"],

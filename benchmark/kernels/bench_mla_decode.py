@@ -6,6 +6,9 @@ reason, never silently dropped):
   ours               sgl_kernel_ext.mla_decode: FP8 cache (576 B + 2 fp32 scales = 584 B/token), FP8 QK and
                      PV; metadata from get_mla_decode_metadata outside the timed region; the Q quantization
                      pre-pass is inside it. --configs adds tile variants "ours[BHxBNxBVwWsS]".
+  ours-cuda          sgl_kernel_ext.mla_decode_cuda: the same format, plan and Q pre-pass, the split kernel in
+                     CUDA C++ (FP8 wgmma for QK and PV, V transposed in shared memory); built with nvcc on
+                     first use (outside the timed region); "unavailable" with the reason when it cannot run.
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
                      (1152 B/token), metadata get_mla_metadata(seqlens, q_len*H, 1) outside the timed region.
   flashmla-fp8       the same entry with FP8 q and cache as SGLang's flashmla backend calls it: per-tensor
@@ -51,7 +54,7 @@ QLENS = [1, 2]
 QUICK_POINTS = [(1, 4096, 128, 1), (64, 4096, 128, 1), (64, 4096, 128, 2), (64, 4096, 16, 1)]
 REPRESENTATIVE = (64, 4096, 128, 1)
 PAGE = 64
-DEFAULT_PROVIDERS = ["ours", "flashmla-bf16", "flashmla-fp8", "sglang-triton"]
+DEFAULT_PROVIDERS = ["ours", "ours-cuda", "flashmla-bf16", "flashmla-fp8", "sglang-triton"]
 H20_FP8_FLOPS, H20_BF16_FLOPS, H20_HBM_BPS = 296e12, 148e12, 4.0e12
 L2_BYTES_FALLBACK = 60 * 2**20
 
@@ -147,6 +150,28 @@ def make_ours(torch, mla, sets, ctx, name, cfg=None):
     info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
             "block_h": metas[0].block_h, "block_n": metas[0].block_n, "block_v": metas[0].block_v,
             "num_warps": metas[0].num_warps, "num_stages": metas[0].num_stages, "pv_16bit": metas[0].pv_16bit}
+    return [call(i) for i in range(len(sets))], (lambda: outs[0]), info
+
+
+def make_ours_cuda(torch, mla, sets, ctx):
+    """The CUDA split kernel, timed exactly like "ours" (metadata outside, Q pre-pass inside)."""
+    try:
+        import importlib
+        cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+    except Exception as e:
+        raise Unavailable(f"sgl_kernel_ext.mla_decode_cuda does not import ({type(e).__name__}: {e})")
+    ok, why = cu.available()
+    if not ok:
+        raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
+    metas = [mla.get_mla_decode_metadata(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=ctx)
+             for s in sets]
+    outs = [torch.empty(*s["q"].shape[:3], 512, dtype=torch.bfloat16, device="cuda") for s in sets]
+
+    def call(i):
+        s = sets[i]
+        return lambda: cu.mla_decode_fp8_cuda(s["q"], s["kv_cache"], s["block_table"], s["cache_seqlens"],
+                                              s["softmax_scale"], metas[i], out=outs[i])
+    info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits}
     return [call(i) for i in range(len(sets))], (lambda: outs[0]), info
 
 
@@ -367,6 +392,8 @@ def main(argv=None) -> int:
             for cfg in configs:
                 providers.append((f"ours[{cfg[0]}x{cfg[1]}x{cfg[2]}w{cfg[3]}s{cfg[4]}{'b' if cfg[5] else ''}]",
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
+        elif p == "ours-cuda":
+            providers.append((p, lambda sets, ctx: make_ours_cuda(torch, mla, sets, ctx)))
         elif p == "flashmla-bf16":
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
         elif p == "flashmla-fp8":

@@ -500,6 +500,23 @@ def _mla_fp8_combine_kernel(
 _POISON_WORKSPACE = False  # tests set this: split-KV partial buffers start as NaN instead of uninitialised
 
 
+def decode_args(q: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                metadata: MLADecodeMetadata | None, out: torch.Tensor | None):
+    """The decode entries' common argument handling: int32 block table and lengths, the default launch plan,
+    out [B, q_len, H, 512] (made in q's dtype if None) and a fresh lse [B, q_len, H] fp32."""
+    B, q_len, H, _ = q.shape
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
+    if cache_seqlens.dtype != torch.int32:
+        cache_seqlens = cache_seqlens.to(torch.int32)
+    if metadata is None:
+        metadata = get_mla_decode_metadata(cache_seqlens, H, q_len)
+    if out is None:
+        out = torch.empty((B, q_len, H, KV_LORA_RANK), dtype=q.dtype, device=q.device)
+    assert out.shape == (B, q_len, H, KV_LORA_RANK) and out.stride(-1) == 1
+    return block_table, cache_seqlens, metadata, out, torch.empty((B, q_len, H), dtype=torch.float32, device=q.device)
+
+
 def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    softmax_scale: float, metadata: MLADecodeMetadata | None = None, causal: bool = True,
                    return_lse: bool = False, out: torch.Tensor | None = None):
@@ -521,20 +538,11 @@ def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_s
     assert kv_data.is_contiguous(), "the FP8 cache must be contiguous (read as a flat [slots, 576] TMA tensor)"
     assert block_table.dim() == 2 and block_table.shape[0] >= B, tuple(block_table.shape)
     assert cache_seqlens.numel() == B
-    if block_table.dtype != torch.int32:
-        block_table = block_table.to(torch.int32)
-    if cache_seqlens.dtype != torch.int32:
-        cache_seqlens = cache_seqlens.to(torch.int32)
-    if metadata is None:
-        metadata = get_mla_decode_metadata(cache_seqlens, H, q_len)
+    block_table, cache_seqlens, metadata, out, lse = decode_args(q, block_table, cache_seqlens, metadata, out)
     rows = q_len * H
     assert metadata.num_row_blocks == triton.cdiv(rows, metadata.block_h), "metadata is for another heads x q_len"
     assert page_size % metadata.block_n == 0, f"block_n {metadata.block_n} must divide the page size {page_size}"
     S = metadata.num_splits
-    if out is None:
-        out = torch.empty((B, q_len, H, KV_LORA_RANK), dtype=q.dtype, device=q.device)
-    assert out.shape == (B, q_len, H, KV_LORA_RANK) and out.stride(-1) == 1
-    lse = torch.empty((B, q_len, H), dtype=torch.float32, device=q.device)
     if B == 0:
         return (out, lse) if return_lse else out
     direct = S == 1

@@ -1,0 +1,213 @@
+"""FP8 MLA decode with a CUDA C++ split kernel (sm_90a, FP8 wgmma for both QK^T and PV).
+
+Same interface and result as :func:`sgl_kernel_ext.mla_decode.mla_decode_fp8`; only the split kernel differs
+(``sgl_kernel_ext/csrc/mla_fp8_decode_sm90.cu``, design in its header comment). The Q pre-pass, the launch plan
+(:func:`get_mla_decode_metadata`) and the split-KV combine kernel are the Triton ones from ``mla_decode``.
+
+The ``.cu`` is compiled on first use with nvcc into a shared library (no torch headers: a few seconds) cached
+under ``~/.cache/sglang_h20/`` keyed by a hash of the source and the flags, and called through ctypes on
+torch's current stream, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .mla_decode import (
+    HEAD_DIM_QK, KV_LORA_RANK, LOG2E, NUM_KV_SCALES, MLADecodeMetadata, _cache_views, _INTERPRETED,
+    _mla_fp8_combine_kernel, _quantize_q, decode_args,
+)
+
+__all__ = ["build", "available", "mla_decode_fp8_cuda", "source_path", "NVCC_FLAGS"]
+
+PAGE_SIZE = 64   # the kernel's KV tile is one page
+ROWS_PER_CTA = 64
+NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
+
+_lib = None
+_lib_error: str | None = None
+_POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up
+
+
+def source_path() -> Path:
+    """The kernel source: env SGLANG_H20_MLA_CU, else the package's csrc/ (installed with it as package data)."""
+    env = os.environ.get("SGLANG_H20_MLA_CU")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent / "csrc" / "mla_fp8_decode_sm90.cu"
+
+
+def _find_nvcc() -> str | None:
+    for cand in (os.environ.get("SGLANG_H20_NVCC"), shutil.which("nvcc"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"), "/usr/local/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _cutlass_include() -> str | None:
+    """CUTLASS headers (env SGLANG_H20_CUTLASS_INCLUDE, else flashinfer's copy). The kernel itself uses raw PTX
+    and needs none; the include path is passed when found so that a future CuTe version builds the same way."""
+    env = os.environ.get("SGLANG_H20_CUTLASS_INCLUDE")
+    if env:
+        return env
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("flashinfer")
+    except (ImportError, ValueError):
+        spec = None
+    if spec and spec.submodule_search_locations:
+        inc = Path(list(spec.submodule_search_locations)[0]) / "data" / "cutlass" / "include"
+        if inc.is_dir():
+            return str(inc)
+    return None
+
+
+def build(verbose: bool = True) -> Path:
+    """Compile the .cu (once per source/flags hash) and return the shared library's path."""
+    src = source_path()
+    if not src.is_file():
+        raise RuntimeError(f"MLA CUDA kernel source not found at {src} (set SGLANG_H20_MLA_CU)")
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin, or set SGLANG_H20_NVCC)")
+    flags = list(NVCC_FLAGS)
+    inc = _cutlass_include()
+    if inc:
+        flags += ["-I", inc]
+    text = src.read_bytes()
+    key = hashlib.sha256(text + "\0".join(flags).encode() + nvcc.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("SGLANG_H20_CACHE", Path.home() / ".cache" / "sglang_h20"))
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / f"mla_fp8_decode_sm90_{key}.so"
+    if out.is_file():
+        return out
+    if verbose:
+        print(f"[sgl_kernel_ext] compiling {src.name} with {nvcc} (once, ~10 s) ...", file=sys.stderr, flush=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [nvcc, *flags, str(src), "-o", tmp]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}\n{res.stderr}")
+    os.replace(tmp, out)  # atomic: concurrent builders each write their own temp file
+    if verbose:
+        print(f"[sgl_kernel_ext] built {out}", file=sys.stderr, flush=True)
+    return out
+
+
+def _load():
+    global _lib
+    if _lib is not None:
+        return _lib
+    lib = ctypes.CDLL(str(build()))
+    f = lib.mla_fp8_decode_sm90
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 5 + [ctypes.c_float,
+                                                                                         ctypes.c_void_p]
+    lib.mla_fp8_decode_sm90_error_string.restype = ctypes.c_char_p
+    lib.mla_fp8_decode_sm90_error_string.argtypes = [ctypes.c_int]
+    _lib = lib
+    return lib
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when the kernel can run here: a CUDA GPU of compute capability 9.0, nvcc, the source, a build."""
+    global _lib_error
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return False, f"needs sm_90 (Hopper), device is sm_{cap[0]}{cap[1]}"
+    if _lib_error is not None:
+        return False, _lib_error
+    try:
+        _load()
+    except (RuntimeError, OSError) as e:
+        _lib_error = f"build/load failed: {e}"
+        return False, _lib_error
+    return True, ""
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                        softmax_scale: float, metadata: MLADecodeMetadata | None = None, causal: bool = True,
+                        return_lse: bool = False, out: torch.Tensor | None = None):
+    """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`.
+
+    q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
+    int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows).
+    Returns out [B, q_len, H, 512] (q's dtype; bf16 written by the kernel) and, with return_lse, lse [B, q_len, H].
+    """
+    kv_data, kv_scales = _cache_views(*kv_cache)
+    B, q_len, H, D = q.shape
+    assert D == HEAD_DIM_QK, f"q last dim must be {HEAD_DIM_QK}, got {D}"
+    assert kv_data.shape[1] == PAGE_SIZE, f"the CUDA kernel needs page size {PAGE_SIZE}, got {kv_data.shape[1]}"
+    assert kv_data.stride(2) == 1 and kv_data.stride(1) == HEAD_DIM_QK and kv_data.stride(0) % 16 == 0, \
+        "kv_fp8 pages must hold 64 contiguous 576-byte tokens"
+    assert kv_scales.stride(2) == 1 and kv_scales.stride(1) == NUM_KV_SCALES and kv_scales.stride(0) % 4 == 0, \
+        "kv_scales pages must hold 64 contiguous (latent, rope) pairs"
+    assert kv_data.data_ptr() % 16 == 0 and kv_scales.data_ptr() % 16 == 0
+    assert q.is_cuda and kv_data.device == q.device
+    assert block_table.dim() == 2 and block_table.shape[0] >= B and cache_seqlens.numel() == B
+    block_table, cache_seqlens, metadata, out, lse = decode_args(q, block_table, cache_seqlens, metadata, out)
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    cache_seqlens = cache_seqlens.contiguous()
+    S = metadata.num_splits
+    rows = q_len * H
+    if B == 0:
+        return (out, lse) if return_lse else out
+    # the kernel writes bf16 with 4-byte stores; another dtype goes through a bf16 buffer
+    direct_out = out if (out.dtype == torch.bfloat16 and all(s % 2 == 0 for s in out.stride()[:3])
+                         and out.data_ptr() % 4 == 0) else torch.empty(out.shape, dtype=torch.bfloat16,
+                                                                         device=q.device)
+    direct = S == 1
+    if direct:
+        op = lp = None
+        sop, slp = (0, 0, 0), (0, 0)
+    else:
+        op = torch.empty((B, rows, S, KV_LORA_RANK), dtype=torch.float32, device=q.device)
+        lp = torch.empty((B, rows, S), dtype=torch.float32, device=q.device)
+        if _POISON_WORKSPACE:
+            op.fill_(float("nan"))
+            lp.fill_(float("nan"))
+        sop = (op.stride(0), op.stride(1), op.stride(2))
+        slp = (lp.stride(0), lp.stride(1))
+
+    q8, qs = _quantize_q(q)
+    lib = _load()
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    with torch.cuda.device(q.device):
+        err = lib.mla_fp8_decode_sm90(
+            _ptr(q8), _ptr(qs), _ptr(kv_data), _ptr(kv_scales), _ptr(block_table), _ptr(cache_seqlens),
+            _ptr(direct_out) if direct else 0, _ptr(lse) if direct else 0, _ptr(op), _ptr(lp),
+            kv_data.stride(0), kv_scales.stride(0), block_table.stride(0),
+            *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp,
+            B, H, q_len, S, int(bool(causal)), float(softmax_scale) * LOG2E, stream)
+    if err != 0:
+        msg = lib.mla_fp8_decode_sm90_error_string(err).decode()
+        raise RuntimeError(f"mla_fp8_decode_sm90 launch failed: {msg} (cudaError {err})")
+    if direct:
+        if direct_out is not out:
+            out.copy_(direct_out)
+    else:
+        _mla_fp8_combine_kernel[(rows, B)](
+            op, lp, cache_seqlens, out, lse, *sop, *slp,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            H, S, BLOCK_N=PAGE_SIZE, SPLITS_P2=max(1 << (S - 1).bit_length(), 2), DV=KV_LORA_RANK,
+            INTERPRET=_INTERPRETED, ROUND_BF16=False, num_warps=4,
+        )
+    return (out, lse) if return_lse else out
