@@ -68,6 +68,7 @@ def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int
         "release_atomics": len(re.findall(r"atom\.[\w.]*release", ptx)),
         "acquire_loads": len(re.findall(r"ld\.[\w.]*acquire", ptx)),
         "acquire_atomics": len(re.findall(r"atom\.[\w.]*acquire", ptx)),
+        "acq_rel_atomics": len(re.findall(r"atom\.[\w.]*acq_rel", ptx)),
         "f32_atomics": len(re.findall(r"(?:atom|red)\.[\w.]*f32", ptx)),
         "nanosleeps": ptx.count("nanosleep"),
     }
@@ -93,7 +94,7 @@ def gemm_variants():
 
     types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "indptr_ptr": "*i32",
              "masked_m_ptr": "*i32", "sig_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32", "ws_ptr": "*fp32",
-             "cmb_pair_ptr": "*i32", "cmb_w_ptr": "*fp32", "cmb_acc_ptr": "*fp32", "cmb_cnt_ptr": "*i32",
+             "cmb_pair_ptr": "*i32", "cmb_rowp_ptr": "*i32", "cmb_w_ptr": "*fp32", "cmb_cnt_ptr": "*i32",
              "cmb_out_ptr": "*bf16"}
     for swap, bt, sig, topk in ((True, 16, False, 0), (False, 64, False, 0), (True, 16, True, 0), (True, 16, False, 8)):
         const = dict(G=8, K=2048, LAYOUT=1, SWAP_AB=swap, BLOCK_N=128, BLOCK_T=bt, SPLIT_K=1, HAS_SIGNAL=sig,

@@ -43,10 +43,12 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     num_sms caps the persistent grid, to lend SMs to that consumer.
   * combine (masked / contiguous, SPLIT_K = 1; `EpilogueCombine`): the MoE combine in the epilogue,
     for one GPU, where a second kernel on lent SMs costs the bandwidth-bound GEMM more than the combine
-    itself. Each finished tile adds weight * row into an fp32 accumulator at its token (relaxed
-    atomics), then counts the contribution per (token, N-tile) with acq_rel after a CTA barrier; the
-    tile that brings a count to top_k writes that N-range of the token's bf16 output. No expert-ordered
-    output buffer is written or read again.
+    itself. Each finished tile stores its rows, then (CTA barrier) counts them per (token, N-tile) with
+    acq_rel; the tile that brings a count to top_k gathers that token's top_k rows of this N-range
+    (L2 reads of rows just written), sums them weighted in fp32 in slot order and writes the bf16
+    output: one integer atomic per row and tile, no float atomics, a deterministic sum. (The first
+    form added every element into an fp32 accumulator with float atomics: 2-4% slower than GEMM then
+    combine on the H200, 2026-11-29, benchmark/results/sbo/bench_sbo_fused_h200.json.)
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
 else the shipped python/sglang_h20/tables/grouped_gemm_<gpu>.json; H200 ships, measured) feeds
@@ -80,13 +82,13 @@ SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
 
 
 class EpilogueCombine(NamedTuple):
-    """The MoE combine done in the GEMM's epilogue: out[t] = sum_k weights[t*K + k] * weight_scale *
-    (GEMM row of pair t*K + k). acc (fp32 [T, N]) and counters (int32 [T, ceil(N / BLOCK_N)]) must be
-    zero before the launch; out is [T, N] bf16 with unit inner stride."""
+    """The MoE combine done in the GEMM's epilogue: out[t] = weight_scale * sum_k weights[t*K + k] * (GEMM
+    row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]) must be zero before
+    the launch; out is [T, N] bf16 with unit inner stride. The GEMM still writes its own out (the rows)."""
 
     pair_of_row: torch.Tensor  # int32 [rows]: the (token, slot) pair a GEMM row holds (masked: g * max_m + i)
+    row_of_pair: torch.Tensor  # int32 [T * top_k]: its inverse (flat row; masked: g * max_m + i)
     weights: torch.Tensor  # [T * top_k] router weights (fp32 or bf16)
-    acc: torch.Tensor
     counters: torch.Tensor
     out: torch.Tensor
     top_k: int
@@ -162,7 +164,7 @@ def _fp8_grouped_gemm_kernel(
     stride_og, stride_om, stride_on,
     stride_ws_split, stride_ws_row,
     sig_ptr, SIG_STRIDE,
-    cmb_pair_ptr, cmb_w_ptr, cmb_acc_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
+    cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
     G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
     COMBINE_TOPK: tl.constexpr = 0,
@@ -205,19 +207,29 @@ def _fp8_grouped_gemm_kernel(
                             stride_bsn, stride_bsk, KB_PER_SPLIT, SWAP_AB, BLOCK_N, BLOCK_T)
             o_mask = t_mask[:, None] & n_mask[None, :]
             if COMBINE_TOPK > 0:  # the MoE combine in the epilogue (EpilogueCombine)
+                o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+                tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+                tl.debug_barrier()  # every thread's rows precede the counts' release below
                 pair = tl.load(cmb_pair_ptr + g64 * MAX_M + rows, mask=t_mask, other=0)
                 tok = (pair // COMBINE_TOPK).to(tl.int64)
-                w = tl.load(cmb_w_ptr + pair, mask=t_mask, other=0.0).to(tl.float32) * cmb_w_scale
-                acc_ptrs = cmb_acc_ptr + tok[:, None] * N + offs_n[None, :]
-                tl.atomic_add(acc_ptrs, res * w[:, None], mask=o_mask, sem="relaxed")
-                tl.debug_barrier()  # every thread's adds precede the count's release below
                 old = tl.atomic_add(cmb_cnt_ptr + tok * n_tiles + n_tile, 1, mask=t_mask, sem="acq_rel")
-                last = t_mask & (old == COMBINE_TOPK - 1)  # this tile completed (token, N-tile): write it
-                tl.debug_barrier()
+                last = t_mask & (old == COMBINE_TOPK - 1)  # this tile completed (token, N-tile): gather it
+                tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
                 lm = last[:, None] & n_mask[None, :]
-                total = tl.load(acc_ptrs, mask=lm, other=0.0, cache_modifier=".cg")
+                total = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
+                for k in tl.static_range(COMBINE_TOPK):
+                    pk = tok * COMBINE_TOPK + k
+                    rk = tl.load(cmb_rowp_ptr + pk, mask=last, other=0).to(tl.int64)
+                    wk = tl.load(cmb_w_ptr + pk, mask=last, other=0.0).to(tl.float32)
+                    if LAYOUT == 1:  # masked: flat row g * MAX_M + i
+                        yk_ptrs = out_ptr + (rk // MAX_M) * stride_og + (rk % MAX_M) * stride_om
+                    else:
+                        yk_ptrs = out_ptr + rk * stride_om
+                    yk = tl.load(yk_ptrs[:, None] + offs_n[None, :] * stride_on, mask=lm, other=0.0,
+                                 cache_modifier=".cg")  # L2: rows other SMs just wrote
+                    total += yk.to(tl.float32) * wk[:, None]
                 tl.store(cmb_out_ptr + tok[:, None] * stride_cmb_om + offs_n[None, :],
-                         total.to(cmb_out_ptr.dtype.element_ty), mask=lm)
+                         (total * cmb_w_scale).to(cmb_out_ptr.dtype.element_ty), mask=lm)
             elif SPLIT_K == 1:
                 o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
                 tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -640,8 +652,9 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
         raise ValueError(f"combine: weights has {c.weights.numel()} entries, want tokens {t} x top_k {c.top_k}")
     if c.out.shape != (t, n) or c.out.stride(1) != 1:
         raise ValueError(f"combine: out must be [{t}, {n}] with unit inner stride, got {tuple(c.out.shape)}")
-    if c.acc.shape != (t, n) or c.acc.dtype != torch.float32 or not c.acc.is_contiguous():
-        raise ValueError(f"combine: acc must be contiguous fp32 [{t}, {n}], got {c.acc.dtype} {tuple(c.acc.shape)}")
+    if c.row_of_pair.dtype != torch.int32 or c.row_of_pair.numel() != t * c.top_k:
+        raise ValueError(f"combine: row_of_pair must be int32 [{t * c.top_k}], got {c.row_of_pair.dtype} "
+                         f"{tuple(c.row_of_pair.shape)}")
     if c.counters.shape != (t, tiles) or c.counters.dtype != torch.int32 or not c.counters.is_contiguous():
         raise ValueError(f"combine: counters must be contiguous int32 [{t}, {tiles}] (BLOCK_N {block_n}), got "
                          f"{c.counters.dtype} {tuple(c.counters.shape)}")
@@ -683,7 +696,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
                              f"{signal.dtype} {tuple(signal.shape)}")
     if combine is not None:
         _check_combine(combine, n, cfg["BLOCK_N"], split_k, signal)
-        cmb = (combine.pair_of_row, combine.weights, combine.acc, combine.counters, combine.out,
+        cmb = (combine.pair_of_row, combine.row_of_pair, combine.weights, combine.counters, combine.out,
                float(combine.weight_scale), combine.out.stride(0))
     else:
         cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
@@ -763,8 +776,8 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     rows while the GEMM still runs (sgl_kernel_ext.sbo). Pass the full config so BLOCK_T is known
     (`resolve_config`). Token tiles beyond signal.shape[1] are not signalled. num_sms: SMs the
     persistent grid may fill (default all), to leave some to a concurrent kernel.
-    combine (`EpilogueCombine`): do the MoE combine in the epilogue instead of storing out (out is then
-    not written); pass the full config so BLOCK_N is known for the counters.
+    combine (`EpilogueCombine`): also do the MoE combine in the epilogue (out still receives the rows); pass
+    the full config so BLOCK_N is known for the counters.
     """
     _check_operands(a, a_scale, b, b_scale, 2)
     groups, n, k = b.shape

@@ -303,9 +303,10 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     order (module doc). status: int32 [1] the caller may read later (1: a wait gave up, out is
     invalid; never cleared here). y: optional GEMM output buffer. spin_sleep_ns: the consumer's pause
     between polls (see DEFAULT_SPIN_SLEEP_NS). fused=True: the combine runs in the GEMM's epilogue
-    (grouped_gemm_fp8.EpilogueCombine; one kernel on every SM, no y written, overlap ignored), the
-    one-GPU form: there, lending SMs to a second kernel costs the bandwidth-bound GEMM as much as the
-    combine takes (H200, 2026-11-29: 3-5% of the GEMM against a 12-21 us combine).
+    (grouped_gemm_fp8.EpilogueCombine: the tile that completes a token's N-range gathers its top_k rows;
+    one kernel on every SM, overlap ignored, a deterministic slot-order sum), the one-GPU form: there,
+    lending SMs to a second kernel costs the bandwidth-bound GEMM as much as the combine takes (H200,
+    2026-11-29: 3-5% of the GEMM against a 12-21 us combine).
     """
     num_tokens = topk_weights.shape[0]
     e, hdim, inter = w2.shape
@@ -320,17 +321,18 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     variant, cfg = gg.resolve_config(variant, config, m_hint, hdim, inter, e, lay, sms)
     bt, bn = cfg["BLOCK_T"], cfg["BLOCK_N"]
     if fused:
-        ws = workspace(layout, num_tokens, hdim, bt, q.device, block_h=bn)  # acc + counts per (token, N-tile)
-        cmb = gg.EpilogueCombine(layout.pair_of_row, topk_weights.reshape(-1), ws.acc, ws.counters, out,
+        if y is None:
+            shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
+            y = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
+        counters = torch.zeros(num_tokens, triton.cdiv(hdim, bn), dtype=torch.int32, device=q.device)
+        cmb = gg.EpilogueCombine(layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), counters, out,
                                  layout.top_k, weight_scale)
-        shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
-        unwritten = out.new_empty(1).expand(shape)  # the GEMM's own output is never stored
         if layout.masked:
-            gg.m_grouped_fp8_gemm_nt_masked(q, q_scale, w2, w2_scale, layout.masked_m, out=unwritten,
-                                            variant=variant, config=cfg, combine=cmb)
+            gg.m_grouped_fp8_gemm_nt_masked(q, q_scale, w2, w2_scale, layout.masked_m, out=y, variant=variant,
+                                            config=cfg, combine=cmb)
         else:
-            gg.m_grouped_fp8_gemm_nt_contiguous(q, q_scale, w2, w2_scale, layout.m_indptr, out=unwritten,
-                                                variant=variant, config=cfg, combine=cmb)
+            gg.m_grouped_fp8_gemm_nt_contiguous(q, q_scale, w2, w2_scale, layout.m_indptr, out=y, variant=variant,
+                                                config=cfg, combine=cmb)
         return out
     if y is None:
         shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)

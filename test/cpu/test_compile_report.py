@@ -60,8 +60,9 @@ def test_grouped_gemm_and_sbo_kernels_compile_with_their_signals(report):
     # the SBO contract: the GEMM publishes with a release atomic only when asked, the combine polls with
     # acquire atomics only when it waits, and accumulates with fp32 atomics
     assert [r["release_atomics"] for r in gemms.values()] == [0, 0, 1, 0], gemms
-    # the combine in the GEMM's epilogue (one GPU): fp32 atomics into the token rows, none elsewhere
-    assert [r["f32_atomics"] >= 1 for r in gemms.values()] == [False, False, False, True], gemms
+    # the combine in the GEMM's epilogue (one GPU): one acq_rel count per row and tile, no float atomics
+    assert [r["acq_rel_atomics"] >= 1 for r in gemms.values()] == [False, False, False, True], gemms
+    assert all(r["f32_atomics"] == 0 for r in gemms.values()), gemms
     assert [rep[n]["acquire_atomics"] >= 1 for n in combines] == [True, True, False], {n: rep[n] for n in combines}
     assert all(rep[n]["f32_atomics"] >= 1 for n in combines), {n: rep[n] for n in combines}
     # and pauses between polls (the back-off that keeps it from taking the GEMM's issue slots)

@@ -93,9 +93,11 @@ def _ep_size() -> int:
 
 
 COMBINE_MODES = ("fused", "overlap", "serial")
-# How the hook combines on one GPU: in the down GEMM's epilogue. A consumer on a second stream needs SMs lent
-# by the GEMM, which streams weights at full bandwidth on every SM: on the H200 that cost 3-5% of the GEMM,
-# as much as the whole combine (benchmark/results/sbo/bench_sbo_h200.json, 2026-11-29).
+# How the hook combines on one GPU: in the down GEMM's epilogue (the tile completing a token's N-range gathers
+# its rows). A consumer on a second stream needs SMs lent by the GEMM, which streams weights at full bandwidth on
+# every SM: on the H200 that cost 3-5% of the GEMM, as much as the whole combine (bench_sbo_h200.json); the first
+# epilogue form (float atomics) was slower still (bench_sbo_fused_h200.json). The gather form does less work
+# than GEMM-then-combine (no second kernel, the rows re-read from L2) but is not measured yet.
 ONE_GPU_COMBINE = "fused"
 
 
