@@ -602,3 +602,18 @@ def test_gpu_decode_and_mla_prefill_with_real_kernels():
     check_decode(b, be.forward(q, k, k[..., :512], lyr, fbatch), q, lyr)
     b2 = Batch([200, 64, 90], heads=128, seed=6, context=1024, pages=40)
     check_mla_extend(b2, b2.backend(), prefix=[150, 0, 89], new=[50, 64, 1], lyr=layer(0, heads=128))
+
+
+def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
+    """The CUDA kernel where it can run, else the Triton one, with why (here: no CUDA device, or a failed build)."""
+    mla = importlib.import_module("sgl_kernel_ext.mla_decode")
+    cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+    fn, what = fb.decode_kernel()
+    if not torch.cuda.is_available():
+        assert fn is mla.mla_decode_fp8 and what.startswith("Triton") and "no CUDA device" in what
+    monkeypatch.setattr(cu, "available", lambda: (False, "build/load failed: nvcc not found\nmore"))
+    fn, what = fb.decode_kernel()
+    assert fn is mla.mla_decode_fp8 and "nvcc not found" in what and "more" not in what
+    monkeypatch.setattr(cu, "available", lambda: (True, ""))
+    fn, what = fb.decode_kernel()
+    assert fn is cu.mla_decode_fp8_cuda and what.startswith("CUDA")

@@ -17,7 +17,8 @@ token, KV_BYTES_PER_TOKEN = 576 + 4 * NUM_KV_SCALES bytes per token per layer (5
 SGLang's pool sizing is told the same number through calculate_mla_kv_cache_dim. Every write quantizes only the
 new tokens.
 
-Decode: block tables from req_to_token (page 64), as upstream flashmla builds them, and mla_decode_fp8. The
+Decode: block tables from req_to_token (page 64), as upstream flashmla builds them, and the decode kernel
+(`decode_kernel`: the CUDA one where it builds on sm_90, else mla_decode_fp8, the Triton one). The
 split plan is computed in init_forward_metadata from a known max length (no device sync); under CUDA graphs
 the block table and lengths live in static buffers refreshed before each replay, and each captured batch
 size keeps the plan chosen at capture from the model's context length (the kernel cuts each sequence by its
@@ -68,6 +69,21 @@ def _kernel():
     """sgl_kernel_ext.mla_decode, imported on first use: parsing the CLI must not depend on the kernel importing
     (the feature's guard reports that case)."""
     return importlib.import_module("sgl_kernel_ext.mla_decode")
+
+
+def decode_kernel():
+    """(decode function, what it is): the CUDA split kernel (FP8 wgmma for QK^T and PV; 1.8x the Triton one on
+    the H200) where it builds and runs here (sm_90, nvcc), else the Triton kernel. Same arguments, format and
+    plan; the choice is logged once per process."""
+    mla = _kernel()
+    try:
+        cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+        ok, why = cu.available()
+    except Exception as e:  # an import error must not take the Triton path down with it
+        ok, why = False, f"{type(e).__name__}: {e}"
+    if ok:
+        return cu.mla_decode_fp8_cuda, "CUDA (sm_90a, FP8 QK and PV)"
+    return mla.mla_decode_fp8, f"Triton (CUDA kernel unavailable: {why.splitlines()[0][:160] if why else '?'})"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -337,6 +353,8 @@ class FP8MLABackend(AttentionBackend):
         super().__init__()
         self.mla = _kernel()
         assert (self.mla.KV_LORA_RANK, self.mla.HEAD_DIM_QK) == (KV_LORA_RANK, HEAD_DIM_QK)
+        self._decode_fp8, what = decode_kernel()
+        log.info("%s: decode kernel %s", NAME, what)
         mc = model_runner.model_config
         if num_heads is None:
             from sglang.srt.runtime_context import get_parallel
@@ -450,8 +468,8 @@ class FP8MLABackend(AttentionBackend):
         m = self.decode
         heads = layer.tp_q_head_num
         q = q.view(m.cache_seqlens.shape[0], 1, heads, HEAD_DIM_QK)
-        o = self.mla.mla_decode_fp8(q, self.token_to_kv_pool.kv_cache(layer.layer_id), m.block_table, m.cache_seqlens,
-                                    layer.scaling, m.plan)
+        o = self._decode_fp8(q, self.token_to_kv_pool.kv_cache(layer.layer_id), m.block_table, m.cache_seqlens,
+                             layer.scaling, m.plan)
         return o.view(-1, heads * KV_LORA_RANK)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
