@@ -28,7 +28,7 @@ setup(
     packages=sorted(PACKAGES),
     package_dir=PACKAGES,
     package_data={"sglang_h20": ["tables/*.json", "nightly/configs/*.toml"],
-                  "sgl_kernel_ext": ["csrc/*.cu"]},  # compiled at first use (mla_decode_cuda.py)
+                  "sgl_kernel_ext": ["csrc/*.cu", "csrc/*.cuh"]},  # compiled at first use (mla_decode_cuda.py)
     install_requires=["sglang==0.5.17"],
     entry_points={
         "sglang.srt.plugins": ["sglang_h20 = sglang_h20.plugin:load"],

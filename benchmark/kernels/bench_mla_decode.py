@@ -9,6 +9,8 @@ reason, never silently dropped):
   ours-cuda          sgl_kernel_ext.mla_decode_cuda: the same format, plan and Q pre-pass, the split kernel in
                      CUDA C++ (FP8 wgmma for QK and PV, V transposed in shared memory); built with nvcc on
                      first use (outside the timed region); "unavailable" with the reason when it cannot run.
+  ours-cuda-v2       the same with version 2 of the split kernel (csrc/mla_fp8_decode_sm90_v2.cu: warp-specialized
+                     seesaw, a loader warpgroup and two math warpgroups owning alternate KV tiles).
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
                      (1152 B/token), metadata get_mla_metadata(seqlens, q_len*H, 1) outside the timed region.
   flashmla-fp8       the same entry with FP8 q and cache as SGLang's flashmla backend calls it: per-tensor
@@ -153,14 +155,14 @@ def make_ours(torch, mla, sets, ctx, name, cfg=None):
     return [call(i) for i in range(len(sets))], (lambda: outs[0]), info
 
 
-def make_ours_cuda(torch, mla, sets, ctx):
-    """The CUDA split kernel, timed exactly like "ours" (metadata outside, Q pre-pass inside)."""
+def make_ours_cuda(torch, mla, sets, ctx, version=1):
+    """The CUDA split kernel (`version` 1 or 2), timed exactly like "ours" (metadata outside, Q pre-pass inside)."""
     try:
         import importlib
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
     except Exception as e:
         raise Unavailable(f"sgl_kernel_ext.mla_decode_cuda does not import ({type(e).__name__}: {e})")
-    ok, why = cu.available()
+    ok, why = cu.available(version)
     if not ok:
         raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
     metas = [mla.get_mla_decode_metadata(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=ctx)
@@ -170,8 +172,9 @@ def make_ours_cuda(torch, mla, sets, ctx):
     def call(i):
         s = sets[i]
         return lambda: cu.mla_decode_fp8_cuda(s["q"], s["kv_cache"], s["block_table"], s["cache_seqlens"],
-                                              s["softmax_scale"], metas[i], out=outs[i])
-    info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits}
+                                              s["softmax_scale"], metas[i], out=outs[i], version=version)
+    info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
+            "kernel_version": version}
     return [call(i) for i in range(len(sets))], (lambda: outs[0]), info
 
 
@@ -394,6 +397,8 @@ def main(argv=None) -> int:
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
         elif p == "ours-cuda":
             providers.append((p, lambda sets, ctx: make_ours_cuda(torch, mla, sets, ctx)))
+        elif p == "ours-cuda-v2":
+            providers.append((p, lambda sets, ctx: make_ours_cuda(torch, mla, sets, ctx, version=2)))
         elif p == "flashmla-bf16":
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
         elif p == "flashmla-fp8":

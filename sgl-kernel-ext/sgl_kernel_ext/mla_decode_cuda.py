@@ -4,6 +4,15 @@ Same interface and result as :func:`sgl_kernel_ext.mla_decode.mla_decode_fp8`; o
 (``sgl_kernel_ext/csrc/mla_fp8_decode_sm90.cu``, design in its header comment). The Q pre-pass, the launch plan
 (:func:`get_mla_decode_metadata`) and the split-KV combine kernel are the Triton ones from ``mla_decode``.
 
+Two versions of the split kernel, same launcher signature and results (``version=`` of :func:`build`,
+:func:`available`, :func:`mla_decode_fp8_cuda`):
+
+- 1 (default): ``mla_fp8_decode_sm90.cu``, two warpgroups in lockstep (measured on the H200, 45 GPU tests).
+- 2: ``mla_fp8_decode_sm90_v2.cu``, warp-specialized "seesaw": the two math warpgroups own alternate KV tiles for
+  QK^T + softmax (independent softmax chains merged per tile) while a loader warpgroup streams K tiles, so one
+  warpgroup's softmax overlaps the other's tensor-core work (v1 leaves the tensor cores idle for most of each tile).
+  Exists because v1 runs at 0.53-0.66x FlashMLA BF16; v2 is compiled and checked without a GPU only so far.
+
 The ``.cu`` is compiled on first use with nvcc into a shared library (no torch headers: a few seconds) cached
 under ``~/.cache/sglang_h20/`` keyed by a hash of the source and the flags, and called through ctypes on
 torch's current stream, so it can be captured in a CUDA graph.
@@ -26,23 +35,34 @@ from .mla_decode import (
     _mla_fp8_combine_kernel, _quantize_q, decode_args,
 )
 
-__all__ = ["build", "available", "mla_decode_fp8_cuda", "source_path", "NVCC_FLAGS"]
+__all__ = ["build", "available", "mla_decode_fp8_cuda", "source_path", "NVCC_FLAGS", "VERSIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64
 NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 
-_lib = None
-_lib_error: str | None = None
+VERSIONS = (1, 2)
+_SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
+            2: ("SGLANG_H20_MLA_CU_V2", "mla_fp8_decode_sm90_v2.cu")}
+_libs: dict[int, ctypes.CDLL] = {}
+_lib_errors: dict[int, str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up
 
 
-def source_path() -> Path:
-    """The kernel source: env SGLANG_H20_MLA_CU, else the package's csrc/ (installed with it as package data)."""
-    env = os.environ.get("SGLANG_H20_MLA_CU")
+def _check_version(version: int) -> int:
+    if version not in VERSIONS:
+        raise ValueError(f"unknown MLA CUDA kernel version {version!r} (have {VERSIONS})")
+    return version
+
+
+def source_path(version: int = 1) -> Path:
+    """The kernel source: env SGLANG_H20_MLA_CU (version 1) / SGLANG_H20_MLA_CU_V2 (version 2), else the
+    package's csrc/ (installed with it as package data)."""
+    env_name, fname = _SOURCES[_check_version(version)]
+    env = os.environ.get(env_name)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent / "csrc" / "mla_fp8_decode_sm90.cu"
+    return Path(__file__).resolve().parent / "csrc" / fname
 
 
 def _find_nvcc() -> str | None:
@@ -71,11 +91,11 @@ def _cutlass_include() -> str | None:
     return None
 
 
-def build(verbose: bool = True) -> Path:
-    """Compile the .cu (once per source/flags hash) and return the shared library's path."""
-    src = source_path()
+def build(verbose: bool = True, version: int = 1) -> Path:
+    """Compile the .cu of `version` (once per source/flags hash) and return the shared library's path."""
+    src = source_path(version)
     if not src.is_file():
-        raise RuntimeError(f"MLA CUDA kernel source not found at {src} (set SGLANG_H20_MLA_CU)")
+        raise RuntimeError(f"MLA CUDA kernel source not found at {src} (set {_SOURCES[version][0]})")
     nvcc = _find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin, or set SGLANG_H20_NVCC)")
@@ -83,11 +103,11 @@ def build(verbose: bool = True) -> Path:
     inc = _cutlass_include()
     if inc:
         flags += ["-I", inc]
-    text = src.read_bytes()
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.cuh")))  # + the shared header
     key = hashlib.sha256(text + "\0".join(flags).encode() + nvcc.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("SGLANG_H20_CACHE", Path.home() / ".cache" / "sglang_h20"))
     cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"mla_fp8_decode_sm90_{key}.so"
+    out = cache / f"{src.stem}_{key}.so"
     if out.is_file():
         return out
     if verbose:
@@ -105,36 +125,37 @@ def build(verbose: bool = True) -> Path:
     return out
 
 
-def _load():
-    global _lib
-    if _lib is not None:
-        return _lib
-    lib = ctypes.CDLL(str(build()))
+def _load(version: int = 1):
+    lib = _libs.get(_check_version(version))
+    if lib is not None:
+        return lib
+    lib = ctypes.CDLL(str(build(version=version)))
     f = lib.mla_fp8_decode_sm90
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 5 + [ctypes.c_float,
                                                                                          ctypes.c_void_p]
     lib.mla_fp8_decode_sm90_error_string.restype = ctypes.c_char_p
     lib.mla_fp8_decode_sm90_error_string.argtypes = [ctypes.c_int]
-    _lib = lib
+    _libs[version] = lib
     return lib
 
 
-def available() -> tuple[bool, str]:
-    """(True, "") when the kernel can run here: a CUDA GPU of compute capability 9.0, nvcc, the source, a build."""
-    global _lib_error
+def available(version: int = 1) -> tuple[bool, str]:
+    """(True, "") when kernel `version` can run here: a CUDA GPU of compute capability 9.0, nvcc, the source, a
+    build."""
+    _check_version(version)
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     cap = torch.cuda.get_device_capability()
     if cap != (9, 0):
         return False, f"needs sm_90 (Hopper), device is sm_{cap[0]}{cap[1]}"
-    if _lib_error is not None:
-        return False, _lib_error
+    if version in _lib_errors:
+        return False, _lib_errors[version]
     try:
-        _load()
+        _load(version)
     except (RuntimeError, OSError) as e:
-        _lib_error = f"build/load failed: {e}"
-        return False, _lib_error
+        _lib_errors[version] = f"build/load failed: {e}"
+        return False, _lib_errors[version]
     return True, ""
 
 
@@ -144,13 +165,15 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                         softmax_scale: float, metadata: MLADecodeMetadata | None = None, causal: bool = True,
-                        return_lse: bool = False, out: torch.Tensor | None = None):
-    """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`.
+                        return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1):
+    """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`; `version` picks the split
+    kernel (1 or 2, see the module docstring).
 
     q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
     int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows).
     Returns out [B, q_len, H, 512] (q's dtype; bf16 written by the kernel) and, with return_lse, lse [B, q_len, H].
     """
+    _check_version(version)
     kv_data, kv_scales = _cache_views(*kv_cache)
     B, q_len, H, D = q.shape
     assert D == HEAD_DIM_QK, f"q last dim must be {HEAD_DIM_QK}, got {D}"
@@ -188,7 +211,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
         slp = (lp.stride(0), lp.stride(1))
 
     q8, qs = _quantize_q(q)
-    lib = _load()
+    lib = _load(version)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.mla_fp8_decode_sm90(

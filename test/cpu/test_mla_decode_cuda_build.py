@@ -1,5 +1,6 @@
-"""The CUDA MLA decode kernel compiles for sm_90a without a GPU: no spills, no stack frame, no wgmma
-serialization warning, and FP8 wgmma (QGMMA) in the SASS. Skipped (with the reason) where nvcc is missing."""
+"""The CUDA MLA decode kernels (version 1 and 2 of the split kernel) compile for sm_90a without a GPU: no spills,
+no stack frame, no wgmma serialization warning, and FP8 wgmma (QGMMA) in the SASS with the expected shapes.
+Skipped (with the reason) where nvcc is missing."""
 from __future__ import annotations
 
 import importlib
@@ -12,6 +13,14 @@ from pathlib import Path
 import pytest
 
 cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+
+# QGMMA instructions in the SASS per version: (shape, count).
+# v1: QK^T m64n32k32 x 18 (16 latent + 2 rope), PV m64n128k32 x 4 (2 halves x 2 k-steps).
+# v2: QK^T m64n64k32 x 18; PV m64n128k32 x 8 (the per-tile P'V is inlined twice: own tile and the other WG's).
+EXPECTED_QGMMA = {
+    1: {"QGMMA.64x32x32.F32.E4M3.E4M3": 18, "QGMMA.64x128x32.F32.E4M3.E4M3": 4},
+    2: {"QGMMA.64x64x32.F32.E4M3.E4M3": 18, "QGMMA.64x128x32.F32.E4M3.E4M3": 8},
+}
 
 
 def _cuobjdump() -> str | None:
@@ -27,24 +36,25 @@ def _cuobjdump() -> str | None:
     return next((str(c) for c in cands if c.is_file()), None)
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+@pytest.fixture(scope="module", params=cu.VERSIONS, ids=[f"v{v}" for v in cu.VERSIONS])
+def compiled(request, tmp_path_factory):
+    version = request.param
     nvcc = cu._find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found")
-    src = cu.source_path()
+    src = cu.source_path(version)
     if not src.is_file():
         pytest.skip(f"kernel source missing: {src}")
-    obj = tmp_path_factory.mktemp("mla_cuda") / "mla.o"
+    obj = tmp_path_factory.mktemp(f"mla_cuda_v{version}") / "mla.o"
     flags = [f for f in cu.NVCC_FLAGS if f not in ("-shared", "-Xcompiler", "-fPIC")]
     res = subprocess.run([nvcc, *flags, "-Xptxas", "-v", "-c", str(src), "-o", str(obj)],
                          capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
-    return obj, res.stdout + res.stderr
+    return version, obj, res.stdout + res.stderr
 
 
 def test_ptxas_report(compiled):
-    _, log = compiled
+    _, _, log = compiled
     print(log)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
     assert "serialized" not in log, "ptxas serialized the wgmma pipeline:\n" + log
@@ -53,11 +63,13 @@ def test_ptxas_report(compiled):
 
 
 def test_sass_has_fp8_wgmma(compiled):
-    obj, _ = compiled
+    version, obj, _ = compiled
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found")
     sass = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, timeout=120).stdout
-    qk = sass.count("QGMMA.64x32x32.F32.E4M3.E4M3")
-    pv = sass.count("QGMMA.64x128x32.F32.E4M3.E4M3")
-    assert qk == 18 and pv == 4, f"QK^T wgmmas {qk} (want 18 = 16 latent + 2 rope), PV {pv} (want 2 halves x 2)"
+    got = {shape: sass.count(shape) for shape in EXPECTED_QGMMA[version]}
+    assert got == EXPECTED_QGMMA[version], f"v{version}: QGMMA counts {got}, want {EXPECTED_QGMMA[version]}"
+    if version == 2:  # warp specialization: the register split and no local memory in the math warpgroups
+        assert "USETMAXREG" in sass, "v2: setmaxnreg missing from the SASS"
+        assert not re.search(r"\b(STL|LDL)\b", sass), "v2: local memory traffic in the SASS"

@@ -1,4 +1,5 @@
-"""The CUDA C++ FP8 MLA decode kernel (sgl_kernel_ext.mla_decode_cuda) on a Hopper GPU.
+"""The CUDA C++ FP8 MLA decode kernel (sgl_kernel_ext.mla_decode_cuda) on a Hopper GPU, both versions of the split
+kernel (1: lockstep warpgroups, 2: warp-specialized seesaw) through the `version` fixture, same bounds.
 
 Same inputs and error metric as test_mla_decode_fp8_gpu.py (rel = ||out - ref||_F / ||ref||_F, DeepSeek-like
 latent rows with outlier channels, pages shuffled, every slot past a sequence's end NaN-poisoned). Outputs start
@@ -25,7 +26,7 @@ cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
-_ok, _why = cu.available()
+_ok, _why = cu.available(1)
 if not _ok:
     pytest.skip(f"CUDA MLA kernel unavailable: {_why}", allow_module_level=True)
 
@@ -37,7 +38,16 @@ def _poison_workspace(monkeypatch):
     monkeypatch.setattr(cu, "_POISON_WORKSPACE", True)
 
 
-def run_case(lens, heads, q_len, *, seed=0, num_splits=None):
+@pytest.fixture(params=cu.VERSIONS, ids=[f"v{v}" for v in cu.VERSIONS])
+def version(request):
+    """Every test runs on each kernel version; one whose build fails is skipped with the reason."""
+    ok, why = cu.available(request.param)
+    if not ok:
+        pytest.skip(f"CUDA MLA kernel v{request.param} unavailable: {why}")
+    return request.param
+
+
+def run_case(lens, heads, q_len, *, version, seed=0, num_splits=None):
     d = mla.make_mla_inputs(lens, heads, q_len, 64, device="cuda", seed=seed, **DEEPSEEK_LIKE)
     meta = mla.get_mla_decode_metadata(d["cache_seqlens"], heads, q_len)
     if num_splits is not None:
@@ -45,7 +55,7 @@ def run_case(lens, heads, q_len, *, seed=0, num_splits=None):
     B = len(lens)
     out = torch.full((B, q_len, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     o, lse = cu.mla_decode_fp8_cuda(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"],
-                                    d["softmax_scale"], meta, return_lse=True, out=out)
+                                    d["softmax_scale"], meta, return_lse=True, out=out, version=version)
     torch.cuda.synchronize()
     args = (d["block_table"], d["cache_seqlens"], d["softmax_scale"])
     ref, ref_lse = mla.mla_decode_reference(d["q"], d["kv_cache"], *args)
@@ -72,33 +82,35 @@ GRID = [(h, t, b, s) for h in (16, 128) for t in (1, 2) for b in (1, 3, 64) for 
 
 @pytest.mark.parametrize("heads,q_len,batch,splits", GRID,
                          ids=[f"H{h}_T{t}_B{b}_S{s or 'auto'}" for h, t, b, s in GRID])
-def test_shapes(heads, q_len, batch, splits):
+def test_shapes(heads, q_len, batch, splits, version):
     lens = lengths(batch, 4097 if batch < 64 else 1000, seed=batch + heads)
     if splits is None and batch < 64:
         splits = 5  # force split-KV on small batches whatever the plan says
-    o, lse, ref, ref_lse, exact, meta, _ = run_case(lens, heads, q_len, seed=heads + q_len + batch, num_splits=splits)
+    o, lse, ref, ref_lse, exact, meta, _ = run_case(lens, heads, q_len, seed=heads + q_len + batch, num_splits=splits,
+                                                    version=version)
     check(o, lse, ref, ref_lse, exact, f"H={heads} q_len={q_len} B={batch} splits={meta.num_splits}")
 
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (16, 2), (128, 1), (128, 2)])
-def test_odd_lengths_mixed(heads, q_len, splits):
+def test_odd_lengths_mixed(heads, q_len, splits, version):
     lens = [1, 63, 64, 65, 1000, 4097, 2, 127, 129]
-    o, lse, ref, ref_lse, exact, meta, _ = run_case(lens, heads, q_len, seed=heads * 3 + q_len, num_splits=splits)
+    o, lse, ref, ref_lse, exact, meta, _ = run_case(lens, heads, q_len, seed=heads * 3 + q_len, num_splits=splits,
+                                                    version=version)
     check(o, lse, ref, ref_lse, exact, f"odd lengths H={heads} q_len={q_len} splits={splits}",
           exact_bound=3.5e-2, ref_bound=2.5e-2)
 
 
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 1000, 4097])
-def test_single_lengths(length):
+def test_single_lengths(length, version):
     for splits in (1, 4):
-        o, lse, ref, ref_lse, exact, _, _ = run_case([length], 128, 1, seed=length, num_splits=splits)
+        o, lse, ref, ref_lse, exact, _, _ = run_case([length], 128, 1, seed=length, num_splits=splits, version=version)
         check(o, lse, ref, ref_lse, exact, f"length {length} splits={splits}", exact_bound=3.5e-2, ref_bound=2.5e-2)
 
 
 @pytest.mark.parametrize("q_len", [3, 4])
-def test_mtp(q_len):
-    o, lse, ref, ref_lse, exact, meta, _ = run_case(lengths(4, 2048, q_len), 128, q_len, seed=q_len)
+def test_mtp(q_len, version):
+    o, lse, ref, ref_lse, exact, meta, _ = run_case(lengths(4, 2048, q_len), 128, q_len, seed=q_len, version=version)
     check(o, lse, ref, ref_lse, exact, f"q_len={q_len} splits={meta.num_splits}")
 
 
@@ -142,28 +154,29 @@ def emulate(d, causal=True):
 
 
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 1), (128, 2)])
-def test_matches_emulation(heads, q_len):
+def test_matches_emulation(heads, q_len, version):
     lens = [1, 63, 64, 65, 1000, 4097, 300]
     d = mla.make_mla_inputs(lens, heads, q_len, 64, device="cuda", seed=3 + heads + q_len, **DEEPSEEK_LIKE)
     meta = mla.get_mla_decode_metadata(d["cache_seqlens"], heads, q_len)
     meta = type(meta)(**{**meta.__dict__, "num_splits": 1})
-    o = cu.mla_decode_fp8_cuda(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"], meta)
+    o = cu.mla_decode_fp8_cuda(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"], meta,
+                               version=version)
     emu = emulate(d)
     e, worst = rel(o, emu), row_rel(o, emu).max().item()
     print(f"\nemulation H={heads} q_len={q_len}: rel {e:.2e}, worst row {worst:.2e}")
     assert e <= 8e-3 and worst <= 5e-2  # measured 2-4e-3, worst rows 1.3-2.1e-2 (FP8 MMA accumulation, P flips)
 
 
-def test_matches_triton():
+def test_matches_triton(version):
     lens = lengths(8, 3000, 5)
     d = mla.make_mla_inputs(lens, 128, 1, 64, device="cuda", seed=11, **DEEPSEEK_LIKE)
     args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"])
-    a = cu.mla_decode_fp8_cuda(*args)
+    a = cu.mla_decode_fp8_cuda(*args, version=version)
     b = mla.mla_decode_fp8(*args)
     assert rel(a, b) <= 2.5e-2
 
 
-def test_cuda_graph_replay():
+def test_cuda_graph_replay(version):
     """Captured with a fixed plan (max_seqlen given: no host sync); replays equal eager runs."""
     d = mla.make_mla_inputs([3000, 100, 2048, 700], 128, 1, 64, device="cuda", seed=21, **DEEPSEEK_LIKE)
     q, kv, bt, sl = d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"].clone()
@@ -171,17 +184,17 @@ def test_cuda_graph_replay():
         meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 128, 1, max_seqlen=max_seqlen)
         out = torch.empty(4, 1, 128, 512, dtype=torch.bfloat16, device="cuda")
         sl.copy_(torch.tensor([3000, 100, 2048, 700], dtype=torch.int32))
-        cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out)  # build + warm outside
+        cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=version)  # build + warm
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out)
+            cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=version)
         for lens in ([3000, 100, 2048, 700], [2999, 1, 1500, 64]):
             sl.copy_(torch.tensor(lens, dtype=torch.int32))
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            eager = cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta)
+            eager = cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, version=version)
             torch.cuda.synchronize()
             assert torch.isfinite(out.float()).all()
             assert torch.equal(out, eager), f"replay != eager (splits={meta.num_splits}, lens={lens})"

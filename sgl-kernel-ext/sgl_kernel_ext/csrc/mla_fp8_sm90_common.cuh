@@ -1,0 +1,329 @@
+// Shared by the FP8 MLA decode kernels (mla_fp8_decode_sm90.cu, mla_fp8_decode_sm90_v2.cu): the launch
+// parameters, the PTX wrappers both use (shared-memory addresses, the K-major 64-byte-swizzle layout and its
+// wgmma descriptor, cp.async, wgmma fences/commits/waits, named barriers, exp2, e4m3 packing, the byte-permute
+// 4x4 transpose, the m64n128k32 FP8 wgmma) and the host launcher behind each version's extern "C" entry.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace mla_fp8_common {
+
+struct Params {
+  const uint8_t* q8;
+  const float* qs;
+  const uint8_t* kv;
+  const float* kvs;
+  const int* block_table;
+  const int* seqlens;
+  __nv_bfloat16* out;
+  float* lse;
+  float* op;
+  float* lp;
+  long long kv_page_stride;   // bytes between pages (tokens 576 B apart, channels contiguous)
+  long long kvs_page_stride;  // floats between pages of the scales (tokens 2 floats apart)
+  long long bt_stride;
+  long long out_sb, out_st, out_sh;  // elements
+  long long lse_sb, lse_st;
+  long long op_sb, op_sr, op_ss;
+  long long lp_sb, lp_sr;
+  int num_heads, num_rows, q_len, num_splits, causal;
+  float qk_scale;  // softmax_scale * log2(e)
+};
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// byte offset of (row, byte k in 0..63) inside an SW64 K block
+__device__ __forceinline__ uint32_t sw64(int row, int k) {
+  return (row >> 3) * 512 + (row & 7) * 64 + ((((k >> 4) ^ ((row & 7) >> 1)) & 3) << 4) + (k & 15);
+}
+
+// wgmma descriptor: K-major, 64-byte swizzle, SBO 512 B (8-row groups), LBO unused (1)
+__device__ __forceinline__ uint64_t desc_sw64(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(512 >> 4) << 32) | (static_cast<uint64_t>(2) << 62);
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float* r) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// two fp32 -> two e4m3 (round to nearest even, saturating): lo -> byte 0, hi -> byte 1
+__device__ __forceinline__ uint16_t to_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// 4x4 byte transpose: x[i] byte j -> y[j] byte i. sa/sb (first stage) swap the rows of each input pair when the
+// caller loaded them swapped; ta/tb (second stage) swap the outputs of each pair (y0<->y1, y2<->y3).
+__device__ __forceinline__ void transpose4(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3, uint32_t sa,
+                                           uint32_t sb, uint32_t ta, uint32_t tb, uint32_t* y) {
+  const uint32_t t0 = prmt(x0, x1, sa), t1 = prmt(x0, x1, sb);
+  const uint32_t t2 = prmt(x2, x3, sa), t3 = prmt(x2, x3, sb);
+  y[0] = prmt(t0, t2, ta);
+  y[1] = prmt(t0, t2, tb);
+  y[2] = prmt(t1, t3, ta);
+  y[3] = prmt(t1, t3, tb);
+}
+
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// ---- pieces of the kernels' bodies that both versions share ----------------------------------------------------
+
+// The dynamic shared memory aligned to 1024 B (the swizzled wgmma operands need it); sbase: its shared address.
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* smem_raw, uint32_t& sbase) {
+  sbase = smem_u32(smem_raw);
+  const uint32_t pad = ((sbase + 1023u) & ~1023u) - sbase;
+  sbase += pad;
+  return smem_raw + pad;
+}
+
+// This CTA's token range [start, end) of sequence b for split sp, cut as _mla_fp8_combine_kernel does with
+// BLOCK_N = page (split lengths rounded up to whole pages). False: the split holds no token (the combine kernel
+// reads only splits that do).
+__device__ __forceinline__ bool split_range(const Params& p, int b, int sp, int page, int& seqlen, int& start,
+                                            int& end) {
+  seqlen = p.seqlens[b];
+  start = 0;
+  end = seqlen;
+  if (p.num_splits > 1) {
+    const int split_len = cdiv(cdiv(seqlen, p.num_splits), page) * page;
+    start = sp * split_len;
+    end = min(start + split_len, seqlen);
+  }
+  return start < end || p.num_splits == 1;
+}
+
+// Row constants of this thread's two accumulator rows (r0, r0 + 8 of row block rb): the Q scales times the
+// softmax scale, and the causal token limit (a row sees positions < lim; rows past q_len x heads see none).
+__device__ __forceinline__ void row_setup(const Params& p, int b, int rb, int rows_per_cta, int r0, int seqlen,
+                                          int end, float* sq_lat, float* sq_rope, int* lim) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int gr = rb * rows_per_cta + r0 + 8 * h;
+    if (gr < p.num_rows) {
+      const long long qi = (static_cast<long long>(b) * p.num_rows + gr) * 2;
+      sq_lat[h] = p.qs[qi] * p.qk_scale;
+      sq_rope[h] = p.qs[qi + 1] * p.qk_scale;
+      const int t = gr / p.num_heads;
+      const int row_end = p.causal ? seqlen - p.q_len + 1 + t : seqlen;
+      lim[h] = min(row_end, end);
+    } else {
+      sq_lat[h] = 0.f;
+      sq_rope[h] = 0.f;
+      lim[h] = -2147483647;
+    }
+  }
+}
+
+// One 16-byte chunk g of the 64 x 576 Q block into its SW64 K blocks (rows past q_len x heads: zeros).
+__device__ __forceinline__ void load_q_chunk(const Params& p, uint32_t q_smem, int b, int rb, int rows_per_cta,
+                                             int kb_bytes, int g) {
+  const int row = g / 36, c = g % 36;
+  const int gr = rb * rows_per_cta + row;
+  const bool ok = gr < p.num_rows;
+  cp_async16(q_smem + (c >> 2) * kb_bytes + sw64(row, (c & 3) * 16),
+             p.q8 + (static_cast<long long>(b) * p.num_rows + (ok ? gr : 0)) * 576 + c * 16, ok ? 16 : 0);
+}
+
+// Write one accumulator row half (h: row r0 + 8h) of this warpgroup's 256 output channels, O * inv, and its lse:
+// bf16 out when there is one split, else the fp32 partial and lse in the layout _mla_fp8_combine_kernel reads.
+// has = false (the row saw no token) writes zeros and lse = -inf.
+__device__ __forceinline__ void store_row(const Params& p, const float* o, int h, int b, int gr, int sp, int wg,
+                                          int q4, bool has, float inv, float lse) {
+  if (p.num_splits == 1) {
+    const int t = gr / p.num_heads, hd = gr % p.num_heads;
+    __nv_bfloat16* orow = p.out + b * p.out_sb + t * p.out_st + hd * p.out_sh + wg * 256 + 2 * q4;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(orow + 8 * j) =
+          __floats2bfloat162_rn(has ? o[j * 4 + h * 2] * inv : 0.f, has ? o[j * 4 + h * 2 + 1] * inv : 0.f);
+    if (wg == 0 && q4 == 0) p.lse[b * p.lse_sb + t * p.lse_st + hd] = lse;
+  } else {
+    float* orow = p.op + b * p.op_sb + gr * p.op_sr + sp * p.op_ss + wg * 256 + 2 * q4;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<float2*>(orow + 8 * j) =
+          make_float2(has ? o[j * 4 + h * 2] * inv : 0.f, has ? o[j * 4 + h * 2 + 1] * inv : 0.f);
+    if (wg == 0 && q4 == 0) p.lp[b * p.lp_sb + gr * p.lp_sr + sp] = lse;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// V^T for one warp: 64 channels (K block kblk of the K tile = channels 64 kblk .. +63) x 64 tokens, written as
+// rows dloc0 .. dloc0+63 of a V^T buffer (channel rows x 64 token bytes, SW64). Loop unrolling is the caller's
+// (8x8 byte blocks, prmt with lane-dependent selectors: 2 wavefronts per 8-byte warp access). Tokens >= nvalid are
+// written as zeros (their cache bytes may be NaN and 0 x NaN poisons the MMA).
+// ---------------------------------------------------------------------------------------------------------------
+template <int REP_UNROLL>
+__device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, int dloc0, int nvalid, int lane) {
+  const int cg8 = lane & 7;
+  const int xsw = (lane >> 3) & 1;  // this lane loads rows i ^ 1 (row-pair order swapped)
+  const int zsw = lane & 1;         // this lane stores channels c ^ 1
+  const uint32_t sel_a = xsw ? 0x1504u : 0x5140u, sel_b = xsw ? 0x3726u : 0x7362u;
+  const uint32_t sel_c = zsw ? 0x7632u : 0x5410u, sel_d = zsw ? 0x5410u : 0x7632u;
+#pragma unroll REP_UNROLL
+  for (int rep = 0; rep < 2; ++rep) {
+    const int tg = xsw | (((lane >> 4) & 1) << 1) | ((((lane >> 2) & 1) ^ rep) << 2);  // token group
+    uint32_t lo[8], hi[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int k = i ^ xsw;  // token row within the group held in slot i
+      const uint2 v = *reinterpret_cast<const uint2*>(ksrc + tg * 512 + k * 64 +
+                                                      ((((cg8 >> 1) ^ (k >> 1)) & 3) << 4) + (cg8 & 1) * 8);
+      const bool ok = tg * 8 + k < nvalid;
+      lo[i] = ok ? v.x : 0u;
+      hi[i] = ok ? v.y : 0u;
+    }
+    uint32_t tlo[8], thi[8];  // [channel slot] tokens 0..3 / 4..7
+    transpose4(lo[0], lo[1], lo[2], lo[3], sel_a, sel_b, sel_c, sel_d, tlo);
+    transpose4(lo[4], lo[5], lo[6], lo[7], sel_a, sel_b, sel_c, sel_d, thi);
+    transpose4(hi[0], hi[1], hi[2], hi[3], sel_a, sel_b, sel_c, sel_d, tlo + 4);
+    transpose4(hi[4], hi[5], hi[6], hi[7], sel_a, sel_b, sel_c, sel_d, thi + 4);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const int d = dloc0 + cg8 * 8 + (c ^ zsw);  // row of the V^T half buffer
+      *reinterpret_cast<uint2*>(vdst + (d >> 3) * 512 + (d & 7) * 64 + ((((tg >> 1) ^ ((d & 7) >> 1)) & 3) << 4) +
+                                (tg & 1) * 8) = make_uint2(tlo[c], thi[c]);
+    }
+  }
+}
+
+// S = Q K^T of one tile on FP8 wgmma (MMA: the m64nNk32 wrapper, N = this warpgroup's tokens): the 512 latent
+// channels (8 K blocks x 2 k-steps) into s_lat and the 64 rope channels (the 9th K block) into s_rope, which carry
+// different scales. qa, ka: shared addresses of the Q block and of this warpgroup's token rows of the K tile.
+template <void (*MMA)(float*, uint64_t, uint64_t, int)>
+__device__ __forceinline__ void issue_qk(float* s_lat, float* s_rope, uint32_t qa, uint32_t ka, int kb_bytes) {
+  wgmma_fence();
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb)
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks)
+      MMA(s_lat, desc_sw64(qa + kb * kb_bytes + ks * 32), desc_sw64(ka + kb * kb_bytes + ks * 32), (kb | ks) != 0);
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks)
+    MMA(s_rope, desc_sw64(qa + 8 * kb_bytes + ks * 32), desc_sw64(ka + 8 * kb_bytes + ks * 32), ks != 0);
+  wgmma_commit();
+}
+
+// acc = P' V^T for 128 of this warpgroup's channels (pa: the 64 x 64 P' tile, va: 128 V^T rows), waited for: a
+// fresh accumulator per tile, which the caller adds into fp32 O (Hopper's FP8 MMA accumulates with limited precision,
+// so O must not stay in a wgmma accumulator across tiles).
+__device__ __forceinline__ void pv_half(float* acc, uint32_t pa, uint32_t va) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) wgmma_m64n128k32_e4m3(acc, desc_sw64(pa + ks * 32), desc_sw64(va + ks * 32), ks);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs<64>(acc);
+}
+
+// Host side: fill Params from the ctypes arguments (strides in elements), raise the kernel's dynamic shared
+// memory limit once per device, launch on the caller's stream (CUDA-graph capture works). Returns a cudaError_t.
+template <typename Kernel>
+inline int launch(Kernel kernel, int threads, int smem_bytes, int rows_per_cta, const void* q8, const void* qs,
+                  const void* kv, const void* kvs, const void* block_table, const void* seqlens, void* out, void* lse,
+                  void* op, void* lp, long long kv_page_stride, long long kvs_page_stride, long long bt_stride,
+                  long long out_sb, long long out_st, long long out_sh, long long lse_sb, long long lse_st,
+                  long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr, int batch,
+                  int num_heads, int q_len, int num_splits, int causal, float qk_scale, void* stream) {
+  static bool attr_done[128] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (dev < 0 || dev >= 128) return static_cast<int>(cudaErrorInvalidDevice);
+  if (!attr_done[dev]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    attr_done[dev] = true;
+  }
+  if (batch <= 0) return 0;
+  if (num_heads <= 0 || q_len <= 0 || num_splits <= 0 || batch > 65535 || num_splits > 65535)
+    return static_cast<int>(cudaErrorInvalidValue);
+  Params p;
+  p.q8 = static_cast<const uint8_t*>(q8);
+  p.qs = static_cast<const float*>(qs);
+  p.kv = static_cast<const uint8_t*>(kv);
+  p.kvs = static_cast<const float*>(kvs);
+  p.block_table = static_cast<const int*>(block_table);
+  p.seqlens = static_cast<const int*>(seqlens);
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.lse = static_cast<float*>(lse);
+  p.op = static_cast<float*>(op);
+  p.lp = static_cast<float*>(lp);
+  p.kv_page_stride = kv_page_stride;
+  p.kvs_page_stride = kvs_page_stride;
+  p.bt_stride = bt_stride;
+  p.out_sb = out_sb; p.out_st = out_st; p.out_sh = out_sh;
+  p.lse_sb = lse_sb; p.lse_st = lse_st;
+  p.op_sb = op_sb; p.op_sr = op_sr; p.op_ss = op_ss;
+  p.lp_sb = lp_sb; p.lp_sr = lp_sr;
+  p.num_heads = num_heads;
+  p.num_rows = num_heads * q_len;
+  p.q_len = q_len;
+  p.num_splits = num_splits;
+  p.causal = causal ? 1 : 0;
+  p.qk_scale = qk_scale;
+  const dim3 grid((p.num_rows + rows_per_cta - 1) / rows_per_cta, num_splits, batch);
+  kernel<<<grid, threads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace mla_fp8_common
+
+// The entry points each version defines with its kernel (ctypes looks these names up).
+#define MLA_FP8_DEFINE_ENTRY_POINTS(KERNEL, THREADS_, SMEM_BYTES_, ROWS_)                                           \
+  extern "C" int mla_fp8_decode_sm90(                                                                              \
+      const void* q8, const void* qs, const void* kv, const void* kvs, const void* block_table,                    \
+      const void* seqlens, void* out, void* lse, void* op, void* lp, long long kv_page_stride,                     \
+      long long kvs_page_stride, long long bt_stride, long long out_sb, long long out_st, long long out_sh,         \
+      long long lse_sb, long long lse_st, long long op_sb, long long op_sr, long long op_ss, long long lp_sb,      \
+      long long lp_sr, int batch, int num_heads, int q_len, int num_splits, int causal, float qk_scale,            \
+      void* stream) {                                                                                              \
+    return mla_fp8_common::launch(KERNEL, THREADS_, SMEM_BYTES_, ROWS_, q8, qs, kv, kvs, block_table, seqlens,     \
+                                  out, lse, op, lp, kv_page_stride, kvs_page_stride, bt_stride, out_sb, out_st,    \
+                                  out_sh, lse_sb, lse_st, op_sb, op_sr, op_ss, lp_sb, lp_sr, batch, num_heads,     \
+                                  q_len, num_splits, causal, qk_scale, stream);                                    \
+  }                                                                                                                \
+  extern "C" const char* mla_fp8_decode_sm90_error_string(int err) {                                              \
+    return cudaGetErrorString(static_cast<cudaError_t>(err));                                                      \
+  }                                                                                                                \
+  extern "C" int mla_fp8_decode_sm90_smem_bytes() { return SMEM_BYTES_; }
