@@ -9,6 +9,8 @@
 #   (STEPS calibrate) python -m sglang_h20 calibrate mha-mla on this GPU -> $OUT/mha_mla_<gpu>.json
 #   (STEPS ttft) benchmark/serving/prefix_ttft.py: TTFT with prefix hits, our MHA/MLA policy vs upstream
 #   (STEPS profile) benchmark/serving/prefill_profile.py: torch-profiler totals of the same prefills, MHA vs MLA
+#   (STEPS mlacuda) the CUDA MLA decode kernels: v2 smoke in its own process, tests of v1 and v2, bench_mla_decode
+#     (MLA_ARGS, default --quick) with ours-cuda, ours-cuda-v2 and FlashMLA -> $OUT/bench_mla_cuda.json
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
 #   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds)
 #   (affinity) affinity_remote_share.py: tokens leaving their GPU, upstream EPLB vs affinity (multi-GPU kinds)
@@ -60,6 +62,15 @@ rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
   say "pytest -m gpu"
   python3 -m pytest -m gpu ${TESTS:-test} -q -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" mlacuda "* ]]; then  # the CUDA MLA kernels: v2 smoke alone first (a device trap poisons the
+  t=test/gpu/test_mla_decode_cuda_gpu.py  # process's CUDA context), then both versions' tests, then the bench
+  say "CUDA MLA decode: v2 smoke, tests (v1, v2), bench vs FlashMLA"
+  { python3 -m pytest -m gpu "$t" -q -p no:cacheprovider -k "v2 and (single_lengths or emulation)" 2>&1 | tail -5
+    python3 -m pytest -m gpu "$t" -q -p no:cacheprovider 2>&1 | tail -8; } | tee "$OUT/pytest_mla_cuda.log"
+  python3 benchmark/kernels/bench_mla_decode.py ${MLA_ARGS:---quick} --providers ours-cuda flashmla-bf16 flashmla-fp8 \
+    ours-cuda-v2 --json "$OUT/bench_mla_cuda.json" 2>&1 | tee "$OUT/bench_mla_cuda.log" | grep -v Warn | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" kernels "* ]]; then
