@@ -71,6 +71,7 @@ def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int
         "acq_rel_atomics": len(re.findall(r"atom\.[\w.]*acq_rel", ptx)),
         "f32_atomics": len(re.findall(r"(?:atom|red)\.[\w.]*f32", ptx)),
         "nanosleeps": ptx.count("nanosleep"),
+        "sys_atomics": len(re.findall(r"atom\.[\w.]*\bsys\b", ptx)),  # system scope (peer GPUs' memory)
     }
 
 
@@ -119,18 +120,37 @@ def sbo_variants():
                const, types, 4, 2, ())
 
 
+def ep_variants():
+    from sgl_kernel_ext import ep_combine as ep
+
+    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "y_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32",
+             "w_ptr": "*fp32", "recv_tab_ptr": "*i64", "arr_tab_ptr": "*i64", "w_scale": "fp32"}
+    types.update({n: "*i32" for n in ep._ep_down_combine_kernel.arg_names if n.endswith("_ptr") and n not in types})
+    # swapAB (the decode sizes the EP combine is for); normal t64 spills (168 B at 8 warps, 2026-11-30): not listed
+    for layout, swap, bt, bf16 in ((1, True, 16, False), (0, True, 16, False), (0, True, 16, True)):
+        const = dict(G=16, K=2048, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=ep.COUNT_BLOCK_N, BLOCK_T=bt, TOPK=8,
+                     PARTIAL_BF16=bf16)
+        yield (f"ep_down_combine[{'masked' if layout else 'contiguous'} {'swapab' if swap else 'normal'} t{bt}"
+               f"{' bf16' if bf16 else ''}]", ep._ep_down_combine_kernel, const, types, 4, 3,
+               ("stride_ak", "stride_bk", "stride_asm", "stride_bsk"))
+    ftypes = {"recv_ptr": "*fp32", "arr_ptr": "*i32", "out_ptr": "*bf16", "err_ptr": "*i32"}
+    yield ("ep_finish", ep._ep_finish_kernel, dict(WORLD=8, BLOCK_T=ep.FINISH_BLOCK_T, BLOCK_N=ep.COUNT_BLOCK_N,
+           SLEEP_NS=ep.DEFAULT_SPIN_SLEEP_NS), ftypes, 4, 2, ())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kernels", nargs="*", help="mla, gemm, sbo (default: all)")
+    ap.add_argument("kernels", nargs="*", help="mla, gemm, sbo, ep (default: all)")
     ap.add_argument("--mla-configs", nargs="+", default=["64x32x512x8x2b", "64x32x256x8x2"],
                     help="BHxBNxBVxWxS[b] as in bench_mla_decode.py --configs")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    gens = {"mla": lambda: mla_variants(args.mla_configs), "gemm": gemm_variants, "sbo": sbo_variants}
+    gens = {"mla": lambda: mla_variants(args.mla_configs), "gemm": gemm_variants, "sbo": sbo_variants,
+            "ep": ep_variants}
     if set(args.kernels) - gens.keys():
         ap.error(f"unknown kernels {sorted(set(args.kernels) - gens.keys())}; choose from {sorted(gens)}")
     out = {}
-    for k in args.kernels or ["mla", "gemm", "sbo"]:
+    for k in args.kernels or ["mla", "gemm", "sbo", "ep"]:
         for name, fn, const, types, w, s, ones in gens[k]():
             try:
                 rep = compile_report(fn, const, types, w, s, ones)

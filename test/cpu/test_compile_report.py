@@ -67,3 +67,18 @@ def test_grouped_gemm_and_sbo_kernels_compile_with_their_signals(report):
     assert all(rep[n]["f32_atomics"] >= 1 for n in combines), {n: rep[n] for n in combines}
     # and pauses between polls (the back-off that keeps it from taking the GEMM's issue slots)
     assert [rep[n]["nanosleeps"] >= 1 for n in combines] == [True, True, False], {n: rep[n] for n in combines}
+
+
+def test_ep_combine_kernels_publish_at_system_scope(report):
+    """The EP combine (sgl_kernel_ext.ep_combine): the producer's two arrivals (zero partial, epilogue) are release
+    atomics at system scope (they land in another GPU's memory), its local count is acq_rel at GPU scope; the
+    owner's finish acquires at system scope once per wait and pauses between polls."""
+    _, rep = report
+    prods = {n: r for n, r in rep.items() if n.startswith("ep_down_combine")}
+    assert len(prods) == 3 and "ep_finish" in rep, sorted(rep)
+    for name, r in prods.items():
+        assert any(x.endswith("e4m3.e4m3") for x in r["wgmma"]), (name, r)
+        assert r["release_atomics"] == 2 and r["sys_atomics"] == 2 and r["acq_rel_atomics"] == 1, (name, r)
+        assert r["f32_atomics"] == 0 and r["spill_bytes"] <= SPILL_BOUND, (name, r)
+    fin = rep["ep_finish"]
+    assert fin["acquire_atomics"] == 1 and fin["sys_atomics"] == 1 and fin["nanosleeps"] >= 1, fin

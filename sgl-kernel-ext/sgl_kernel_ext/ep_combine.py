@@ -1,0 +1,465 @@
+"""The expert-parallel (EP) MoE combine fused into the down GEMM's epilogue (a prototype, not wired in yet).
+
+Why. Under EP without DeepEP, SGLang's StandardDispatcher all-gathers every rank's tokens to every rank,
+maps non-local experts to -1 (dropped pairs), each rank runs its local experts for ALL gathered tokens,
+combines them locally into a per-token partial sum, and a reduce-scatter sums those partials back on the
+ranks that own the tokens (NCCL; `StandardDispatcher.combine` calls reduce_scatterv only on the FP4
+all-gather path; for FP8 the sum is presumably the layer communicator's reduce-scatter / all-reduce after
+the MoE: to be checked before wiring this in). That reduce-scatter starts only after the
+whole down GEMM and the local combine have finished, and the GEMM's tail plus the collective sit serially
+on the critical path. Here the partial of a (token, N-tile) leaves the GPU as soon as the tile that
+completes it is done: the reduce-scatter's network traffic overlaps the rest of the GEMM, and neither
+the local combine kernel nor the collective's launch remains.
+
+Data flow (rank r of `world`, G local experts, gathered tokens T = sum of every rank's tokens)
+  producer  `_ep_down_combine_kernel` (one persistent kernel, the grouped GEMM's tile walk):
+    1. each GEMM tile stores its bf16 rows y (as the plain GEMM does), then, after a CTA barrier, adds 1 per
+       row to a local count[token, N-tile] (acq_rel, GPU scope);
+    2. the tile that brings a count to local_pairs[token] (this rank's pairs of that token: top_k minus the
+       dropped ones) gathers the token's local rows of this N-range in slot order (fp32, deterministic)
+       and writes weight_scale * sum_k w_k y_k as an fp32 partial straight into the OWNER's receive
+       buffer, recv_owner[r, owner_index[token], N-range], through a per-rank pointer table (on the GPU
+       the peers' buffers are CUDA-IPC / symmetric-memory mappings; in the CPU tests plain tensors);
+    3. after a CTA barrier it adds 1 to the owner's arrivals[owner_index[token], N-tile] with release
+       semantics at system scope (the partial and the count live in another GPU's memory);
+    4. tokens with no local pair (no tile ever reaches them) are handled by the first ceil(T / BLOCK_T)
+       work items, ahead of the GEMM tiles: they write a zero partial and arrive the same way, so every
+       owner expects exactly `world` arrivals per (token, N-tile) and never waits forever.
+  owner     `_ep_finish_kernel`: per (own token block, N-tile) it polls the arrivals (volatile loads, bounded
+    by max_spin; on give-up it sets status = 1 instead of hanging), then one acquire atomic at system
+    scope, sums recv[0..world-1] in rank order in fp32 (deterministic, unlike NCCL's ring order) and
+    writes bf16 out; then it resets the arrivals to 0 for the next call.
+
+Memory ordering. Producer: partial stores -> bar.sync (the CTA's stores precede the releasing threads'
+atomic, which is cumulative) -> atom.add.release.sys on the owner's count. Owner: ld.volatile polls ->
+atom.add(0).acquire.sys on the same count -> loads of recv (.cg). Release/acquire on the same location at
+system scope makes every partial of that (token, N-tile) visible to the owner's loads.
+
+Why fp32 partials: the owner's sum then rounds once to bf16, as a one-GPU combine does; bf16 partials
+would add one rounding per rank (world ulps) and make the result depend on how the owner adds them. Cost:
+twice the bytes of bf16 on NVLink (T_own x H x 4 B per source rank; 28 KB per token at H 7168), small at
+decode sizes where the reduce-scatter is latency-bound. partial_dtype=torch.bfloat16 is accepted for
+prefill-sized batches (the kernel casts on store).
+
+Buffers (`EpBuffers`, one set per rank, the same capacity on every rank as symmetric memory needs):
+  recv     [world, capacity, H] fp32 (or bf16): recv[src, i] = rank src's partial of this rank's token i
+  arrivals [capacity, ceil(H / 128)] int32, zero at start; the finish resets what it consumed
+  status   [1] int32: 1 = a wait gave up (out invalid)
+Reuse: the owner's reset and its reads of recv must precede any producer of the next call. Under
+SGLang the next layer's dispatch all-gather orders them (a rank's next producer needs every rank's next
+tokens, which each rank computes only after its finish). The count grid is fixed at BLOCK_N = 128
+columns (`COUNT_BLOCK_N`): every rank's GEMM is pinned to it, whatever tile the table picks, so a rank's
+arrivals match the owner's grid.
+
+All-gather index map (`allgather_maps`): gathered token i (rank-major, as all_gatherv lays them out)
+belongs to rank token_owner[i] at index owner_index[i] within that rank's tokens.
+
+Why a separate kernel rather than a third epilogue mode of grouped_gemm_fp8._fp8_grouped_gemm_kernel: it
+shares the tile math (`_mma_tile`) and copies only the ~30-line tile walk, while the shipped GEMM modes keep
+their compiled code, argument list and compile-report entries unchanged; the EP epilogue needs a dozen
+arguments of its own (pointer tables, owner maps, local counts) and a work prelude (zero partials) that the
+other modes would carry as dead parameters. Compiles for sm_90a (benchmark/kernels/compile_report.py ep):
+swapAB tiles without spills; the normal variant's [64, 128] epilogue spills (1488 B at 4 warps), so
+ep_down_and_combine runs it with 8 warps (168 B).
+
+Tests: test/cpu/test_ep_combine.py (world 2/4 emulated in one process under TRITON_INTERPRET),
+test/gpu/test_ep_combine_gpu.py (2 GPUs, CUDA IPC, against NCCL reduce_scatter), test/cpu/test_compile_report.py
+(system-scope release / acquire in the PTX).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel_ext import grouped_gemm_fp8 as gg
+from sgl_kernel_ext import sbo
+from sgl_kernel_ext.quant import _interpreting
+from sgl_kernel_ext.sbo import MoeLayout
+
+COUNT_BLOCK_N = 128  # columns per arrival count (the GEMM's BLOCK_N, pinned on every rank)
+DEFAULT_MAX_SPIN = 1 << 22  # volatile polls per (token block, N-tile) before giving up (~1-2 s with the pause)
+DEFAULT_SPIN_SLEEP_NS = 200  # pause between polls (0 under the interpreter)
+FINISH_BLOCK_T = 16
+
+
+class EpBuffers(NamedTuple):
+    """One rank's receive side (see the module doc); peers write into recv / arrivals through mappings."""
+
+    recv: torch.Tensor  # [world, capacity, H] partial dtype
+    arrivals: torch.Tensor  # int32 [capacity, ceil(H / COUNT_BLOCK_N)]
+    status: torch.Tensor  # int32 [1]
+
+
+def ep_buffers(world: int, capacity: int, hidden: int, device, partial_dtype=torch.float32) -> EpBuffers:
+    """Zeroed buffers for one rank (capacity: the most tokens any rank owns, e.g. SGLang's DP buffer length)."""
+    if partial_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
+    return EpBuffers(torch.zeros(world, capacity, hidden, dtype=partial_dtype, device=device),
+                     torch.zeros(capacity, triton.cdiv(hidden, COUNT_BLOCK_N), dtype=torch.int32, device=device),
+                     torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def allgather_maps(sizes: Sequence[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_owner, owner_index) int32 [sum(sizes)] for all_gatherv's rank-major layout (sizes: tokens per rank,
+    SGLang's get_dp_global_num_tokens())."""
+    owner = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes, dtype=torch.int64))
+    index = torch.cat([torch.arange(s, dtype=torch.int32) for s in sizes]) if sizes else owner
+    return owner.to(device), index.to(device)
+
+
+def build_ep_layout(topk_ids: torch.Tensor, num_local_experts: int,
+                    masked_max_m: int | None = None) -> tuple[MoeLayout, torch.Tensor]:
+    """(layout, local_pairs) for StandardDispatcher's local ids (topk_ids [T, K]: local expert ids, -1 = dropped).
+
+    Like sbo.build_layout (GPU ops, no host sync) but dropped pairs get no row: row_of_pair = -1, and they sort
+    after every expert (contiguous: rows m_indptr[G].. hold them and are never computed; sorted_expert = G).
+    local_pairs int32 [T]: each token's number of local pairs, the count the epilogue waits for."""
+    t, k = topk_ids.shape
+    p, e = t * k, num_local_experts
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    valid = flat >= 0
+    key = torch.where(valid, flat, torch.full_like(flat, e))
+    e_sorted, order = torch.sort(key, stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:e]
+    indptr = torch.zeros(e + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts, 0, out=indptr[1:])
+    pos = torch.arange(p, dtype=torch.int64, device=dev)
+    kept = e_sorted < e
+    local_pairs = valid.view(t, k).sum(1).to(torch.int32)
+    sorted_pair, sorted_expert = order.to(torch.int32), e_sorted.to(torch.int32)
+    if masked_max_m is None:
+        rows = torch.where(kept, pos, torch.full_like(pos, -1))
+        pair_of_row = sorted_pair
+        m_indptr, masked_m, max_m = indptr.to(torch.int32), None, t
+    else:
+        if masked_max_m < t:
+            raise ValueError(f"masked_max_m {masked_max_m} < tokens {t}: pairs would be dropped")
+        i = pos - indptr[e_sorted.clamp_max(e - 1)] if e > 0 else pos
+        rows = torch.where(kept, e_sorted * masked_max_m + i, torch.full_like(pos, -1))
+        slot = torch.where(kept, rows, torch.full_like(rows, e * masked_max_m))  # dropped: a scratch slot
+        pair_of_row = torch.zeros(e * masked_max_m + 1, dtype=torch.int32, device=dev)
+        pair_of_row[slot] = sorted_pair
+        pair_of_row = pair_of_row[:-1]
+        m_indptr, masked_m, max_m = None, counts.to(torch.int32), masked_max_m
+    row_of_pair = torch.empty(p, dtype=torch.int32, device=dev)
+    row_of_pair[order] = rows.to(torch.int32)
+    return MoeLayout(k, e, max_m, pair_of_row, row_of_pair, m_indptr, masked_m, sorted_pair, sorted_expert), local_pairs
+
+
+def dispatch_local_rows(x: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
+    """Gathered token rows x [T, ...] placed in an EP layout (dropped pairs get no row): [P, ...] contiguous
+    (rows past m_indptr[G] are never read) or [G, max_m, ...] masked (unused rows uninitialized)."""
+    if not layout.masked:
+        return x.index_select(0, (layout.pair_of_row // layout.top_k).to(torch.int64))
+    rows = layout.num_experts * layout.max_m
+    out = torch.empty(rows + 1, *x.shape[1:], dtype=x.dtype, device=x.device)
+    r = layout.row_of_pair.to(torch.int64)
+    src = torch.arange(r.numel(), device=x.device) // layout.top_k
+    out[torch.where(r >= 0, r, torch.full_like(r, rows))] = x.index_select(0, src)
+    return out[:rows].view(layout.num_experts, layout.max_m, *x.shape[1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels (builtins only, as in grouped_gemm_fp8: they must also run under the interpreter)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _peer_ptr(tab_ptr, rank, BF16: tl.constexpr):
+    """Rank(s) `rank`'s buffer base from an int64 pointer table, typed as the partials are."""
+    raw = tl.load(tab_ptr + rank)
+    if BF16:
+        p = raw.to(tl.pointer_type(tl.bfloat16))
+    else:
+        p = raw.to(tl.pointer_type(tl.float32))
+    return p
+
+
+@triton.jit
+def _ep_down_combine_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, indptr_ptr, masked_m_ptr,
+    pair_ptr, rowp_ptr, w_ptr, lcnt_ptr, npairs_ptr, owner_ptr, oidx_ptr, recv_tab_ptr, arr_tab_ptr,
+    T, MAX_M, N, NUM_PROGRAMS, RANK, RECV_CAP, w_scale,
+    stride_ag, stride_am, stride_ak,
+    stride_asg, stride_asm, stride_ask,
+    stride_bg, stride_bn, stride_bk,
+    stride_bsg, stride_bsn, stride_bsk,
+    stride_yg, stride_ym,
+    G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, TOPK: tl.constexpr, PARTIAL_BF16: tl.constexpr,
+):
+    """Producer: items 0..ceil(T/BLOCK_T)-1 publish zero partials of tokens without local pairs, then the
+    grouped GEMM's tiles (the walk of grouped_gemm_fp8._fp8_grouped_gemm_kernel, SPLIT_K = 1) with the
+    local count -> gather -> remote store -> remote release epilogue (module doc)."""
+    KB: tl.constexpr = K // 128
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    empty_items = (T + BLOCK_T - 1) // BLOCK_T
+    tile = pid
+    offs_b = tl.arange(0, BLOCK_N)
+    while tile < empty_items:  # tokens no local tile will complete: "nothing from me" = a zero partial
+        tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        none = (tok < T) & (tl.load(npairs_ptr + tok, mask=tok < T, other=1) == 0)
+        own = tl.load(owner_ptr + tok, mask=none, other=0)
+        oi = tl.load(oidx_ptr + tok, mask=none, other=0).to(tl.int64)
+        dst = _peer_ptr(recv_tab_ptr, own, PARTIAL_BF16) + (RANK * RECV_CAP + oi) * N
+        arr = tl.load(arr_tab_ptr + own, mask=none, other=0).to(tl.pointer_type(tl.int32)) + oi * n_tiles
+        nt = pid * 0
+        while nt < n_tiles:  # (a while loop: the interpreter cannot range() over a runtime scalar)
+            offs_n = nt * BLOCK_N + offs_b
+            zero = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
+            tl.store(dst[:, None] + offs_n[None, :], zero.to(dst.dtype.element_ty),
+                     mask=none[:, None] & (offs_n[None, :] < N))
+            tl.debug_barrier()
+            tl.atomic_add(arr + nt, 1, mask=none, sem="release", scope="sys")
+            nt += 1
+        tile += NUM_PROGRAMS
+    tiles_before = empty_items
+    for g in range(G):
+        if LAYOUT == 0:  # contiguous
+            row0 = tl.load(indptr_ptr + g)
+            m = tl.load(indptr_ptr + g + 1) - row0
+        else:  # masked
+            row0 = 0
+            m = tl.minimum(tl.load(masked_m_ptr + g), MAX_M)
+        m = tl.maximum(m, 0)
+        t_tiles = (m + BLOCK_T - 1) // BLOCK_T
+        group_tiles = t_tiles * n_tiles
+        g64 = tl.cast(g, tl.int64)
+        while tile < tiles_before + group_tiles:
+            local = tile - tiles_before
+            t_tile = local % t_tiles
+            n_tile = local // t_tiles
+            offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            t_mask = offs_t < m
+            rows = (row0 + offs_t).to(tl.int64)
+            offs_n = n_tile * BLOCK_N + offs_b
+            n_mask = offs_n < N
+            res = gg._mma_tile(a_ptr + g64 * stride_ag, as_ptr + g64 * stride_asg, b_ptr + g64 * stride_bg,
+                               bs_ptr + g64 * stride_bsg, rows, t_mask, n_tile, 0, N,
+                               stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
+                               stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+            y_ptrs = y_ptr + g64 * stride_yg + rows[:, None] * stride_ym + offs_n[None, :]
+            tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
+            tl.debug_barrier()  # every thread's rows precede the local counts' release
+            pair = tl.load(pair_ptr + g64 * MAX_M + rows, mask=t_mask, other=0)
+            tok = (pair // TOPK).to(tl.int64)
+            need = tl.load(npairs_ptr + tok, mask=t_mask, other=0)
+            old = tl.atomic_add(lcnt_ptr + tok * n_tiles + n_tile, 1, mask=t_mask, sem="acq_rel")
+            last = t_mask & (old == need - 1)  # this tile completed the token's local N-range
+            tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
+            total = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
+            for k in tl.static_range(TOPK):
+                pk = tok * TOPK + k
+                rk = tl.load(rowp_ptr + pk, mask=last, other=-1).to(tl.int64)
+                hit = last & (rk >= 0)  # dropped (non-local) slots have no row
+                wk = tl.load(w_ptr + pk, mask=hit, other=0.0).to(tl.float32)
+                if LAYOUT == 1:
+                    yk_ptrs = y_ptr + (rk // MAX_M) * stride_yg + (rk % MAX_M) * stride_ym
+                else:
+                    yk_ptrs = y_ptr + rk * stride_ym
+                yk = tl.load(yk_ptrs[:, None] + offs_n[None, :], mask=hit[:, None] & n_mask[None, :], other=0.0,
+                             cache_modifier=".cg")
+                total += yk.to(tl.float32) * wk[:, None]
+            own = tl.load(owner_ptr + tok, mask=last, other=0)
+            oi = tl.load(oidx_ptr + tok, mask=last, other=0).to(tl.int64)
+            dst = _peer_ptr(recv_tab_ptr, own, PARTIAL_BF16) + (RANK * RECV_CAP + oi) * N
+            tl.store(dst[:, None] + offs_n[None, :], (total * w_scale).to(dst.dtype.element_ty),
+                     mask=last[:, None] & n_mask[None, :])
+            tl.debug_barrier()  # the CTA's partial stores precede the release (cumulative) below
+            arr = tl.load(arr_tab_ptr + own, mask=last, other=0).to(tl.pointer_type(tl.int32))
+            tl.atomic_add(arr + oi * n_tiles + n_tile, 1, mask=last, sem="release", scope="sys")
+            tile += NUM_PROGRAMS
+        tiles_before += group_tiles
+
+
+@triton.jit
+def _ep_finish_kernel(recv_ptr, arr_ptr, out_ptr, err_ptr, T, RECV_CAP, N, MAX_SPIN, stride_om,
+                      WORLD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SLEEP_NS: tl.constexpr):
+    """Owner: program (token block, N-tile) waits for WORLD arrivals per token, sums recv in rank order, writes
+    bf16 out, resets the arrivals."""
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    nt = tl.program_id(1)
+    tm = tok < T
+    cp = arr_ptr + tok.to(tl.int64) * n_tiles + nt
+    seen = tl.load(cp, mask=tm, other=WORLD, volatile=True)
+    pending = tm & (seen < WORLD)
+    short = tl.sum(pending.to(tl.int32))
+    spins = 0
+    while (short > 0) & (spins < MAX_SPIN):
+        if SLEEP_NS > 0:
+            spins += sbo._nanosleep(SLEEP_NS)
+        seen = tl.load(cp, mask=pending, other=WORLD, volatile=True)
+        pending = pending & (seen < WORLD)
+        short = tl.sum(pending.to(tl.int32))
+        spins += 1
+    if short > 0:
+        tl.atomic_xchg(err_ptr, 1)  # a rank never arrived: flag it, do not hang
+    tl.atomic_add(cp, 0, mask=tm, sem="acquire", scope="sys")  # pairs with the producers' release
+    tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
+    offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    m2 = tm[:, None] & (offs_n[None, :] < N)
+    acc = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
+    for s in tl.static_range(WORLD):  # rank order: deterministic
+        src = recv_ptr + (s * RECV_CAP + tok.to(tl.int64))[:, None] * N + offs_n[None, :]
+        acc += tl.load(src, mask=m2, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m2)
+    tl.debug_barrier()  # every thread's recv reads precede the reset
+    tl.atomic_xchg(cp, 0, mask=tm)  # ready for the next call (ordering: module doc, "Reuse")
+
+
+# ---------------------------------------------------------------------------------------------
+# Host API
+# ---------------------------------------------------------------------------------------------
+def pointer_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
+    """int64 [world] base addresses of every rank's buffer as mapped in THIS process (IPC / symmetric memory
+    mappings on the GPU). Build once per buffer set and pass it back: it is a host-to-device copy."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+def _as_table(x, device) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else pointer_table(x, device)
+
+
+def ep_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                        topk_weights: torch.Tensor, layout: MoeLayout, *, rank: int, world: int,
+                        token_owner: torch.Tensor, owner_index: torch.Tensor, local_pairs: torch.Tensor,
+                        peer_recv, peer_arrivals, recv_capacity: int, partial_dtype=torch.float32,
+                        out: torch.Tensor | None = None, own: EpBuffers | None = None,
+                        weight_scale: float = 1.0, variant: str = "auto", config: dict | None = None,
+                        expected_m: int | None = None, y: torch.Tensor | None = None,
+                        max_spin: int = DEFAULT_MAX_SPIN,
+                        spin_sleep_ns: int = DEFAULT_SPIN_SLEEP_NS) -> torch.Tensor | None:
+    """Rank `rank`'s down GEMM over ALL gathered tokens with the EP combine in its epilogue.
+
+    q [rows, I] (contiguous) / [G, max_m, I] (masked) fp8 in `layout` (build_ep_layout), q_scale, w2 [G, H, I] fp8
+    (this rank's experts), w2_scale; topk_weights [T, K] (gathered; dropped slots ignored). token_owner /
+    owner_index int32 [T]: the gathered token's owner rank and index among its tokens (allgather_maps);
+    local_pairs int32 [T]. peer_recv / peer_arrivals: every rank's EpBuffers.recv / .arrivals as seen here
+    (list of tensors, or a prebuilt pointer_table), all with capacity recv_capacity and dtype partial_dtype.
+    With out (bf16 [own tokens, H]) and own (this rank's EpBuffers) the owner's finish follows on the same
+    stream and out is returned (it waits for the other ranks: they must run their producers concurrently);
+    else None (call ep_finish later). y: optional bf16 GEMM output buffer."""
+    t, k = topk_weights.shape
+    g_experts, hdim, inter = w2.shape
+    if k != layout.top_k or layout.num_experts != g_experts:
+        raise ValueError(f"layout (top_k {layout.top_k}, {layout.num_experts} experts) does not match "
+                         f"topk_weights {tuple(topk_weights.shape)} / w2 {tuple(w2.shape)}")
+    for name, v in (("token_owner", token_owner), ("owner_index", owner_index), ("local_pairs", local_pairs)):
+        if v.shape != (t,) or v.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [{t}], got {v.dtype} {tuple(v.shape)}")
+    gg._check_operands(q, q_scale, w2, w2_scale, 2 if layout.masked else 1)
+    dev = q.device
+    recv_tab, arr_tab = _as_table(peer_recv, dev), _as_table(peer_arrivals, dev)
+    if recv_tab.numel() != world or arr_tab.numel() != world:
+        raise ValueError(f"need {world} peer buffers, got {recv_tab.numel()} / {arr_tab.numel()}")
+    if not isinstance(peer_recv, torch.Tensor):
+        for b in peer_recv:
+            if b.shape != (world, recv_capacity, hdim) or b.dtype != partial_dtype or not b.is_contiguous():
+                raise ValueError(f"recv buffers must be contiguous {partial_dtype} [{world}, {recv_capacity}, {hdim}]")
+    if t > 0:
+        p = t * k
+        lay = "masked" if layout.masked else "contiguous"
+        sms = gg._device_sms(q)
+        m_hint = expected_m if expected_m is not None else max(1, triton.cdiv(p, max(1, g_experts)))
+        variant, cfg = gg.resolve_config(variant, config, m_hint, hdim, inter, g_experts, lay, sms)
+        cfg = {**cfg, "BLOCK_N": COUNT_BLOCK_N}  # the owners' count grid
+        if variant == "normal" and cfg["BLOCK_T"] >= 64 and not (config or {}).get("num_warps"):
+            cfg["num_warps"] = 8  # the [64, 128] epilogue's pointers: 1488 B spilled at 4 warps, 168 B at 8 (sm_90a)
+        bt, bn = cfg["BLOCK_T"], cfg["BLOCK_N"]
+        if y is None:
+            shape = (g_experts, layout.max_m, hdim) if layout.masked else (q.shape[0], hdim)
+            y = torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        n_tiles = triton.cdiv(hdim, bn)
+        lcnt = torch.zeros(t, n_tiles, dtype=torch.int32, device=dev)
+        if layout.masked:
+            q3, s3, y3 = q, q_scale, y
+            upper_t = g_experts * triton.cdiv(layout.max_m, bt)
+            gstr = (q3.stride(0), s3.stride(0), y3.stride(0))
+        else:
+            q3, s3, y3 = q.unsqueeze(0), q_scale.unsqueeze(0), y.unsqueeze(0)
+            upper_t = q.shape[0] // bt + min(g_experts, q.shape[0])
+            gstr = (0, 0, 0)
+        empty_items = triton.cdiv(t, bt)
+        num_programs = max(1, min(upper_t * n_tiles + empty_items, sms * cfg.get("programs_per_sm", 1)))
+        ip = layout.m_indptr if layout.m_indptr is not None else layout.masked_m
+        _ep_down_combine_kernel[(num_programs,)](
+            q3, s3, w2, w2_scale, y3, ip, layout.masked_m if layout.masked else ip,
+            layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), lcnt, local_pairs, token_owner,
+            owner_index, recv_tab, arr_tab,
+            t, layout.max_m if layout.masked else 0, hdim, num_programs, rank, recv_capacity, float(weight_scale),
+            gstr[0], q3.stride(1), q3.stride(2),
+            gstr[1], s3.stride(1), s3.stride(2),
+            w2.stride(0), w2.stride(1), w2.stride(2),
+            w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
+            gstr[2], y3.stride(1),
+            G=g_experts, K=inter, LAYOUT=1 if layout.masked else 0, SWAP_AB=variant == "swapab",
+            BLOCK_N=bn, BLOCK_T=bt, TOPK=k, PARTIAL_BF16=partial_dtype == torch.bfloat16,
+            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        )
+    if out is None:
+        return None
+    if own is None:
+        raise ValueError("out needs own (this rank's EpBuffers) for the finish")
+    return ep_finish(own, out, world=world, max_spin=max_spin, spin_sleep_ns=spin_sleep_ns)
+
+
+def ep_finish(own: EpBuffers, out: torch.Tensor, *, world: int, max_spin: int = DEFAULT_MAX_SPIN,
+              spin_sleep_ns: int = DEFAULT_SPIN_SLEEP_NS) -> torch.Tensor:
+    """Owner side: out [own tokens, H] bf16 = sum over src ranks (in rank order) of own.recv[src, :T], once all
+    world ranks arrived per (token, 128-column tile); own.status set to 1 if a wait gave up (never cleared here)."""
+    t, hdim = out.shape
+    cap = own.recv.shape[1]
+    if own.recv.shape != (world, cap, hdim) or t > cap or out.stride(1) != 1 or out.dtype != torch.bfloat16:
+        raise ValueError(f"out bf16 [{t}, {hdim}] does not fit recv {tuple(own.recv.shape)} (world {world})")
+    if own.arrivals.shape != (cap, triton.cdiv(hdim, COUNT_BLOCK_N)):
+        raise ValueError(f"arrivals {tuple(own.arrivals.shape)} should be [{cap}, {triton.cdiv(hdim, COUNT_BLOCK_N)}]")
+    if t == 0:
+        return out
+    grid = (triton.cdiv(t, FINISH_BLOCK_T), triton.cdiv(hdim, COUNT_BLOCK_N))
+    _ep_finish_kernel[grid](own.recv, own.arrivals, out, own.status, t, cap, hdim, max_spin, out.stride(0),
+                            WORLD=world, BLOCK_T=FINISH_BLOCK_T, BLOCK_N=COUNT_BLOCK_N,
+                            SLEEP_NS=0 if _interpreting() else int(spin_sleep_ns), num_warps=4)
+    return out
+
+
+def ep_partials_reference(q, q_scale, w2, w2_scale, topk_weights, layout: MoeLayout,
+                          weight_scale: float = 1.0) -> torch.Tensor:
+    """float32 [T, H]: one rank's local combine (its pairs only) on the dequantized operands: what it sends."""
+    from sgl_kernel_ext.quant import dequant_per_block, dequant_per_token_group
+
+    t, k = topk_weights.shape
+    qd = dequant_per_token_group(q.reshape(-1, q.shape[-1]), q_scale.reshape(-1, q_scale.shape[-1]))
+    row = layout.row_of_pair.long()
+    if layout.masked:
+        expert = torch.div(row, layout.max_m, rounding_mode="floor")
+    else:
+        expert = torch.searchsorted(layout.m_indptr.long()[1:], row, right=True)
+    part = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=q.device)
+    w = topk_weights.float().reshape(-1) * weight_scale
+    tok = torch.arange(t * k, device=q.device) // k
+    for e in range(layout.num_experts):
+        sel = ((row >= 0) & (expert == e)).nonzero().flatten()
+        if sel.numel():
+            ye = qd[row[sel]] @ dequant_per_block(w2[e], w2_scale[e], gg.SCALE_BLOCK).T
+            part.index_add_(0, tok[sel], ye * w[sel, None])
+    return part
+
+
+def ep_down_and_combine_reference(per_rank: Sequence[tuple], token_owner: torch.Tensor, owner_index: torch.Tensor,
+                                  sizes: Sequence[int], weight_scale: float = 1.0) -> list[torch.Tensor]:
+    """float32 out of every owner: per_rank[r] = (q, q_scale, w2, w2_scale, topk_weights, layout) of rank r; each
+    rank's local partial (ep_partials_reference) reduce-scattered to the owners, as StandardDispatcher.combine."""
+    outs = [None] * len(sizes)
+    for args in per_rank:
+        part = ep_partials_reference(*args, weight_scale=weight_scale)
+        for o, s in enumerate(sizes):
+            sel = token_owner == o
+            contrib = torch.zeros(s, part.shape[1], dtype=torch.float32, device=part.device)
+            contrib[owner_index[sel].long()] = part[sel]
+            outs[o] = contrib if outs[o] is None else outs[o] + contrib
+    return outs
