@@ -43,15 +43,21 @@ class _FakeServer:
         time.sleep(DELAY_S[self.policy.choose(shape)])
 
 
-def test_one_server_abba_measures_the_policy_effect(tmp_path, monkeypatch):
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    """The fake server and words, an H200, and a 4-layer model dir (the planned choices and the fit read it)."""
     from sglang_h20 import compat
 
     monkeypatch.setattr(bench, "Server", _FakeServer)
     monkeypatch.setattr(bench, "random_words", lambda rng, n: " ".join(["w"] * n))
     monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 141.0))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    return m
+
+
+def test_one_server_abba_measures_the_policy_effect(tmp_path, monkeypatch, model):
     monkeypatch.setattr(sys, "argv", ["prefix_ttft.py", "--model", str(model), "--out", str(tmp_path), "--one-server",
                                       "--lengths", "2048", "--blocks", "4", "--requests", "3", "--burst", "2"])
     assert bench.main() == 0
@@ -70,18 +76,11 @@ def test_one_server_abba_measures_the_policy_effect(tmp_path, monkeypatch):
     assert r["planned"] == {"upstream": {"single": "mla", "burst": "mla"}, "se": {"single": "mla", "burst": "mha"}}
 
 
-def test_forced_arms_fit_the_prefix_overhead_into_the_users_table(tmp_path, monkeypatch):
+def test_forced_arms_fit_the_prefix_overhead_into_the_users_table(tmp_path, monkeypatch, model):
     """--arms mla mha --fit-overhead: both paths forced on the same prefills; the fake server's MHA costs 4 ms
     more per prefill, so F = 4 ms + layers x the table's per-layer gain, written where the plugin reads first."""
-    from sglang_h20 import compat
     from sglang_h20.attention import mha_mla
 
-    monkeypatch.setattr(bench, "Server", _FakeServer)
-    monkeypatch.setattr(bench, "random_words", lambda rng, n: " ".join(["w"] * n))
-    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 141.0))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
     out = tmp_path / "table.json"
     monkeypatch.setattr(sys, "argv", ["prefix_ttft.py", "--model", str(model), "--out", str(tmp_path / "o"),
                                       "--one-server", "--lengths", "2048", "--blocks", "2", "--requests", "3",
