@@ -14,7 +14,7 @@ Two versions of the split kernel, same launcher signature and results (``version
   Exists because v1 runs at 0.53-0.66x FlashMLA BF16; v2 is compiled and checked without a GPU only so far.
 
 The ``.cu`` is compiled on first use with nvcc into a shared library (no torch headers: a few seconds) cached
-under ``~/.cache/sglang_h20/`` keyed by a hash of the source and the flags, and called through ctypes on
+under ``~/.cache/sglang_h20/`` keyed by a hash of the source, the shared header and the flags, and called through ctypes on
 torch's current stream, so it can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -38,7 +38,6 @@ from .mla_decode import (
 __all__ = ["build", "available", "mla_decode_fp8_cuda", "source_path", "NVCC_FLAGS", "VERSIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
-ROWS_PER_CTA = 64
 NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 
 VERSIONS = (1, 2)
@@ -73,24 +72,6 @@ def _find_nvcc() -> str | None:
     return None
 
 
-def _cutlass_include() -> str | None:
-    """CUTLASS headers (env SGLANG_H20_CUTLASS_INCLUDE, else flashinfer's copy). The kernel itself uses raw PTX
-    and needs none; the include path is passed when found so that a future CuTe version builds the same way."""
-    env = os.environ.get("SGLANG_H20_CUTLASS_INCLUDE")
-    if env:
-        return env
-    try:
-        import importlib.util
-        spec = importlib.util.find_spec("flashinfer")
-    except (ImportError, ValueError):
-        spec = None
-    if spec and spec.submodule_search_locations:
-        inc = Path(list(spec.submodule_search_locations)[0]) / "data" / "cutlass" / "include"
-        if inc.is_dir():
-            return str(inc)
-    return None
-
-
 def build(verbose: bool = True, version: int = 1) -> Path:
     """Compile the .cu of `version` (once per source/flags hash) and return the shared library's path."""
     src = source_path(version)
@@ -100,9 +81,6 @@ def build(verbose: bool = True, version: int = 1) -> Path:
     if nvcc is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin, or set SGLANG_H20_NVCC)")
     flags = list(NVCC_FLAGS)
-    inc = _cutlass_include()
-    if inc:
-        flags += ["-I", inc]
     text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.cuh")))  # + the shared header
     key = hashlib.sha256(text + "\0".join(flags).encode() + nvcc.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("SGLANG_H20_CACHE", Path.home() / ".cache" / "sglang_h20"))

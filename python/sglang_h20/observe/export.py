@@ -2,7 +2,8 @@
 
 Record schema (one JSON object per line; `stages.StageRecorder.poll` and `synth` write it):
 
-kind "stages" (a sampled, eagerly run decode pass):
+kind "stages" (a sampled decode pass: an instrumented graph twin replayed, graph_sampled=true and window_ms,
+               or in the fallback an eager pass):
     ts (unix s), rank, step (ModelRunner.forward_pass_id, the same on every rank), mode, eager,
     clock ("cuda" events or "cpu" perf_counter), step_ms, cpu_ms (host time of the pass),
     layers: [{layer, stages: {stage: ms}, overlap: {stage: ms}?}],  stage names: stages.STAGES

@@ -51,8 +51,10 @@ are installed only when SGLANG_H20_OBSERVE > 0 at start.
 
 Cost: with instrumented twins, a sampled step is a graph replay plus its ~1000 event nodes (61 layers
 x 8 frames x 2) and 58 small load-count scatters; unsampled steps replay the plain graphs and pay
-nothing; capture time and graph memory double (one twin per captured batch size). Not yet measured
-on a GPU (2026-11-29). In the eager fallback a fraction f of decode steps runs eagerly, slower by the
+nothing; capture time and graph memory double (one twin per captured batch size). Measured on the H200
+(dsv3-ep16-slice, 48 running, f = 0.01, 2026-11-29): a twin replay took 1.16x a plain one (25.9 vs 22.2 ms),
+so f*(r-1) = 0.16%; output tok/s on/off 0.9992 (benchmark/results/observe/observe_overhead_twins_h200.json).
+In the eager fallback a fraction f of decode steps runs eagerly, slower by the
 eager/graph ratio r: measured on the H200 (dsv3-ep16-slice, 48 running): r = 8.7-9.9 (207-209 ms
 eager vs 21-22 ms graph); f = 0.01 cost 14% of throughput, f = 0.001 1.5-2.2% (not conclusive).
 Eager non-sampled passes (prefill) pay one global read per hooked call (~0.3 us x ~600 calls).
