@@ -66,19 +66,25 @@ def measure(srv: Server, length: int, requests: int, burst: int, rng: random.Ran
             "burst": burst, "burst_ms": bursts, "median_burst_ms": statistics.median(bursts)}
 
 
-def planned_choices(arms, length: int, burst: int, model: str) -> dict:
+def gpu_and_layers(model: str) -> tuple[str, int]:
+    """This host's GPU name (whose table the server loads) and the model's layer count (what the policy
+    charges MHA's per-prefill cost against)."""
+    from sglang_h20 import compat
+
+    g = compat.gpu()
+    return (g.name if g else ""), int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
+
+
+def planned_choices(arms, length: int, burst: int, gpu: str, layers: int) -> dict:
     """What each arm's policy picks for this length's prefills (one request; a whole burst as one batch),
     from the same policy objects and table the server loads on this GPU: the reading key for a ratio near
     1 (both arms on the same path: the difference is noise). A burst may be scheduled as smaller batches."""
-    from sglang_h20 import compat
     from sglang_h20.attention import mha_mla
 
-    g = compat.gpu()
-    layers = int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
     half = length // 2
     out = {}
     for arm in arms:
-        policy = mha_mla.named_policy(arm, g.name if g else "")
+        policy = mha_mla.named_policy(arm, gpu)
         out[arm] = {"single": policy.choose(mha_mla.BatchShape([half], [half]), layers),
                     "burst": policy.choose(mha_mla.BatchShape([half] * burst, [half] * burst), layers)}
     return out
@@ -95,6 +101,7 @@ def one_server(args) -> dict:
     env = {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_MHA_MLA_CONTROL": str(ctl)}
     order = [(a, b, b, a)[i % 4] for i in range(args.blocks)]  # ABBA
     res: dict = {"arms": list(arms), "order": order, "lengths": {}}
+    gpu, layers = gpu_and_layers(args.model)
     with Server(args.model, shlex.split(args.server_args) + NO_PREFILL_GRAPH, args.out / "server-one.log",
                 env=env, port=32100) as srv:
         rng = random.Random(5)
@@ -124,7 +131,7 @@ def one_server(args) -> dict:
                          for b1, b2 in zip(blocks[::2], blocks[1::2])]
                 per[mode] = {"median_ms": med, "ratio_of_medians": med[b] / med[a], "paired": mean_ci95(pairs)}
             res["lengths"][str(n)] = {"blocks": blocks, **per,
-                                      "planned": planned_choices(arms, n, args.burst, args.model)}
+                                      "planned": planned_choices(arms, n, args.burst, gpu, layers)}
             print(f"  L={n}: {b}/{a} TTFT {per['single']['ratio_of_medians']:.3f} single "
                   f"(paired {per['single']['paired']['mean']:.3f}), {per['burst']['ratio_of_medians']:.3f} burst",
                   flush=True)
@@ -133,13 +140,10 @@ def one_server(args) -> dict:
 
 def fit_overhead(res: dict, model: str, table_out: Path | None) -> dict:
     """Fit the table's once-per-prefill MHA cost from a --arms mla mha run and write the table back."""
-    from sglang_h20 import compat
     from sglang_h20.attention import mha_mla
 
-    g = compat.gpu()
-    gpu = g.name if g else ""
+    gpu, layers = gpu_and_layers(model)
     table = mha_mla.load_table(gpu)
-    layers = int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
     samples = [(mha_mla.BatchShape([int(n) // 2], [int(n) // 2]), r["single"]["median_ms"]["mha"],
                 r["single"]["median_ms"]["mla"]) for n, r in res["lengths"].items()]
     fit = mha_mla.fit_mha_prefix_overhead(table, samples, layers)
