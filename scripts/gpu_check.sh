@@ -58,6 +58,8 @@ else
   export PYTHONPATH=/tmp/site:/tmp/dg
   say "GPU ${CUDA_VISIBLE_DEVICES:-all}: $(nvidia-smi --query-gpu=name --format=csv,noheader -i ${CUDA_VISIBLE_DEVICES:-0} 2>&1)"
 fi
+# the dummy DeepSeek-V3 servers' flags every server step shares (each adds its attention backend)
+SERVER_ARGS="--load-format dummy --sampling-backend pytorch --moe-runner-backend triton --fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64"
 rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
   say "pytest -m gpu"
@@ -87,8 +89,7 @@ if [[ " $STEPS " == *" parity "* ]]; then
   say "plugin parity (deadline for new phases: $(( $(left) - 150 ))s from now)"
   python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l --out "$OUT/parity" \
     --phases ${PHASES:-upstream plugin-off} --deadline-s $(( $(left) - 150 )) ${PARITY_ARGS:-} \
-    --server-args "--load-format dummy --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
---fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64 --log-level info" \
+    --server-args "$SERVER_ARGS --attention-backend triton --log-level info" \
     2>&1 | tee "$OUT/parity.log" | grep -v "^\[.*bench:" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   cp "$OUT/parity/plugin_parity.json" "$OUT/" 2>/dev/null
@@ -110,8 +111,7 @@ if [[ " $STEPS " == *" parity_ep "* ]]; then  # the multi-GPU issue: EP = DP att
   say "plugin parity with EP=$n, DP attention (deadline for new phases: $(( $(left) - 200 ))s from now)"
   NCCL_NVLS_ENABLE=0 python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l --out "$OUT/parity_ep" \
     --phases ${PHASES:-upstream plugin-off features} --deadline-s $(( $(left) - 200 )) ${PARITY_ARGS:-} \
-    --server-args "--load-format dummy --attention-backend triton --sampling-backend pytorch --moe-runner-backend triton \
---fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64 --log-level info \
+    --server-args "$SERVER_ARGS --attention-backend triton --log-level info \
 --tp $n --ep-size $n --enable-dp-attention --dp $n" 2>&1 | tee "$OUT/parity_ep.log" | grep -v "^\[.*bench:" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   cp "$OUT/parity_ep/plugin_parity.json" "$OUT/plugin_parity_ep.json" 2>/dev/null
@@ -122,9 +122,7 @@ if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt 300 ]; then  # multi-GP
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   say "expert-affinity placement in the server, EP=$n"
   NCCL_NVLS_ENABLE=0 timeout $(( $(left) - 20 )) python3 benchmark/serving/affinity_remote_share.py --model /tmp/models/dsv3-4l \
-    --out /tmp/affinity --gpus "$n" ${AFFINITY_ARGS:-} --server-args "--load-format dummy --attention-backend triton \
---sampling-backend pytorch --moe-runner-backend triton --fp8-gemm-backend triton --grammar-backend none \
---mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/affinity.log" | grep -v "bench:" | tail -20
+    --out /tmp/affinity --gpus "$n" ${AFFINITY_ARGS:-} --server-args "$SERVER_ARGS --attention-backend triton" 2>&1 | tee "$OUT/affinity.log" | grep -v "bench:" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/affinity/*/server.log; }
   cp /tmp/affinity/affinity_remote_share.json "$OUT/" 2>/dev/null
 fi
@@ -140,16 +138,14 @@ fi
 if [[ " $STEPS " == *" ttft "* ]] && [ "$(left)" -gt 200 ]; then
   say "prefix TTFT (deadline for new phases: $(( $(left) - 130 ))s from now)"
   python3 benchmark/serving/prefix_ttft.py --model /tmp/models/dsv3-4l --out /tmp/ttft --deadline-s $(( $(left) - 130 )) ${TTFT_ARGS:-} \
-    --server-args "--load-format dummy --attention-backend flashmla --sampling-backend pytorch --moe-runner-backend triton \
---fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/ttft.log" | tail -30
+    --server-args "$SERVER_ARGS --attention-backend flashmla" 2>&1 | tee "$OUT/ttft.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/ttft/server-*.log; }
   cp /tmp/ttft/prefix_ttft.json "$OUT/" 2>/dev/null
 fi
 if [[ " $STEPS " == *" profile "* ]] && [ "$(left)" -gt 150 ]; then  # what MHA's extra per-prefill cost is made of
   say "prefill profile, MHA vs MLA on dsv3-4l"
   timeout $(( $(left) - 20 )) python3 benchmark/serving/prefill_profile.py --model /tmp/models/dsv3-4l --out /tmp/profile ${PROFILE_ARGS:-} \
-    --server-args "--load-format dummy --attention-backend flashmla --sampling-backend pytorch --moe-runner-backend triton \
---fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64" 2>&1 | tee "$OUT/prefill_profile.log" | tail -20
+    --server-args "$SERVER_ARGS --attention-backend flashmla" 2>&1 | tee "$OUT/prefill_profile.log" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/profile/server.log; }
   cp /tmp/profile/prefill_profile.json "$OUT/" 2>/dev/null
 fi
