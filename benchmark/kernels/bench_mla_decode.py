@@ -143,16 +143,22 @@ def make_ours(torch, mla, sets, ctx, name, cfg=None):
                                          num_stages=cfg[4], pv_16bit=cfg[5])
         metas.append(mla.get_mla_decode_metadata(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1],
                                                  max_seqlen=ctx, **kw))
+    info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
+            "block_h": metas[0].block_h, "block_n": metas[0].block_n, "block_v": metas[0].block_v,
+            "num_warps": metas[0].num_warps, "num_stages": metas[0].num_stages, "pv_16bit": metas[0].pv_16bit}
+    return _decode_calls(torch, sets, metas, mla.mla_decode_fp8) + (info,)
+
+
+def _decode_calls(torch, sets, metas, decode):
+    """One timed call per input set of an FP8 decode entry with mla_decode_fp8's arguments (metadata made
+    outside the timed region, the Q pre-pass inside it), and the first set's output."""
     outs = [torch.empty(*s["q"].shape[:3], 512, dtype=torch.bfloat16, device="cuda") for s in sets]
 
     def call(i):
         s = sets[i]
-        return lambda: mla.mla_decode_fp8(s["q"], s["kv_cache"], s["block_table"], s["cache_seqlens"],
-                                          s["softmax_scale"], metas[i], out=outs[i])
-    info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
-            "block_h": metas[0].block_h, "block_n": metas[0].block_n, "block_v": metas[0].block_v,
-            "num_warps": metas[0].num_warps, "num_stages": metas[0].num_stages, "pv_16bit": metas[0].pv_16bit}
-    return [call(i) for i in range(len(sets))], (lambda: outs[0]), info
+        return lambda: decode(s["q"], s["kv_cache"], s["block_table"], s["cache_seqlens"], s["softmax_scale"],
+                              metas[i], out=outs[i])
+    return [call(i) for i in range(len(sets))], (lambda: outs[0])
 
 
 def make_ours_cuda(torch, mla, sets, ctx, version=1):
@@ -165,17 +171,13 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1):
     ok, why = cu.available(version)
     if not ok:
         raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
+    import functools
+
     metas = [mla.get_mla_decode_metadata(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=ctx)
              for s in sets]
-    outs = [torch.empty(*s["q"].shape[:3], 512, dtype=torch.bfloat16, device="cuda") for s in sets]
-
-    def call(i):
-        s = sets[i]
-        return lambda: cu.mla_decode_fp8_cuda(s["q"], s["kv_cache"], s["block_table"], s["cache_seqlens"],
-                                              s["softmax_scale"], metas[i], out=outs[i], version=version)
     info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
             "kernel_version": version}
-    return [call(i) for i in range(len(sets))], (lambda: outs[0]), info
+    return _decode_calls(torch, sets, metas, functools.partial(cu.mla_decode_fp8_cuda, version=version)) + (info,)
 
 
 def make_flashmla(torch, sets, fp8: bool):
