@@ -112,55 +112,11 @@ def allgather_maps(sizes: Sequence[int], device=None) -> tuple[torch.Tensor, tor
 
 def build_ep_layout(topk_ids: torch.Tensor, num_local_experts: int,
                     masked_max_m: int | None = None) -> tuple[MoeLayout, torch.Tensor]:
-    """(layout, local_pairs) for StandardDispatcher's local ids (topk_ids [T, K]: local expert ids, -1 = dropped).
-
-    Like sbo.build_layout (GPU ops, no host sync) but dropped pairs get no row: row_of_pair = -1, and they sort
-    after every expert (contiguous: rows m_indptr[G].. hold them and are never computed; sorted_expert = G).
-    local_pairs int32 [T]: each token's number of local pairs, the count the epilogue waits for."""
-    t, k = topk_ids.shape
-    p, e = t * k, num_local_experts
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    valid = flat >= 0
-    key = torch.where(valid, flat, torch.full_like(flat, e))
-    e_sorted, order = torch.sort(key, stable=True)
-    counts = torch.zeros(e + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:e]
-    indptr = torch.zeros(e + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(counts, 0, out=indptr[1:])
-    pos = torch.arange(p, dtype=torch.int64, device=dev)
-    kept = e_sorted < e
-    local_pairs = valid.view(t, k).sum(1).to(torch.int32)
-    sorted_pair, sorted_expert = order.to(torch.int32), e_sorted.to(torch.int32)
-    if masked_max_m is None:
-        rows = torch.where(kept, pos, torch.full_like(pos, -1))
-        pair_of_row = sorted_pair
-        m_indptr, masked_m, max_m = indptr.to(torch.int32), None, t
-    else:
-        if masked_max_m < t:
-            raise ValueError(f"masked_max_m {masked_max_m} < tokens {t}: pairs would be dropped")
-        i = pos - indptr[e_sorted.clamp_max(e - 1)] if e > 0 else pos
-        rows = torch.where(kept, e_sorted * masked_max_m + i, torch.full_like(pos, -1))
-        slot = torch.where(kept, rows, torch.full_like(rows, e * masked_max_m))  # dropped: a scratch slot
-        pair_of_row = torch.zeros(e * masked_max_m + 1, dtype=torch.int32, device=dev)
-        pair_of_row[slot] = sorted_pair
-        pair_of_row = pair_of_row[:-1]
-        m_indptr, masked_m, max_m = None, counts.to(torch.int32), masked_max_m
-    row_of_pair = torch.empty(p, dtype=torch.int32, device=dev)
-    row_of_pair[order] = rows.to(torch.int32)
-    return MoeLayout(k, e, max_m, pair_of_row, row_of_pair, m_indptr, masked_m, sorted_pair, sorted_expert), local_pairs
-
-
-def dispatch_local_rows(x: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
-    """Gathered token rows x [T, ...] placed in an EP layout (dropped pairs get no row): [P, ...] contiguous
-    (rows past m_indptr[G] are never read) or [G, max_m, ...] masked (unused rows uninitialized)."""
-    if not layout.masked:
-        return x.index_select(0, (layout.pair_of_row // layout.top_k).to(torch.int64))
-    rows = layout.num_experts * layout.max_m
-    out = torch.empty(rows + 1, *x.shape[1:], dtype=x.dtype, device=x.device)
-    r = layout.row_of_pair.to(torch.int64)
-    src = torch.arange(r.numel(), device=x.device) // layout.top_k
-    out[torch.where(r >= 0, r, torch.full_like(r, rows))] = x.index_select(0, src)
-    return out[:rows].view(layout.num_experts, layout.max_m, *x.shape[1:])
+    """(layout, local_pairs) for StandardDispatcher's local ids (topk_ids [T, K]: local expert ids, -1 = dropped):
+    sbo.build_layout with drops (a dropped pair gets no row), and local_pairs int32 [T], each token's number
+    of local pairs: the count the epilogue waits for."""
+    layout = sbo.build_layout(topk_ids, num_local_experts, masked_max_m, drops=True)
+    return layout, (topk_ids >= 0).sum(1).to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------

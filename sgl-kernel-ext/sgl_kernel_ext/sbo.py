@@ -73,29 +73,43 @@ class MoeLayout(NamedTuple):
         return self.masked_m is not None
 
 
-def build_layout(topk_ids: torch.Tensor, num_experts: int, masked_max_m: int | None = None) -> MoeLayout:
+def build_layout(topk_ids: torch.Tensor, num_experts: int, masked_max_m: int | None = None,
+                 drops: bool = False) -> MoeLayout:
     """The dispatch map of topk_ids [T, K] (expert ids in [0, E)), all GPU ops, CUDA-graph safe.
 
     masked_max_m None: contiguous layout; else masked with that capacity per expert (>= T, since a
-    token routes to an expert at most once; pairs beyond it would be dropped)."""
+    token routes to an expert at most once; pairs beyond it would be dropped). drops: ids may be -1 (a pair
+    routed to another EP rank, as SGLang's StandardDispatcher marks them): such a pair gets no row
+    (row_of_pair -1) and sorts after every expert (sorted_expert E; contiguous: past m_indptr[E])."""
     t, k = topk_ids.shape
     p = t * k
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
+    if drops:
+        flat = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))
     e_sorted, order = torch.sort(flat, stable=True)  # experts ascending; pair ids in expert order
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + drops, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))[:num_experts]
     indptr = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
     torch.cumsum(counts, 0, out=indptr[1:])
     sorted_pos = torch.arange(p, dtype=torch.int64, device=dev)
     sorted_pair, sorted_expert = order.to(torch.int32), e_sorted.to(torch.int32)
+    kept = e_sorted < num_experts if drops else None
     if masked_max_m is None:
-        return MoeLayout(k, num_experts, t, sorted_pair, _inverse(order, sorted_pos, p), indptr.to(torch.int32), None,
+        rows = torch.where(kept, sorted_pos, -1) if drops else sorted_pos
+        return MoeLayout(k, num_experts, t, sorted_pair, _inverse(order, rows, p), indptr.to(torch.int32), None,
                          sorted_pair, sorted_expert)
     if masked_max_m < t:
         raise ValueError(f"masked_max_m {masked_max_m} < tokens {t}: pairs would be dropped")
     rows = e_sorted * masked_max_m + (sorted_pos - indptr[e_sorted])
-    pair_of_row = torch.zeros(num_experts * masked_max_m, dtype=torch.int32, device=dev)
-    pair_of_row[rows] = sorted_pair
+    slots = num_experts * masked_max_m
+    pair_of_row = torch.zeros(slots + drops, dtype=torch.int32, device=dev)
+    if drops:  # dropped pairs land in one scratch slot past the end, cut off below
+        rows = torch.where(kept, rows, -1)
+        pair_of_row[torch.where(kept, rows, slots)] = sorted_pair
+        pair_of_row = pair_of_row[:slots]
+    else:
+        pair_of_row[rows] = sorted_pair
     return MoeLayout(k, num_experts, masked_max_m, pair_of_row, _inverse(order, rows, p), None,
                      counts.to(torch.int32), sorted_pair, sorted_expert)
 
@@ -107,14 +121,17 @@ def _inverse(order: torch.Tensor, rows: torch.Tensor, p: int) -> torch.Tensor:
 
 
 def dispatch_rows(x: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
-    """Token rows x [T, ...] placed in the layout: [P, ...] (contiguous) or [E, max_m, ...] (masked;
-    rows past masked_m are left uninitialized, the GEMMs never read them)."""
+    """Token rows x [T, ...] placed in the layout: [P, ...] (contiguous; rows of dropped pairs, past
+    m_indptr[E], are never read) or [E, max_m, ...] (masked; rows past masked_m are left uninitialized, the
+    GEMMs never read them)."""
     if not layout.masked:
         return x.index_select(0, (layout.pair_of_row // layout.top_k).to(torch.int64))
-    out = torch.empty(layout.num_experts * layout.max_m, *x.shape[1:], dtype=x.dtype, device=x.device)
+    slots = layout.num_experts * layout.max_m
+    out = torch.empty(slots + 1, *x.shape[1:], dtype=x.dtype, device=x.device)  # + a scratch row for drops
+    rows = layout.row_of_pair.to(torch.int64)
     src = torch.arange(x.shape[0] * layout.top_k, device=x.device) // layout.top_k
-    out[layout.row_of_pair.to(torch.int64)] = x.index_select(0, src)
-    return out.view(layout.num_experts, layout.max_m, *x.shape[1:])
+    out[torch.where(rows >= 0, rows, slots)] = x.index_select(0, src)
+    return out[:slots].view(layout.num_experts, layout.max_m, *x.shape[1:])
 
 
 @triton.jit

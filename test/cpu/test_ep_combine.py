@@ -74,7 +74,7 @@ class Problem:
         for r in range(world):
             local = torch.where((self.ids >= r * G) & (self.ids < (r + 1) * G), self.ids - r * G, -1).to(torch.int32)
             lay, lp = ep.build_ep_layout(local, G, masked_max_m=t + 1 if masked else None)
-            q, qs = ep.dispatch_local_rows(self.xq, lay), ep.dispatch_local_rows(self.xs, lay)
+            q, qs = sbo.dispatch_rows(self.xq, lay), sbo.dispatch_rows(self.xs, lay)
             self.ranks.append((q, qs, self.wq[r * G:(r + 1) * G], self.ws[r * G:(r + 1) * G], lay, lp))
 
     def run(self, *, partial_dtype=torch.float32, weights=None, cfg=None, variant="swapab", skip_rank=None,

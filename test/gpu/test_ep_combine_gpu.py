@@ -26,6 +26,7 @@ ITERS = 50
 
 def _problem(rank, dev):
     from sgl_kernel_ext import ep_combine as ep
+    from sgl_kernel_ext import sbo
     from sgl_kernel_ext.quant import per_block_quant_fp8, per_token_group_quant_fp8
 
     g = torch.Generator(device="cpu").manual_seed(0)  # the same gathered batch on every rank
@@ -41,7 +42,7 @@ def _problem(rank, dev):
     local = torch.where((ids >= rank * G) & (ids < (rank + 1) * G), ids - rank * G, -1).to(torch.int32).to(dev)
     lay, lp = ep.build_ep_layout(local, G)
     owner, index = ep.allgather_maps(SIZES, dev)
-    return (ep.dispatch_local_rows(xq, lay), ep.dispatch_local_rows(xs, lay), wq, ws, weights.to(dev), lay, lp,
+    return (sbo.dispatch_rows(xq, lay), sbo.dispatch_rows(xs, lay), wq, ws, weights.to(dev), lay, lp,
             owner, index)
 
 
