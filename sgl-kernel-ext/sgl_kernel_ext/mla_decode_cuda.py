@@ -11,7 +11,7 @@ Two versions of the split kernel, same launcher signature and results (``version
 - 2: ``mla_fp8_decode_sm90_v2.cu``, warp-specialized "seesaw": the two math warpgroups own alternate KV tiles for
   QK^T + softmax (independent softmax chains merged per tile) while a loader warpgroup streams K tiles, so one
   warpgroup's softmax overlaps the other's tensor-core work (v1 leaves the tensor cores idle for most of each tile).
-  Exists because v1 runs at 0.53-0.66x FlashMLA BF16; v2 is compiled and checked without a GPU only so far.
+  Exists because v1 runs at 0.47-0.66x FlashMLA BF16; v2 is compiled and checked without a GPU only so far.
 
 The ``.cu`` is compiled on first use with nvcc into a shared library (no torch headers: a few seconds) cached
 under ``~/.cache/sglang_h20/`` keyed by a hash of the source, the shared header and the flags, and called through ctypes on

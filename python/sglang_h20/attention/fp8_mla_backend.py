@@ -72,9 +72,9 @@ def _kernel():
 
 
 def decode_kernel():
-    """(decode function, what it is): the CUDA split kernel (FP8 wgmma for QK^T and PV; 1.8x the Triton one on
-    the H200) where it builds and runs here (sm_90, nvcc), else the Triton kernel. Same arguments, format and
-    plan; the choice is logged once per process."""
+    """(decode function, what it is): the CUDA split kernel (FP8 wgmma for QK^T and PV; on the H200 0.54x
+    FlashMLA BF16 at batch 64 x 4k, where the Triton one was 0.29x) where it builds and runs here (sm_90,
+    nvcc), else the Triton kernel. Same arguments, format and plan; the choice is logged once per process."""
     mla = _kernel()
     try:
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
