@@ -38,7 +38,9 @@ from .mla_decode import (
 __all__ = ["build", "available", "mla_decode_fp8_cuda", "source_path", "NVCC_FLAGS", "VERSIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
-NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
+NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler",
+              "-fPIC,-fvisibility=hidden")  # hidden: the versions' libraries, loaded side by side, share no symbol
+ENTRY_POINTS = ("mla_fp8_decode_sm90", "mla_fp8_decode_sm90_error_string", "mla_fp8_decode_sm90_smem_bytes")
 
 VERSIONS = (1, 2)
 _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),

@@ -1,6 +1,7 @@
 """The CUDA MLA decode kernels (version 1 and 2 of the split kernel) compile for sm_90a without a GPU: no spills,
-no stack frame, no wgmma serialization warning, and FP8 wgmma (QGMMA) in the SASS with the expected shapes.
-Skipped (with the reason) where nvcc is missing."""
+no stack frame, no wgmma serialization warning, FP8 wgmma (QGMMA) in the SASS with the expected shapes, and a
+library exporting only its entry points (so v1 and v2 loaded in one process share no symbol). Skipped (with the
+reason) where nvcc is missing."""
 from __future__ import annotations
 
 import importlib
@@ -45,9 +46,8 @@ def compiled(request, tmp_path_factory):
     src = cu.source_path(version)
     if not src.is_file():
         pytest.skip(f"kernel source missing: {src}")
-    obj = tmp_path_factory.mktemp(f"mla_cuda_v{version}") / "mla.o"
-    flags = [f for f in cu.NVCC_FLAGS if f not in ("-shared", "-Xcompiler", "-fPIC")]
-    res = subprocess.run([nvcc, *flags, "-Xptxas", "-v", "-c", str(src), "-o", str(obj)],
+    obj = tmp_path_factory.mktemp(f"mla_cuda_v{version}") / "mla.so"  # the library build() makes
+    res = subprocess.run([nvcc, *cu.NVCC_FLAGS, "-Xptxas", "-v", str(src), "-o", str(obj)],
                          capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
     return version, obj, res.stdout + res.stderr
@@ -73,3 +73,18 @@ def test_sass_has_fp8_wgmma(compiled):
     if version == 2:  # warp specialization: the register split and no local memory in the math warpgroups
         assert "USETMAXREG" in sass, "v2: setmaxnreg missing from the SASS"
         assert not re.search(r"\b(STL|LDL)\b", sass), "v2: local memory traffic in the SASS"
+
+
+def test_exports_only_entry_points(compiled):
+    """Session 6's failure: a static local of the shared header's launcher was an STB_GNU_UNIQUE symbol, one object
+    for both versions' libraries in a process, so v2 launched without its shared-memory attribute after v1 ran."""
+    _, obj, _ = compiled
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm not found")
+    rows = [line.split() for line in subprocess.run([nm, "-D", "--defined-only", str(obj)], capture_output=True,
+                                                    text=True, timeout=60).stdout.splitlines()]
+    unique = [r[-1] for r in rows if len(r) >= 3 and r[1] == "u"]
+    assert not unique, f"process-wide unique symbols: {unique}"
+    funcs = sorted(r[-1] for r in rows if len(r) >= 3 and r[1] == "T" and not r[-1].startswith("_"))
+    assert funcs == sorted(cu.ENTRY_POINTS), funcs

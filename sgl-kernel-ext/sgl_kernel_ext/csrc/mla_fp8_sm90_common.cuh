@@ -258,14 +258,17 @@ __device__ __forceinline__ void pv_half(float* acc, uint32_t pa, uint32_t va) {
 
 // Host side: fill Params from the ctypes arguments (strides in elements), raise the kernel's dynamic shared
 // memory limit once per device, launch on the caller's stream (CUDA-graph capture works). Returns a cudaError_t.
+// attr_done is the calling library's own per-device flag (internal linkage, see MLA_FP8_DEFINE_ENTRY_POINTS):
+// a static local here would be one STB_GNU_UNIQUE object shared by every library built from this header in the
+// process, so after v1 set its attribute, v2 skipped its own and failed to launch ("invalid argument").
 template <typename Kernel>
-inline int launch(Kernel kernel, int threads, int smem_bytes, int rows_per_cta, const void* q8, const void* qs,
+inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, int rows_per_cta, const void* q8,
+                  const void* qs,
                   const void* kv, const void* kvs, const void* block_table, const void* seqlens, void* out, void* lse,
                   void* op, void* lp, long long kv_page_stride, long long kvs_page_stride, long long bt_stride,
                   long long out_sb, long long out_st, long long out_sh, long long lse_sb, long long lse_st,
                   long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr, int batch,
                   int num_heads, int q_len, int num_splits, int causal, float qk_scale, void* stream) {
-  static bool attr_done[128] = {};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -309,21 +312,24 @@ inline int launch(Kernel kernel, int threads, int smem_bytes, int rows_per_cta, 
 
 }  // namespace mla_fp8_common
 
-// The entry points each version defines with its kernel (ctypes looks these names up).
+// The entry points each version defines with its kernel (ctypes looks these names up); the only symbols the
+// library exports (it is built with -fvisibility=hidden, so two versions loaded in one process share nothing).
+#define MLA_FP8_EXPORT extern "C" __attribute__((visibility("default")))
 #define MLA_FP8_DEFINE_ENTRY_POINTS(KERNEL, THREADS_, SMEM_BYTES_, ROWS_)                                           \
-  extern "C" int mla_fp8_decode_sm90(                                                                              \
+  static bool mla_fp8_attr_done[128] = {};                                                                         \
+  MLA_FP8_EXPORT int mla_fp8_decode_sm90(                                                                              \
       const void* q8, const void* qs, const void* kv, const void* kvs, const void* block_table,                    \
       const void* seqlens, void* out, void* lse, void* op, void* lp, long long kv_page_stride,                     \
       long long kvs_page_stride, long long bt_stride, long long out_sb, long long out_st, long long out_sh,         \
       long long lse_sb, long long lse_st, long long op_sb, long long op_sr, long long op_ss, long long lp_sb,      \
       long long lp_sr, int batch, int num_heads, int q_len, int num_splits, int causal, float qk_scale,            \
       void* stream) {                                                                                              \
-    return mla_fp8_common::launch(KERNEL, THREADS_, SMEM_BYTES_, ROWS_, q8, qs, kv, kvs, block_table, seqlens,     \
+    return mla_fp8_common::launch(KERNEL, mla_fp8_attr_done, THREADS_, SMEM_BYTES_, ROWS_, q8, qs, kv, kvs, block_table, seqlens,     \
                                   out, lse, op, lp, kv_page_stride, kvs_page_stride, bt_stride, out_sb, out_st,    \
                                   out_sh, lse_sb, lse_st, op_sb, op_sr, op_ss, lp_sb, lp_sr, batch, num_heads,     \
                                   q_len, num_splits, causal, qk_scale, stream);                                    \
   }                                                                                                                \
-  extern "C" const char* mla_fp8_decode_sm90_error_string(int err) {                                              \
+  MLA_FP8_EXPORT const char* mla_fp8_decode_sm90_error_string(int err) {                                              \
     return cudaGetErrorString(static_cast<cudaError_t>(err));                                                      \
   }                                                                                                                \
-  extern "C" int mla_fp8_decode_sm90_smem_bytes() { return SMEM_BYTES_; }
+  MLA_FP8_EXPORT int mla_fp8_decode_sm90_smem_bytes() { return SMEM_BYTES_; }
