@@ -26,6 +26,7 @@
 #   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
 #   MIGRATION_ARGS="--world 2 --presets ep16-slice" (extra args of migration_step_time.py)
 #   LAYER_ARGS="--kv-b-proj fp8" (extra args of mha_mla_layer.py)
+#   EP_ARGS="--attention-backend flashmla --enable-dp-lm-head" (server flags parity_ep adds last, so they win)
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/gpu_check_out}; mkdir -p "$OUT"
@@ -112,7 +113,7 @@ if [[ " $STEPS " == *" parity_ep "* ]]; then  # the multi-GPU issue: EP = DP att
   NCCL_NVLS_ENABLE=0 python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l --out "$OUT/parity_ep" \
     --phases ${PHASES:-upstream plugin-off features} --deadline-s $(( $(left) - 200 )) ${PARITY_ARGS:-} \
     --server-args "$SERVER_ARGS --attention-backend triton --log-level info \
---tp $n --ep-size $n --enable-dp-attention --dp $n" 2>&1 | tee "$OUT/parity_ep.log" | grep -v "^\[.*bench:" | tail -40
+--tp $n --ep-size $n --enable-dp-attention --dp $n ${EP_ARGS:-}" 2>&1 | tee "$OUT/parity_ep.log" | grep -v "^\[.*bench:" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   cp "$OUT/parity_ep/plugin_parity.json" "$OUT/plugin_parity_ep.json" 2>/dev/null
   (cd "$OUT/parity_ep" && tar -cJf "$OUT/parity_ep_logs.tar.xz" --exclude sharegpt.json . 2>/dev/null)

@@ -55,6 +55,7 @@ import math
 import random
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -108,6 +109,9 @@ def parse_args(argv=None):
     ap.add_argument("--table-from", type=Path, help="build the table from this results JSON and exit")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per point (ms)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no new (shape, experts, tokens) point after this many seconds; the JSON then holds "
+                         "what was measured and says \"partial\": true")
     return ap.parse_args(argv)
 
 
@@ -548,18 +552,35 @@ def main(argv=None) -> int:
     peak = measure_peak_read(args.rep_ms)
     print(f"peak read bandwidth: {peak['peak_read_tbs']:.2f} TB/s ({peak['method']})", flush=True)
 
+    t0 = time.monotonic()
+    skipped = []
+
+    def in_time(label: str) -> bool:
+        if args.deadline_s is None or time.monotonic() - t0 < args.deadline_s:
+            return True
+        skipped.append(label)
+        return False
+
     points = []
-    for shape in [s for s in args.shapes if s in MOE_SHAPES]:
-        for g in groups:
-            for t in tokens:
-                points += moe_points(args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune)
-            for t in uneven_tokens:
-                points += moe_points(args, shape, g, t, "uneven", uneven_counts(g, t, rng), gen, unavailable,
-                                     args.tune)
+    moe_shapes = [s for s in args.shapes if s in MOE_SHAPES]
+    for g in groups:  # shapes innermost: a deadline cuts the largest expert counts of every shape alike
+        for t in tokens:
+            for shape in moe_shapes:
+                if in_time(f"{shape} g{g} m{t} uniform"):
+                    points += moe_points(args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune)
+        for t in uneven_tokens:
+            counts = uneven_counts(g, t, rng)
+            for shape in moe_shapes:
+                if in_time(f"{shape} g{g} m{t} uneven"):
+                    points += moe_points(args, shape, g, t, "uneven", counts, gen, unavailable, args.tune)
     if "dense" in args.shapes:
         for shape in DENSE_SHAPES:
             for m in dense_m:
-                points += dense_points(args, shape, m, gen, unavailable)
+                if in_time(f"{shape} m{m}"):
+                    points += dense_points(args, shape, m, gen, unavailable)
+    if skipped:
+        print(f"deadline {args.deadline_s:.0f}s: {len(skipped)} points not started (first: {skipped[0]})",
+              file=sys.stderr)
 
     rep = next((p for p in points if all(p.get(kk) == v for kk, v in REPRESENTATIVE.items())), None)
     rep = rep or next((p for p in points if p["provider"] == "ours-swapab"), None) or (points[0] if points else None)
@@ -577,6 +598,8 @@ def main(argv=None) -> int:
         "points": points,
         "table_entries": table_entries(points),
         "quick": args.quick,
+        "partial": bool(skipped),
+        "not_started": skipped,
     }
     if unavailable:
         for kk, v in unavailable.items():

@@ -277,6 +277,23 @@ def pointer_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
 
 
+def enable_peer_access(device, tensors: Sequence[torch.Tensor]) -> None:
+    """Let kernels on `device` load, store and atomically add into the tensors of `tensors` that live on other
+    GPUs. A CUDA-IPC mapping opens on the sender's device index in this process, and that does not give this
+    device peer access to it (the H200 run of session 6: an illegal address in the producer). torch turns peer
+    access on for a copy between two devices, so one single-element copy each way per peer device does it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    for peer in sorted({t.device.index for t in tensors if t.is_cuda and t.device != device}):
+        if not torch.cuda.can_device_access_peer(device.index, peer):
+            raise RuntimeError(f"cuda:{device.index} cannot access cuda:{peer} (no P2P between them)")
+        here, there = torch.zeros(1, device=device), torch.zeros(1, device=torch.device("cuda", peer))
+        here.copy_(there)
+        there.copy_(here)
+    torch.cuda.synchronize(device)
+
+
 def _as_table(x, device) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else pointer_table(x, device)
 
@@ -296,7 +313,8 @@ def ep_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tensor
     (this rank's experts), w2_scale; topk_weights [T, K] (gathered; dropped slots ignored). token_owner /
     owner_index int32 [T]: the gathered token's owner rank and index among its tokens (allgather_maps);
     local_pairs int32 [T]. peer_recv / peer_arrivals: every rank's EpBuffers.recv / .arrivals as seen here
-    (list of tensors, or a prebuilt pointer_table), all with capacity recv_capacity and dtype partial_dtype.
+    (list of tensors, or a prebuilt pointer_table), all with capacity recv_capacity and dtype partial_dtype;
+    on GPUs, enable_peer_access(device, those tensors) first.
     With out (bf16 [own tokens, H]) and own (this rank's EpBuffers) the owner's finish follows on the same
     stream and out is returned (it waits for the other ranks: they must run their producers concurrently);
     else None (call ep_finish later). y: optional bf16 GEMM output buffer."""

@@ -1,9 +1,9 @@
 """EP combine in the down GEMM's epilogue on 2 GPUs (sgl_kernel_ext.ep_combine), against NCCL reduce_scatter.
 
 Two processes (torch.multiprocessing, one GPU each) share their receive buffers through CUDA IPC (a tensor
-sent over a torch.multiprocessing queue is mapped in the receiver with cudaIpcOpenMemHandle, peer access
-enabled lazily); NCCL (torch.distributed) provides barriers and the reference reduce_scatter. NVLink multicast
-stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
+sent over a torch.multiprocessing queue is mapped in the receiver with cudaIpcOpenMemHandle on the sender's
+device index; ep.enable_peer_access then lets this rank's GPU reach it); NCCL (torch.distributed) provides
+barriers and the reference reduce_scatter. NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 
 Each rank runs ep_down_and_combine (producer + its own finish on one stream) on the same gathered tokens, then
 the same partials are recomputed in torch from the GEMM's own bf16 rows (fp32, per rank) and reduce-scattered
@@ -73,6 +73,7 @@ def _run(rank, queues, init_file):
     for _ in range(WORLD - 1):
         src, recv, arr = queues[rank].get()
         peers[src] = (recv, arr)
+    ep.enable_peer_access(dev, [t for pair in peers.values() for t in pair])
     recv_tab = ep.pointer_table([peers[r][0] for r in range(WORLD)], dev)
     arr_tab = ep.pointer_table([peers[r][1] for r in range(WORLD)], dev)
     q, qs, wq, ws, w, lay, lp, owner, index = _problem(rank, dev)
