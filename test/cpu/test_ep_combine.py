@@ -5,7 +5,9 @@ arrivals into the other ranks' buffers (plain CPU tensors reached through the sa
 GPU uses), then every owner's finish runs; its waits succeed at once, or, for a rank that never ran, give up
 and set the error flag. What can fail here: a wrong owner / owner index / rank slot, a token completed with
 the wrong count (dropped pairs, zero-pair tokens never published), a wrong row or weight, a missing reset
-between calls. Races and the system-scope ordering need the GPU test (test/gpu/test_ep_combine_gpu.py).
+between calls. Races and the system-scope ordering need the GPU test (test/gpu/test_ep_combine_gpu.py). On a host with a
+GPU the same cases run compiled on that one GPU (every rank's buffers in its memory, no peer access): the
+check that separates a kernel bug from a peer-memory one when the two-GPU test fails.
 Bounds as test_sbo.py: against the same sums done in float64 on the GEMM's own bf16 rows, rel err <= 1e-2 of
 the largest value and sbo.order_error <= 1 (one bf16 ulp: the interpreter truncates fp32 -> bf16 where the GPU
 rounds); against the float32 reference on the dequantized operands (ep_down_and_combine_reference, which
@@ -35,7 +37,9 @@ from sgl_kernel_ext import ep_combine as ep  # noqa: E402
 from sgl_kernel_ext import sbo  # noqa: E402
 from sgl_kernel_ext.quant import per_block_quant_fp8, per_token_group_quant_fp8  # noqa: E402
 
+pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []  # `pytest -m gpu` picks it on a GPU host
 G, H, I = 2, 256, 128  # local experts per rank, hidden (two 128-column tiles), intermediate
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -62,14 +66,14 @@ class Problem:
         ids = torch.stack([torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(t)])
         for i in only_rank0:  # every pair on rank 0's experts: no local pair on any other rank
             ids[i] = torch.arange(k)
-        self.ids = ids.to(torch.int32)
-        self.weights = torch.rand(t, k, generator=g) + 0.1
+        self.ids = ids.to(torch.int32).to(DEV)
+        self.weights = (torch.rand(t, k, generator=g) + 0.1).to(DEV)
         x = torch.randn(t, I, generator=g) * (torch.rand(t, 1, generator=g) + 0.5)
-        self.xq, self.xs = per_token_group_quant_fp8(x, 128)
-        w = torch.randn(e_total, H, I, generator=g) * 0.05
+        self.xq, self.xs = per_token_group_quant_fp8(x.to(DEV), 128)
+        w = (torch.randn(e_total, H, I, generator=g) * 0.05).to(DEV)
         self.wq, self.ws = per_block_quant_fp8(w, 128)
         self.sizes, self.world, self.k = sizes, world, k
-        self.owner, self.index = ep.allgather_maps(sizes)
+        self.owner, self.index = ep.allgather_maps(sizes, DEV)
         self.ranks = []
         for r in range(world):
             local = torch.where((self.ids >= r * G) & (self.ids < (r + 1) * G), self.ids - r * G, -1).to(torch.int32)
@@ -80,11 +84,12 @@ class Problem:
     def run(self, *, partial_dtype=torch.float32, weights=None, cfg=None, variant="swapab", skip_rank=None,
             bufs=None, max_spin=64, scale=1.5):  # waits succeed at once here
         cap = max(max(self.sizes), 1)
-        bufs = bufs or [ep.ep_buffers(self.world, cap, H, "cpu", partial_dtype) for _ in range(self.world)]
+        bufs = bufs or [ep.ep_buffers(self.world, cap, H, DEV, partial_dtype) for _ in range(self.world)]
         recv, arr = [b.recv for b in bufs], [b.arrivals for b in bufs]
         ys = []
         for r, (q, qs, w2, w2s, lay, lp) in enumerate(self.ranks):
-            y = torch.full((G, lay.max_m, H) if lay.masked else (q.shape[0], H), float("nan"), dtype=torch.bfloat16)
+            y = torch.full((G, lay.max_m, H) if lay.masked else (q.shape[0], H), float("nan"), dtype=torch.bfloat16,
+                           device=DEV)
             ys.append(y)
             if r == skip_rank:
                 continue
@@ -94,8 +99,8 @@ class Problem:
                                          partial_dtype=partial_dtype, weight_scale=scale, variant=variant,
                                          config=cfg or {"BLOCK_T": 16}, y=y)
             assert ret is None
-        outs = [ep.ep_finish(bufs[o], torch.full((s, H), float("nan"), dtype=torch.bfloat16), world=self.world,
-                             max_spin=max_spin) for o, s in enumerate(self.sizes)]
+        outs = [ep.ep_finish(bufs[o], torch.full((s, H), float("nan"), dtype=torch.bfloat16, device=DEV),
+                             world=self.world, max_spin=max_spin) for o, s in enumerate(self.sizes)]
         return outs, bufs, ys
 
     def reference(self, scale=1.5):
@@ -105,10 +110,10 @@ class Problem:
     def from_rows(self, ys, scale=1.5):
         """The same sums in float64 on the GEMM's own bf16 rows, per owner."""
         t = sum(self.sizes)
-        total = torch.zeros(t, H, dtype=torch.float64)
+        total = torch.zeros(t, H, dtype=torch.float64, device=DEV)
         for (q, _, _, _, lay, _), y in zip(self.ranks, ys):
             rows = y.reshape(-1, H).double()
-            part = torch.zeros(t, H, dtype=torch.float64)
+            part = torch.zeros(t, H, dtype=torch.float64, device=DEV)
             r = lay.row_of_pair.long().view(t, self.k)
             for kk in range(self.k):
                 hit = r[:, kk] >= 0
@@ -192,7 +197,7 @@ def test_wrong_weight_is_caught():
     assert rel_err(outs[o], tight[o]) > 1e-2 and sbo.order_error(outs[o], tight[o]) > 1
     with pytest.raises(AssertionError):
         close_to_reference(outs[o], ref[o])
-    others = torch.arange(pb.sizes[o]) != i
+    others = torch.arange(pb.sizes[o], device=DEV) != i
     assert others.any() and sbo.order_error(outs[o][others], tight[o][others]) <= 1  # the other tokens are right
 
 
@@ -207,7 +212,7 @@ def test_missing_arrival_sets_error_flag_and_terminates():
 def test_rejects_bad_buffers():
     pb = Problem([2, 2], 2, seed=1)
     q, qs, w2, w2s, lay, lp = pb.ranks[0]
-    bufs = [ep.ep_buffers(2, 2, H, "cpu") for _ in range(2)]
+    bufs = [ep.ep_buffers(2, 2, H, DEV) for _ in range(2)]
     with pytest.raises(ValueError, match="recv buffers"):
         ep.ep_down_and_combine(q, qs, w2, w2s, pb.weights, lay, rank=0, world=2, token_owner=pb.owner,
                                owner_index=pb.index, local_pairs=lp, peer_recv=[b.recv for b in bufs],
