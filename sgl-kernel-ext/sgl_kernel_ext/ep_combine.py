@@ -19,7 +19,8 @@ Data flow (rank r of `world`, G local experts, gathered tokens T = sum of every 
        dropped ones) gathers the token's local rows of this N-range in slot order (fp32, deterministic)
        and writes weight_scale * sum_k w_k y_k as an fp32 partial straight into the OWNER's receive
        buffer, recv_owner[r, owner_index[token], N-range], through a per-rank pointer table (on the GPU
-       the peers' buffers are CUDA-IPC / symmetric-memory mappings; in the CPU tests plain tensors);
+       the peers' buffers are torch symmetric-memory mappings (symmetric_ep_buffers); in the CPU tests plain
+       tensors);
     3. after a CTA barrier it adds 1 to the owner's arrivals[owner_index[token], N-tile] with release
        semantics at system scope (the partial and the count live in another GPU's memory);
     4. tokens with no local pair (no tile ever reaches them) are handled by the first ceil(T / BLOCK_T)
@@ -63,7 +64,7 @@ swapAB tiles without spills; the normal variant's [64, 128] epilogue spills (148
 ep_down_and_combine runs it with 8 warps (168 B).
 
 Tests: test/cpu/test_ep_combine.py (world 2/4 emulated in one process under TRITON_INTERPRET),
-test/gpu/test_ep_combine_gpu.py (2 GPUs, CUDA IPC, against NCCL reduce_scatter), test/cpu/test_compile_report.py
+test/gpu/test_ep_combine_gpu.py (2 GPUs, symmetric memory, against NCCL reduce_scatter), test/cpu/test_compile_report.py
 (system-scope release / acquire in the PTX).
 """
 from __future__ import annotations
@@ -272,26 +273,36 @@ def _ep_finish_kernel(recv_ptr, arr_ptr, out_ptr, err_ptr, T, RECV_CAP, N, MAX_S
 # Host API
 # ---------------------------------------------------------------------------------------------
 def pointer_table(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
-    """int64 [world] base addresses of every rank's buffer as mapped in THIS process (IPC / symmetric memory
-    mappings on the GPU). Build once per buffer set and pass it back: it is a host-to-device copy."""
+    """int64 [world] base addresses of every rank's buffer as mapped in THIS process (on GPUs,
+    symmetric_ep_buffers builds the tables from its mappings instead). Build once per buffer set and pass it
+    back: it is a host-to-device copy."""
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
 
 
-def enable_peer_access(device, tensors: Sequence[torch.Tensor]) -> None:
-    """Let kernels on `device` load, store and atomically add into the tensors of `tensors` that live on other
-    GPUs. A CUDA-IPC mapping opens on the sender's device index in this process, and that does not give this
-    device peer access to it (the H200 run of session 6: an illegal address in the producer). torch turns peer
-    access on for a copy between two devices, so one single-element copy each way per peer device does it."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return
-    for peer in sorted({t.device.index for t in tensors if t.is_cuda and t.device != device}):
-        if not torch.cuda.can_device_access_peer(device.index, peer):
-            raise RuntimeError(f"cuda:{device.index} cannot access cuda:{peer} (no P2P between them)")
-        here, there = torch.zeros(1, device=device), torch.zeros(1, device=torch.device("cuda", peer))
-        here.copy_(there)
-        there.copy_(here)
-    torch.cuda.synchronize(device)
+def symmetric_ep_buffers(world: int, capacity: int, hidden: int, group, device,
+                         partial_dtype=torch.float32) -> tuple[EpBuffers, torch.Tensor, torch.Tensor, tuple]:
+    """This rank's EpBuffers with recv and arrivals in torch symmetric memory, plus the int64 pointer tables of
+    every rank's recv / arrivals as mapped for THIS device, and the rendezvous handles (keep them alive while
+    the buffers are used). Collective over `group` (a torch.distributed process group of `world` ranks).
+
+    Why symmetric memory: its peer mappings are made for the local device (cuMemMap + access for it), so a
+    kernel here may store and atomically add into them. Session 6's two-GPU test shared the buffers through
+    CUDA IPC instead (torch.multiprocessing queues, the mapping opened on the sender's device index) and hit an
+    illegal address in its first call on two H200s, while the same kernels pass with all ranks on one GPU."""
+    if partial_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
+    import torch.distributed._symmetric_memory as symm_mem
+
+    recv = symm_mem.empty(world, capacity, hidden, dtype=partial_dtype, device=device).zero_()
+    arrivals = symm_mem.empty(capacity, triton.cdiv(hidden, COUNT_BLOCK_N), dtype=torch.int32, device=device).zero_()
+    handles = tuple(symm_mem.rendezvous(t, group) for t in (recv, arrivals))
+    if handles[0].world_size != world:
+        raise ValueError(f"group has {handles[0].world_size} ranks, world is {world}")
+    # buffer_ptrs: every rank's allocation as mapped here; offset: the tensor's byte offset in it (same on all)
+    tables = [torch.tensor([p + getattr(h, "offset", 0) for p in h.buffer_ptrs], dtype=torch.int64, device=device)
+              for h in handles]
+    own = EpBuffers(recv, arrivals, torch.zeros(1, dtype=torch.int32, device=device))
+    return own, tables[0], tables[1], handles
 
 
 def _as_table(x, device) -> torch.Tensor:
@@ -313,8 +324,8 @@ def ep_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tensor
     (this rank's experts), w2_scale; topk_weights [T, K] (gathered; dropped slots ignored). token_owner /
     owner_index int32 [T]: the gathered token's owner rank and index among its tokens (allgather_maps);
     local_pairs int32 [T]. peer_recv / peer_arrivals: every rank's EpBuffers.recv / .arrivals as seen here
-    (list of tensors, or a prebuilt pointer_table), all with capacity recv_capacity and dtype partial_dtype;
-    on GPUs, enable_peer_access(device, those tensors) first.
+    (list of tensors, or a prebuilt pointer_table; on GPUs symmetric_ep_buffers' tables), all with capacity
+    recv_capacity and dtype partial_dtype.
     With out (bf16 [own tokens, H]) and own (this rank's EpBuffers) the owner's finish follows on the same
     stream and out is returned (it waits for the other ranks: they must run their producers concurrently);
     else None (call ep_finish later). y: optional bf16 GEMM output buffer."""

@@ -1,9 +1,8 @@
 """EP combine in the down GEMM's epilogue on 2 GPUs (sgl_kernel_ext.ep_combine), against NCCL reduce_scatter.
 
-Two processes (torch.multiprocessing, one GPU each) share their receive buffers through CUDA IPC (a tensor
-sent over a torch.multiprocessing queue is mapped in the receiver with cudaIpcOpenMemHandle on the sender's
-device index; ep.enable_peer_access then lets this rank's GPU reach it); NCCL (torch.distributed) provides
-barriers and the reference reduce_scatter. NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
+Two processes (torch.multiprocessing, one GPU each) hold their receive buffers in torch symmetric memory
+(ep.symmetric_ep_buffers; session 6's version shared them through CUDA IPC and hit an illegal address on two
+H200s); NCCL (torch.distributed) provides barriers and the reference reduce_scatter. NVLink multicast stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 
 Each rank runs ep_down_and_combine (producer + its own finish on one stream) on the same gathered tokens, then
 the same partials are recomputed in torch from the GEMM's own bf16 rows (fp32, per rank) and reduce-scattered
@@ -46,17 +45,16 @@ def _problem(rank, dev):
             owner, index)
 
 
-def _worker(rank, queues, init_file, errors):
+def _worker(rank, init_file, errors):
     try:
-        _run(rank, queues, init_file)
+        _run(rank, init_file)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
 
 
-def _run(rank, queues, init_file):
+def _run(rank, init_file):
     import torch.distributed as dist
-    import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions the queues pickle with)
 
     from sgl_kernel_ext import ep_combine as ep
     from sgl_kernel_ext import sbo
@@ -65,17 +63,7 @@ def _run(rank, queues, init_file):
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, device_id=dev)
     cap = max(SIZES)
-    own = ep.ep_buffers(WORLD, cap, H, dev)
-    for dst in range(WORLD):  # CUDA IPC: every peer maps this rank's buffers
-        if dst != rank:
-            queues[dst].put((rank, own.recv, own.arrivals))
-    peers = {rank: (own.recv, own.arrivals)}
-    for _ in range(WORLD - 1):
-        src, recv, arr = queues[rank].get()
-        peers[src] = (recv, arr)
-    ep.enable_peer_access(dev, [t for pair in peers.values() for t in pair])
-    recv_tab = ep.pointer_table([peers[r][0] for r in range(WORLD)], dev)
-    arr_tab = ep.pointer_table([peers[r][1] for r in range(WORLD)], dev)
+    own, recv_tab, arr_tab, handles = ep.symmetric_ep_buffers(WORLD, cap, H, dist.group.WORLD, dev)
     q, qs, wq, ws, w, lay, lp, owner, index = _problem(rank, dev)
     y = torch.empty(q.shape[0], H, dtype=torch.bfloat16, device=dev)
     kw = dict(rank=rank, world=WORLD, token_owner=owner, owner_index=index, local_pairs=lp, peer_recv=recv_tab,
@@ -133,9 +121,8 @@ def test_ep_combine_matches_nccl_reduce_scatter(tmp_path):
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     os.environ.setdefault("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
     ctx = mp.get_context("spawn")
-    queues = [ctx.Queue() for _ in range(WORLD)]
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, queues, str(tmp_path / "pg_init"), errors)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "pg_init"), errors)) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:
