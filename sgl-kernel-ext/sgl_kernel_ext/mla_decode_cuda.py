@@ -11,17 +11,23 @@ Two versions of the split kernel, same launcher signature and results (``version
 - 2: ``mla_fp8_decode_sm90_v2.cu``, warp-specialized "seesaw": the two math warpgroups own alternate KV tiles for
   QK^T + softmax (independent softmax chains merged per tile) while a loader warpgroup streams K tiles, so one
   warpgroup's softmax overlaps the other's tensor-core work (v1 leaves the tensor cores idle for most of each tile).
-  Exists because v1 runs at 0.47-0.66x FlashMLA BF16; v2 is compiled and checked without a GPU only so far.
+  Exists because v1 runs at 0.47-0.66x FlashMLA BF16; measured on the H200 (2026-11-30) it is only 1.00-1.10x v1.
 
 The ``.cu`` is compiled on first use with nvcc into a shared library (no torch headers: a few seconds) cached
-under ``~/.cache/sglang_h20/`` keyed by a hash of the source, the shared header and the flags, and called through ctypes on
-torch's current stream, so it can be captured in a CUDA graph.
+under ``~/.cache/sglang_h20/`` keyed by a hash of the source, the shared header and the flags (``-D`` defines
+included), and called through ctypes on torch's current stream, so it can be captured in a CUDA graph.
+
+Ablation builds, for finding where the time goes (benchmark/kernels/mla_cuda_ablation.py): ``defines=`` of
+:func:`build`, :func:`available` and :func:`mla_decode_fp8_cuda` adds ``-D`` flags, e.g. ``("MLA_ABLATE_NO_PV",)``;
+:data:`ABLATIONS` lists the switches (the v2 ``.cu``'s header says what each removes). Their results are wrong by
+design. The defines are part of the library's cache key; the default ``()`` is the normal build.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +41,7 @@ from .mla_decode import (
     _mla_fp8_combine_kernel, _quantize_q, decode_args,
 )
 
-__all__ = ["build", "available", "mla_decode_fp8_cuda", "source_path", "NVCC_FLAGS", "VERSIONS"]
+__all__ = ["build", "available", "mla_decode_fp8_cuda", "source_path", "NVCC_FLAGS", "VERSIONS", "ABLATIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler",
@@ -45,8 +51,11 @@ ENTRY_POINTS = ("mla_fp8_decode_sm90", "mla_fp8_decode_sm90_error_string", "mla_
 VERSIONS = (1, 2)
 _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
             2: ("SGLANG_H20_MLA_CU_V2", "mla_fp8_decode_sm90_v2.cu")}
-_libs: dict[int, ctypes.CDLL] = {}
-_lib_errors: dict[int, str] = {}
+# compile-time switches of both versions, each removing one part of the split kernel's work (results wrong)
+ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_PV", "MLA_ABLATE_NO_QK",
+             "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
+_libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
+_lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up
 
 
@@ -54,6 +63,17 @@ def _check_version(version: int) -> int:
     if version not in VERSIONS:
         raise ValueError(f"unknown MLA CUDA kernel version {version!r} (have {VERSIONS})")
     return version
+
+
+def _check_defines(defines) -> tuple[str, ...]:
+    """Sorted and deduplicated (one library per set, whatever the order); NAME or NAME=VALUE only."""
+    if isinstance(defines, str):
+        defines = (defines,)
+    out = tuple(sorted(set(defines)))
+    for d in out:
+        if not re.fullmatch(r"[A-Za-z_]\w*(=[\w.+-]*)?", d):
+            raise ValueError(f"bad define {d!r} (want NAME or NAME=VALUE)")
+    return out
 
 
 def source_path(version: int = 1) -> Path:
@@ -74,15 +94,17 @@ def _find_nvcc() -> str | None:
     return None
 
 
-def build(verbose: bool = True, version: int = 1) -> Path:
-    """Compile the .cu of `version` (once per source/flags hash) and return the shared library's path."""
+def build(verbose: bool = True, version: int = 1, defines=()) -> Path:
+    """Compile the .cu of `version` (once per source/flags hash) and return the shared library's path; `defines`:
+    extra -D macros (the ablation builds)."""
+    defines = _check_defines(defines)
     src = source_path(version)
     if not src.is_file():
         raise RuntimeError(f"MLA CUDA kernel source not found at {src} (set {_SOURCES[version][0]})")
     nvcc = _find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin, or set SGLANG_H20_NVCC)")
-    flags = list(NVCC_FLAGS)
+    flags = list(NVCC_FLAGS) + [f"-D{d}" for d in defines]
     text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.cuh")))  # + the shared header
     key = hashlib.sha256(text + "\0".join(flags).encode() + nvcc.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("SGLANG_H20_CACHE", Path.home() / ".cache" / "sglang_h20"))
@@ -91,7 +113,9 @@ def build(verbose: bool = True, version: int = 1) -> Path:
     if out.is_file():
         return out
     if verbose:
-        print(f"[sgl_kernel_ext] compiling {src.name} with {nvcc} (once, ~10 s) ...", file=sys.stderr, flush=True)
+        dflags = "".join(f" -D{d}" for d in defines)
+        print(f"[sgl_kernel_ext] compiling {src.name}{dflags} with {nvcc} (once, ~10 s) ...", file=sys.stderr,
+              flush=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     cmd = [nvcc, *flags, str(src), "-o", tmp]
@@ -105,37 +129,38 @@ def build(verbose: bool = True, version: int = 1) -> Path:
     return out
 
 
-def _load(version: int = 1):
-    lib = _libs.get(_check_version(version))
+def _load(version: int = 1, defines=()):
+    key = (_check_version(version), _check_defines(defines))
+    lib = _libs.get(key)
     if lib is not None:
         return lib
-    lib = ctypes.CDLL(str(build(version=version)))
+    lib = ctypes.CDLL(str(build(version=version, defines=key[1])))
     f = lib.mla_fp8_decode_sm90
     f.restype = ctypes.c_int
     f.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 5 + [ctypes.c_float,
                                                                                          ctypes.c_void_p]
     lib.mla_fp8_decode_sm90_error_string.restype = ctypes.c_char_p
     lib.mla_fp8_decode_sm90_error_string.argtypes = [ctypes.c_int]
-    _libs[version] = lib
+    _libs[key] = lib
     return lib
 
 
-def available(version: int = 1) -> tuple[bool, str]:
-    """(True, "") when kernel `version` can run here: a CUDA GPU of compute capability 9.0, nvcc, the source, a
-    build."""
-    _check_version(version)
+def available(version: int = 1, defines=()) -> tuple[bool, str]:
+    """(True, "") when kernel `version` (built with `defines`) can run here: a CUDA GPU of compute capability 9.0,
+    nvcc, the source, a build."""
+    key = (_check_version(version), _check_defines(defines))
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     cap = torch.cuda.get_device_capability()
     if cap != (9, 0):
         return False, f"needs sm_90 (Hopper), device is sm_{cap[0]}{cap[1]}"
-    if version in _lib_errors:
-        return False, _lib_errors[version]
+    if key in _lib_errors:
+        return False, _lib_errors[key]
     try:
-        _load(version)
+        _load(*key)
     except (RuntimeError, OSError) as e:
-        _lib_errors[version] = f"build/load failed: {e}"
-        return False, _lib_errors[version]
+        _lib_errors[key] = f"build/load failed: {e}"
+        return False, _lib_errors[key]
     return True, ""
 
 
@@ -145,15 +170,16 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                         softmax_scale: float, metadata: MLADecodeMetadata | None = None, causal: bool = True,
-                        return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1):
+                        return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1, defines=()):
     """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`; `version` picks the split
-    kernel (1 or 2, see the module docstring).
+    kernel (1 or 2, see the module docstring), `defines` an ablation build of it (wrong results by design).
 
     q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
     int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows).
     Returns out [B, q_len, H, 512] (q's dtype; bf16 written by the kernel) and, with return_lse, lse [B, q_len, H].
     """
     _check_version(version)
+    defines = _check_defines(defines)
     kv_data, kv_scales = _cache_views(*kv_cache)
     B, q_len, H, D = q.shape
     assert D == HEAD_DIM_QK, f"q last dim must be {HEAD_DIM_QK}, got {D}"
@@ -191,7 +217,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
         slp = (lp.stride(0), lp.stride(1))
 
     q8, qs = _quantize_q(q)
-    lib = _load(version)
+    lib = _load(version, defines)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.mla_fp8_decode_sm90(

@@ -43,6 +43,11 @@
 // the second mostly from L2). Shared-memory operand traffic per tile: QK 2 x (36864 + 18432), PV 2 x
 // (2 x 4096 + 16384): ~159 KB, i.e. ~1180 cycles at 128 B/clk against ~1090 cycles of FP8 tensor math per SM:
 // the small-N (32) QK^T wgmmas are bound by shared-memory bandwidth, not by the tensor cores.
+//
+// Ablation switches (-DMLA_ABLATE_NO_TRANSPOSE, ..._NO_SOFTMAX, _NO_PV, _NO_QK, _NO_LOAD, _NO_MERGE, _EMPTY; off by
+// default, results wrong by design): see the "Ablations" paragraph of mla_fp8_decode_sm90_v2.cu. Here NO_LOAD issues
+// no cp.async after the first NST tiles (the commit groups stay), NO_SOFTMAX keeps the row-max exchange's store and
+// pair barrier, and NO_MERGE drops the per-tile FFMA (the rescale factors belong to the softmax).
 #include "mla_fp8_sm90_common.cuh"
 
 namespace mla_fp8_sm90 {
@@ -97,6 +102,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
   const int q4 = lane & 3;
   const int rb = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
 
+  if constexpr (MLA_ABLATE_EMPTY) return;  // ablation: the launch only (and the caller's Q pre-pass + combine)
   int seqlen, start, end;
   if (!split_range(p, b, sp, PAGE, seqlen, start, end)) return;
   const int ntiles = end > start ? cdiv(end - start, PAGE) : 0;
@@ -158,7 +164,8 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
     cp_async_wait<NST - 2>();  // tile `it` (and Q) landed for this thread's copies
     fence_proxy_async();       // cp.async wrote through the generic proxy; wgmma reads through the async one
     __syncthreads();           // (A) ... for everybody's copies; iteration it-1 is done with its K stage
-    if (it + NST - 1 < ntiles) load_tile(it + NST - 1);
+    // (ablation NO_LOAD: no tile after the first NST, the stages keep tiles 0 .. NST-1; the groups still commit)
+    if (it + NST - 1 < ntiles && (!MLA_ABLATE_NO_LOAD || it + NST - 1 < NST)) load_tile(it + NST - 1);
     cp_async_commit();
 
     // ---- S = Q K^T (async) ----
@@ -166,90 +173,118 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
     {
       const uint32_t qa = sbase + OFF_Q;
       const uint32_t ka = sbase + OFF_K + st * TILE_BYTES + wg * 2048;  // token rows 32wg..32wg+31
-      issue_qk<wgmma_m64n32k32_e4m3>(s_lat, s_rope, qa, ka, KB_BYTES);
+      if constexpr (MLA_ABLATE_NO_QK) {  // ablation: no QK^T wgmmas, the softmax reads O's registers as S
+        stand_in<16>(s_lat, o);
+        stand_in<16>(s_rope, o + 16);
+      } else {
+        issue_qk<wgmma_m64n32k32_e4m3>(s_lat, s_rope, qa, ka, KB_BYTES);
+      }
     }
 
     // ---- V^T: this warp's 64 channels x 64 tokens, while the QK^T wgmmas run ----
-    transpose_v<2>(smem + OFF_K + st * TILE_BYTES + kblk * KB_BYTES, smem + OFF_VT + vb * VT_BYTES,
-                   wg * 256 + warp * 64, nvalid, lane);
+    if constexpr (!MLA_ABLATE_NO_TRANSPOSE)  // ablation: the P'V wgmmas read stale V^T
+      transpose_v<2>(smem + OFF_K + st * TILE_BYTES + kblk * KB_BYTES, smem + OFF_VT + vb * VT_BYTES,
+                     wg * 256 + warp * 64, nvalid, lane);
 
-    // ---- largest valid V scale of the tile (every warp computes the same value) ----
-    const float* ksc = reinterpret_cast<const float*>(smem + OFF_KS + st * KS_BYTES);
-    float ct = fmaxf(lane < nvalid ? ksc[lane * 2] : 0.f, lane + 32 < nvalid ? ksc[(lane + 32) * 2] : 0.f);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ct = fmaxf(ct, __shfl_xor_sync(0xffffffffu, ct, off));
-    const float c_new = fmaxf(fmaxf(cmax, ct), 1e-30f);
-
-    wgmma_wait<0>();  // S of this tile
-    fence_regs<16>(s_lat);
-    fence_regs<16>(s_rope);
-
-    // ---- scores (log2 units), masked ----
-    float kl[8];  // latent scale of this thread's 8 tokens (token 8j + 2q4 + c of the WG's 32)
-    float mt[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int n = wg * 32 + 8 * j + 2 * q4;
-      const float4 ks4 = *reinterpret_cast<const float4*>(ksc + n * 2);  // (lat n, rope n, lat n+1, rope n+1)
-      kl[2 * j] = ks4.x;
-      kl[2 * j + 1] = ks4.z;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int e = j * 4 + h * 2 + c;
-          const float v = s_lat[e] * (sq_lat[h] * (c ? ks4.z : ks4.x)) + s_rope[e] * (sq_rope[h] * (c ? ks4.w : ks4.y));
-          const float sv = (n0 + n + c < lim[h]) ? v : -INFINITY;  // a select: NaN past the end is dropped
-          s_lat[e] = sv;
-          mt[h] = fmaxf(mt[h], sv);
-        }
-    }
-    // row max: the quad, then the other WG's warp holding the same rows
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
-      mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
-      if (q4 == 0) red_max[wg * ROWS + r0 + 8 * h] = mt[h];
-    }
-    named_barrier(1 + warp, 64);
-    float alpha[2], m_use[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float other = red_max[(wg ^ 1) * ROWS + r0 + 8 * h];
-      const float m_new = fmaxf(m[h], fmaxf(mt[h], other));
-      m_use[h] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[h] = ex2(m[h] - m_use[h]);  // m = -inf -> 0
-      m[h] = m_new;
-    }
-
-    // ---- P = exp2(S - m); l from fp32 P; P' = P s_v / c * 448 -> e4m3 P tile ----
-    {
-      const float vs = 448.f / c_new;
+    float alpha[2];  // O's rescale for this tile
+    if constexpr (MLA_ABLATE_NO_SOFTMAX) {  // ablation: P' = e4m3(S); the row max exchange's store + barrier stay
+      wgmma_wait<0>();
+      fence_regs<16>(s_lat);
+      fence_regs<16>(s_rope);
+      if (q4 == 0) red_max[wg * ROWS + r0] = s_lat[0];
+      named_barrier(1 + warp, 64);
       uint8_t* pt = smem + OFF_P + vb * P_BYTES;
-      float f[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int n = wg * 32 + 8 * (i >> 1) + 2 * q4 + (i & 1);
-        f[i] = n < nvalid ? kl[i] * vs : 0.f;  // scales past the end may be NaN
-      }
-      float ls[2] = {0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int e = j * 4 + h * 2;
-          const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
-          ls[h] += p0 + p1;
-          const int r = r0 + 8 * h;
-          *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 8 * j + 2 * q4)) = to_e4m3x2(p0 * f[2 * j], p1 * f[2 * j + 1]);
+          *reinterpret_cast<uint16_t*>(pt + sw64(r0 + 8 * h, wg * 32 + 8 * j + 2 * q4)) =
+              to_e4m3x2(s_lat[e] + s_rope[e], s_lat[e + 1] + s_rope[e + 1]);
         }
-      const float cr = cmax / c_new;
+      alpha[0] = sq_lat[0];  // not a constant: the merge stays an FFMA
+      alpha[1] = sq_lat[1];
+    } else {
+      // ---- largest valid V scale of the tile (every warp computes the same value) ----
+      const float* ksc = reinterpret_cast<const float*>(smem + OFF_KS + st * KS_BYTES);
+      float ct = fmaxf(lane < nvalid ? ksc[lane * 2] : 0.f, lane + 32 < nvalid ? ksc[(lane + 32) * 2] : 0.f);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ct = fmaxf(ct, __shfl_xor_sync(0xffffffffu, ct, off));
+      const float c_new = fmaxf(fmaxf(cmax, ct), 1e-30f);
+
+      wgmma_wait<0>();  // S of this tile
+      fence_regs<16>(s_lat);
+      fence_regs<16>(s_rope);
+
+      // ---- scores (log2 units), masked ----
+      float kl[8];  // latent scale of this thread's 8 tokens (token 8j + 2q4 + c of the WG's 32)
+      float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n = wg * 32 + 8 * j + 2 * q4;
+        const float4 ks4 = *reinterpret_cast<const float4*>(ksc + n * 2);  // (lat n, rope n, lat n+1, rope n+1)
+        kl[2 * j] = ks4.x;
+        kl[2 * j + 1] = ks4.z;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int e = j * 4 + h * 2 + c;
+            const float v =
+                s_lat[e] * (sq_lat[h] * (c ? ks4.z : ks4.x)) + s_rope[e] * (sq_rope[h] * (c ? ks4.w : ks4.y));
+            const float sv = (n0 + n + c < lim[h]) ? v : -INFINITY;  // a select: NaN past the end is dropped
+            s_lat[e] = sv;
+            mt[h] = fmaxf(mt[h], sv);
+          }
+      }
+      // row max: the quad, then the other WG's warp holding the same rows
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        l[h] = l[h] * alpha[h] + ls[h];
-        alpha[h] *= cr;
+        mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
+        mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
+        if (q4 == 0) red_max[wg * ROWS + r0 + 8 * h] = mt[h];
       }
-      cmax = c_new;
+      named_barrier(1 + warp, 64);
+      float m_use[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float other = red_max[(wg ^ 1) * ROWS + r0 + 8 * h];
+        const float m_new = fmaxf(m[h], fmaxf(mt[h], other));
+        m_use[h] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[h] = ex2(m[h] - m_use[h]);  // m = -inf -> 0
+        m[h] = m_new;
+      }
+
+      // ---- P = exp2(S - m); l from fp32 P; P' = P s_v / c * 448 -> e4m3 P tile ----
+      {
+        const float vs = 448.f / c_new;
+        uint8_t* pt = smem + OFF_P + vb * P_BYTES;
+        float f[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int n = wg * 32 + 8 * (i >> 1) + 2 * q4 + (i & 1);
+          f[i] = n < nvalid ? kl[i] * vs : 0.f;  // scales past the end may be NaN
+        }
+        float ls[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int e = j * 4 + h * 2;
+            const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
+            ls[h] += p0 + p1;
+            const int r = r0 + 8 * h;
+            *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 8 * j + 2 * q4)) =
+                to_e4m3x2(p0 * f[2 * j], p1 * f[2 * j + 1]);
+          }
+        const float cr = cmax / c_new;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          l[h] = l[h] * alpha[h] + ls[h];
+          alpha[h] *= cr;
+        }
+        cmax = c_new;
+      }
     }
 
     fence_proxy_async();  // P and V^T were written by ordinary stores; wgmma reads them through the async proxy
@@ -261,15 +296,22 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const uint32_t va = sbase + OFF_VT + vb * VT_BYTES + wg * 16384 + half * 8192;  // channel rows 256wg+128half..
-        float acc[64];
-        pv_half(acc, pa, va);
+        if constexpr (MLA_ABLATE_NO_MERGE) {  // ablation: P'V accumulates straight into O, no rescale (or none: NO_PV)
+          if constexpr (!MLA_ABLATE_NO_PV) pv_half<true>(o + half * 64, pa, va);
+        } else {
+          float acc[64];
+          if constexpr (MLA_ABLATE_NO_PV)
+            stand_in<64>(acc, o + half * 64);  // ablation: no P'V wgmmas, the merge below still runs
+          else
+            pv_half(acc, pa, va);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          float* oj = o + half * 64 + j * 4;
-          oj[0] = fmaf(oj[0], alpha[0], acc[j * 4 + 0]);
-          oj[1] = fmaf(oj[1], alpha[0], acc[j * 4 + 1]);
-          oj[2] = fmaf(oj[2], alpha[1], acc[j * 4 + 2]);
-          oj[3] = fmaf(oj[3], alpha[1], acc[j * 4 + 3]);
+          for (int j = 0; j < 16; ++j) {
+            float* oj = o + half * 64 + j * 4;
+            oj[0] = fmaf(oj[0], alpha[0], acc[j * 4 + 0]);
+            oj[1] = fmaf(oj[1], alpha[0], acc[j * 4 + 1]);
+            oj[2] = fmaf(oj[2], alpha[1], acc[j * 4 + 2]);
+            oj[3] = fmaf(oj[3], alpha[1], acc[j * 4 + 3]);
+          }
         }
       }
     }

@@ -2,7 +2,8 @@
 //
 // Same inputs, outputs, KV format, launcher signature and arithmetic as version 1 (mla_fp8_decode_sm90.cu: read its
 // header for the SW64 layout, the V transpose, the V-scale folding and the per-tile promotion); only the schedule
-// differs. Status: compiled with nvcc 13.0 for sm_90a (no spills, no wgmma serialization); NOT RUN ON A GPU YET.
+// differs. Status (H200, 2026-11-30): 90/90 GPU tests of both versions pass; it is only 1.00-1.10x v1 (0.52-0.73x
+// FlashMLA BF16 at 128 heads, batch >= 16), far from the cycle model below: see benchmark/kernels/mla_cuda_ablation.py.
 //
 // Why v2. v1 (235 us at batch 64 x 4k x 128 heads, FlashMLA BF16 127 us) runs its two warpgroups (WG) in lockstep:
 // per tile both WGs do QK^T (each 32 tokens, m64n32k32: smem-bound), exchange row maxima, softmax, two CTA-wide
@@ -61,6 +62,24 @@
 // Registers: launch 384 x 168; setmaxnreg: math 232 (O 128 + S 64 or PV accumulator 64), loader 40.
 // Shared memory (bytes): Q 36864 + K 3 x 36864 + V^T 2 WGs x 2 x 16384 + P' 2 x 4096 + scales 3 x 512 + m/c
 //   exchange 528 + epilogue l/m 1024 + 10 mbarriers = 224352, + 1024 alignment slack = 225376 (1 CTA/SM).
+//
+// Ablations (where the time goes; benchmark/kernels/mla_cuda_ablation.py times them, mla_decode_cuda.build(defines=)
+// builds them). Compile-time switches, all off by default (the default build's SASS is unchanged by them); each keeps
+// every mbarrier arrival and wait, named barrier and fence, so nothing hangs, and reads/writes no new address; the
+// results are wrong by design. Any combination is valid. v1 has the same switches at the same places (its softmax
+// also keeps the row-max exchange's store and pair barrier).
+//   -DMLA_ABLATE_NO_TRANSPOSE  no V^T transposes (the P'V wgmmas read whatever the V^T buffers hold)
+//   -DMLA_ABLATE_NO_SOFTMAX    P' = e4m3(S_lat + S_rope): no V-scale max, scaling, masking, row max, exp2, row sum;
+//                              m = 0 and c = 1 are published with P' (the consumers' merges stay finite)
+//   -DMLA_ABLATE_NO_PV         no P'V wgmmas (the merge adds O's own registers as a stand-in accumulator)
+//   -DMLA_ABLATE_NO_QK         no QK^T wgmmas (the softmax reads O's registers as S)
+//   -DMLA_ABLATE_NO_LOAD       the loader copies K tiles and scales (and reads the block table) for the first NST
+//                              tiles only; later tiles reuse the stale stages, the cp.async arrive still signals
+//   -DMLA_ABLATE_NO_MERGE      no per-tile merge: no m/c reads, no alpha/beta, no FMUL/FFMA; P'V accumulates straight
+//                              into O (wgmma scale-d 1, no promotion). With NO_PV: O is not touched at all
+//   -DMLA_ABLATE_EMPTY         the kernel returns at once: what is left is the launch, Q pre-pass and combine
+// Stand-ins come from live registers, not constants: ptxas would fold those (and drop wgmmas whose results are
+// unused). test_mla_decode_cuda_build.py pins each build's QGMMA count.
 #include "mla_fp8_sm90_common.cuh"
 
 namespace mla_fp8_sm90_v2 {
@@ -168,6 +187,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   const int lane = tid & 31;
   const int rb = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
 
+  if constexpr (MLA_ABLATE_EMPTY) return;  // ablation: the launch only (and the caller's Q pre-pass + combine)
   int seqlen, start, end;
   if (!split_range(p, b, sp, PAGE, seqlen, start, end)) return;  // uniform over the CTA
   const int ntiles = end > start ? cdiv(end - start, PAGE) : 0;
@@ -201,6 +221,10 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       if (t == 0) {  // Q rides with tile 0 (every later full_k phase also covers it: arrive tracks all prior copies)
 #pragma unroll 2
         for (int i = 0; i < 18; ++i) load_q_chunk(p, sbase + OFF_Q, b, rb, ROWS, KB_BYTES, i * 128 + ptid);
+      }
+      if (MLA_ABLATE_NO_LOAD && t >= NST) {  // ablation: the stages keep tiles 0 .. NST-1; the protocol stays
+        cp_async_mbar_arrive(bar_full_k + 8 * st);
+        continue;
       }
       const int page = bt_row[(start + t * PAGE) / PAGE];
       const uint8_t* src = p.kv + static_cast<long long>(page) * p.kv_page_stride;
@@ -254,7 +278,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     mbar_wait(bar_full_p + 8 * pb, (t >> 1) & 1);
     fence_proxy_async();
     float alpha[2], beta[2];
-    {
+    if constexpr (!MLA_ABLATE_NO_MERGE) {
       const float ci = xc[pb];  // >= 1e-30
       const float c_new = fmaxf(C, ci);
       const float rc = 1.f / c_new;
@@ -273,15 +297,22 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     const uint32_t vt = sbase + OFF_VT + (wg * 2 + (t & 1)) * VTH_BYTES;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float acc[64];
-      pv_half(acc, pa, vt + half * 8192);
+      if constexpr (MLA_ABLATE_NO_MERGE) {  // ablation: P'V accumulates straight into O, no rescale (or none: NO_PV)
+        if constexpr (!MLA_ABLATE_NO_PV) pv_half<true>(o + half * 64, pa, vt + half * 8192);
+      } else {
+        float acc[64];
+        if constexpr (MLA_ABLATE_NO_PV)
+          stand_in<64>(acc, o + half * 64);  // ablation: no P'V wgmmas, the merge below still runs
+        else
+          pv_half(acc, pa, vt + half * 8192);
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        float* oj = o + half * 64 + j * 4;
-        oj[0] = fmaf(oj[0], alpha[0], acc[j * 4 + 0] * beta[0]);
-        oj[1] = fmaf(oj[1], alpha[0], acc[j * 4 + 1] * beta[0]);
-        oj[2] = fmaf(oj[2], alpha[1], acc[j * 4 + 2] * beta[1]);
-        oj[3] = fmaf(oj[3], alpha[1], acc[j * 4 + 3] * beta[1]);
+        for (int j = 0; j < 16; ++j) {
+          float* oj = o + half * 64 + j * 4;
+          oj[0] = fmaf(oj[0], alpha[0], acc[j * 4 + 0] * beta[0]);
+          oj[1] = fmaf(oj[1], alpha[0], acc[j * 4 + 1] * beta[0]);
+          oj[2] = fmaf(oj[2], alpha[1], acc[j * 4 + 2] * beta[1]);
+          oj[3] = fmaf(oj[3], alpha[1], acc[j * 4 + 3] * beta[1]);
+        }
       }
     }
     mbar_arrive(bar_empty_p + 8 * pb);  // this thread's wgmmas completed and its m/c reads are done
@@ -304,15 +335,17 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     if (has_oth) {
       const int st = t_oth % NST;
       mbar_wait(bar_full_k + 8 * st, (t_oth / NST) & 1);
-      transpose_v<1>(smem + OFF_K + st * TILE_BYTES + kblk * KB_BYTES,
-                  smem + OFF_VT + (wg * 2 + (t_oth & 1)) * VTH_BYTES, vt_dloc, min(end - (start + t_oth * PAGE), PAGE),
-                  lane);
+      if constexpr (!MLA_ABLATE_NO_TRANSPOSE)  // ablation: the P'V wgmmas read stale V^T
+        transpose_v<1>(smem + OFF_K + st * TILE_BYTES + kblk * KB_BYTES,
+                       smem + OFF_VT + (wg * 2 + (t_oth & 1)) * VTH_BYTES, vt_dloc,
+                       min(end - (start + t_oth * PAGE), PAGE), lane);
     }
     if (has_own) {
       mbar_wait(bar_full_k + 8 * (t_own % NST), (t_own / NST) & 1);
-      transpose_v<1>(smem + OFF_K + (t_own % NST) * TILE_BYTES + kblk * KB_BYTES,
-                  smem + OFF_VT + (wg * 2 + (t_own & 1)) * VTH_BYTES, vt_dloc, min(end - (start + t_own * PAGE), PAGE),
-                  lane);
+      if constexpr (!MLA_ABLATE_NO_TRANSPOSE)
+        transpose_v<1>(smem + OFF_K + (t_own % NST) * TILE_BYTES + kblk * KB_BYTES,
+                       smem + OFF_VT + (wg * 2 + (t_own & 1)) * VTH_BYTES, vt_dloc,
+                       min(end - (start + t_own * PAGE), PAGE), lane);
     }
     fence_proxy_async();         // V^T written by ordinary stores; wgmma reads it through the async proxy
     named_barrier(wg_bar, 128);  // ... complete for the whole WG
@@ -324,72 +357,92 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       fence_proxy_async();  // (full_k waited above) cp.async wrote through the generic proxy
       const uint32_t qa = sbase + OFF_Q;
       const uint32_t ka = sbase + OFF_K + st * TILE_BYTES;
-      issue_qk<wgmma_m64n64k32_e4m3>(s_lat, s_rope, qa, ka, KB_BYTES);
+      if constexpr (MLA_ABLATE_NO_QK) {  // ablation: no QK^T wgmmas, the softmax reads O's registers as S
+        stand_in<32>(s_lat, o);
+        stand_in<32>(s_rope, o + 32);
+      } else {
+        issue_qk<wgmma_m64n64k32_e4m3>(s_lat, s_rope, qa, ka, KB_BYTES);
+      }
     }
 
     if (has_own) {
       const int st = t_own % NST;
-      const int n0 = start + t_own * PAGE;
-      const int nvalid = min(end - n0, PAGE);
-      const float* ksc = reinterpret_cast<const float*>(smem + OFF_KS + st * KS_BYTES);
-      // largest valid V scale of the tile (every warp computes the same value)
-      float ct = fmaxf(lane < nvalid ? ksc[lane * 2] : 0.f, lane + 32 < nvalid ? ksc[(lane + 32) * 2] : 0.f);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ct = fmaxf(ct, __shfl_xor_sync(0xffffffffu, ct, off));
-      const float c_new = fmaxf(fmaxf(c_own, ct), 1e-30f);
-
-      wgmma_wait<0>();
-      fence_regs<32>(s_lat);
-      fence_regs<32>(s_rope);
-
-      // scores (log2 units), masked by selects (NaN past the end is dropped)
-      float mt[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int n = 8 * jj + 2 * q4;
-        const float4 ks4 = *reinterpret_cast<const float4*>(ksc + n * 2);  // (lat n, rope n, lat n+1, rope n+1)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int e = jj * 4 + h * 2 + c;
-            const float v =
-                s_lat[e] * (sq_lat[h] * (c ? ks4.z : ks4.x)) + s_rope[e] * (sq_rope[h] * (c ? ks4.w : ks4.y));
-            const float sv = (n0 + n + c < lim[h]) ? v : -INFINITY;
-            s_lat[e] = sv;
-            mt[h] = fmaxf(mt[h], sv);
-          }
-      }
-      float m_use[2], alpha_own[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
-        mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
-        const float m_new = fmaxf(m_own[h], mt[h]);
-        m_use[h] = m_new == -INFINITY ? 0.f : m_new;
-        alpha_own[h] = ex2(m_own[h] - m_use[h]);  // m_own = -inf -> 0
-        m_own[h] = m_new;
-      }
-      // P = exp2(S - m_own); l from fp32 P; P' = P s_v / c_own * 448 (<= 448) packed as e4m3
-      const float vs = 448.f / c_new;
       uint32_t pk[16];  // [jj][h]: e4m3 of columns 8jj + 2q4, +1 of row r0 + 8h
-      float ls[2] = {0.f, 0.f};
+      if constexpr (MLA_ABLATE_NO_SOFTMAX) {  // ablation: P' = e4m3(S), no scale, mask, max, exp2, sum, V scale
+        wgmma_wait<0>();
+        fence_regs<32>(s_lat);
+        fence_regs<32>(s_rope);
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int n = 8 * jj + 2 * q4;
-        const float2 kl = make_float2(ksc[n * 2], ksc[n * 2 + 2]);
-        const float f0 = n < nvalid ? kl.x * vs : 0.f, f1 = n + 1 < nvalid ? kl.y * vs : 0.f;  // scales may be NaN
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int e = jj * 4 + h * 2;
+            pk[jj * 2 + h] = to_e4m3x2(s_lat[e] + s_rope[e], s_lat[e + 1] + s_rope[e + 1]);
+          }
+        m_own[0] = m_own[1] = 0.f;  // published with P': the consumers' merge factors stay finite
+        c_own = 1.f;
+      } else {
+        const int n0 = start + t_own * PAGE;
+        const int nvalid = min(end - n0, PAGE);
+        const float* ksc = reinterpret_cast<const float*>(smem + OFF_KS + st * KS_BYTES);
+        // largest valid V scale of the tile (every warp computes the same value)
+        float ct = fmaxf(lane < nvalid ? ksc[lane * 2] : 0.f, lane + 32 < nvalid ? ksc[(lane + 32) * 2] : 0.f);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ct = fmaxf(ct, __shfl_xor_sync(0xffffffffu, ct, off));
+        const float c_new = fmaxf(fmaxf(c_own, ct), 1e-30f);
+
+        wgmma_wait<0>();
+        fence_regs<32>(s_lat);
+        fence_regs<32>(s_rope);
+
+        // scores (log2 units), masked by selects (NaN past the end is dropped)
+        float mt[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int n = 8 * jj + 2 * q4;
+          const float4 ks4 = *reinterpret_cast<const float4*>(ksc + n * 2);  // (lat n, rope n, lat n+1, rope n+1)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int e = jj * 4 + h * 2 + c;
+              const float v =
+                  s_lat[e] * (sq_lat[h] * (c ? ks4.z : ks4.x)) + s_rope[e] * (sq_rope[h] * (c ? ks4.w : ks4.y));
+              const float sv = (n0 + n + c < lim[h]) ? v : -INFINITY;
+              s_lat[e] = sv;
+              mt[h] = fmaxf(mt[h], sv);
+            }
+        }
+        float m_use[2], alpha_own[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int e = jj * 4 + h * 2;
-          const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
-          ls[h] += p0 + p1;
-          pk[jj * 2 + h] = to_e4m3x2(p0 * f0, p1 * f1);
+          mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
+          mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
+          const float m_new = fmaxf(m_own[h], mt[h]);
+          m_use[h] = m_new == -INFINITY ? 0.f : m_new;
+          alpha_own[h] = ex2(m_own[h] - m_use[h]);  // m_own = -inf -> 0
+          m_own[h] = m_new;
         }
-      }
+        // P = exp2(S - m_own); l from fp32 P; P' = P s_v / c_own * 448 (<= 448) packed as e4m3
+        const float vs = 448.f / c_new;
+        float ls[2] = {0.f, 0.f};
 #pragma unroll
-      for (int h = 0; h < 2; ++h) l_own[h] = l_own[h] * alpha_own[h] + ls[h];
-      c_own = c_new;
+        for (int jj = 0; jj < 8; ++jj) {
+          const int n = 8 * jj + 2 * q4;
+          const float2 kl = make_float2(ksc[n * 2], ksc[n * 2 + 2]);
+          const float f0 = n < nvalid ? kl.x * vs : 0.f, f1 = n + 1 < nvalid ? kl.y * vs : 0.f;  // scales may be NaN
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int e = jj * 4 + h * 2;
+            const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
+            ls[h] += p0 + p1;
+            pk[jj * 2 + h] = to_e4m3x2(p0 * f0, p1 * f1);
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l_own[h] = l_own[h] * alpha_own[h] + ls[h];
+        c_own = c_new;
+      }
       mbar_arrive(bar_empty_k + 8 * st);  // QK^T wgmmas completed, scales read: the K stage may be refilled
 
       // publish P', m_own, c_own in buffer t & 1 once both WGs are done with tile t - 2 there

@@ -7,6 +7,32 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+// Ablation switches (nvcc -DMLA_ABLATE_X; all 0 by default): each removes one part of the split kernel's work while
+// keeping every barrier arrival and wait, so that timing the build says what that part costs. Results are wrong by
+// design. Both kernels read them with `if constexpr`, so the ablated code is type-checked in the default build too.
+// What each removes exactly: the "Ablations" paragraph of mla_fp8_decode_sm90_v2.cu's header.
+#ifndef MLA_ABLATE_NO_TRANSPOSE
+#define MLA_ABLATE_NO_TRANSPOSE 0
+#endif
+#ifndef MLA_ABLATE_NO_SOFTMAX
+#define MLA_ABLATE_NO_SOFTMAX 0
+#endif
+#ifndef MLA_ABLATE_NO_PV
+#define MLA_ABLATE_NO_PV 0
+#endif
+#ifndef MLA_ABLATE_NO_QK
+#define MLA_ABLATE_NO_QK 0
+#endif
+#ifndef MLA_ABLATE_NO_LOAD
+#define MLA_ABLATE_NO_LOAD 0
+#endif
+#ifndef MLA_ABLATE_NO_MERGE
+#define MLA_ABLATE_NO_MERGE 0
+#endif
+#ifndef MLA_ABLATE_EMPTY
+#define MLA_ABLATE_EMPTY 0
+#endif
+
 namespace mla_fp8_common {
 
 struct Params {
@@ -64,6 +90,14 @@ template <int N>
 __device__ __forceinline__ void fence_regs(float* r) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Ablations: stand-in values for a removed wgmma's accumulator, copied from live registers (O) so that neither nvcc
+// nor ptxas can fold the code consuming them (an empty asm fence is gone by the time ptxas sees the PTX)
+template <int N>
+__device__ __forceinline__ void stand_in(float* r, const float* live) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) r[i] = live[i];
 }
 
 __device__ __forceinline__ float ex2(float x) {
@@ -246,11 +280,14 @@ __device__ __forceinline__ void issue_qk(float* s_lat, float* s_rope, uint32_t q
 
 // acc = P' V^T for 128 of this warpgroup's channels (pa: the 64 x 64 P' tile, va: 128 V^T rows), waited for: a
 // fresh accumulator per tile, which the caller adds into fp32 O (Hopper's FP8 MMA accumulates with limited precision,
-// so O must not stay in a wgmma accumulator across tiles).
+// so O must not stay in a wgmma accumulator across tiles). ACCUMULATE (the MLA_ABLATE_NO_MERGE builds only):
+// acc += P' V^T, O itself as the accumulator, no promotion.
+template <bool ACCUMULATE = false>
 __device__ __forceinline__ void pv_half(float* acc, uint32_t pa, uint32_t va) {
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < 2; ++ks) wgmma_m64n128k32_e4m3(acc, desc_sw64(pa + ks * 32), desc_sw64(va + ks * 32), ks);
+  for (int ks = 0; ks < 2; ++ks)
+    wgmma_m64n128k32_e4m3(acc, desc_sw64(pa + ks * 32), desc_sw64(va + ks * 32), ACCUMULATE ? 1 : ks);
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs<64>(acc);
