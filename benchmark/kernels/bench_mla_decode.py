@@ -6,11 +6,14 @@ reason, never silently dropped):
   ours               sgl_kernel_ext.mla_decode: FP8 cache (576 B + 2 fp32 scales = 584 B/token), FP8 QK and
                      PV; metadata from get_mla_decode_metadata outside the timed region; the Q quantization
                      pre-pass is inside it. --configs adds tile variants "ours[BHxBNxBVwWsS]".
-  ours-cuda          sgl_kernel_ext.mla_decode_cuda: the same format, plan and Q pre-pass, the split kernel in
-                     CUDA C++ (FP8 wgmma for QK and PV, V transposed in shared memory); built with nvcc on
-                     first use (outside the timed region); "unavailable" with the reason when it cannot run.
+  ours-cuda          sgl_kernel_ext.mla_decode_cuda: the same format and Q pre-pass, the split kernel in CUDA C++
+                     (FP8 wgmma for QK and PV, V transposed in shared memory) with its own split plan
+                     (mla_decode_cuda.get_mla_decode_metadata: whole waves of one CTA per SM); built with nvcc
+                     on first use (outside the timed region); "unavailable" with the reason when it cannot run.
   ours-cuda-v2       the same with version 2 of the split kernel (csrc/mla_fp8_decode_sm90_v2.cu: warp-specialized
                      seesaw, a loader warpgroup and two math warpgroups owning alternate KV tiles).
+  ours-cuda[-v2]-tplan  the same kernel with the Triton kernel's plan (2 waves' worth of programs; what the
+                     session-6 runs used), for the plans side by side.
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
                      (1152 B/token), metadata get_mla_metadata(seqlens, q_len*H, 1) outside the timed region.
   flashmla-fp8       the same entry with FP8 q and cache as SGLang's flashmla backend calls it: per-tensor
@@ -161,8 +164,9 @@ def _decode_calls(torch, sets, metas, decode):
     return [call(i) for i in range(len(sets))], (lambda: outs[0])
 
 
-def make_ours_cuda(torch, mla, sets, ctx, version=1):
-    """The CUDA split kernel (`version` 1 or 2), timed exactly like "ours" (metadata outside, Q pre-pass inside)."""
+def make_ours_cuda(torch, mla, sets, ctx, version=1, triton_plan=False):
+    """The CUDA split kernel (`version` 1 or 2), timed exactly like "ours" (metadata outside, Q pre-pass inside),
+    with its own split plan or (triton_plan) the Triton kernel's."""
     try:
         import importlib
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
@@ -173,10 +177,10 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1):
         raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
     import functools
 
-    metas = [mla.get_mla_decode_metadata(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=ctx)
-             for s in sets]
+    plan = mla.get_mla_decode_metadata if triton_plan else cu.get_mla_decode_metadata
+    metas = [plan(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=ctx) for s in sets]
     info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
-            "kernel_version": version}
+            "kernel_version": version, "plan": "triton" if triton_plan else "cuda"}
     return _decode_calls(torch, sets, metas, functools.partial(cu.mla_decode_fp8_cuda, version=version)) + (info,)
 
 
@@ -397,10 +401,9 @@ def main(argv=None) -> int:
             for cfg in configs:
                 providers.append((f"ours[{cfg[0]}x{cfg[1]}x{cfg[2]}w{cfg[3]}s{cfg[4]}{'b' if cfg[5] else ''}]",
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
-        elif p == "ours-cuda":
-            providers.append((p, lambda sets, ctx: make_ours_cuda(torch, mla, sets, ctx)))
-        elif p == "ours-cuda-v2":
-            providers.append((p, lambda sets, ctx: make_ours_cuda(torch, mla, sets, ctx, version=2)))
+        elif p in ("ours-cuda", "ours-cuda-v2", "ours-cuda-tplan", "ours-cuda-v2-tplan"):
+            providers.append((p, lambda sets, ctx, p=p: make_ours_cuda(torch, mla, sets, ctx, version=2 if "v2" in p
+                                                                       else 1, triton_plan=p.endswith("tplan"))))
         elif p == "flashmla-bf16":
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
         elif p == "flashmla-fp8":

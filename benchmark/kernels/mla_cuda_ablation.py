@@ -175,7 +175,7 @@ def run_jobs(jobs, rep_ms, max_sets, deadline, emit) -> bool:
                 sets = metas = None
                 torch.cuda.empty_cache()
                 sets = bench.build_sets(torch, mla, batch, ctx, heads, q_len, max_sets, l2_bytes)
-                metas = [mla.get_mla_decode_metadata(s["cache_seqlens"], heads, q_len, max_seqlen=ctx) for s in sets]
+                metas = [cu.get_mla_decode_metadata(s["cache_seqlens"], heads, q_len, max_seqlen=ctx) for s in sets]
                 cur = tuple(job["point"])
             ok, why = cu.available(job["version"], job["defines"])
             if not ok:

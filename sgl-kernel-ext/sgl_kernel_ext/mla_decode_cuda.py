@@ -25,6 +25,7 @@ design. The defines are part of the library's cache key; the default ``()`` is t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import re
@@ -35,15 +36,22 @@ import tempfile
 from pathlib import Path
 
 import torch
+import triton
 
+from . import mla_decode as _triton_mla
 from .mla_decode import (
     HEAD_DIM_QK, KV_LORA_RANK, LOG2E, NUM_KV_SCALES, MLADecodeMetadata, _cache_views, _INTERPRETED,
     _mla_fp8_combine_kernel, _quantize_q, decode_args,
 )
 
-__all__ = ["build", "available", "mla_decode_fp8_cuda", "source_path", "NVCC_FLAGS", "VERSIONS", "ABLATIONS"]
+__all__ = ["build", "available", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
+           "VERSIONS", "ABLATIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
+ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
+CTAS_PER_SM = 1  # both versions fill the register file (v1 255 regs x 256 threads, v2 168 x 384)
+SPLIT_COST_TILES = 2.0  # a split CTA's extra cost in KV tiles: its fp32 partials (128 KB) out, and the combine
+MIN_SPLIT_TILES = 2  # no split shorter than 128 tokens
 NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler",
               "-fPIC,-fvisibility=hidden")  # hidden: the versions' libraries, loaded side by side, share no symbol
 ENTRY_POINTS = ("mla_fp8_decode_sm90", "mla_fp8_decode_sm90_error_string", "mla_fp8_decode_sm90_smem_bytes")
@@ -164,6 +172,31 @@ def available(version: int = 1, defines=()) -> tuple[bool, str]:
     return True, ""
 
 
+def split_cost(programs: int, tiles: int, splits: int, num_sm: int) -> float:
+    """Modelled time of one launch in KV-tile units: waves of CTAs (one per SM) x tiles per CTA, plus a split's
+    fixed cost. The wave count is what the Triton kernel's plan (2 waves' worth of programs) gets wrong for a
+    kernel with one CTA per SM: 288 CTAs on 132 SMs run as 3 waves, the last one a sixth full."""
+    waves = triton.cdiv(programs * splits, num_sm * CTAS_PER_SM)
+    return waves * (triton.cdiv(tiles, splits) + (SPLIT_COST_TILES if splits > 1 else 0.0))
+
+
+def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: int = 1, num_sm: int | None = None,
+                            *, max_seqlen: int | None = None, max_splits: int = 64) -> MLADecodeMetadata:
+    """The CUDA kernels' launch plan (FlashMLA's name for it): the split count minimizing split_cost over
+    1 .. max_splits, splits of at least MIN_SPLIT_TILES tiles, ties to fewer splits. E.g. 132 SMs, 128 heads,
+    4k tokens: batch 64 -> 1 split (Triton's plan: 3), batch 16 -> 4 (Triton's: 9). max_seqlen: as in
+    mla_decode.get_mla_decode_metadata (pass it on a hot path: no device sync)."""
+    base = _triton_mla.get_mla_decode_metadata(cache_seqlens, num_heads, q_len, num_sm, max_seqlen=max_seqlen,
+                                               block_h=ROWS_PER_CTA, block_n=PAGE_SIZE)
+    if max_seqlen is None:
+        max_seqlen = int(cache_seqlens.max().item()) if cache_seqlens.numel() else 1
+    tiles = triton.cdiv(max(int(max_seqlen), 1), PAGE_SIZE)
+    programs = max(cache_seqlens.numel() * base.num_row_blocks, 1)
+    top = max(1, min(max_splits, tiles // MIN_SPLIT_TILES))
+    best = min(range(1, top + 1), key=lambda s: (split_cost(programs, tiles, s, base.num_sm), s))
+    return dataclasses.replace(base, num_splits=best)
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -175,7 +208,8 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     kernel (1 or 2, see the module docstring), `defines` an ablation build of it (wrong results by design).
 
     q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
-    int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows).
+    int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows);
+    without metadata, this module's get_mla_decode_metadata plans.
     Returns out [B, q_len, H, 512] (q's dtype; bf16 written by the kernel) and, with return_lse, lse [B, q_len, H].
     """
     _check_version(version)
@@ -191,6 +225,8 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     assert kv_data.data_ptr() % 16 == 0 and kv_scales.data_ptr() % 16 == 0
     assert q.is_cuda and kv_data.device == q.device
     assert block_table.dim() == 2 and block_table.shape[0] >= B and cache_seqlens.numel() == B
+    if metadata is None:
+        metadata = get_mla_decode_metadata(cache_seqlens, H, q_len)
     block_table, cache_seqlens, metadata, out, lse = decode_args(q, block_table, cache_seqlens, metadata, out)
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()

@@ -608,12 +608,13 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     """The CUDA kernel where it can run, else the Triton one, with why (here: no CUDA device, or a failed build)."""
     mla = importlib.import_module("sgl_kernel_ext.mla_decode")
     cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-    fn, what = fb.decode_kernel()
+    fn, plan, what = fb.decode_kernel()
     if not torch.cuda.is_available():
         assert fn is mla.mla_decode_fp8 and what.startswith("Triton") and "no CUDA device" in what
     monkeypatch.setattr(cu, "available", lambda: (False, "build/load failed: nvcc not found\nmore"))
-    fn, what = fb.decode_kernel()
-    assert fn is mla.mla_decode_fp8 and "nvcc not found" in what and "more" not in what
+    fn, plan, what = fb.decode_kernel()
+    assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata
+    assert "nvcc not found" in what and "more" not in what
     monkeypatch.setattr(cu, "available", lambda: (True, ""))
-    fn, what = fb.decode_kernel()
-    assert fn is cu.mla_decode_fp8_cuda and what.startswith("CUDA")
+    fn, plan, what = fb.decode_kernel()
+    assert fn is cu.mla_decode_fp8_cuda and plan is cu.get_mla_decode_metadata and what.startswith("CUDA")

@@ -72,9 +72,10 @@ def _kernel():
 
 
 def decode_kernel():
-    """(decode function, what it is): the CUDA split kernel (FP8 wgmma for QK^T and PV; on the H200 0.54x
-    FlashMLA BF16 at batch 64 x 4k, where the Triton one was 0.29x) where it builds and runs here (sm_90,
-    nvcc), else the Triton kernel. Same arguments, format and plan; the choice is logged once per process."""
+    """(decode function, its split planner, what it is): the CUDA split kernel (FP8 wgmma for QK^T and PV; on
+    the H200 0.54x FlashMLA BF16 at batch 64 x 4k, where the Triton one was 0.29x) with its own plan (whole
+    waves of one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan.
+    Same arguments and format; the choice is logged once per process."""
     mla = _kernel()
     try:
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
@@ -82,8 +83,9 @@ def decode_kernel():
     except Exception as e:  # an import error must not take the Triton path down with it
         ok, why = False, f"{type(e).__name__}: {e}"
     if ok:
-        return cu.mla_decode_fp8_cuda, "CUDA (sm_90a, FP8 QK and PV)"
-    return mla.mla_decode_fp8, f"Triton (CUDA kernel unavailable: {why.splitlines()[0][:160] if why else '?'})"
+        return cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, "CUDA (sm_90a, FP8 QK and PV)"
+    return (mla.mla_decode_fp8, mla.get_mla_decode_metadata,
+            f"Triton (CUDA kernel unavailable: {why.splitlines()[0][:160] if why else '?'})")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -353,7 +355,7 @@ class FP8MLABackend(AttentionBackend):
         super().__init__()
         self.mla = _kernel()
         assert (self.mla.KV_LORA_RANK, self.mla.HEAD_DIM_QK) == (KV_LORA_RANK, HEAD_DIM_QK)
-        self._decode_fp8, what = decode_kernel()
+        self._decode_fp8, self._plan_fn, what = decode_kernel()
         log.info("%s: decode kernel %s", NAME, what)
         mc = model_runner.model_config
         if num_heads is None:
@@ -382,7 +384,7 @@ class FP8MLABackend(AttentionBackend):
 
     def _plan(self, cache_seqlens: torch.Tensor, max_seqlen: int) -> MLADecodeMetadata:
         """The kernel's split plan for one query token per sequence; max_seqlen keeps it free of device syncs."""
-        return self.mla.get_mla_decode_metadata(cache_seqlens, self.num_heads, 1, max_seqlen=max_seqlen)
+        return self._plan_fn(cache_seqlens, self.num_heads, 1, max_seqlen=max_seqlen)
 
     def _block_table(self, req_pool_indices: torch.Tensor, num_pages: int, out: torch.Tensor | None = None):
         """Page ids [bs, num_pages] int32: req_to_token at every page start, divided by the page size. Entries

@@ -1,0 +1,50 @@
+"""The CUDA MLA kernels' split plan (mla_decode_cuda.get_mla_decode_metadata): whole waves of one CTA per SM.
+
+The Triton kernel's plan asks for 2 waves' worth of programs, which for a kernel with one CTA per SM leaves a
+short last wave (batch 16 x 128 heads: 9 splits = 288 CTAs = 3 waves on 132 SMs, the last a sixth full) and
+writes fp32 partials where no split is needed (batch 64: 128 CTAs fill the GPU unsplit). No GPU needed."""
+import importlib
+
+import pytest
+import torch
+
+cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+mla = importlib.import_module("sgl_kernel_ext.mla_decode")
+
+
+def splits(batch, ctx, heads, q_len=1, sms=132):
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    return cu.get_mla_decode_metadata(lens, heads, q_len, sms, max_seqlen=ctx).num_splits
+
+
+@pytest.mark.parametrize("batch,ctx,heads,want", [
+    (64, 4096, 128, 1), (128, 16384, 128, 1), (16, 4096, 128, 4), (16, 16384, 128, 4),  # 128 CTAs: one wave
+    (64, 4096, 16, 2), (1, 4096, 128, 32), (1, 16384, 128, 64),  # batch 1: splits of 2 tiles, at most 64
+])
+def test_whole_waves(batch, ctx, heads, want):
+    assert splits(batch, ctx, heads) == want
+
+
+def test_never_worse_than_the_triton_plan_in_the_model():
+    for batch in (1, 2, 8, 16, 33, 64, 100, 128, 256):
+        for ctx in (64, 200, 1024, 4096, 16384, 65536):
+            for heads, q_len in ((16, 1), (128, 1), (128, 2)):
+                lens = torch.full((batch,), ctx, dtype=torch.int32)
+                ours = cu.get_mla_decode_metadata(lens, heads, q_len, 132, max_seqlen=ctx)
+                theirs = mla.get_mla_decode_metadata(lens, heads, q_len, 132, max_seqlen=ctx)
+                programs, tiles = batch * ours.num_row_blocks, -(-ctx // cu.PAGE_SIZE)
+                assert 1 <= ours.num_splits <= max(1, tiles // cu.MIN_SPLIT_TILES)
+                assert (cu.split_cost(programs, tiles, ours.num_splits, 132)
+                        <= cu.split_cost(programs, tiles, min(theirs.num_splits, tiles), 132))
+
+
+def test_split_cost_counts_waves_and_the_split_overhead():
+    assert cu.split_cost(128, 64, 1, 132) == 64  # one wave, no partials
+    assert cu.split_cost(128, 64, 3, 132) == 3 * (22 + cu.SPLIT_COST_TILES)  # 384 CTAs: 3 waves
+    assert cu.split_cost(32, 64, 9, 132) == 3 * (8 + cu.SPLIT_COST_TILES)  # 288 CTAs: 3 waves, the last short
+
+
+def test_plan_fields_match_the_kernel():
+    lens = torch.tensor([5, 4000, 64], dtype=torch.int32)
+    m = cu.get_mla_decode_metadata(lens, 128, 2, 132)  # max_seqlen read from the lengths
+    assert (m.block_h, m.block_n, m.num_row_blocks, m.num_sm) == (64, 64, 4, 132)
