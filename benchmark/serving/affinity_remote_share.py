@@ -8,6 +8,13 @@ SGLANG_H20_EPLB=affinity). Each runs a warm-up bench_serving long enough for reb
 The quantity is `remote_share` of the sampled passes after the last rebalance of the warm-up (observe.stages):
 per rank and MoE layer, the share of the rank's routed (token, expert) pairs whose expert lives on another rank.
 
+The same servers also measure what a rebalance costs decode (issue 9's migration bullet, in the real server):
+  - upstream's blocking rebalances log `[EPLBManager] rebalance end time=...s`: the stall, recorded per rank
+    and rebalance (`rebalance_stall_s`), and the measured bench's median / P99 ITL;
+  - arm `<algorithm>+async` (e.g. `deepseek+async`) turns on our asynchronous migration
+    (SGLANG_H20_EPLB_ASYNC=on): its rebalances log how many forward passes they spanned instead of a stall;
+  - arm `none` runs without EPLB: the steady ITL to compare both with.
+
 Caveat: the dummy model's random weights give routing without co-activation structure, the structure
 affinity placement exploits; the EPLB simulator (python -m sglang_h20.eplb simulate) shows how much it buys
 with it. This run measures the real server path, whatever the routing.
@@ -28,7 +35,38 @@ from sglang_h20 import provenance
 from sglang_h20.nightly.serving import Server, write_sharegpt
 from sglang_h20.observe import export
 
-REBALANCE_LINE = re.compile(r"\[EPLBManager\] rebalance start")
+REBALANCE_LINE = re.compile(r"\[EPLBManager\] rebalance start|eplb_async: rebalance start")
+STALL_LINE = re.compile(r"\[EPLBManager\] rebalance end time=([0-9.]+)s")
+ASYNC_END_LINE = re.compile(r"eplb_async: rebalance \S+ end: (\d+) layers switched over (\d+) forward passes")
+
+
+def rebalance_costs(log: str) -> dict:
+    """From a server log: upstream's blocking stalls (s, one per rank and rebalance) and our asynchronous
+    rebalances' (layers switched, forward passes spanned)."""
+    stalls = [float(x) for x in STALL_LINE.findall(log)]
+    spans = [[int(a), int(b)] for a, b in ASYNC_END_LINE.findall(log)]
+    out = {"rebalance_stall_s": stalls, "async_rebalances": spans}
+    if stalls:
+        out["rebalance_stall_ms_median"] = 1e3 * statistics.median(stalls)
+        out["rebalance_stall_ms_max"] = 1e3 * max(stalls)
+    return out
+
+
+def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str], dict]:
+    """Server flags and plugin env of an arm: `none`, an EPLB algorithm, or `<algorithm>+async`."""
+    algo, _, mode = arm.partition("+")
+    if mode not in ("", "async"):
+        raise ValueError(f"arm {arm!r}: want ALGORITHM, ALGORITHM+async or none")
+    args = ["--tp", str(gpus), "--ep-size", str(gpus), "--enable-dp-attention", "--dp", str(gpus)]
+    env = {}
+    if algo != "none":
+        args += ["--enable-eplb", "--eplb-algorithm", algo, "--eplb-rebalance-num-iterations",
+                 str(rebalance_iterations)]
+    if algo == "affinity":
+        env["SGLANG_H20_EPLB"] = "affinity"
+    if mode == "async":
+        env["SGLANG_H20_EPLB_ASYNC"] = "on"
+    return args, env
 
 
 def summarize(records: list[dict], after_ts: float) -> dict:
@@ -47,14 +85,10 @@ def run_arm(a, arm: str, data: Path) -> dict:
     out = a.out / arm
     dump = out / "observe"
     dump.mkdir(parents=True, exist_ok=True)
-    n = a.gpus
-    args = shlex.split(a.server_args) + ["--tp", str(n), "--ep-size", str(n), "--enable-dp-attention", "--dp", str(n),
-                                         "--enable-eplb", "--eplb-algorithm", arm,
-                                         "--eplb-rebalance-num-iterations", str(a.rebalance_iterations)]
-    env = {"SGLANG_H20_OBSERVE": str(a.fraction), "SGLANG_H20_OBSERVE_DIR": str(dump.resolve())}
-    if arm == "affinity":
-        env["SGLANG_H20_EPLB"] = "affinity"
-    with Server(a.model, args, out / "server.log", env=env, port=32400 + (arm == "affinity")) as srv:
+    arm_args, arm_env = arm_setup(arm, a.gpus, a.rebalance_iterations)
+    args = shlex.split(a.server_args) + arm_args
+    env = {"SGLANG_H20_OBSERVE": str(a.fraction), "SGLANG_H20_OBSERVE_DIR": str(dump.resolve()), **arm_env}
+    with Server(a.model, args, out / "server.log", env=env, port=32400 + a.arms.index(arm)) as srv:
         srv.bench(out / "warmup.jsonl", num_prompts=a.prompts, input_len=a.input_len, output_len=a.output_len,
                   concurrency=a.concurrency, dataset_path=str(data))
         split = time.time()
@@ -65,7 +99,9 @@ def run_arm(a, arm: str, data: Path) -> dict:
     log = (out / "server.log").read_text(errors="replace")
     res = summarize(export.read_dump([dump]), split)
     return {**res, "rebalances_in_warmup": rebalances_before, "rebalances_total": len(REBALANCE_LINE.findall(log)),
-            "output_throughput": bench.get("output_throughput"), "server_args": args, "env": env}
+            **rebalance_costs(log), "output_throughput": bench.get("output_throughput"),
+            "median_itl_ms": bench.get("median_itl_ms"), "p99_itl_ms": bench.get("p99_itl_ms"),
+            "server_args": args, "env": env}
 
 
 def main() -> int:
@@ -80,7 +116,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--arms", nargs="+", default=["deepseek", "affinity"])
+    ap.add_argument("--arms", nargs="+", default=["deepseek", "affinity"],
+                    help="EPLB algorithms (deepseek: upstream's; affinity: ours), ALGORITHM+async (our migration), "
+                         "none (no EPLB: steady ITL)")
     ap.add_argument("--server-args", default="--load-format dummy")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -88,8 +126,11 @@ def main() -> int:
     arms = {}
     for arm in a.arms:
         arms[arm] = run_arm(a, arm, data)
-        print(f"  {arm}: remote share {arms[arm]['remote_share_mean']} over {arms[arm]['samples']} samples, "
-              f"{arms[arm]['rebalances_in_warmup']} rebalances before the measurement", flush=True)
+        r = arms[arm]
+        print(f"  {arm}: remote share {r['remote_share_mean']} over {r['samples']} samples, "
+              f"{r['rebalances_in_warmup']} rebalances before the measurement, ITL median {r['median_itl_ms']} "
+              f"P99 {r['p99_itl_ms']} ms, stalls {r.get('rebalance_stall_ms_median')} ms median, "
+              f"{r.get('rebalance_stall_ms_max')} max", flush=True)
     rec = {**provenance.record(), "benchmark": "affinity_remote_share", "model": a.model, "gpus": a.gpus,
            "fraction": a.fraction, "rebalance_iterations": a.rebalance_iterations, "arms": arms}
     up, ours = arms.get("deepseek", {}).get("remote_share_mean"), arms.get("affinity", {}).get("remote_share_mean")

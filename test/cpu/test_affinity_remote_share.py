@@ -27,3 +27,27 @@ def test_summary_counts_sampled_passes_after_the_split_only():
     assert s["per_rank"] == {"0": pytest.approx(0.3), "1": pytest.approx(0.6)}
     assert s["remote_share_mean"] == pytest.approx((0.3 + 0.6 + 0.6) / 3)
     assert bench.summarize(recs, after_ts=100.0) == {"samples": 0, "remote_share_mean": None, "per_rank": {}}
+
+
+def test_rebalance_costs_from_the_server_log():
+    log = "\n".join([
+        "[2026-11-30 02:02:10 DP0 TP0] [EPLBManager] rebalance start",
+        "[2026-11-30 02:02:10 DP0 TP0] [EPLBManager] rebalance end time=0.118s",
+        "[2026-11-30 02:02:10 DP1 TP1] [EPLBManager] rebalance end time=0.260s",
+        "[sglang-h20 pid 7] eplb_async: rebalance 3 end: 3 layers switched over 41 forward passes (placement 2, "
+        "migration 39)"])
+    c = bench.rebalance_costs(log)
+    assert c["rebalance_stall_s"] == [0.118, 0.260] and c["async_rebalances"] == [[3, 41]]
+    assert c["rebalance_stall_ms_median"] == pytest.approx(189.0) and c["rebalance_stall_ms_max"] == pytest.approx(260)
+    assert bench.rebalance_costs("no eplb here") == {"rebalance_stall_s": [], "async_rebalances": []}
+
+
+def test_arm_setup():
+    args, env = bench.arm_setup("none", 2, 200)
+    assert "--enable-eplb" not in args and env == {} and args[:2] == ["--tp", "2"]
+    args, env = bench.arm_setup("deepseek+async", 4, 100)
+    assert args[-4:] == ["--eplb-algorithm", "deepseek", "--eplb-rebalance-num-iterations", "100"]
+    assert env == {"SGLANG_H20_EPLB_ASYNC": "on"}
+    assert bench.arm_setup("affinity", 2, 200)[1] == {"SGLANG_H20_EPLB": "affinity"}
+    with pytest.raises(ValueError):
+        bench.arm_setup("deepseek+sync", 2, 200)
