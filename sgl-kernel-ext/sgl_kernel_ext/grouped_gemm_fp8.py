@@ -93,6 +93,7 @@ class EpilogueCombine(NamedTuple):
     out: torch.Tensor
     top_k: int
     weight_scale: float = 1.0
+    counts_only: bool = False  # benchmarks only: count and synchronize per tile, skip the gather (out not written)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def _fp8_grouped_gemm_kernel(
     cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
     G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
-    COMBINE_TOPK: tl.constexpr = 0,
+    COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True,
 ):
     KB_PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
 
@@ -214,6 +215,8 @@ def _fp8_grouped_gemm_kernel(
                 tok = (pair // COMBINE_TOPK).to(tl.int64)
                 old = tl.atomic_add(cmb_cnt_ptr + tok * n_tiles + n_tile, 1, mask=t_mask, sem="acq_rel")
                 last = t_mask & (old == COMBINE_TOPK - 1)  # this tile completed (token, N-tile): gather it
+                if not COMBINE_GATHER:  # EpilogueCombine.counts_only (benchmarks): what the counting alone costs
+                    last = last & (offs_t < 0)
                 tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
                 lm = last[:, None] & n_mask[None, :]
                 total = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
@@ -713,7 +716,9 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         signal if signal is not None else dummy, signal.shape[1] if signal is not None else 0,
         *cmb,
         G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
-        HAS_SIGNAL=signal is not None, COMBINE_TOPK=combine.top_k if combine is not None else 0, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        HAS_SIGNAL=signal is not None, COMBINE_TOPK=combine.top_k if combine is not None else 0,
+        COMBINE_GATHER=combine is None or not combine.counts_only,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     if split_k > 1:
         block = 256

@@ -211,6 +211,22 @@ def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip):
     assert sbo.order_error(bad, plain) > 1
 
 
+def test_epilogue_combine_counts_only_counts_and_writes_nothing():
+    """counts_only (bench_sbo's probe of the counting's cost): every (token, N-tile) count reaches top_k, the GEMM
+    rows are the same, and out is never written."""
+    t, k = 6, 3
+    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=8, masked=False)
+    plain_rows = gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, config=CFG, variant="swapab")
+    y = torch.empty(t * k, H, dtype=torch.bfloat16)
+    out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
+    cnt = torch.zeros(t, H // CFG["BLOCK_N"], dtype=torch.int32)
+    gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
+                                        combine=gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1),
+                                                                   cnt, out, k, 2.5, counts_only=True))
+    assert torch.equal(y, plain_rows) and torch.isnan(out.float()).all()
+    assert (cnt == k).all()
+
+
 def test_epilogue_combine_rejects_bad_workspace():
     ids, w, lay, q, qs, wq, ws = run_case(4, 2, seed=3, masked=False)
     out = torch.empty(4, H, dtype=torch.bfloat16)
