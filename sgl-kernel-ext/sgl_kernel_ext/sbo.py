@@ -160,16 +160,17 @@ def _combine_kernel(
         valid = s < P
         pair = tl.load(spair_ptr + s, mask=valid, other=0)
         row = tl.load(rowp_ptr + pair, mask=valid, other=0)
+        hit = valid & (row >= 0)  # a dropped pair (EP: another rank's expert) adds nothing but still counts
         tok = pair // TOPK
-        w = tl.load(w_ptr + pair, mask=valid, other=0.0).to(tl.float32) * w_scale
+        w = tl.load(w_ptr + pair, mask=hit, other=0.0).to(tl.float32) * w_scale
         if WAIT:
-            g = tl.load(sexp_ptr + s, mask=valid, other=0)
+            g = tl.load(sexp_ptr + s, mask=hit, other=0)
             if MASKED:
                 i = row - g * MAX_M
             else:
-                i = row - tl.load(indptr_ptr + g, mask=valid, other=0)
+                i = row - tl.load(indptr_ptr + g, mask=hit, other=0)
             sp = sig_ptr + g * SIG_STRIDE + i // BLOCK_T  # the (expert, token tile) count of each row
-            pending = valid
+            pending = hit
             seen = tl.atomic_add(sp, 0, mask=pending, sem="acquire")
             pending = pending & (seen < EXPECT)
             short = tl.sum(pending.to(tl.int32))
@@ -186,10 +187,10 @@ def _combine_kernel(
             if short > 0:
                 tl.atomic_xchg(err_ptr, 1)  # never signalled: flag it, do not hang
             elif spins > 0:  # completion seen by plain loads: one acquire per row orders the reads below
-                tl.atomic_add(sp, 0, mask=valid, sem="acquire")
+                tl.atomic_add(sp, 0, mask=hit, sem="acquire")
             tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
         offs_h = c * BLOCK_H + tl.arange(0, BLOCK_H)
-        m2 = valid[:, None] & (offs_h[None, :] < H)
+        m2 = hit[:, None] & (offs_h[None, :] < H)
         y = tl.load(y_ptr + row.to(tl.int64)[:, None] * stride_ym + offs_h[None, :], mask=m2, other=0.0,
                     cache_modifier=".cg")  # L2: rows another SM just wrote
         a_ptrs = acc_ptr + tok.to(tl.int64)[:, None] * H + offs_h[None, :]
@@ -257,7 +258,8 @@ def combine(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Tensor, out:
             status: torch.Tensor | None = None, num_programs: int | None = None, max_spin: int = DEFAULT_MAX_SPIN,
             block_h: int = BLOCK_H, block_r: int = BLOCK_R, spin_sleep_ns: int = DEFAULT_SPIN_SLEEP_NS) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * weight_scale * y[row_of_pair[t*K + k]] (bf16 out, fp32 sum in
-    arrival order: see the module doc for the rounding this allows).
+    arrival order: see the module doc for the rounding this allows). A pair without a row (row_of_pair -1: a
+    build_layout(drops=True) layout, another EP rank's expert) adds nothing; a token with no row gets 0.
 
     With signal: wait for the count of a row's (expert, token tile) to reach expect before reading the
     row (the overlapped consumer; signal [E, ceil(max_m / block_t)]). acc fp32 [T, H] and counters
@@ -397,7 +399,9 @@ def combine_reference(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Te
                       weight_scale: float = 1.0) -> torch.Tensor:
     """Plain torch combine (fp32 sum in k order, bf16 out)."""
     t, k = topk_weights.shape
-    rows = y.reshape(-1, y.shape[-1]).float()[layout.row_of_pair.long()].view(t, k, -1)
+    rop = layout.row_of_pair.long()
+    rows = y.reshape(-1, y.shape[-1]).float()[rop.clamp(min=0)].view(t, k, -1)
+    rows[(rop < 0).view(t, k)] = 0.0  # dropped pairs (drops=True layouts) add nothing
     w = topk_weights.float() * weight_scale
     acc = torch.zeros(t, y.shape[-1], dtype=torch.float32, device=y.device)
     for kk in range(k):

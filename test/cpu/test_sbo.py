@@ -211,6 +211,32 @@ def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip):
     assert sbo.order_error(bad, plain) > 1
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_combine_skips_dropped_pairs(masked):
+    """A drops=True layout (EP: pairs on other ranks' experts are -1): those pairs add nothing, a token with no
+    local pair gets 0, and the rest is the float64 sum."""
+    t, k = 9, 3
+    g = torch.Generator().manual_seed(21)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    ids[torch.rand(t, k, generator=g) < 0.4] = -1
+    ids[2] = -1  # no local pair at all
+    lay = sbo.build_layout(ids, E, masked_max_m=t if masked else None, drops=True)
+    rows = lay.pair_of_row.numel()
+    y = torch.randn(rows, H, generator=g).to(torch.bfloat16)
+    w = torch.rand(t, k, generator=g) + 0.1
+    out = sbo.combine(y.view(E, t, H) if masked else y, lay, w, torch.full((t, H), float("nan"),
+                      dtype=torch.bfloat16), weight_scale=2.0)
+    want = torch.zeros(t, H, dtype=torch.float64)
+    rop = lay.row_of_pair.long().view(t, k)
+    for i in range(t):
+        for kk in range(k):
+            if rop[i, kk] >= 0:
+                want[i] += y[rop[i, kk]].double() * float(w[i, kk]) * 2.0
+    assert torch.equal(out[2], torch.zeros(H, dtype=torch.bfloat16))
+    assert rel_err(out, want) <= 1e-2 and sbo.order_error(out, want.to(torch.bfloat16)) <= 1
+    assert sbo.order_error(sbo.combine_reference(y, lay, w, 2.0), want.to(torch.bfloat16)) <= 1
+
+
 def test_epilogue_combine_counts_only_counts_and_writes_nothing():
     """counts_only (bench_sbo's probe of the counting's cost): every (token, N-tile) count reaches top_k, the GEMM
     rows are the same, and out is never written."""

@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""MoE down projection + combine under expert parallelism: the network combine fused into the GEMM (SBO) against
+GEMM, local combine, then NCCL's reduce-scatter. One process per GPU (NCCL), 2 or more GPUs of one host.
+
+Why: issue 9's "SBO with the network combine vs without: MoE layer time". Without DeepEP, SGLang's EP path gathers
+every rank's tokens, runs each rank's experts on all of them and sums the per-rank partials with a collective
+after the whole MoE (the layer communicator's reduce-scatter / all-reduce). The fused form
+(sgl_kernel_ext.ep_combine.ep_down_and_combine) writes each token's partial to its owner as soon as the tile that
+completes it is done, over peer memory (torch symmetric memory), and the owner sums the ranks' partials.
+
+Arms, per decode batch (tokens per rank), each step starting with the dispatch all-gather of the step's tokens
+(bf16 [tokens, 7168], what orders one step's buffer reuse before the next in the server too):
+  serial   grouped FP8 down GEMM (sgl_kernel_ext.grouped_gemm_fp8, the table's variant) -> sbo.combine (local
+           top-k sum, bf16, every gathered token) -> reduce_scatter_tensor (bf16) -> this rank's tokens
+  fused    ep_down_and_combine(..., out, own): the same GEMM with the combine and the cross-GPU send in its
+           epilogue, then this rank's finish kernel (sum of the ranks' fp32 partials in rank order)
+  gather   the all-gather alone (subtract it to get the MoE-down part)
+Shapes: DeepSeek-V3's down projection (N = 7168, K = 2048), 256 routed experts split evenly over the ranks, top-8
+routing drawn uniformly (the same on every rank). Timing: CUDA events around --iters steps after a barrier,
+--reps times; per arm the median over reps of the slowest rank. Correctness: fused against serial on the same
+inputs (sbo.order_error <= 1: the two differ in summation order and partial precision only).
+
+Output: a table on rank 0's stdout and --json OUT with provenance. On fewer than 2 GPUs it says so, writes
+{"unavailable": why} to --json and exits 0 (the nightly's kernel step runs every bench on any host).
+usage: bench_ep_combine.py [--gpus 2] [--batches 20 32 56] [--quick] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+H, I, EXPERTS, TOPK = 7168, 2048, 256, 8
+BATCHES = [20, 32, 56]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=0, help="ranks, one GPU each (default: every visible GPU)")
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="decode tokens per rank")
+    ap.add_argument("--experts", type=int, default=EXPERTS, help="routed experts in all (split over the ranks)")
+    ap.add_argument("--iters", type=int, default=20, help="steps per timed rep")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--quick", action="store_true", help="one batch (32 tokens per rank), 5 reps")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.batches, a.reps = [32], 5
+    if any(b < 1 for b in a.batches) or a.iters < 1 or a.reps < 1:
+        ap.error("batches, iters and reps must be positive")
+    return a
+
+
+def rank_problem(rank: int, world: int, tokens: int, experts: int, dev):
+    """This rank's share of one MoE layer: the gathered batch's routing (the same on every rank), its experts'
+    FP8 weights, the layout of its local pairs and the all-gather maps."""
+    import torch
+
+    from sgl_kernel_ext import ep_combine as ep
+    from sgl_kernel_ext import sbo
+    from sgl_kernel_ext.quant import per_block_quant_fp8, per_token_group_quant_fp8
+
+    if experts % world:
+        raise ValueError(f"{experts} experts do not split over {world} ranks")
+    g_local, t = experts // world, tokens * world
+    gen = torch.Generator().manual_seed(1234 + tokens)
+    ids = torch.argsort(torch.rand(t, experts, generator=gen), dim=1)[:, :TOPK].to(torch.int32).to(dev)
+    weights = (torch.rand(t, TOPK, generator=gen) + 0.05).to(dev)
+    xq, xs = per_token_group_quant_fp8(torch.randn(t, I, generator=gen).to(dev), 128)
+    w2 = torch.randn(g_local, H, I, generator=torch.Generator().manual_seed(99 + rank), device="cpu") * 0.02
+    wq, ws = per_block_quant_fp8(w2.to(dev), 128)
+    local = torch.where((ids >= rank * g_local) & (ids < (rank + 1) * g_local), ids - rank * g_local, -1)
+    lay, pairs = ep.build_ep_layout(local.to(torch.int32), g_local)
+    owner, index = ep.allgather_maps([tokens] * world, dev)
+    return dict(q=sbo.dispatch_rows(xq, lay), qs=sbo.dispatch_rows(xs, lay), wq=wq, ws=ws, w=weights, lay=lay,
+                pairs=pairs, owner=owner, index=index)
+
+
+def _worker(rank, world, init_file, args, results):
+    try:
+        results.put((rank, run_rank(rank, world, init_file, args)))
+    except BaseException:
+        results.put((rank, {"error": traceback.format_exc()}))
+        raise
+
+
+def run_rank(rank: int, world: int, init_file: str, args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from sgl_kernel_ext import ep_combine as ep
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import sbo
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev)
+    cap = max(args.batches)
+    own, recv_tab, arr_tab, handles = ep.symmetric_ep_buffers(world, cap, H, dist.group.WORLD, dev)
+    out = {"points": []}
+    for tokens in args.batches:
+        p = rank_problem(rank, world, tokens, args.experts, dev)
+        t = tokens * world
+        hidden = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
+        gathered = torch.empty(t, H, device=dev, dtype=torch.bfloat16)
+        y = torch.empty(p["q"].shape[0], H, device=dev, dtype=torch.bfloat16)
+        full = torch.empty(t, H, device=dev, dtype=torch.bfloat16)
+        mine_serial = torch.empty(tokens, H, device=dev, dtype=torch.bfloat16)
+        mine_fused = torch.empty(tokens, H, device=dev, dtype=torch.bfloat16)
+        variant, cfg = gg.resolve_config("auto", None, max(1, -(-t * TOPK // args.experts)), H, I,
+                                         args.experts // world, "contiguous", gg._device_sms(p["q"]))
+        cfg = {**cfg, "BLOCK_N": ep.COUNT_BLOCK_N}  # both arms on the fused form's tile grid
+
+        def gather():
+            dist.all_gather_into_tensor(gathered, hidden)
+
+        def serial():
+            gather()
+            gg.m_grouped_fp8_gemm_nt_contiguous(p["q"], p["qs"], p["wq"], p["ws"], p["lay"].m_indptr, out=y,
+                                                variant=variant, config=cfg)
+            sbo.combine(y, p["lay"], p["w"], full, weight_scale=2.5)
+            dist.reduce_scatter_tensor(mine_serial, full)
+
+        def fused():
+            gather()
+            ep.ep_down_and_combine(p["q"], p["qs"], p["wq"], p["ws"], p["w"], p["lay"], rank=rank, world=world,
+                                   token_owner=p["owner"], owner_index=p["index"], local_pairs=p["pairs"],
+                                   peer_recv=recv_tab, peer_arrivals=arr_tab, recv_capacity=cap, out=mine_fused,
+                                   own=own, weight_scale=2.5, variant=variant, config=cfg, y=y)
+
+        arms = {"gather": gather, "serial": serial, "fused": fused}
+        for fn in arms.values():  # compile, then warm
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize()
+        err = sbo.order_error(mine_fused, mine_serial)
+        times = {name: [] for name in arms}
+        for _ in range(args.reps):
+            for name, fn in arms.items():
+                dist.barrier()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(args.iters):
+                    fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) * 1e3 / args.iters)
+        out["points"].append({"tokens_per_rank": tokens, "gathered_tokens": t, "variant": variant, "config": cfg,
+                              "order_error_fused_vs_serial": err, "status": int(own.status.item()),
+                              "us": {k: statistics.median(v) for k, v in times.items()}})
+    del handles
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def summarize(per_rank: dict[int, dict]) -> list[dict]:
+    """Per batch: each arm's slowest rank (the layer waits for it), the MoE-down part (minus the all-gather) and
+    fused / serial."""
+    rows = []
+    ranks = sorted(per_rank)
+    for i, pt in enumerate(per_rank[ranks[0]]["points"]):
+        us = {arm: max(per_rank[r]["points"][i]["us"][arm] for r in ranks) for arm in pt["us"]}
+        down = {arm: us[arm] - us["gather"] for arm in ("serial", "fused")}
+        rows.append({"tokens_per_rank": pt["tokens_per_rank"], "gathered_tokens": pt["gathered_tokens"],
+                     "us_slowest_rank": us, "moe_down_us": down,
+                     "fused_over_serial": us["fused"] / us["serial"],
+                     "moe_down_fused_over_serial": down["fused"] / down["serial"] if down["serial"] > 0 else None,
+                     "order_error_max": max(per_rank[r]["points"][i]["order_error_fused_vs_serial"] for r in ranks),
+                     "any_wait_gave_up": any(per_rank[r]["points"][i]["status"] for r in ranks),
+                     "variant": pt["variant"], "config": pt["config"]})
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    world = args.gpus or torch.cuda.device_count()
+    if world < 2 or torch.cuda.device_count() < world:
+        why = f"needs 2 or more CUDA GPUs (visible: {torch.cuda.device_count()})"
+        print(f"bench_ep_combine: skipped: {why}", file=sys.stderr)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"benchmark": "ep_combine", "unavailable": why}))
+        return 0
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    import torch.multiprocessing as mp
+
+    from sglang_h20 import provenance
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="bench_ep_combine_") as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "pg"), args, results))
+                 for r in range(world)]
+        for pr in procs:
+            pr.start()
+        per_rank = dict(results.get(timeout=1800) for _ in procs)
+        for pr in procs:
+            pr.join(timeout=60)
+    errors = {r: v["error"] for r, v in per_rank.items() if "error" in v}
+    if errors:
+        for r, e in sorted(errors.items()):
+            print(f"rank {r} failed:\n{e}", file=sys.stderr)
+        return 1
+    rows = summarize(per_rank)
+    print(f"{'tokens/rank':>11s} {'gather':>8s} {'serial':>8s} {'fused':>8s} {'fused/serial':>12s} "
+          f"{'down fused/serial':>17s} {'order err':>9s}")
+    for r in rows:
+        u = r["us_slowest_rank"]
+        down = r["moe_down_fused_over_serial"]
+        print(f"{r['tokens_per_rank']:11d} {u['gather']:8.1f} {u['serial']:8.1f} {u['fused']:8.1f} "
+              f"{r['fused_over_serial']:12.3f} {down if down is None else f'{down:.3f}':>17} "
+              f"{r['order_error_max']:9.2f}" + ("  A WAIT GAVE UP" if r["any_wait_gave_up"] else ""))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**provenance.record(), "benchmark": "ep_combine", "world": world,
+                                         "experts": args.experts, "shape": {"N": H, "K": I, "top_k": TOPK},
+                                         "iters": args.iters, "reps": args.reps, "rows": rows,
+                                         "per_rank": per_rank}, indent=1))
+        print(f"wrote {args.json}")
+    ok = all(r["order_error_max"] <= 1 and not r["any_wait_gave_up"] for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
