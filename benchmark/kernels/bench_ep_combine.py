@@ -18,7 +18,8 @@ Arms, per decode batch (tokens per rank), each step starting with the dispatch a
 Shapes: DeepSeek-V3's down projection (N = 7168, K = 2048), 256 routed experts split evenly over the ranks, top-8
 routing drawn uniformly (the same on every rank). Timing: CUDA events around --iters steps after a barrier,
 --reps times; per arm the median over reps of the slowest rank. Correctness: fused against serial on the same
-inputs (sbo.order_error <= 1: the two differ in summation order and partial precision only).
+inputs, sbo.order_error <= ORDER_TOLERANCE: serial rounds each rank's partial to bf16 before NCCL adds them (two
+roundings), fused adds fp32 partials and rounds once, so they may differ by about two bf16 ulps, not more.
 
 Output: a table on rank 0's stdout and --json OUT with provenance. On fewer than 2 GPUs it says so, writes
 {"unavailable": why} to --json and exits 0 (the nightly's kernel step runs every bench on any host).
@@ -36,6 +37,7 @@ import traceback
 from pathlib import Path
 
 H, I, EXPERTS, TOPK = 7168, 2048, 256, 8
+ORDER_TOLERANCE = 2.0
 BATCHES = [20, 32, 56]
 
 
@@ -227,7 +229,7 @@ def main(argv=None) -> int:
                                          "iters": args.iters, "reps": args.reps, "rows": rows,
                                          "per_rank": per_rank}, indent=1))
         print(f"wrote {args.json}")
-    ok = all(r["order_error_max"] <= 1 and not r["any_wait_gave_up"] for r in rows)
+    ok = all(r["order_error_max"] <= ORDER_TOLERANCE and not r["any_wait_gave_up"] for r in rows)
     return 0 if ok else 1
 
 
