@@ -1,12 +1,16 @@
-"""`python -m sglang_h20 doctor`: versions, GPU, and which features would activate here, and why.
+"""`python -m sglang_h20 doctor`: versions, GPU, which features would activate here and why, and which tuned
+tables and decode kernel this GPU gets (with the command that re-tunes a table here).
 
-It asks the same functions the plugin asks (compat, features.decide), so its answer is the
-plugin's answer for the current environment. Works on a CPU-only machine.
+It asks the same functions the plugin asks (compat, features.decide, the table loaders, the FP8 MLA backend's
+kernel choice), so its answer is the plugin's answer for the current environment. Works on a CPU-only machine.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
+import json
 import platform
+from pathlib import Path
 
 from sglang_h20 import __version__, compat
 from sglang_h20.features import FEATURES, decide
@@ -41,7 +45,47 @@ def report(settings: Settings | None = None) -> tuple[str, bool]:
         d = decide(feature, settings)
         all_good &= d.on or not feature.wanted(settings) and feature.switch not in settings.errors
         lines.append(f"  {feature.name:<16} {'ON ' if d.on else 'off'}  {d.reason}")
+    lines += tables_and_kernels()
     return "\n".join(lines), all_good
+
+
+def _table_line(path: Path | None, retune: str) -> str:
+    if path is None or not path.exists():
+        return f"none for this GPU; make one here: {retune}"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return f"{path} unreadable ({type(e).__name__}: {e})"
+    how = "measured" if data.get("measured") else "modelled"
+    when = str(data.get("date") or data.get("provenance", {}).get("date") or "?")[:10]
+    return f"{path.name}, {how} on {data.get('gpu', '?')} ({when}); re-tune here: {retune}"
+
+
+def tables_and_kernels() -> list[str]:
+    """The tuned tables in force for this GPU (this machine's re-tune first, else the shipped one) and the FP8
+    MLA decode kernel the backend would use (on a Hopper GPU with nvcc this builds it once, a few seconds)."""
+    g = compat.gpu()
+    lines = ["tables and kernels (this GPU):"]
+    if g is None:
+        return lines + ["  no CUDA GPU visible: tables are per GPU, the decode kernel needs one"]
+    from sglang_h20.attention import mha_mla
+
+    user, shipped = mha_mla.user_table_path(g.name), mha_mla.table_path(g.name)
+    lines.append("  MHA/MLA cost table  " + _table_line(user if user.exists() else shipped,
+                                                         "python -m sglang_h20 calibrate mha-mla"))
+    try:
+        gg = importlib.import_module("sgl_kernel_ext.grouped_gemm_fp8")
+        lines.append("  grouped GEMM table  " + _table_line(
+            gg.find_table(g.name), "python benchmark/kernels/bench_grouped_gemm.py --tune (from a checkout)"))
+    except Exception as e:  # the kernels' import needs triton; say so instead of failing the doctor
+        lines.append(f"  grouped GEMM table  unavailable ({type(e).__name__}: {e})")
+    try:
+        from sglang_h20.attention.fp8_mla_backend import decode_kernel
+
+        lines.append(f"  FP8 MLA decode      {decode_kernel()[2]}")
+    except Exception as e:
+        lines.append(f"  FP8 MLA decode      unavailable ({type(e).__name__}: {e})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -217,6 +217,25 @@ def test_every_built_feature_hook_target_resolves(monkeypatch):
             assert compat.check_target(hook.target) == (True, hook.target), f.name
 
 
+def test_doctor_names_the_tables_and_kernel_of_this_gpu(monkeypatch, tmp_path):
+    """The tuned tables in force (shipped, or this machine's re-tune) with the GPU and date they were measured on,
+    the re-tune command, and the decode kernel; a GPU without a table gets the command that makes one."""
+    from sglang_h20 import doctor
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no re-tune on this machine
+    monkeypatch.delenv("SGLANG_H20_GEMM_TABLE", raising=False)
+    monkeypatch.setattr(compat, "gpu", lambda: None)
+    assert "no CUDA GPU visible" in doctor.tables_and_kernels()[1]
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 140.0))
+    text = "\n".join(doctor.tables_and_kernels())
+    assert "mha_mla_h200.json, measured on NVIDIA H200" in text and "calibrate mha-mla" in text
+    assert "grouped_gemm_h200.json, measured on NVIDIA H200 (2026-11-30)" in text and "--tune" in text
+    assert "FP8 MLA decode" in text
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA B200", (10, 0), 180.0))
+    text = "\n".join(doctor.tables_and_kernels())
+    assert text.count("none for this GPU; make one here") == 2
+
+
 def test_doctor_runs_on_a_cpu_machine():
     r = subprocess.run([sys.executable, "-m", "sglang_h20", "doctor"], capture_output=True, text=True,
                        env={**CLEAN_ENV, "SGLANG_H20_FP8_MLA": "yes"}, timeout=300)
