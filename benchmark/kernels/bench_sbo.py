@@ -15,6 +15,8 @@ so launch overhead is out; a point whose capture fails is timed eagerly and says
   fused               moe_down_and_combine(fused=True): the combine in the down GEMM's epilogue, one kernel on
                       every SM: the tile completing a token's N-range sums its top_k rows (order_error vs serial)
   fused+shared        the shared expert on a second stream beside fused
+  fused_deferred      fused with each program's gathers after its last GEMM tile (EpilogueCombine.defer), so they
+                      stop interrupting the weight stream
   fused_counts_only   fused with the gather skipped (EpilogueCombine.counts_only; out not written): fused minus this
                       is the gather's cost, this minus gemm_alone the per-tile counting and barriers'
   shared_alone        the shared expert (FP8 gate_up 7168 -> 4096, SiLU*up, down 2048 -> 7168; our dense GEMMs)
@@ -170,6 +172,16 @@ def main(argv=None) -> int:
             out.add_(sh)
 
         s["fused+shared"] = add("fused+shared", fused_shared)
+        def fused_deferred():
+            sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, out, fused=True, defer=True, variant=variant,
+                                     config=cfg)
+
+        out.fill_(float("nan"))
+        fused_deferred()
+        torch.cuda.synchronize()
+        derr = sbo.order_error(out, ref)
+        s["fused_deferred"] = add("fused_deferred", fused_deferred, order_error_vs_serial=derr,
+                                  all_written=not bool(torch.isnan(out.float()).any()), equal_to_serial=derr <= 1)
         s["fused_counts_only"] = add("fused_counts_only", lambda: sbo.moe_down_and_combine(
             q, qs, w2q, w2s, w, lay, out, fused=True, counts_only=True, variant=variant, config=cfg))
         s["fused_gain_us"] = s["serial"] - s["fused"]

@@ -48,7 +48,11 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     (L2 reads of rows just written), sums them weighted in fp32 in slot order and writes the bf16
     output: one integer atomic per row and tile, no float atomics, a deterministic sum. (The first
     form added every element into an fp32 accumulator with float atomics: 2-4% slower than GEMM then
-    combine on the H200, 2026-11-29, benchmark/results/sbo/bench_sbo_fused_h200.json.)
+    combine on the H200, 2026-11-29, benchmark/results/sbo/bench_sbo_fused_h200.json. The gather form
+    is 2-9% slower too, 2026-11-30: 27-35 us over the GEMM alone, as if each tile's epilogue held up
+    the next tile's loads.) defer=True: the completing tile only notes (token, N-tile) in its program's
+    list, and the program gathers its list after its last GEMM tile, so the gathers stop interrupting
+    the weight stream and fill the persistent grid's tail instead. Not measured yet.
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
 else the shipped python/sglang_h20/tables/grouped_gemm_<gpu>.json; H200 ships, measured) feeds
@@ -94,6 +98,7 @@ class EpilogueCombine(NamedTuple):
     top_k: int
     weight_scale: float = 1.0
     counts_only: bool = False  # benchmarks only: count and synchronize per tile, skip the gather (out not written)
+    defer: bool = False  # gather after the program's last GEMM tile instead of inside the tile loop (module doc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,9 +171,10 @@ def _fp8_grouped_gemm_kernel(
     stride_ws_split, stride_ws_row,
     sig_ptr, SIG_STRIDE,
     cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
+    dfr_ptr, DFR_CAP,
     G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
-    COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True,
+    COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True, COMBINE_DEFER: tl.constexpr = False,
 ):
     KB_PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
 
@@ -176,6 +182,7 @@ def _fp8_grouped_gemm_kernel(
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     tile = pid
     tiles_before = pid * 0
+    deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER)
     for g in range(G):
         if LAYOUT == 0:  # contiguous
             row0 = tl.load(indptr_ptr + g)
@@ -218,21 +225,15 @@ def _fp8_grouped_gemm_kernel(
                 if not COMBINE_GATHER:  # EpilogueCombine.counts_only (benchmarks): what the counting alone costs
                     last = last & (offs_t < 0)
                 tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
-                lm = last[:, None] & n_mask[None, :]
-                total = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
-                for k in tl.static_range(COMBINE_TOPK):
-                    pk = tok * COMBINE_TOPK + k
-                    rk = tl.load(cmb_rowp_ptr + pk, mask=last, other=0).to(tl.int64)
-                    wk = tl.load(cmb_w_ptr + pk, mask=last, other=0.0).to(tl.float32)
-                    if LAYOUT == 1:  # masked: flat row g * MAX_M + i
-                        yk_ptrs = out_ptr + (rk // MAX_M) * stride_og + (rk % MAX_M) * stride_om
-                    else:
-                        yk_ptrs = out_ptr + rk * stride_om
-                    yk = tl.load(yk_ptrs[:, None] + offs_n[None, :] * stride_on, mask=lm, other=0.0,
-                                 cache_modifier=".cg")  # L2: rows other SMs just wrote
-                    total += yk.to(tl.float32) * wk[:, None]
-                tl.store(cmb_out_ptr + tok[:, None] * stride_cmb_om + offs_n[None, :],
-                         (total * cmb_w_scale).to(cmb_out_ptr.dtype.element_ty), mask=lm)
+                if COMBINE_DEFER:  # note (token, N-tile) for after the program's last tile
+                    if tl.sum(last.to(tl.int32)) > 0:
+                        tl.store(dfr_ptr + pid * DFR_CAP + deferred + tl.arange(0, BLOCK_T),
+                                 tl.where(last, tok * n_tiles + n_tile, -1).to(tl.int32))
+                        deferred += BLOCK_T
+                else:
+                    _gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, tok, tok * 0 + n_tile * BLOCK_N, last,
+                                N, MAX_M, stride_og, stride_om, stride_on, stride_cmb_om, cmb_w_scale, LAYOUT,
+                                COMBINE_TOPK, BLOCK_T, BLOCK_N)
             elif SPLIT_K == 1:
                 o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
                 tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -246,6 +247,46 @@ def _fp8_grouped_gemm_kernel(
                 tl.store(w_ptrs, res, mask=o_mask)
             tile += NUM_PROGRAMS
         tiles_before += group_tiles
+    if COMBINE_DEFER:  # this program's gathers, after its GEMM tiles (each noted by the tile that completed it)
+        tl.debug_barrier()  # the list's stores, and the acquires behind them, precede the loads below
+        j = pid * 0
+        while j < deferred:
+            e = tl.load(dfr_ptr + pid * DFR_CAP + j + tl.arange(0, BLOCK_T))
+            last = e >= 0
+            e64 = tl.where(last, e, 0).to(tl.int64)
+            _gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, e64 // n_tiles, (e64 % n_tiles) * BLOCK_N,
+                        last, N, MAX_M, stride_og, stride_om, stride_on, stride_cmb_om, cmb_w_scale, LAYOUT,
+                        COMBINE_TOPK, BLOCK_T, BLOCK_N)
+            j += BLOCK_T
+
+
+GATHER_COLS = tl.constexpr(32)  # columns per gather pass: [BLOCK_T, 32] pointer tiles keep the registers low
+
+
+@triton.jit
+def _gather_sum(out_ptr, rowp_ptr, w_ptr, cmb_out_ptr, tok, col0, last, N, MAX_M, stride_og, stride_om, stride_on,
+                stride_cmb_om, w_scale, LAYOUT: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The combine of the rows flagged `last`: cmb_out[tok, col0 : col0 + BLOCK_N] = w_scale * sum_k w_k * (GEMM
+    row of pair tok * TOPK + k), fp32 in slot order; col0 per row. In GATHER_COLS-column passes: a whole
+    [BLOCK_T, BLOCK_N] tile of 64-bit row pointers per slot took the swapAB kernel from 116 to 212 registers."""
+    for c in tl.static_range(0, BLOCK_N, GATHER_COLS):  # (the slots' row ids and weights: L1 hits after pass 0)
+        cols = col0[:, None] + (c + tl.arange(0, GATHER_COLS))[None, :]
+        lm = last[:, None] & (cols < N)
+        total = tl.full([BLOCK_T, GATHER_COLS], 0.0, tl.float32)
+        for k in tl.static_range(TOPK):
+            pk = tok * TOPK + k
+            rk = tl.load(rowp_ptr + pk, mask=last, other=0).to(tl.int64)
+            wk = tl.load(w_ptr + pk, mask=last, other=0.0).to(tl.float32)
+            if LAYOUT == 1:  # masked: flat row g * MAX_M + i
+                rbase = (rk // MAX_M) * stride_og + (rk % MAX_M) * stride_om
+            else:
+                rbase = rk * stride_om
+            yk = tl.load(out_ptr + rbase[:, None] + cols * stride_on, mask=lm, other=0.0,
+                         cache_modifier=".cg")  # L2: rows other SMs just wrote
+            total += yk.to(tl.float32) * wk[:, None]
+        tl.store(cmb_out_ptr + tok[:, None] * stride_cmb_om + cols, (total * w_scale).to(cmb_out_ptr.dtype.element_ty),
+                 mask=lm)
 
 
 @triton.jit
@@ -703,6 +744,9 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
                float(combine.weight_scale), combine.out.stride(0))
     else:
         cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
+    defer = combine is not None and combine.defer
+    dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else 0  # a program's tiles x rows, at most
+    dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if defer else dummy
     _fp8_grouped_gemm_kernel[(num_programs,)](
         a3, s3, b, b_scale, o3, ws,
         indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
@@ -714,10 +758,10 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         sa_g[2], o3.stride(1), o3.stride(2),
         *ws_strides,
         signal if signal is not None else dummy, signal.shape[1] if signal is not None else 0,
-        *cmb,
+        *cmb, dfr, dfr_cap,
         G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
         HAS_SIGNAL=signal is not None, COMBINE_TOPK=combine.top_k if combine is not None else 0,
-        COMBINE_GATHER=combine is None or not combine.counts_only,
+        COMBINE_GATHER=combine is None or not combine.counts_only, COMBINE_DEFER=defer,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     if split_k > 1:

@@ -185,29 +185,30 @@ def test_overlap_emulated_equals_plain_and_references(masked, t, k, skip):
     assert sbo.order_error(bad, plain) > 1 and rel_err(bad, r64) > 1e-2
 
 
+@pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("variant,cfg", [("swapab", CFG), ("normal", {"BLOCK_N": 128, "BLOCK_T": 16})])
 @pytest.mark.parametrize("t,k,skip", [(5, 2, (1,)), (20, 4, ()), (1, 1, (0, 2, 3))])
-def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip):
-    """fused=True: the combine in the GEMM's epilogue (the tile completing a token's N-range gathers its rows).
-    Same bf16 rows as GEMM-then-combine, summed in slot order: equal up to the summation order, deterministic,
-    every token written, and a wrong weight is caught."""
+def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, defer):
+    """fused=True: the combine in the GEMM's epilogue (the tile completing a token's N-range gathers its rows;
+    defer: after the program's last tile). Same bf16 rows as GEMM-then-combine, summed in slot order: equal up
+    to the summation order, deterministic, every token written, and a wrong weight is caught."""
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=40 + t, masked=masked, skip=skip)
     plain = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
                                      weight_scale=2.5, overlap=False, config=cfg, variant=variant)
     y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
     fused = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
-                                     weight_scale=2.5, fused=True, config=cfg, variant=variant, y=y)
+                                     weight_scale=2.5, fused=True, defer=defer, config=cfg, variant=variant, y=y)
     assert not torch.isnan(fused.float()).any()  # every (token, N-tile) was written by its last contributor
     assert sbo.order_error(fused, plain) <= 1
     assert rel_err(fused, combine64(y, lay, w, 2.5)) <= 1e-2  # the gathered rows are the GEMM's own
     again = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.empty(t, H, dtype=torch.bfloat16),
-                                     weight_scale=2.5, fused=True, config=cfg, variant=variant)
+                                     weight_scale=2.5, fused=True, defer=defer, config=cfg, variant=variant)
     assert torch.equal(again, fused)  # slot-order sum: no arrival-order rounding
     w_bad = w.clone()
     w_bad[t // 2, k - 1] *= 1.25
     bad = sbo.moe_down_and_combine(q, qs, wq, ws, w_bad, lay, torch.empty(t, H, dtype=torch.bfloat16),
-                                   weight_scale=2.5, fused=True, config=cfg, variant=variant)
+                                   weight_scale=2.5, fused=True, defer=defer, config=cfg, variant=variant)
     assert sbo.order_error(bad, plain) > 1
 
 

@@ -179,19 +179,21 @@ def test_cuda_graph_replay_matches(mods, weights):
         assert sbo.order_error(out, plain) <= 1, (seed, sbo.order_error(out, plain))
 
 
+@pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("experts", [256, 32])
-def test_epilogue_combine_equals_plain(mods, weights, experts, masked):
-    """fused=True (the tile completing a token's N-range gathers its top_k rows in the down GEMM's epilogue):
-    equal to GEMM-then-combine up to the summation order, every token written (NaN-poisoned output and rows),
-    and within 1e-2 of float32 torch."""
+def test_epilogue_combine_equals_plain(mods, weights, experts, masked, defer):
+    """fused=True (the tile completing a token's N-range gathers its top_k rows in the down GEMM's epilogue;
+    defer: after the program's last tile): equal to GEMM-then-combine up to the summation order, every token
+    written (NaN-poisoned output and rows), and within 1e-2 of float32 torch."""
     _, _, sbo = mods
     for seed in range(16):
         t = [1, 3, 8, 16, 32, 56, 64, 100][seed % 8]
         lay, w, q, qs, wq, ws = case(mods, weights, t, experts, 300 + seed, masked)
         plain, _ = run(sbo, lay, w, q, qs, wq, ws, overlap=False)
         out = torch.full((t, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True, y=nan_y(lay, t))
+        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True, defer=defer,
+                                 y=nan_y(lay, t))
         assert not torch.isnan(out.float()).any(), (seed, t)
         assert sbo.order_error(out, plain) <= 1, (seed, t, sbo.order_error(out, plain))
         if seed < 4:
@@ -199,8 +201,9 @@ def test_epilogue_combine_equals_plain(mods, weights, experts, masked):
             assert float((out.float() - ref).norm() / ref.norm()) < 1e-2, seed
 
 
+@pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_epilogue_combine_race_stress(mods, weights, masked):
+def test_epilogue_combine_race_stress(mods, weights, masked, defer):
     """Thousands of fused calls over tile configs: bit-identical to the first run (the gather sums in slot order),
     never NaN, and in a CUDA graph too (the counters' memset is captured)."""
     _, _, sbo = mods
@@ -211,14 +214,16 @@ def test_epilogue_combine_race_stress(mods, weights, masked):
         firsts = []
         for c in configs:
             o = torch.empty(t, H, device="cuda", dtype=torch.bfloat16)
-            firsts.append(sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, o, weight_scale=2.5, fused=True, config=c))
+            firsts.append(sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, o, weight_scale=2.5, fused=True, config=c,
+                                                   defer=defer))
         cases.append((lay, w, q, qs, wq, ws, firsts))
     bad, outs = [], []
     for it in range(1500):
         lay, w, q, qs, wq, ws, firsts = cases[it % len(cases)]
         ci = (it // 3) % len(configs)
         o = torch.full((w.shape[0], H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, o, weight_scale=2.5, fused=True, config=configs[ci])
+        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, o, weight_scale=2.5, fused=True, config=configs[ci],
+                                 defer=defer)
         outs.append((it, o, firsts[ci]))
         if len(outs) == 100:
             bad += [i for i, o2, f in outs if not torch.equal(o2, f)]
@@ -227,7 +232,8 @@ def test_epilogue_combine_race_stress(mods, weights, masked):
     assert not bad, f"{len(bad)} fused runs differ from the first, first {bad[:10]}"
     lay, w, q, qs, wq, ws, firsts = cases[1]
     out = torch.empty(w.shape[0], H, device="cuda", dtype=torch.bfloat16)
-    step = lambda: sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True)  # noqa: E731
+    step = lambda: sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True,  # noqa: E731
+                                            defer=defer)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
