@@ -56,7 +56,7 @@ All-gather index map (`allgather_maps`): gathered token i (rank-major, as all_ga
 belongs to rank token_owner[i] at index owner_index[i] within that rank's tokens.
 
 Why a separate kernel rather than a third epilogue mode of grouped_gemm_fp8._fp8_grouped_gemm_kernel: it
-shares the tile math (`_mma_tile`) and copies only the ~30-line tile walk, while the shipped GEMM modes keep
+shares the tile math (`_mma_tile`) and the gather (`gather_sum`) and copies only the ~30-line tile walk, while the shipped GEMM modes keep
 their compiled code, argument list and compile-report entries unchanged; the EP epilogue needs a dozen
 arguments of its own (pointer tables, owner maps, local counts) and a work prelude (zero partials) that the
 other modes would carry as dead parameters. Compiles for sm_90a (benchmark/kernels/compile_report.py ep):
@@ -207,24 +207,11 @@ def _ep_down_combine_kernel(
             old = tl.atomic_add(lcnt_ptr + tok * n_tiles + n_tile, 1, mask=t_mask, sem="acq_rel")
             last = t_mask & (old == need - 1)  # this tile completed the token's local N-range
             tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
-            total = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
-            for k in tl.static_range(TOPK):
-                pk = tok * TOPK + k
-                rk = tl.load(rowp_ptr + pk, mask=last, other=-1).to(tl.int64)
-                hit = last & (rk >= 0)  # dropped (non-local) slots have no row
-                wk = tl.load(w_ptr + pk, mask=hit, other=0.0).to(tl.float32)
-                if LAYOUT == 1:
-                    yk_ptrs = y_ptr + (rk // MAX_M) * stride_yg + (rk % MAX_M) * stride_ym
-                else:
-                    yk_ptrs = y_ptr + rk * stride_ym
-                yk = tl.load(yk_ptrs[:, None] + offs_n[None, :], mask=hit[:, None] & n_mask[None, :], other=0.0,
-                             cache_modifier=".cg")
-                total += yk.to(tl.float32) * wk[:, None]
             own = tl.load(owner_ptr + tok, mask=last, other=0)
             oi = tl.load(oidx_ptr + tok, mask=last, other=0).to(tl.int64)
             dst = _peer_ptr(recv_tab_ptr, own, PARTIAL_BF16) + (RANK * RECV_CAP + oi) * N
-            tl.store(dst[:, None] + offs_n[None, :], (total * w_scale).to(dst.dtype.element_ty),
-                     mask=last[:, None] & n_mask[None, :])
+            gg.gather_sum(y_ptr, rowp_ptr, w_ptr, dst, tok, tok * 0 + n_tile * BLOCK_N, last, N, MAX_M,
+                          stride_yg, stride_ym, 1, w_scale, LAYOUT, TOPK, BLOCK_T, BLOCK_N)
             tl.debug_barrier()  # the CTA's partial stores precede the release (cumulative) below
             arr = tl.load(arr_tab_ptr + own, mask=last, other=0).to(tl.pointer_type(tl.int32))
             tl.atomic_add(arr + oi * n_tiles + n_tile, 1, mask=last, sem="release", scope="sys")

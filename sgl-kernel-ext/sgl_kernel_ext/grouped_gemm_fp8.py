@@ -231,9 +231,9 @@ def _fp8_grouped_gemm_kernel(
                                  tl.where(last, tok * n_tiles + n_tile, -1).to(tl.int32))
                         deferred += BLOCK_T
                 else:
-                    _gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, tok, tok * 0 + n_tile * BLOCK_N, last,
-                                N, MAX_M, stride_og, stride_om, stride_on, stride_cmb_om, cmb_w_scale, LAYOUT,
-                                COMBINE_TOPK, BLOCK_T, BLOCK_N)
+                    gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
+                               tok * 0 + n_tile * BLOCK_N, last, N, MAX_M, stride_og, stride_om, stride_on,
+                               cmb_w_scale, LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
             elif SPLIT_K == 1:
                 o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
                 tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -254,9 +254,10 @@ def _fp8_grouped_gemm_kernel(
             e = tl.load(dfr_ptr + pid * DFR_CAP + j + tl.arange(0, BLOCK_T))
             last = e >= 0
             e64 = tl.where(last, e, 0).to(tl.int64)
-            _gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, e64 // n_tiles, (e64 % n_tiles) * BLOCK_N,
-                        last, N, MAX_M, stride_og, stride_om, stride_on, stride_cmb_om, cmb_w_scale, LAYOUT,
-                        COMBINE_TOPK, BLOCK_T, BLOCK_N)
+            tok = e64 // n_tiles
+            gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
+                       (e64 % n_tiles) * BLOCK_N, last, N, MAX_M, stride_og, stride_om, stride_on, cmb_w_scale,
+                       LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
             j += BLOCK_T
 
 
@@ -264,29 +265,30 @@ GATHER_COLS = tl.constexpr(32)  # columns per gather pass: [BLOCK_T, 32] pointer
 
 
 @triton.jit
-def _gather_sum(out_ptr, rowp_ptr, w_ptr, cmb_out_ptr, tok, col0, last, N, MAX_M, stride_og, stride_om, stride_on,
-                stride_cmb_om, w_scale, LAYOUT: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """The combine of the rows flagged `last`: cmb_out[tok, col0 : col0 + BLOCK_N] = w_scale * sum_k w_k * (GEMM
-    row of pair tok * TOPK + k), fp32 in slot order; col0 per row. In GATHER_COLS-column passes: a whole
-    [BLOCK_T, BLOCK_N] tile of 64-bit row pointers per slot took the swapAB kernel from 116 to 212 registers."""
+def gather_sum(y_ptr, rowp_ptr, w_ptr, dst, tok, col0, last, N, MAX_M, stride_yg, stride_ym, stride_yn, w_scale,
+               LAYOUT: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The combine of the rows flagged `last` (the MoE combine in a GEMM epilogue; also ep_combine's):
+    dst[row][col0 : col0 + BLOCK_N] = w_scale * sum_k w_k * (GEMM row of pair tok * TOPK + k), fp32 in slot order;
+    dst: [BLOCK_T] pointers to the output rows, col0 per row; a slot without a row (row id -1: another EP rank's
+    expert) adds nothing. In GATHER_COLS-column passes: a whole [BLOCK_T, BLOCK_N] tile of 64-bit row pointers
+    per slot took the swapAB kernel from 116 to 212 registers."""
     for c in tl.static_range(0, BLOCK_N, GATHER_COLS):  # (the slots' row ids and weights: L1 hits after pass 0)
         cols = col0[:, None] + (c + tl.arange(0, GATHER_COLS))[None, :]
-        lm = last[:, None] & (cols < N)
+        col_ok = cols < N
         total = tl.full([BLOCK_T, GATHER_COLS], 0.0, tl.float32)
         for k in tl.static_range(TOPK):
             pk = tok * TOPK + k
-            rk = tl.load(rowp_ptr + pk, mask=last, other=0).to(tl.int64)
-            wk = tl.load(w_ptr + pk, mask=last, other=0.0).to(tl.float32)
+            rk = tl.load(rowp_ptr + pk, mask=last, other=-1).to(tl.int64)
+            hit = last & (rk >= 0)
+            wk = tl.load(w_ptr + pk, mask=hit, other=0.0).to(tl.float32)
             if LAYOUT == 1:  # masked: flat row g * MAX_M + i
-                rbase = (rk // MAX_M) * stride_og + (rk % MAX_M) * stride_om
+                rbase = (rk // MAX_M) * stride_yg + (rk % MAX_M) * stride_ym
             else:
-                rbase = rk * stride_om
-            yk = tl.load(out_ptr + rbase[:, None] + cols * stride_on, mask=lm, other=0.0,
+                rbase = rk * stride_ym
+            yk = tl.load(y_ptr + rbase[:, None] + cols * stride_yn, mask=hit[:, None] & col_ok, other=0.0,
                          cache_modifier=".cg")  # L2: rows other SMs just wrote
             total += yk.to(tl.float32) * wk[:, None]
-        tl.store(cmb_out_ptr + tok[:, None] * stride_cmb_om + cols, (total * w_scale).to(cmb_out_ptr.dtype.element_ty),
-                 mask=lm)
+        tl.store(dst[:, None] + cols, (total * w_scale).to(dst.dtype.element_ty), mask=last[:, None] & col_ok)
 
 
 @triton.jit
