@@ -128,8 +128,9 @@ def ep_variants():
     types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "y_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32",
              "w_ptr": "*fp32", "recv_tab_ptr": "*i64", "arr_tab_ptr": "*i64", "w_scale": "fp32"}
     types.update({n: "*i32" for n in ep._ep_down_combine_kernel.arg_names if n.endswith("_ptr") and n not in types})
-    # swapAB (the decode sizes the EP combine is for); normal t64 spills (168 B at 8 warps, 2026-11-30): not listed
-    for layout, swap, bt, bf16 in ((1, True, 16, False), (0, True, 16, False), (0, True, 16, True)):
+    # swapAB (the decode sizes the EP combine is for) and normal t64 (spilled 1488 B before the 32-column gather)
+    for layout, swap, bt, bf16 in ((1, True, 16, False), (0, True, 16, False), (0, True, 16, True),
+                                   (0, False, 64, False)):
         const = dict(G=16, K=2048, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=ep.COUNT_BLOCK_N, BLOCK_T=bt, TOPK=8,
                      PARTIAL_BF16=bf16)
         yield (f"ep_down_combine[{'masked' if layout else 'contiguous'} {'swapab' if swap else 'normal'} t{bt}"

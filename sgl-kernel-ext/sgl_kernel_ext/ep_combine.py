@@ -56,12 +56,12 @@ All-gather index map (`allgather_maps`): gathered token i (rank-major, as all_ga
 belongs to rank token_owner[i] at index owner_index[i] within that rank's tokens.
 
 Why a separate kernel rather than a third epilogue mode of grouped_gemm_fp8._fp8_grouped_gemm_kernel: it
-shares the tile math (`_mma_tile`) and the gather (`gather_sum`) and copies only the ~30-line tile walk, while the shipped GEMM modes keep
-their compiled code, argument list and compile-report entries unchanged; the EP epilogue needs a dozen
+shares the tile math (`_mma_tile`) and the gather (`gather_sum`) and copies only the ~30-line tile walk,
+while the shipped GEMM modes keep their compiled code, argument list and compile-report entries unchanged;
+the EP epilogue needs a dozen
 arguments of its own (pointer tables, owner maps, local counts) and a work prelude (zero partials) that the
 other modes would carry as dead parameters. Compiles for sm_90a (benchmark/kernels/compile_report.py ep):
-swapAB tiles without spills; the normal variant's [64, 128] epilogue spills (1488 B at 4 warps), so
-ep_down_and_combine runs it with 8 warps (168 B).
+swapAB and normal tiles without spills (the gather runs in 32-column passes, gather_sum).
 
 Tests: test/cpu/test_ep_combine.py (world 2/4 emulated in one process under TRITON_INTERPRET),
 test/gpu/test_ep_combine_gpu.py (2 GPUs, symmetric memory, against NCCL reduce_scatter), test/cpu/test_compile_report.py
@@ -340,8 +340,6 @@ def ep_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tensor
         m_hint = expected_m if expected_m is not None else max(1, triton.cdiv(p, max(1, g_experts)))
         variant, cfg = gg.resolve_config(variant, config, m_hint, hdim, inter, g_experts, lay, sms)
         cfg = {**cfg, "BLOCK_N": COUNT_BLOCK_N}  # the owners' count grid
-        if variant == "normal" and cfg["BLOCK_T"] >= 64 and not (config or {}).get("num_warps"):
-            cfg["num_warps"] = 8  # the [64, 128] epilogue's pointers: 1488 B spilled at 4 warps, 168 B at 8 (sm_90a)
         bt, bn = cfg["BLOCK_T"], cfg["BLOCK_N"]
         if y is None:
             shape = (g_experts, layout.max_m, hdim) if layout.masked else (q.shape[0], hdim)

@@ -272,7 +272,7 @@ def gather_sum(y_ptr, rowp_ptr, w_ptr, dst, tok, col0, last, N, MAX_M, stride_yg
     dst: [BLOCK_T] pointers to the output rows, col0 per row; a slot without a row (row id -1: another EP rank's
     expert) adds nothing. In GATHER_COLS-column passes: a whole [BLOCK_T, BLOCK_N] tile of 64-bit row pointers
     per slot took the swapAB kernel from 116 to 212 registers."""
-    for c in tl.static_range(0, BLOCK_N, GATHER_COLS):  # (the slots' row ids and weights: L1 hits after pass 0)
+    for c in range(0, BLOCK_N, GATHER_COLS):  # a loop, not unrolled: passes must not overlap in registers
         cols = col0[:, None] + (c + tl.arange(0, GATHER_COLS))[None, :]
         col_ok = cols < N
         total = tl.full([BLOCK_T, GATHER_COLS], 0.0, tl.float32)
