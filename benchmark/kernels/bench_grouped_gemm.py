@@ -81,11 +81,11 @@ H20_HBM_BPS = 4.0e12
 H200_FP8_FLOPS = 1979e12  # dense FP8, for the roofline plot's compute roof
 REPRESENTATIVE = {"shape": "gate_up", "groups": 32, "tokens_per_group": 8, "provider": "ours-swapab",
                   "layout": "masked", "distribution": "uniform"}
-TUNE_GRID = {
-    "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4}
-               for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2)],
-    "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": 1, "num_warps": w}
-               for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for w in (4, 8)],
+TUNE_GRID = {  # flat: the flattened persistent walk (grouped_gemm_fp8._fp8_grouped_gemm_flat_kernel)
+    "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4, "flat": f}
+               for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2) for f in (False, True)],
+    "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": 1, "num_warps": w, "flat": f}
+               for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for w in (4, 8) for f in (False, True)],
 }
 
 

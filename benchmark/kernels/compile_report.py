@@ -108,6 +108,10 @@ def gemm_variants():
         yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt}{' signal' if sig else ''}"
                f"{' combine' if topk else ''}{' deferred' if defer else ''}]",
                g._fp8_grouped_gemm_kernel, const, types, 4, 3, ones)
+    # config "flat": the same tiles in one flattened, pipelined loop (tl.range(..., flatten=True))
+    const = dict(G=8, G_P2=8, K=2048, LAYOUT=1, SWAP_AB=True, BLOCK_N=128, BLOCK_T=16, INTERPRET=False)
+    yield ("grouped_gemm[masked swapab t16 flat]", g._fp8_grouped_gemm_flat_kernel, const, types, 4, 4,
+           ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk"))
 
 
 def sbo_variants():

@@ -54,6 +54,11 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     list, and the program gathers its list after its last GEMM tile, so the gathers stop interrupting
     the weight stream and fill the persistent grid's tail instead. Not measured yet.
 
+Config "flat": True (plain masked / contiguous outputs only) runs _fp8_grouped_gemm_flat_kernel: the same tiles in
+one flattened, pipelined loop over the program's tiles (tl.range(..., flatten=True)), so the weight stream does not
+drain at every tile boundary. Bit-identical to the group walk (CPU tests); not measured yet, so the shipped table
+never picks it; `bench_grouped_gemm.py --tune` times it.
+
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
 else the shipped python/sglang_h20/tables/grouped_gemm_<gpu>.json; H200 ships, measured) feeds
   `choose_variant` / `choose_config`  variant='auto' for direct callers; without a table the
@@ -76,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel_ext.quant import dequant_per_block, dequant_per_token_group
+from sgl_kernel_ext.quant import _interpreting, dequant_per_block, dequant_per_token_group
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # DeepSeek-V3: 1x128 activation groups, 128x128 weight blocks
@@ -259,6 +264,84 @@ def _fp8_grouped_gemm_kernel(
                        (e64 % n_tiles) * BLOCK_N, last, N, MAX_M, stride_og, stride_om, stride_on, cmb_w_scale,
                        LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
             j += BLOCK_T
+
+
+@triton.jit
+def _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N,
+               stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
+               stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
+               stride_og, stride_om, stride_on,
+               KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One output tile of the flattened walk: the group from the running tile counts (cum, inclusive), then
+    the tile as _fp8_grouped_gemm_kernel computes and stores it (token tile fastest within a group)."""
+    g = tl.sum((cum <= tile).to(tl.int32), 0)  # the groups wholly before this tile
+    sel = gi == g
+    before = tl.sum(tl.where(sel, cum - gt, 0), 0)
+    m = tl.sum(tl.where(sel, m_vec, 0), 0)
+    row0 = tl.sum(tl.where(sel, start, 0), 0)
+    t_tiles = (m + BLOCK_T - 1) // BLOCK_T
+    local = tile - before
+    t_tile = local % t_tiles
+    n_tile = local // t_tiles
+    g64 = g.to(tl.int64)
+    offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < m
+    rows = (row0 + offs_t).to(tl.int64)
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    res = _mma_tile(a_ptr + g64 * stride_ag, as_ptr + g64 * stride_asg, b_ptr + g64 * stride_bg,
+                    bs_ptr + g64 * stride_bsg, rows, t_mask, n_tile, 0, N,
+                    stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
+                    stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+    o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _fp8_grouped_gemm_flat_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, indptr_ptr, masked_m_ptr,
+    MAX_M, N, NUM_PROGRAMS,
+    stride_ag, stride_am, stride_ak,
+    stride_asg, stride_asm, stride_ask,
+    stride_bg, stride_bn, stride_bk,
+    stride_bsg, stride_bsn, stride_bsk,
+    stride_og, stride_om, stride_on,
+    G: tl.constexpr, G_P2: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """config "flat": the plain grouped GEMM (masked / contiguous, SPLIT_K = 1, no signal or combine) with the
+    persistent walk as one tl.range over this program's tiles, flatten=True: the compiler pipelines the tile
+    and K loops as one, so the next tile's first weight blocks load while this tile's last ones multiply,
+    instead of each tile's K loop filling and draining its own pipeline (the down GEMM has 16 K blocks per
+    tile). The groups' tile counts come from one vector load of the layout and a cumulative sum."""
+    KB: tl.constexpr = K // 128
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    gi = tl.arange(0, G_P2)
+    gmask = gi < G
+    if LAYOUT == 0:  # contiguous
+        start = tl.load(indptr_ptr + gi, mask=gmask, other=0)
+        m_vec = tl.load(indptr_ptr + gi + 1, mask=gmask, other=0) - start
+    else:  # masked
+        start = gi * 0
+        m_vec = tl.minimum(tl.load(masked_m_ptr + gi, mask=gmask, other=0), MAX_M)
+    m_vec = tl.maximum(m_vec, 0)
+    gt = (m_vec + BLOCK_T - 1) // BLOCK_T * n_tiles
+    cum = tl.cumsum(gt, 0)
+    total = tl.sum(gt, 0)
+    if INTERPRET:  # the interpreter cannot range() from a program id
+        tile = pid
+        while tile < total:
+            _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N,
+                       stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
+                       stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
+                       stride_og, stride_om, stride_on, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+            tile += NUM_PROGRAMS
+    else:
+        for tile in tl.range(pid, total, NUM_PROGRAMS, flatten=True):
+            _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N,
+                       stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
+                       stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
+                       stride_og, stride_om, stride_on, KB, SWAP_AB, BLOCK_N, BLOCK_T)
 
 
 GATHER_COLS = tl.constexpr(32)  # columns per gather pass: [BLOCK_T, 32] pointer tiles keep the registers low
@@ -598,7 +681,7 @@ def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, gro
 # Building a table from a benchmark run (benchmark/kernels/bench_grouped_gemm.py)
 # ---------------------------------------------------------------------------------------------
 UPSTREAM_PROVIDERS = ("deepgemm", "sglang-triton", "sglang-triton-swapab")  # what SGLang itself runs
-TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm")
+TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat")
 
 
 def table_entries(points: list[dict]) -> list[dict]:
@@ -746,6 +829,20 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
                float(combine.weight_scale), combine.out.stride(0))
     else:
         cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
+    if cfg.get("flat") and signal is None and combine is None and split_k == 1 and layout != LAYOUT_DENSE:
+        _fp8_grouped_gemm_flat_kernel[(num_programs,)](
+            a3, s3, b, b_scale, o3, indptr if indptr is not None else dummy,
+            masked_m if masked_m is not None else dummy, max_m if layout == LAYOUT_MASKED else 0, n, num_programs,
+            sa_g[0], a3.stride(1), a3.stride(2),
+            sa_g[1], s3.stride(1), s3.stride(2),
+            b.stride(0), b.stride(1), b.stride(2),
+            b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+            sa_g[2], o3.stride(1), o3.stride(2),
+            G=groups, G_P2=triton.next_power_of_2(groups), K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn,
+            BLOCK_T=bt, INTERPRET=_interpreting(), num_warps=cfg.get("num_warps", 4),
+            num_stages=cfg.get("num_stages", 3),
+        )
+        return out
     defer = combine is not None and combine.defer
     dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else 0  # a program's tiles x rows, at most
     dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if defer else dummy

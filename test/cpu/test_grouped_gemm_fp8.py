@@ -31,10 +31,13 @@ REL = 1e-2
 # of a dequantized value is at most 16 * scale = amax * 16 / 448 of its group.
 QUANT_BOUND = 16.0 / FP8_MAX
 
-SWAPAB_CONFIGS = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32}]
-NORMAL_CONFIGS = [None, {"BLOCK_N": 256, "BLOCK_T": 64}]  # 256: the per-column weight-scale path
+SWAPAB_CONFIGS = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32},
+                  {"BLOCK_N": 64, "BLOCK_T": 16, "flat": True}]  # flat: the flattened persistent walk
+NORMAL_CONFIGS = [None, {"BLOCK_N": 256, "BLOCK_T": 64},  # 256: the per-column weight-scale path
+                  {"BLOCK_N": 256, "BLOCK_T": 64, "flat": True}]
 CASES = [("swapab", c) for c in SWAPAB_CONFIGS] + [("normal", c) for c in NORMAL_CONFIGS]
-CASE_IDS = [f"{v}-{c['BLOCK_N']}x{c['BLOCK_T']}" if c else f"{v}-default" for v, c in CASES]
+CASE_IDS = [f"{v}-{c['BLOCK_N']}x{c['BLOCK_T']}{'-flat' if c.get('flat') else ''}" if c else f"{v}-default"
+            for v, c in CASES]
 
 
 @pytest.fixture(autouse=True)
@@ -125,6 +128,33 @@ def test_masked(variant, config, masked, max_m, n, k):
         if m:
             check_rows(out[g, :m], ref[g, :m], f"group {g} (m={m})")
         assert out[g, m:].isnan().all(), f"group {g}: rows at or past masked_m={m} written"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_flat_walk_equals_the_group_walk(layout):
+    """config flat (one flattened loop over this program's tiles, groups found from running tile counts): the
+    same tiles with the same K loop, so the same bits, over empty, small and uneven groups."""
+    ms = [0, 5, 33, 0, 1, 17, 0, 0, 40]
+    g, n, k = len(ms), 192, 256
+    b, b_s = weights(g, n, k, seed=3)
+    for variant, cfg in (("swapab", {"BLOCK_N": 64, "BLOCK_T": 16}), ("normal", {"BLOCK_N": 128, "BLOCK_T": 64})):
+        if layout == "contiguous":
+            a, a_s = activations((sum(ms) + 2, k), seed=4)
+            ip = cumsum0(ms, start=1)
+
+            def run(c):
+                return gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=poisoned(sum(ms) + 2, n),
+                                                           variant=variant, config=c)
+        else:
+            a, a_s = activations((g, 40, k), seed=5)
+            mm = torch.tensor(ms, dtype=torch.int32)
+
+            def run(c):
+                return gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(g, 40, n), variant=variant,
+                                                       config=c)
+        plain, flat = run(cfg), run({**cfg, "flat": True})
+        assert torch.equal(plain.isnan(), flat.isnan()), variant  # the same rows written
+        assert torch.equal(torch.nan_to_num(plain), torch.nan_to_num(flat)), variant
 
 
 @pytest.mark.parametrize("variant", gg.VARIANTS)
