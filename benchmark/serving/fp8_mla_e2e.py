@@ -4,6 +4,7 @@
 Phases (each a fresh `python -m sglang.launch_server` with the same --server-args plus its own flags):
   triton         --attention-backend triton (BF16 KV): the greedy reference only, no benchmark
   ours           --attention-backend h20_fp8_mla (this plugin; FP8 latent + per-token scales)
+  ours-v2        the same with version 2 of the CUDA split kernel (SGLANG_H20_FP8_MLA_KERNEL=cuda-v2)
   flashmla       --attention-backend flashmla (BF16 KV)
   flashmla-fp8   --attention-backend flashmla --kv-cache-dtype fp8_e4m3
 Upstream phases run with SGLANG_PLUGINS=__none__ (plain SGLang).
@@ -44,6 +45,7 @@ UPSTREAM = {"SGLANG_PLUGINS": "__none__"}
 PHASES = {  # name: (extra server flags, extra env, run benchmarks)
     "triton": (["--attention-backend", "triton"], UPSTREAM, False),
     "ours": (["--attention-backend", "h20_fp8_mla"], {}, True),
+    "ours-v2": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_KERNEL": "cuda-v2"}, True),
     "flashmla": (["--attention-backend", "flashmla"], UPSTREAM, True),
     "flashmla-fp8": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], UPSTREAM, True),
 }
@@ -167,7 +169,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
+    ap.add_argument("--phases", nargs="+", default=[p for p in PHASES if p != "ours-v2"], choices=list(PHASES),
+                    help="ours-v2 (the v2 CUDA kernel) is opt-in: one more server start")
     ap.add_argument("--workloads", nargs="+", default=WORKLOADS, help="INxOUT@CONCURRENCY, in order of priority")
     ap.add_argument("--num-prompts", type=int, default=0, help="per workload (default: its concurrency, one wave)")
     ap.add_argument("--server-args", default=SERVER_ARGS)

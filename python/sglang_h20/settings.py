@@ -104,6 +104,10 @@ SWITCHES: tuple[Switch, ...] = (
            "takes effect only when SGLANG_H20_MHA_MLA_POLICY is not 'upstream' (that installs the hook)"),
     Switch("fp8_mla", _parse_bool, "off",
            "FP8 MLA decode: FP8 KV cache with FP8 QK^T and PV on Hopper tensor cores"),
+    Switch("fp8_mla_kernel", _choice("auto", "cuda", "cuda-v2", "triton"), "auto",
+           "decode kernel of the h20_fp8_mla backend: 'auto'/'cuda' = the CUDA split kernel (version 1) where it "
+           "builds (sm_90 + nvcc), else the Triton one; 'cuda-v2' = version 2 (warp-specialized, 1.00-1.10x "
+           "version 1 on the H200); 'triton' = the Triton kernel (A/B runs)"),
     Switch("swapab", _parse_bool, "off",
            "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert"),
     Switch("sbo", _parse_bool, "off",

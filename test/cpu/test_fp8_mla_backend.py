@@ -611,10 +611,15 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     fn, plan, what = fb.decode_kernel()
     if not torch.cuda.is_available():
         assert fn is mla.mla_decode_fp8 and what.startswith("Triton") and "no CUDA device" in what
-    monkeypatch.setattr(cu, "available", lambda: (False, "build/load failed: nvcc not found\nmore"))
+    monkeypatch.setattr(cu, "available", lambda version=1: (False, "build/load failed: nvcc not found\nmore"))
     fn, plan, what = fb.decode_kernel()
     assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata
     assert "nvcc not found" in what and "more" not in what
-    monkeypatch.setattr(cu, "available", lambda: (True, ""))
+    monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
     fn, plan, what = fb.decode_kernel()
-    assert fn is cu.mla_decode_fp8_cuda and plan is cu.get_mla_decode_metadata and what.startswith("CUDA")
+    assert fn is cu.mla_decode_fp8_cuda and plan is cu.get_mla_decode_metadata and what.startswith("CUDA (")
+    fn, plan, what = fb.decode_kernel("cuda-v2")
+    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2} and what.startswith("CUDA v2")
+    monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL", "triton")  # the switch, read when no choice is passed
+    fn, plan, what = fb.decode_kernel()
+    assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata and "=triton" in what

@@ -71,19 +71,28 @@ def _kernel():
     return importlib.import_module("sgl_kernel_ext.mla_decode")
 
 
-def decode_kernel():
-    """(decode function, its split planner, what it is): the CUDA split kernel (FP8 wgmma for QK^T and PV; on
-    the H200 0.54x FlashMLA BF16 at batch 64 x 4k, where the Triton one was 0.29x) with its own plan (whole
-    waves of one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan.
-    Same arguments and format; the choice is logged once per process."""
+def decode_kernel(choice: str | None = None):
+    """(decode function, its split planner, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`; default: the
+    environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV; on the H200 0.54x FlashMLA BF16 at batch
+    64 x 4k, where the Triton one was 0.29x; version 2 1.00-1.10x version 1) with its own plan (whole waves of
+    one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the
+    reason. Same arguments and format; the choice is logged once per process."""
+    import functools
+
+    if choice is None:
+        choice = Settings.from_env()["fp8_mla_kernel"]
     mla = _kernel()
+    if choice == "triton":
+        return mla.mla_decode_fp8, mla.get_mla_decode_metadata, "Triton (SGLANG_H20_FP8_MLA_KERNEL=triton)"
+    version = 2 if choice == "cuda-v2" else 1
     try:
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-        ok, why = cu.available()
+        ok, why = cu.available(version)
     except Exception as e:  # an import error must not take the Triton path down with it
         ok, why = False, f"{type(e).__name__}: {e}"
     if ok:
-        return cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, "CUDA (sm_90a, FP8 QK and PV)"
+        fn = cu.mla_decode_fp8_cuda if version == 1 else functools.partial(cu.mla_decode_fp8_cuda, version=2)
+        return fn, cu.get_mla_decode_metadata, f"CUDA{' v2' if version == 2 else ''} (sm_90a, FP8 QK and PV)"
     return (mla.mla_decode_fp8, mla.get_mla_decode_metadata,
             f"Triton (CUDA kernel unavailable: {why.splitlines()[0][:160] if why else '?'})")
 
