@@ -225,17 +225,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
         const float4 ks4 = *reinterpret_cast<const float4*>(ksc + n * 2);  // (lat n, rope n, lat n+1, rope n+1)
         kl[2 * j] = ks4.x;
         kl[2 * j + 1] = ks4.z;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int e = j * 4 + h * 2 + c;
-            const float v =
-                s_lat[e] * (sq_lat[h] * (c ? ks4.z : ks4.x)) + s_rope[e] * (sq_rope[h] * (c ? ks4.w : ks4.y));
-            const float sv = (n0 + n + c < lim[h]) ? v : -INFINITY;  // a select: NaN past the end is dropped
-            s_lat[e] = sv;
-            mt[h] = fmaxf(mt[h], sv);
-          }
+        score_pair(s_lat, s_rope, j * 4, ks4, sq_lat, sq_rope, n0 + n, lim, mt);
       }
       // row max: the quad, then the other WG's warp holding the same rows
 #pragma unroll

@@ -401,17 +401,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         for (int jj = 0; jj < 8; ++jj) {
           const int n = 8 * jj + 2 * q4;
           const float4 ks4 = *reinterpret_cast<const float4*>(ksc + n * 2);  // (lat n, rope n, lat n+1, rope n+1)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int e = jj * 4 + h * 2 + c;
-              const float v =
-                  s_lat[e] * (sq_lat[h] * (c ? ks4.z : ks4.x)) + s_rope[e] * (sq_rope[h] * (c ? ks4.w : ks4.y));
-              const float sv = (n0 + n + c < lim[h]) ? v : -INFINITY;
-              s_lat[e] = sv;
-              mt[h] = fmaxf(mt[h], sv);
-            }
+          score_pair(s_lat, s_rope, jj * 4, ks4, sq_lat, sq_rope, n0 + n, lim, mt);
         }
         float m_use[2], alpha_own[2];
 #pragma unroll

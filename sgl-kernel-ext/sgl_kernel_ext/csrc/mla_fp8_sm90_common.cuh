@@ -188,6 +188,26 @@ __device__ __forceinline__ void row_setup(const Params& p, int b, int rb, int ro
   }
 }
 
+// Scores of one token pair in log2 units, masked: this thread's accumulator entries e0 .. e0 + 3 (rows h = 0, 1 x
+// tokens tok, tok + 1) scaled by the rows' Q scales and the tokens' KV scales ks4 = (lat tok, rope tok, lat tok+1,
+// rope tok+1), written back into s_lat, and folded into the row maxima mt. A select, not a multiply, masks tokens
+// at or past lim, so NaN read past a sequence's end is dropped.
+__device__ __forceinline__ void score_pair(float* s_lat, const float* s_rope, int e0, float4 ks4,
+                                           const float* sq_lat, const float* sq_rope, int tok, const int* lim,
+                                           float* mt) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int e = e0 + h * 2 + c;
+      const float v =
+          s_lat[e] * (sq_lat[h] * (c ? ks4.z : ks4.x)) + s_rope[e] * (sq_rope[h] * (c ? ks4.w : ks4.y));
+      const float sv = (tok + c < lim[h]) ? v : -INFINITY;
+      s_lat[e] = sv;
+      mt[h] = fmaxf(mt[h], sv);
+    }
+}
+
 // One 16-byte chunk g of the 64 x 576 Q block into its SW64 K blocks (rows past q_len x heads: zeros).
 __device__ __forceinline__ void load_q_chunk(const Params& p, uint32_t q_smem, int b, int rb, int rows_per_cta,
                                              int kb_bytes, int g) {
