@@ -342,10 +342,10 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     sms = _num_sms(q.device)
     variant, cfg = gg.resolve_config(variant, config, m_hint, hdim, inter, e, lay, sms)
     bt, bn = cfg["BLOCK_T"], cfg["BLOCK_N"]
+    if y is None:
+        shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
+        y = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
     if fused:
-        if y is None:
-            shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
-            y = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
         counters = torch.zeros(num_tokens, triton.cdiv(hdim, bn), dtype=torch.int32, device=q.device)
         cmb = gg.EpilogueCombine(layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), counters, out,
                                  layout.top_k, weight_scale, counts_only, defer)
@@ -356,9 +356,6 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
             gg.m_grouped_fp8_gemm_nt_contiguous(q, q_scale, w2, w2_scale, layout.m_indptr, out=y, variant=variant,
                                                 config=cfg, combine=cmb)
         return out
-    if y is None:
-        shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
-        y = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
     overlap = overlap and q.is_cuda
     ws = workspace(layout, num_tokens, hdim, bt, q.device, zero=not overlap)  # overlap: zeroed per stream below
     common = dict(weight_scale=weight_scale, block_t=bt, acc=ws.acc, counters=ws.counters,

@@ -96,8 +96,8 @@ COMBINE_MODES = ("fused", "overlap", "serial")
 # How the hook combines on one GPU: in the down GEMM's epilogue (the tile completing a token's N-range gathers
 # its rows). A consumer on a second stream needs SMs lent by the GEMM, which streams weights at full bandwidth on
 # every SM: on the H200 that cost 3-5% of the GEMM, as much as the whole combine (bench_sbo_h200.json); the first
-# epilogue form (float atomics) was slower still (bench_sbo_fused_h200.json). The gather form does less work
-# than GEMM-then-combine (no second kernel, the rows re-read from L2) but is not measured yet.
+# epilogue form (float atomics) was slower still (bench_sbo_fused_h200.json), and so was the gather form this
+# uses, 1.02-1.09x GEMM-then-combine (bench_sbo_gather_h200.json): keep --h20-sbo off on one GPU.
 ONE_GPU_COMBINE = "fused"
 
 
