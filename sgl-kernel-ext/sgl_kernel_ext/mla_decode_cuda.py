@@ -186,10 +186,10 @@ def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: 
     1 .. max_splits, splits of at least MIN_SPLIT_TILES tiles, ties to fewer splits. E.g. 132 SMs, 128 heads,
     4k tokens: batch 64 -> 1 split (Triton's plan: 3), batch 16 -> 4 (Triton's: 9). max_seqlen: as in
     mla_decode.get_mla_decode_metadata (pass it on a hot path: no device sync)."""
+    if max_seqlen is None:  # read once (a device sync), for the base plan too
+        max_seqlen = int(cache_seqlens.max().item()) if cache_seqlens.numel() else 1
     base = _triton_mla.get_mla_decode_metadata(cache_seqlens, num_heads, q_len, num_sm, max_seqlen=max_seqlen,
                                                block_h=ROWS_PER_CTA, block_n=PAGE_SIZE)
-    if max_seqlen is None:
-        max_seqlen = int(cache_seqlens.max().item()) if cache_seqlens.numel() else 1
     tiles = triton.cdiv(max(int(max_seqlen), 1), PAGE_SIZE)
     programs = max(cache_seqlens.numel() * base.num_row_blocks, 1)
     top = max(1, min(max_splits, tiles // MIN_SPLIT_TILES))
