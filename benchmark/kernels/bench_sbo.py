@@ -152,15 +152,19 @@ def main(argv=None) -> int:
 
         s["serial+shared"] = add("serial+shared", serial_shared)
 
+        def add_checked(name, fn):
+            """Time an arm that writes out after checking it against serial (every token written, order only)."""
+            out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            err = sbo.order_error(out, ref)
+            return add(name, fn, order_error_vs_serial=err, all_written=not bool(torch.isnan(out.float()).any()),
+                       equal_to_serial=err <= 1)
+
         def fused():
             sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, out, fused=True, variant=variant, config=cfg)
 
-        out.fill_(float("nan"))
-        fused()
-        torch.cuda.synchronize()
-        ferr = sbo.order_error(out, ref)
-        s["fused"] = add("fused", fused, order_error_vs_serial=ferr, all_written=not bool(torch.isnan(out.float()).any()),
-                         equal_to_serial=ferr <= 1)
+        s["fused"] = add_checked("fused", fused)
 
         def fused_shared():
             main = torch.cuda.current_stream()
@@ -172,16 +176,8 @@ def main(argv=None) -> int:
             out.add_(sh)
 
         s["fused+shared"] = add("fused+shared", fused_shared)
-        def fused_deferred():
-            sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, out, fused=True, defer=True, variant=variant,
-                                     config=cfg)
-
-        out.fill_(float("nan"))
-        fused_deferred()
-        torch.cuda.synchronize()
-        derr = sbo.order_error(out, ref)
-        s["fused_deferred"] = add("fused_deferred", fused_deferred, order_error_vs_serial=derr,
-                                  all_written=not bool(torch.isnan(out.float()).any()), equal_to_serial=derr <= 1)
+        s["fused_deferred"] = add_checked("fused_deferred", lambda: sbo.moe_down_and_combine(
+            q, qs, w2q, w2s, w, lay, out, fused=True, defer=True, variant=variant, config=cfg))
         s["fused_counts_only"] = add("fused_counts_only", lambda: sbo.moe_down_and_combine(
             q, qs, w2q, w2s, w, lay, out, fused=True, counts_only=True, variant=variant, config=cfg))
         s["fused_gain_us"] = s["serial"] - s["fused"]
