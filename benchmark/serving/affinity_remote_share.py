@@ -104,6 +104,16 @@ def run_arm(a, arm: str, data: Path) -> dict:
             "server_args": args, "env": env}
 
 
+def write_record(a, arms: dict) -> None:
+    rec = {**provenance.record(), "benchmark": "affinity_remote_share", "model": a.model, "gpus": a.gpus,
+           "fraction": a.fraction, "rebalance_iterations": a.rebalance_iterations, "arms": arms,
+           "arms_requested": a.arms}
+    up, ours = arms.get("deepseek", {}).get("remote_share_mean"), arms.get("affinity", {}).get("remote_share_mean")
+    if up and ours is not None:
+        rec["affinity_over_deepseek"] = ours / up
+    (a.out / "affinity_remote_share.json").write_text(json.dumps(rec, indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,12 +141,7 @@ def main() -> int:
               f"{r['rebalances_in_warmup']} rebalances before the measurement, ITL median {r['median_itl_ms']} "
               f"P99 {r['p99_itl_ms']} ms, stalls {r.get('rebalance_stall_ms_median')} ms median, "
               f"{r.get('rebalance_stall_ms_max')} max", flush=True)
-    rec = {**provenance.record(), "benchmark": "affinity_remote_share", "model": a.model, "gpus": a.gpus,
-           "fraction": a.fraction, "rebalance_iterations": a.rebalance_iterations, "arms": arms}
-    up, ours = arms.get("deepseek", {}).get("remote_share_mean"), arms.get("affinity", {}).get("remote_share_mean")
-    if up and ours is not None:
-        rec["affinity_over_deepseek"] = ours / up
-    (a.out / "affinity_remote_share.json").write_text(json.dumps(rec, indent=1))
+        write_record(a, arms)  # after every arm: a deadline that cuts the next arm keeps this one
     return 0
 
 
