@@ -15,11 +15,15 @@ Arms, per decode batch (tokens per rank), each step starting with the dispatch a
   fused    ep_down_and_combine(..., out, own): the same GEMM with the combine and the cross-GPU send in its
            epilogue, then this rank's finish kernel (sum of the ranks' fp32 partials in rank order)
   gather   the all-gather alone (subtract it to get the MoE-down part)
+  gemm, gemm_combine   the serial arm's first one / two stages alone (its breakdown: what the local combine and
+           the reduce-scatter add to the GEMM)
 Shapes: DeepSeek-V3's down projection (N = 7168, K = 2048), 256 routed experts split evenly over the ranks, top-8
 routing drawn uniformly (the same on every rank). Timing: CUDA events around --iters steps after a barrier,
---reps times; per arm the median over reps of the slowest rank. Correctness: fused against serial on the same
-inputs, sbo.order_error <= ORDER_TOLERANCE: serial rounds each rank's partial to bf16 before NCCL adds them (two
-roundings), fused adds fp32 partials and rounds once, so they may differ by about two bf16 ulps, not more.
+--reps times; per arm the median over reps of the slowest rank. Correctness: the reference is each rank's fp32
+partial from the GEMM's own bf16 rows (sbo.combine_reference), reduce-scattered by NCCL in fp32; fused must match
+it up to the summation order (sbo.order_error <= 1, as in test_ep_combine_gpu). The serial arm's error against it
+is recorded, not bounded: it rounds each rank's partial to bf16 before NCCL adds them, and where the two ranks'
+partials cancel that rounding is large next to the sum (session 7 saw 5-9 units of order_error).
 
 Output: a table on rank 0's stdout and --json OUT with provenance. On fewer than 2 GPUs it says so, writes
 {"unavailable": why} to --json and exits 0 (the nightly's kernel step runs every bench on any host).
@@ -37,7 +41,6 @@ import traceback
 from pathlib import Path
 
 H, I, EXPERTS, TOPK = 7168, 2048, 256, 8
-ORDER_TOLERANCE = 2.0
 BATCHES = [20, 32, 56]
 
 
@@ -122,11 +125,17 @@ def run_rank(rank: int, world: int, init_file: str, args) -> dict:
         def gather():
             dist.all_gather_into_tensor(gathered, hidden)
 
-        def serial():
+        def gemm():
             gather()
             gg.m_grouped_fp8_gemm_nt_contiguous(p["q"], p["qs"], p["wq"], p["ws"], p["lay"].m_indptr, out=y,
                                                 variant=variant, config=cfg)
+
+        def gemm_combine():
+            gemm()
             sbo.combine(y, p["lay"], p["w"], full, weight_scale=2.5)
+
+        def serial():
+            gemm_combine()
             dist.reduce_scatter_tensor(mine_serial, full)
 
         def fused():
@@ -136,12 +145,15 @@ def run_rank(rank: int, world: int, init_file: str, args) -> dict:
                                    peer_recv=recv_tab, peer_arrivals=arr_tab, recv_capacity=cap, out=mine_fused,
                                    own=own, weight_scale=2.5, variant=variant, config=cfg, y=y)
 
-        arms = {"gather": gather, "serial": serial, "fused": fused}
+        arms = {"gather": gather, "gemm": gemm, "gemm_combine": gemm_combine, "serial": serial, "fused": fused}
         for fn in arms.values():  # compile, then warm
             for _ in range(3):
                 fn()
         torch.cuda.synchronize()
-        err = sbo.order_error(mine_fused, mine_serial)
+        # the reference from the rows both arms computed (same GEMM, same config): fp32 partials, fp32 collective
+        ref = torch.empty(tokens, H, device=dev, dtype=torch.float32)
+        dist.reduce_scatter_tensor(ref, sbo.combine_reference(y, p["lay"], p["w"], 2.5, out_dtype=torch.float32))
+        err = {"fused": sbo.order_error(mine_fused, ref), "serial": sbo.order_error(mine_serial, ref)}
         times = {name: [] for name in arms}
         for _ in range(args.reps):
             for name, fn in arms.items():
@@ -154,7 +166,7 @@ def run_rank(rank: int, world: int, init_file: str, args) -> dict:
                 end.synchronize()
                 times[name].append(start.elapsed_time(end) * 1e3 / args.iters)
         out["points"].append({"tokens_per_rank": tokens, "gathered_tokens": t, "variant": variant, "config": cfg,
-                              "order_error_fused_vs_serial": err, "status": int(own.status.item()),
+                              "order_error_vs_fp32": err, "status": int(own.status.item()),
                               "us": {k: statistics.median(v) for k, v in times.items()}})
     del handles
     dist.barrier()
@@ -169,12 +181,13 @@ def summarize(per_rank: dict[int, dict]) -> list[dict]:
     ranks = sorted(per_rank)
     for i, pt in enumerate(per_rank[ranks[0]]["points"]):
         us = {arm: max(per_rank[r]["points"][i]["us"][arm] for r in ranks) for arm in pt["us"]}
-        down = {arm: us[arm] - us["gather"] for arm in ("serial", "fused")}
+        down = {arm: us[arm] - us["gather"] for arm in us if arm != "gather"}
         rows.append({"tokens_per_rank": pt["tokens_per_rank"], "gathered_tokens": pt["gathered_tokens"],
                      "us_slowest_rank": us, "moe_down_us": down,
                      "fused_over_serial": us["fused"] / us["serial"],
                      "moe_down_fused_over_serial": down["fused"] / down["serial"] if down["serial"] > 0 else None,
-                     "order_error_max": max(per_rank[r]["points"][i]["order_error_fused_vs_serial"] for r in ranks),
+                     "order_error_max": {arm: max(per_rank[r]["points"][i]["order_error_vs_fp32"][arm] for r in ranks)
+                                         for arm in ("fused", "serial")},
                      "any_wait_gave_up": any(per_rank[r]["points"][i]["status"] for r in ranks),
                      "variant": pt["variant"], "config": pt["config"]})
     return rows
@@ -214,14 +227,15 @@ def main(argv=None) -> int:
             print(f"rank {r} failed:\n{e}", file=sys.stderr)
         return 1
     rows = summarize(per_rank)
-    print(f"{'tokens/rank':>11s} {'gather':>8s} {'serial':>8s} {'fused':>8s} {'fused/serial':>12s} "
-          f"{'down fused/serial':>17s} {'order err':>9s}")
+    print(f"{'tokens/rank':>11s} {'gather':>8s} {'gemm':>8s} {'+combine':>8s} {'serial':>8s} {'fused':>8s} "
+          f"{'fused/serial':>12s} {'down fused/serial':>17s} {'err fused':>9s} {'err serial':>10s}")
     for r in rows:
-        u = r["us_slowest_rank"]
+        u, e = r["us_slowest_rank"], r["order_error_max"]
         down = r["moe_down_fused_over_serial"]
-        print(f"{r['tokens_per_rank']:11d} {u['gather']:8.1f} {u['serial']:8.1f} {u['fused']:8.1f} "
-              f"{r['fused_over_serial']:12.3f} {down if down is None else f'{down:.3f}':>17} "
-              f"{r['order_error_max']:9.2f}" + ("  A WAIT GAVE UP" if r["any_wait_gave_up"] else ""))
+        print(f"{r['tokens_per_rank']:11d} {u['gather']:8.1f} {u['gemm']:8.1f} {u['gemm_combine']:8.1f} "
+              f"{u['serial']:8.1f} {u['fused']:8.1f} {r['fused_over_serial']:12.3f} "
+              f"{down if down is None else f'{down:.3f}':>17} {e['fused']:9.2f} {e['serial']:10.2f}"
+              + ("  A WAIT GAVE UP" if r["any_wait_gave_up"] else ""))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**provenance.record(), "benchmark": "ep_combine", "world": world,
@@ -229,7 +243,7 @@ def main(argv=None) -> int:
                                          "iters": args.iters, "reps": args.reps, "rows": rows,
                                          "per_rank": per_rank}, indent=1))
         print(f"wrote {args.json}")
-    ok = all(r["order_error_max"] <= ORDER_TOLERANCE and not r["any_wait_gave_up"] for r in rows)
+    ok = all(r["order_error_max"]["fused"] <= 1 and not r["any_wait_gave_up"] for r in rows)
     return 0 if ok else 1
 
 

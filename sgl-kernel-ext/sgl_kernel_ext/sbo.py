@@ -395,8 +395,9 @@ def order_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def combine_reference(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Tensor,
-                      weight_scale: float = 1.0) -> torch.Tensor:
-    """Plain torch combine (fp32 sum in k order, bf16 out)."""
+                      weight_scale: float = 1.0, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Plain torch combine (fp32 sum in k order; out_dtype float32 keeps the unrounded sum, e.g. an EP rank's
+    partial before a reduce-scatter)."""
     t, k = topk_weights.shape
     rop = layout.row_of_pair.long()
     rows = y.reshape(-1, y.shape[-1]).float()[rop.clamp(min=0)].view(t, k, -1)
@@ -405,7 +406,7 @@ def combine_reference(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Te
     acc = torch.zeros(t, y.shape[-1], dtype=torch.float32, device=y.device)
     for kk in range(k):
         acc += rows[:, kk] * w[:, kk:kk + 1]
-    return acc.to(torch.bfloat16)
+    return acc.to(out_dtype)
 
 
 def moe_down_and_combine_reference(q, q_scale, w2, w2_scale, topk_weights, layout: MoeLayout,

@@ -83,13 +83,7 @@ def _run(rank, init_file):
     assert int(own.arrivals.abs().sum()) == 0
 
     # the reference: the same partials (fp32, from this rank's bf16 rows) reduce-scattered by NCCL
-    t = sum(SIZES)
-    rows = y.float()
-    part = torch.zeros(t, H, dtype=torch.float32, device=dev)
-    r = lay.row_of_pair.long().view(t, TOPK)
-    for kk in range(TOPK):
-        hit = r[:, kk] >= 0
-        part[hit] += rows[r[hit, kk]] * (w[hit, kk:kk + 1] * 2.5)
+    part = sbo.combine_reference(y, lay, w, 2.5, out_dtype=torch.float32)
     send = torch.zeros(WORLD, cap, H, dtype=torch.float32, device=dev)
     send[owner.long(), index.long()] = part
     got = torch.empty(cap, H, dtype=torch.float32, device=dev)
