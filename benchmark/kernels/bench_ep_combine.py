@@ -18,16 +18,19 @@ Arms, per decode batch (tokens per rank), each step starting with the dispatch a
   gemm, gemm_combine   the serial arm's first one / two stages alone (its breakdown: what the local combine and
            the reduce-scatter add to the GEMM)
 Shapes: DeepSeek-V3's down projection (N = 7168, K = 2048), 256 routed experts split evenly over the ranks, top-8
-routing drawn uniformly (the same on every rank). Timing: CUDA events around --iters steps after a barrier,
---reps times; per arm the median over reps of the slowest rank. Correctness: the reference is each rank's fp32
-partial from the GEMM's own bf16 rows (sbo.combine_reference), reduce-scattered by NCCL in fp32; fused must match
-it up to the summation order (sbo.order_error <= 1, as in test_ep_combine_gpu). The serial arm's error against it
-is recorded, not bounded: it rounds each rank's partial to bf16 before NCCL adds them, and where the two ranks'
-partials cancel that rounding is large next to the sum (session 7 saw 5-9 units of order_error).
+routing drawn uniformly (the same on every rank). Timing: each arm's --iters steps are captured in one CUDA graph
+(as the server's decode runs them; eager launches let one rank's host jitter stall both at the next collective:
+session 7's eager runs of the same points differed 2x between calls), replayed after a barrier, --reps times; per
+arm the median over reps of the slowest rank. --eager times plain launches instead.
+Correctness: the reference is each rank's fp32 partial from the GEMM's own bf16 rows (sbo.combine_reference),
+reduce-scattered by NCCL in fp32; fused must match it up to the summation order (sbo.order_error <= 1, as in
+test_ep_combine_gpu). The serial arm's error against it is recorded, not bounded: it rounds each rank's partial to
+bf16 before NCCL adds them, and where the two ranks' partials cancel that rounding is large next to the sum
+(session 7 saw 5-9 units of order_error).
 
 Output: a table on rank 0's stdout and --json OUT with provenance. On fewer than 2 GPUs it says so, writes
 {"unavailable": why} to --json and exits 0 (the nightly's kernel step runs every bench on any host).
-usage: bench_ep_combine.py [--gpus 2] [--batches 20 32 56] [--quick] [--json OUT]
+usage: bench_ep_combine.py [--gpus 2] [--batches 20 32 56] [--quick] [--eager] [--json OUT]
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="one batch (32 tokens per rank), 5 reps")
+    ap.add_argument("--eager", action="store_true", help="time plain launches, not CUDA graph replays")
     a = ap.parse_args(argv)
     if a.quick:
         a.batches, a.reps = [32], 5
@@ -85,6 +89,19 @@ def rank_problem(rank: int, world: int, tokens: int, experts: int, dev):
     owner, index = ep.allgather_maps([tokens] * world, dev)
     return dict(q=sbo.dispatch_rows(xq, lay), qs=sbo.dispatch_rows(xs, lay), wq=wq, ws=ws, w=weights, lay=lay,
                 pairs=pairs, owner=owner, index=index)
+
+
+def repeated(fn, iters: int, graph: bool):
+    """A callable running fn iters times: one CUDA graph replay (captured here, after fn was warmed) or a loop."""
+    import torch
+
+    if not graph:
+        return lambda: [fn() for _ in range(iters)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    return g.replay
 
 
 def _worker(rank, world, init_file, args, results):
@@ -154,18 +171,20 @@ def run_rank(rank: int, world: int, init_file: str, args) -> dict:
         ref = torch.empty(tokens, H, device=dev, dtype=torch.float32)
         dist.reduce_scatter_tensor(ref, sbo.combine_reference(y, p["lay"], p["w"], 2.5, out_dtype=torch.float32))
         err = {"fused": sbo.order_error(mine_fused, ref), "serial": sbo.order_error(mine_serial, ref)}
+        steps = {name: repeated(fn, args.iters, graph=not args.eager) for name, fn in arms.items()}
         times = {name: [] for name in arms}
         for _ in range(args.reps):
-            for name, fn in arms.items():
+            for name, step in steps.items():
                 dist.barrier()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                for _ in range(args.iters):
-                    fn()
+                step()
                 end.record()
                 end.synchronize()
                 times[name].append(start.elapsed_time(end) * 1e3 / args.iters)
+        del steps  # the graphs' private memory
         out["points"].append({"tokens_per_rank": tokens, "gathered_tokens": t, "variant": variant, "config": cfg,
+                              "timing": "eager" if args.eager else "cuda_graph",
                               "order_error_vs_fp32": err, "status": int(own.status.item()),
                               "us": {k: statistics.median(v) for k, v in times.items()}})
     del handles

@@ -453,3 +453,49 @@ def test_cli_run_kernel_only_against_baseline(tmp_path, tflops, status):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "serving/" not in md and "missing" not in md  # --only also narrows the baseline
     assert ("**regression**" in md) == (status == 1)
+
+
+FAKE_SERVER = r'''
+import http.server, pathlib, sys
+marker = pathlib.Path(sys.argv[1])
+if not marker.exists():  # first launch: dies as SGLang does when torch.distributed's port is taken
+    marker.write_text("1")
+    print("torch.distributed.DistNetworkError: ... code: -98, name: EADDRINUSE, message: address already in use")
+    sys.exit(1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[2])), H).serve_forever()
+'''
+
+
+class _FakeServer(serving.Server):
+    """serving.Server around a stand-in process (no SGLang): the launch/retry/stop logic alone."""
+
+    def __init__(self, tmp_path, port, die_with=None):
+        super().__init__("unused", [], tmp_path / "server.log", port=port, ready_timeout_s=30)
+        self.script, self.marker = tmp_path / "fake.py", tmp_path / "launched"
+        self.script.write_text(FAKE_SERVER if die_with is None else
+                               f"print({die_with!r}); raise SystemExit(1)")
+
+    @property
+    def command(self):
+        return [sys.executable, str(self.script), str(self.marker), str(self.port)]
+
+
+def test_server_relaunches_once_when_its_port_was_taken(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with _FakeServer(tmp_path, port) as srv:
+        assert srv.start_s is not None and srv.proc.poll() is None
+    assert srv.proc.poll() is not None  # stopped on exit
+    assert tmp_path.joinpath("launched").exists()
+
+
+def test_server_other_deaths_are_not_retried(tmp_path):
+    with pytest.raises(RuntimeError, match="exited with 1 before ready") as e:
+        with _FakeServer(tmp_path, 1, die_with="CUDA out of memory"):
+            pass
+    assert "CUDA out of memory" in str(e.value) and "EADDRINUSE" not in str(e.value)

@@ -26,6 +26,9 @@ def _say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+PORT_TAKEN = "EADDRINUSE"  # torch.distributed's store could not bind the port SGLang drew
+
+
 class Server:
     """A launched SGLang server: start, wait for /health, stop with its whole process tree.
 
@@ -50,6 +53,16 @@ class Server:
 
     def __enter__(self) -> "Server":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in (1, 2):  # SGLang draws its internal ports at random: a taken one is worth one relaunch
+            try:
+                return self._launch()
+            except RuntimeError as e:
+                if attempt == 2 or PORT_TAKEN not in str(e):
+                    raise
+                _say("server died on a port already in use (EADDRINUSE); relaunching once")
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> "Server":
         _say(f"launch: {' '.join(self.command)}")
         t0 = time.time()
         self._log = open(self.log_path, "w")
@@ -58,8 +71,10 @@ class Server:
         while time.time() - t0 < self.ready_timeout_s:
             if self.proc.poll() is not None:
                 self._log.close()
+                log = self.log_path.read_text(errors="replace")
+                taken = f"\n({PORT_TAKEN})" if PORT_TAKEN in log else ""
                 raise RuntimeError(f"server exited with {self.proc.returncode} before ready; "
-                                   f"last log lines:\n{tail(self.log_path, 30)}")
+                                   f"last log lines:\n{tail(self.log_path, 30)}{taken}")
             if _http_status(self.url + "/health") == 200:
                 self.start_s = time.time() - t0
                 _say(f"server ready after {self.start_s:.0f}s")
