@@ -18,10 +18,11 @@ Arms, per decode batch (tokens per rank), each step starting with the dispatch a
   gemm, gemm_combine   the serial arm's first one / two stages alone (its breakdown: what the local combine and
            the reduce-scatter add to the GEMM)
 Shapes: DeepSeek-V3's down projection (N = 7168, K = 2048), 256 routed experts split evenly over the ranks, top-8
-routing drawn uniformly (the same on every rank). Timing: each arm's --iters steps are captured in one CUDA graph
-(as the server's decode runs them; eager launches let one rank's host jitter stall both at the next collective:
-session 7's eager runs of the same points differed 2x between calls), replayed after a barrier, --reps times; per
-arm the median over reps of the slowest rank. --eager times plain launches instead.
+routing drawn uniformly (the same on every rank). Timing: CUDA events around --iters steps after a barrier, --reps
+times; per arm the median over reps of the slowest rank. Each rank's own kernels (GEMM, local combine, the fused
+producer + finish) replay as CUDA graphs, as in the server's decode; the NCCL collectives launch eagerly (one call
+that captured them in the graphs hung). Session 7's fully eager runs of the same points differed 2x between calls:
+Python launch overhead was of the order of the GPU work. --eager restores that.
 Correctness: the reference is each rank's fp32 partial from the GEMM's own bf16 rows (sbo.combine_reference),
 reduce-scattered by NCCL in fp32; fused must match it up to the summation order (sbo.order_error <= 1, as in
 test_ep_combine_gpu). The serial arm's error against it is recorded, not bounded: it rounds each rank's partial to
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -57,7 +59,8 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="one batch (32 tokens per rank), 5 reps")
-    ap.add_argument("--eager", action="store_true", help="time plain launches, not CUDA graph replays")
+    ap.add_argument("--eager", action="store_true", help="launch each rank's kernels plainly, not as CUDA graphs")
+    ap.add_argument("--hang-s", type=float, default=300, help="a rank still running after this dumps its stack and exits")
     a = ap.parse_args(argv)
     if a.quick:
         a.batches, a.reps = [32], 5
@@ -91,25 +94,27 @@ def rank_problem(rank: int, world: int, tokens: int, experts: int, dev):
                 pairs=pairs, owner=owner, index=index)
 
 
-def repeated(fn, iters: int, graph: bool):
-    """A callable running fn iters times: one CUDA graph replay (captured here, after fn was warmed) or a loop."""
+def graphed(fn):
+    """fn's kernels captured in one CUDA graph (fn warmed before); returns its replay."""
     import torch
 
-    if not graph:
-        return lambda: [fn() for _ in range(iters)]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
+        fn()
     return g.replay
 
 
 def _worker(rank, world, init_file, args, results):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(args.hang_s, exit=True)  # a hung rank shows where, instead of a silent timeout
     try:
         results.put((rank, run_rank(rank, world, init_file, args)))
     except BaseException:
         results.put((rank, {"error": traceback.format_exc()}))
         raise
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_rank(rank: int, world: int, init_file: str, args) -> dict:
@@ -139,17 +144,32 @@ def run_rank(rank: int, world: int, init_file: str, args) -> dict:
                                          args.experts // world, "contiguous", gg._device_sms(p["q"]))
         cfg = {**cfg, "BLOCK_N": ep.COUNT_BLOCK_N}  # both arms on the fused form's tile grid
 
+        def local_gemm():
+            gg.m_grouped_fp8_gemm_nt_contiguous(p["q"], p["qs"], p["wq"], p["ws"], p["lay"].m_indptr, out=y,
+                                                variant=variant, config=cfg)
+
+        def local_gemm_combine():
+            local_gemm()
+            sbo.combine(y, p["lay"], p["w"], full, weight_scale=2.5)
+
+        def local_fused():  # producer + this rank's finish (waits on the peer's producer)
+            ep.ep_down_and_combine(p["q"], p["qs"], p["wq"], p["ws"], p["w"], p["lay"], rank=rank, world=world,
+                                   token_owner=p["owner"], owner_index=p["index"], local_pairs=p["pairs"],
+                                   peer_recv=recv_tab, peer_arrivals=arr_tab, recv_capacity=cap, out=mine_fused,
+                                   own=own, weight_scale=2.5, variant=variant, config=cfg, y=y)
+
+        local = {"gemm": local_gemm, "gemm_combine": local_gemm_combine, "fused": local_fused}
+
         def gather():
             dist.all_gather_into_tensor(gathered, hidden)
 
         def gemm():
             gather()
-            gg.m_grouped_fp8_gemm_nt_contiguous(p["q"], p["qs"], p["wq"], p["ws"], p["lay"].m_indptr, out=y,
-                                                variant=variant, config=cfg)
+            local["gemm"]()
 
         def gemm_combine():
-            gemm()
-            sbo.combine(y, p["lay"], p["w"], full, weight_scale=2.5)
+            gather()
+            local["gemm_combine"]()
 
         def serial():
             gemm_combine()
@@ -157,10 +177,7 @@ def run_rank(rank: int, world: int, init_file: str, args) -> dict:
 
         def fused():
             gather()
-            ep.ep_down_and_combine(p["q"], p["qs"], p["wq"], p["ws"], p["w"], p["lay"], rank=rank, world=world,
-                                   token_owner=p["owner"], owner_index=p["index"], local_pairs=p["pairs"],
-                                   peer_recv=recv_tab, peer_arrivals=arr_tab, recv_capacity=cap, out=mine_fused,
-                                   own=own, weight_scale=2.5, variant=variant, config=cfg, y=y)
+            local["fused"]()
 
         arms = {"gather": gather, "gemm": gemm, "gemm_combine": gemm_combine, "serial": serial, "fused": fused}
         for fn in arms.values():  # compile, then warm
@@ -171,20 +188,23 @@ def run_rank(rank: int, world: int, init_file: str, args) -> dict:
         ref = torch.empty(tokens, H, device=dev, dtype=torch.float32)
         dist.reduce_scatter_tensor(ref, sbo.combine_reference(y, p["lay"], p["w"], 2.5, out_dtype=torch.float32))
         err = {"fused": sbo.order_error(mine_fused, ref), "serial": sbo.order_error(mine_serial, ref)}
-        steps = {name: repeated(fn, args.iters, graph=not args.eager) for name, fn in arms.items()}
+        if not args.eager:
+            local.update({name: graphed(fn) for name, fn in local.items()})
+            torch.cuda.synchronize()
         times = {name: [] for name in arms}
         for _ in range(args.reps):
-            for name, step in steps.items():
+            for name, fn in arms.items():
                 dist.barrier()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                step()
+                for _ in range(args.iters):
+                    fn()
                 end.record()
                 end.synchronize()
                 times[name].append(start.elapsed_time(end) * 1e3 / args.iters)
-        del steps  # the graphs' private memory
+        local.clear()  # the graphs and their private memory go
         out["points"].append({"tokens_per_rank": tokens, "gathered_tokens": t, "variant": variant, "config": cfg,
-                              "timing": "eager" if args.eager else "cuda_graph",
+                              "timing": "eager" if args.eager else "local_cuda_graphs",
                               "order_error_vs_fp32": err, "status": int(own.status.item()),
                               "us": {k: statistics.median(v) for k, v in times.items()}})
     del handles
@@ -237,9 +257,16 @@ def main(argv=None) -> int:
                  for r in range(world)]
         for pr in procs:
             pr.start()
-        per_rank = dict(results.get(timeout=1800) for _ in procs)
-        for pr in procs:
-            pr.join(timeout=60)
+        try:
+            per_rank = dict(results.get(timeout=args.hang_s + 60) for _ in procs)
+        except queue.Empty:
+            print(f"bench_ep_combine: a rank did not finish in {args.hang_s:.0f}s (its stack is above)", file=sys.stderr)
+            return 1
+        finally:
+            for pr in procs:
+                pr.join(timeout=60)
+                if pr.is_alive():
+                    pr.kill()
     errors = {r: v["error"] for r, v in per_rank.items() if "error" in v}
     if errors:
         for r, e in sorted(errors.items()):

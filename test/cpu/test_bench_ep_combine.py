@@ -52,8 +52,3 @@ def test_summary_takes_the_slowest_rank():
     assert r["order_error_max"] == {"fused": 0.5, "serial": 1.5}
     assert r["fused_over_serial"] == pytest.approx(90 / 110) and not r["any_wait_gave_up"]
 
-
-def test_eager_repeat_runs_the_step_iters_times():
-    calls = []
-    bench.repeated(lambda: calls.append(1), 7, graph=False)()
-    assert len(calls) == 7
