@@ -133,8 +133,13 @@ if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt 300 ]; then  # multi-GP
   say "expert-affinity placement in the server, EP=$n"
   NCCL_NVLS_ENABLE=0 timeout $(( $(left) - 20 )) python3 benchmark/serving/affinity_remote_share.py --model /tmp/models/dsv3-4l \
     --out /tmp/affinity --gpus "$n" ${AFFINITY_ARGS:-} --server-args "$SERVER_ARGS --attention-backend triton" 2>&1 | tee "$OUT/affinity.log" | grep -v "bench:" | tail -20
-  [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/affinity/*/server.log; }
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   cp /tmp/affinity/affinity_remote_share.json "$OUT/" 2>/dev/null
+  for log in /tmp/affinity/*/server.log; do  # each arm's server log, its errors and EPLB lines (not the request spam)
+    [ -f "$log" ] || continue
+    arm=$(basename "$(dirname "$log")" | tr '+' '_')
+    grep -E "EPLB|eplb|rebalance|sglang-h20|Error|error|Traceback" "$log" | tail -300 > "$OUT/affinity_server_$arm.txt"
+  done
 fi
 if [[ " $STEPS " == *" calibrate "* ]]; then
   say "calibrate mha-mla"

@@ -1,15 +1,18 @@
-"""The expert-parallel (EP) MoE combine fused into the down GEMM's epilogue (a prototype, not wired in yet).
+"""The expert-parallel (EP) MoE combine fused into the down GEMM's epilogue (a measured prototype, not wired in).
 
 Why. Under EP without DeepEP, SGLang's StandardDispatcher all-gathers every rank's tokens to every rank,
 maps non-local experts to -1 (dropped pairs), each rank runs its local experts for ALL gathered tokens,
-combines them locally into a per-token partial sum, and a reduce-scatter sums those partials back on the
-ranks that own the tokens (NCCL; `StandardDispatcher.combine` calls reduce_scatterv only on the FP4
-all-gather path; for FP8 the sum is presumably the layer communicator's reduce-scatter / all-reduce after
-the MoE: to be checked before wiring this in). That reduce-scatter starts only after the
-whole down GEMM and the local combine have finished, and the GEMM's tail plus the collective sit serially
-on the critical path. Here the partial of a (token, N-tile) leaves the GPU as soon as the tile that
-completes it is done: the reduce-scatter's network traffic overlaps the rest of the GEMM, and neither
-the local combine kernel nor the collective's launch remains.
+combines them locally into a per-token partial sum, and a collective sums those partials back on the
+ranks that own the tokens (for FP8: the MoE block's all-reduce or the layer communicator's reduce-scatter
+after the MoE; `StandardDispatcher.combine` reduce-scatters only on the FP4 all-gather path). That
+collective starts only after the whole down GEMM and the local combine have finished. Here the partial of
+a (token, N-tile) leaves the GPU as soon as the tile that completes it is done: the collective's traffic
+overlaps the rest of the GEMM, and neither the local combine kernel nor the collective's launch remains.
+
+Measured (benchmark/kernels/bench_ep_combine.py, 2 H200s, 2026-11-30): correct (test_ep_combine_gpu), but
+1.20-1.29x SLOWER than GEMM + local combine + NCCL reduce-scatter at 20-56 tokens per rank: the producer's
+per-tile counts, remote stores and system-scope releases add 102-183 us to a 365-449 us GEMM, where the
+combine and the collective add 25-41 us. Not wired into SGLang for that reason.
 
 Data flow (rank r of `world`, G local experts, gathered tokens T = sum of every rank's tokens)
   producer  `_ep_down_combine_kernel` (one persistent kernel, the grouped GEMM's tile walk):
