@@ -93,7 +93,7 @@ def measure_ceilings(torch, triton) -> dict:
     y = torch.empty_like(x)
     ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=5, rep=100, return_mode="median")
     copy_bps = 2 * x.numel() / (ms * 1e-3)
-    del x, y
+    x = y = None  # free the 8 GiB before the matmuls (rebinding, not del: the lambda above names them)
     n = 8192
     a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
@@ -103,7 +103,7 @@ def measure_ceilings(torch, triton) -> dict:
     a16 = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b16 = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     bf16_ms = triton.testing.do_bench(lambda: a16 @ b16, warmup=10, rep=200, return_mode="median")
-    del a, b, a16, b16
+    a = b = a16 = b16 = None
     torch.cuda.empty_cache()
     return {"copy_bytes_per_s": copy_bps, "fp8_flops": 2 * n**3 / (fp8_ms * 1e-3),
             "bf16_flops": 2 * n**3 / (bf16_ms * 1e-3),

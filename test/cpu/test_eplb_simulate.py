@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
