@@ -81,12 +81,21 @@ H20_HBM_BPS = 4.0e12
 H200_FP8_FLOPS = 1979e12  # dense FP8, for the roofline plot's compute roof
 REPRESENTATIVE = {"shape": "gate_up", "groups": 32, "tokens_per_group": 8, "provider": "ours-swapab",
                   "layout": "masked", "distribution": "uniform"}
-TUNE_GRID = {  # flat: the flattened persistent walk (grouped_gemm_fp8._fp8_grouped_gemm_flat_kernel)
-    "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4, "flat": f}
-               for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2) for f in (False, True)],
-    "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": 1, "num_warps": w, "flat": f}
-               for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for w in (4, 8) for f in (False, True)],
+# tile walks: plain (per-group loop), flat (one flattened, pipelined loop: _fp8_grouped_gemm_flat_kernel), tma (flat
+# with the FP8 operands through tensor descriptors)
+WALKS = {"plain": {"flat": False}, "flat": {"flat": True}, "tma": {"flat": True, "tma": True}}
+TUNE_GRID = {
+    "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4, **WALKS[w]}
+               for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2) for w in WALKS],
+    "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": 1, "num_warps": nw, **WALKS[w]}
+               for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for nw in (4, 8) for w in WALKS],
 }
+
+
+def tune_grid(variant: str, walks) -> list[dict]:
+    """TUNE_GRID[variant] restricted to the named walks (--tune-walks)."""
+    want = [WALKS[w] for w in walks]
+    return [c for c in TUNE_GRID[variant] if {"flat": c["flat"], **({"tma": True} if c.get("tma") else {})} in want]
 
 
 def parse_args(argv=None):
@@ -104,6 +113,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-uneven", action="store_true", help="skip the uneven-distribution points")
     ap.add_argument("--tune", action="store_true",
                     help="also sweep each variant's tile grid (TUNE_GRID) and keep the best config per point")
+    ap.add_argument("--tune-walks", nargs="+", choices=sorted(WALKS), default=list(WALKS),
+                    help="the tile walks --tune sweeps (default: all)")
     ap.add_argument("--table-out", type=Path,
                     help="write the integration table here (with --tune: default ~/.cache/sglang_h20/...)")
     ap.add_argument("--table-from", type=Path, help="build the table from this results JSON and exit")
@@ -359,7 +370,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         if f"ours-{variant}" not in args.providers:
             continue
         for layout in args.layouts:
-            configs = [None] + (TUNE_GRID[variant] if tune else [])
+            configs = [None] + (tune_grid(variant, args.tune_walks) if tune else [])
             best = None
             for cfg in configs:
                 try:

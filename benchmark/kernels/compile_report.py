@@ -108,10 +108,16 @@ def gemm_variants():
         yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt}{' signal' if sig else ''}"
                f"{' combine' if topk else ''}{' deferred' if defer else ''}]",
                g._fp8_grouped_gemm_kernel, const, types, 4, 3, ones)
-    # config "flat": the same tiles in one flattened, pipelined loop (tl.range(..., flatten=True))
-    const = dict(G=8, G_P2=8, K=2048, LAYOUT=1, SWAP_AB=True, BLOCK_N=128, BLOCK_T=16, INTERPRET=False)
-    yield ("grouped_gemm[masked swapab t16 flat]", g._fp8_grouped_gemm_flat_kernel, const, types, 4, 4,
-           ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk"))
+    # config "flat": the same tiles in one flattened, pipelined loop (tl.range(..., flatten=True)); "tma": its
+    # FP8 operands through tensor descriptors (cp.async.bulk.tensor) instead of pointer loads
+    ones = ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk")
+    for swap, bt, tma in ((True, 16, False), (True, 16, True), (False, 64, True)):
+        const = dict(G=8, G_P2=8, K=2048, LAYOUT=1, SWAP_AB=swap, BLOCK_N=128, BLOCK_T=bt, INTERPRET=False, TMA=tma)
+        descs = {"a_desc": f"tensordesc<fp8e4nv[{bt}, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>"}
+        if not tma:
+            const.update(a_desc=None, b_desc=None)
+        yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt} flat{' tma' if tma else ''}]",
+               g._fp8_grouped_gemm_flat_kernel, const, {**types, **descs}, 4, 4, ones)
 
 
 def sbo_variants():

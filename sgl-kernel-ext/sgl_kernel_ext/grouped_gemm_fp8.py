@@ -52,12 +52,16 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     is 2-9% slower too, 2026-11-30: 27-35 us over the GEMM alone, as if each tile's epilogue held up
     the next tile's loads.) defer=True: the completing tile only notes (token, N-tile) in its program's
     list, and the program gathers its list after its last GEMM tile, so the gathers stop interrupting
-    the weight stream and fill the persistent grid's tail instead. Not measured yet.
+    the weight stream and fill the persistent grid's tail instead. Measured 2026-11-30
+    (bench_sbo_counts_only_h200.json): 1.04-1.08x serial, and counting alone (counts_only) costs as much.
 
 Config "flat": True (plain masked / contiguous outputs only) runs _fp8_grouped_gemm_flat_kernel: the same tiles in
 one flattened, pipelined loop over the program's tiles (tl.range(..., flatten=True)), so the weight stream does not
-drain at every tile boundary. Bit-identical to the group walk (CPU tests); not measured yet, so the shipped table
-never picks it; `bench_grouped_gemm.py --tune` times it.
+drain at every tile boundary. With "tma": True as well, its FP8 operands arrive through host-built tensor
+descriptors (TMA boxes of [BLOCK_T | BLOCK_N, 128]) instead of pointer loads, as DeepGEMM feeds its wgmmas: no
+address math or per-element masks in the loop (rows past a tile's real ones are read and masked on the store).
+Both bit-identical to the group walk (CPU tests); neither measured yet, so the shipped table never picks them;
+`bench_grouped_gemm.py --tune` times them.
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
 else the shipped python/sglang_h20/tables/grouped_gemm_<gpu>.json; H200 ships, measured) feeds
@@ -80,6 +84,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors (triton >= 3.3); config "tma" falls back to pointer loads without them
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 from sgl_kernel_ext.quant import _interpreting, dequant_per_block, dequant_per_token_group
 
@@ -115,10 +124,15 @@ def _mma_tile(
     a_g, as_g, b_g, bs_g, rows, t_mask, n_tile, k0, n_lim,
     stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk,
     KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    a_desc=None, b_desc=None, a_row0=0, b_row0=0, TMA: tl.constexpr = False,
 ):
     """One output tile in fp32, [BLOCK_T, BLOCK_N]: KB scale blocks of K from k0, for A rows `rows`
     (t_mask: which are real) against weight rows n_tile*BLOCK_N.. of one group (bases a_g, as_g, b_g,
-    bs_g already point at that group). Weight rows >= n_lim are not read (n_lim = 0: none are)."""
+    bs_g already point at that group). Weight rows >= n_lim are not read (n_lim = 0: none are).
+    TMA: the FP8 operands come through tensor descriptors instead (a_desc [rows, K] from row a_row0, b_desc
+    [G * N, K] from row b_row0): whole boxes, so rows past the tile's real ones are read too (another
+    group's, or zeros past the tensor). Each output element depends on its own A row and weight row only,
+    and those rows are masked on the store, so the result is the same."""
     BLOCK_K: tl.constexpr = 128
     SCALAR_BS: tl.constexpr = BLOCK_N <= 128  # the tile sits inside one 128-row scale block
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,9 +149,14 @@ def _mma_tile(
         acc = tl.full([BLOCK_N, BLOCK_T], 0.0, tl.float32)
     else:
         acc = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
+    kc = k0
     for _ in range(KB):
-        a = tl.load(a_ptrs, mask=t_mask[:, None], other=0.0)  # [BLOCK_T, 128] fp8
-        b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, 128] fp8
+        if TMA:
+            a = a_desc.load([a_row0, kc])  # [BLOCK_T, 128] fp8
+            b = b_desc.load([b_row0, kc])  # [BLOCK_N, 128] fp8
+        else:
+            a = tl.load(a_ptrs, mask=t_mask[:, None], other=0.0)  # [BLOCK_T, 128] fp8
+            b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, 128] fp8
         sa = tl.load(as_ptrs, mask=t_mask, other=0.0)  # [BLOCK_T]
         if SCALAR_BS:
             sb = tl.load(bs_ptrs, mask=n_lim > n_tile * BLOCK_N, other=0.0)
@@ -155,6 +174,7 @@ def _mma_tile(
                 acc += d * (sa[:, None] * sb)
             else:
                 acc += d * sa[:, None] * sb[None, :]
+        kc += BLOCK_K
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
         as_ptrs += stride_ask
@@ -270,10 +290,13 @@ def _fp8_grouped_gemm_kernel(
 def _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N,
                stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
                stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-               stride_og, stride_om, stride_on,
-               KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+               stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
+               KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+               TMA: tl.constexpr):
     """One output tile of the flattened walk: the group from the running tile counts (cum, inclusive), then
-    the tile as _fp8_grouped_gemm_kernel computes and stores it (token tile fastest within a group)."""
+    the tile as _fp8_grouped_gemm_kernel computes and stores it (token tile fastest within a group). TMA: the
+    FP8 operands through descriptors over A as [groups * A_ROWS_PER_GROUP (masked) or rows, K] and the weights
+    as [G * N, K]."""
     g = tl.sum((cum <= tile).to(tl.int32), 0)  # the groups wholly before this tile
     sel = gi == g
     before = tl.sum(tl.where(sel, cum - gt, 0), 0)
@@ -291,7 +314,9 @@ def _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cu
     res = _mma_tile(a_ptr + g64 * stride_ag, as_ptr + g64 * stride_asg, b_ptr + g64 * stride_bg,
                     bs_ptr + g64 * stride_bsg, rows, t_mask, n_tile, 0, N,
                     stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
-                    stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+                    stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T,
+                    a_desc, b_desc, (g * A_ROWS_PER_GROUP + row0 + t_tile * BLOCK_T).to(tl.int32),
+                    (g * N + n_tile * BLOCK_N).to(tl.int32), TMA)
     o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_n < N)[None, :])
 
@@ -305,8 +330,9 @@ def _fp8_grouped_gemm_flat_kernel(
     stride_bg, stride_bn, stride_bk,
     stride_bsg, stride_bsn, stride_bsk,
     stride_og, stride_om, stride_on,
+    a_desc, b_desc, A_ROWS_PER_GROUP,
     G: tl.constexpr, G_P2: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr = False,
 ):
     """config "flat": the plain grouped GEMM (masked / contiguous, SPLIT_K = 1, no signal or combine) with the
     persistent walk as one tl.range over this program's tiles, flatten=True: the compiler pipelines the tile
@@ -334,14 +360,16 @@ def _fp8_grouped_gemm_flat_kernel(
             _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N,
                        stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
                        stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-                       stride_og, stride_om, stride_on, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+                       stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
+                       KB, SWAP_AB, BLOCK_N, BLOCK_T, TMA)
             tile += NUM_PROGRAMS
     else:
         for tile in tl.range(pid, total, NUM_PROGRAMS, flatten=True):
             _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N,
                        stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
                        stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-                       stride_og, stride_om, stride_on, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+                       stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
+                       KB, SWAP_AB, BLOCK_N, BLOCK_T, TMA)
 
 
 GATHER_COLS = tl.constexpr(32)  # columns per gather pass: [BLOCK_T, 32] pointer tiles keep the registers low
@@ -681,7 +709,7 @@ def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, gro
 # Building a table from a benchmark run (benchmark/kernels/bench_grouped_gemm.py)
 # ---------------------------------------------------------------------------------------------
 UPSTREAM_PROVIDERS = ("deepgemm", "sglang-triton", "sglang-triton-swapab")  # what SGLang itself runs
-TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat")
+TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat", "tma")
 
 
 def table_entries(points: list[dict]) -> list[dict]:
@@ -791,6 +819,24 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
         raise ValueError(f"combine: pair_of_row must be int32, got {c.pair_of_row.dtype}")
 
 
+def _tma_descriptors(a3: torch.Tensor, b: torch.Tensor, block_t: int, block_n: int):
+    """Host-side tensor descriptors of config "tma": A as [groups * rows, K], the weights as [G * N, K], boxes of
+    [BLOCK_T | BLOCK_N, 128]; None where the operands' layout does not allow them (rows not dense and 16-byte
+    aligned: the pointer path then runs, the same result)."""
+    if TensorDescriptor is None:
+        return None
+    k = b.shape[2]
+    views = []
+    for t in (a3, b):
+        rows = t.shape[0] * t.shape[1]
+        dense = t.stride(2) == 1 and t.stride(1) == k and (t.shape[0] == 1 or t.stride(0) == t.shape[1] * k)
+        if not dense or t.data_ptr() % 16 or k % 16:
+            return None
+        views.append(t.as_strided((rows, k), (k, 1)))
+    return (TensorDescriptor.from_tensor(views[0], [block_t, SCALE_BLOCK]),
+            TensorDescriptor.from_tensor(views[1], [block_n, SCALE_BLOCK]))
+
+
 def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, m_dense=0,
             max_m=0, upper_tiles_t, variant, cfg, split_k, signal=None, num_sms=None,
             combine: EpilogueCombine | None = None):
@@ -830,6 +876,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     else:
         cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
     if cfg.get("flat") and signal is None and combine is None and split_k == 1 and layout != LAYOUT_DENSE:
+        descs = _tma_descriptors(a3, b, bt, bn) if cfg.get("tma") else None
         _fp8_grouped_gemm_flat_kernel[(num_programs,)](
             a3, s3, b, b_scale, o3, indptr if indptr is not None else dummy,
             masked_m if masked_m is not None else dummy, max_m if layout == LAYOUT_MASKED else 0, n, num_programs,
@@ -838,8 +885,9 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             b.stride(0), b.stride(1), b.stride(2),
             b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
             sa_g[2], o3.stride(1), o3.stride(2),
+            *(descs or (None, None)), a3.shape[1] if layout == LAYOUT_MASKED else 0,
             G=groups, G_P2=triton.next_power_of_2(groups), K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn,
-            BLOCK_T=bt, INTERPRET=_interpreting(), num_warps=cfg.get("num_warps", 4),
+            BLOCK_T=bt, INTERPRET=_interpreting(), TMA=descs is not None, num_warps=cfg.get("num_warps", 4),
             num_stages=cfg.get("num_stages", 3),
         )
         return out

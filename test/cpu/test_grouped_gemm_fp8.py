@@ -32,12 +32,14 @@ REL = 1e-2
 QUANT_BOUND = 16.0 / FP8_MAX
 
 SWAPAB_CONFIGS = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32},
-                  {"BLOCK_N": 64, "BLOCK_T": 16, "flat": True}]  # flat: the flattened persistent walk
+                  {"BLOCK_N": 64, "BLOCK_T": 16, "flat": True},  # flat: the flattened persistent walk
+                  {"BLOCK_N": 64, "BLOCK_T": 16, "flat": True, "tma": True}]  # + operands by TMA descriptors
 NORMAL_CONFIGS = [None, {"BLOCK_N": 256, "BLOCK_T": 64},  # 256: the per-column weight-scale path
-                  {"BLOCK_N": 256, "BLOCK_T": 64, "flat": True}]
+                  {"BLOCK_N": 256, "BLOCK_T": 64, "flat": True},
+                  {"BLOCK_N": 256, "BLOCK_T": 64, "flat": True, "tma": True}]
 CASES = [("swapab", c) for c in SWAPAB_CONFIGS] + [("normal", c) for c in NORMAL_CONFIGS]
-CASE_IDS = [f"{v}-{c['BLOCK_N']}x{c['BLOCK_T']}{'-flat' if c.get('flat') else ''}" if c else f"{v}-default"
-            for v, c in CASES]
+CASE_IDS = [f"{v}-{c['BLOCK_N']}x{c['BLOCK_T']}{'-flat' if c.get('flat') else ''}{'-tma' if c.get('tma') else ''}"
+            if c else f"{v}-default" for v, c in CASES]
 
 
 @pytest.fixture(autouse=True)
@@ -130,10 +132,13 @@ def test_masked(variant, config, masked, max_m, n, k):
         assert out[g, m:].isnan().all(), f"group {g}: rows at or past masked_m={m} written"
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
-def test_flat_walk_equals_the_group_walk(layout):
+def test_flat_walk_equals_the_group_walk(layout, tma):
     """config flat (one flattened loop over this program's tiles, groups found from running tile counts): the
-    same tiles with the same K loop, so the same bits, over empty, small and uneven groups."""
+    same tiles with the same K loop, so the same bits, over empty, small and uneven groups. With tma the boxes
+    also read rows past each group's real ones: in the masked layout those rows are NaN here, and the result
+    must still be the same bits (each output element depends on its own rows only, and those are masked)."""
     ms = [0, 5, 33, 0, 1, 17, 0, 0, 40]
     g, n, k = len(ms), 192, 256
     b, b_s = weights(g, n, k, seed=3)
@@ -148,11 +153,13 @@ def test_flat_walk_equals_the_group_walk(layout):
         else:
             a, a_s = activations((g, 40, k), seed=5)
             mm = torch.tensor(ms, dtype=torch.int32)
+            for gi, m in enumerate(ms):  # rows past masked_m: e4m3 NaN (0x7f), never to reach a written row
+                a.view(torch.uint8)[gi, m:] = 0x7F
 
             def run(c):
                 return gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(g, 40, n), variant=variant,
                                                        config=c)
-        plain, flat = run(cfg), run({**cfg, "flat": True})
+        plain, flat = run(cfg), run({**cfg, "flat": True, "tma": tma})
         assert torch.equal(plain.isnan(), flat.isnan()), variant  # the same rows written
         assert torch.equal(torch.nan_to_num(plain), torch.nan_to_num(flat)), variant
 
@@ -374,3 +381,18 @@ def test_silu_then_down_gemm():
         if m:
             check_rows(out[g, :m], ref[g, :m], f"chain group {g}")
         assert out[g, m:].isnan().all()
+
+
+def test_tma_descriptors_only_for_dense_rows():
+    """config tma builds descriptors for dense, 16-byte aligned operands (both layouts) and falls back to the
+    pointer path (None) for anything else, e.g. a K-sliced view."""
+    b = torch.zeros(3, 64, 256, dtype=torch.float8_e4m3fn)
+    masked_a = torch.zeros(3, 8, 256, dtype=torch.float8_e4m3fn)
+    contiguous_a = torch.zeros(20, 256, dtype=torch.float8_e4m3fn).unsqueeze(0)
+    for a3 in (masked_a, contiguous_a):
+        descs = gg._tma_descriptors(a3, b, 16, 64)
+        assert descs is not None
+        assert list(descs[0].shape) == [a3.shape[0] * a3.shape[1], 256] and list(descs[0].block_shape) == [16, 128]
+        assert list(descs[1].shape) == [3 * 64, 256] and list(descs[1].block_shape) == [64, 128]
+    sliced = torch.zeros(3, 8, 512, dtype=torch.float8_e4m3fn)[:, :, :256]
+    assert gg._tma_descriptors(sliced, b, 16, 64) is None

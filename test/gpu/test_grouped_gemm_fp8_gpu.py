@@ -149,3 +149,68 @@ def test_masked_launch_is_graph_safe(mods):
         if m:
             check(out[g, :m], ref[g, :m], f"graph replay g={g}")
         assert out[g, m:].isnan().all()
+
+
+WALK_CONFIGS = {"swapab": {"BLOCK_N": 128, "BLOCK_T": 16, "num_stages": 4, "programs_per_sm": 2},
+                "normal": {"BLOCK_N": 128, "BLOCK_T": 64, "num_stages": 3}}
+
+
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_flat_and_tma_walks_match_the_plain_walk(mods, shape):
+    """Configs flat and flat+tma compute the plain walk's tiles with the same K loop: the same bits, at the real
+    shapes, both layouts and variants, uneven and empty groups. In the masked layout the rows past masked_m
+    hold e4m3 NaN, which TMA boxes read and which must not reach a written row."""
+    gg, quant = mods
+    n, k = MOE_SHAPES[shape]
+    groups = 8
+    b, b_s = quantized_weights(quant, groups, n, k, seed=7)
+    c = [40, 0, 3, 17, 64, 1, 0, 29]
+    a, a_s = quantized_acts(quant, (groups, 64, k), seed=8)
+    for g, m in enumerate(c):
+        a.view(torch.uint8)[g, m:] = 0x7F
+    mm = torch.tensor(c, dtype=torch.int32, device="cuda")
+    total = sum(c)
+    ac, ac_s = quantized_acts(quant, (total + 2, k), seed=9)
+    ip = torch.tensor([1] + [1 + sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    for variant, cfg in WALK_CONFIGS.items():
+        outs = {}
+        for walk, extra in (("plain", {}), ("flat", {"flat": True}), ("tma", {"flat": True, "tma": True})):
+            om = torch.full((groups, 64, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=om, variant=variant, config={**cfg, **extra})
+            oc = torch.full((total + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gg.m_grouped_fp8_gemm_nt_contiguous(ac, ac_s, b, b_s, ip, out=oc, variant=variant, config={**cfg, **extra})
+            outs[walk] = (om, oc)
+        for walk in ("flat", "tma"):
+            for got, want, lay in zip(outs[walk], outs["plain"], ("masked", "contiguous")):
+                assert torch.equal(got.isnan(), want.isnan()), f"{shape} {variant} {walk} {lay}: other rows written"
+                assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), f"{shape} {variant} {walk} {lay}"
+        ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+        for g, m in enumerate(c):
+            if m:
+                check(outs["tma"][0][g, :m], ref[g, :m], f"tma masked {shape} {variant} g={g}")
+
+
+def test_tma_walk_is_graph_safe(mods):
+    """The TMA descriptors are by-value kernel parameters: a captured launch replays correctly after masked_m
+    changes on the device."""
+    gg, quant = mods
+    groups, max_m, n, k = 8, 64, 7168, 2048
+    b, b_s = quantized_weights(quant, groups, n, k, seed=5)
+    a, a_s = quantized_acts(quant, (groups, max_m, k), seed=6)
+    mm = torch.tensor([1] * groups, dtype=torch.int32, device="cuda")
+    out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
+    cfg = {**WALK_CONFIGS["swapab"], "flat": True, "tma": True}
+    gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", config=cfg)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", config=cfg)
+    mm.copy_(torch.tensor([0, 5, 64, 9, 0, 17, 33, 2], dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+    for g, m in enumerate(mm.tolist()):
+        if m:
+            check(out[g, :m], ref[g, :m], f"tma graph replay g={g}")
+        assert out[g, m:].isnan().all()
