@@ -16,7 +16,8 @@
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
 #   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds)
 #   (affinity) affinity_remote_share.py: tokens leaving their GPU, upstream EPLB vs affinity, and each rebalance's
-#     stall; AFFINITY_ARGS="--arms none deepseek deepseek+async": upstream's blocking stall vs our migration (multi-GPU)
+#     stall; AFFINITY_ARGS="--arms none deepseek deepseek+async": upstream's blocking stall vs our migration (multi-GPU);
+#     each arm's server log lines (EPLB, errors) -> $OUT/affinity_server_<arm>.txt
 #   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
 #   ${MIGRATION_ARGS}, e.g. MIGRATION_ARGS="--world 2": experts move between 2 GPUs (NCCL, one process per
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
