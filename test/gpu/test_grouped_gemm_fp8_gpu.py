@@ -16,6 +16,8 @@ REL = 1e-2
 MOE_SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
 DENSE_SHAPES = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "qkv_a": (2112, 7168)}
 MS = [0, 1, 7, 32, 100, 256]
+WALK_CONFIGS = {"swapab": {"BLOCK_N": 128, "BLOCK_T": 16, "num_stages": 4, "programs_per_sm": 2},  # flat / tma tests
+                "normal": {"BLOCK_N": 128, "BLOCK_T": 64, "num_stages": 3}}
 
 
 @pytest.fixture(scope="module")
@@ -127,19 +129,22 @@ def test_silu_mul_quant(mods):
         assert (q.float() != qr.float()).float().mean().item() <= 0.01
 
 
-def test_masked_launch_is_graph_safe(mods):
-    """No host sync: a captured launch replays correctly after masked_m changes on the device."""
+@pytest.mark.parametrize("walk", ["default", "tma"])
+def test_masked_launch_is_graph_safe(mods, walk):
+    """No host sync: a captured launch replays correctly after masked_m changes on the device (tma: the tensor
+    descriptors are by-value kernel parameters, captured with the launch)."""
     gg, quant = mods
     groups, max_m, n, k = 8, 64, 4096, 7168
     b, b_s = quantized_weights(quant, groups, n, k, seed=3)
     a, a_s = quantized_acts(quant, (groups, max_m, k), seed=4)
     mm = torch.tensor([1] * groups, dtype=torch.int32, device="cuda")
     out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
-    gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", expected_m=8)  # compile
-    torch.cuda.synchronize()
+    cfg = {**WALK_CONFIGS["swapab"], "flat": True, "tma": True} if walk == "tma" else None
+    gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", expected_m=8, config=cfg)
+    torch.cuda.synchronize()  # compiled
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", expected_m=8)
+        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", expected_m=8, config=cfg)
     mm.copy_(torch.tensor([0, 5, 64, 9, 0, 17, 33, 2], dtype=torch.int32))
     out.fill_(float("nan"))
     graph.replay()
@@ -149,10 +154,6 @@ def test_masked_launch_is_graph_safe(mods):
         if m:
             check(out[g, :m], ref[g, :m], f"graph replay g={g}")
         assert out[g, m:].isnan().all()
-
-
-WALK_CONFIGS = {"swapab": {"BLOCK_N": 128, "BLOCK_T": 16, "num_stages": 4, "programs_per_sm": 2},
-                "normal": {"BLOCK_N": 128, "BLOCK_T": 64, "num_stages": 3}}
 
 
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
@@ -189,28 +190,3 @@ def test_flat_and_tma_walks_match_the_plain_walk(mods, shape):
             if m:
                 check(outs["tma"][0][g, :m], ref[g, :m], f"tma masked {shape} {variant} g={g}")
 
-
-def test_tma_walk_is_graph_safe(mods):
-    """The TMA descriptors are by-value kernel parameters: a captured launch replays correctly after masked_m
-    changes on the device."""
-    gg, quant = mods
-    groups, max_m, n, k = 8, 64, 7168, 2048
-    b, b_s = quantized_weights(quant, groups, n, k, seed=5)
-    a, a_s = quantized_acts(quant, (groups, max_m, k), seed=6)
-    mm = torch.tensor([1] * groups, dtype=torch.int32, device="cuda")
-    out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
-    cfg = {**WALK_CONFIGS["swapab"], "flat": True, "tma": True}
-    gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", config=cfg)  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", config=cfg)
-    mm.copy_(torch.tensor([0, 5, 64, 9, 0, 17, 33, 2], dtype=torch.int32))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
-    for g, m in enumerate(mm.tolist()):
-        if m:
-            check(out[g, :m], ref[g, :m], f"tma graph replay g={g}")
-        assert out[g, m:].isnan().all()
