@@ -19,6 +19,9 @@ so launch overhead is out; a point whose capture fails is timed eagerly and says
                       stop interrupting the weight stream
   fused_counts_only   fused with the gather skipped (EpilogueCombine.counts_only; out not written): fused minus this
                       is the gather's cost, this minus gemm_alone the per-tile counting and barriers'
+  flat_*              gemm_alone, serial, fused and fused_counts_only again on the flat walk with TMA operands
+                      (config flat + tma: one flattened, pipelined tile loop, so the next tiles' loads are in flight
+                      while a tile counts): does the per-tile counting still cost more than the combine there?
   shared_alone        the shared expert (FP8 gate_up 7168 -> 4096, SiLU*up, down 2048 -> 7168; our dense GEMMs)
   serial+shared       shared expert, then serial down+combine, then the add (one stream)
   overlap+shared[b]   shared expert on a third stream beside overlap[b], joined before the add
@@ -182,6 +185,16 @@ def main(argv=None) -> int:
             q, qs, w2q, w2s, w, lay, out, fused=True, counts_only=True, variant=variant, config=cfg))
         s["fused_gain_us"] = s["serial"] - s["fused"]
         s["combine_hidden_pct"] = 100 * s["fused_gain_us"] / s["combine_alone"]
+        flat = {**cfg, "flat": True, "tma": True}  # the same tiles on the flattened, TMA-fed walk
+        s["flat_gemm_alone"] = add("flat_gemm_alone", lambda: gg.m_grouped_fp8_gemm_nt_contiguous(
+            q, qs, w2q, w2s, lay.m_indptr, out=y, variant=variant, config=flat))
+        s["flat_serial"] = add("flat_serial", lambda: sbo.moe_down_and_combine(
+            q, qs, w2q, w2s, w, lay, out, overlap=False, variant=variant, config=flat))
+        s["flat_fused"] = add_checked("flat_fused", lambda: sbo.moe_down_and_combine(
+            q, qs, w2q, w2s, w, lay, out, fused=True, variant=variant, config=flat))
+        s["flat_fused_counts_only"] = add("flat_fused_counts_only", lambda: sbo.moe_down_and_combine(
+            q, qs, w2q, w2s, w, lay, out, fused=True, counts_only=True, variant=variant, config=flat))
+        s["flat_combine_hidden_pct"] = 100 * (s["flat_serial"] - s["flat_fused"]) / s["combine_alone"]
         for b in args.budgets:
             s[f"gemm_lent[{b}]"] = add("gemm_lent", lambda b=b: (sig.zero_(), gg.m_grouped_fp8_gemm_nt_contiguous(
                 q, qs, w2q, w2s, lay.m_indptr, out=y, variant=variant, config=cfg, signal=sig, num_sms=sms - b)), b)
@@ -250,6 +263,9 @@ def main(argv=None) -> int:
         best_us = s[f"overlap[{s['best_budget']}]"]
         print(f"batch {t}: fused {s['fused']:.1f} us (combine {s['combine_alone']:.1f} us, "
               f"{s['combine_hidden_pct']:.0f}% hidden), fused+shared {s['fused+shared']:.1f} us")
+        print(f"batch {t}: flat+tma walk: GEMM {s['flat_gemm_alone']:.1f}, serial {s['flat_serial']:.1f}, fused "
+              f"{s['flat_fused']:.1f} us ({s['flat_combine_hidden_pct']:.0f}% of the combine hidden), counting only "
+              f"{s['flat_fused_counts_only']:.1f} us")
         print(f"batch {t}: serial {s['serial']:.1f} us, overlap {best_us:.1f} us "
               f"(b={s['best_budget']}, gain {s['overlap_gain_us']:.1f} us, GEMM +{s['gemm_slowdown_pct_at_best']:.1f}%), "
               f"with shared: gain {s['with_shared_gain_us']:.1f} us")

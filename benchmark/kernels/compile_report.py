@@ -111,12 +111,17 @@ def gemm_variants():
     # config "flat": the same tiles in one flattened, pipelined loop (tl.range(..., flatten=True)); "tma": its
     # FP8 operands through tensor descriptors (cp.async.bulk.tensor) instead of pointer loads
     ones = ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk")
-    for swap, bt, tma in ((True, 16, False), (True, 16, True), (False, 64, True)):
-        const = dict(G=8, G_P2=8, K=2048, LAYOUT=1, SWAP_AB=swap, BLOCK_N=128, BLOCK_T=bt, INTERPRET=False, TMA=tma)
+    # (+ the SBO combine epilogue in that loop, inline or deferred)
+    for swap, bt, tma, topk, defer in ((True, 16, False, 0, False), (True, 16, True, 0, False),
+                                       (False, 64, True, 0, False), (True, 16, True, 8, False),
+                                       (True, 16, True, 8, True)):
+        const = dict(G=8, G_P2=8, K=2048, LAYOUT=1, SWAP_AB=swap, BLOCK_N=128, BLOCK_T=bt, INTERPRET=False, TMA=tma,
+                     COMBINE_TOPK=topk, COMBINE_DEFER=defer)
         descs = {"a_desc": f"tensordesc<fp8e4nv[{bt}, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>"}
         if not tma:
             const.update(a_desc=None, b_desc=None)
-        yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt} flat{' tma' if tma else ''}]",
+        yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt} flat{' tma' if tma else ''}"
+               f"{' combine' if topk else ''}{' deferred' if defer else ''}]",
                g._fp8_grouped_gemm_flat_kernel, const, {**types, **descs}, 4, 4, ones)
 
 

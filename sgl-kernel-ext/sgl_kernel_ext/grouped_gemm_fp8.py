@@ -55,9 +55,11 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     the weight stream and fill the persistent grid's tail instead. Measured 2026-11-30
     (bench_sbo_counts_only_h200.json): 1.04-1.08x serial, and counting alone (counts_only) costs as much.
 
-Config "flat": True (plain masked / contiguous outputs only) runs _fp8_grouped_gemm_flat_kernel: the same tiles in
-one flattened, pipelined loop over the program's tiles (tl.range(..., flatten=True)), so the weight stream does not
-drain at every tile boundary. With "tma": True as well, its FP8 operands arrive through host-built tensor
+Config "flat": True (masked / contiguous, plain outputs or EpilogueCombine; no signal, no split-K) runs
+_fp8_grouped_gemm_flat_kernel: the same tiles in one flattened, pipelined loop over the program's tiles
+(tl.range(..., flatten=True)), so the weight stream does not drain at every tile boundary, and with
+EpilogueCombine the next tiles' loads stay in flight while a tile counts (sm_90a: the inline form keeps the
+plain flat loop's multi-buffered shared memory; the deferred form compiles single-buffered). With "tma": True as well, its FP8 operands arrive through host-built tensor
 descriptors (TMA boxes of [BLOCK_T | BLOCK_N, 128]) instead of pointer loads, as DeepGEMM feeds its wgmmas: no
 address math or per-element masks in the loop (rows past a tile's real ones are read and masked on the store).
 Both bit-identical to the group walk (CPU tests); neither measured yet, so the shipped table never picks them;
@@ -185,6 +187,57 @@ def _mma_tile(
 
 
 @triton.jit
+def _combine_epilogue(res, out_ptr, g64, rows, offs_t, offs_n, t_mask, n_tile, n_tiles, N, MAX_M, pid, deferred,
+                      stride_og, stride_om, stride_on, cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr,
+                      cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
+                      LAYOUT: tl.constexpr, COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr,
+                      COMBINE_DEFER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """EpilogueCombine for one finished tile (both walks): store its bf16 rows, count them per (token, N-tile),
+    and where this tile completed a token's N-range gather it now (or note it, COMBINE_DEFER). Returns the
+    program's updated count of noted entries."""
+    o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_n < N)[None, :])
+    tl.debug_barrier()  # every thread's rows precede the counts' release below
+    pair = tl.load(cmb_pair_ptr + g64 * MAX_M + rows, mask=t_mask, other=0)
+    tok = (pair // COMBINE_TOPK).to(tl.int64)
+    old = tl.atomic_add(cmb_cnt_ptr + tok * n_tiles + n_tile, 1, mask=t_mask, sem="acq_rel")
+    last = t_mask & (old == COMBINE_TOPK - 1)  # this tile completed (token, N-tile): gather it
+    if not COMBINE_GATHER:  # EpilogueCombine.counts_only (benchmarks): what the counting alone costs
+        last = last & (offs_t < 0)
+    tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
+    if COMBINE_DEFER:  # note (token, N-tile) for after the program's last tile; a predicated store, not an if:
+        # an if that updates the loop-carried count breaks Triton 3.6's loop flattening (config flat)
+        noted = tl.sum(last.to(tl.int32)) > 0
+        tl.store(dfr_ptr + pid * DFR_CAP + deferred + tl.arange(0, BLOCK_T),
+                 tl.where(last, tok * n_tiles + n_tile, -1).to(tl.int32), mask=(tl.arange(0, BLOCK_T) >= 0) & noted)
+        deferred += tl.where(noted, BLOCK_T, 0)
+    else:
+        gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
+                   tok * 0 + n_tile * BLOCK_N, last, N, MAX_M, stride_og, stride_om, stride_on,
+                   cmb_w_scale, LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
+    return deferred
+
+
+@triton.jit
+def _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
+                      cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
+                      LAYOUT: tl.constexpr, COMBINE_TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """COMBINE_DEFER: this program's gathers, after its GEMM tiles (each noted by the tile that completed it)."""
+    tl.debug_barrier()  # the list's stores, and the acquires behind them, precede the loads below
+    j = pid * 0
+    while j < deferred:
+        e = tl.load(dfr_ptr + pid * DFR_CAP + j + tl.arange(0, BLOCK_T))
+        last = e >= 0
+        e64 = tl.where(last, e, 0).to(tl.int64)
+        tok = e64 // n_tiles
+        gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
+                   (e64 % n_tiles) * BLOCK_N, last, N, MAX_M, stride_og, stride_om, stride_on, cmb_w_scale,
+                   LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
+        j += BLOCK_T
+
+
+@triton.jit
 def _fp8_grouped_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, indptr_ptr, masked_m_ptr,
     M_DENSE, MAX_M, N, NUM_PROGRAMS,
@@ -240,25 +293,11 @@ def _fp8_grouped_gemm_kernel(
                             stride_bsn, stride_bsk, KB_PER_SPLIT, SWAP_AB, BLOCK_N, BLOCK_T)
             o_mask = t_mask[:, None] & n_mask[None, :]
             if COMBINE_TOPK > 0:  # the MoE combine in the epilogue (EpilogueCombine)
-                o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-                tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-                tl.debug_barrier()  # every thread's rows precede the counts' release below
-                pair = tl.load(cmb_pair_ptr + g64 * MAX_M + rows, mask=t_mask, other=0)
-                tok = (pair // COMBINE_TOPK).to(tl.int64)
-                old = tl.atomic_add(cmb_cnt_ptr + tok * n_tiles + n_tile, 1, mask=t_mask, sem="acq_rel")
-                last = t_mask & (old == COMBINE_TOPK - 1)  # this tile completed (token, N-tile): gather it
-                if not COMBINE_GATHER:  # EpilogueCombine.counts_only (benchmarks): what the counting alone costs
-                    last = last & (offs_t < 0)
-                tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
-                if COMBINE_DEFER:  # note (token, N-tile) for after the program's last tile
-                    if tl.sum(last.to(tl.int32)) > 0:
-                        tl.store(dfr_ptr + pid * DFR_CAP + deferred + tl.arange(0, BLOCK_T),
-                                 tl.where(last, tok * n_tiles + n_tile, -1).to(tl.int32))
-                        deferred += BLOCK_T
-                else:
-                    gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
-                               tok * 0 + n_tile * BLOCK_N, last, N, MAX_M, stride_og, stride_om, stride_on,
-                               cmb_w_scale, LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
+                deferred = _combine_epilogue(
+                    res, out_ptr, g64, rows, offs_t, offs_n, t_mask, n_tile, n_tiles, N, MAX_M, pid, deferred,
+                    stride_og, stride_om, stride_on, cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr,
+                    cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
+                    LAYOUT, COMBINE_TOPK, COMBINE_GATHER, COMBINE_DEFER, BLOCK_T, BLOCK_N)
             elif SPLIT_K == 1:
                 o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
                 tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -272,31 +311,26 @@ def _fp8_grouped_gemm_kernel(
                 tl.store(w_ptrs, res, mask=o_mask)
             tile += NUM_PROGRAMS
         tiles_before += group_tiles
-    if COMBINE_DEFER:  # this program's gathers, after its GEMM tiles (each noted by the tile that completed it)
-        tl.debug_barrier()  # the list's stores, and the acquires behind them, precede the loads below
-        j = pid * 0
-        while j < deferred:
-            e = tl.load(dfr_ptr + pid * DFR_CAP + j + tl.arange(0, BLOCK_T))
-            last = e >= 0
-            e64 = tl.where(last, e, 0).to(tl.int64)
-            tok = e64 // n_tiles
-            gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
-                       (e64 % n_tiles) * BLOCK_N, last, N, MAX_M, stride_og, stride_om, stride_on, cmb_w_scale,
-                       LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
-            j += BLOCK_T
+    if COMBINE_DEFER:
+        _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
+                          cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
+                          LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
 
 
 @triton.jit
-def _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N,
-               stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
+def _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N, MAX_M, pid, deferred,
+               n_tiles, stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
                stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
                stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
-               KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-               TMA: tl.constexpr):
+               cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
+               dfr_ptr, DFR_CAP,
+               KB: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_T: tl.constexpr, TMA: tl.constexpr, COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr,
+               COMBINE_DEFER: tl.constexpr):
     """One output tile of the flattened walk: the group from the running tile counts (cum, inclusive), then
-    the tile as _fp8_grouped_gemm_kernel computes and stores it (token tile fastest within a group). TMA: the
-    FP8 operands through descriptors over A as [groups * A_ROWS_PER_GROUP (masked) or rows, K] and the weights
-    as [G * N, K]."""
+    the tile as _fp8_grouped_gemm_kernel computes and stores it (token tile fastest within a group), or its
+    EpilogueCombine (COMBINE_TOPK > 0). TMA: the FP8 operands through descriptors over A as
+    [groups * A_ROWS_PER_GROUP (masked) or rows, K] and the weights as [G * N, K]. Returns `deferred`."""
     g = tl.sum((cum <= tile).to(tl.int32), 0)  # the groups wholly before this tile
     sel = gi == g
     before = tl.sum(tl.where(sel, cum - gt, 0), 0)
@@ -317,8 +351,16 @@ def _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cu
                     stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T,
                     a_desc, b_desc, (g * A_ROWS_PER_GROUP + row0 + t_tile * BLOCK_T).to(tl.int32),
                     (g * N + n_tile * BLOCK_N).to(tl.int32), TMA)
-    o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_n < N)[None, :])
+    if COMBINE_TOPK > 0:
+        deferred = _combine_epilogue(
+            res, out_ptr, g64, rows, offs_t, offs_n, t_mask, n_tile, n_tiles, N, MAX_M, pid, deferred,
+            stride_og, stride_om, stride_on, cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr,
+            cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
+            LAYOUT, COMBINE_TOPK, COMBINE_GATHER, COMBINE_DEFER, BLOCK_T, BLOCK_N)
+    else:
+        o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_n < N)[None, :])
+    return deferred
 
 
 @triton.jit
@@ -331,14 +373,18 @@ def _fp8_grouped_gemm_flat_kernel(
     stride_bsg, stride_bsn, stride_bsk,
     stride_og, stride_om, stride_on,
     a_desc, b_desc, A_ROWS_PER_GROUP,
+    cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
+    dfr_ptr, DFR_CAP,
     G: tl.constexpr, G_P2: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr = False,
+    COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True, COMBINE_DEFER: tl.constexpr = False,
 ):
-    """config "flat": the plain grouped GEMM (masked / contiguous, SPLIT_K = 1, no signal or combine) with the
-    persistent walk as one tl.range over this program's tiles, flatten=True: the compiler pipelines the tile
-    and K loops as one, so the next tile's first weight blocks load while this tile's last ones multiply,
-    instead of each tile's K loop filling and draining its own pipeline (the down GEMM has 16 K blocks per
-    tile). The groups' tile counts come from one vector load of the layout and a cumulative sum."""
+    """config "flat": the plain grouped GEMM (masked / contiguous, SPLIT_K = 1, no signal; EpilogueCombine
+    allowed) with the persistent walk as one tl.range over this program's tiles, flatten=True: the compiler
+    pipelines the tile and K loops as one, so the next tile's first weight blocks load while this tile's last
+    ones multiply (and while its epilogue counts), instead of each tile's K loop filling and draining its own
+    pipeline (the down GEMM has 16 K blocks per tile). The groups' tile counts come from one vector load of the
+    layout and a cumulative sum."""
     KB: tl.constexpr = K // 128
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
@@ -354,22 +400,33 @@ def _fp8_grouped_gemm_flat_kernel(
     gt = (m_vec + BLOCK_T - 1) // BLOCK_T * n_tiles
     cum = tl.cumsum(gt, 0)
     total = tl.sum(gt, 0)
+    deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER)
     if INTERPRET:  # the interpreter cannot range() from a program id
         tile = pid
         while tile < total:
-            _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N,
-                       stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
-                       stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-                       stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
-                       KB, SWAP_AB, BLOCK_N, BLOCK_T, TMA)
+            deferred = _flat_tile(
+                a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N, MAX_M, pid, deferred,
+                n_tiles, stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
+                stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
+                stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
+                cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
+                dfr_ptr, DFR_CAP, KB, LAYOUT, SWAP_AB, BLOCK_N, BLOCK_T, TMA, COMBINE_TOPK, COMBINE_GATHER,
+                COMBINE_DEFER)
             tile += NUM_PROGRAMS
     else:
         for tile in tl.range(pid, total, NUM_PROGRAMS, flatten=True):
-            _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N,
-                       stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
-                       stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-                       stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
-                       KB, SWAP_AB, BLOCK_N, BLOCK_T, TMA)
+            deferred = _flat_tile(
+                a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N, MAX_M, pid, deferred,
+                n_tiles, stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
+                stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
+                stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
+                cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
+                dfr_ptr, DFR_CAP, KB, LAYOUT, SWAP_AB, BLOCK_N, BLOCK_T, TMA, COMBINE_TOPK, COMBINE_GATHER,
+                COMBINE_DEFER)
+    if COMBINE_DEFER:
+        _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
+                          cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
+                          LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
 
 
 GATHER_COLS = tl.constexpr(32)  # columns per gather pass: [BLOCK_T, 32] pointer tiles keep the registers low
@@ -875,7 +932,12 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
                float(combine.weight_scale), combine.out.stride(0))
     else:
         cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
-    if cfg.get("flat") and signal is None and combine is None and split_k == 1 and layout != LAYOUT_DENSE:
+    defer = combine is not None and combine.defer
+    dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else 0  # a program's tiles x rows, at most
+    dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if defer else dummy
+    combine_kw = dict(COMBINE_TOPK=combine.top_k if combine is not None else 0,
+                      COMBINE_GATHER=combine is None or not combine.counts_only, COMBINE_DEFER=defer)
+    if cfg.get("flat") and signal is None and split_k == 1 and layout != LAYOUT_DENSE:
         descs = _tma_descriptors(a3, b, bt, bn) if cfg.get("tma") else None
         _fp8_grouped_gemm_flat_kernel[(num_programs,)](
             a3, s3, b, b_scale, o3, indptr if indptr is not None else dummy,
@@ -886,14 +948,12 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
             sa_g[2], o3.stride(1), o3.stride(2),
             *(descs or (None, None)), a3.shape[1] if layout == LAYOUT_MASKED else 0,
+            *cmb, dfr, dfr_cap,
             G=groups, G_P2=triton.next_power_of_2(groups), K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn,
-            BLOCK_T=bt, INTERPRET=_interpreting(), TMA=descs is not None, num_warps=cfg.get("num_warps", 4),
-            num_stages=cfg.get("num_stages", 3),
+            BLOCK_T=bt, INTERPRET=_interpreting(), TMA=descs is not None, **combine_kw,
+            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         )
         return out
-    defer = combine is not None and combine.defer
-    dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else 0  # a program's tiles x rows, at most
-    dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if defer else dummy
     _fp8_grouped_gemm_kernel[(num_programs,)](
         a3, s3, b, b_scale, o3, ws,
         indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
@@ -907,8 +967,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         signal if signal is not None else dummy, signal.shape[1] if signal is not None else 0,
         *cmb, dfr, dfr_cap,
         G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
-        HAS_SIGNAL=signal is not None, COMBINE_TOPK=combine.top_k if combine is not None else 0,
-        COMBINE_GATHER=combine is None or not combine.counts_only, COMBINE_DEFER=defer,
+        HAS_SIGNAL=signal is not None, **combine_kw,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     if split_k > 1:

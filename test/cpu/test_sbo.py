@@ -212,6 +212,38 @@ def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, defer):
     assert sbo.order_error(bad, plain) > 1
 
 
+@pytest.mark.parametrize("walk", [{"flat": True}, {"flat": True, "tma": True}], ids=["flat", "tma"])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("defer,counts_only", [(False, False), (True, False), (False, True)],
+                         ids=["inline", "deferred", "counts_only"])
+def test_epilogue_combine_in_the_flat_walk_equals_the_group_walk(walk, masked, defer, counts_only):
+    """EpilogueCombine in the flattened walk (configs flat, tma): the same GEMM rows, the same per-(token, N-tile)
+    counts and, since the gather sums in slot order whichever tile completes a token, the same output bits as in
+    the group walk, inline or deferred; counts_only writes no output in either."""
+    t, k = 20, 3  # one expert gets no token (skip), one token tile of 16 plus a partial one per expert
+    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=77, masked=masked, skip=(1,))
+
+    def run(cfg):
+        y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
+        out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
+        cnt = torch.zeros(t, H // cfg["BLOCK_N"], dtype=torch.int32)
+        cmb = gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), cnt, out, k, 2.5,
+                                 counts_only=counts_only, defer=defer)
+        if masked:
+            gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=cfg, variant="swapab",
+                                            combine=cmb)
+        else:
+            gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=cfg, variant="swapab",
+                                                combine=cmb)
+        return y, out, cnt
+
+    (y0, out0, cnt0), (y1, out1, cnt1) = run(CFG), run({**CFG, **walk})
+    assert torch.equal(torch.nan_to_num(y1), torch.nan_to_num(y0)) and torch.equal(y1.isnan(), y0.isnan())
+    assert torch.equal(cnt1, cnt0) and int(cnt0.sum()) == t * k * (H // CFG["BLOCK_N"])
+    assert torch.equal(out1.isnan(), out0.isnan()) and torch.equal(torch.nan_to_num(out1), torch.nan_to_num(out0))
+    assert bool(out0.isnan().all()) == counts_only  # written everywhere, or (counts_only) nowhere
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_combine_skips_dropped_pairs(masked):
     """A drops=True layout (EP: pairs on other ranks' experts are -1): those pairs add nothing, a token with no

@@ -115,7 +115,8 @@ def test_some_experts_are_empty(mods):
 def test_race_stress(mods, weights, masked):
     """Thousands of overlapped calls, varying SM budgets and token tiles: never a mismatch, never a NaN."""
     _, _, sbo = mods
-    configs = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32}]
+    configs = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32},
+               {"BLOCK_N": 128, "BLOCK_T": 16, **FLAT_TMA}]
     cases = []
     for i, t in enumerate([4, 16, 64]):
         lay, w, q, qs, wq, ws = case(mods, weights, t, 256, 1000 + i, masked)
@@ -179,13 +180,17 @@ def test_cuda_graph_replay_matches(mods, weights):
         assert sbo.order_error(out, plain) <= 1, (seed, sbo.order_error(out, plain))
 
 
+FLAT_TMA = {"flat": True, "tma": True}  # the flattened, TMA-fed tile walk (merged over the chosen tile config)
+
+
+@pytest.mark.parametrize("walk", [None, FLAT_TMA], ids=["group_walk", "flat_tma"])
 @pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("experts", [256, 32])
-def test_epilogue_combine_equals_plain(mods, weights, experts, masked, defer):
+def test_epilogue_combine_equals_plain(mods, weights, experts, masked, defer, walk):
     """fused=True (the tile completing a token's N-range gathers its top_k rows in the down GEMM's epilogue;
     defer: after the program's last tile): equal to GEMM-then-combine up to the summation order, every token
-    written (NaN-poisoned output and rows), and within 1e-2 of float32 torch."""
+    written (NaN-poisoned output and rows), and within 1e-2 of float32 torch; on either tile walk."""
     _, _, sbo = mods
     for seed in range(16):
         t = [1, 3, 8, 16, 32, 56, 64, 100][seed % 8]
@@ -193,7 +198,7 @@ def test_epilogue_combine_equals_plain(mods, weights, experts, masked, defer):
         plain, _ = run(sbo, lay, w, q, qs, wq, ws, overlap=False)
         out = torch.full((t, H), float("nan"), device="cuda", dtype=torch.bfloat16)
         sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True, defer=defer,
-                                 y=nan_y(lay, t))
+                                 y=nan_y(lay, t), config=walk)
         assert not torch.isnan(out.float()).any(), (seed, t)
         assert sbo.order_error(out, plain) <= 1, (seed, t, sbo.order_error(out, plain))
         if seed < 4:
@@ -204,10 +209,11 @@ def test_epilogue_combine_equals_plain(mods, weights, experts, masked, defer):
 @pytest.mark.parametrize("defer", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_epilogue_combine_race_stress(mods, weights, masked, defer):
-    """Thousands of fused calls over tile configs: bit-identical to the first run (the gather sums in slot order),
-    never NaN, and in a CUDA graph too (the counters' memset is captured)."""
+    """Thousands of fused calls over tile configs (the flat, TMA-fed walk among them): bit-identical to the first
+    run (the gather sums in slot order), never NaN, and in a CUDA graph too (the counters' memset is captured)."""
     _, _, sbo = mods
-    configs = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32}]
+    configs = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32},
+               {"BLOCK_N": 128, "BLOCK_T": 16, **FLAT_TMA}]
     cases = []
     for i, t in enumerate([4, 16, 64]):
         lay, w, q, qs, wq, ws = case(mods, weights, t, 256, 2000 + i, masked)
