@@ -318,19 +318,20 @@ def _fp8_grouped_gemm_kernel(
 
 
 @triton.jit
-def _flat_tile(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N, MAX_M, pid, deferred,
-               n_tiles, stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
-               stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-               stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
-               cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
-               dfr_ptr, DFR_CAP,
+def _flat_tile(tile, walk, deferred, ops, strides, cmb,
                KB: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_T: tl.constexpr, TMA: tl.constexpr, COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr,
                COMBINE_DEFER: tl.constexpr):
     """One output tile of the flattened walk: the group from the running tile counts (cum, inclusive), then
     the tile as _fp8_grouped_gemm_kernel computes and stores it (token tile fastest within a group), or its
     EpilogueCombine (COMBINE_TOPK > 0). TMA: the FP8 operands through descriptors over A as
-    [groups * A_ROWS_PER_GROUP (masked) or rows, K] and the weights as [G * N, K]. Returns `deferred`."""
+    [groups * A_ROWS_PER_GROUP (masked) or rows, K] and the weights as [G * N, K]. Returns `deferred`.
+    The kernel's arguments come in tuples (walk state, operands, strides, combine), as its two loops pass them."""
+    gi, start, m_vec, cum, gt, N, MAX_M, pid, n_tiles = walk
+    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, a_desc, b_desc, A_ROWS_PER_GROUP = ops
+    (stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask, stride_bg, stride_bn, stride_bk,
+     stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on) = strides
+    cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP = cmb
     g = tl.sum((cum <= tile).to(tl.int32), 0)  # the groups wholly before this tile
     sel = gi == g
     before = tl.sum(tl.where(sel, cum - gt, 0), 0)
@@ -401,28 +402,21 @@ def _fp8_grouped_gemm_flat_kernel(
     cum = tl.cumsum(gt, 0)
     total = tl.sum(gt, 0)
     deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER)
+    walk = (gi, start, m_vec, cum, gt, N, MAX_M, pid, n_tiles)
+    ops = (a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, a_desc, b_desc, A_ROWS_PER_GROUP)
+    strides = (stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask, stride_bg, stride_bn, stride_bk,
+               stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on)
+    cmb = (cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP)
     if INTERPRET:  # the interpreter cannot range() from a program id
         tile = pid
         while tile < total:
-            deferred = _flat_tile(
-                a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N, MAX_M, pid, deferred,
-                n_tiles, stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
-                stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-                stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
-                cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
-                dfr_ptr, DFR_CAP, KB, LAYOUT, SWAP_AB, BLOCK_N, BLOCK_T, TMA, COMBINE_TOPK, COMBINE_GATHER,
-                COMBINE_DEFER)
+            deferred = _flat_tile(tile, walk, deferred, ops, strides, cmb, KB, LAYOUT, SWAP_AB, BLOCK_N, BLOCK_T,
+                                  TMA, COMBINE_TOPK, COMBINE_GATHER, COMBINE_DEFER)
             tile += NUM_PROGRAMS
     else:
         for tile in tl.range(pid, total, NUM_PROGRAMS, flatten=True):
-            deferred = _flat_tile(
-                a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, tile, gi, start, m_vec, cum, gt, N, MAX_M, pid, deferred,
-                n_tiles, stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask,
-                stride_bg, stride_bn, stride_bk, stride_bsg, stride_bsn, stride_bsk,
-                stride_og, stride_om, stride_on, a_desc, b_desc, A_ROWS_PER_GROUP,
-                cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
-                dfr_ptr, DFR_CAP, KB, LAYOUT, SWAP_AB, BLOCK_N, BLOCK_T, TMA, COMBINE_TOPK, COMBINE_GATHER,
-                COMBINE_DEFER)
+            deferred = _flat_tile(tile, walk, deferred, ops, strides, cmb, KB, LAYOUT, SWAP_AB, BLOCK_N, BLOCK_T,
+                                  TMA, COMBINE_TOPK, COMBINE_GATHER, COMBINE_DEFER)
     if COMBINE_DEFER:
         _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
                           cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
