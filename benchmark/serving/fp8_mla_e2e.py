@@ -20,6 +20,10 @@ with the decode-only throughput read from the server log lines of that workload.
 workload runs only if its expected duration (measured in an earlier phase, or a default guess) fits. Whatever is
 skipped is recorded. --reference reuses the triton ids of an earlier run, so a budget can go to one more phase.
 
+--merge A.json B.json ... --out DIR: one record (and summary) from runs that each did some phases, e.g. two phases
+side by side on two GPUs of one host in one device call (scripts/gpu_parallel.sh); every source's provenance is
+kept under "merged_from", and a phase name may come from one source only.
+
 usage (on the GPU host, SGLang and this package on PYTHONPATH):
   python3 benchmark/serving/fp8_mla_e2e.py --model /tmp/models/dsv3-ep16-slice --out /tmp/fp8_mla_e2e --deadline-s 480
 """
@@ -165,9 +169,32 @@ def summarize(phases: dict, ref: list | None) -> dict:
     return s
 
 
-def main() -> int:
+def merge_records(records: list[dict], sources: list[str]) -> dict:
+    """One fp8_mla_e2e record from several (see --merge): their phases side by side, the summary recomputed (greedy
+    agreement against whichever source ran the triton phase), each source's provenance under merged_from."""
+    models = {r["model"] for r in records}
+    if len(models) != 1:
+        raise ValueError(f"records from different models: {sorted(models)}")
+    phases: dict = {}
+    for r, src in zip(records, sources):
+        for name, ph in r["phases"].items():
+            if name in phases:
+                raise ValueError(f"phase {name!r} is in more than one record ({src})")
+            phases[name] = ph
+    ref = phases["triton"]["ids"] if "triton" in phases else None
+    prompts = min((len(p.get("ids") or []) for p in phases.values()), default=0)
+    keep = ("command", "git_commit", "gpu", "date", "versions", "server_args", "workloads", "wall_s")
+    return {**provenance.record(), "benchmark": "fp8_mla_e2e", "model": models.pop(),
+            "merged_from": [{"source": src, **{k: r.get(k) for k in keep}} for r, src in zip(records, sources)],
+            "skipped": [s for r in records for s in r.get("skipped", [])],
+            "errors": {k: v for r in records for k, v in r.get("errors", {}).items()},
+            "reference": "triton phase" if ref else None,
+            "summary": summarize(phases, ref[:prompts] if ref else None), "phases": phases}
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=False, help="model dir (required unless --merge)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--phases", nargs="+", default=[p for p in PHASES if p != "ours-v2"], choices=list(PHASES),
                     help="ours-v2 (the v2 CUDA kernel) is opt-in: one more server start")
@@ -179,7 +206,17 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=480.0)
     ap.add_argument("--reference", type=Path, help="an earlier fp8_mla_e2e.json: reuse its triton greedy ids "
                                                      "(same model and prompts) instead of running the triton phase")
-    args = ap.parse_args()
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                    help="combine these fp8_mla_e2e.json records into --out/fp8_mla_e2e.json (no server runs)")
+    args = ap.parse_args(argv)
+    if args.merge:
+        record = merge_records([json.loads(p.read_text()) for p in args.merge], [str(p) for p in args.merge])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fp8_mla_e2e.json").write_text(json.dumps(record, indent=1))
+        print(json.dumps(record["summary"], indent=1))
+        return 0
+    if not args.model:
+        ap.error("--model is required (unless --merge)")
     for k, v in HOST_ENV.items():
         os.environ.setdefault(k, v)
     args.out.mkdir(parents=True, exist_ok=True)

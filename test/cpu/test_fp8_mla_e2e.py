@@ -1,0 +1,54 @@
+"""fp8_mla_e2e.py --merge: records that each ran some phases (e.g. two GPUs side by side) become one record whose
+summary compares them, with every source's provenance kept; conflicting inputs are refused."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmark/serving"))
+_spec = importlib.util.spec_from_file_location("fp8_mla_e2e", REPO / "benchmark/serving/fp8_mla_e2e.py")
+e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e)
+
+
+def phase(ids, tok_s, itl):
+    bench = {"output_throughput": tok_s, "median_itl_ms": itl, "decode_log": {"median_tok_s": tok_s * 1.1}}
+    return {"ids": ids, "ids_repeat": ids, "benches": {"4096x512@16": bench}, "plugin_log_lines": []}
+
+
+def record(phases, model="/tmp/models/dsv3-ep16-slice", commit="abc1234"):
+    return {"model": model, "git_commit": commit, "gpu": "NVIDIA H200", "command": "fp8_mla_e2e.py ...",
+            "phases": phases, "skipped": [], "errors": {}}
+
+
+def test_merge_compares_phases_from_separate_runs(tmp_path):
+    a = tmp_path / "gpu0.json"
+    b = tmp_path / "gpu1.json"
+    a.write_text(json.dumps(record({"ours": phase([[1, 2, 3, 4]], 1500.0, 10.0),
+                                    "triton": phase([[1, 2, 9, 4]], 0, 0)}, commit="aaa")))
+    b.write_text(json.dumps(record({"flashmla": phase([[1, 2, 3, 4]], 1200.0, 12.0)}, commit="bbb")))
+    assert e2e.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m")]) == 0
+    rec = json.loads((tmp_path / "m" / "fp8_mla_e2e.json").read_text())
+    s = rec["summary"]
+    assert s["ours_over"]["4096x512@16"]["flashmla"] == pytest.approx(1500 / 1200)
+    assert s["greedy_agreement_vs_triton"]["ours"]["mean_matching_prefix"] == 2  # [1, 2] before 3 != 9
+    assert [m["git_commit"] for m in rec["merged_from"]] == ["aaa", "bbb"]
+    assert set(rec["phases"]) == {"ours", "triton", "flashmla"} and rec["reference"] == "triton phase"
+
+
+def test_merge_refuses_a_phase_twice_and_mixed_models():
+    one = record({"ours": phase([[1]], 1.0, 1.0)})
+    with pytest.raises(ValueError, match="more than one"):
+        e2e.merge_records([one, one], ["x", "y"])
+    with pytest.raises(ValueError, match="different models"):
+        e2e.merge_records([one, record({"flashmla": phase([[1]], 1.0, 1.0)}, model="/other")], ["x", "y"])
+
+
+def test_model_is_required_without_merge(tmp_path):
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", str(tmp_path)])
