@@ -22,7 +22,7 @@ routing drawn uniformly (the same on every rank). Timing: CUDA events around --i
 times; per arm the median over reps of the slowest rank. Each rank's own kernels (GEMM, local combine, the fused
 producer + finish) replay as CUDA graphs, as in the server's decode; the NCCL collectives launch eagerly (one call
 that captured them in the graphs hung). Session 7's fully eager runs of the same points differed 2x between calls:
-Python launch overhead was of the order of the GPU work. --eager restores that.
+likely Python launch overhead of the order of the GPU work (inferred). --eager restores that.
 Correctness: the reference is each rank's fp32 partial from the GEMM's own bf16 rows (sbo.combine_reference),
 reduce-scattered by NCCL in fp32; fused must match it up to the summation order (sbo.order_error <= 1, as in
 test_ep_combine_gpu). The serial arm's error against it is recorded, not bounded: it rounds each rank's partial to
