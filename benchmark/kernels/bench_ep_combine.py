@@ -29,9 +29,10 @@ test_ep_combine_gpu). The serial arm's error against it is recorded, not bounded
 bf16 before NCCL adds them, and where the two ranks' partials cancel that rounding is large next to the sum
 (session 7 saw 5-9 units of order_error).
 
-Output: a table on rank 0's stdout and --json OUT with provenance. On fewer than 2 GPUs it says so, writes
+Output: a table on rank 0's stdout and --json OUT with provenance, plus a PNG next to it (stacked serial stages
+against fused, per batch); --replot JSON redraws that PNG from a stored record. On fewer than 2 GPUs it says so, writes
 {"unavailable": why} to --json and exits 0 (the nightly's kernel step runs every bench on any host).
-usage: bench_ep_combine.py [--gpus 2] [--batches 20 32 56] [--quick] [--eager] [--json OUT]
+usage: bench_ep_combine.py [--gpus 2] [--batches 20 32 56] [--quick] [--eager] [--json OUT] | --replot JSON
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="one batch (32 tokens per rank), 5 reps")
     ap.add_argument("--eager", action="store_true", help="launch each rank's kernels plainly, not as CUDA graphs")
     ap.add_argument("--hang-s", type=float, default=300, help="a rank still running after this dumps its stack and exits")
+    ap.add_argument("--replot", type=Path, metavar="JSON", help="only redraw JSON's PNG (next to it), no GPU run")
     a = ap.parse_args(argv)
     if a.quick:
         a.batches, a.reps = [32], 5
@@ -232,8 +234,45 @@ def summarize(per_rank: dict[int, dict]) -> list[dict]:
     return rows
 
 
+def plot(rows: list[dict], png: Path, title: str = "") -> None:
+    """Per batch: the serial path's stages stacked (GEMM, local combine, reduce-scatter) beside fused, the
+    all-gather (both pay it) at the bottom of each bar."""
+    from sglang_h20.plotting import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    xs = list(range(len(rows)))
+    us = [r["us_slowest_rank"] for r in rows]
+    stages = (("all-gather", lambda u: u["gather"], "0.75"), ("GEMM", lambda u: u["gemm"] - u["gather"], "C0"),
+              ("local combine", lambda u: u["gemm_combine"] - u["gemm"], "C1"),
+              ("reduce-scatter", lambda u: u["serial"] - u["gemm_combine"], "C2"))
+    bottom = [0.0] * len(rows)
+    for label, part, color in stages:
+        h = [max(part(u), 0.0) for u in us]
+        ax.bar([x - 0.2 for x in xs], h, 0.38, bottom=bottom, color=color, label=f"serial: {label}")
+        bottom = [b + v for b, v in zip(bottom, h)]
+    ax.bar([x + 0.2 for x in xs], [u["fused"] for u in us], 0.38, color="C3",
+           label="fused: all-gather, then the GEMM with combine + send in its epilogue")
+    for x, r in zip(xs, rows):
+        ax.annotate(f"{r['fused_over_serial']:.2f}x", (x + 0.2, r["us_slowest_rank"]["fused"]), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_xticks(xs, [str(r["tokens_per_rank"]) for r in rows])
+    ax.set_xlabel("decode tokens per rank")
+    ax.set_ylabel("µs per step (slowest rank)")
+    ax.set_title(title or "MoE down projection + EP combine")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        rec = json.loads(args.replot.read_text())
+        plot(rec["rows"], args.replot.with_suffix(".png"), f"EP {rec['world']} on {rec.get('gpu', '?')}")
+        return 0
     import torch
 
     world = args.gpus or torch.cuda.device_count()
@@ -289,6 +328,10 @@ def main(argv=None) -> int:
                                          "iters": args.iters, "reps": args.reps, "rows": rows,
                                          "per_rank": per_rank}, indent=1))
         print(f"wrote {args.json}")
+        try:
+            plot(rows, args.json.with_suffix(".png"), f"EP {world} on {torch.cuda.get_device_name(0)}")
+        except Exception as e:  # the record matters more than its picture
+            print(f"plot failed: {type(e).__name__}: {e}", file=sys.stderr)
     ok = all(r["order_error_max"]["fused"] <= 1 and not r["any_wait_gave_up"] for r in rows)
     return 0 if ok else 1
 

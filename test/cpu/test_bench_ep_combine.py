@@ -52,3 +52,11 @@ def test_summary_takes_the_slowest_rank():
     assert r["order_error_max"] == {"fused": 0.5, "serial": 1.5}
     assert r["fused_over_serial"] == pytest.approx(90 / 110) and not r["any_wait_gave_up"]
 
+
+
+def test_replot_draws_the_stored_record(tmp_path):
+    src = REPO / "benchmark/results/ep_combine/bench_ep_combine_ep2_h200.json"
+    rec = tmp_path / "rec.json"
+    rec.write_text(src.read_text())
+    assert bench.main(["--replot", str(rec)]) == 0
+    assert rec.with_suffix(".png").stat().st_size > 10_000
