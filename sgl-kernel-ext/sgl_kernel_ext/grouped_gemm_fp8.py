@@ -318,20 +318,17 @@ def _fp8_grouped_gemm_kernel(
 
 
 @triton.jit
-def _flat_tile(tile, walk, deferred, ops, strides, cmb,
-               KB: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_T: tl.constexpr, TMA: tl.constexpr, COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr,
-               COMBINE_DEFER: tl.constexpr):
-    """One output tile of the flattened walk: the group from the running tile counts (cum, inclusive), then
-    the tile as _fp8_grouped_gemm_kernel computes and stores it (token tile fastest within a group), or its
-    EpilogueCombine (COMBINE_TOPK > 0). TMA: the FP8 operands through descriptors over A as
-    [groups * A_ROWS_PER_GROUP (masked) or rows, K] and the weights as [G * N, K]. Returns `deferred`.
-    The kernel's arguments come in tuples (walk state, operands, strides, combine), as its two loops pass them."""
-    gi, start, m_vec, cum, gt, N, MAX_M, pid, n_tiles = walk
-    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, a_desc, b_desc, A_ROWS_PER_GROUP = ops
+def _flat_tile_mma(tile, walk, ops, strides, KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_T: tl.constexpr, TMA: tl.constexpr):
+    """One tile of the flattened walk, up to its fp32 result: the group from the running tile counts (cum,
+    inclusive), the token tile fastest within a group, then _mma_tile. TMA: the FP8 operands through descriptors
+    over A as [groups * A_ROWS_PER_GROUP (masked) or rows, K] and the weights as [G * N, K]. The walk state,
+    operands and strides come in tuples, as the flat kernels (here and ep_combine's) pass them.
+    Returns (res, g64, rows, offs_t, offs_n, t_mask, n_tile)."""
+    gi, start, m_vec, cum, gt, N = walk
+    a_ptr, as_ptr, b_ptr, bs_ptr, a_desc, b_desc, A_ROWS_PER_GROUP = ops
     (stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask, stride_bg, stride_bn, stride_bk,
-     stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on) = strides
-    cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP = cmb
+     stride_bsg, stride_bsn, stride_bsk) = strides
     g = tl.sum((cum <= tile).to(tl.int32), 0)  # the groups wholly before this tile
     sel = gi == g
     before = tl.sum(tl.where(sel, cum - gt, 0), 0)
@@ -352,6 +349,41 @@ def _flat_tile(tile, walk, deferred, ops, strides, cmb,
                     stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T,
                     a_desc, b_desc, (g * A_ROWS_PER_GROUP + row0 + t_tile * BLOCK_T).to(tl.int32),
                     (g * N + n_tile * BLOCK_N).to(tl.int32), TMA)
+    return res, g64, rows, offs_t, offs_n, t_mask, n_tile
+
+
+@triton.jit
+def _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G: tl.constexpr, G_P2: tl.constexpr,
+                     LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The flattened walk's state from one vector load of the layout: ((gi, start, m_vec, cum, gt, N) for
+    _flat_tile_mma, the total tile count)."""
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    gi = tl.arange(0, G_P2)
+    gmask = gi < G
+    if LAYOUT == 0:  # contiguous
+        start = tl.load(indptr_ptr + gi, mask=gmask, other=0)
+        m_vec = tl.load(indptr_ptr + gi + 1, mask=gmask, other=0) - start
+    else:  # masked
+        start = gi * 0
+        m_vec = tl.minimum(tl.load(masked_m_ptr + gi, mask=gmask, other=0), MAX_M)
+    m_vec = tl.maximum(m_vec, 0)
+    gt = (m_vec + BLOCK_T - 1) // BLOCK_T * n_tiles
+    cum = tl.cumsum(gt, 0)
+    return (gi, start, m_vec, cum, gt, N), tl.sum(gt, 0)
+
+
+@triton.jit
+def _flat_tile(tile, walk, deferred, ops, strides, out, cmb, pid, n_tiles, MAX_M,
+               KB: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_T: tl.constexpr, TMA: tl.constexpr, COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr,
+               COMBINE_DEFER: tl.constexpr):
+    """One tile of the plain flat kernel: _flat_tile_mma, then the store or EpilogueCombine (COMBINE_TOPK > 0).
+    Returns `deferred`."""
+    res, g64, rows, offs_t, offs_n, t_mask, n_tile = _flat_tile_mma(tile, walk, ops, strides, KB, SWAP_AB,
+                                                                    BLOCK_N, BLOCK_T, TMA)
+    out_ptr, stride_og, stride_om, stride_on = out
+    N = walk[5]
+    cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP = cmb
     if COMBINE_TOPK > 0:
         deferred = _combine_epilogue(
             res, out_ptr, g64, rows, offs_t, offs_n, t_mask, n_tile, n_tiles, N, MAX_M, pid, deferred,
@@ -389,34 +421,23 @@ def _fp8_grouped_gemm_flat_kernel(
     KB: tl.constexpr = K // 128
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
-    gi = tl.arange(0, G_P2)
-    gmask = gi < G
-    if LAYOUT == 0:  # contiguous
-        start = tl.load(indptr_ptr + gi, mask=gmask, other=0)
-        m_vec = tl.load(indptr_ptr + gi + 1, mask=gmask, other=0) - start
-    else:  # masked
-        start = gi * 0
-        m_vec = tl.minimum(tl.load(masked_m_ptr + gi, mask=gmask, other=0), MAX_M)
-    m_vec = tl.maximum(m_vec, 0)
-    gt = (m_vec + BLOCK_T - 1) // BLOCK_T * n_tiles
-    cum = tl.cumsum(gt, 0)
-    total = tl.sum(gt, 0)
+    walk, total = _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G, G_P2, LAYOUT, BLOCK_N, BLOCK_T)
     deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER)
-    walk = (gi, start, m_vec, cum, gt, N, MAX_M, pid, n_tiles)
-    ops = (a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, a_desc, b_desc, A_ROWS_PER_GROUP)
+    ops = (a_ptr, as_ptr, b_ptr, bs_ptr, a_desc, b_desc, A_ROWS_PER_GROUP)
     strides = (stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask, stride_bg, stride_bn, stride_bk,
-               stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on)
+               stride_bsg, stride_bsn, stride_bsk)
+    out = (out_ptr, stride_og, stride_om, stride_on)
     cmb = (cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP)
     if INTERPRET:  # the interpreter cannot range() from a program id
         tile = pid
         while tile < total:
-            deferred = _flat_tile(tile, walk, deferred, ops, strides, cmb, KB, LAYOUT, SWAP_AB, BLOCK_N, BLOCK_T,
-                                  TMA, COMBINE_TOPK, COMBINE_GATHER, COMBINE_DEFER)
+            deferred = _flat_tile(tile, walk, deferred, ops, strides, out, cmb, pid, n_tiles, MAX_M, KB, LAYOUT,
+                                  SWAP_AB, BLOCK_N, BLOCK_T, TMA, COMBINE_TOPK, COMBINE_GATHER, COMBINE_DEFER)
             tile += NUM_PROGRAMS
     else:
         for tile in tl.range(pid, total, NUM_PROGRAMS, flatten=True):
-            deferred = _flat_tile(tile, walk, deferred, ops, strides, cmb, KB, LAYOUT, SWAP_AB, BLOCK_N, BLOCK_T,
-                                  TMA, COMBINE_TOPK, COMBINE_GATHER, COMBINE_DEFER)
+            deferred = _flat_tile(tile, walk, deferred, ops, strides, out, cmb, pid, n_tiles, MAX_M, KB, LAYOUT,
+                                  SWAP_AB, BLOCK_N, BLOCK_T, TMA, COMBINE_TOPK, COMBINE_GATHER, COMBINE_DEFER)
     if COMBINE_DEFER:
         _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
                           cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
