@@ -147,10 +147,16 @@ def ep_variants():
     for layout, swap, bt, bf16 in ((1, True, 16, False), (0, True, 16, False), (0, True, 16, True),
                                    (0, False, 64, False)):
         const = dict(G=16, K=2048, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=ep.COUNT_BLOCK_N, BLOCK_T=bt, TOPK=8,
-                     PARTIAL_BF16=bf16)
+                     PARTIAL_BF16=bf16, a_desc=None, b_desc=None)
         yield (f"ep_down_combine[{'masked' if layout else 'contiguous'} {'swapab' if swap else 'normal'} t{bt}"
                f"{' bf16' if bf16 else ''}]", ep._ep_down_combine_kernel, const, types, 4, 3,
                ("stride_ak", "stride_bk", "stride_asm", "stride_bsk"))
+    # the flattened, TMA-fed walk (config flat + tma): the next tiles' loads in flight while a tile sends
+    const = dict(G=16, G_P2=16, K=2048, LAYOUT=1, SWAP_AB=True, BLOCK_N=ep.COUNT_BLOCK_N, BLOCK_T=16, TOPK=8,
+                 PARTIAL_BF16=False, FLAT=True, TMA=True)
+    yield ("ep_down_combine[masked swapab t16 flat tma]", ep._ep_down_combine_kernel, const,
+           {**types, "a_desc": "tensordesc<fp8e4nv[16, 128]>", "b_desc": "tensordesc<fp8e4nv[128, 128]>"}, 4, 4,
+           ("stride_ak", "stride_bk", "stride_asm", "stride_bsk"))
     ftypes = {"recv_ptr": "*fp32", "arr_ptr": "*i32", "out_ptr": "*bf16", "err_ptr": "*i32"}
     yield ("ep_finish", ep._ep_finish_kernel, dict(WORLD=8, BLOCK_T=ep.FINISH_BLOCK_T, BLOCK_N=ep.COUNT_BLOCK_N,
            SLEEP_NS=ep.DEFAULT_SPIN_SLEEP_NS), ftypes, 4, 2, ())

@@ -12,7 +12,10 @@ overlaps the rest of the GEMM, and neither the local combine kernel nor the coll
 Measured (benchmark/kernels/bench_ep_combine.py, 2 H200s, 2026-11-30): correct (test_ep_combine_gpu), but
 1.20-1.29x SLOWER than GEMM + local combine + NCCL reduce-scatter at 20-56 tokens per rank: the producer's
 per-tile counts, remote stores and system-scope releases add 102-183 us to a 365-449 us GEMM, where the
-combine and the collective add 25-41 us. Not wired into SGLang for that reason.
+combine and the collective add 25-41 us. Not wired into SGLang for that reason. Built since, not measured:
+config {"flat": True, "tma": True} runs the producer on grouped_gemm_fp8's flattened, TMA-fed tile walk
+(`_ep_down_combine_kernel` with FLAT: the same zero partials and the same epilogue, `_ep_epilogue`), so the next
+tiles' weight loads stay in flight while a tile counts, sends and releases; the same partials, bit for bit.
 
 Data flow (rank r of `world`, G local experts, gathered tokens T = sum of every rank's tokens)
   producer  `_ep_down_combine_kernel` (one persistent kernel, the grouped GEMM's tile walk):
@@ -138,35 +141,21 @@ def _peer_ptr(tab_ptr, rank, BF16: tl.constexpr):
 
 
 @triton.jit
-def _ep_down_combine_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, indptr_ptr, masked_m_ptr,
-    pair_ptr, rowp_ptr, w_ptr, lcnt_ptr, npairs_ptr, owner_ptr, oidx_ptr, recv_tab_ptr, arr_tab_ptr,
-    T, MAX_M, N, NUM_PROGRAMS, RANK, RECV_CAP, w_scale,
-    stride_ag, stride_am, stride_ak,
-    stride_asg, stride_asm, stride_ask,
-    stride_bg, stride_bn, stride_bk,
-    stride_bsg, stride_bsn, stride_bsk,
-    stride_yg, stride_ym,
-    G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, TOPK: tl.constexpr, PARTIAL_BF16: tl.constexpr,
-):
-    """Producer: items 0..ceil(T/BLOCK_T)-1 publish zero partials of tokens without local pairs, then the
-    grouped GEMM's tiles (the walk of grouped_gemm_fp8._fp8_grouped_gemm_kernel, SPLIT_K = 1) with the
-    local count -> gather -> remote store -> remote release epilogue (module doc)."""
-    KB: tl.constexpr = K // 128
-    pid = tl.program_id(0)
+def _ep_zero_partials(tile, T, N, NUM_PROGRAMS, RANK, RECV_CAP, npairs_ptr, owner_ptr, oidx_ptr, recv_tab_ptr,
+                      arr_tab_ptr, PARTIAL_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Work items tile, tile + NUM_PROGRAMS, ... below ceil(T / BLOCK_T): tokens no local tile will complete
+    publish "nothing from me" (a zero partial and its arrivals). Returns the program's first GEMM work item."""
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     empty_items = (T + BLOCK_T - 1) // BLOCK_T
-    tile = pid
     offs_b = tl.arange(0, BLOCK_N)
-    while tile < empty_items:  # tokens no local tile will complete: "nothing from me" = a zero partial
+    while tile < empty_items:
         tok = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         none = (tok < T) & (tl.load(npairs_ptr + tok, mask=tok < T, other=1) == 0)
         own = tl.load(owner_ptr + tok, mask=none, other=0)
         oi = tl.load(oidx_ptr + tok, mask=none, other=0).to(tl.int64)
         dst = _peer_ptr(recv_tab_ptr, own, PARTIAL_BF16) + (RANK * RECV_CAP + oi) * N
         arr = tl.load(arr_tab_ptr + own, mask=none, other=0).to(tl.pointer_type(tl.int32)) + oi * n_tiles
-        nt = pid * 0
+        nt = tile * 0
         while nt < n_tiles:  # (a while loop: the interpreter cannot range() over a runtime scalar)
             offs_n = nt * BLOCK_N + offs_b
             zero = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
@@ -176,50 +165,113 @@ def _ep_down_combine_kernel(
             tl.atomic_add(arr + nt, 1, mask=none, sem="release", scope="sys")
             nt += 1
         tile += NUM_PROGRAMS
-    tiles_before = empty_items
-    for g in range(G):
-        if LAYOUT == 0:  # contiguous
-            row0 = tl.load(indptr_ptr + g)
-            m = tl.load(indptr_ptr + g + 1) - row0
-        else:  # masked
-            row0 = 0
-            m = tl.minimum(tl.load(masked_m_ptr + g), MAX_M)
-        m = tl.maximum(m, 0)
-        t_tiles = (m + BLOCK_T - 1) // BLOCK_T
-        group_tiles = t_tiles * n_tiles
-        g64 = tl.cast(g, tl.int64)
-        while tile < tiles_before + group_tiles:
-            local = tile - tiles_before
-            t_tile = local % t_tiles
-            n_tile = local // t_tiles
-            offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
-            t_mask = offs_t < m
-            rows = (row0 + offs_t).to(tl.int64)
-            offs_n = n_tile * BLOCK_N + offs_b
-            n_mask = offs_n < N
-            res = gg._mma_tile(a_ptr + g64 * stride_ag, as_ptr + g64 * stride_asg, b_ptr + g64 * stride_bg,
-                               bs_ptr + g64 * stride_bsg, rows, t_mask, n_tile, 0, N,
-                               stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
-                               stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T)
-            y_ptrs = y_ptr + g64 * stride_yg + rows[:, None] * stride_ym + offs_n[None, :]
-            tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
-            tl.debug_barrier()  # every thread's rows precede the local counts' release
-            pair = tl.load(pair_ptr + g64 * MAX_M + rows, mask=t_mask, other=0)
-            tok = (pair // TOPK).to(tl.int64)
-            need = tl.load(npairs_ptr + tok, mask=t_mask, other=0)
-            old = tl.atomic_add(lcnt_ptr + tok * n_tiles + n_tile, 1, mask=t_mask, sem="acq_rel")
-            last = t_mask & (old == need - 1)  # this tile completed the token's local N-range
-            tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
-            own = tl.load(owner_ptr + tok, mask=last, other=0)
-            oi = tl.load(oidx_ptr + tok, mask=last, other=0).to(tl.int64)
-            dst = _peer_ptr(recv_tab_ptr, own, PARTIAL_BF16) + (RANK * RECV_CAP + oi) * N
-            gg.gather_sum(y_ptr, rowp_ptr, w_ptr, dst, tok, tok * 0 + n_tile * BLOCK_N, last, N, MAX_M,
-                          stride_yg, stride_ym, 1, w_scale, LAYOUT, TOPK, BLOCK_T, BLOCK_N)
-            tl.debug_barrier()  # the CTA's partial stores precede the release (cumulative) below
-            arr = tl.load(arr_tab_ptr + own, mask=last, other=0).to(tl.pointer_type(tl.int32))
-            tl.atomic_add(arr + oi * n_tiles + n_tile, 1, mask=last, sem="release", scope="sys")
-            tile += NUM_PROGRAMS
-        tiles_before += group_tiles
+    return tile
+
+
+@triton.jit
+def _ep_epilogue(res, g64, rows, offs_n, t_mask, n_tile, y, ep, N, MAX_M,
+                 LAYOUT: tl.constexpr, TOPK: tl.constexpr, PARTIAL_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """A finished tile (both walks): store its bf16 rows, count them per (token, N-tile), and where this tile
+    completed a token's local N-range gather the token's partial into its owner's receive buffer and release
+    the owner's arrival at system scope (module doc)."""
+    y_ptr, stride_yg, stride_ym = y
+    pair_ptr, rowp_ptr, w_ptr, lcnt_ptr, npairs_ptr, owner_ptr, oidx_ptr, recv_tab_ptr, arr_tab_ptr, RANK, \
+        RECV_CAP, w_scale = ep
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    y_ptrs = y_ptr + g64 * stride_yg + rows[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, res.to(y_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_n < N)[None, :])
+    tl.debug_barrier()  # every thread's rows precede the local counts' release
+    pair = tl.load(pair_ptr + g64 * MAX_M + rows, mask=t_mask, other=0)
+    tok = (pair // TOPK).to(tl.int64)
+    need = tl.load(npairs_ptr + tok, mask=t_mask, other=0)
+    old = tl.atomic_add(lcnt_ptr + tok * n_tiles + n_tile, 1, mask=t_mask, sem="acq_rel")
+    last = t_mask & (old == need - 1)  # this tile completed the token's local N-range
+    tl.debug_barrier()  # the acquiring threads' view covers every thread's loads below
+    own = tl.load(owner_ptr + tok, mask=last, other=0)
+    oi = tl.load(oidx_ptr + tok, mask=last, other=0).to(tl.int64)
+    dst = _peer_ptr(recv_tab_ptr, own, PARTIAL_BF16) + (RANK * RECV_CAP + oi) * N
+    gg.gather_sum(y_ptr, rowp_ptr, w_ptr, dst, tok, tok * 0 + n_tile * BLOCK_N, last, N, MAX_M,
+                  stride_yg, stride_ym, 1, w_scale, LAYOUT, TOPK, BLOCK_T, BLOCK_N)
+    tl.debug_barrier()  # the CTA's partial stores precede the release (cumulative) below
+    arr = tl.load(arr_tab_ptr + own, mask=last, other=0).to(tl.pointer_type(tl.int32))
+    tl.atomic_add(arr + oi * n_tiles + n_tile, 1, mask=last, sem="release", scope="sys")
+
+
+@triton.jit
+def _ep_down_combine_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, y_ptr, indptr_ptr, masked_m_ptr,
+    pair_ptr, rowp_ptr, w_ptr, lcnt_ptr, npairs_ptr, owner_ptr, oidx_ptr, recv_tab_ptr, arr_tab_ptr,
+    T, MAX_M, N, NUM_PROGRAMS, RANK, RECV_CAP, w_scale,
+    stride_ag, stride_am, stride_ak,
+    stride_asg, stride_asm, stride_ask,
+    stride_bg, stride_bn, stride_bk,
+    stride_bsg, stride_bsn, stride_bsk,
+    stride_yg, stride_ym, a_desc, b_desc, A_ROWS_PER_GROUP,
+    G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, TOPK: tl.constexpr, PARTIAL_BF16: tl.constexpr,
+    FLAT: tl.constexpr = False, G_P2: tl.constexpr = 1, TMA: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+):
+    """Producer: items 0..ceil(T/BLOCK_T)-1 publish zero partials of tokens without local pairs, then the
+    grouped GEMM's tiles with the local count -> gather -> remote store -> remote release epilogue (module doc).
+    The tiles: the group walk of grouped_gemm_fp8._fp8_grouped_gemm_kernel (SPLIT_K = 1), or with FLAT its
+    flattened, pipelined walk (grouped_gemm_fp8._flat_tile_mma; TMA: operands through descriptors), so the next
+    tiles' loads stay in flight while a tile counts, sends and releases. The same tiles, the same partials."""
+    KB: tl.constexpr = K // 128
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    tile = _ep_zero_partials(pid, T, N, NUM_PROGRAMS, RANK, RECV_CAP, npairs_ptr, owner_ptr, oidx_ptr,
+                             recv_tab_ptr, arr_tab_ptr, PARTIAL_BF16, BLOCK_N, BLOCK_T)
+    y = (y_ptr, stride_yg, stride_ym)
+    ep = (pair_ptr, rowp_ptr, w_ptr, lcnt_ptr, npairs_ptr, owner_ptr, oidx_ptr, recv_tab_ptr, arr_tab_ptr, RANK,
+          RECV_CAP, w_scale)
+    tiles_before = (T + BLOCK_T - 1) // BLOCK_T
+    if FLAT:
+        walk, total = gg._flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G, G_P2, LAYOUT, BLOCK_N, BLOCK_T)
+        ops = (a_ptr, as_ptr, b_ptr, bs_ptr, a_desc, b_desc, A_ROWS_PER_GROUP)
+        strides = (stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask, stride_bg, stride_bn,
+                   stride_bk, stride_bsg, stride_bsn, stride_bsk)
+        if INTERPRET:  # the interpreter cannot range() from a program id
+            while tile - tiles_before < total:
+                res, g64, rows, _, offs_n, t_mask, n_tile = gg._flat_tile_mma(
+                    tile - tiles_before, walk, ops, strides, KB, SWAP_AB, BLOCK_N, BLOCK_T, TMA)
+                _ep_epilogue(res, g64, rows, offs_n, t_mask, n_tile, y, ep, N, MAX_M, LAYOUT, TOPK, PARTIAL_BF16,
+                             BLOCK_N, BLOCK_T)
+                tile += NUM_PROGRAMS
+        else:
+            for gt in tl.range(tile - tiles_before, total, NUM_PROGRAMS, flatten=True):
+                res, g64, rows, _, offs_n, t_mask, n_tile = gg._flat_tile_mma(
+                    gt, walk, ops, strides, KB, SWAP_AB, BLOCK_N, BLOCK_T, TMA)
+                _ep_epilogue(res, g64, rows, offs_n, t_mask, n_tile, y, ep, N, MAX_M, LAYOUT, TOPK, PARTIAL_BF16,
+                             BLOCK_N, BLOCK_T)
+    else:
+        for g in range(G):
+            if LAYOUT == 0:  # contiguous
+                row0 = tl.load(indptr_ptr + g)
+                m = tl.load(indptr_ptr + g + 1) - row0
+            else:  # masked
+                row0 = 0
+                m = tl.minimum(tl.load(masked_m_ptr + g), MAX_M)
+            m = tl.maximum(m, 0)
+            t_tiles = (m + BLOCK_T - 1) // BLOCK_T
+            group_tiles = t_tiles * n_tiles
+            g64 = tl.cast(g, tl.int64)
+            while tile < tiles_before + group_tiles:
+                local = tile - tiles_before
+                t_tile = local % t_tiles
+                n_tile = local // t_tiles
+                offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
+                t_mask = offs_t < m
+                rows = (row0 + offs_t).to(tl.int64)
+                offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                res = gg._mma_tile(a_ptr + g64 * stride_ag, as_ptr + g64 * stride_asg, b_ptr + g64 * stride_bg,
+                                   bs_ptr + g64 * stride_bsg, rows, t_mask, n_tile, 0, N,
+                                   stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
+                                   stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+                _ep_epilogue(res, g64, rows, offs_n, t_mask, n_tile, y, ep, N, MAX_M, LAYOUT, TOPK, PARTIAL_BF16,
+                             BLOCK_N, BLOCK_T)
+                tile += NUM_PROGRAMS
+            tiles_before += group_tiles
 
 
 @triton.jit
@@ -360,20 +412,23 @@ def ep_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tensor
         empty_items = triton.cdiv(t, bt)
         num_programs = max(1, min(upper_t * n_tiles + empty_items, sms * cfg.get("programs_per_sm", 1)))
         ip = layout.m_indptr if layout.m_indptr is not None else layout.masked_m
+        args = (q3, s3, w2, w2_scale, y3, ip, layout.masked_m if layout.masked else ip,
+                layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), lcnt, local_pairs, token_owner,
+                owner_index, recv_tab, arr_tab,
+                t, layout.max_m if layout.masked else 0, hdim, num_programs, rank, recv_capacity, float(weight_scale),
+                gstr[0], q3.stride(1), q3.stride(2),
+                gstr[1], s3.stride(1), s3.stride(2),
+                w2.stride(0), w2.stride(1), w2.stride(2),
+                w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
+                gstr[2], y3.stride(1))
+        consts = dict(G=g_experts, K=inter, LAYOUT=1 if layout.masked else 0, SWAP_AB=variant == "swapab",
+                      BLOCK_N=bn, BLOCK_T=bt, TOPK=k, PARTIAL_BF16=partial_dtype == torch.bfloat16,
+                      num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+        flat = bool(cfg.get("flat"))  # the flattened, pipelined walk (grouped_gemm_fp8 config "flat"; "tma")
+        descs = gg._tma_descriptors(q3, w2, bt, bn) if flat and cfg.get("tma") else None
         _ep_down_combine_kernel[(num_programs,)](
-            q3, s3, w2, w2_scale, y3, ip, layout.masked_m if layout.masked else ip,
-            layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), lcnt, local_pairs, token_owner,
-            owner_index, recv_tab, arr_tab,
-            t, layout.max_m if layout.masked else 0, hdim, num_programs, rank, recv_capacity, float(weight_scale),
-            gstr[0], q3.stride(1), q3.stride(2),
-            gstr[1], s3.stride(1), s3.stride(2),
-            w2.stride(0), w2.stride(1), w2.stride(2),
-            w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
-            gstr[2], y3.stride(1),
-            G=g_experts, K=inter, LAYOUT=1 if layout.masked else 0, SWAP_AB=variant == "swapab",
-            BLOCK_N=bn, BLOCK_T=bt, TOPK=k, PARTIAL_BF16=partial_dtype == torch.bfloat16,
-            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
-        )
+            *args, *(descs or (None, None)), q3.shape[1] if layout.masked else 0, FLAT=flat,
+            G_P2=triton.next_power_of_2(g_experts), TMA=descs is not None, INTERPRET=_interpreting(), **consts)
     if out is None:
         return None
     if own is None:

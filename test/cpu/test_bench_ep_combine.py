@@ -43,13 +43,14 @@ def test_rank_problems_cover_every_pair_once():
 def test_summary_takes_the_slowest_rank():
     def pt(g, s, f, err):
         return {"tokens_per_rank": 20, "gathered_tokens": 40, "variant": "swapab", "config": {},
-                "order_error_vs_fp32": {"fused": err, "serial": 3 * err}, "status": 0,
-                "us": {"gather": g, "serial": s, "fused": f}}
+                "order_error_vs_fp32": {"fused": err, "serial": 3 * err, "fused_flat": err / 2}, "status": 0,
+                "us": {"gather": g, "serial": s, "fused": f, "fused_flat": f - 5}}
     rows = bench.summarize({0: {"points": [pt(10, 100, 90, 0.5)]}, 1: {"points": [pt(12, 110, 80, 0.25)]}})
     r = rows[0]
-    assert r["us_slowest_rank"] == {"gather": 12, "serial": 110, "fused": 90}
-    assert r["moe_down_us"] == {"serial": 98, "fused": 78}
-    assert r["order_error_max"] == {"fused": 0.5, "serial": 1.5}
+    assert r["us_slowest_rank"] == {"gather": 12, "serial": 110, "fused": 90, "fused_flat": 85}
+    assert r["moe_down_us"] == {"serial": 98, "fused": 78, "fused_flat": 73}
+    assert r["order_error_max"] == {"fused": 0.5, "serial": 1.5, "fused_flat": 0.25}
+    assert r["fused_flat_over_serial"] == pytest.approx(85 / 110)
     assert r["fused_over_serial"] == pytest.approx(90 / 110) and not r["any_wait_gave_up"]
 
 

@@ -84,7 +84,9 @@ def test_ep_combine_kernels_publish_at_system_scope(report):
     owner's finish acquires at system scope once per wait and pauses between polls."""
     _, rep = report
     prods = {n: r for n, r in rep.items() if n.startswith("ep_down_combine")}
-    assert len(prods) == 4 and "ep_finish" in rep, sorted(rep)
+    assert len(prods) == 5 and "ep_finish" in rep, sorted(rep)
+    flat = prods["ep_down_combine[masked swapab t16 flat tma]"]  # operands by TMA, the loop multi-buffered
+    assert flat["tma_copies"] > 0 and flat["shared_bytes"] > prods["ep_down_combine[masked swapab t16]"]["shared_bytes"]
     for name, r in prods.items():
         assert any(x.endswith("e4m3.e4m3") for x in r["wgmma"]), (name, r)
         assert r["release_atomics"] == 2 and r["sys_atomics"] == 2 and r["acq_rel_atomics"] == 1, (name, r)

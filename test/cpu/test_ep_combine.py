@@ -163,6 +163,23 @@ def test_every_owner_gets_the_reduce_scattered_sum(sizes, k, skip, masked):
         assert int(bufs[o].arrivals.abs().sum()) == 0  # the finish reset what it consumed
 
 
+@pytest.mark.parametrize("walk", [{"flat": True}, {"flat": True, "tma": True}], ids=["flat", "tma"])
+@pytest.mark.parametrize("sizes,k,skip,masked", CASES[:3])
+def test_flat_walk_sends_the_same_partials(sizes, k, skip, masked, walk):
+    """The producer on the flattened walk (configs flat, tma): the same GEMM rows, the same partials in every
+    owner's receive buffer and the same finished outputs, bit for bit, as the group walk; zero-partial tokens
+    included (the work items before the GEMM tiles)."""
+    pb = Problem(sizes, k, seed=len(sizes) * 10 + k, skip=skip, masked=masked, only_rank0=(0,) if k <= G else ())
+    outs0, bufs0, ys0 = pb.run()
+    outs1, bufs1, ys1 = pb.run(cfg={"BLOCK_T": 16, **walk})
+    for y0, y1 in zip(ys0, ys1):
+        assert torch.equal(y0.isnan(), y1.isnan()) and torch.equal(torch.nan_to_num(y0), torch.nan_to_num(y1))
+    for o in range(pb.world):
+        assert bufs1[o].status.item() == 0 and int(bufs1[o].arrivals.abs().sum()) == 0
+        assert torch.equal(bufs0[o].recv, bufs1[o].recv)
+        assert torch.equal(outs0[o], outs1[o])
+
+
 def test_normal_variant_bf16_partials_and_reuse():
     """BLOCK_T 64 (normal variant), bf16 partials, and a second call on the same buffers (arrivals were reset)."""
     pb = Problem([3, 4], 2, seed=7, skip=(2,))

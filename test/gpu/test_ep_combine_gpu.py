@@ -7,7 +7,8 @@ H200s); NCCL (torch.distributed) provides barriers and the reference reduce_scat
 Each rank runs ep_down_and_combine (producer + its own finish on one stream) on the same gathered tokens, then
 the same partials are recomputed in torch from the GEMM's own bf16 rows (fp32, per rank) and reduce-scattered
 with NCCL: the fused result must match up to the summation order (sbo.order_error <= 1), never flag an error,
-and repeat bit for bit across many calls on the same buffers (the arrivals' reset under real concurrency).
+and repeat bit for bit across many calls on the same buffers (the arrivals' reset under real concurrency); the
+producer on the flattened, TMA-fed walk (config flat + tma) must give the same bits.
 Also: a rank that skips its producer makes both owners flag status instead of hanging.
 """
 import os
@@ -92,6 +93,21 @@ def _run(rank, init_file):
     err = sbo.order_error(first, want)
     assert err <= 1, f"rank {rank}: order_error {err}"
     assert not torch.isnan(first.float()).any()
+
+    # the producer on the flattened, TMA-fed walk: the same tiles as the group walk with the same tile config,
+    # so the same partials and the same bits, over repeated calls (alternating the two walks on one set of buffers)
+    walks = {"group": {"BLOCK_T": 16}, "flat": {"BLOCK_T": 16, "flat": True, "tma": True}}
+    want_bits = None
+    for it in range(12):
+        name = "flat" if it % 2 else "group"
+        out = torch.full((SIZES[rank], H), float("nan"), dtype=torch.bfloat16, device=dev)
+        ep.ep_down_and_combine(q, qs, wq, ws, w, lay, out=out, config=walks[name], **kw)
+        dist.barrier()
+        want_bits = out.clone() if want_bits is None else want_bits
+        assert torch.equal(out, want_bits), f"rank {rank} {name} walk, iteration {it}: differs"
+    assert sbo.order_error(want_bits, want) <= 1
+    torch.cuda.synchronize()
+    assert int(own.status) == 0 and int(own.arrivals.abs().sum()) == 0
 
     # a rank that never produces: both owners flag it and return
     dist.barrier()
