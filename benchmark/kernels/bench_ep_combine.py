@@ -64,7 +64,8 @@ def parse_args(argv=None):
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="one batch (32 tokens per rank), 5 reps")
     ap.add_argument("--eager", action="store_true", help="launch each rank's kernels plainly, not as CUDA graphs")
-    ap.add_argument("--hang-s", type=float, default=300, help="a rank still running after this dumps its stack and exits")
+    ap.add_argument("--hang-s", type=float, default=300,
+                    help="a rank still running after this dumps its stack and exits")
     ap.add_argument("--replot", type=Path, metavar="JSON", help="only redraw JSON's PNG (next to it), no GPU run")
     a = ap.parse_args(argv)
     if a.quick:
@@ -145,6 +146,7 @@ def run_rank(rank: int, world: int, init_file: str, args) -> dict:
         full = torch.empty(t, H, device=dev, dtype=torch.bfloat16)
         mine_serial = torch.empty(tokens, H, device=dev, dtype=torch.bfloat16)
         mine_fused = torch.empty(tokens, H, device=dev, dtype=torch.bfloat16)
+        mine_flat = torch.empty(tokens, H, device=dev, dtype=torch.bfloat16)
         variant, cfg = gg.resolve_config("auto", None, max(1, -(-t * TOPK // args.experts)), H, I,
                                          args.experts // world, "contiguous", gg._device_sms(p["q"]))
         cfg = {**cfg, "BLOCK_N": ep.COUNT_BLOCK_N}  # both arms on the fused form's tile grid
@@ -157,48 +159,27 @@ def run_rank(rank: int, world: int, init_file: str, args) -> dict:
             local_gemm()
             sbo.combine(y, p["lay"], p["w"], full, weight_scale=2.5)
 
-        def local_fused():  # producer + this rank's finish (waits on the peer's producer)
-            ep.ep_down_and_combine(p["q"], p["qs"], p["wq"], p["ws"], p["w"], p["lay"], rank=rank, world=world,
-                                   token_owner=p["owner"], owner_index=p["index"], local_pairs=p["pairs"],
-                                   peer_recv=recv_tab, peer_arrivals=arr_tab, recv_capacity=cap, out=mine_fused,
-                                   own=own, weight_scale=2.5, variant=variant, config=cfg, y=y)
+        def local_fused(mine, config):  # producer + this rank's finish (waits on the peer's producer) into mine
+            return lambda: ep.ep_down_and_combine(
+                p["q"], p["qs"], p["wq"], p["ws"], p["w"], p["lay"], rank=rank, world=world, token_owner=p["owner"],
+                owner_index=p["index"], local_pairs=p["pairs"], peer_recv=recv_tab, peer_arrivals=arr_tab,
+                recv_capacity=cap, out=mine, own=own, weight_scale=2.5, variant=variant, config=config, y=y)
 
-        mine_flat = torch.empty(tokens, H, device=dev, dtype=torch.bfloat16)
-
-        def local_fused_flat():
-            ep.ep_down_and_combine(p["q"], p["qs"], p["wq"], p["ws"], p["w"], p["lay"], rank=rank, world=world,
-                                   token_owner=p["owner"], owner_index=p["index"], local_pairs=p["pairs"],
-                                   peer_recv=recv_tab, peer_arrivals=arr_tab, recv_capacity=cap, out=mine_flat,
-                                   own=own, weight_scale=2.5, variant=variant, config={**cfg, **FLAT_TMA}, y=y)
-
-        local = {"gemm": local_gemm, "gemm_combine": local_gemm_combine, "fused": local_fused,
-                 "fused_flat": local_fused_flat}
+        local = {"gemm": local_gemm, "gemm_combine": local_gemm_combine, "fused": local_fused(mine_fused, cfg),
+                 "fused_flat": local_fused(mine_flat, {**cfg, **FLAT_TMA})}
 
         def gather():
             dist.all_gather_into_tensor(gathered, hidden)
 
-        def gemm():
-            gather()
-            local["gemm"]()
-
-        def gemm_combine():
-            gather()
-            local["gemm_combine"]()
+        def after_gather(name):  # a step: the dispatch all-gather, then this rank's kernels (graphed or not)
+            return lambda: (gather(), local[name]())
 
         def serial():
-            gemm_combine()
+            arms["gemm_combine"]()
             dist.reduce_scatter_tensor(mine_serial, full)
 
-        def fused():
-            gather()
-            local["fused"]()
-
-        def fused_flat():
-            gather()
-            local["fused_flat"]()
-
-        arms = {"gather": gather, "gemm": gemm, "gemm_combine": gemm_combine, "serial": serial, "fused": fused,
-                "fused_flat": fused_flat}
+        arms = {"gather": gather, **{name: after_gather(name) for name in ("gemm", "gemm_combine")}, "serial": serial,
+                **{name: after_gather(name) for name in ("fused", "fused_flat")}}
         for fn in arms.values():  # compile, then warm
             for _ in range(3):
                 fn()
@@ -243,11 +224,10 @@ def summarize(per_rank: dict[int, dict]) -> list[dict]:
         down = {arm: us[arm] - us["gather"] for arm in us if arm != "gather"}
         rows.append({"tokens_per_rank": pt["tokens_per_rank"], "gathered_tokens": pt["gathered_tokens"],
                      "us_slowest_rank": us, "moe_down_us": down,
-                     "fused_over_serial": us["fused"] / us["serial"],
+                     **{f"{arm}_over_serial": us[arm] / us["serial"] for arm in ("fused", "fused_flat") if arm in us},
                      "moe_down_fused_over_serial": down["fused"] / down["serial"] if down["serial"] > 0 else None,
                      "order_error_max": {arm: max(per_rank[r]["points"][i]["order_error_vs_fp32"][arm] for r in ranks)
                                          for arm in pt["order_error_vs_fp32"]},
-                     **({"fused_flat_over_serial": us["fused_flat"] / us["serial"]} if "fused_flat" in us else {}),
                      "any_wait_gave_up": any(per_rank[r]["points"][i]["status"] for r in ranks),
                      "variant": pt["variant"], "config": pt["config"]})
     return rows
@@ -322,7 +302,8 @@ def main(argv=None) -> int:
         try:
             per_rank = dict(results.get(timeout=args.hang_s + 60) for _ in procs)
         except queue.Empty:
-            print(f"bench_ep_combine: a rank did not finish in {args.hang_s:.0f}s (its stack is above)", file=sys.stderr)
+            print(f"bench_ep_combine: a rank did not finish in {args.hang_s:.0f}s (its stack is above)",
+                  file=sys.stderr)
             return 1
         finally:
             for pr in procs:
@@ -336,7 +317,8 @@ def main(argv=None) -> int:
         return 1
     rows = summarize(per_rank)
     print(f"{'tokens/rank':>11s} {'gather':>8s} {'gemm':>8s} {'+combine':>8s} {'serial':>8s} {'fused':>8s} "
-          f"{'flat':>8s} {'fused/serial':>12s} {'flat/serial':>11s} {'err fused':>9s} {'err flat':>8s} {'err serial':>10s}")
+          f"{'flat':>8s} {'fused/serial':>12s} {'flat/serial':>11s} {'err fused':>9s} {'err flat':>8s} "
+          f"{'err serial':>10s}")
     for r in rows:
         u, e = r["us_slowest_rank"], r["order_error_max"]
         print(f"{r['tokens_per_rank']:11d} {u['gather']:8.1f} {u['gemm']:8.1f} {u['gemm_combine']:8.1f} "

@@ -14,8 +14,9 @@ Measured (benchmark/kernels/bench_ep_combine.py, 2 H200s, 2026-11-30): correct (
 per-tile counts, remote stores and system-scope releases add 102-183 us to a 365-449 us GEMM, where the
 combine and the collective add 25-41 us. Not wired into SGLang for that reason. Built since, not measured:
 config {"flat": True, "tma": True} runs the producer on grouped_gemm_fp8's flattened, TMA-fed tile walk
-(`_ep_down_combine_kernel` with FLAT: the same zero partials and the same epilogue, `_ep_epilogue`), so the next
-tiles' weight loads stay in flight while a tile counts, sends and releases; the same partials, bit for bit.
+(`_ep_down_combine_kernel` with FLAT: the same zero partials and the same epilogue, `_ep_epilogue`), so the
+next tiles' weight loads stay in flight while a tile counts, sends and releases; the same partials, bit for
+bit.
 
 Data flow (rank r of `world`, G local experts, gathered tokens T = sum of every rank's tokens)
   producer  `_ep_down_combine_kernel` (one persistent kernel, the grouped GEMM's tile walk):
@@ -64,14 +65,14 @@ belongs to rank token_owner[i] at index owner_index[i] within that rank's tokens
 Why a separate kernel rather than a third epilogue mode of grouped_gemm_fp8._fp8_grouped_gemm_kernel: it
 shares the tile math (`_mma_tile`) and the gather (`gather_sum`) and copies only the ~30-line tile walk,
 while the shipped GEMM modes keep their compiled code, argument list and compile-report entries unchanged;
-the EP epilogue needs a dozen
-arguments of its own (pointer tables, owner maps, local counts) and a work prelude (zero partials) that the
-other modes would carry as dead parameters. Compiles for sm_90a (benchmark/kernels/compile_report.py ep):
-swapAB and normal tiles without spills (the gather runs in 32-column passes, gather_sum).
+the EP epilogue needs a dozen arguments of its own (pointer tables, owner maps, local counts) and a work
+prelude (zero partials) that the other modes would carry as dead parameters. Compiles for sm_90a
+(benchmark/kernels/compile_report.py ep): swapAB and normal tiles without spills (the gather runs in 32-column
+passes, gather_sum).
 
 Tests: test/cpu/test_ep_combine.py (world 2/4 emulated in one process under TRITON_INTERPRET),
-test/gpu/test_ep_combine_gpu.py (2 GPUs, symmetric memory, against NCCL reduce_scatter), test/cpu/test_compile_report.py
-(system-scope release / acquire in the PTX).
+test/gpu/test_ep_combine_gpu.py (2 GPUs, symmetric memory, against NCCL reduce_scatter),
+test/cpu/test_compile_report.py (system-scope release / acquire in the PTX).
 """
 from __future__ import annotations
 
@@ -412,23 +413,23 @@ def ep_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tensor
         empty_items = triton.cdiv(t, bt)
         num_programs = max(1, min(upper_t * n_tiles + empty_items, sms * cfg.get("programs_per_sm", 1)))
         ip = layout.m_indptr if layout.m_indptr is not None else layout.masked_m
-        args = (q3, s3, w2, w2_scale, y3, ip, layout.masked_m if layout.masked else ip,
-                layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), lcnt, local_pairs, token_owner,
-                owner_index, recv_tab, arr_tab,
-                t, layout.max_m if layout.masked else 0, hdim, num_programs, rank, recv_capacity, float(weight_scale),
-                gstr[0], q3.stride(1), q3.stride(2),
-                gstr[1], s3.stride(1), s3.stride(2),
-                w2.stride(0), w2.stride(1), w2.stride(2),
-                w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
-                gstr[2], y3.stride(1))
-        consts = dict(G=g_experts, K=inter, LAYOUT=1 if layout.masked else 0, SWAP_AB=variant == "swapab",
-                      BLOCK_N=bn, BLOCK_T=bt, TOPK=k, PARTIAL_BF16=partial_dtype == torch.bfloat16,
-                      num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
         flat = bool(cfg.get("flat"))  # the flattened, pipelined walk (grouped_gemm_fp8 config "flat"; "tma")
         descs = gg._tma_descriptors(q3, w2, bt, bn) if flat and cfg.get("tma") else None
         _ep_down_combine_kernel[(num_programs,)](
-            *args, *(descs or (None, None)), q3.shape[1] if layout.masked else 0, FLAT=flat,
-            G_P2=triton.next_power_of_2(g_experts), TMA=descs is not None, INTERPRET=_interpreting(), **consts)
+            q3, s3, w2, w2_scale, y3, ip, layout.masked_m if layout.masked else ip,
+            layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), lcnt, local_pairs, token_owner,
+            owner_index, recv_tab, arr_tab,
+            t, layout.max_m if layout.masked else 0, hdim, num_programs, rank, recv_capacity, float(weight_scale),
+            gstr[0], q3.stride(1), q3.stride(2),
+            gstr[1], s3.stride(1), s3.stride(2),
+            w2.stride(0), w2.stride(1), w2.stride(2),
+            w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
+            gstr[2], y3.stride(1), *(descs or (None, None)), q3.shape[1] if layout.masked else 0,
+            G=g_experts, K=inter, LAYOUT=1 if layout.masked else 0, SWAP_AB=variant == "swapab",
+            BLOCK_N=bn, BLOCK_T=bt, TOPK=k, PARTIAL_BF16=partial_dtype == torch.bfloat16, FLAT=flat,
+            G_P2=triton.next_power_of_2(g_experts), TMA=descs is not None, INTERPRET=_interpreting(),
+            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        )
     if out is None:
         return None
     if own is None:

@@ -59,9 +59,10 @@ Config "flat": True (masked / contiguous, plain outputs or EpilogueCombine; no s
 _fp8_grouped_gemm_flat_kernel: the same tiles in one flattened, pipelined loop over the program's tiles
 (tl.range(..., flatten=True)), so the weight stream does not drain at every tile boundary, and with
 EpilogueCombine the next tiles' loads stay in flight while a tile counts (sm_90a: the inline form keeps the
-plain flat loop's multi-buffered shared memory; the deferred form compiles single-buffered). With "tma": True as well, its FP8 operands arrive through host-built tensor
-descriptors (TMA boxes of [BLOCK_T | BLOCK_N, 128]) instead of pointer loads, as DeepGEMM feeds its wgmmas: no
-address math or per-element masks in the loop (rows past a tile's real ones are read and masked on the store).
+plain flat loop's multi-buffered shared memory; the deferred form compiles single-buffered). With "tma": True
+as well, its FP8 operands arrive through host-built tensor descriptors (TMA boxes of [BLOCK_T | BLOCK_N, 128])
+instead of pointer loads, as DeepGEMM feeds its wgmmas: no address math or per-element masks in the loop (rows
+past a tile's real ones are read and masked on the store).
 Both bit-identical to the group walk (CPU tests); neither measured yet, so the shipped table never picks them;
 `bench_grouped_gemm.py --tune` times them.
 
