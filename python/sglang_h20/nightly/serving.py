@@ -29,6 +29,10 @@ def _say(msg: str) -> None:
 PORT_TAKEN = "EADDRINUSE"  # torch.distributed's store could not bind the port SGLang drew
 
 
+class PortTakenError(RuntimeError):
+    """The server died before ready because a port it drew was already in use (its log says EADDRINUSE)."""
+
+
 class Server:
     """A launched SGLang server: start, wait for /health, stop with its whole process tree.
 
@@ -53,14 +57,11 @@ class Server:
 
     def __enter__(self) -> "Server":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        for attempt in (1, 2):  # SGLang draws its internal ports at random: a taken one is worth one relaunch
-            try:
-                return self._launch()
-            except RuntimeError as e:
-                if attempt == 2 or PORT_TAKEN not in str(e):
-                    raise
-                _say("server died on a port already in use (EADDRINUSE); relaunching once")
-        raise AssertionError("unreachable")
+        try:
+            return self._launch()
+        except PortTakenError:  # SGLang draws its internal ports at random: a taken one is worth one relaunch
+            _say("server died on a port already in use (EADDRINUSE); relaunching once")
+            return self._launch()
 
     def _launch(self) -> "Server":
         _say(f"launch: {' '.join(self.command)}")
@@ -71,10 +72,10 @@ class Server:
         while time.time() - t0 < self.ready_timeout_s:
             if self.proc.poll() is not None:
                 self._log.close()
-                log = self.log_path.read_text(errors="replace")
-                taken = f"\n({PORT_TAKEN})" if PORT_TAKEN in log else ""
-                raise RuntimeError(f"server exited with {self.proc.returncode} before ready; "
-                                   f"last log lines:\n{tail(self.log_path, 30)}{taken}")
+                taken = PORT_TAKEN in self.log_path.read_text(errors="replace")
+                raise (PortTakenError if taken else RuntimeError)(
+                    f"server exited with {self.proc.returncode} before ready; "
+                    f"last log lines:\n{tail(self.log_path, 30)}" + (f"\n({PORT_TAKEN})" if taken else ""))
             if _http_status(self.url + "/health") == 200:
                 self.start_s = time.time() - t0
                 _say(f"server ready after {self.start_s:.0f}s")
