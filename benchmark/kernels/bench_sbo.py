@@ -137,13 +137,20 @@ def main(argv=None) -> int:
                   flush=True)
             return us
 
-        def serial():
-            sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, out, overlap=False, variant=variant, config=cfg)
+        def down(config=cfg, dst=out, **kw):
+            """One moe_down_and_combine call of this point (down GEMM + combine into dst), as a callable."""
+            return lambda: sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, dst, variant=variant, config=config,
+                                                    **kw)
 
+        def gemm(config=cfg, **kw):
+            """The down GEMM alone into y, as a callable."""
+            return lambda: gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, w2q, w2s, lay.m_indptr, out=y, variant=variant,
+                                                               config=config, **kw)
+
+        serial = down(overlap=False)
         ref = torch.empty_like(out)
-        sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, ref, overlap=False, variant=variant, config=cfg)
-        s = {"gemm_alone": add("gemm_alone", lambda: gg.m_grouped_fp8_gemm_nt_contiguous(
-            q, qs, w2q, w2s, lay.m_indptr, out=y, variant=variant, config=cfg))}
+        down(dst=ref, overlap=False)()
+        s = {"gemm_alone": add("gemm_alone", gemm())}
         s["combine_alone"] = add("combine_alone", lambda: sbo.combine(y, lay, w, out, block_t=cfg["BLOCK_T"]))
         s["serial"] = add("serial", serial)
         s["shared_alone"] = add("shared_alone", lambda: shared_expert(x))
@@ -164,45 +171,36 @@ def main(argv=None) -> int:
             return add(name, fn, order_error_vs_serial=err, all_written=not bool(torch.isnan(out.float()).any()),
                        equal_to_serial=err <= 1)
 
-        def fused():
-            sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, out, fused=True, variant=variant, config=cfg)
-
+        fused = down(fused=True)
         s["fused"] = add_checked("fused", fused)
 
-        def fused_shared():
-            main = torch.cuda.current_stream()
-            shared_stream.wait_stream(main)
-            with torch.cuda.stream(shared_stream):
-                sh = shared_expert(x)
-            fused()
-            main.wait_stream(shared_stream)
-            out.add_(sh)
+        def beside_shared(step):
+            """step with the shared expert on a side stream beside it, joined before the add into out."""
+            def run():
+                main = torch.cuda.current_stream()
+                shared_stream.wait_stream(main)
+                with torch.cuda.stream(shared_stream):
+                    sh = shared_expert(x)
+                step()
+                main.wait_stream(shared_stream)
+                out.add_(sh)
+            return run
 
-        s["fused+shared"] = add("fused+shared", fused_shared)
-        s["fused_deferred"] = add_checked("fused_deferred", lambda: sbo.moe_down_and_combine(
-            q, qs, w2q, w2s, w, lay, out, fused=True, defer=True, variant=variant, config=cfg))
-        s["fused_counts_only"] = add("fused_counts_only", lambda: sbo.moe_down_and_combine(
-            q, qs, w2q, w2s, w, lay, out, fused=True, counts_only=True, variant=variant, config=cfg))
+        s["fused+shared"] = add("fused+shared", beside_shared(fused))
+        s["fused_deferred"] = add_checked("fused_deferred", down(fused=True, defer=True))
+        s["fused_counts_only"] = add("fused_counts_only", down(fused=True, counts_only=True))
         s["fused_gain_us"] = s["serial"] - s["fused"]
         s["combine_hidden_pct"] = 100 * s["fused_gain_us"] / s["combine_alone"]
         flat = {**cfg, "flat": True, "tma": True}  # the same tiles on the flattened, TMA-fed walk
-        s["flat_gemm_alone"] = add("flat_gemm_alone", lambda: gg.m_grouped_fp8_gemm_nt_contiguous(
-            q, qs, w2q, w2s, lay.m_indptr, out=y, variant=variant, config=flat))
-        s["flat_serial"] = add("flat_serial", lambda: sbo.moe_down_and_combine(
-            q, qs, w2q, w2s, w, lay, out, overlap=False, variant=variant, config=flat))
-        s["flat_fused"] = add_checked("flat_fused", lambda: sbo.moe_down_and_combine(
-            q, qs, w2q, w2s, w, lay, out, fused=True, variant=variant, config=flat))
-        s["flat_fused_counts_only"] = add("flat_fused_counts_only", lambda: sbo.moe_down_and_combine(
-            q, qs, w2q, w2s, w, lay, out, fused=True, counts_only=True, variant=variant, config=flat))
+        s["flat_gemm_alone"] = add("flat_gemm_alone", gemm(flat))
+        s["flat_serial"] = add("flat_serial", down(flat, overlap=False))
+        s["flat_fused"] = add_checked("flat_fused", down(flat, fused=True))
+        s["flat_fused_counts_only"] = add("flat_fused_counts_only", down(flat, fused=True, counts_only=True))
         s["flat_combine_hidden_pct"] = 100 * (s["flat_serial"] - s["flat_fused"]) / s["combine_alone"]
         for b in args.budgets:
-            s[f"gemm_lent[{b}]"] = add("gemm_lent", lambda b=b: (sig.zero_(), gg.m_grouped_fp8_gemm_nt_contiguous(
-                q, qs, w2q, w2s, lay.m_indptr, out=y, variant=variant, config=cfg, signal=sig, num_sms=sms - b)), b)
-
-            def overlapped(b=b):
-                sbo.moe_down_and_combine(q, qs, w2q, w2s, w, lay, out, overlap=True, combine_sms=b,
-                                         variant=variant, config=cfg, status=status)
-
+            lent = gemm(signal=sig, num_sms=sms - b)
+            s[f"gemm_lent[{b}]"] = add("gemm_lent", lambda lent=lent: (sig.zero_(), lent()), b)
+            overlapped = down(overlap=True, combine_sms=b, status=status)
             status.zero_()
             out.fill_(float("nan"))
             overlapped()
@@ -210,20 +208,9 @@ def main(argv=None) -> int:
             err = sbo.order_error(out, ref)
             same = err <= 1 and int(status) == 0
             s[f"overlap[{b}]"] = add("overlap", overlapped, b, equal_to_serial=same, order_error=err)
-            s[f"overlap_nosleep[{b}]"] = add("overlap_nosleep", lambda b=b: sbo.moe_down_and_combine(
-                q, qs, w2q, w2s, w, lay, out, overlap=True, combine_sms=b, variant=variant, config=cfg,
-                status=status, spin_sleep_ns=0), b)
-
-            def overlapped_shared(b=b):
-                main = torch.cuda.current_stream()
-                shared_stream.wait_stream(main)
-                with torch.cuda.stream(shared_stream):
-                    sh = shared_expert(x)
-                overlapped(b)
-                main.wait_stream(shared_stream)
-                out.add_(sh)
-
-            s[f"overlap+shared[{b}]"] = add("overlap+shared", overlapped_shared, b)
+            s[f"overlap_nosleep[{b}]"] = add("overlap_nosleep",
+                                             down(overlap=True, combine_sms=b, status=status, spin_sleep_ns=0), b)
+            s[f"overlap+shared[{b}]"] = add("overlap+shared", beside_shared(overlapped), b)
             if not same:
                 print(f"batch {t}: overlapped output differs from serial at budget {b}!", file=sys.stderr)
         best = min(args.budgets, key=lambda b: s[f"overlap[{b}]"])
