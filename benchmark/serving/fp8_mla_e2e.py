@@ -184,7 +184,10 @@ def merge_records(records: list[dict], sources: list[str]) -> dict:
     ref = phases["triton"]["ids"] if "triton" in phases else None
     prompts = min((len(p.get("ids") or []) for p in phases.values()), default=0)
     keep = ("command", "git_commit", "gpu", "date", "versions", "server_args", "workloads", "wall_s")
-    return {**provenance.record(), "benchmark": "fp8_mla_e2e", "model": models.pop(),
+    # the merge runs anywhere (a CPU box): where every source ran on the same GPU and versions, say so at the top
+    measured_on = {k: records[0].get(k) for k in ("gpu", "gpu_capability", "versions")
+                   if all(r.get(k) == records[0].get(k) for r in records)}
+    return {**provenance.record(), **measured_on, "benchmark": "fp8_mla_e2e", "model": models.pop(),
             "merged_from": [{"source": src, **{k: r.get(k) for k in keep}} for r, src in zip(records, sources)],
             "skipped": [s for r in records for s in r.get("skipped", [])],
             "errors": {k: v for r in records for k, v in r.get("errors", {}).items()},

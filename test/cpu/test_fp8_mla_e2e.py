@@ -39,6 +39,13 @@ def test_merge_compares_phases_from_separate_runs(tmp_path):
     assert s["greedy_agreement_vs_triton"]["ours"]["mean_matching_prefix"] == 2  # [1, 2] before 3 != 9
     assert [m["git_commit"] for m in rec["merged_from"]] == ["aaa", "bbb"]
     assert set(rec["phases"]) == {"ours", "triton", "flashmla"} and rec["reference"] == "triton phase"
+    assert rec["gpu"] == "NVIDIA H200"  # both sources ran there, though the merge itself ran on a CPU
+
+
+def test_merge_names_no_gpu_when_the_sources_disagree():
+    other = {**record({"flashmla": phase([[1]], 1.0, 1.0)}), "gpu": "NVIDIA H20"}
+    rec = e2e.merge_records([record({"ours": phase([[1]], 1.0, 1.0)}), other], ["x", "y"])
+    assert rec["gpu"] != "NVIDIA H200" and [m["gpu"] for m in rec["merged_from"]] == ["NVIDIA H200", "NVIDIA H20"]
 
 
 def test_merge_refuses_a_phase_twice_and_mixed_models():
