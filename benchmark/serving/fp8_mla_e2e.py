@@ -14,7 +14,8 @@ prefill reads the cached KV; for ours that is the gather-and-dequantize path), t
 reference (matching prefix length and position-wise match rate; dummy weights make logits nearly flat, so
 even two BF16 backends drift apart: the flashmla BF16 row is the noise floor to read the FP8 rows against),
 then sglang.bench_serving workloads (random dataset, one wave: num-prompts = concurrency unless given), each
-with the decode-only throughput read from the server log lines of that workload.
+with the decode-only throughput read from the server log lines of that workload. A server that dies ends its
+phase: the error that ended it (from its log) is recorded as server_died and the remaining workloads as skipped.
 
 --deadline-s: after the first phase, a phase starts only if its expected startup plus its greedy step fits; a
 workload runs only if its expected duration (measured in an earlier phase, or a default guess) fits. Whatever is
@@ -98,6 +99,7 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     log = out / "server.log"
+    env = {**env, **args.server_env}
     rec: dict = {"phase": name, "flags": flags, "env": env, "skipped": []}
     t0 = time.time()
     with Server(args.model, shlex.split(args.server_args) + flags, log, env=env, port=port,
@@ -110,7 +112,7 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
         rec["ids_repeat"] = [output_ids(srv.generate(text=t, max_new_tokens=args.gen_tokens)) for t in texts]
         measured["greedy"] = time.time() - t1
         rec["benches"] = {}
-        for w in (args.workloads if bench else []):
+        for i, w in enumerate(args.workloads if bench else []):
             guess = measured.get(w, GUESS_S.get(w, 120.0))
             if clock.left() < guess:
                 rec["skipped"].append(f"{w}: {clock.left():.0f}s left < ~{guess:.0f}s expected")
@@ -124,6 +126,12 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
                               timeout_s=max(60.0, clock.left()))
             except Exception as e:  # a failed workload is a result too; the next one may still run
                 rec["benches"][w] = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
+                died = srv.death()
+                if died:  # the rest would only find the port closed
+                    rec["server_died"] = {"during": w, "error": died}
+                    rec["skipped"] += [f"{rest}: the server died during {w}" for rest in args.workloads[i + 1:]]
+                    print(f"  {name}: server died during {w}: {died}", flush=True)
+                    break
                 continue
             measured[w] = max(measured.get(w, 0.0), time.time() - tb)
             with open(log, errors="replace") as f:
@@ -162,6 +170,12 @@ def summarize(phases: dict, ref: list | None) -> dict:
     s["ours_over"] = {w: {other: v["ours"]["output_tok_s"] / v[other]["output_tok_s"]
                           for other in ("flashmla", "flashmla-fp8") if other in v}
                       for w, v in table.items() if "ours" in v}
+    # output tok/s carries each workload's prefill too; the server's decode-only rate is the attention kernel's
+    s["ours_decode_over"] = {w: {other: v["ours"]["decode_only_tok_s"] / v[other]["decode_only_tok_s"]
+                                 for other in ("flashmla", "flashmla-fp8")
+                                 if other in v and v["ours"]["decode_only_tok_s"] and v[other]["decode_only_tok_s"]}
+                             for w, v in table.items() if "ours" in v}
+    s["server_deaths"] = {n: p["server_died"] for n, p in phases.items() if p.get("server_died")}
     ours = phases.get("ours", {})
     s["ours_backend_selected"] = any("fp8_mla: attention backend h20_fp8_mla" in ln
                                      for ln in ours.get("plugin_log_lines", []))
@@ -207,6 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--deadline-s", type=float, default=480.0)
+    ap.add_argument("--server-env", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="extra environment for every phase's server, e.g. CUDA_LAUNCH_BLOCKING=1 to name the "
+                         "kernel behind a CUDA fault (slow: for a crash repro, not for timing)")
     ap.add_argument("--reference", type=Path, help="an earlier fp8_mla_e2e.json: reuse its triton greedy ids "
                                                      "(same model and prompts) instead of running the triton phase")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
@@ -220,6 +237,9 @@ def main(argv=None) -> int:
         return 0
     if not args.model:
         ap.error("--model is required (unless --merge)")
+    if any("=" not in kv for kv in args.server_env):
+        ap.error("--server-env takes KEY=VALUE words")
+    args.server_env = dict(kv.split("=", 1) for kv in args.server_env)
     for k, v in HOST_ENV.items():
         os.environ.setdefault(k, v)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,8 @@ def test_merge_compares_phases_from_separate_runs(tmp_path):
     rec = json.loads((tmp_path / "m" / "fp8_mla_e2e.json").read_text())
     s = rec["summary"]
     assert s["ours_over"]["4096x512@16"]["flashmla"] == pytest.approx(1500 / 1200)
+    assert s["ours_decode_over"]["4096x512@16"]["flashmla"] == pytest.approx(1650 / 1320)  # decode-only rates
+    assert s["server_deaths"] == {}
     assert s["greedy_agreement_vs_triton"]["ours"]["mean_matching_prefix"] == 2  # [1, 2] before 3 != 9
     assert [m["git_commit"] for m in rec["merged_from"]] == ["aaa", "bbb"]
     assert set(rec["phases"]) == {"ours", "triton", "flashmla"} and rec["reference"] == "triton phase"
@@ -59,3 +61,11 @@ def test_merge_refuses_a_phase_twice_and_mixed_models():
 def test_model_is_required_without_merge(tmp_path):
     with pytest.raises(SystemExit):
         e2e.main(["--out", str(tmp_path)])
+
+
+def test_summary_lists_a_dead_server_and_ratios_only_what_ran():
+    ours = phase([[1]], 400.0, 26.0)
+    ours["server_died"] = {"during": "4096x512@128", "error": "RuntimeError: CUDA error: an illegal memory access"}
+    s = e2e.summarize({"ours": ours, "flashmla-fp8": phase([[1]], 440.0, 22.0)}, None)
+    assert s["server_deaths"] == {"ours": ours["server_died"]}
+    assert set(s["ours_decode_over"]["4096x512@16"]) == {"flashmla-fp8"}

@@ -33,6 +33,21 @@ class PortTakenError(RuntimeError):
     """The server died before ready because a port it drew was already in use (its log says EADDRINUSE)."""
 
 
+CRASH_MARK = "Scheduler hit an exception"
+ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .+")
+
+
+def crash_summary(log_text: str) -> str | None:
+    """The error that ended a server, from its log: the first `SomeError: message` line after SGLang's
+    scheduler-crash mark (or anywhere, without the mark); None when the log shows none. A CUDA fault is
+    reported where it is noticed, not where it happened, so this names the symptom, not the faulting kernel."""
+    start = log_text.find(CRASH_MARK)
+    for line in log_text[max(start, 0):].splitlines():
+        if ERROR_LINE.match(line.strip()):
+            return line.strip()
+    return None
+
+
 class Server:
     """A launched SGLang server: start, wait for /health, stop with its whole process tree.
 
@@ -98,6 +113,14 @@ class Server:
                     continue
         if getattr(self, "_log", None):
             self._log.close()
+
+    def death(self) -> str | None:
+        """None while the server process runs; once it has exited, the error that ended it (crash_summary),
+        so a caller can tell a dead server from a failed client and stop sending it work."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return crash_summary(text) or f"server exited with {self.proc.returncode}"
 
     def generate(self, text: str | None = None, input_ids: list[int] | None = None,
                  max_new_tokens: int = 32) -> dict:
