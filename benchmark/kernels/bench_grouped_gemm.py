@@ -68,6 +68,7 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
     if str(_p) not in sys.path:
         sys.path.append(str(_p))
 
+from sglang_h20 import provenance  # noqa: E402
 from sglang_h20.gputime import graph_median_us  # noqa: E402
 
 MOE_SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
@@ -337,7 +338,9 @@ def sglang_triton(a, a_s, b, b_s, counts, swap_ab: bool):
 # ---------------------------------------------------------------------------------------------
 # Sweep
 # ---------------------------------------------------------------------------------------------
-def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune):
+def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune, time_up=lambda: False):
+    """Every provider at one MoE point; with `tune`, ours over its config grid until `time_up()` (each config is
+    a Triton compile of seconds: a deadline must cut the grid, not wait for the point to end)."""
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     n, k = MOE_SHAPES[shape]
@@ -371,8 +374,13 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             continue
         for layout in args.layouts:
             configs = [None] + (tune_grid(variant, args.tune_walks) if tune else [])
-            best = None
+            best, tried = None, 0
             for cfg in configs:
+                if best is not None and time_up():
+                    print(f"  ours-{variant} {layout}: deadline, tuned {tried} of {len(configs)} configs",
+                          file=sys.stderr)
+                    break
+                tried += 1
                 try:
                     if layout == "masked":
                         out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
@@ -403,7 +411,8 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                     lo, hi = indptr[first].item(), indptr[first + 1].item()
                     err = rel_err(out[lo:hi], a_c[lo:hi], a_cs[lo:hi], b[first], b_s[first])
             tiles = (used["BLOCK_T"], used["BLOCK_N"])
-            record(f"ours-{variant}", layout, us, tiles, err, used)
+            record(f"ours-{variant}", layout, us, tiles, err, used,
+                   {"configs_tried": tried, "configs_in_grid": len(configs)} if tune else None)
 
     if "deepgemm" in args.providers:
         for layout in args.layouts:
@@ -538,10 +547,31 @@ def roofline_png(path, points, peak_tbs):
     return None
 
 
+def result_record(args, points, peak, unavailable, skipped, partial: bool) -> dict:
+    """The JSON record of the points measured so far (`partial`: the sweep did not finish, or is still running)."""
+    rep = next((p for p in points if all(p.get(kk) == v for kk, v in REPRESENTATIVE.items())), None)
+    rep = rep or next((p for p in points if p["provider"] == "ours-swapab"), None) or (points[0] if points else None)
+    return {
+        "benchmark": "grouped_gemm_fp8",
+        "latency_us": rep["us"] if rep else float("nan"),
+        "tflops": rep["tflops"] if rep else float("nan"),
+        "representative": rep,
+        "provenance": provenance.record(),
+        "peak_read": peak,
+        "peak_read_tbs": peak["peak_read_tbs"],
+        "h20_model": {"label": "modelled", "fp8_flops": H20_FP8_FLOPS, "hbm_bytes_per_s": H20_HBM_BPS,
+                      "formula": "max(issued FLOPs incl. tile padding / 296e12, bytes / 4.0e12)"},
+        "unavailable": unavailable,
+        "points": points,
+        "table_entries": table_entries(points),
+        "quick": args.quick,
+        "partial": partial,
+        "not_started": skipped,
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from sglang_h20 import provenance
-
     if args.table_from:
         write_table(json.loads(args.table_from.read_text()), args.table_out or Path("grouped_gemm_table.json"),
                     str(args.table_from))
@@ -566,11 +596,20 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     skipped = []
 
+    def time_up() -> bool:
+        return args.deadline_s is not None and time.monotonic() - t0 >= args.deadline_s
+
     def in_time(label: str) -> bool:
-        if args.deadline_s is None or time.monotonic() - t0 < args.deadline_s:
+        if not time_up():
             return True
         skipped.append(label)
         return False
+
+    def checkpoint() -> None:  # after every point: a run killed from outside still leaves its JSON
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result_record(args, points, peak, unavailable, skipped, partial=True),
+                                            indent=1))
 
     points = []
     moe_shapes = [s for s in args.shapes if s in MOE_SHAPES]
@@ -578,40 +617,26 @@ def main(argv=None) -> int:
         for t in tokens:
             for shape in moe_shapes:
                 if in_time(f"{shape} g{g} m{t} uniform"):
-                    points += moe_points(args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune)
+                    points += moe_points(args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune, time_up)
+                    checkpoint()
         for t in uneven_tokens:
             counts = uneven_counts(g, t, rng)
             for shape in moe_shapes:
                 if in_time(f"{shape} g{g} m{t} uneven"):
-                    points += moe_points(args, shape, g, t, "uneven", counts, gen, unavailable, args.tune)
+                    points += moe_points(args, shape, g, t, "uneven", counts, gen, unavailable, args.tune, time_up)
+                    checkpoint()
     if "dense" in args.shapes:
         for shape in DENSE_SHAPES:
             for m in dense_m:
                 if in_time(f"{shape} m{m}"):
                     points += dense_points(args, shape, m, gen, unavailable)
+                    checkpoint()
     if skipped:
         print(f"deadline {args.deadline_s:.0f}s: {len(skipped)} points not started (first: {skipped[0]})",
               file=sys.stderr)
 
-    rep = next((p for p in points if all(p.get(kk) == v for kk, v in REPRESENTATIVE.items())), None)
-    rep = rep or next((p for p in points if p["provider"] == "ours-swapab"), None) or (points[0] if points else None)
-    result = {
-        "benchmark": "grouped_gemm_fp8",
-        "latency_us": rep["us"] if rep else float("nan"),
-        "tflops": rep["tflops"] if rep else float("nan"),
-        "representative": rep,
-        "provenance": provenance.record(),
-        "peak_read": peak,
-        "peak_read_tbs": peak["peak_read_tbs"],
-        "h20_model": {"label": "modelled", "fp8_flops": H20_FP8_FLOPS, "hbm_bytes_per_s": H20_HBM_BPS,
-                      "formula": "max(issued FLOPs incl. tile padding / 296e12, bytes / 4.0e12)"},
-        "unavailable": unavailable,
-        "points": points,
-        "table_entries": table_entries(points),
-        "quick": args.quick,
-        "partial": bool(skipped),
-        "not_started": skipped,
-    }
+    result = result_record(args, points, peak, unavailable, skipped, partial=bool(skipped))
+    rep = result["representative"]
     if unavailable:
         for kk, v in unavailable.items():
             print(f"unavailable: {kk}: {v}", file=sys.stderr)

@@ -14,3 +14,15 @@ def test_tune_walks_filter_the_grid():
         assert plain_flat and not any(c.get("tma") for c in plain_flat)
         assert len(tma) + len(plain_flat) == len(grid) == 3 * len(tma)
     assert bench.parse_args(["--tune", "--tune-walks", "tma"]).tune_walks == ["tma"]
+
+
+def test_partial_record_keeps_what_was_measured_and_names_the_representative():
+    """The checkpoint written after every point (a run killed by its caller still leaves its JSON)."""
+    args = bench.parse_args(["--quick"])
+    pts = [{"provider": "deepgemm", "us": 9.0, "tflops": 1.0, "shape": "down"},
+           {"provider": "ours-swapab", "us": 5.0, "tflops": 2.0, "shape": "gate_up", "groups": 32,
+            "tokens_per_group": 8, "distribution": "uniform", "layout": "masked"}]
+    rec = bench.result_record(args, pts, {"peak_read_tbs": 4.5}, {}, ["down g256 m8 uniform"], partial=True)
+    assert rec["partial"] and rec["not_started"] == ["down g256 m8 uniform"] and rec["points"] == pts
+    assert rec["representative"]["provider"] == "ours-swapab" and rec["latency_us"] == 5.0
+    assert rec["provenance"]["git_commit"]
