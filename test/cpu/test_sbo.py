@@ -410,9 +410,13 @@ def test_hooks_only_on_sm90(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="sglang_h20.sbo"):
         assert plugin_sbo.hooks(Settings.from_env({"SGLANG_H20_SBO": "on"})) == []
     assert sum("not SM90" in r.message for r in caplog.records) == 1
+    assert not any("costs more than it hides" in r.message for r in caplog.records)
     fake_gpu(monkeypatch, (9, 0))
-    targets = [h.target for h in plugin_sbo.hooks(Settings.from_env({"SGLANG_H20_SBO": "on"}))]
+    with caplog.at_level(logging.INFO, logger="sglang_h20.sbo"):
+        targets = [h.target for h in plugin_sbo.hooks(Settings.from_env({"SGLANG_H20_SBO": "on"}))]
     assert targets == list(plugin_sbo.ALL_TARGETS)
+    warned = [r for r in caplog.records if "costs more than it hides" in r.message]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING  # on SM90 the measured cost is said once
 
 
 def test_init_hook_lifts_the_sm90_refusal(monkeypatch):

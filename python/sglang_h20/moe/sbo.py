@@ -235,6 +235,9 @@ def hooks(settings: Settings) -> list[Hook]:
                  g.label if g else "no GPU")
         return []
     _note.clear()
+    log.warning("sbo: on one GPU this costs more than it hides: with the combine in the down GEMM's epilogue, "
+                "dsv3-ep16-slice served 0.86-0.93x the output tok/s of SBO off on the H200 "
+                "(benchmark/results/sbo/sbo_e2e_*.json); it pays only where a network combine has time to hide")
     return [Hook(INIT_MOE_CONFIG, init_moe_config_hook, "around"),
             Hook(COMBINE_DOWN_FLAG, combine_down_flag_hook, "around"),
             Hook(TRITON_MOE, fused_experts_hook, "around"),
