@@ -5,6 +5,9 @@ Phases (each a fresh `python -m sglang.launch_server` with the same --server-arg
   triton         --attention-backend triton (BF16 KV): the greedy reference only, no benchmark
   ours           --attention-backend h20_fp8_mla (this plugin; FP8 latent + per-token scales)
   ours-v2        the same with version 2 of the CUDA split kernel (SGLANG_H20_FP8_MLA_KERNEL=cuda-v2)
+  ours-se        ours with the MHA/MLA policy on (SGLANG_H20_MHA_MLA_POLICY=se): prefill chunks that continue a
+                 request (a cached prefix under upstream's 8192-token threshold) then take MHA where the GPU's cost
+                 table says so, instead of absorbed MLA on SGLang's Triton extend kernel
   flashmla       --attention-backend flashmla (BF16 KV)
   flashmla-fp8   --attention-backend flashmla --kv-cache-dtype fp8_e4m3
 Upstream phases run with SGLANG_PLUGINS=__none__ (plain SGLang).
@@ -51,9 +54,11 @@ PHASES = {  # name: (extra server flags, extra env, run benchmarks)
     "triton": (["--attention-backend", "triton"], UPSTREAM, False),
     "ours": (["--attention-backend", "h20_fp8_mla"], {}, True),
     "ours-v2": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_KERNEL": "cuda-v2"}, True),
+    "ours-se": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_MHA_MLA_POLICY": "se"}, True),
     "flashmla": (["--attention-backend", "flashmla"], UPSTREAM, True),
     "flashmla-fp8": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], UPSTREAM, True),
 }
+OPT_IN = ("ours-v2", "ours-se")
 WORKLOADS = ["4096x512@16", "4096x512@48", "4096x512@128", "1024x256@128"]  # input x output @ concurrency
 # expected seconds until a phase has measured them (guesses for a 61-layer dummy DeepSeek-V3 slice on one H200)
 GUESS_S = {"startup": 240.0, "greedy": 40.0, "4096x512@16": 45.0, "4096x512@48": 70.0, "4096x512@128": 120.0,
@@ -167,14 +172,15 @@ def summarize(phases: dict, ref: list | None) -> dict:
                                               "median_itl_ms": b["median_itl_ms"],
                                               "decode_only_tok_s": b["decode_log"].get("median_tok_s")}
     s["throughput"] = table
-    s["ours_over"] = {w: {other: v["ours"]["output_tok_s"] / v[other]["output_tok_s"]
-                          for other in ("flashmla", "flashmla-fp8") if other in v}
-                      for w, v in table.items() if "ours" in v}
-    # output tok/s carries each workload's prefill too; the server's decode-only rate is the attention kernel's
-    s["ours_decode_over"] = {w: {other: v["ours"]["decode_only_tok_s"] / v[other]["decode_only_tok_s"]
-                                 for other in ("flashmla", "flashmla-fp8")
-                                 if other in v and v["ours"]["decode_only_tok_s"] and v[other]["decode_only_tok_s"]}
-                             for w, v in table.items() if "ours" in v}
+    def over(mine: str, key: str) -> dict:
+        return {w: {other: v[mine][key] / v[other][key] for other in ("flashmla", "flashmla-fp8")
+                    if other in v and v[mine][key] and v[other][key]}
+                for w, v in table.items() if mine in v}
+
+    for mine in [n for n in phases if n.startswith("ours")]:  # ours, and opt-in variants as <name>_over
+        s[f"{mine}_over"] = over(mine, "output_tok_s")
+        # output tok/s carries each workload's prefill too; the server's decode-only rate is the attention kernel's
+        s[f"{mine}_decode_over"] = over(mine, "decode_only_tok_s")
     s["server_deaths"] = {n: p["server_died"] for n, p in phases.items() if p.get("server_died")}
     ours = phases.get("ours", {})
     s["ours_backend_selected"] = any("fp8_mla: attention backend h20_fp8_mla" in ln
@@ -213,8 +219,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=False, help="model dir (required unless --merge)")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--phases", nargs="+", default=[p for p in PHASES if p != "ours-v2"], choices=list(PHASES),
-                    help="ours-v2 (the v2 CUDA kernel) is opt-in: one more server start")
+    ap.add_argument("--phases", nargs="+", default=[p for p in PHASES if p not in OPT_IN], choices=list(PHASES),
+                    help=f"{', '.join(OPT_IN)} are opt-in: one more server start each")
     ap.add_argument("--workloads", nargs="+", default=WORKLOADS, help="INxOUT@CONCURRENCY, in order of priority")
     ap.add_argument("--num-prompts", type=int, default=0, help="per workload (default: its concurrency, one wave)")
     ap.add_argument("--server-args", default=SERVER_ARGS)

@@ -66,6 +66,8 @@ def test_model_is_required_without_merge(tmp_path):
 def test_summary_lists_a_dead_server_and_ratios_only_what_ran():
     ours = phase([[1]], 400.0, 26.0)
     ours["server_died"] = {"during": "4096x512@128", "error": "RuntimeError: CUDA error: an illegal memory access"}
-    s = e2e.summarize({"ours": ours, "flashmla-fp8": phase([[1]], 440.0, 22.0)}, None)
+    s = e2e.summarize({"ours": ours, "ours-se": phase([[1]], 440.0, 20.0), "flashmla-fp8": phase([[1]], 440.0, 22.0)},
+                      None)
     assert s["server_deaths"] == {"ours": ours["server_died"]}
     assert set(s["ours_decode_over"]["4096x512@16"]) == {"flashmla-fp8"}
+    assert s["ours-se_decode_over"]["4096x512@16"]["flashmla-fp8"] == pytest.approx(1.0)  # variants get their own
