@@ -97,9 +97,9 @@ if [[ " $STEPS " == *" kernels "* ]]; then
   done
 fi
 if [[ " $STEPS " == *" parity "* ]]; then
-  say "plugin parity (deadline for new phases: $(( $(left) - 150 ))s from now)"
-  python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l --out "$OUT/parity" \
-    --phases ${PHASES:-upstream plugin-off} --deadline-s $(( $(left) - 150 )) ${PARITY_ARGS:-} \
+  say "plugin parity (phases must fit in $(( $(left) - 60 ))s; the JSON is written after each)"
+  timeout -k 25 $(( $(left) - 45 )) python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l \
+    --out "$OUT/parity" --phases ${PHASES:-upstream plugin-off} --deadline-s $(( $(left) - 60 )) ${PARITY_ARGS:-} \
     --server-args "$SERVER_ARGS --attention-backend triton --log-level info" \
     2>&1 | tee "$OUT/parity.log" | grep -v "^\[.*bench:" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
@@ -119,9 +119,10 @@ if [[ " $STEPS " == *" layer "* ]] && [ "$(left)" -gt 90 ]; then
 fi
 if [[ " $STEPS " == *" parity_ep "* ]]; then  # the multi-GPU issue: EP = DP attention = every GPU visible
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  say "plugin parity with EP=$n, DP attention (deadline for new phases: $(( $(left) - 200 ))s from now)"
-  NCCL_NVLS_ENABLE=0 python3 benchmark/serving/plugin_parity.py --model /tmp/models/dsv3-4l --out "$OUT/parity_ep" \
-    --phases ${PHASES:-upstream plugin-off features} --deadline-s $(( $(left) - 200 )) ${PARITY_ARGS:-} \
+  say "plugin parity with EP=$n, DP attention (phases must fit in $(( $(left) - 60 ))s; the JSON is written after each)"
+  NCCL_NVLS_ENABLE=0 timeout -k 25 $(( $(left) - 45 )) python3 benchmark/serving/plugin_parity.py \
+    --model /tmp/models/dsv3-4l --out "$OUT/parity_ep" \
+    --phases ${PHASES:-upstream plugin-off features} --deadline-s $(( $(left) - 60 )) ${PARITY_ARGS:-} \
     --server-args "$SERVER_ARGS --attention-backend triton --log-level info \
 --tp $n --ep-size $n --enable-dp-attention --dp $n ${EP_ARGS:-}" 2>&1 | tee "$OUT/parity_ep.log" | grep -v "^\[.*bench:" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1

@@ -43,7 +43,9 @@ from pathlib import Path
 
 from sglang_h20 import provenance
 from sglang_h20.models import random_words
-from sglang_h20.nightly.serving import Server, decode_throughput, output_ids, tail, write_sharegpt
+from sglang_h20.nightly.serving import (
+    Server, decode_throughput, output_ids, stop_servers_on_sigterm, tail, write_sharegpt,
+)
 
 SERVER_ARGS = ("--load-format dummy --sampling-backend pytorch --moe-runner-backend triton --fp8-gemm-backend triton "
                "--grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64")
@@ -248,6 +250,7 @@ def main(argv=None) -> int:
     args.server_env = dict(kv.split("=", 1) for kv in args.server_env)
     for k, v in HOST_ENV.items():
         os.environ.setdefault(k, v)
+    stop_servers_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
     clock, measured, phases, skipped, errors = Clock(args.deadline_s), {}, {}, [], {}

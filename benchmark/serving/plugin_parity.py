@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from sglang_h20 import provenance
-from sglang_h20.nightly.serving import Server, output_ids, write_sharegpt
+from sglang_h20.nightly.serving import Server, output_ids, stop_servers_on_sigterm, write_sharegpt
 
 PHASE_ENV = {"upstream": {"SGLANG_PLUGINS": "__none__"}, "plugin-off": {},
              # the features that keep the model's numerics (the policy picks MHA or MLA: bf16 rounding
@@ -102,6 +102,16 @@ def summarize(phases: list[dict]) -> dict:
     return summary
 
 
+def write_record(args, phases: list[dict], not_run: list[str]) -> dict:
+    record = {**provenance.record(), "benchmark": "plugin_parity", "model": args.model,
+              "server_args": args.server_args,
+              "workload": {k: getattr(args, k) for k in ("num_prompts", "concurrency", "input_len", "output_len",
+                                                          "repeats", "gen_tokens")},
+              "phases_not_run": not_run, "summary": summarize(phases), "phases": phases}
+    (args.result or args.out / "plugin_parity.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -116,24 +126,25 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--observe-fraction", type=float, help="observed share of passes in 'features' (default 0.001; "
                     "0.5 makes about half of the greedy decode passes replay the instrumented twin graphs)")
-    ap.add_argument("--deadline-s", type=float, default=1e9, help="skip phases that would start after this")
+    ap.add_argument("--deadline-s", type=float, default=1e9,
+                    help="seconds from the start: a phase starts only if the longest one so far still fits")
     ap.add_argument("--result", type=Path, help="results JSON (default OUT/plugin_parity.json)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    stop_servers_on_sigterm()
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
-    t0, phases = time.time(), []
+    t0, phases, skipped = time.time(), [], []
     for i, phase in enumerate(args.phases):
-        if phases and time.time() - t0 > args.deadline_s:
-            print(f"deadline: skipping phase {phase} and later", flush=True)
+        # a phase is a server start plus its benches: start one only if the longest so far still fits
+        need = max((p["wall_s"] for p in phases), default=0.0)
+        if phases and time.time() - t0 + need > args.deadline_s:
+            skipped = args.phases[i:]
+            print(f"deadline: {time.time() - t0:.0f}s gone + ~{need:.0f}s per phase > {args.deadline_s:.0f}s: "
+                  f"skipping {' '.join(skipped)}", flush=True)
             break
         phases.append(run_phase(phase, args, 30000 + i, sharegpt))
-    record = {**provenance.record(), "benchmark": "plugin_parity", "model": args.model,
-              "server_args": args.server_args,
-              "workload": {k: getattr(args, k) for k in ("num_prompts", "concurrency", "input_len", "output_len",
-                                                          "repeats", "gen_tokens")},
-              "summary": summarize(phases), "phases": phases}
-    result = args.result or args.out / "plugin_parity.json"
-    result.write_text(json.dumps(record, indent=1))
+        record = write_record(args, phases, args.phases[i + 1:])  # after every phase: a killed run keeps it
+    record = write_record(args, phases, skipped)
     print(json.dumps(record["summary"], indent=1))
     return 0 if record["summary"]["greedy_ids_identical"] else 1
 

@@ -37,6 +37,12 @@ CRASH_MARK = "Scheduler hit an exception"
 ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .+")
 
 
+def stop_servers_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`'s signal) raise SystemExit in this process, so every `with Server(...)` block
+    stops its server's process group on the way out instead of leaving it holding the GPU for the next step."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def crash_summary(log_text: str) -> str | None:
     """The error that ended a server, from its log: the first `SomeError: message` line after SGLang's
     scheduler-crash mark (or anywhere, without the mark); None when the log shows none. A CUDA fault is
