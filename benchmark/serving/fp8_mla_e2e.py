@@ -61,7 +61,9 @@ PHASES = {  # name: (extra server flags, extra env, run benchmarks)
     "flashmla-fp8": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], UPSTREAM, True),
 }
 OPT_IN = ("ours-v2", "ours-se")
-WORKLOADS = ["4096x512@16", "4096x512@48", "4096x512@128", "1024x256@128"]  # input x output @ concurrency
+WORKLOADS = ["4096x512@16", "4096x512@48", "1024x256@128", "4096x512@128"]  # in x out @ concurrency, by priority:
+# the decode-heavy 1024x256@128 before the long 4096x512@128 (prefill-bound at 128; it also killed both FP8 servers
+# on the H200, 2026-11-30, so it goes last)
 # expected seconds until a phase has measured them (guesses for a 61-layer dummy DeepSeek-V3 slice on one H200)
 GUESS_S = {"startup": 240.0, "greedy": 40.0, "4096x512@16": 45.0, "4096x512@48": 70.0, "4096x512@128": 120.0,
            "1024x256@128": 50.0}
