@@ -14,6 +14,12 @@ reason, never silently dropped):
                      seesaw, a loader warpgroup and two math warpgroups owning alternate KV tiles).
   ours-cuda[-v2]-tplan  the same kernel with the Triton kernel's plan (2 waves' worth of programs; what the
                      session-6 runs used), for the plans side by side.
+  ours-cuda[-v2]-ctx the plan the h20_fp8_mla backend captured in its CUDA graphs until 2026-11-30: the grid and
+                     split count planned for the model's context length (--server-context, DeepSeek-V3's
+                     163840), whatever the lengths (many fp32 partials at short contexts).
+  ours-cuda[-v2]-graph  what the backend captures now: the same grid, the split count for the actual lengths
+                     read from the device at run time (metadata.splits_dev, mla_decode.set_splits); the CTAs
+                     past it return at once.
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
                      (1152 B/token), metadata get_mla_metadata(seqlens, q_len*H, 1) outside the timed region.
   flashmla-fp8       the same entry with FP8 q and cache as SGLang's flashmla backend calls it: per-tensor
@@ -75,6 +81,8 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, nargs="+", default=HEADS)
     ap.add_argument("--qlens", type=int, nargs="+", default=QLENS)
     ap.add_argument("--providers", nargs="+", default=DEFAULT_PROVIDERS)
+    ap.add_argument("--server-context", type=int, default=163840,
+                    help="the context length the -ctx / -graph providers plan their grid for (DeepSeek-V3's)")
     ap.add_argument("--configs", nargs="*", default=[],
                     help="extra tile configs of ours, BHxBNxBVxWxS[b] e.g. 64x32x256x8x2 64x32x512x8x2b (block_h, "
                          "block_n, block_v, warps, stages; b: PV on fp16 MMA); with --only-configs instead of the default")
@@ -164,9 +172,10 @@ def _decode_calls(torch, sets, metas, decode):
     return [call(i) for i in range(len(sets))], (lambda: outs[0])
 
 
-def make_ours_cuda(torch, mla, sets, ctx, version=1, triton_plan=False):
+def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_context=163840):
     """The CUDA split kernel (`version` 1 or 2), timed exactly like "ours" (metadata outside, Q pre-pass inside),
-    with its own split plan or (triton_plan) the Triton kernel's."""
+    with its own split plan, the Triton kernel's ("triton"), or the backend's CUDA-graph plans for a model of
+    server_context tokens: static ("ctx", before 2026-11-30) or with the run-time split count ("graph")."""
     try:
         import importlib
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
@@ -177,10 +186,20 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1, triton_plan=False):
         raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
     import functools
 
-    plan = mla.get_mla_decode_metadata if triton_plan else cu.get_mla_decode_metadata
-    metas = [plan(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=ctx) for s in sets]
+    import dataclasses
+
+    plan = mla.get_mla_decode_metadata if plan_kind == "triton" else cu.get_mla_decode_metadata
+    bound = server_context if plan_kind in ("ctx", "graph") else ctx
+    metas = [plan(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=bound) for s in sets]
     info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
-            "kernel_version": version, "plan": "triton" if triton_plan else "cuda"}
+            "kernel_version": version, "plan": plan_kind}
+    if plan_kind == "graph" and metas[0].num_splits > 1:
+        for i, s in enumerate(sets):
+            B, T, H, _ = s["q"].shape
+            lut = cu.splits_lut(H, T, B, server_context, device="cuda")
+            metas[i] = dataclasses.replace(metas[i], splits_dev=torch.ones(1, dtype=torch.int32, device="cuda"))
+            mla.set_splits(metas[i].splits_dev, lut, s["cache_seqlens"], PAGE)
+        info["run_time_splits"] = int(metas[0].splits_dev.item())
     return _decode_calls(torch, sets, metas, functools.partial(cu.mla_decode_fp8_cuda, version=version)) + (info,)
 
 
@@ -401,9 +420,11 @@ def main(argv=None) -> int:
             for cfg in configs:
                 providers.append((f"ours[{cfg[0]}x{cfg[1]}x{cfg[2]}w{cfg[3]}s{cfg[4]}{'b' if cfg[5] else ''}]",
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
-        elif p in ("ours-cuda", "ours-cuda-v2", "ours-cuda-tplan", "ours-cuda-v2-tplan"):
-            providers.append((p, lambda sets, ctx, p=p: make_ours_cuda(torch, mla, sets, ctx, version=2 if "v2" in p
-                                                                       else 1, triton_plan=p.endswith("tplan"))))
+        elif p in [f"ours-cuda{v}{k}" for v in ("", "-v2") for k in ("", "-tplan", "-ctx", "-graph")]:
+            kind = {"tplan": "triton", "ctx": "ctx", "graph": "graph"}.get(p.rsplit("-", 1)[-1], "cuda")
+            providers.append((p, lambda sets, ctx, p=p, kind=kind: make_ours_cuda(
+                torch, mla, sets, ctx, version=2 if "v2" in p else 1, plan_kind=kind,
+                server_context=args.server_context)))
         elif p == "flashmla-bf16":
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
         elif p == "flashmla-fp8":

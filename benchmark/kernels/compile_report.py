@@ -84,9 +84,10 @@ def mla_variants(configs: list[str]):
         types = {"Q8_LAT": f"tensordesc<fp8e4nv[{bh}, 512]>", "Q8_ROPE": f"tensordesc<fp8e4nv[{bh}, 64]>",
                  "K_LAT": f"tensordesc<fp8e4nv[{bn}, 512]>", "K_ROPE": f"tensordesc<fp8e4nv[{bn}, 64]>",
                  "V": f"tensordesc<fp8e4nv[{bn}, {bv}]>", "QS": "*fp32", "KVS": "*fp32", "BT": "*i32",
-                 "SEQ": "*i32", "OP": "*fp32", "LP": "*fp32", "OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32"}
+                 "SEQ": "*i32", "OP": "*fp32", "LP": "*fp32", "OUT": "*bf16", "LSE": "*fp32", "qk_scale": "fp32",
+                 "SPLITS": "*i32"}
         const = dict(PAGE_SIZE=64, BLOCK_H=bh, BLOCK_N=bn, BLOCK_V=bv, PV_16BIT=cfg.endswith("b"), CAUSAL=True,
-                     DIRECT=False, INTERPRET=False, ROUND_BF16=False)
+                     DIRECT=False, INTERPRET=False, ROUND_BF16=False, DYN_SPLITS=True)  # the CUDA-graph form
         yield f"mla_decode[{cfg}]", m._mla_fp8_split_kernel, const, types, w, s, ()
 
 

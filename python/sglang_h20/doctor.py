@@ -82,7 +82,7 @@ def tables_and_kernels() -> list[str]:
     try:
         from sglang_h20.attention.fp8_mla_backend import decode_kernel
 
-        lines.append(f"  FP8 MLA decode      {decode_kernel()[2]}")
+        lines.append(f"  FP8 MLA decode      {decode_kernel().what}")
     except Exception as e:
         lines.append(f"  FP8 MLA decode      unavailable ({type(e).__name__}: {e})")
     return lines

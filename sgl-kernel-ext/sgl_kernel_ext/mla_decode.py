@@ -62,6 +62,12 @@ Kernels
    With one split it writes bf16 output and lse directly; otherwise a normalised fp32 partial and its lse.
 3. ``_mla_fp8_combine_kernel``: grid (rows, B); merges the non-empty splits of a row through their lse.
 
+Split count at run time (CUDA graphs): a captured launch keeps its grid, so its split count was chosen from the
+capture's length bound (the model's context length), far more splits than the lengths of a later replay need
+(fp32 partials written and combined for nothing). With ``metadata.splits_dev`` (a device int32 [1]) both
+kernels cut the sequences into that many splits instead, at most the grid's ``num_splits``; the programs past it
+return at once. :func:`splits_lut` and :func:`set_splits` fill it from the lengths on the GPU, without a sync.
+
 References: :func:`mla_decode_exact` (fp32 math on the bf16 inputs) and :func:`mla_decode_reference`
 (fp32 math on the dequantized FP8 cache and the quantize-dequantized Q, i.e. everything but P rounding).
 
@@ -271,6 +277,8 @@ class MLADecodeMetadata:
     num_row_blocks: int
     num_sm: int
     pv_16bit: bool = True  # PV on fp16 MMA (V dequantized in registers, no transpose); QK^T stays FP8
+    splits_dev: torch.Tensor | None = None  # device int32 [1]: the split count used at run time (<= num_splits,
+    #                                         the grid's); set for a CUDA graph whose replays vary in length
 
 
 def _default_num_sm() -> int:
@@ -323,15 +331,24 @@ def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: 
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _run_splits(SPLITS, num_splits, DYN_SPLITS: tl.constexpr):
+    """The split count this launch cuts sequences into: the grid's, or the device value (clamped to 1..grid's)."""
+    if DYN_SPLITS:
+        num_splits = tl.minimum(tl.maximum(tl.load(SPLITS), 1), num_splits)
+    return num_splits
+
+
+@triton.jit
 def _mla_fp8_split_kernel(
     Q8_LAT, Q8_ROPE, QS, K_LAT, K_ROPE, V, KVS, BT, SEQ, OP, LP, OUT, LSE,
     qk_scale,
     stride_sp, stride_st, stride_btb,
     stride_opb, stride_opr, stride_ops, stride_lpb, stride_lpr,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    num_heads, num_rows, q_len, num_splits,
+    num_heads, num_rows, q_len, num_splits, SPLITS,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     PV_16BIT: tl.constexpr, CAUSAL: tl.constexpr, DIRECT: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16: tl.constexpr,
+    DYN_SPLITS: tl.constexpr,
 ):
     L: tl.constexpr = 512
     NUM_VB: tl.constexpr = L // BLOCK_V
@@ -351,6 +368,7 @@ def _mla_fp8_split_kernel(
         row_end = tl.zeros([BLOCK_H], dtype=tl.int32) + seqlen
     row_end = tl.where(row_ok, row_end, 0)
 
+    num_splits = _run_splits(SPLITS, num_splits, DYN_SPLITS)
     split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     start = sp * split_len
     end = tl.minimum(start + split_len, seqlen)  # empty for splits past a short sequence: nothing stored
@@ -454,15 +472,16 @@ def _mla_fp8_combine_kernel(
     OP, LP, SEQ, OUT, LSE,
     stride_opb, stride_opr, stride_ops, stride_lpb, stride_lpr,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    num_heads, num_splits,
+    num_heads, num_splits, SPLITS,
     BLOCK_N: tl.constexpr, SPLITS_P2: tl.constexpr, DV: tl.constexpr, INTERPRET: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    ROUND_BF16: tl.constexpr, DYN_SPLITS: tl.constexpr,
 ):
     r = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     t = r // num_heads
     h = r % num_heads
     seqlen = tl.load(SEQ + b)
+    num_splits = _run_splits(SPLITS, num_splits, DYN_SPLITS)
     split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     n_used = tl.minimum(tl.cdiv(seqlen, tl.maximum(split_len, 1)), num_splits)  # splits the partial kernel wrote
 
@@ -515,6 +534,56 @@ def decode_args(q: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch
         out = torch.empty((B, q_len, H, KV_LORA_RANK), dtype=q.dtype, device=q.device)
     assert out.shape == (B, q_len, H, KV_LORA_RANK) and out.stride(-1) == 1
     return block_table, cache_seqlens, metadata, out, torch.empty((B, q_len, H), dtype=torch.float32, device=q.device)
+
+
+def splits_args(metadata: MLADecodeMetadata, like: torch.Tensor) -> tuple:
+    """The SPLITS pointer argument of the kernels: metadata.splits_dev, or any int32 tensor when it is unset
+    (DYN_SPLITS is then False and the kernels never read it)."""
+    s = metadata.splits_dev
+    if s is None:
+        return (like,)
+    assert s.dtype == torch.int32 and s.numel() >= 1 and s.device == like.device, "splits_dev: int32 [1], kernel's device"
+    return (s,)
+
+
+def combine_partials(op, lp, cache_seqlens, out, lse, metadata: MLADecodeMetadata, block_n: int,
+                     round_bf16: bool = False) -> None:
+    """Merge the split kernels' fp32 partials op [B, rows, S, 512] / lse lp [B, rows, S] into out and lse
+    (the Triton and the CUDA split kernels write the same partial format)."""
+    B, rows, S = lp.shape
+    H = out.shape[2]
+    _mla_fp8_combine_kernel[(rows, B)](
+        op, lp, cache_seqlens, out, lse, op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        H, S, *splits_args(metadata, cache_seqlens), BLOCK_N=block_n, SPLITS_P2=max(triton.next_power_of_2(S), 2),
+        DV=KV_LORA_RANK, INTERPRET=_INTERPRETED, ROUND_BF16=round_bf16, DYN_SPLITS=metadata.splits_dev is not None,
+        num_warps=4,
+    )
+
+
+def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: int = 64, num_sm: int | None = None,
+               device=None, **plan_kw) -> torch.Tensor:
+    """get_mla_decode_metadata's split count for every longest length up to max_seqlen, in steps of `page`:
+    int32 [cdiv(max_seqlen, page) + 1], entry t for a longest sequence of t pages (entry 0 = entry 1), computed
+    in one vectorized pass. Built once per captured batch size; set_splits indexes it at each replay."""
+    m = get_mla_decode_metadata(torch.ones(max(batch, 1), dtype=torch.int32), num_heads, q_len, num_sm,
+                                max_seqlen=page, **plan_kw)
+    bn = m.block_n
+    min_split = max(plan_kw.get("min_split_tokens", 128), bn)
+    waves = plan_kw.get("waves", 2.0)
+    programs = max(batch * m.num_row_blocks * (KV_LORA_RANK // m.block_v), 1)
+    want = triton.cdiv(int(math.ceil(waves * m.num_sm)), programs)
+    lens = torch.arange(triton.cdiv(max(int(max_seqlen), 1), page) + 1, dtype=torch.int64).clamp_(min=1) * page
+    useful = (lens + min_split - 1) // min_split
+    lut = useful.clamp(max=min(want, plan_kw.get("max_splits", 64))).clamp_(min=1)
+    return lut.to(torch.int32).to(device or "cpu")
+
+
+def set_splits(splits_dev: torch.Tensor, lut: torch.Tensor, cache_seqlens: torch.Tensor, page: int) -> None:
+    """splits_dev <- lut[cdiv(max(cache_seqlens), page)], on the device (no sync): the plan for this step's
+    lengths. Lengths past the table's bound use its last entry."""
+    t = (cache_seqlens.max().to(torch.int64) + page - 1).div_(page, rounding_mode="floor")
+    torch.index_select(lut, 0, t.clamp_(0, lut.numel() - 1).view(1), out=splits_dev.view(1))
 
 
 def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -573,19 +642,13 @@ def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_s
         kv_scales.stride(0), kv_scales.stride(1), block_table.stride(0),
         *sop, *slp,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        H, rows, q_len, S,
+        H, rows, q_len, S, *splits_args(metadata, cache_seqlens),
         PAGE_SIZE=page_size, BLOCK_H=bh, BLOCK_N=bn, BLOCK_V=bv, PV_16BIT=metadata.pv_16bit,
         CAUSAL=bool(causal), DIRECT=direct, INTERPRET=_INTERPRETED, ROUND_BF16=round_bf16,
-        num_warps=metadata.num_warps, num_stages=metadata.num_stages,
+        DYN_SPLITS=metadata.splits_dev is not None, num_warps=metadata.num_warps, num_stages=metadata.num_stages,
     )
     if not direct:
-        _mla_fp8_combine_kernel[(rows, B)](
-            op, lp, cache_seqlens, out, lse, *sop, *slp,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            H, S, BLOCK_N=bn, SPLITS_P2=max(triton.next_power_of_2(S), 2), DV=KV_LORA_RANK,
-            INTERPRET=_INTERPRETED, ROUND_BF16=round_bf16,
-            num_warps=4,
-        )
+        combine_partials(op, lp, cache_seqlens, out, lse, metadata, bn, round_bf16)
     return (out, lse) if return_lse else out
 
 

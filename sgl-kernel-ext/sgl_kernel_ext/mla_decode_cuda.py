@@ -40,8 +40,7 @@ import triton
 
 from . import mla_decode as _triton_mla
 from .mla_decode import (
-    HEAD_DIM_QK, KV_LORA_RANK, LOG2E, NUM_KV_SCALES, MLADecodeMetadata, _cache_views, _INTERPRETED,
-    _mla_fp8_combine_kernel, _quantize_q, decode_args,
+    HEAD_DIM_QK, KV_LORA_RANK, LOG2E, NUM_KV_SCALES, MLADecodeMetadata, _cache_views, _quantize_q, decode_args,
 )
 
 __all__ = ["build", "available", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
@@ -145,8 +144,8 @@ def _load(version: int = 1, defines=()):
     lib = ctypes.CDLL(str(build(version=version, defines=key[1])))
     f = lib.mla_fp8_decode_sm90
     f.restype = ctypes.c_int
-    f.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 5 + [ctypes.c_float,
-                                                                                         ctypes.c_void_p]
+    f.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+                  + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p])
     lib.mla_fp8_decode_sm90_error_string.restype = ctypes.c_char_p
     lib.mla_fp8_decode_sm90_error_string.argtypes = [ctypes.c_int]
     _libs[key] = lib
@@ -195,6 +194,27 @@ def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: 
     top = max(1, min(max_splits, tiles // MIN_SPLIT_TILES))
     best = min(range(1, top + 1), key=lambda s: (split_cost(programs, tiles, s, base.num_sm), s))
     return dataclasses.replace(base, num_splits=best)
+
+
+def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: int = PAGE_SIZE,
+               num_sm: int | None = None, device=None, max_splits: int = 64) -> torch.Tensor:
+    """get_mla_decode_metadata's split count for every longest length up to max_seqlen, in steps of a page:
+    int32 [cdiv(max_seqlen, 64) + 1], entry t for a longest sequence of t pages (entry 0 = entry 1); the same
+    cost model evaluated for all lengths and split counts at once (a CUDA graph's batch size gets one table at
+    capture; mla_decode.set_splits picks the entry of each replay's lengths)."""
+    assert page == PAGE_SIZE, f"the CUDA kernels' tile is one {PAGE_SIZE}-token page"
+    base = _triton_mla.get_mla_decode_metadata(torch.ones(max(batch, 1), dtype=torch.int32), num_heads, q_len,
+                                               num_sm, max_seqlen=PAGE_SIZE, block_h=ROWS_PER_CTA,
+                                               block_n=PAGE_SIZE)
+    programs = max(batch * base.num_row_blocks, 1)
+    tiles = torch.arange(triton.cdiv(max(int(max_seqlen), 1), PAGE_SIZE) + 1, dtype=torch.int64).clamp_(min=1)
+    splits = torch.arange(1, max_splits + 1, dtype=torch.int64)
+    waves = (programs * splits + base.num_sm * CTAS_PER_SM - 1) // (base.num_sm * CTAS_PER_SM)
+    per_cta = (tiles[:, None] + splits[None, :] - 1) // splits[None, :]
+    cost = waves[None, :] * (per_cta + torch.where(splits > 1, SPLIT_COST_TILES, 0.0)[None, :])
+    top = (tiles // MIN_SPLIT_TILES).clamp_(1, max_splits)
+    cost = torch.where(splits[None, :] <= top[:, None], cost, float("inf"))
+    return (torch.argmin(cost, dim=1) + 1).to(torch.int32).to(device or "cpu")  # first minimum: fewer splits
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -261,7 +281,8 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
             _ptr(direct_out) if direct else 0, _ptr(lse) if direct else 0, _ptr(op), _ptr(lp),
             kv_data.stride(0), kv_scales.stride(0), block_table.stride(0),
             *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp,
-            B, H, q_len, S, int(bool(causal)), float(softmax_scale) * LOG2E, stream)
+            B, H, q_len, S, _ptr(_triton_mla.splits_args(metadata, cache_seqlens)[0]) if not direct else 0,
+            int(bool(causal)), float(softmax_scale) * LOG2E, stream)
     if err != 0:
         msg = lib.mla_fp8_decode_sm90_error_string(err).decode()
         raise RuntimeError(f"mla_fp8_decode_sm90 launch failed: {msg} (cudaError {err})")
@@ -269,10 +290,5 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
         if direct_out is not out:
             out.copy_(direct_out)
     else:
-        _mla_fp8_combine_kernel[(rows, B)](
-            op, lp, cache_seqlens, out, lse, *sop, *slp,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            H, S, BLOCK_N=PAGE_SIZE, SPLITS_P2=max(1 << (S - 1).bit_length(), 2), DV=KV_LORA_RANK,
-            INTERPRET=_INTERPRETED, ROUND_BF16=False, num_warps=4,
-        )
+        _triton_mla.combine_partials(op, lp, cache_seqlens, out, lse, metadata, PAGE_SIZE)
     return (out, lse) if return_lse else out

@@ -14,9 +14,9 @@ one log line, fallback) runs in fresh processes, since SGLang's plugin state is 
 """
 from __future__ import annotations
 
-import inspect
-
+import dataclasses
 import importlib
+import inspect
 import logging
 import math
 import os
@@ -439,8 +439,12 @@ def test_cuda_graph_metadata_lives_in_static_buffers():
     assert captured.block_table.data_ptr() == be._graph_block_table.data_ptr()
     assert captured.cache_seqlens.data_ptr() == be._graph_seqlens.data_ptr()
     assert captured.block_table.shape == (2, 512 // PAGE)
-    # the plan is fixed at capture from the context bound, whatever the lengths of a later replay
-    assert captured.plan == mla.get_mla_decode_metadata(torch.ones(2), 16, 1, max_seqlen=512)
+    # the grid is planned at capture from the context bound; the split count it runs comes from the lengths
+    bound = mla.get_mla_decode_metadata(torch.ones(2), 16, 1, max_seqlen=512)
+    assert bound.num_splits == 4 and captured.plan.num_splits == 4
+    assert captured.plan == dataclasses.replace(bound, splits_dev=captured.plan.splits_dev)
+    lut = mla.splits_lut(16, 1, 2, 512, PAGE)
+    assert captured.plan.splits_dev.item() == lut[2].item() == 1  # 100 tokens: 2 pages, no split pays
     b.lens = [41, 101]  # the next step: one more token each
     for r, n in enumerate(b.lens):
         b.latent[r] = torch.cat([b.latent[r], deepseek_latent(1, b.gen, b.mu)])
@@ -449,6 +453,7 @@ def test_cuda_graph_metadata_lives_in_static_buffers():
     assert be.decode.plan is captured.plan
     assert be.decode.block_table.data_ptr() == captured.block_table.data_ptr()
     assert be.decode.cache_seqlens.tolist() == [41, 101]
+    assert be.decode.plan.splits_dev.item() == lut[2].item()  # refreshed before every replay
     q = torch.randn(2, 16, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
     k = torch.cat([b.latent[r][n - 1:n] for r, n in enumerate(b.lens)])
     out = be.forward_decode(q, k, k[..., :512], lyr, fbatch)
@@ -608,18 +613,19 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     """The CUDA kernel where it can run, else the Triton one, with why (here: no CUDA device, or a failed build)."""
     mla = importlib.import_module("sgl_kernel_ext.mla_decode")
     cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-    fn, plan, what = fb.decode_kernel()
+    fn, plan, lut, what = fb.decode_kernel()
     if not torch.cuda.is_available():
         assert fn is mla.mla_decode_fp8 and what.startswith("Triton") and "no CUDA device" in what
     monkeypatch.setattr(cu, "available", lambda version=1: (False, "build/load failed: nvcc not found\nmore"))
-    fn, plan, what = fb.decode_kernel()
-    assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata
+    fn, plan, lut, what = fb.decode_kernel()
+    assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata and lut is mla.splits_lut
     assert "nvcc not found" in what and "more" not in what
     monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
-    fn, plan, what = fb.decode_kernel()
+    fn, plan, lut, what = fb.decode_kernel()
     assert fn is cu.mla_decode_fp8_cuda and plan is cu.get_mla_decode_metadata and what.startswith("CUDA (")
-    fn, plan, what = fb.decode_kernel("cuda-v2")
+    assert lut is cu.splits_lut
+    fn, plan, lut, what = fb.decode_kernel("cuda-v2")
     assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2} and what.startswith("CUDA v2")
     monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL", "triton")  # the switch, read when no choice is passed
-    fn, plan, what = fb.decode_kernel()
+    fn, plan, lut, what = fb.decode_kernel()
     assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata and "=triton" in what

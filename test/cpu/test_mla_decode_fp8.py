@@ -299,3 +299,43 @@ def test_default_metadata_and_input_forms():
     assert out.shape == (2, 1, 16, 512) and out.dtype == torch.bfloat16
     ref, _, _ = refs(d)
     assert rel(out, ref) <= 2e-2
+
+
+def test_run_time_split_count_matches_the_same_static_plan():
+    """metadata.splits_dev (a CUDA graph replayed at other lengths): the grid keeps the capture's split count, the
+    kernels cut into the device value (clamped to 1..grid's). Same cut as a launch planned with that count: the
+    same partials and output bits; with 1 split the direct bf16 store and the combined fp32 partial agree to
+    rounding. The poisoned workspace shows any partial read that no program wrote."""
+    import dataclasses
+
+    d = inputs([150, 90], 16, 2, 32, seed=7, **DEEPSEEK_LIKE)
+    grid = mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 2, num_sm=8, block_n=32, min_split_tokens=32)
+    assert grid.num_splits == 5
+    for want in (1, 2, 5, 9):
+        runtime = dataclasses.replace(grid, splits_dev=torch.tensor([want], dtype=torch.int32, device=DEVICE))
+        o_dyn, l_dyn = run(d, runtime)
+        o_static, l_static = run(d, dataclasses.replace(grid, num_splits=min(want, grid.num_splits)))
+        if want == 1:
+            assert rel(o_dyn, o_static) <= 4e-3 and (l_dyn - l_static).abs().max().item() <= 1e-5
+        else:
+            assert torch.equal(o_dyn, o_static) and torch.equal(l_dyn, l_static), want
+
+
+def test_splits_lut_is_the_plan_at_every_length_and_set_splits_indexes_it():
+    from sgl_kernel_ext import mla_decode_cuda as cu
+
+    for mod, kw in ((mla, {}), (mla, {"block_v": 256, "min_split_tokens": 64}), (cu, {})):
+        for batch, heads, q_len in ((1, 16, 1), (16, 128, 1), (48, 128, 1), (64, 128, 2), (128, 128, 1)):
+            lut = mod.splits_lut(heads, q_len, batch, 300 * 64, 64, num_sm=132, **kw)
+            assert lut.dtype == torch.int32 and lut.numel() == 301
+            for t in range(1, 301):
+                want = mod.get_mla_decode_metadata(torch.ones(batch, dtype=torch.int32), heads, q_len, num_sm=132,
+                                                   max_seqlen=t * 64, **kw).num_splits
+                assert lut[t].item() == want, (mod.__name__, kw, batch, heads, q_len, t)
+            assert lut[0].item() == lut[1].item()
+    lut = cu.splits_lut(128, 1, 16, 40 * 64, num_sm=132)
+    assert len(set(lut.tolist())) > 1  # the plan does change with length here
+    out = torch.zeros(1, dtype=torch.int32)
+    for lens, t in (([1, 64, 65], 2), ([640, 3], 10), ([5000], 40), ([0], 0)):  # past the table: its last entry
+        mla.set_splits(out, lut, torch.tensor(lens, dtype=torch.int32), 64)
+        assert out.item() == lut[t].item(), lens

@@ -200,3 +200,47 @@ def test_cuda_graph_replay(version):
             assert torch.equal(out, eager), f"replay != eager (splits={meta.num_splits}, lens={lens})"
             ref, _ = mla.mla_decode_reference(q, kv, bt, sl, d["softmax_scale"])
             assert rel(out, ref) <= 2e-2
+
+
+def test_run_time_split_count(version):
+    """metadata.splits_dev: a graph's grid planned for a long bound, replayed at short lengths, cuts sequences
+    into the device count (set_splits from the lengths, clamped to the grid's): the same bits as an eager launch
+    planned with that count; the count is refreshed between replays without a host sync."""
+    import dataclasses
+
+    lens = [3000, 100, 2048, 700]
+    d = mla.make_mla_inputs(lens, 128, 1, 64, device="cuda", seed=23, **DEEPSEEK_LIKE)
+    q, kv, bt, sl = d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"].clone()
+    grid = cu.get_mla_decode_metadata(sl, 128, 1, max_seqlen=163840)
+    assert grid.num_splits > 4
+    meta = dataclasses.replace(grid, splits_dev=torch.ones(1, dtype=torch.int32, device="cuda"))
+    lut = cu.splits_lut(128, 1, len(lens), 163840, device="cuda")
+    out = torch.empty(4, 1, 128, 512, dtype=torch.bfloat16, device="cuda")
+    mla.set_splits(meta.splits_dev, lut, sl, 64)
+    cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=version)  # build + warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=version)
+    for step in ([3000, 100, 2048, 700], [2999, 1, 1500, 64], [64, 64, 64, 64]):  # within the cached lengths
+        sl.copy_(torch.tensor(step, dtype=torch.int32))
+        mla.set_splits(meta.splits_dev, lut, sl, 64)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = int(lut[-(-max(step) // 64)])
+        assert meta.splits_dev.item() == want
+        for forced in (want, min(want + 3, grid.num_splits)):  # the table's count, and another one the grid holds
+            meta.splits_dev.fill_(forced)
+            dyn = cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, version=version)
+            static = cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"],
+                                            dataclasses.replace(grid, num_splits=forced), version=version)
+            torch.cuda.synchronize()
+            if forced > 1:  # the same cut and the same partial format: the same bits
+                assert torch.equal(dyn, static), (step, forced)
+            else:  # the grid's partials combined vs the direct bf16 store of one split
+                assert rel(dyn, static) <= 4e-3, (step, rel(dyn, static))
+            if forced == want:
+                assert torch.equal(out, dyn), f"replay != eager (lens={step}, splits={want})"
+        ref, _ = mla.mla_decode_reference(q, kv, bt, sl, d["softmax_scale"])
+        assert torch.isfinite(out.float()).all() and rel(out, ref) <= 2e-2

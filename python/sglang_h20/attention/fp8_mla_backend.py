@@ -39,7 +39,7 @@ import dataclasses
 import importlib
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import triton
@@ -71,8 +71,15 @@ def _kernel():
     return importlib.import_module("sgl_kernel_ext.mla_decode")
 
 
-def decode_kernel(choice: str | None = None):
-    """(decode function, its split planner, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`; default: the
+class DecodeKernel(NamedTuple):
+    fn: Callable        # mla_decode_fp8's signature
+    plan: Callable      # its get_mla_decode_metadata
+    splits_lut: Callable  # its split count for every length (CUDA graphs: mla_decode.set_splits at each replay)
+    what: str
+
+
+def decode_kernel(choice: str | None = None) -> DecodeKernel:
+    """(decode function, its split planner, its split table, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`; default: the
     environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV; on the H200 0.54x FlashMLA BF16 at batch
     64 x 4k, where the Triton one was 0.29x; version 2 1.00-1.10x version 1) with its own plan (whole waves of
     one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the
@@ -83,7 +90,8 @@ def decode_kernel(choice: str | None = None):
         choice = Settings.from_env()["fp8_mla_kernel"]
     mla = _kernel()
     if choice == "triton":
-        return mla.mla_decode_fp8, mla.get_mla_decode_metadata, "Triton (SGLANG_H20_FP8_MLA_KERNEL=triton)"
+        return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
+                            "Triton (SGLANG_H20_FP8_MLA_KERNEL=triton)")
     version = 2 if choice == "cuda-v2" else 1
     try:
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
@@ -92,9 +100,10 @@ def decode_kernel(choice: str | None = None):
         ok, why = False, f"{type(e).__name__}: {e}"
     if ok:
         fn = cu.mla_decode_fp8_cuda if version == 1 else functools.partial(cu.mla_decode_fp8_cuda, version=2)
-        return fn, cu.get_mla_decode_metadata, f"CUDA{' v2' if version == 2 else ''} (sm_90a, FP8 QK and PV)"
-    return (mla.mla_decode_fp8, mla.get_mla_decode_metadata,
-            f"Triton (CUDA kernel unavailable: {why.splitlines()[0][:160] if why else '?'})")
+        return DecodeKernel(fn, cu.get_mla_decode_metadata, cu.splits_lut,
+                            f"CUDA{' v2' if version == 2 else ''} (sm_90a, FP8 QK and PV)")
+    return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
+                        f"Triton (CUDA kernel unavailable: {why.splitlines()[0][:160] if why else '?'})")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -364,7 +373,7 @@ class FP8MLABackend(AttentionBackend):
         super().__init__()
         self.mla = _kernel()
         assert (self.mla.KV_LORA_RANK, self.mla.HEAD_DIM_QK) == (KV_LORA_RANK, HEAD_DIM_QK)
-        self._decode_fp8, self._plan_fn, what = decode_kernel()
+        self._decode_fp8, self._plan_fn, self._splits_lut, what = decode_kernel()
         log.info("%s: decode kernel %s", NAME, what)
         mc = model_runner.model_config
         if num_heads is None:
@@ -387,7 +396,7 @@ class FP8MLABackend(AttentionBackend):
         self._extend: ExtendMeta | None = None
         self._graph_block_table: torch.Tensor | None = None
         self._graph_seqlens: torch.Tensor | None = None
-        self._graph_plans: dict[int, MLADecodeMetadata] = {}
+        self._graph_plans: dict[int, tuple[MLADecodeMetadata, torch.Tensor]] = {}
 
     # ---- metadata ------------------------------------------------------------------------------------------
 
@@ -453,9 +462,20 @@ class FP8MLABackend(AttentionBackend):
         self._graph_seqlens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_plans = {}
 
+    def _graph_plan(self, bs: int, seqlens: torch.Tensor) -> tuple[MLADecodeMetadata, torch.Tensor]:
+        """A batch size's captured plan: the grid planned for the context length, and the split count each replay
+        uses, chosen from its lengths (the kernels read it from plan.splits_dev; split table built here)."""
+        plan = self._plan(seqlens, self.max_context_len)
+        lut = self._splits_lut(self.num_heads, 1, bs, self.max_context_len, self.page_size, device=self.device)
+        if plan.num_splits > 1:
+            plan = dataclasses.replace(plan, splits_dev=torch.ones(1, dtype=torch.int32, device=self.device))
+        return plan, lut
+
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """Before capture and before every replay: refresh the static block table and lengths. The split plan
-        of a batch size is fixed at its capture, from the context length (the graph bakes its grid)."""
+        """Before capture and before every replay: refresh the static block table and lengths, and the split count
+        the replay's lengths call for. The graph bakes a grid planned for the context length (its most splits);
+        without the run-time count every replay of short sequences wrote and combined fp32 partials for dozens of
+        splits (batch 16 at 4k tokens: 33 splits where 4 are best, 138 MB of partials per layer)."""
         if not forward_batch.forward_mode.is_decode_or_idle():
             raise NotImplementedError(f"{NAME}: only decode is captured (prefill runs eagerly)")
         bs = forward_batch.batch_size
@@ -463,9 +483,11 @@ class FP8MLABackend(AttentionBackend):
         seqlens.copy_(forward_batch.seq_lens[:bs])
         block_table = self._block_table(forward_batch.req_pool_indices[:bs], self._graph_block_table.shape[1],
                                         out=self._graph_block_table[:bs])
-        plan = self._graph_plans.get(bs)
-        if plan is None:
-            plan = self._graph_plans[bs] = self._plan(seqlens, self.max_context_len)
+        if bs not in self._graph_plans:
+            self._graph_plans[bs] = self._graph_plan(bs, seqlens)
+        plan, lut = self._graph_plans[bs]
+        if plan.splits_dev is not None:
+            self.mla.set_splits(plan.splits_dev, lut, seqlens, self.page_size)
         self.decode = DecodeMeta(block_table, seqlens, plan)
 
     def get_cuda_graph_seq_len_fill_value(self):

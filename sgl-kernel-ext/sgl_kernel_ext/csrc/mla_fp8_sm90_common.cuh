@@ -42,6 +42,7 @@ struct Params {
   const float* kvs;
   const int* block_table;
   const int* seqlens;
+  const int* splits;  // nullable: the split count to cut sequences into (<= num_splits, the grid's), read at run time
   __nv_bfloat16* out;
   float* lse;
   float* op;
@@ -152,14 +153,16 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* smem_raw, uint32_t& sb
 
 // This CTA's token range [start, end) of sequence b for split sp, cut as _mla_fp8_combine_kernel does with
 // BLOCK_N = page (split lengths rounded up to whole pages). False: the split holds no token (the combine kernel
-// reads only splits that do).
+// reads only splits that do). With p.splits (a CUDA graph replayed at lengths its capture did not know) the
+// sequences are cut into that many splits, at most the grid's; the CTAs past them hold no token.
 __device__ __forceinline__ bool split_range(const Params& p, int b, int sp, int page, int& seqlen, int& start,
                                             int& end) {
   seqlen = p.seqlens[b];
   start = 0;
   end = seqlen;
   if (p.num_splits > 1) {
-    const int split_len = cdiv(cdiv(seqlen, p.num_splits), page) * page;
+    const int splits = p.splits ? min(max(*p.splits, 1), p.num_splits) : p.num_splits;
+    const int split_len = cdiv(cdiv(seqlen, splits), page) * page;
     start = sp * split_len;
     end = min(start + split_len, seqlen);
   }
@@ -325,7 +328,8 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
                   void* op, void* lp, long long kv_page_stride, long long kvs_page_stride, long long bt_stride,
                   long long out_sb, long long out_st, long long out_sh, long long lse_sb, long long lse_st,
                   long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr, int batch,
-                  int num_heads, int q_len, int num_splits, int causal, float qk_scale, void* stream) {
+                  int num_heads, int q_len, int num_splits, const void* splits, int causal, float qk_scale,
+                  void* stream) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -345,6 +349,7 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
   p.kvs = static_cast<const float*>(kvs);
   p.block_table = static_cast<const int*>(block_table);
   p.seqlens = static_cast<const int*>(seqlens);
+  p.splits = static_cast<const int*>(splits);
   p.out = static_cast<__nv_bfloat16*>(out);
   p.lse = static_cast<float*>(lse);
   p.op = static_cast<float*>(op);
@@ -379,12 +384,12 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
       const void* seqlens, void* out, void* lse, void* op, void* lp, long long kv_page_stride,                     \
       long long kvs_page_stride, long long bt_stride, long long out_sb, long long out_st, long long out_sh,         \
       long long lse_sb, long long lse_st, long long op_sb, long long op_sr, long long op_ss, long long lp_sb,      \
-      long long lp_sr, int batch, int num_heads, int q_len, int num_splits, int causal, float qk_scale,            \
-      void* stream) {                                                                                              \
+      long long lp_sr, int batch, int num_heads, int q_len, int num_splits, const void* splits, int causal,       \
+      float qk_scale, void* stream) {                                                                              \
     return mla_fp8_common::launch(KERNEL, mla_fp8_attr_done, THREADS_, SMEM_BYTES_, ROWS_, q8, qs, kv, kvs, block_table, seqlens,     \
                                   out, lse, op, lp, kv_page_stride, kvs_page_stride, bt_stride, out_sb, out_st,    \
                                   out_sh, lse_sb, lse_st, op_sb, op_sr, op_ss, lp_sb, lp_sr, batch, num_heads,     \
-                                  q_len, num_splits, causal, qk_scale, stream);                                    \
+                                  q_len, num_splits, splits, causal, qk_scale, stream);                            \
   }                                                                                                                \
   MLA_FP8_EXPORT const char* mla_fp8_decode_sm90_error_string(int err) {                                              \
     return cudaGetErrorString(static_cast<cudaError_t>(err));                                                      \
