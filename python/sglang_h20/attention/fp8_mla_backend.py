@@ -475,7 +475,7 @@ class FP8MLABackend(AttentionBackend):
         """Before capture and before every replay: refresh the static block table and lengths, and the split count
         the replay's lengths call for. The graph bakes a grid planned for the context length (its most splits);
         without the run-time count every replay of short sequences wrote and combined fp32 partials for dozens of
-        splits (batch 16 at 4k tokens: 33 splits where 4 are best, 138 MB of partials per layer)."""
+        splits (batch 16 at 4.3k tokens: 33 splits where 4 are best, ~96 MB of partials per layer)."""
         if not forward_batch.forward_mode.is_decode_or_idle():
             raise NotImplementedError(f"{NAME}: only decode is captured (prefill runs eagerly)")
         bs = forward_batch.batch_size
