@@ -11,6 +11,7 @@
 #   (STEPS profile) benchmark/serving/prefill_profile.py: torch-profiler totals of the same prefills, MHA vs MLA
 #   (STEPS mlacuda) the CUDA MLA decode kernels: v2 smoke in its own process, tests of v1 and v2, bench_mla_decode
 #     (MLA_ARGS, default --quick) with ours-cuda, ours-cuda-v2 and FlashMLA -> $OUT/bench_mla_cuda.json
+#   (STEPS ncu) benchmark/kernels/profile_mla_decode.py ${NCU_ARGS}: Nsight Compute counters of one decode step
 #   (STEPS mlaablate) benchmark/kernels/mla_cuda_ablation.py ${ABLATE_ARGS}: the CUDA MLA kernels' ablation builds
 #     (-DMLA_ABLATE_*) timed against the default, where the time goes -> $OUT/mla_ablation.json (+ .log)
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
@@ -78,6 +79,12 @@ if [[ " $STEPS " == *" mlacuda "* ]]; then  # the CUDA MLA kernels: v2 smoke alo
     python3 -m pytest -m gpu "$t" -q -p no:cacheprovider 2>&1 | tail -8; } | tee "$OUT/pytest_mla_cuda.log"
   python3 benchmark/kernels/bench_mla_decode.py ${MLA_ARGS:---quick} --providers ours-cuda flashmla-bf16 flashmla-fp8 \
     ours-cuda-v2 --json "$OUT/bench_mla_cuda.json" 2>&1 | tee "$OUT/bench_mla_cuda.log" | grep -v Warn | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" ncu "* ]] && [ "$(left)" -gt 90 ]; then  # counters of one decode step, ours vs FlashMLA
+  say "ncu on the MLA decode kernels ${NCU_ARGS:-}"
+  timeout -k 10 $(( $(left) - 20 )) python3 benchmark/kernels/profile_mla_decode.py --out "$OUT/ncu" \
+    --timeout-s $(( $(left) - 40 )) ${NCU_ARGS:-} 2>&1 | tee "$OUT/profile_mla_decode.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" mlaablate "* ]] && [ "$(left)" -gt 120 ]; then  # children time the variants: a fault costs one

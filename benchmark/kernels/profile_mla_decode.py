@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Nsight Compute counters of one FP8 MLA decode step: where the CUDA split kernels' time goes, beside FlashMLA.
+
+Why: the CUDA kernels run at 19-34% of their roofline and a cycle model of them was off by 2x (sgl-kernel-ext/
+NOTES.md); timing variants (mla_cuda_ablation.py) says how much each part costs, the counters say what the SMs were
+doing meanwhile (tensor pipe active, shared-memory wavefronts, stall reasons, achieved occupancy).
+
+One child process (`--child`) builds DeepSeek-V3-shaped inputs (make_mla_inputs: 576-d latent+rope, page 64),
+warms every kernel up (nvcc build, Triton JIT) outside the profiled range, then runs each provider once inside an
+NVTX range "profile"; the parent runs that child under `ncu --nvtx --nvtx-include profile/` with --clock-control
+none (METHOD.md: leave the clocks alone), imports the report and writes:
+  OUT/mla_decode.ncu-rep            the report (open it in Nsight Compute)
+  OUT/profile_mla_decode.json       every metric of every profiled kernel (name, section, unit, value), the
+                                    headline metrics per kernel under "summary", and provenance
+  a table of the headline metrics on stdout.
+
+usage (GPU host): python3 benchmark/kernels/profile_mla_decode.py --out DIR [--batch 64 --context 4096 --heads 128]
+                  [--providers ours-cuda ours-cuda-v2 flashmla-bf16] [--plan cuda|ctx|graph] [--set full]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout without installing
+    if str(_p) not in sys.path:
+        sys.path.append(str(_p))
+
+PROVIDERS = ("ours-cuda", "ours-cuda-v2", "flashmla-bf16", "flashmla-fp8")
+# (section, metric) pairs shown in the table, when the report has them
+HEADLINE = [
+    ("GPU Speed Of Light Throughput", "Duration"),
+    ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"),
+    ("GPU Speed Of Light Throughput", "Memory Throughput"),
+    ("GPU Speed Of Light Throughput", "DRAM Throughput"),
+    ("Compute Workload Analysis", "Executed Ipc Active"),
+    ("Memory Workload Analysis", "Mem Busy"),
+    ("Memory Workload Analysis", "Max Bandwidth"),
+    ("Occupancy", "Achieved Occupancy"),
+    ("Launch Statistics", "Registers Per Thread"),
+    ("Launch Statistics", "Grid Size"),
+    ("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
+    ("Scheduler Statistics", "Issued Warp Per Scheduler"),
+]
+# raw metrics asked for on top of the sections: the tensor pipe and shared memory, which the sections summarize only
+RAW_METRICS = [
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_tensor_op_gmma.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
+    "smsp__average_warp_latency_issue_stalled_barrier.ratio",
+    "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio",
+    "smsp__average_warp_latency_issue_stalled_wait.ratio",
+    "smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio",
+    "smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio",
+    "smsp__average_warp_latency_issue_stalled_mio_throttle.ratio",
+    "smsp__average_warp_latency_issue_stalled_membar.ratio",
+    "smsp__average_warp_latency_issue_stalled_sleeping.ratio",
+]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--q-len", type=int, default=1)
+    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS[:3]), choices=PROVIDERS)
+    ap.add_argument("--plan", choices=("cuda", "ctx", "graph"), default="cuda",
+                    help="ours' split plan: for these lengths (cuda), for a 163840-token context as the backend's "
+                         "graphs had it (ctx), or that grid with the run-time split count (graph)")
+    ap.add_argument("--set", default="full", help="ncu --set (full: every section; detailed/basic are quicker)")
+    ap.add_argument("--ncu", default="ncu", help="the ncu executable")
+    ap.add_argument("--timeout-s", type=float, default=420.0)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------ the child
+def child(args) -> int:
+    import dataclasses
+    import importlib
+
+    import torch
+
+    mla = importlib.import_module("sgl_kernel_ext.mla_decode")
+    lens = [args.context] * args.batch
+    d = mla.make_mla_inputs(lens, args.heads, args.q_len, 64, device="cuda", seed=1, poison=False)
+    q, kv, bt, sl, scale = d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"]
+    calls = {}
+    for p in args.providers:
+        if p.startswith("ours-cuda"):
+            cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+            version = 2 if p.endswith("v2") else 1
+            ok, why = cu.available(version)
+            if not ok:
+                print(f"{p}: unavailable: {why}", flush=True)
+                continue
+            bound = 163840 if args.plan in ("ctx", "graph") else args.context
+            meta = cu.get_mla_decode_metadata(sl, args.heads, args.q_len, max_seqlen=bound)
+            if args.plan == "graph" and meta.num_splits > 1:
+                meta = dataclasses.replace(meta, splits_dev=torch.ones(1, dtype=torch.int32, device="cuda"))
+                mla.set_splits(meta.splits_dev, cu.splits_lut(args.heads, args.q_len, args.batch, bound,
+                                                              device="cuda"), sl, 64)
+            print(f"{p}: plan {args.plan}, grid splits {meta.num_splits}, run-time "
+                  f"{meta.splits_dev.item() if meta.splits_dev is not None else meta.num_splits}", flush=True)
+            calls[p] = lambda cu=cu, meta=meta, version=version: cu.mla_decode_fp8_cuda(
+                q, kv, bt, sl, scale, meta, version=version)
+        else:
+            try:
+                from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+            except Exception as e:
+                print(f"{p}: unavailable: {type(e).__name__}: {e}", flush=True)
+                continue
+            fp8 = p.endswith("fp8")
+            rows = args.q_len * args.heads
+            fm_meta, fm_splits = get_mla_metadata(sl, rows, 1, **({"is_fp8_kvcache": True} if fp8 else {}))
+            cache = d["latent_cache"].view(-1, 64, 1, 576)
+            extra = {}
+            fq = q
+            if fp8:
+                cache = cache.to(torch.float8_e4m3fn)
+                fq = q.to(torch.float8_e4m3fn)
+                extra = dict(descale_q=torch.ones(1, device="cuda"), descale_k=torch.ones(1, device="cuda"))
+            calls[p] = lambda fq=fq, cache=cache, fm_meta=fm_meta, fm_splits=fm_splits, extra=extra: \
+                flash_mla_with_kvcache(fq, cache, bt, sl, 512, fm_meta, fm_splits, softmax_scale=scale, causal=True,
+                                       **extra)
+    for fn in calls.values():  # builds, JIT, first-launch attributes: outside the profiled range
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    for fn in calls.values():  # one range per provider, in this order (the kernel names tell them apart)
+        torch.cuda.nvtx.range_push("profile")
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    print(f"profiled, in order: {' '.join(calls)}", flush=True)
+    return 0 if calls else 1
+
+
+# ----------------------------------------------------------------------------------------------- the parent
+def parse_details(csv_text: str) -> list[dict]:
+    """ncu --page details --csv rows -> [{kernel, id, section, metric, unit, value}] (value a float when it is one)."""
+    rows = []
+    for r in csv.DictReader(io.StringIO(csv_text)):
+        value = (r.get("Metric Value") or "").replace(",", "")
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+        rows.append({"kernel": r.get("Kernel Name", ""), "id": r.get("ID", ""), "section": r.get("Section Name", ""),
+                     "metric": r.get("Metric Name", ""), "unit": r.get("Metric Unit", ""), "value": value})
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per profiled kernel launch (`ID: kernel`): the HEADLINE metrics and the raw metrics that are present."""
+    out: dict = {}
+    wanted = set(HEADLINE)
+    for r in rows:
+        key = f"{r['id']}: {r['kernel'][:80]}"
+        if (r["section"], r["metric"]) in wanted or r["metric"] in RAW_METRICS:
+            out.setdefault(key, {})[r["metric"]] = [r["value"], r["unit"]]
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = []
+    for key, metrics in summary.items():
+        lines.append(key)
+        for name, (value, unit) in metrics.items():
+            lines.append(f"    {name:72s} {value} {unit}")
+    return "\n".join(lines)
+
+
+def parent(args) -> int:
+    from sglang_h20 import provenance
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not shutil.which(args.ncu):
+        print(f"{args.ncu} not found: Nsight Compute is needed", file=sys.stderr)
+        return 2
+    rep = args.out / "mla_decode.ncu-rep"
+    cmd = [args.ncu, "--clock-control", "none", "--target-processes", "all", "--nvtx", "--nvtx-include", "profile/",
+           "--set", args.set, "--import-source", "no", "--metrics", ",".join(RAW_METRICS), "-f", "-o",
+           str(rep.with_suffix("")), sys.executable, str(Path(__file__).resolve()), "--child",
+           "--out", str(args.out), "--batch", str(args.batch), "--context", str(args.context),
+           "--heads", str(args.heads), "--q-len", str(args.q_len), "--plan", args.plan, "--providers", *args.providers]
+    print(" ".join(cmd), flush=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+    (args.out / "ncu_console.log").write_text(run.stdout + run.stderr)
+    print(run.stdout[-4000:] + run.stderr[-2000:], flush=True)
+    if run.returncode != 0 or not rep.exists():
+        print(f"ncu exited {run.returncode}; report {'missing' if not rep.exists() else 'written'}", file=sys.stderr)
+        return 1
+    details = subprocess.run([args.ncu, "--import", str(rep), "--page", "details", "--csv", "--print-units", "base"],
+                             capture_output=True, text=True, timeout=args.timeout_s)
+    raw = subprocess.run([args.ncu, "--import", str(rep), "--page", "raw", "--csv", "--metrics",
+                          ",".join(RAW_METRICS)], capture_output=True, text=True, timeout=args.timeout_s)
+    rows = parse_details(details.stdout)
+    summary = summarize(rows)
+    record = {**provenance.record(), "benchmark": "profile_mla_decode",
+              "point": {"batch": args.batch, "context": args.context, "heads": args.heads, "q_len": args.q_len,
+                        "plan": args.plan, "providers": args.providers},
+              "ncu": {"command": " ".join(cmd), "set": args.set, "clock_control": "none"},
+              "summary": summary, "details": rows, "raw_csv": raw.stdout[-200000:]}
+    path = args.out / "profile_mla_decode.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(table(summary))
+    print(f"wrote {path} and {rep}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return child(args) if args.child else parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""profile_mla_decode's reading of an ncu --csv details page: every row kept, the headline metrics per launch."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
+import profile_mla_decode as prof  # noqa: E402
+
+CSV = '''"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python3","h","mla_fp8_decode_kernel(mla_fp8_common::Params)","1","7","(256, 1, 1)","(2, 1, 64)","0","9.0","GPU Speed Of Light Throughput","Duration","nsecond","236,512"
+"0","1","python3","h","mla_fp8_decode_kernel(mla_fp8_common::Params)","1","7","(256, 1, 1)","(2, 1, 64)","0","9.0","GPU Speed Of Light Throughput","Compute (SM) Throughput","%","41.7"
+"0","1","python3","h","mla_fp8_decode_kernel(mla_fp8_common::Params)","1","7","(256, 1, 1)","(2, 1, 64)","0","9.0","Occupancy","Block Limit Registers","block","1"
+"1","1","python3","h","flash_fwd_splitkv_mla_kernel","1","7","(256, 1, 1)","(132, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","nsecond","124,100"
+"1","1","python3","h","flash_fwd_splitkv_mla_kernel","1","7","(256, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active","%","88.2"
+'''
+
+
+def test_details_are_parsed_and_the_headline_kept_per_launch():
+    rows = prof.parse_details(CSV)
+    assert len(rows) == 5 and rows[0]["value"] == 236512.0 and rows[2]["metric"] == "Block Limit Registers"
+    s = prof.summarize(rows)
+    ours = s["0: mla_fp8_decode_kernel(mla_fp8_common::Params)"]
+    assert ours == {"Duration": [236512.0, "nsecond"], "Compute (SM) Throughput": [41.7, "%"]}
+    fm = s["1: flash_fwd_splitkv_mla_kernel"]
+    assert fm["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"] == [88.2, "%"]
+    assert "236512.0 nsecond" in prof.table(s)
+
+
+def test_without_ncu_it_says_so(tmp_path, capsys):
+    assert prof.main(["--out", str(tmp_path), "--ncu", "no-such-ncu-binary"]) == 2
+    assert "Nsight Compute is needed" in capsys.readouterr().err
