@@ -542,7 +542,8 @@ def splits_args(metadata: MLADecodeMetadata, like: torch.Tensor) -> tuple:
     s = metadata.splits_dev
     if s is None:
         return (like,)
-    assert s.dtype == torch.int32 and s.numel() >= 1 and s.device == like.device, "splits_dev: int32 [1], kernel's device"
+    assert s.dtype == torch.int32 and s.numel() >= 1 and s.device == like.device, \
+        "splits_dev must be int32 [1] on the kernel's device"
     return (s,)
 
 

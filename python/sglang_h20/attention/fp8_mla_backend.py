@@ -79,11 +79,11 @@ class DecodeKernel(NamedTuple):
 
 
 def decode_kernel(choice: str | None = None) -> DecodeKernel:
-    """(decode function, its split planner, its split table, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`; default: the
-    environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV; on the H200 0.54x FlashMLA BF16 at batch
-    64 x 4k, where the Triton one was 0.29x; version 2 1.00-1.10x version 1) with its own plan (whole waves of
-    one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the
-    reason. Same arguments and format; the choice is logged once per process."""
+    """(decode function, its split planner, its split table, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`;
+    default: the environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV; on the H200 0.54x FlashMLA
+    BF16 at batch 64 x 4k, where the Triton one was 0.29x; version 2 1.00-1.10x version 1) with its own plan
+    (whole waves of one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its
+    plan, with the reason. Same arguments and format; the choice is logged once per process."""
     import functools
 
     if choice is None:
