@@ -20,9 +20,10 @@ new tokens.
 Decode: block tables from req_to_token (page 64), as upstream flashmla builds them, and the decode kernel
 (`decode_kernel`: the CUDA one where it builds on sm_90, else mla_decode_fp8, the Triton one). The
 split plan is computed in init_forward_metadata from a known max length (no device sync); under CUDA graphs
-the block table and lengths live in static buffers refreshed before each replay, and each captured batch
-size keeps the plan chosen at capture from the model's context length (the kernel cuts each sequence by its
-real length inside that split count).
+the block table and lengths live in static buffers refreshed before each replay; each captured batch size
+keeps the grid planned at capture for the model's context length, and before each replay the split count the
+kernels use is set on the device from the replay's longest sequence (mla_decode.set_splits: the same plan,
+tabulated per length at capture; the programs past it return at once).
 
 Prefill: DeepSeek's dispatch is upstream's (`_handle_attention_backend`, so the mha_mla policy applies):
 * MHA (chunked-prefix form): SGLang's FlashInfer MLA backend's ragged and chunked-prefix MHA, exactly what
