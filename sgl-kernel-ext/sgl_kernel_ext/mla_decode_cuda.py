@@ -260,6 +260,8 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
                          and out.data_ptr() % 4 == 0) else torch.empty(out.shape, dtype=torch.bfloat16,
                                                                          device=q.device)
     direct = S == 1
+    if metadata.splits_dev is not None:
+        _triton_mla.splits_args(metadata, cache_seqlens)  # int32 [1] on q's device, or an assertion
     if direct:
         op = lp = None
         sop, slp = (0, 0, 0), (0, 0)
@@ -281,7 +283,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
             _ptr(direct_out) if direct else 0, _ptr(lse) if direct else 0, _ptr(op), _ptr(lp),
             kv_data.stride(0), kv_scales.stride(0), block_table.stride(0),
             *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp,
-            B, H, q_len, S, _ptr(_triton_mla.splits_args(metadata, cache_seqlens)[0]) if not direct else 0,
+            B, H, q_len, S, _ptr(metadata.splits_dev) if not direct else 0,  # null: the grid's count
             int(bool(causal)), float(softmax_scale) * LOG2E, stream)
     if err != 0:
         msg = lib.mla_fp8_decode_sm90_error_string(err).decode()
