@@ -136,6 +136,29 @@ def build(verbose: bool = True, version: int = 1, defines=()) -> Path:
     return out
 
 
+# mla_fp8_decode_sm90's C signature (csrc/mla_fp8_sm90_common.cuh, MLA_FP8_DEFINE_ENTRY_POINTS), for ctypes:
+# 10 pointers (q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp), 13 strides, batch, heads, q_len,
+# num_splits, the run-time split count pointer (nullable), causal, qk_scale, stream
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+                   + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p])
+
+
+def launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens, direct_out, lse, op, lp, metadata, causal,
+                softmax_scale, stream) -> tuple:
+    """mla_fp8_decode_sm90's arguments, in LAUNCH_ARGTYPES order (op/lp None: one split, bf16 out written
+    directly). The split-count pointer is null unless metadata.splits_dev is set and the launch splits."""
+    direct = op is None
+    sop = (0, 0, 0) if direct else (op.stride(0), op.stride(1), op.stride(2))
+    slp = (0, 0) if direct else (lp.stride(0), lp.stride(1))
+    B, q_len, H, _ = direct_out.shape
+    return (_ptr(q8), _ptr(qs), _ptr(kv_data), _ptr(kv_scales), _ptr(block_table), _ptr(cache_seqlens),
+            _ptr(direct_out) if direct else 0, _ptr(lse) if direct else 0, _ptr(op), _ptr(lp),
+            kv_data.stride(0), kv_scales.stride(0), block_table.stride(0),
+            *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp,
+            B, H, q_len, metadata.num_splits, 0 if direct else _ptr(metadata.splits_dev),
+            int(bool(causal)), float(softmax_scale) * LOG2E, stream)
+
+
 def _load(version: int = 1, defines=()):
     key = (_check_version(version), _check_defines(defines))
     lib = _libs.get(key)
@@ -144,8 +167,7 @@ def _load(version: int = 1, defines=()):
     lib = ctypes.CDLL(str(build(version=version, defines=key[1])))
     f = lib.mla_fp8_decode_sm90
     f.restype = ctypes.c_int
-    f.argtypes = ([ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
-                  + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p])
+    f.argtypes = LAUNCH_ARGTYPES
     lib.mla_fp8_decode_sm90_error_string.restype = ctypes.c_char_p
     lib.mla_fp8_decode_sm90_error_string.argtypes = [ctypes.c_int]
     _libs[key] = lib
@@ -262,29 +284,20 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     direct = S == 1
     if metadata.splits_dev is not None:
         _triton_mla.splits_args(metadata, cache_seqlens)  # int32 [1] on q's device, or an assertion
-    if direct:
-        op = lp = None
-        sop, slp = (0, 0, 0), (0, 0)
-    else:
+    op = lp = None
+    if not direct:
         op = torch.empty((B, rows, S, KV_LORA_RANK), dtype=torch.float32, device=q.device)
         lp = torch.empty((B, rows, S), dtype=torch.float32, device=q.device)
         if _POISON_WORKSPACE:
             op.fill_(float("nan"))
             lp.fill_(float("nan"))
-        sop = (op.stride(0), op.stride(1), op.stride(2))
-        slp = (lp.stride(0), lp.stride(1))
 
     q8, qs = _quantize_q(q)
     lib = _load(version, defines)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
-        err = lib.mla_fp8_decode_sm90(
-            _ptr(q8), _ptr(qs), _ptr(kv_data), _ptr(kv_scales), _ptr(block_table), _ptr(cache_seqlens),
-            _ptr(direct_out) if direct else 0, _ptr(lse) if direct else 0, _ptr(op), _ptr(lp),
-            kv_data.stride(0), kv_scales.stride(0), block_table.stride(0),
-            *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp,
-            B, H, q_len, S, _ptr(metadata.splits_dev) if not direct else 0,  # null: the grid's count
-            int(bool(causal)), float(softmax_scale) * LOG2E, stream)
+        err = lib.mla_fp8_decode_sm90(*launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens,
+                                                   direct_out, lse, op, lp, metadata, causal, softmax_scale, stream))
     if err != 0:
         msg = lib.mla_fp8_decode_sm90_error_string(err).decode()
         raise RuntimeError(f"mla_fp8_decode_sm90 launch failed: {msg} (cudaError {err})")

@@ -48,3 +48,35 @@ def test_plan_fields_match_the_kernel():
     lens = torch.tensor([5, 4000, 64], dtype=torch.int32)
     m = cu.get_mla_decode_metadata(lens, 128, 2, 132)  # max_seqlen read from the lengths
     assert (m.block_h, m.block_n, m.num_row_blocks, m.num_sm) == (64, 64, 4, 132)
+
+
+def test_launch_args_follow_the_c_signature_and_pass_the_split_count_pointer():
+    """The ctypes call against the C entry point (csrc/mla_fp8_sm90_common.cuh): as many arguments as its
+    parameters, each of the declared kind, and the run-time split count pointer null unless metadata carries one
+    and the launch splits (a wrong pointer there cuts sequences into the wrong number of splits)."""
+    import ctypes
+    import dataclasses
+    import re
+
+    src = (cu.source_path(1).parent / "mla_fp8_sm90_common.cuh").read_text()
+    sig = re.search(r"MLA_FP8_EXPORT int mla_fp8_decode_sm90\((.*?)\)\s*\{", src, re.S).group(1)
+    params = [p.replace("\\", " ").split()[-1] for p in sig.split(",")]
+    assert len(params) == len(cu.LAUNCH_ARGTYPES) and params[27] == "splits" and params[26] == "num_splits"
+
+    B, T, H = 2, 1, 16
+    kv = torch.zeros(3, 64, 576, dtype=torch.uint8)
+    kvs = torch.zeros(3, 64, 2)
+    bt, sl = torch.zeros(B, 3, dtype=torch.int32), torch.tensor([70, 130], dtype=torch.int32)
+    out, lse = torch.zeros(B, T, H, 512, dtype=torch.bfloat16), torch.zeros(B, T, H)
+    q8, qs = torch.zeros(B * T * H, 576, dtype=torch.uint8), torch.zeros(B * T * H, 2)
+    op, lp = torch.zeros(B, T * H, 3, 512), torch.zeros(B, T * H, 3)
+    meta = cu.get_mla_decode_metadata(sl, H, T, 132, max_seqlen=4096)
+    meta = dataclasses.replace(meta, num_splits=3)
+    dyn = dataclasses.replace(meta, splits_dev=torch.ones(1, dtype=torch.int32))
+    kinds = {ctypes.c_void_p: int, ctypes.c_longlong: int, ctypes.c_int: int, ctypes.c_float: float}
+    for m, split_ops, want in ((meta, (op, lp), 0), (dyn, (op, lp), dyn.splits_dev.data_ptr()), (dyn, (None, None), 0)):
+        args = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, *split_ops, m, True, 0.1, 0)
+        assert len(args) == len(cu.LAUNCH_ARGTYPES)
+        assert all(isinstance(a, kinds[t]) for a, t in zip(args, cu.LAUNCH_ARGTYPES))
+        assert args[27] == want and args[5] == sl.data_ptr() and args[23:27] == (B, H, T, 3)
+        assert (args[6] == 0) == (split_ops[0] is not None)  # bf16 out only on the direct path
