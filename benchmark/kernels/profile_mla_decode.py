@@ -181,13 +181,30 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+NCU_GLOBS = ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda/bin/ncu", "/usr/local/cuda-*/bin/ncu")
+
+
+def find_ncu(name: str) -> str | None:
+    """ncu on PATH, else the newest of the usual install places (the GPU host's image installs Nsight Compute
+    under /opt/nvidia; its PATH may not name it)."""
+    import glob
+
+    found = shutil.which(name)
+    if found or name != "ncu":
+        return found
+    hits = sorted(h for g in NCU_GLOBS for h in glob.glob(g))
+    return hits[-1] if hits else None
+
+
 def parent(args) -> int:
     from sglang_h20 import provenance
 
     args.out.mkdir(parents=True, exist_ok=True)
-    if not shutil.which(args.ncu):
-        print(f"{args.ncu} not found: Nsight Compute is needed", file=sys.stderr)
+    ncu = find_ncu(args.ncu)
+    if ncu is None:
+        print(f"{args.ncu} not found (PATH, {', '.join(NCU_GLOBS)}): Nsight Compute is needed", file=sys.stderr)
         return 2
+    args.ncu = ncu
     rep = args.out / "mla_decode.ncu-rep"
     cmd = [args.ncu, "--clock-control", "none", "--target-processes", "all", "--nvtx", "--nvtx-include", "profile/",
            "--set", args.set, "--import-source", "no", "--metrics", ",".join(RAW_METRICS), "-f", "-o",
