@@ -16,6 +16,8 @@ from sgl_kernel_ext.mla_decode import (  # FP8 MLA decode (FlashMLA-style interf
     mla_decode_reference,
     quantize_kv_fp8,
     quantize_q_fp8,
+    set_splits,
+    splits_lut,
     store_kv_fp8,
     store_kv_fp8_torch,
 )

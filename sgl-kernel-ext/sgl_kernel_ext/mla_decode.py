@@ -536,15 +536,15 @@ def decode_args(q: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch
     return block_table, cache_seqlens, metadata, out, torch.empty((B, q_len, H), dtype=torch.float32, device=q.device)
 
 
-def splits_args(metadata: MLADecodeMetadata, like: torch.Tensor) -> tuple:
-    """The SPLITS pointer argument of the kernels: metadata.splits_dev, or any int32 tensor when it is unset
-    (DYN_SPLITS is then False and the kernels never read it)."""
+def splits_pointer(metadata: MLADecodeMetadata, like: torch.Tensor) -> torch.Tensor:
+    """The kernels' SPLITS argument: metadata.splits_dev (checked: int32 on like's device), or `like` itself when
+    it is unset (DYN_SPLITS is then False and no kernel reads it)."""
     s = metadata.splits_dev
     if s is None:
-        return (like,)
+        return like
     assert s.dtype == torch.int32 and s.numel() >= 1 and s.device == like.device, \
         "splits_dev must be int32 [1] on the kernel's device"
-    return (s,)
+    return s
 
 
 def combine_partials(op, lp, cache_seqlens, out, lse, metadata: MLADecodeMetadata, block_n: int,
@@ -556,7 +556,7 @@ def combine_partials(op, lp, cache_seqlens, out, lse, metadata: MLADecodeMetadat
     _mla_fp8_combine_kernel[(rows, B)](
         op, lp, cache_seqlens, out, lse, op.stride(0), op.stride(1), op.stride(2), lp.stride(0), lp.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        H, S, *splits_args(metadata, cache_seqlens), BLOCK_N=block_n, SPLITS_P2=max(triton.next_power_of_2(S), 2),
+        H, S, splits_pointer(metadata, cache_seqlens), BLOCK_N=block_n, SPLITS_P2=max(triton.next_power_of_2(S), 2),
         DV=KV_LORA_RANK, INTERPRET=_INTERPRETED, ROUND_BF16=round_bf16, DYN_SPLITS=metadata.splits_dev is not None,
         num_warps=4,
     )
@@ -643,7 +643,7 @@ def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_s
         kv_scales.stride(0), kv_scales.stride(1), block_table.stride(0),
         *sop, *slp,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        H, rows, q_len, S, *splits_args(metadata, cache_seqlens),
+        H, rows, q_len, S, splits_pointer(metadata, cache_seqlens),
         PAGE_SIZE=page_size, BLOCK_H=bh, BLOCK_N=bn, BLOCK_V=bv, PV_16BIT=metadata.pv_16bit,
         CAUSAL=bool(causal), DIRECT=direct, INTERPRET=_INTERPRETED, ROUND_BF16=round_bf16,
         DYN_SPLITS=metadata.splits_dev is not None, num_warps=metadata.num_warps, num_stages=metadata.num_stages,

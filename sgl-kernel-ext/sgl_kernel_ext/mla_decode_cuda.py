@@ -282,8 +282,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
                          and out.data_ptr() % 4 == 0) else torch.empty(out.shape, dtype=torch.bfloat16,
                                                                          device=q.device)
     direct = S == 1
-    if metadata.splits_dev is not None:
-        _triton_mla.splits_args(metadata, cache_seqlens)  # int32 [1] on q's device, or an assertion
+    _triton_mla.splits_pointer(metadata, cache_seqlens)  # splits_dev, if set: int32 [1] on q's device
     op = lp = None
     if not direct:
         op = torch.empty((B, rows, S, KV_LORA_RANK), dtype=torch.float32, device=q.device)
