@@ -193,6 +193,54 @@ def summarize(phases: dict, ref: list | None) -> dict:
     return s
 
 
+def plot(record: dict, path: Path) -> str | None:
+    """Median ITL and decode-only tok/s per workload, one bar per phase (the summary's throughput table).
+    Returns why no plot was written, or None."""
+    table = record["summary"].get("throughput") or {}
+    if not table:
+        return "no workload finished: nothing to plot"
+    from sglang_h20.plotting import pyplot
+
+    plt = pyplot()
+    names = [n for n in PHASES if any(n in v for v in table.values())]
+    workloads = list(table)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / max(len(names), 1)
+    for ax, key, label in ((axes[0], "median_itl_ms", "median ITL (ms), lower is better"),
+                           (axes[1], "decode_only_tok_s", "decode-only tok/s (server log), higher is better")):
+        for i, n in enumerate(names):
+            xs = [j + i * width for j in range(len(workloads))]
+            vals = [(table[w].get(n) or {}).get(key) for w in workloads]
+            bars = ax.bar(xs, [v or 0.0 for v in vals], width, label=n)
+            ax.bar_label(bars, labels=["n/a" if v is None else (f"{v:.0f}" if key.endswith("tok_s") else f"{v:.1f}")
+                                       for v in vals], fontsize=7)
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(workloads))], workloads)
+        ax.set_title(label, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    gpu = record.get("gpu") or "?"
+    commits = sorted({str(m.get("git_commit"))[:7] for m in record.get("merged_from", [])}
+                     or {str(record.get("git_commit"))[:7]})  # a merge: the runs' commits, not the merge's
+    fig.suptitle(f"h20_fp8_mla vs upstream FlashMLA, {Path(str(record.get('model'))).name}, {gpu}, "
+                 f"commit {', '.join(commits)} (n/a: not run or the server died)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def write_record(record: dict, out: Path) -> Path:
+    """fp8_mla_e2e.json and its PNG in out."""
+    path = out / "fp8_mla_e2e.json"
+    path.write_text(json.dumps(record, indent=1))
+    try:  # the JSON is what counts; a plotting failure is reported, not raised
+        why = plot(record, out / "fp8_mla_e2e.png")
+    except Exception as e:
+        why = f"plot failed: {type(e).__name__}: {e}"
+    print(why or f"wrote {out / 'fp8_mla_e2e.png'}")
+    return path
+
+
 def merge_records(records: list[dict], sources: list[str]) -> dict:
     """One fp8_mla_e2e record from several (see --merge): their phases side by side, the summary recomputed (greedy
     agreement against whichever source ran the triton phase), each source's provenance under merged_from."""
@@ -242,7 +290,7 @@ def main(argv=None) -> int:
     if args.merge:
         record = merge_records([json.loads(p.read_text()) for p in args.merge], [str(p) for p in args.merge])
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fp8_mla_e2e.json").write_text(json.dumps(record, indent=1))
+        write_record(record, args.out)
         print(json.dumps(record["summary"], indent=1))
         return 0
     if not args.model:
@@ -282,8 +330,7 @@ def main(argv=None) -> int:
                                                                       for s in p["skipped"]],
               "reference": str(args.reference) if args.reference else "triton phase",
               "errors": errors, "summary": summarize(phases, ref[:args.prompts] if ref else None), "phases": phases}
-    path = args.out / "fp8_mla_e2e.json"
-    path.write_text(json.dumps(record, indent=1))
+    path = write_record(record, args.out)
     print(json.dumps(record["summary"], indent=1))
     print(f"wrote {path}")
     return 1 if errors or ("ours" in args.phases and "ours" not in phases) else 0

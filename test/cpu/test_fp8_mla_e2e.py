@@ -42,6 +42,8 @@ def test_merge_compares_phases_from_separate_runs(tmp_path):
     assert [m["git_commit"] for m in rec["merged_from"]] == ["aaa", "bbb"]
     assert set(rec["phases"]) == {"ours", "triton", "flashmla"} and rec["reference"] == "triton phase"
     assert rec["gpu"] == "NVIDIA H200"  # both sources ran there, though the merge itself ran on a CPU
+    png = tmp_path / "m" / "fp8_mla_e2e.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_merge_names_no_gpu_when_the_sources_disagree():
