@@ -565,19 +565,13 @@ def combine_partials(op, lp, cache_seqlens, out, lse, metadata: MLADecodeMetadat
 def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: int = 64, num_sm: int | None = None,
                device=None, **plan_kw) -> torch.Tensor:
     """get_mla_decode_metadata's split count for every longest length up to max_seqlen, in steps of `page`:
-    int32 [cdiv(max_seqlen, page) + 1], entry t for a longest sequence of t pages (entry 0 = entry 1), computed
-    in one vectorized pass. Built once per captured batch size; set_splits indexes it at each replay."""
-    m = get_mla_decode_metadata(torch.ones(max(batch, 1), dtype=torch.int32), num_heads, q_len, num_sm,
-                                max_seqlen=page, **plan_kw)
-    bn = m.block_n
-    min_split = max(plan_kw.get("min_split_tokens", 128), bn)
-    waves = plan_kw.get("waves", 2.0)
-    programs = max(batch * m.num_row_blocks * (KV_LORA_RANK // m.block_v), 1)
-    want = triton.cdiv(int(math.ceil(waves * m.num_sm)), programs)
-    lens = torch.arange(triton.cdiv(max(int(max_seqlen), 1), page) + 1, dtype=torch.int64).clamp_(min=1) * page
-    useful = (lens + min_split - 1) // min_split
-    lut = useful.clamp(max=min(want, plan_kw.get("max_splits", 64))).clamp_(min=1)
-    return lut.to(torch.int32).to(device or "cpu")
+    int32 [cdiv(max_seqlen, page) + 1], entry t for a longest sequence of t pages (entry 0 = entry 1), from the
+    planner itself at each length (~15 us each on the host). Built once per captured batch size; set_splits
+    indexes it at each replay."""
+    lens = torch.ones(max(batch, 1), dtype=torch.int32)
+    lut = [get_mla_decode_metadata(lens, num_heads, q_len, num_sm, max_seqlen=max(t, 1) * page, **plan_kw).num_splits
+           for t in range(triton.cdiv(max(int(max_seqlen), 1), page) + 1)]
+    return torch.tensor(lut, dtype=torch.int32, device=device or "cpu")
 
 
 def set_splits(splits_dev: torch.Tensor, lut: torch.Tensor, cache_seqlens: torch.Tensor, page: int) -> None:

@@ -193,12 +193,14 @@ def available(version: int = 1, defines=()) -> tuple[bool, str]:
     return True, ""
 
 
-def split_cost(programs: int, tiles: int, splits: int, num_sm: int) -> float:
+def split_cost(programs, tiles, splits, num_sm: int):
     """Modelled time of one launch in KV-tile units: waves of CTAs (one per SM) x tiles per CTA, plus a split's
     fixed cost. The wave count is what the Triton kernel's plan (2 waves' worth of programs) gets wrong for a
-    kernel with one CTA per SM: 288 CTAs on 132 SMs run as 3 waves, the last one a sixth full."""
-    waves = triton.cdiv(programs * splits, num_sm * CTAS_PER_SM)
-    return waves * (triton.cdiv(tiles, splits) + (SPLIT_COST_TILES if splits > 1 else 0.0))
+    kernel with one CTA per SM: 288 CTAs on 132 SMs run as 3 waves, the last one a sixth full. Plain integer
+    arithmetic, so tiles and splits may also be broadcasting int64 tensors (splits_lut: every pair at once)."""
+    slots = num_sm * CTAS_PER_SM
+    waves = (programs * splits + slots - 1) // slots
+    return waves * ((tiles + splits - 1) // splits + SPLIT_COST_TILES * (splits > 1))
 
 
 def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: int = 1, num_sm: int | None = None,
@@ -231,9 +233,7 @@ def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: in
     programs = max(batch * base.num_row_blocks, 1)
     tiles = torch.arange(triton.cdiv(max(int(max_seqlen), 1), PAGE_SIZE) + 1, dtype=torch.int64).clamp_(min=1)
     splits = torch.arange(1, max_splits + 1, dtype=torch.int64)
-    waves = (programs * splits + base.num_sm * CTAS_PER_SM - 1) // (base.num_sm * CTAS_PER_SM)
-    per_cta = (tiles[:, None] + splits[None, :] - 1) // splits[None, :]
-    cost = waves[None, :] * (per_cta + torch.where(splits > 1, SPLIT_COST_TILES, 0.0)[None, :])
+    cost = split_cost(programs, tiles[:, None], splits[None, :], base.num_sm)
     top = (tiles // MIN_SPLIT_TILES).clamp_(1, max_splits)
     cost = torch.where(splits[None, :] <= top[:, None], cost, float("inf"))
     return (torch.argmin(cost, dim=1) + 1).to(torch.int32).to(device or "cpu")  # first minimum: fewer splits
