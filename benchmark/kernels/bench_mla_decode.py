@@ -186,19 +186,18 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_co
         raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
     import functools
 
-    import dataclasses
-
     plan = mla.get_mla_decode_metadata if plan_kind == "triton" else cu.get_mla_decode_metadata
     bound = server_context if plan_kind in ("ctx", "graph") else ctx
     metas = [plan(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=bound) for s in sets]
-    info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
-            "kernel_version": version, "plan": plan_kind}
-    if plan_kind == "graph" and metas[0].num_splits > 1:
+    if plan_kind == "graph":  # as the backend captures it: the grid for the bound, the count for these lengths
         for i, s in enumerate(sets):
             B, T, H, _ = s["q"].shape
-            lut = cu.splits_lut(H, T, B, server_context, device="cuda")
-            metas[i] = dataclasses.replace(metas[i], splits_dev=torch.ones(1, dtype=torch.int32, device="cuda"))
-            mla.set_splits(metas[i].splits_dev, lut, s["cache_seqlens"], PAGE)
+            metas[i], table = mla.graph_metadata(plan, cu.splits_lut, B, H, T, bound, PAGE, "cuda")
+            if metas[i].splits_dev is not None:
+                mla.set_splits(metas[i].splits_dev, table, s["cache_seqlens"], PAGE)
+    info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
+            "kernel_version": version, "plan": plan_kind}
+    if metas[0].splits_dev is not None:
         info["run_time_splits"] = int(metas[0].splits_dev.item())
     return _decode_calls(torch, sets, metas, functools.partial(cu.mla_decode_fp8_cuda, version=version)) + (info,)
 

@@ -86,7 +86,6 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------------------------------ the child
 def child(args) -> int:
-    import dataclasses
     import importlib
 
     import torch
@@ -105,11 +104,13 @@ def child(args) -> int:
                 print(f"{p}: unavailable: {why}", flush=True)
                 continue
             bound = 163840 if args.plan in ("ctx", "graph") else args.context
-            meta = cu.get_mla_decode_metadata(sl, args.heads, args.q_len, max_seqlen=bound)
-            if args.plan == "graph" and meta.num_splits > 1:
-                meta = dataclasses.replace(meta, splits_dev=torch.ones(1, dtype=torch.int32, device="cuda"))
-                mla.set_splits(meta.splits_dev, cu.splits_lut(args.heads, args.q_len, args.batch, bound,
-                                                              device="cuda"), sl, 64)
+            if args.plan == "graph":  # as the backend captures it
+                meta, table = mla.graph_metadata(cu.get_mla_decode_metadata, cu.splits_lut, args.batch, args.heads,
+                                                 args.q_len, bound, 64, "cuda")
+                if meta.splits_dev is not None:
+                    mla.set_splits(meta.splits_dev, table, sl, 64)
+            else:
+                meta = cu.get_mla_decode_metadata(sl, args.heads, args.q_len, max_seqlen=bound)
             print(f"{p}: plan {args.plan}, grid splits {meta.num_splits}, run-time "
                   f"{meta.splits_dev.item() if meta.splits_dev is not None else meta.num_splits}", flush=True)
             calls[p] = lambda cu=cu, meta=meta, version=version: cu.mla_decode_fp8_cuda(

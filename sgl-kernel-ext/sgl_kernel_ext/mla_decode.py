@@ -574,6 +574,18 @@ def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: in
     return torch.tensor(lut, dtype=torch.int32, device=device or "cpu")
 
 
+def graph_metadata(plan, splits_table, batch: int, num_heads: int, q_len: int, max_seqlen: int, page: int,
+                   device) -> tuple[MLADecodeMetadata, torch.Tensor]:
+    """One CUDA-graph batch size's plan, from a kernel's planner and its split table (get_mla_decode_metadata and
+    splits_lut of this module or of mla_decode_cuda): the grid planned for max_seqlen (the longest a replay may
+    see) and the table; when the grid splits, metadata.splits_dev holds the count set_splits picks per replay."""
+    meta = plan(torch.ones(max(batch, 1), dtype=torch.int32), num_heads, q_len, max_seqlen=max_seqlen)
+    table = splits_table(num_heads, q_len, batch, max_seqlen, page, device=device)
+    if meta.num_splits > 1:
+        meta = dataclasses.replace(meta, splits_dev=torch.ones(1, dtype=torch.int32, device=device))
+    return meta, table
+
+
 def set_splits(splits_dev: torch.Tensor, lut: torch.Tensor, cache_seqlens: torch.Tensor, page: int) -> None:
     """splits_dev <- lut[cdiv(max(cache_seqlens), page)], on the device (no sync): the plan for this step's
     lengths. Lengths past the table's bound use its last entry."""

@@ -211,10 +211,9 @@ def test_run_time_split_count(version):
     lens = [3000, 100, 2048, 700]
     d = mla.make_mla_inputs(lens, 128, 1, 64, device="cuda", seed=23, **DEEPSEEK_LIKE)
     q, kv, bt, sl = d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"].clone()
-    grid = cu.get_mla_decode_metadata(sl, 128, 1, max_seqlen=163840)
-    assert grid.num_splits > 4
-    meta = dataclasses.replace(grid, splits_dev=torch.ones(1, dtype=torch.int32, device="cuda"))
-    lut = cu.splits_lut(128, 1, len(lens), 163840, device="cuda")
+    meta, lut = mla.graph_metadata(cu.get_mla_decode_metadata, cu.splits_lut, len(lens), 128, 1, 163840, 64, "cuda")
+    grid = dataclasses.replace(meta, splits_dev=None)
+    assert grid == cu.get_mla_decode_metadata(sl, 128, 1, max_seqlen=163840) and grid.num_splits > 4
     out = torch.empty(4, 1, 128, 512, dtype=torch.bfloat16, device="cuda")
     mla.set_splits(meta.splits_dev, lut, sl, 64)
     cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=version)  # build + warm

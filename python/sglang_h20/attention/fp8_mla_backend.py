@@ -463,15 +463,6 @@ class FP8MLABackend(AttentionBackend):
         self._graph_seqlens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_plans = {}
 
-    def _graph_plan(self, bs: int, seqlens: torch.Tensor) -> tuple[MLADecodeMetadata, torch.Tensor]:
-        """A batch size's captured plan: the grid planned for the context length, and the split count each replay
-        uses, chosen from its lengths (the kernels read it from plan.splits_dev; split table built here)."""
-        plan = self._plan(seqlens, self.max_context_len)
-        lut = self._splits_lut(self.num_heads, 1, bs, self.max_context_len, self.page_size, device=self.device)
-        if plan.num_splits > 1:
-            plan = dataclasses.replace(plan, splits_dev=torch.ones(1, dtype=torch.int32, device=self.device))
-        return plan, lut
-
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Before capture and before every replay: refresh the static block table and lengths, and the split count
         the replay's lengths call for. The graph bakes a grid planned for the context length (its most splits);
@@ -484,8 +475,9 @@ class FP8MLABackend(AttentionBackend):
         seqlens.copy_(forward_batch.seq_lens[:bs])
         block_table = self._block_table(forward_batch.req_pool_indices[:bs], self._graph_block_table.shape[1],
                                         out=self._graph_block_table[:bs])
-        if bs not in self._graph_plans:
-            self._graph_plans[bs] = self._graph_plan(bs, seqlens)
+        if bs not in self._graph_plans:  # the grid for the context length; the split count per replay
+            self._graph_plans[bs] = self.mla.graph_metadata(self._plan_fn, self._splits_lut, bs, self.num_heads, 1,
+                                                            self.max_context_len, self.page_size, self.device)
         plan, lut = self._graph_plans[bs]
         if plan.splits_dev is not None:
             self.mla.set_splits(plan.splits_dev, lut, seqlens, self.page_size)
