@@ -144,7 +144,8 @@ def main() -> int:
             break
         phases.append(run_phase(phase, args, 30000 + i, sharegpt))
         record = write_record(args, phases, args.phases[i + 1:])  # after every phase: a killed run keeps it
-    record = write_record(args, phases, skipped)
+    if skipped:  # (the first phase always runs, so `record` exists)
+        record = write_record(args, phases, skipped)
     print(json.dumps(record["summary"], indent=1))
     return 0 if record["summary"]["greedy_ids_identical"] else 1
 
