@@ -186,10 +186,10 @@ def summarize(phases: dict, ref: list | None) -> dict:
         # output tok/s carries each workload's prefill too; the server's decode-only rate is the attention kernel's
         s[f"{mine}_decode_over"] = over(mine, "decode_only_tok_s")
     s["server_deaths"] = {n: p["server_died"] for n, p in phases.items() if p.get("server_died")}
-    ours = phases.get("ours", {})
-    s["ours_backend_selected"] = any("fp8_mla: attention backend h20_fp8_mla" in ln
-                                     for ln in ours.get("plugin_log_lines", []))
-    s["ours_fallback_lines"] = [ln for ln in ours.get("plugin_log_lines", []) if "fall" in ln or "upstream" in ln]
+    for mine in [n for n in phases if n.startswith("ours")]:  # did each ours* server really run our backend?
+        lines = phases[mine].get("plugin_log_lines", [])
+        s[f"{mine}_backend_selected"] = any("fp8_mla: attention backend h20_fp8_mla" in ln for ln in lines)
+        s[f"{mine}_fallback_lines"] = [ln for ln in lines if "fall" in ln or "upstream" in ln]
     return s
 
 
