@@ -115,6 +115,23 @@ def test_quantize_roundtrip_error_bound():
     assert torch.equal(mla.dequantize_kv_fp8(q.view(torch.uint8), s), y)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 8])
+def test_q_prepass_matches_reference_at_any_row_count(rows):
+    """The decode's Q pre-pass quantizes several rows per program: a row count that is not a multiple of
+    QUANT_ROWS_PER_PROGRAM must neither drop nor spill rows."""
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(rows, 1, 1, 576, generator=g) * torch.linspace(0.1, 30.0, 576)).bfloat16().to(DEVICE)
+    q8, qs = mla._quantize_q(q)
+    ref8, refs = mla.quantize_kv_fp8(q.reshape(rows, 576))
+    assert q8.shape == (rows, 576) and qs.shape == (rows, 2)
+    assert torch.equal(qs, refs)
+    ours, theirs = q8.float(), ref8.view(torch.float8_e4m3fn).float()
+    if mla._INTERPRETED:
+        assert torch.equal(ours, theirs)
+    else:  # the GPU's fp32 division may differ in the last bit: at most one e4m3 step apart
+        assert ((ours - theirs).abs() <= theirs.abs() * 2.0 ** -3 + 2.0 ** -9).all()
+
+
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_store_kv_fp8_writes_only_its_slots(page_size):
     g = torch.Generator().manual_seed(2)

@@ -15,6 +15,7 @@ running max V scale, P' rounded to e4m3) must agree to <= 8e-3 (measured 2-4e-3 
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -243,3 +244,36 @@ def test_run_time_split_count(version):
                 assert torch.equal(out, dyn), f"replay != eager (lens={step}, splits={want})"
         ref, _ = mla.mla_decode_reference(q, kv, bt, sl, d["softmax_scale"])
         assert torch.isfinite(out.float()).all() and rel(out, ref) <= 2e-2
+
+
+@pytest.mark.parametrize("gap_log2", [60, 97, 400])
+def test_tiles_far_below_the_row_max(gap_log2, version):
+    """One sink token (tile 0) scores gap_log2 (log2 units) above every other token, so the tiles of the other
+    owner chain (v2) merge with beta ~ 2^-gap: 60 takes v2's one-FFMA merge with a 2^60 factor, 97 the branch
+    that drops a tile below 2^-80, 400 an underflowed beta. The output is then ~ the sink's value row."""
+    lens = [4097, 1000]
+    d = mla.make_mla_inputs(lens, 128, 1, 64, device="cuda", seed=31, **DEEPSEEK_LIKE)
+    latent, bt = d["latent_cache"], d["block_table"]
+    q = d["q"].clone()
+    q[..., 512:] = 1.0  # the rope part of every query row: all ones
+    c = gap_log2 * math.log(2.0) / d["softmax_scale"] / 64.0  # sink rope entries: score gap ~ gap_log2 in log2
+    for b in range(len(lens)):
+        page, slot = bt[b, 0].item(), 5
+        latent[page, slot, 512:] = c
+    d["kv_cache"] = mla.quantize_kv_fp8(latent.nan_to_num(0.0))
+    kv8, kvs = d["kv_cache"]
+    dead = ~torch.isfinite(latent.float()).all(-1)
+    kv8.view(torch.uint8)[dead] = 0x7F  # keep the NaN poison past each sequence's end
+    kvs[dead] = float("nan")
+    for splits in (1, 4):
+        meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 128, 1)
+        meta = type(meta)(**{**meta.__dict__, "num_splits": splits})
+        o, lse = cu.mla_decode_fp8_cuda(q, d["kv_cache"], bt, d["cache_seqlens"], d["softmax_scale"], meta,
+                                        return_lse=True, version=version)
+        torch.cuda.synchronize()
+        args = (bt, d["cache_seqlens"], d["softmax_scale"])
+        ref, ref_lse = mla.mla_decode_reference(q, d["kv_cache"], *args)
+        exact, _ = mla.mla_decode_exact(q, latent, *args)
+        # the output is ~ one token's FP8 value row, so vs exact is that row's e4m3 rounding (no averaging over
+        # tokens): bounded loosely; vs the reference on the same FP8 cache keeps the usual 2e-2
+        check(o, lse, ref, ref_lse, exact, f"sink gap 2^{gap_log2} splits={splits}", exact_bound=1e-1)
