@@ -249,8 +249,8 @@ def test_run_time_split_count(version):
 @pytest.mark.parametrize("gap_log2", [60, 97, 400])
 def test_tiles_far_below_the_row_max(gap_log2, version):
     """One sink token (tile 0) scores gap_log2 (log2 units) above every other token, so the tiles of the other
-    owner chain (v2) merge with beta ~ 2^-gap: 60 takes v2's one-FFMA merge with a 2^60 factor, 97 the branch
-    that drops a tile below 2^-80, 400 an underflowed beta. The output is then ~ the sink's value row."""
+    owner chain (v2) merge with a factor beta ~ 2^-gap: 60 and 97 (a denormal-range factor for any rescaled form
+    of O) and 400 (beta underflows to 0). The output is then ~ the sink's value row."""
     lens = [4097, 1000]
     d = mla.make_mla_inputs(lens, 128, 1, 64, device="cuda", seed=31, **DEEPSEEK_LIKE)
     latent, bt = d["latent_cache"], d["block_table"]

@@ -19,10 +19,7 @@
 //   V-scale max c_w over its own tiles only), so the owner of tile t never waits for tile t-1's max (no serial
 //   softmax chain across WGs). A consumer merges any tile into O with the owner's (m_t, c_t):
 //       M' = max(M, m_t), C' = max(C, c_t),  O = O * 2^(M - M') C / C' + (P'V) * 2^(m_t - M') c_t / C'
-//   (O in units of C/448 relative to 2^(. - M)). Merge: O is held as O_s G (G per row), so that the merge is one FFMA
-//   per element, O_s = O_s f + acc with f = G alpha / beta, G = beta (alpha, beta: the two factors above); a tile
-//   whose beta < 2^-80 (it weighs < 2^-80 of the row's largest) is dropped instead, in a warp-uniform FMUL + FFMA
-//   branch, which bounds O_s below 2^115. (Until 2026-11-30 FMUL + FFMA on every element.) The row sum l
+//   (O in units of C/448 relative to 2^(. - M)); one extra FMUL per accumulator element against v1. The row sum l
 //   stays per owner chain and is merged once at the end: l = l_0 2^(m_0 - M) + l_1 2^(m_1 - M), M = max(m_0, m_1)
 //   (both WGs end with the same M and C: max is exact and order-free).
 // - Per round j, WG0: V^T(2j-1, 2j) -> QK^T(2j) -> softmax -> publish -> P'V(2j) -> P'V(2j-1);
@@ -264,9 +261,6 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float M[2] = {-INFINITY, -INFINITY};
   float C = 0.f;
-  // O is kept as O_stored * G (G per row): the merge O = O alpha + acc beta becomes O_stored = O_stored f + acc with
-  // f = G alpha / beta and G = beta, one FFMA per element instead of FMUL + FFMA (see "Merge" in the header)
-  float G[2] = {1.f, 1.f};
   // the owner chain (this WG's own tiles only): running row max m_own (P of an own tile is exp2(S - m_own)),
   // partial row sum l_own relative to m_own (this thread's columns), running max V scale c_own (P' = P s_v / c_own 448)
   float m_own[2] = {-INFINITY, -INFINITY}, l_own[2] = {0.f, 0.f};
@@ -283,8 +277,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     const int pb = t & 1;
     mbar_wait(bar_full_p + 8 * pb, (t >> 1) & 1);
     fence_proxy_async();
-    float fac[2], wt[2];  // O_stored = O_stored fac + acc wt
-    bool exact = true;    // warp-uniform: every row of the warp has wt = 1 (the FFMA-only merge)
+    float alpha[2], beta[2];
     if constexpr (!MLA_ABLATE_NO_MERGE) {
       const float ci = xc[pb];  // >= 1e-30
       const float c_new = fmaxf(C, ci);
@@ -294,19 +287,11 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         const float mi = xm[pb * ROWS + r0 + 8 * h];
         const float m_new = fmaxf(M[h], mi);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float ga = G[h] * ex2(M[h] - m_use) * (C * rc);  // M = -inf -> 0 (O is 0 then)
-        const float beta = ex2(mi - m_use) * (ci * rc);        // mi = -inf -> 0 (P' of the tile is 0 then)
-        // beta >= 2^-80: O_stored = O_true / beta stays below 2^115 (O_true < 2^35 units); below it the tile
-        // weighs < 2^-80 of the row's largest and is dropped (wt 0), which needs the slower FMUL + FFMA form
-        const bool live = beta >= 0x1p-80f;
-        fac[h] = live ? ga * __frcp_rn(beta) : ga;
-        wt[h] = live ? 1.f : 0.f;
-        G[h] = live ? beta : 1.f;
+        alpha[h] = ex2(M[h] - m_use) * (C * rc);   // M = -inf -> 0 (O is 0 then)
+        beta[h] = ex2(mi - m_use) * (ci * rc);     // mi = -inf -> 0 (P' of the tile is 0 then)
         M[h] = m_new;
-        exact = exact && live;
       }
       C = c_new;
-      exact = __all_sync(0xffffffffu, exact);
     }
     const uint32_t pa = sbase + OFF_P + pb * P_BYTES;
     const uint32_t vt = sbase + OFF_VT + (wg * 2 + (t & 1)) * VTH_BYTES;
@@ -320,24 +305,13 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
           stand_in<64>(acc, o + half * 64);  // ablation: no P'V wgmmas, the merge below still runs
         else
           pv_half(acc, pa, vt + half * 8192);
-        if (exact) {
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            float* oj = o + half * 64 + j * 4;
-            oj[0] = fmaf(oj[0], fac[0], acc[j * 4 + 0]);
-            oj[1] = fmaf(oj[1], fac[0], acc[j * 4 + 1]);
-            oj[2] = fmaf(oj[2], fac[1], acc[j * 4 + 2]);
-            oj[3] = fmaf(oj[3], fac[1], acc[j * 4 + 3]);
-          }
-        } else {  // some row of the warp drops this tile (rare: its weight is below 2^-80)
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            float* oj = o + half * 64 + j * 4;
-            oj[0] = fmaf(oj[0], fac[0], acc[j * 4 + 0] * wt[0]);
-            oj[1] = fmaf(oj[1], fac[0], acc[j * 4 + 1] * wt[0]);
-            oj[2] = fmaf(oj[2], fac[1], acc[j * 4 + 2] * wt[1]);
-            oj[3] = fmaf(oj[3], fac[1], acc[j * 4 + 3] * wt[1]);
-          }
+        for (int j = 0; j < 16; ++j) {
+          float* oj = o + half * 64 + j * 4;
+          oj[0] = fmaf(oj[0], alpha[0], acc[j * 4 + 0] * beta[0]);
+          oj[1] = fmaf(oj[1], alpha[0], acc[j * 4 + 1] * beta[0]);
+          oj[2] = fmaf(oj[2], alpha[1], acc[j * 4 + 2] * beta[1]);
+          oj[3] = fmaf(oj[3], alpha[1], acc[j * 4 + 3] * beta[1]);
         }
       }
     }
@@ -504,7 +478,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     const float m_use = M[h] == -INFINITY ? 0.f : M[h];
     const float lt = xl[r] * ex2(xmf[r] - m_use) + xl[ROWS + r] * ex2(xmf[ROWS + r] - m_use);
     const bool has = lt > 0.f;
-    const float inv = has ? G[h] * C / (448.f * lt) : 0.f;
+    const float inv = has ? C / (448.f * lt) : 0.f;
     const float lse = has ? (M[h] + __log2f(lt)) * 0.6931471805599453f : -INFINITY;
     store_row(p, o, h, b, gr, sp, wg, q4, has, inv, lse);
   }
