@@ -584,12 +584,25 @@ def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: in
     return torch.tensor(lut, dtype=torch.int32, device=device or "cpu")
 
 
+# A CUDA graph's grid holds at most this many waves of programs (one program per SM). The grid is planned for the
+# longest context a replay may see, and at shorter lengths the programs past the run-time split count exit at once,
+# but not for free: on the H200 the old uncapped grid cost 7.5 us at batch 16 and 48 us at batch 128 (x 128 heads,
+# 4k tokens; 928 and 4096 idle programs, ~1 us of SM time each) over planning per call (mla_decode_graph_plan_h200
+# .json). 4 waves keep the tail of a full-length replay under ~3% (512 programs at batch 16: 3.9 waves).
+GRAPH_MAX_WAVES = 4
+
+
 def graph_metadata(plan, splits_table, batch: int, num_heads: int, q_len: int, max_seqlen: int, page: int,
                    device) -> tuple[MLADecodeMetadata, torch.Tensor]:
     """One CUDA-graph batch size's plan, from a kernel's planner and its split table (get_mla_decode_metadata and
     splits_lut of this module or of mla_decode_cuda): the grid planned for max_seqlen (the longest a replay may
-    see) and the table; when the grid splits, metadata.splits_dev holds the count set_splits picks per replay."""
+    see), capped at GRAPH_MAX_WAVES waves, and the table; when the grid splits, metadata.splits_dev holds the
+    count set_splits picks per replay (the kernels clamp it to the grid's)."""
     meta = plan(torch.ones(max(batch, 1), dtype=torch.int32), num_heads, q_len, max_seqlen=max_seqlen)
+    per_split = max(batch, 1) * meta.num_row_blocks * max(KV_LORA_RANK // meta.block_v, 1)  # programs per split
+    cap = max(1, GRAPH_MAX_WAVES * meta.num_sm // per_split)
+    if meta.num_splits > cap:
+        meta = dataclasses.replace(meta, num_splits=cap)
     table = splits_table(num_heads, q_len, batch, max_seqlen, page, device=device)
     if meta.num_splits > 1:
         meta = dataclasses.replace(meta, splits_dev=torch.ones(1, dtype=torch.int32, device=device))

@@ -80,3 +80,22 @@ def test_launch_args_follow_the_c_signature_and_pass_the_split_count_pointer():
         assert all(isinstance(a, kinds[t]) for a, t in zip(args, cu.LAUNCH_ARGTYPES))
         assert args[27] == want and args[5] == sl.data_ptr() and args[23:27] == (B, H, T, 3)
         assert (args[6] == 0) == (split_ops[0] is not None)  # bf16 out only on the direct path
+
+
+@pytest.mark.parametrize("planner", ["cuda", "triton"])
+@pytest.mark.parametrize("batch", [1, 4, 16, 48, 64, 128])
+def test_graph_grid_holds_at_most_max_waves(planner, batch):
+    """A CUDA graph's grid is planned for the model's context, then capped at GRAPH_MAX_WAVES waves of programs
+    (idle programs cost SM time at short lengths); below the cap it is the planner's grid, unchanged."""
+    plan, lut = ((cu.get_mla_decode_metadata, cu.splits_lut) if planner == "cuda"
+                 else (mla.get_mla_decode_metadata, mla.splits_lut))
+    page = 64 if planner == "cuda" else 16
+    meta, table = mla.graph_metadata(plan, lut, batch, 128, 1, 163840, page, "cpu")
+    full = plan(torch.ones(batch, dtype=torch.int32), 128, 1, max_seqlen=163840)
+    programs = batch * meta.num_row_blocks * (512 // meta.block_v)
+    waves = programs * meta.num_splits / meta.num_sm
+    assert meta.num_splits == min(full.num_splits, max(1, mla.GRAPH_MAX_WAVES * meta.num_sm // programs))
+    assert waves <= mla.GRAPH_MAX_WAVES or meta.num_splits == 1
+    assert (meta.splits_dev is not None) == (meta.num_splits > 1)
+    if planner == "cuda" and batch in (16, 128):  # the grids the H200 run measured as costly: 33 and 17 splits
+        assert full.num_splits > meta.num_splits
