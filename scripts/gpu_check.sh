@@ -14,6 +14,8 @@
 #   (STEPS ncu) benchmark/kernels/profile_mla_decode.py ${NCU_ARGS}: Nsight Compute counters of one decode step
 #   (STEPS mlaablate) benchmark/kernels/mla_cuda_ablation.py ${ABLATE_ARGS}: the CUDA MLA kernels' ablation builds
 #     (-DMLA_ABLATE_*) timed against the default, where the time goes -> $OUT/mla_ablation.json (+ .log)
+#   (STEPS mlatrace) benchmark/kernels/trace_mla_decode.py ${TRACE_ARGS}: per-warp timeline of one CTA of the v2
+#     kernel (-DMLA_TRACE clock64 stamps) -> $OUT/mla_trace.json + .png (+ .log)
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
 #   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds)
 #   (affinity) affinity_remote_share.py: tokens leaving their GPU, upstream EPLB vs affinity, and each rebalance's
@@ -91,6 +93,12 @@ if [[ " $STEPS " == *" mlaablate "* ]] && [ "$(left)" -gt 120 ]; then  # childre
   say "CUDA MLA decode ablations ${ABLATE_ARGS:-}"
   timeout $(( $(left) - 20 )) python3 benchmark/kernels/mla_cuda_ablation.py --deadline-s $(( $(left) - 60 )) \
     ${ABLATE_ARGS:-} --json "$OUT/mla_ablation.json" 2>&1 | tee "$OUT/mla_ablation.log" | grep -v Warn | tail -90
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" mlatrace "* ]] && [ "$(left)" -gt 60 ]; then  # which wait serializes v2's parts
+  say "CUDA MLA decode v2 timeline ${TRACE_ARGS:-}"
+  timeout $(( $(left) - 20 )) python3 benchmark/kernels/trace_mla_decode.py ${TRACE_ARGS:-} --json "$OUT/mla_trace.json" \
+    2>&1 | tee "$OUT/mla_trace.log" | grep -v Warn | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" kernels "* ]]; then

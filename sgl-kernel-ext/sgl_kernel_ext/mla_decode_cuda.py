@@ -43,7 +43,7 @@ from .mla_decode import (
     HEAD_DIM_QK, KV_LORA_RANK, LOG2E, NUM_KV_SCALES, MLADecodeMetadata, _cache_views, _quantize_q, decode_args,
 )
 
-__all__ = ["build", "available", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
+__all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
            "VERSIONS", "ABLATIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
@@ -172,6 +172,12 @@ def _load(version: int = 1, defines=()):
     lib.mla_fp8_decode_sm90_error_string.argtypes = [ctypes.c_int]
     _libs[key] = lib
     return lib
+
+
+def library(version: int = 1, defines=()) -> ctypes.CDLL:
+    """The loaded library of kernel `version` built with `defines`, for entry points beyond the launch: e.g. the
+    -DMLA_TRACE build's mla_fp8_trace_reset / _read / _shape (csrc/mla_fp8_trace.cuh, trace_mla_decode.py)."""
+    return _load(version, defines)
 
 
 def available(version: int = 1, defines=()) -> tuple[bool, str]:

@@ -208,6 +208,8 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // inits visible (cp.async arrives too)
   }
   __syncthreads();  // the only CTA-wide barrier: mbarriers initialised before anybody uses them
+  MLA_TRACE_DECL;   // -DMLA_TRACE: per-warp timeline of one CTA (codes: TRACE_EVENTS in trace_mla_decode.py)
+  MLA_TRACE(1);
 
   if (wg == 2) {
     // =========================================== loader warpgroup ===========================================
@@ -217,7 +219,9 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
 #pragma unroll 1
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % NST;
+      MLA_TRACE(2);
       if (t >= NST) mbar_wait(bar_empty_k + 8 * st, ((t / NST) - 1) & 1);  // tile t - NST released by both WGs
+      MLA_TRACE(3);
       if (t == 0) {  // Q rides with tile 0 (every later full_k phase also covers it: arrive tracks all prior copies)
 #pragma unroll 2
         for (int i = 0; i < 18; ++i) load_q_chunk(p, sbase + OFF_Q, b, rb, ROWS, KB_BYTES, i * 128 + ptid);
@@ -239,8 +243,11 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         cp_async16(sbase + OFF_KS + st * KS_BYTES + ptid * 16,
                    p.kvs + static_cast<long long>(page) * p.kvs_page_stride + ptid * 4, 16);
       cp_async_mbar_arrive(bar_full_k + 8 * st);
+      MLA_TRACE(4);
     }
     cp_async_wait_all();
+    MLA_TRACE(5);
+    MLA_TRACE_END;
     return;
   }
 
@@ -275,7 +282,9 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   // P'V of tile t for this WG's 256 channels, merged into O with the owner's (m, c) of that tile
   auto pv_tile = [&](int t) {
     const int pb = t & 1;
+    MLA_TRACE(17);
     mbar_wait(bar_full_p + 8 * pb, (t >> 1) & 1);
+    MLA_TRACE(18);
     fence_proxy_async();
     float alpha[2], beta[2];
     if constexpr (!MLA_ABLATE_NO_MERGE) {
@@ -316,6 +325,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       }
     }
     mbar_arrive(bar_empty_p + 8 * pb);  // this thread's wgmmas completed and its m/c reads are done
+    MLA_TRACE(19);
   };
 
   if (wg == 1 && ntiles > 0) mbar_wait(bar_full_p, 0);  // start half a period behind WG0 (seesaw skew; no data)
@@ -328,13 +338,16 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     const bool has_own = t_own < ntiles, has_oth = t_oth >= 0 && t_oth < ntiles;
 
     // every warp of this WG is past last round's P'V wgmmas (they read the V^T buffers rewritten below)
+    MLA_TRACE(10);
     named_barrier(wg_bar, 128);
+    MLA_TRACE(11);
 
     // ---- V^T of this WG's 256 channels for both tiles of the round (before the QK^T wgmmas: their 64 accumulator
     //      registers on top of O leave no room for the transpose's, ptxas spilled) ----
     if (has_oth) {
       const int st = t_oth % NST;
       mbar_wait(bar_full_k + 8 * st, (t_oth / NST) & 1);
+      MLA_TRACE(20);
       if constexpr (!MLA_ABLATE_NO_TRANSPOSE)  // ablation: the P'V wgmmas read stale V^T
         transpose_v<1>(smem + OFF_K + st * TILE_BYTES + kblk * KB_BYTES,
                        smem + OFF_VT + (wg * 2 + (t_oth & 1)) * VTH_BYTES, vt_dloc,
@@ -342,6 +355,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     }
     if (has_own) {
       mbar_wait(bar_full_k + 8 * (t_own % NST), (t_own / NST) & 1);
+      MLA_TRACE(20);
       if constexpr (!MLA_ABLATE_NO_TRANSPOSE)
         transpose_v<1>(smem + OFF_K + (t_own % NST) * TILE_BYTES + kblk * KB_BYTES,
                        smem + OFF_VT + (wg * 2 + (t_own & 1)) * VTH_BYTES, vt_dloc,
@@ -349,6 +363,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     }
     fence_proxy_async();         // V^T written by ordinary stores; wgmma reads it through the async proxy
     named_barrier(wg_bar, 128);  // ... complete for the whole WG
+    MLA_TRACE(12);
     if (has_oth) mbar_arrive(bar_empty_k + 8 * (t_oth % NST));  // done with the other tile's K stage
 
     float s_lat[32], s_rope[32];
@@ -363,6 +378,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       } else {
         issue_qk<wgmma_m64n64k32_e4m3>(s_lat, s_rope, qa, ka, KB_BYTES);
       }
+      MLA_TRACE(13);
     }
 
     if (has_own) {
@@ -370,6 +386,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       uint32_t pk[16];  // [jj][h]: e4m3 of columns 8jj + 2q4, +1 of row r0 + 8h
       if constexpr (MLA_ABLATE_NO_SOFTMAX) {  // ablation: P' = e4m3(S), no scale, mask, max, exp2, sum, V scale
         wgmma_wait<0>();
+        MLA_TRACE(14);
         fence_regs<32>(s_lat);
         fence_regs<32>(s_rope);
 #pragma unroll
@@ -392,6 +409,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         const float c_new = fmaxf(fmaxf(c_own, ct), 1e-30f);
 
         wgmma_wait<0>();
+        MLA_TRACE(14);
         fence_regs<32>(s_lat);
         fence_regs<32>(s_rope);
 
@@ -434,6 +452,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         c_own = c_new;
       }
       mbar_arrive(bar_empty_k + 8 * st);  // QK^T wgmmas completed, scales read: the K stage may be refilled
+      MLA_TRACE(15);
 
       // publish P', m_own, c_own in buffer t & 1 once both WGs are done with tile t - 2 there
       const int pb = t_own & 1;  // == wg
@@ -451,6 +470,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       if (tid == wg * 128) xc[pb] = c_own;
       fence_proxy_async();  // P' written by ordinary stores; both WGs' wgmmas read it through the async proxy
       mbar_arrive(bar_full_p + 8 * pb);
+      MLA_TRACE(16);
 
       pv_tile(t_own);
     }
@@ -458,6 +478,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   }
 
   // ---- epilogue: l = l_0 2^(m_0 - M) + l_1 2^(m_1 - M) (the two owner chains), O / l, lse ----
+  MLA_TRACE(30);
   float* xl = reinterpret_cast<float*>(smem + OFF_XL);  // [2][64]
   float* xmf = xl + 2 * ROWS;                           // [2][64]
 #pragma unroll
@@ -482,6 +503,8 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     const float lse = has ? (M[h] + __log2f(lt)) * 0.6931471805599453f : -INFINITY;
     store_row(p, o, h, b, gr, sp, wg, q4, has, inv, lse);
   }
+  MLA_TRACE(31);
+  MLA_TRACE_END;
 }
 
 }  // namespace mla_fp8_sm90_v2

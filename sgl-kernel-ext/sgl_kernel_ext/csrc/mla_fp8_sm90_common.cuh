@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "mla_fp8_trace.cuh"
+
 // Ablation switches (nvcc -DMLA_ABLATE_X; all 0 by default): each removes one part of the split kernel's work while
 // keeping every barrier arrival and wait, so that timing the build says what that part costs. Results are wrong by
 // design. Both kernels read them with `if constexpr`, so the ablated code is type-checked in the default build too.
@@ -394,4 +396,5 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
   MLA_FP8_EXPORT const char* mla_fp8_decode_sm90_error_string(int err) {                                              \
     return cudaGetErrorString(static_cast<cudaError_t>(err));                                                      \
   }                                                                                                                \
-  MLA_FP8_EXPORT int mla_fp8_decode_sm90_smem_bytes() { return SMEM_BYTES_; }
+  MLA_FP8_EXPORT int mla_fp8_decode_sm90_smem_bytes() { return SMEM_BYTES_; }                                    \
+  MLA_FP8_DEFINE_TRACE_ENTRY_POINTS
