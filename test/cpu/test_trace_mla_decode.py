@@ -47,6 +47,12 @@ def test_summary_per_warpgroup():
     assert s["warpgroups"]["WG1 (math)"]["waiting_share"] == 0.0
 
 
+def test_plot_writes_a_png(tmp_path):
+    segs = [[("wait K tile", 0, 100), ("softmax", 100, 400)]] * 8 + [[("loader: issue copies", 0, 50)]] * 4
+    trace.plot(segs, tmp_path / "t.png", "synthetic")
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_every_stamped_code_has_a_phase():
     src = (REPO / "sgl-kernel-ext/sgl_kernel_ext/csrc/mla_fp8_decode_sm90_v2.cu").read_text()
     codes = {int(c) for c in re.findall(r"MLA_TRACE\((\d+)\)", src)}
