@@ -593,20 +593,21 @@ GRAPH_MAX_WAVES = 4
 
 
 def graph_metadata(plan, splits_table, batch: int, num_heads: int, q_len: int, max_seqlen: int, page: int,
-                   device) -> tuple[MLADecodeMetadata, torch.Tensor]:
+                   device) -> tuple[MLADecodeMetadata, torch.Tensor | None]:
     """One CUDA-graph batch size's plan, from a kernel's planner and its split table (get_mla_decode_metadata and
     splits_lut of this module or of mla_decode_cuda): the grid planned for max_seqlen (the longest a replay may
     see), capped at GRAPH_MAX_WAVES waves, and the table; when the grid splits, metadata.splits_dev holds the
-    count set_splits picks per replay (the kernels clamp it to the grid's)."""
+    count set_splits picks per replay (the kernels clamp it to the grid's). A grid of one split has nothing to
+    choose at run time: no splits_dev, and the table (None) is not built."""
     meta = plan(torch.ones(max(batch, 1), dtype=torch.int32), num_heads, q_len, max_seqlen=max_seqlen)
     per_split = max(batch, 1) * meta.num_row_blocks * max(KV_LORA_RANK // meta.block_v, 1)  # programs per split
     cap = max(1, GRAPH_MAX_WAVES * meta.num_sm // per_split)
     if meta.num_splits > cap:
         meta = dataclasses.replace(meta, num_splits=cap)
+    if meta.num_splits == 1:
+        return meta, None
     table = splits_table(num_heads, q_len, batch, max_seqlen, page, device=device)
-    if meta.num_splits > 1:
-        meta = dataclasses.replace(meta, splits_dev=torch.ones(1, dtype=torch.int32, device=device))
-    return meta, table
+    return dataclasses.replace(meta, splits_dev=torch.ones(1, dtype=torch.int32, device=device)), table
 
 
 def set_splits(splits_dev: torch.Tensor, lut: torch.Tensor, cache_seqlens: torch.Tensor, page: int) -> None:

@@ -397,7 +397,7 @@ class FP8MLABackend(AttentionBackend):
         self._extend: ExtendMeta | None = None
         self._graph_block_table: torch.Tensor | None = None
         self._graph_seqlens: torch.Tensor | None = None
-        self._graph_plans: dict[int, tuple[MLADecodeMetadata, torch.Tensor]] = {}
+        self._graph_plans: dict[int, tuple[MLADecodeMetadata, torch.Tensor | None]] = {}
 
     # ---- metadata ------------------------------------------------------------------------------------------
 
