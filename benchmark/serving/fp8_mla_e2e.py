@@ -181,13 +181,12 @@ def summarize(phases: dict, ref: list | None) -> dict:
                     if other in v and v[mine][key] and v[other][key]}
                 for w, v in table.items() if mine in v}
 
-    for mine in [n for n in phases if n.startswith("ours")]:  # ours, and opt-in variants as <name>_over
+    s["server_deaths"] = {n: p["server_died"] for n, p in phases.items() if p.get("server_died")}
+    for mine in [n for n in phases if n.startswith("ours")]:  # ours, and opt-in variants as <name>_...
         s[f"{mine}_over"] = over(mine, "output_tok_s")
         # output tok/s carries each workload's prefill too; the server's decode-only rate is the attention kernel's
         s[f"{mine}_decode_over"] = over(mine, "decode_only_tok_s")
-    s["server_deaths"] = {n: p["server_died"] for n, p in phases.items() if p.get("server_died")}
-    for mine in [n for n in phases if n.startswith("ours")]:  # did each ours* server really run our backend?
-        lines = phases[mine].get("plugin_log_lines", [])
+        lines = phases[mine].get("plugin_log_lines", [])  # did that server really run our backend?
         s[f"{mine}_backend_selected"] = any("fp8_mla: attention backend h20_fp8_mla" in ln for ln in lines)
         s[f"{mine}_fallback_lines"] = [ln for ln in lines if "fall" in ln or "upstream" in ln]
     return s
