@@ -133,19 +133,17 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stop_servers_on_sigterm()
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
-    t0, phases, skipped = time.time(), [], []
+    t0, phases = time.time(), []
     for i, phase in enumerate(args.phases):
         # a phase is a server start plus its benches: start one only if the longest so far still fits
         need = max((p["wall_s"] for p in phases), default=0.0)
         if phases and time.time() - t0 + need > args.deadline_s:
-            skipped = args.phases[i:]
             print(f"deadline: {time.time() - t0:.0f}s gone + ~{need:.0f}s per phase > {args.deadline_s:.0f}s: "
-                  f"skipping {' '.join(skipped)}", flush=True)
+                  f"skipping {' '.join(args.phases[i:])}", flush=True)
             break
         phases.append(run_phase(phase, args, 30000 + i, sharegpt))
-        record = write_record(args, phases, args.phases[i + 1:])  # after every phase: a killed run keeps it
-    if skipped:  # (the first phase always runs, so `record` exists)
-        record = write_record(args, phases, skipped)
+        # after every phase: a killed run keeps it; the last one's not-run list is also what a deadline skips
+        record = write_record(args, phases, args.phases[i + 1:])
     print(json.dumps(record["summary"], indent=1))
     return 0 if record["summary"]["greedy_ids_identical"] else 1
 
