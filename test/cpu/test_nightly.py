@@ -499,3 +499,44 @@ def test_server_other_deaths_are_not_retried(tmp_path):
         with _FakeServer(tmp_path, 1, die_with="CUDA out of memory"):
             pass
     assert "CUDA out of memory" in str(e.value) and "EADDRINUSE" not in str(e.value)
+
+
+# --- bench_serving command --------------------------------------------------------------------------------------
+
+def _bench_command(monkeypatch, tmp_path, **kw) -> list[str]:
+    """The bench_serving command run_bench_serving builds (the subprocess is replaced; its record is faked)."""
+    seen = {}
+
+    def fake_run(cmd, **_):
+        seen["cmd"] = cmd
+        Path(cmd[cmd.index("--output-file") + 1]).write_text(json.dumps({"output_throughput": 1.0}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(serving.subprocess, "run", fake_run)
+    rec = serving.run_bench_serving("http://127.0.0.1:30000", "/m", tmp_path / "b.jsonl", num_prompts=8,
+                                    input_len=4096, output_len=512, concurrency=8, **kw)
+    assert rec["output_throughput"] == 1.0 and rec["command"] == " ".join(seen["cmd"])
+    return seen["cmd"]
+
+
+def test_bench_serving_measures_from_an_empty_prefix_cache(monkeypatch, tmp_path):
+    """Same seed, same prompts: without the flush a run after a warm-up would prefill from the radix cache."""
+    cmd = _bench_command(monkeypatch, tmp_path)
+    assert cmd[1:3] == ["-m", "sglang.bench_serving"] and "--flush-cache" in cmd
+    assert "--flush-cache" not in _bench_command(monkeypatch, tmp_path, flush_cache=False)
+
+    # The flags parse with the installed SGLang's own bench_serving parser, and the flush is on there.
+    # Its module imports HF `datasets` for the MMMU loader; the CI set has no `datasets`, and parsing needs none.
+    import importlib.util
+    import types
+
+    if importlib.util.find_spec("datasets") is None:
+        monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=None))
+    import sglang.benchmark.serving as bs
+
+    parsed = {}
+    monkeypatch.setattr(bs, "run_benchmark", lambda args: parsed.setdefault("args", args))
+    monkeypatch.setattr(sys, "argv", ["bench_serving"] + cmd[3:])
+    bs.cli_main()
+    args = parsed["args"]
+    assert args.flush_cache is True and args.max_concurrency == 8 and args.random_input_len == 4096

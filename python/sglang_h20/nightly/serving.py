@@ -154,11 +154,11 @@ class Server:
 
     def bench(self, out_jsonl: Path, *, num_prompts: int, input_len: int, output_len: int,
               concurrency: int | None = None, dataset_path: str | None = None, seed: int = 1,
-              extra: list[str] | None = None, timeout_s: float = 600) -> dict:
+              extra: list[str] | None = None, timeout_s: float = 600, flush_cache: bool = True) -> dict:
         """Run `python -m sglang.bench_serving` against this server; returns its result record."""
         return run_bench_serving(self.url, self.model, out_jsonl, num_prompts=num_prompts, input_len=input_len,
                                  output_len=output_len, concurrency=concurrency, dataset_path=dataset_path,
-                                 seed=seed, extra=extra, timeout_s=timeout_s, env=self.env)
+                                 seed=seed, extra=extra, timeout_s=timeout_s, env=self.env, flush_cache=flush_cache)
 
 
 def _http_status(url: str) -> int:
@@ -207,7 +207,15 @@ def write_sharegpt(path: Path, n: int = 400, seed: int = 0) -> Path:
 def run_bench_serving(url: str, model: str, out_jsonl: Path, *, num_prompts: int, input_len: int,
                       output_len: int, concurrency: int | None = None, dataset_path: str | None = None,
                       seed: int = 1, extra: list[str] | None = None, timeout_s: float = 600,
-                      env: dict | None = None) -> dict:
+                      env: dict | None = None, flush_cache: bool = True) -> dict:
+    """One bench_serving run; by default its measured part starts from an empty prefix cache.
+
+    Every run with the same seed and input length sends the same prompts (bench_serving shuffles the
+    dataset with the seed), and bench_serving itself sends prompt 0 as its warm-up. Without
+    `--flush-cache` (which empties the radix cache after that warm-up) a run after our own warm-up,
+    or after another workload of the same input length, serves most of its prefill from the cache:
+    TTFT and output tok/s then describe cached prefixes, not the workload named.
+    """
     out_jsonl = Path(out_jsonl)
     if out_jsonl.exists():
         out_jsonl.unlink()
@@ -220,6 +228,8 @@ def run_bench_serving(url: str, model: str, out_jsonl: Path, *, num_prompts: int
         cmd += ["--dataset-path", dataset_path]
     if concurrency:
         cmd += ["--max-concurrency", str(concurrency)]
+    if flush_cache:
+        cmd.append("--flush-cache")
     cmd += extra or []
     _say(f"bench: {' '.join(cmd)}")
     log = out_jsonl.with_suffix(".log")
