@@ -44,7 +44,7 @@ from pathlib import Path
 from sglang_h20 import provenance
 from sglang_h20.models import random_words
 from sglang_h20.nightly.serving import (
-    Server, decode_throughput, output_ids, stop_servers_on_sigterm, tail, write_sharegpt,
+    Server, decode_throughput, output_ids, prefill_tokens, stop_servers_on_sigterm, tail, write_sharegpt,
 )
 
 SERVER_ARGS = ("--load-format dummy --sampling-backend pytorch --moe-runner-backend triton --fp8-gemm-backend triton "
@@ -150,10 +150,12 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
                                                            "median_itl_ms", "p99_itl_ms", "median_ttft_ms",
                                                            "p99_ttft_ms", "duration", "completed")},
                                  "decode_log": decode_throughput(new_log, min_running=max(1, int(0.9 * conc))),
+                                 "prefill_log": prefill_tokens(new_log),
                                  "command": r.get("command")}
             b = rec["benches"][w]
             print(f"  {name} {w}: {b['output_throughput']:.1f} tok/s out, median ITL {b['median_itl_ms']:.2f} ms, "
-                  f"decode-only {b['decode_log'].get('median_tok_s')} tok/s", flush=True)
+                  f"decode-only {b['decode_log'].get('median_tok_s')} tok/s, "
+                  f"{b['prefill_log']['cached_tokens']} of the prompt tokens from the prefix cache", flush=True)
     text = log.read_text(errors="replace")
     rec["plugin_log_lines"] = [ln for ln in text.splitlines() if PLUGIN_MARK in ln]
     rec["kv_cache_log_lines"] = [ln for ln in text.splitlines() if any(m in ln for m in KV_MARKS)][:8]

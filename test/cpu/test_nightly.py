@@ -248,6 +248,18 @@ def test_decode_throughput_parses_real_log_lines():
     assert serving.decode_throughput("no decode here")["lines"] == 0
 
 
+def test_prefill_tokens_counts_new_and_cached():
+    # the second line as SGLang 0.5.17 logged it before session 8's crash (a prompt served again from the cache)
+    cached = ("[2026-11-30 05:57:02] Prefill batch, #new-seq: 1, #new-token: 64, #cached-token: 4032, token usage: "
+              "0.13, #running-req: 0, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 22.61")
+    d = serving.prefill_tokens(LOG + cached + "\n")
+    assert d == {"batches": 2, "new_tokens": 49152 + 64, "cached_tokens": 4032,
+                 "cached_share": pytest.approx(4032 / (49152 + 64 + 4032))}
+    assert serving.prefill_tokens(LOG)["cached_share"] == 0.0
+    assert serving.prefill_tokens("no prefill here") == {"batches": 0, "new_tokens": 0, "cached_tokens": 0,
+                                                          "cached_share": None}
+
+
 # --- runner -----------------------------------------------------------------------------------------------------
 
 def test_gpu_label_matching():

@@ -20,6 +20,7 @@ from pathlib import Path
 DECODE_LINE = re.compile(
     r"Decode batch.*?#running-req:\s*(?P<running>\d+).*?gen throughput \(token/s\):\s*(?P<tput>[0-9.]+)"
 )
+PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token:\s*(?P<new>\d+),\s*#cached-token:\s*(?P<cached>\d+)")
 
 
 def _say(msg: str) -> None:
@@ -240,6 +241,18 @@ def run_bench_serving(url: str, model: str, out_jsonl: Path, *, num_prompts: int
     record = json.loads(out_jsonl.read_text().strip().splitlines()[-1])
     record["command"] = " ".join(cmd)
     return record
+
+
+def prefill_tokens(log_text: str) -> dict:
+    """Prompt tokens the server prefilled vs found in its prefix cache, from its 'Prefill batch' log lines.
+
+    A benchmark of fresh prompts should show (almost) no cached tokens: the evidence that a run measured
+    the workload it names (see run_bench_serving's flush).
+    """
+    rows = [(int(m["new"]), int(m["cached"])) for m in PREFILL_LINE.finditer(log_text)]
+    new, cached = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    return {"batches": len(rows), "new_tokens": new, "cached_tokens": cached,
+            "cached_share": cached / (new + cached) if new + cached else None}
 
 
 def decode_throughput(log_text: str, min_running: int = 1) -> dict:
