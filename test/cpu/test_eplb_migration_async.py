@@ -39,7 +39,9 @@ E, REDUNDANT, K = 8, 4, 3
 PERIOD_S = 0.002
 REBALANCE_AFTER = 12              # eplb_rebalance_num_iterations
 PLACEMENT_DELAY_S = 0.15
-TOKENS = np.ones(E, dtype=np.int64)
+# distinct per-expert token counts: the checksum weighs each slot by its expert's count, so weights that do not
+# follow the routing map (two local slots swapped, say) change it; equal counts would hide any such permutation
+TOKENS = np.arange(1, E + 1, dtype=np.int64) * 3
 
 
 def _stand_ins():
@@ -180,7 +182,9 @@ def _worker(rank: int, port: int, outdir: str) -> None:
             for l in MOE:
                 row = p2l[l].numpy().copy()
                 ok.append(maps_agree(meta, l, row) and checksum(weights[l][0], row, rank, TOKENS)
-                          == checksum(stack(l, row), row, rank, TOKENS))
+                          == checksum(stack(l, row), row, rank, TOKENS)
+                          and torch.equal(weights[l][1], torch.stack([scale(l, int(row[rank * K + j]))
+                                                                      for j in range(K)])))
                 r.append(row)
             rows.append(r)
             oks.append(ok)

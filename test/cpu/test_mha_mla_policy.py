@@ -361,7 +361,16 @@ def test_mixed_batches_are_looked_up_at_the_uniform_batch_with_the_same_se_and_p
         assert b * e * (e + p) == pytest.approx(s.se, rel=1e-9)
     assert mha_mla.equivalent_uniform(BatchShape([300] * 3, [700] * 3)) == pytest.approx((3, 300, 700))
     t = grid_table(bumped_points())
-    assert t.choose(BatchShape([8192, 16], [0, 65536])) in ("mha", "mla")
+    for s in (BatchShape([8192, 16], [0, 65536]), BatchShape([512, 1536], [0, 0]),
+              BatchShape([700, 1400, 900], [4096, 0, 2000])):
+        b, e, p = mha_mla.equivalent_uniform(s)
+        uniform = BatchShape([e] * b, [p] * b)  # the uniform batch the mixed one is looked up at
+        for m in ("mha", "mla"):  # the grid's correction of the mixed batch is the uniform batch's
+            assert t.cost(m, s) / t.linear_cost(m, s) == pytest.approx(t.cost(m, uniform) / t.linear_cost(m, uniform),
+                                                                       rel=1e-9), (m, s)
+        assert t.choose(s) == ("mha" if t.cost("mha", s) <= t.cost("mla", s) else "mla")
+        # each lands near extend 1024 inside the grid, so MLA's 25% bump reaches it
+        assert t.cost("mla", s) > 1.1 * H200.cost("mla", s) and t.cost("mha", s) == pytest.approx(H200.cost("mha", s))
 
 
 def test_malformed_grids_are_rejected():

@@ -314,6 +314,8 @@ def test_no_host_sync_in_our_sequence(upstream, monkeypatch, tmp_path):
             mp.setattr(torch.Tensor, name, forbid(name))
         out = swapab.moe_forward(plan, x, w1q, w2q, w, ids, w1s, w2s)
     assert torch.isfinite(out).all()
+    # and the guarded sequence computed the MoE (not, say, an early exit that reads nothing)
+    assert rel(out, moe_reference(x, w1q, w1s, w2q, w2s, w, ids)) <= REL_EXACT
 
 
 # ---------------------------------------------------------------------------------------------
