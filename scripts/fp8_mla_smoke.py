@@ -1,14 +1,21 @@
 #!/usr/bin/env python3
 """Smoke test of the h20_fp8_mla backend in the real server (GPU host): start it on a dummy model, greedy-decode a few
 prompts twice (the second time their prefix is cached, so prefill reads the FP8 pool), and write what came back."""
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-from sglang_h20.nightly.serving import Server, output_ids
+ap = argparse.ArgumentParser(description=__doc__)
+ap.add_argument("model", help="model folder with dummy weights, e.g. /tmp/models/dsv3-4l (scripts/make_model.py)")
+ap.add_argument("out", type=Path, help="output folder: server.log and smoke.json")
+a = ap.parse_args()
+if not (Path(a.model) / "config.json").is_file():
+    ap.error(f"model {a.model}: no config.json there (make one with scripts/make_model.py)")
 
-model, out = sys.argv[1], Path(sys.argv[2])
+from sglang_h20.nightly.serving import Server, output_ids  # noqa: E402
+
+model, out = a.model, a.out
 out.mkdir(parents=True, exist_ok=True)
 args = ("--load-format dummy --attention-backend h20_fp8_mla --sampling-backend pytorch --moe-runner-backend triton "
         "--fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 16").split()

@@ -433,16 +433,24 @@ def free_port() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None,
+                    help="write the results here (rewritten after every preset)")
     ap.add_argument("--deadline-s", type=float, default=220.0, help="skip what would not finish by then")
-    ap.add_argument("--presets", nargs="+", default=None, choices=sorted(PRESETS))
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--presets", nargs="+", default=None, choices=sorted(PRESETS),
+                    help="default: dsv3-4l ep16-slice (--world 1), ep16-slice (--world N), cpu-smoke (--device cpu)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cuda (default): the GPU measurement; cpu: the tiny smoke version for CI")
     ap.add_argument("--world", type=int, default=1,
                     help="GPUs (processes) of this host; > 1: experts move between them (1 node x N)")
-    ap.add_argument("--steady-steps", type=int, default=200)
-    ap.add_argument("--switch-every", type=int, default=2)
-    ap.add_argument("--decide-ahead", type=int, default=1)
-    ap.add_argument("--staging-layers", type=int, default=1)
+    ap.add_argument("--steady-steps", type=int, default=200,
+                    help="decode steps of the steady window (default: %(default)s)")
+    ap.add_argument("--switch-every", type=int, default=2,
+                    help="ours: steps between two switch boundaries (MigrationExecutor; default: %(default)s)")
+    ap.add_argument("--decide-ahead", type=int, default=1,
+                    help="ours: boundaries before a switch its decision is fetched, < --switch-every "
+                         "(default: %(default)s)")
+    ap.add_argument("--staging-layers", type=int, default=1,
+                    help="ours: staging budget, in layers of expert weights (default: %(default)s)")
     ap.add_argument("--copy-gbps", type=float, default=TUNING.copy_gbps or 0.0,
                     help="pace of our side-stream copies, GB/s (0: unpaced); default: the plugin's")
     a = ap.parse_args()
@@ -450,6 +458,16 @@ def main() -> None:
     a.deadline = a.start + a.deadline_s
     if a.world < 1:
         ap.error("--world must be >= 1")
+    for flag, value in (("--steady-steps", a.steady_steps), ("--switch-every", a.switch_every),
+                        ("--staging-layers", a.staging_layers)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if not 0 <= a.decide_ahead < a.switch_every:
+        ap.error(f"--decide-ahead must be >= 0 and < --switch-every ({a.switch_every}), got {a.decide_ahead}")
+    if a.copy_gbps < 0:
+        ap.error(f"--copy-gbps must be >= 0, got {a.copy_gbps}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a CUDA GPU and none is visible (--device cpu runs the CPU smoke version)")
     if a.world == 1:
         run_all(a, torch.device(a.device), Ranks())
         return

@@ -18,8 +18,10 @@ from sglang_h20.eplb.trace import synthetic_trace
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="write the timings as JSON here (default: print only)")
     a = ap.parse_args()
+    if a.out and not a.out.parent.is_dir():  # checked first: the timing takes a while
+        ap.error(f"--out {a.out}: no such directory: {a.out.parent}")
     ids = next(iter(synthetic_trace(58, 256, 8, 4096, steps=1, seed=0)))
     stats = CoactivationStats.from_topk_ids(ids, 256)
     rows = []

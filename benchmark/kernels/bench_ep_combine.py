@@ -60,8 +60,9 @@ def parse_args(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=BATCHES, help="decode tokens per rank")
     ap.add_argument("--experts", type=int, default=EXPERTS, help="routed experts in all (split over the ranks)")
     ap.add_argument("--iters", type=int, default=20, help="steps per timed rep")
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--reps", type=int, default=15,
+                    help="timed reps per arm; the median is kept (default: %(default)s)")
+    ap.add_argument("--json", type=Path, help="write the results object here (and a PNG next to it)")
     ap.add_argument("--quick", action="store_true", help="one batch (32 tokens per rank), 5 reps")
     ap.add_argument("--eager", action="store_true", help="launch each rank's kernels plainly, not as CUDA graphs")
     ap.add_argument("--hang-s", type=float, default=300,
@@ -273,8 +274,17 @@ def plot(rows: list[dict], png: Path, title: str = "") -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.replot:
-        rec = json.loads(args.replot.read_text())
-        plot(rec["rows"], args.replot.with_suffix(".png"), f"EP {rec['world']} on {rec.get('gpu', '?')}")
+        try:
+            rec = json.loads(args.replot.read_text())
+        except (OSError, ValueError) as e:
+            print(f"bench_ep_combine: --replot {args.replot}: cannot read a JSON record ({e})", file=sys.stderr)
+            return 2
+        if not isinstance(rec, dict) or not rec.get("rows"):
+            why = rec.get("unavailable") if isinstance(rec, dict) else None
+            print(f"bench_ep_combine: --replot {args.replot}: no measured rows to plot"
+                  + (f" (the run was skipped: {why})" if why else ""), file=sys.stderr)
+            return 2
+        plot(rec["rows"], args.replot.with_suffix(".png"), f"EP {rec.get('world', '?')} on {rec.get('gpu', '?')}")
         return 0
     import torch
 

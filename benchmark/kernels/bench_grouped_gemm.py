@@ -75,6 +75,7 @@ MOE_SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
 DENSE_SHAPES = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "qkv_a": (2112, 7168)}
 GROUPS = [8, 16, 32, 256]
 TOKENS = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256]
+PROVIDERS = ("ours-swapab", "ours-normal", "deepgemm", "sglang-triton", "sglang-triton-swapab")
 DENSE_M = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 QUICK = {"groups": [8, 32], "tokens": [1, 8, 32, 128], "dense_m": [1, 32], "uneven_tokens": [8]}
 H20_FP8_FLOPS = 296e12  # dense FP8 tensor throughput
@@ -105,12 +106,14 @@ def parse_args(argv=None):
     ap.add_argument("--json", type=Path, help="write the results object here")
     ap.add_argument("--png", type=Path, help="roofline plot (default: next to --json)")
     ap.add_argument("--shapes", nargs="+", default=["gate_up", "down", "dense"],
-                    choices=[*MOE_SHAPES, "dense"])
+                    choices=[*MOE_SHAPES, "dense"],
+                    help="gate_up / down: the MoE GEMMs; dense: the small-M dense linears (default: all)")
     ap.add_argument("--groups", nargs="+", type=int, help=f"experts per GPU (default {GROUPS})")
     ap.add_argument("--tokens", nargs="+", type=int, help=f"tokens per expert (default {TOKENS})")
-    ap.add_argument("--providers", nargs="+",
-                    default=["ours-swapab", "ours-normal", "deepgemm", "sglang-triton", "sglang-triton-swapab"])
-    ap.add_argument("--layouts", nargs="+", default=["masked", "contiguous"], choices=["masked", "contiguous"])
+    ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS), metavar="PROVIDER",
+                    help=f"what to time (default: all of {', '.join(PROVIDERS)})")
+    ap.add_argument("--layouts", nargs="+", default=["masked", "contiguous"], choices=["masked", "contiguous"],
+                    help="grouped-GEMM input layouts (default: both)")
     ap.add_argument("--no-uneven", action="store_true", help="skip the uneven-distribution points")
     ap.add_argument("--tune", action="store_true",
                     help="also sweep each variant's tile grid (TUNE_GRID) and keep the best config per point")
@@ -120,7 +123,7 @@ def parse_args(argv=None):
                     help="write the integration table here (with --tune: default ~/.cache/sglang_h20/...)")
     ap.add_argument("--table-from", type=Path, help="build the table from this results JSON and exit")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per point (ms)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the inputs and the uneven draw (default: %(default)s)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no new (shape, experts, tokens) point after this many seconds; the JSON then holds "
                          "what was measured and says \"partial\": true")
@@ -570,10 +573,22 @@ def result_record(args, points, peak, unavailable, skipped, partial: bool) -> di
     }
 
 
+def read_results(path: Path) -> dict:
+    """An earlier run's results JSON (--table-from); SystemExit with one line when it is not one."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench_grouped_gemm: --table-from {path}: cannot read a results JSON ({e})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("points"), list) or not result["points"]:
+        raise SystemExit(f"bench_grouped_gemm: --table-from {path}: no measured points "
+                         f"(not a bench_grouped_gemm.py --json results file)")
+    return result
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.table_from:
-        write_table(json.loads(args.table_from.read_text()), args.table_out or Path("grouped_gemm_table.json"),
+        write_table(read_results(args.table_from), args.table_out or Path("grouped_gemm_table.json"),
                     str(args.table_from))
         return 0
 

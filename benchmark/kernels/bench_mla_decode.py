@@ -65,6 +65,8 @@ QLENS = [1, 2]
 QUICK_POINTS = [(1, 4096, 128, 1), (64, 4096, 128, 1), (64, 4096, 128, 2), (64, 4096, 16, 1)]
 REPRESENTATIVE = (64, 4096, 128, 1)
 PAGE = 64
+PROVIDER_NAMES = ["ours", *(f"ours-cuda{v}{k}" for v in ("", "-v2") for k in ("", "-tplan", "-ctx", "-graph")),
+                  "flashmla-bf16", "flashmla-fp8", "sglang-triton"]
 DEFAULT_PROVIDERS = ["ours", "ours-cuda", "flashmla-bf16", "flashmla-fp8", "sglang-triton"]
 H20_FP8_FLOPS, H20_BF16_FLOPS, H20_HBM_BPS = 296e12, 148e12, 4.0e12
 L2_BYTES_FALLBACK = 60 * 2**20
@@ -76,11 +78,16 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="4 points at context 4k (the nightly's mode)")
     ap.add_argument("--json", type=Path, help="write the results object here")
     ap.add_argument("--png", type=Path, help="roofline plot (default: next to --json)")
-    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
-    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
-    ap.add_argument("--heads", type=int, nargs="+", default=HEADS)
-    ap.add_argument("--qlens", type=int, nargs="+", default=QLENS)
-    ap.add_argument("--providers", nargs="+", default=DEFAULT_PROVIDERS)
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES,
+                    help="sequences per decode batch (default: %(default)s; ignored with --quick)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS,
+                    help="tokens per sequence (default: %(default)s; ignored with --quick)")
+    ap.add_argument("--heads", type=int, nargs="+", default=HEADS,
+                    help="query heads (default: %(default)s; ignored with --quick)")
+    ap.add_argument("--qlens", type=int, nargs="+", default=QLENS,
+                    help="query tokens per sequence and step (default: %(default)s; ignored with --quick)")
+    ap.add_argument("--providers", nargs="+", default=DEFAULT_PROVIDERS, metavar="PROVIDER",
+                    help=f"what to time (default: %(default)s); any of {', '.join(PROVIDER_NAMES)}")
     ap.add_argument("--server-context", type=int, default=163840,
                     help="the context length the -ctx / -graph providers plan their grid for (DeepSeek-V3's)")
     ap.add_argument("--configs", nargs="*", default=[],
@@ -90,7 +97,15 @@ def parse_args(argv=None):
     ap.add_argument("--no-accuracy", action="store_true", help="skip the error check against fp32")
     ap.add_argument("--max-sets", type=int, default=8, help="rotating input sets at most")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep (ms)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    unknown = [p for p in a.providers if p not in PROVIDER_NAMES]
+    if unknown:  # checked here, before the GPU's ceilings are measured
+        ap.error(f"--providers: unknown {', '.join(unknown)}; choose from {', '.join(PROVIDER_NAMES)}")
+    for c in a.configs:
+        parts = c.lower().removesuffix("b").split("x")
+        if len(parts) != 5 or not all(x.isdigit() for x in parts):
+            ap.error(f"--configs {c}: expected BHxBNxBVxWxS[b], e.g. 64x32x256x8x2")
+    return a
 
 
 # --- ceilings ---------------------------------------------------------------------------------------------------
@@ -407,11 +422,9 @@ def main(argv=None) -> int:
 
     providers = []
     configs = []
-    for c in args.configs:
+    for c in args.configs:  # BHxBNxBVxWxS[b], checked by parse_args
         c = c.lower()
         configs.append((*(int(x) for x in c.rstrip("b").split("x")), c.endswith("b")))
-        if len(configs[-1]) != 6:
-            raise SystemExit(f"--configs {c}: expected BHxBNxBVxWxS[b]")
     for p in args.providers:
         if p == "ours":
             if not args.only_configs:
@@ -419,7 +432,7 @@ def main(argv=None) -> int:
             for cfg in configs:
                 providers.append((f"ours[{cfg[0]}x{cfg[1]}x{cfg[2]}w{cfg[3]}s{cfg[4]}{'b' if cfg[5] else ''}]",
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
-        elif p in [f"ours-cuda{v}{k}" for v in ("", "-v2") for k in ("", "-tplan", "-ctx", "-graph")]:
+        elif p.startswith("ours-cuda"):  # one of PROVIDER_NAMES' (parse_args checked)
             kind = {"tplan": "triton", "ctx": "ctx", "graph": "graph"}.get(p.rsplit("-", 1)[-1], "cuda")
             providers.append((p, lambda sets, ctx, p=p, kind=kind: make_ours_cuda(
                 torch, mla, sets, ctx, version=2 if "v2" in p else 1, plan_kind=kind,
@@ -428,11 +441,8 @@ def main(argv=None) -> int:
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
         elif p == "flashmla-fp8":
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=True)))
-        elif p == "sglang-triton":
+        else:  # sglang-triton
             providers.append((p, lambda sets, ctx: make_sglang_triton(torch, sets, ctx)))
-        else:
-            print(f"unknown provider {p}", file=sys.stderr)
-            return 2
 
     rows, unavailable = [], {}
     for point in points:

@@ -60,14 +60,18 @@ H, I, TOPK, SHARED_I = 7168, 2048, 8, 2048
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--png", type=Path)
-    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
-    ap.add_argument("--budgets", type=int, nargs="+", default=BUDGETS)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--rep-ms", type=int, default=60)
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, help="write the results object here")
+    ap.add_argument("--png", type=Path, help="plot (default: next to --json)")
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES,
+                    help="decode batches, tokens (default: %(default)s)")
+    ap.add_argument("--budgets", type=int, nargs="+", default=BUDGETS,
+                    help="SMs lent to the combine in the overlap arms (default: %(default)s)")
+    ap.add_argument("--experts", type=int, default=256, help="routed experts (default: %(default)s)")
+    ap.add_argument("--rep-ms", type=int, default=60,
+                    help="do_bench measuring time per point, ms (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="batches 8 and 64, budget 8")
     ap.add_argument("--model", help="model dir for SGLang's server args (upstream layer arm)")
     ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer comparison")
     return ap.parse_args(argv)

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("kernels", nargs="*", help="mla, gemm, sbo, ep (default: all)")
     ap.add_argument("--mla-configs", nargs="+", default=["64x32x512x8x2b", "64x32x256x8x2"],
                     help="BHxBNxBVxWxS[b] as in bench_mla_decode.py --configs")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write the report of every variant here")
     args = ap.parse_args(argv)
     gens = {"mla": lambda: mla_variants(args.mla_configs), "gemm": gemm_variants, "sbo": sbo_variants,
             "ep": ep_variants}

@@ -98,7 +98,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--points", type=parse_point, nargs="+", default=[parse_point(p) for p in DEFAULT_POINTS],
                     metavar="BxCTX[xH[xT]]", help=f"default: {' '.join(DEFAULT_POINTS)} (128 heads, q_len 1)")
-    ap.add_argument("--versions", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    ap.add_argument("--versions", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+                    help="split-kernel versions to ablate (default: both)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, metavar="SPEC",
                     help=f"default: {' '.join(DEFAULT_VARIANTS)}")
     ap.add_argument("--json", type=Path, help="write the results object here (also after each child process)")

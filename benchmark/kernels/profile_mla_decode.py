@@ -68,18 +68,21 @@ RAW_METRICS = [
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=128)
-    ap.add_argument("--q-len", type=int, default=1)
-    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS[:3]), choices=PROVIDERS)
+    ap.add_argument("--out", type=Path, required=True,
+                    help="output folder (the .ncu-rep report, profile_mla_decode.json, the ncu console log)")
+    ap.add_argument("--batch", type=int, default=64, help="sequences in the decode batch (default: %(default)s)")
+    ap.add_argument("--context", type=int, default=4096, help="tokens per sequence (default: %(default)s)")
+    ap.add_argument("--heads", type=int, default=128, help="query heads (default: %(default)s)")
+    ap.add_argument("--q-len", type=int, default=1, help="query tokens per sequence (default: %(default)s)")
+    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS[:3]), choices=PROVIDERS,
+                    help="kernels to profile, in this order (default: %(default)s)")
     ap.add_argument("--plan", choices=("cuda", "ctx", "graph"), default="cuda",
                     help="ours' split plan: for these lengths (cuda), for a 163840-token context as the backend's "
                          "graphs had it (ctx), or that grid with the run-time split count (graph)")
     ap.add_argument("--set", default="full", help="ncu --set (full: every section; detailed/basic are quicker)")
     ap.add_argument("--ncu", default="ncu", help="the ncu executable")
-    ap.add_argument("--timeout-s", type=float, default=420.0)
+    ap.add_argument("--timeout-s", type=float, default=420.0,
+                    help="limit of each ncu call, seconds (default: %(default)s)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 

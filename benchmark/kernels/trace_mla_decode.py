@@ -127,11 +127,12 @@ def plot(segs, path: Path, title: str) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--point", type=parse_point, default=parse_point("64x4096"), metavar="BxCTX[xH[xT]]")
+    ap.add_argument("--point", type=parse_point, default=parse_point("64x4096"), metavar="BxCTX[xH[xT]]",
+                    help="batch x context [x heads [x q_len]] (default: 64x4096, 128 heads, q_len 1)")
     ap.add_argument("--cta", type=int, nargs=3, default=[0, 0, 0], metavar=("ROW_BLOCK", "SPLIT", "BATCH"),
                     help="the CTA to trace (grid x, y, z)")
     ap.add_argument("--splits", type=int, default=0, help="KV splits (default: the CUDA kernels' plan)")
-    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--json", type=Path, required=True, help="write the trace and its table here")
     ap.add_argument("--png", type=Path, help="timeline plot (default: next to --json)")
     return ap.parse_args(argv)
 

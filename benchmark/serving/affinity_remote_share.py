@@ -81,6 +81,23 @@ def summarize(records: list[dict], after_ts: float) -> dict:
             "per_rank": {str(k): statistics.fmean(v) for k, v in sorted(per_rank.items())}}
 
 
+def eplb_algorithms() -> list[str]:
+    """--eplb-algorithm values: SGLang's (auto and its EplbAlgorithm enum) and ours (affinity)."""
+    try:
+        from sglang.srt.eplb.eplb_algorithms import EplbAlgorithm
+
+        upstream = [a.name for a in EplbAlgorithm]
+    except Exception:  # another SGLang: do not second-guess it
+        return []
+    return ["affinity", "auto", *upstream]
+
+
+def arm_valid(arm: str) -> bool:
+    algo, _, mode = arm.partition("+")
+    known = eplb_algorithms()
+    return arm == "none" or (mode in ("", "async") and (not known or algo in known))
+
+
 def run_arm(a, arm: str, data: Path) -> dict:
     out = a.out / arm
     dump = out / "observe"
@@ -117,20 +134,30 @@ def write_record(a, arms: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--model", required=True, help="model folder (e.g. scripts/make_model.py's, dummy weights)")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="output folder: affinity_remote_share.json and one folder per arm (server log, dumps)")
+    ap.add_argument("--gpus", type=int, default=2,
+                    help="GPUs per server: TP = EP = DP attention size (default: %(default)s)")
     ap.add_argument("--fraction", type=float, default=0.01, help="observed share of decode passes")
-    ap.add_argument("--rebalance-iterations", type=int, default=200)
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rebalance-iterations", type=int, default=200,
+                    help="forward passes between EPLB rebalances (--eplb-rebalance-num-iterations; "
+                         "default: %(default)s)")
+    ap.add_argument("--prompts", type=int, default=256,
+                    help="prompts of the warm-up bench and of the measured one (default: %(default)s)")
+    ap.add_argument("--concurrency", type=int, default=64, help="bench_serving concurrency (default: %(default)s)")
+    ap.add_argument("--input-len", type=int, default=256, help="input tokens per request (default: %(default)s)")
+    ap.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--arms", nargs="+", default=["deepseek", "affinity"],
                     help="EPLB algorithms (deepseek: upstream's; affinity: ours), ALGORITHM+async (our migration), "
                          "none (no EPLB: steady ITL)")
-    ap.add_argument("--server-args", default="--load-format dummy")
+    ap.add_argument("--server-args", default="--load-format dummy",
+                    help="extra flags of every server, one string (default: %(default)s)")
     a = ap.parse_args()
+    bad = [arm for arm in a.arms if not arm_valid(arm)]
+    if bad:  # before any server starts: a typo would otherwise cost a server start and a traceback
+        ap.error(f"--arms: unknown {', '.join(bad)}; an arm is none, ALGORITHM or ALGORITHM+async, ALGORITHM "
+                 f"one of {', '.join(eplb_algorithms())}")
     a.out.mkdir(parents=True, exist_ok=True)
     data = write_sharegpt(a.out / "sharegpt.json")
     arms = {}

@@ -268,18 +268,34 @@ def merge_records(records: list[dict], sources: list[str]) -> dict:
             "summary": summarize(phases, ref[:prompts] if ref else None), "phases": phases}
 
 
+def read_record(path: Path, flag: str) -> dict:
+    """An earlier fp8_mla_e2e.json; SystemExit with one line when it is not one."""
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"fp8_mla_e2e: {flag} {path}: cannot read a JSON record ({e})") from None
+    if not isinstance(rec, dict) or "model" not in rec or not isinstance(rec.get("phases"), dict):
+        raise SystemExit(f"fp8_mla_e2e: {flag} {path}: not an fp8_mla_e2e.json record")
+    return rec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=False, help="model dir (required unless --merge)")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True,
+                    help="output folder: fp8_mla_e2e.json and one folder per phase (server log, benches)")
     ap.add_argument("--phases", nargs="+", default=[p for p in PHASES if p not in OPT_IN], choices=list(PHASES),
                     help=f"{', '.join(OPT_IN)} are opt-in: one more server start each")
     ap.add_argument("--workloads", nargs="+", default=WORKLOADS, help="INxOUT@CONCURRENCY, in order of priority")
     ap.add_argument("--num-prompts", type=int, default=0, help="per workload (default: its concurrency, one wave)")
-    ap.add_argument("--server-args", default=SERVER_ARGS)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--gen-tokens", type=int, default=64)
-    ap.add_argument("--deadline-s", type=float, default=480.0)
+    ap.add_argument("--server-args", default=SERVER_ARGS,
+                    help="flags of every phase's server, one string (default: %(default)s)")
+    ap.add_argument("--prompts", type=int, default=4,
+                    help="greedy prompts per phase, each sent twice (default: %(default)s)")
+    ap.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per prompt (default: %(default)s)")
+    ap.add_argument("--deadline-s", type=float, default=480.0,
+                    help="seconds for the whole run: later phases and workloads start only if they fit "
+                         "(default: %(default)s)")
     ap.add_argument("--server-env", nargs="+", default=[], metavar="KEY=VALUE",
                     help="extra environment for every phase's server, e.g. CUDA_LAUNCH_BLOCKING=1 to name the "
                          "kernel behind a CUDA fault (slow: for a crash repro, not for timing)")
@@ -289,7 +305,10 @@ def main(argv=None) -> int:
                     help="combine these fp8_mla_e2e.json records into --out/fp8_mla_e2e.json (no server runs)")
     args = ap.parse_args(argv)
     if args.merge:
-        record = merge_records([json.loads(p.read_text()) for p in args.merge], [str(p) for p in args.merge])
+        try:
+            record = merge_records([read_record(p, "--merge") for p in args.merge], [str(p) for p in args.merge])
+        except ValueError as e:  # mixed models, a phase in two records
+            raise SystemExit(f"fp8_mla_e2e: --merge: {e}") from None
         args.out.mkdir(parents=True, exist_ok=True)
         write_record(record, args.out)
         print(json.dumps(record["summary"], indent=1))
@@ -307,9 +326,13 @@ def main(argv=None) -> int:
     clock, measured, phases, skipped, errors = Clock(args.deadline_s), {}, {}, [], {}
     ref = None
     if args.reference:
-        old = json.loads(args.reference.read_text())
-        ref = old["phases"]["triton"]["ids"]
-        assert old["model"] == args.model and len(ref) >= args.prompts, "reference from another model or fewer prompts"
+        old = read_record(args.reference, "--reference")
+        ref = (old.get("phases", {}).get("triton") or {}).get("ids")
+        if not ref:
+            raise SystemExit(f"fp8_mla_e2e: --reference {args.reference}: no triton phase ids in it")
+        if old.get("model") != args.model or len(ref) < args.prompts:
+            raise SystemExit(f"fp8_mla_e2e: --reference {args.reference}: from another model "
+                             f"({old.get('model')}) or fewer prompts ({len(ref)}) than this run's")
         args.phases = [p for p in args.phases if p != "triton"]
     for i, name in enumerate(args.phases):
         need = measured.get("startup", GUESS_S["startup"]) + measured.get("greedy", GUESS_S["greedy"])

@@ -295,25 +295,33 @@ def analyze(res: dict, out: Path, min_running: int) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="/tmp/models/dsv3-ep16-slice")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default="/tmp/models/dsv3-ep16-slice",
+                    help="model folder (scripts/make_model.py's; default: %(default)s)")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="output folder: server log, control file, dumps, results JSON")
     ap.add_argument("--fraction", type=float, default=0.001,
                     help="observe fraction of the 'on' windows (0.01 cost 14%% on the H200: eager steps are 9x)")
-    ap.add_argument("--warmup-fraction", type=float, default=0.25)
+    ap.add_argument("--warmup-fraction", type=float, default=0.25,
+                    help="observe fraction during the warm-up (JIT of the sampled passes' shapes; "
+                         "default: %(default)s)")
     ap.add_argument("--window-s", type=float, default=40, help="long enough for a few sampled steps at the fraction")
     ap.add_argument("--windows", type=int, default=8, help="at most this many (even; fewer if the deadline says so)")
     ap.add_argument("--settle-s", type=float, default=3, help="start of each window left out of its measure")
     ap.add_argument("--lead-s", type=float, default=3, help="after the first full-batch decode line")
     ap.add_argument("--tail-s", type=float, default=25, help="kept for shutdown and analysis")
-    ap.add_argument("--concurrency", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=48,
+                    help="bench_serving concurrency of the steady load (default: %(default)s)")
     ap.add_argument("--min-running", type=int, help="decode lines counted (default: the concurrency)")
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=1024)
+    ap.add_argument("--input-len", type=int, default=256, help="input tokens per request (default: %(default)s)")
+    ap.add_argument("--output-len", type=int, default=1024,
+                    help="output tokens per request, spread by --range-ratio (default: %(default)s)")
     ap.add_argument("--range-ratio", type=float, default=0.5, help="output lengths spread: staggered finishes")
     ap.add_argument("--num-prompts", type=int, default=2000, help="more than the windows need")
-    ap.add_argument("--server-args", default=SERVER_ARGS)
-    ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--deadline-s", type=float, default=300)
+    ap.add_argument("--server-args", default=SERVER_ARGS, help="flags of the server, one string (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=30000, help="server port (default: %(default)s)")
+    ap.add_argument("--deadline-s", type=float, default=300,
+                    help="seconds for the whole run, server start included; the windows are fitted into it "
+                         "(default: %(default)s)")
     ap.add_argument("--result", type=Path, help="results JSON (default OUT/observe_overhead.json)")
     return ap
 

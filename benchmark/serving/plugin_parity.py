@@ -114,16 +114,21 @@ def write_record(args, phases: list[dict], not_run: list[str]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--phases", nargs="+", default=["upstream", "plugin-off", "upstream", "plugin-off"], choices=sorted(PHASE_ENV))
-    ap.add_argument("--server-args", default="--load-format dummy")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=320)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--model", required=True, help="model folder (e.g. scripts/make_model.py's, dummy weights)")
+    ap.add_argument("--out", type=Path, required=True, help="output folder: server logs, benches, results JSON")
+    ap.add_argument("--phases", nargs="+", default=["upstream", "plugin-off", "upstream", "plugin-off"],
+                    choices=sorted(PHASE_ENV),
+                    help="servers to run, in order: upstream (plugin not loaded), plugin-off (loaded, features "
+                         "off), features (policy se + observation) (default: %(default)s)")
+    ap.add_argument("--server-args", default="--load-format dummy",
+                    help="flags of every server, one string (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="bench_serving runs per phase (default: %(default)s)")
+    ap.add_argument("--num-prompts", type=int, default=320, help="prompts per bench_serving run (default: %(default)s)")
+    ap.add_argument("--concurrency", type=int, default=64, help="bench_serving concurrency (default: %(default)s)")
+    ap.add_argument("--input-len", type=int, default=512, help="bench_serving input tokens (default: %(default)s)")
+    ap.add_argument("--output-len", type=int, default=256, help="bench_serving output tokens (default: %(default)s)")
+    ap.add_argument("--gen-tokens", type=int, default=32,
+                    help="greedy tokens per fixed prompt, compared across phases (default: %(default)s)")
     ap.add_argument("--observe-fraction", type=float, help="observed share of passes in 'features' (default 0.001; "
                     "0.5 makes about half of the greedy decode passes replay the instrumented twin graphs)")
     ap.add_argument("--deadline-s", type=float, default=1e9,

@@ -97,12 +97,14 @@ def profile_arm(srv: Server, ctl: Path, arm: str, out: Path, prefix: str, new: i
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", required=True, help="model folder (e.g. scripts/make_model.py's, dummy weights)")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="output folder: prefill_profile.json, the server log, the traces under OUT/<arm>/")
     ap.add_argument("--length", type=int, default=1024, help="input tokens")
     ap.add_argument("--cached-fraction", type=float, default=0.5, help="share of the input that is a cached prefix")
-    ap.add_argument("--requests", type=int, default=5)
-    ap.add_argument("--server-args", default="--load-format dummy")
+    ap.add_argument("--requests", type=int, default=5, help="profiled single prefills per arm (default: %(default)s)")
+    ap.add_argument("--server-args", default="--load-format dummy",
+                    help="extra flags of the server, one string (default: %(default)s)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     ctl = (a.out / "policy").resolve()

@@ -161,13 +161,18 @@ def fit_overhead(res: dict, model: str, table_out: Path | None) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
-    ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--burst", type=int, default=8)
-    ap.add_argument("--server-args", default="--load-format dummy")
+    ap.add_argument("--model", required=True, help="model folder (e.g. scripts/make_model.py's, dummy weights)")
+    ap.add_argument("--out", type=Path, required=True, help="output folder: prefix_ttft.json and the server logs")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096],
+                    help="input lengths L: L/2 cached prefix + L/2 new tokens (default: %(default)s)")
+    ap.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES),
+                    help="one server each, in order (module doc; default: all)")
+    ap.add_argument("--requests", type=int, default=12,
+                    help="single requests per length (per block with --one-server) (default: %(default)s)")
+    ap.add_argument("--burst", type=int, default=8,
+                    help="requests sent together as one batched prefill (default: %(default)s)")
+    ap.add_argument("--server-args", default="--load-format dummy",
+                    help="extra flags of every server, one string (default: %(default)s)")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip phases that would start after this")
     ap.add_argument("--one-server", action="store_true", help="A/B in one server through the control file")
     ap.add_argument("--blocks", type=int, default=8, help="--one-server: ABBA blocks per length (even)")

@@ -183,21 +183,30 @@ def compare(arms: list[dict]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="/tmp/models/dsv3-ep16-slice")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "forced", "sbo"])
+    ap.add_argument("--model", default="/tmp/models/dsv3-ep16-slice",
+                    help="model folder (scripts/make_model.py's; default: %(default)s)")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="output folder: server logs, benches, layer.json, results JSON")
+    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "forced", "sbo"],
+                    help="servers to run, in order (module doc; default: %(default)s)")
     ap.add_argument("--table", type=Path, help="table file for the 'on' arm (default: the one the plugin finds)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 48, 128])
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 48, 128],
+                    help="bench_serving concurrency levels per arm (default: %(default)s)")
+    ap.add_argument("--input-len", type=int, default=256, help="input tokens per request (default: %(default)s)")
+    ap.add_argument("--output-len", type=int, default=96, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--waves", type=int, default=1, help="prompts per level = waves x concurrency")
-    ap.add_argument("--min-prompts", type=int, default=16)
-    ap.add_argument("--server-args", default=SERVER_ARGS)
-    ap.add_argument("--deadline-s", type=float, default=360)
+    ap.add_argument("--min-prompts", type=int, default=16, help="prompts per level at least (default: %(default)s)")
+    ap.add_argument("--server-args", default=SERVER_ARGS,
+                    help="flags of every server, one string (default: %(default)s)")
+    ap.add_argument("--deadline-s", type=float, default=360,
+                    help="seconds for the whole run, split between the layer phase and the arms "
+                         "(default: %(default)s)")
     ap.add_argument("--no-layer", action="store_true", help="skip the in-process MoE layer phase")
     ap.add_argument("--layer-only", type=Path, help=argparse.SUPPRESS)  # child mode: write layer JSON here
     ap.add_argument("--result", type=Path, help="results JSON (default OUT/swapab_e2e.json)")
     args = ap.parse_args()
+    if not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json there (make one with scripts/make_model.py)")
     args.out.mkdir(parents=True, exist_ok=True)
     shapes = model_shapes(args.model)
     forced = forced_table(args.out / "forced_table.json", shapes)

@@ -12,13 +12,23 @@ COMMANDS = {
 }
 
 
+def usage() -> str:
+    lines = ["usage: python -m sglang_h20 COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines + ["", "python -m sglang_h20 COMMAND --help: the options of one command"])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m sglang_h20 COMMAND [ARGS]\n\ncommands:")
-        for name, (_, text) in COMMANDS.items():
-            print(f"  {name:<10} {text}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        print(usage(), file=sys.stderr)
+        if argv:
+            print(f"python -m sglang_h20: error: unknown command {argv[0]!r} "
+                  f"(choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
     import importlib
 
     return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])

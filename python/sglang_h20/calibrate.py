@@ -23,11 +23,19 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from sglang_h20 import provenance
-from sglang_h20.attention.mha_mla import TERMS, BatchShape, CostTable, table_path, user_table_path
+from sglang_h20.attention.mha_mla import (
+    TERMS,
+    BatchShape,
+    CostTable,
+    table_path,
+    user_table_path,
+)
+from sglang_h20.cliargs import positive_float, positive_int
 from sglang_h20.models import random_words
 
 HEADS = 128  # DeepSeek-V3 query heads per GPU with DP attention
@@ -192,23 +200,41 @@ def main(argv: list[str] | None = None) -> int:
                        "benchmark/attention/mha_mla_layer.py runs; about 2 minutes on an H200). The table goes "
                        "to this machine's cache, which the plugin reads before the shipped table. "
                        "--method server: whole prefills through two servers (the first, coarser method).")
-    m.add_argument("--method", choices=["layer", "server"], default="layer")
+    m.add_argument("--method", choices=["layer", "server"], default="layer",
+                   help="layer: one attention layer in-process (default); server: whole prefills through two "
+                        "servers")
     m.add_argument("--grid", choices=["quick", "full"], default="full",
-                   help="layer: the quick subset or the full grid; server: its quick or full grid")
-    m.add_argument("--repeats", type=int, default=5, help="server method: timed repeats per point")
-    m.add_argument("--backend", default="flashmla", help="server method: attention backend of the servers")
-    m.add_argument("--work-dir", type=Path, default=Path("/tmp/sglang_h20_calibrate"))
+                   help="layer: the quick subset or the full grid; server: its quick or full grid "
+                        "(default: %(default)s)")
+    m.add_argument("--repeats", type=positive_int, default=5,
+                   help="server method: timed repeats per point (default: %(default)s)")
+    m.add_argument("--backend", default="flashmla",
+                   help="server method: attention backend of the servers (default: %(default)s)")
+    m.add_argument("--work-dir", type=Path, default=Path("/tmp/sglang_h20_calibrate"),
+                   help="scratch folder: the layer method's results JSON and plot, the server method's model "
+                        "and server logs (default: %(default)s)")
     m.add_argument("--out", type=Path, help="table file (default: ~/.cache/sglang_h20/mha_mla_<gpu>.json)")
-    mod = sub.add_parser("mha-mla-model", help="write a modelled table from rates (no GPU needed)")
+    mod = sub.add_parser("mha-mla-model", help="write a modelled table from rates (no GPU needed)",
+                         description="Write an MHA/MLA cost table modelled from a GPU's dense BF16 rate and HBM "
+                                     "bandwidth instead of measured (FLOPs over rate plus bytes over bandwidth); "
+                                     "the table says it is modelled. No GPU needed.")
     mod.add_argument("--gpu", required=True, help="GPU name as torch reports it, e.g. 'NVIDIA H20'")
-    mod.add_argument("--bf16-tflops", type=float, required=True)
-    mod.add_argument("--hbm-tbs", type=float, required=True)
-    mod.add_argument("--out", type=Path)
+    mod.add_argument("--bf16-tflops", type=positive_float, required=True, metavar="TFLOPS",
+                     help="dense BF16 tensor-core rate of the GPU, TFLOP/s (e.g. 148 for the H20)")
+    mod.add_argument("--hbm-tbs", type=positive_float, required=True, metavar="TBS",
+                     help="HBM bandwidth of the GPU, TB/s (e.g. 4.0 for the H20)")
+    mod.add_argument("--out", type=Path,
+                     help="table file (default: the shipped table of that GPU in the package, "
+                          "sglang_h20/tables/mha_mla_<gpu>.json)")
     a = ap.parse_args(argv)
     if a.what == "mha-mla-model":
         table = modelled_table(a.gpu, a.bf16_tflops, a.hbm_tbs)
         out = a.out or table_path(a.gpu)
-        out.write_text(json.dumps({**table.to_json(), "provenance": provenance.record()}, indent=1) + "\n")
+        try:
+            out.write_text(json.dumps({**table.to_json(), "provenance": provenance.record()}, indent=1) + "\n")
+        except OSError as e:
+            print(f"calibrate mha-mla-model: cannot write {out}: {e}", file=sys.stderr)
+            return 2
         print("wrote", out)
         return 0
     from sglang_h20 import compat

@@ -89,6 +89,13 @@ def tables_and_kernels() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m sglang_h20 doctor", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, epilog="exit status: 0 when the plugin is installed and every feature the switches "
+                                    "(SGLANG_H20_* / --h20-*) ask for can turn on here; 1 otherwise.")
+    ap.parse_args(argv)
     text, ok = report()
     print(text)
     return 0 if ok else 1

@@ -95,8 +95,11 @@ def make(root: Path, name: str) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_root", type=Path, help="folder that receives one sub-folder per model")
-    ap.add_argument("--models", nargs="+", default=list(STANDARD), choices=sorted(MODELS))
+    ap.add_argument("--models", nargs="+", default=list(STANDARD), choices=sorted(MODELS),
+                    help="models to write (default: %(default)s; dsv3-attn8 is calibrate's attention-heavy model)")
     a = ap.parse_args()
+    if a.out_root.exists() and not a.out_root.is_dir():
+        ap.error(f"out_root {a.out_root} is a file, not a folder")
     for name in a.models:
         print("wrote", make(a.out_root, name))
 

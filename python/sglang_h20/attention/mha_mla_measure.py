@@ -833,15 +833,20 @@ def parse_args(argv=None):
     ap.add_argument("--png", type=Path, help="MHA/MLA ratio plot (default: next to --json)")
     ap.add_argument("--write-table", type=Path, help="write the fitted policy table here (load_table's format)")
     ap.add_argument("--quick", action="store_true", help=f"a small subset: {QUICK}")
-    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES)
-    ap.add_argument("--extends", type=int, nargs="+", default=EXTENDS)
-    ap.add_argument("--prefixes", type=int, nargs="+", default=PREFIXES)
-    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="skip points with B*(extend+prefix) above")
+    ap.add_argument("--batches", type=int, nargs="+", default=BATCHES,
+                    help="requests per batch, B (default: %(default)s; ignored with --quick)")
+    ap.add_argument("--extends", type=int, nargs="+", default=EXTENDS,
+                    help="new tokens per request (default: %(default)s; ignored with --quick)")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=PREFIXES,
+                    help="cached prefix tokens per request (default: %(default)s; ignored with --quick)")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                    help="skip points with B*(extend+prefix) above this (default: %(default)s)")
     ap.add_argument("--rep-ms", type=float, default=40.0, help="timed calls per path and point fill about this")
     ap.add_argument("--deadline-s", type=float, help="stop starting points after this many seconds (from start)")
     ap.add_argument("--validate", type=int,
                     help="off-grid mixed batches, measured before the grid (default 12; 4 with --quick)")
-    ap.add_argument("--kv-b-proj", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--kv-b-proj", choices=["bf16", "fp8"], default="bf16",
+                    help="MHA's kv_b_proj GEMM: bf16 F.linear (default) or SGLang's Triton block-FP8 linear")
     ap.add_argument("--kernels", choices=PROVIDERS, default="flashinfer",
                     help="flashinfer: the flashmla backend's prefill (default); fa3: the fa3 backend's")
     return ap.parse_args(argv)

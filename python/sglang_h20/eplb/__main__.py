@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
+from sglang_h20.cliargs import non_negative_int, positive_int
 from sglang_h20.eplb import simulate as sim
 
 EPILOG = """\
@@ -41,16 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--algorithms", nargs="+", default=list(d.algorithms),
                    help=f"placement algorithms (default: %(default)s); '{sim.TRIVIAL}' = SGLang without EPLB "
                         f"(slot s holds expert s %% E), built in")
-    s.add_argument("--steps", type=int, default=d.steps, help="trace length in steps (default: %(default)s)")
-    s.add_argument("--warmup", type=int, default=d.warmup,
+    s.add_argument("--steps", type=positive_int, default=d.steps, help="trace length in steps (default: %(default)s)")
+    s.add_argument("--warmup", type=positive_int, default=d.warmup,
                    help="steps of statistics before the first plan (default: %(default)s)")
-    s.add_argument("--rebalance-every", type=int, default=d.rebalance_every,
+    s.add_argument("--rebalance-every", type=positive_int, default=d.rebalance_every,
                    help="re-plan every N steps from the previous N steps (default: %(default)s)")
-    s.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step,
+    s.add_argument("--tokens-per-step", type=positive_int, default=d.tokens_per_step,
                    help="tokens per step (default: %(default)s)")
-    s.add_argument("--layers", type=int, default=d.layers,
+    s.add_argument("--layers", type=positive_int, default=d.layers,
                    help="MoE layers (DeepSeek-V3 has 58; default: %(default)s)")
-    s.add_argument("--redundant-slots", type=int, default=d.redundant_slots,
+    s.add_argument("--redundant-slots", type=non_negative_int, default=d.redundant_slots,
                    help="extra expert slots per GPU, i.e. SGLang --ep-num-redundant-experts = N x GPUs "
                         "(default: %(default)s)")
     s.add_argument("--affinity", type=float, default=d.affinity,
@@ -60,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Zipf exponent of per-layer expert popularity (default: %(default)s)")
     s.add_argument("--drift", type=float, default=d.drift,
                    help="per-step random-walk std of expert popularity scores (default: %(default)s)")
-    s.add_argument("--clusters", type=int, default=d.clusters,
+    s.add_argument("--clusters", type=positive_int, default=d.clusters,
                    help="number of co-activation clusters in the 'clusters' trace (default: %(default)s)")
     s.add_argument("--cluster-strength", type=float, default=d.cluster_strength,
                    help="probability a token's expert comes from its cluster (default: %(default)s)")
@@ -72,9 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _usage_error(message: str) -> int:
+    print(f"python -m sglang_h20.eplb simulate: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    known = (sim.TRIVIAL, *sim.ALGORITHMS)
+    unknown = [a for a in args.algorithms if a not in known]
+    if unknown:
+        return _usage_error(f"--algorithms: unknown {', '.join(map(repr, unknown))} (choose from {', '.join(known)})")
+    if args.dump and not Path(args.dump).exists():
+        return _usage_error(f"--dump: no such file or directory: {args.dump}")
+    try:  # before the simulation: a bad --out must not cost its results
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _usage_error(f"--out: cannot create the directory {args.out}: {e}")
     structures = ("clusters", "none") if args.structure == "both" else (args.structure,)
     cfg = sim.SimConfig(
         topologies=tuple(args.topologies), structures=structures, algorithms=tuple(args.algorithms),

@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from sglang_h20.cliargs import positive_int
 from sglang_h20.nightly import compare as cmp
 from sglang_h20.nightly import config as cfg
 from sglang_h20.nightly import report, runner
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output directory (run.json, report, server and bench logs)")
     r.add_argument("--models", metavar="DIR", help="models root substituted for {models} in model paths")
     r.add_argument("--baseline", type=Path, metavar="FILE", help="a previous run.json to compare against")
-    r.add_argument("--repeats", type=_positive, metavar="N", help="repeats per point (default: the config's)")
+    r.add_argument("--repeats", type=positive_int, metavar="N", help="repeats per point (default: the config's)")
     r.add_argument("--only", metavar="SUBSTRING",
                    help="run only the points whose id contains SUBSTRING, e.g. 'dsv3-4l/features-on' or 'kernel/'")
     c = sub.add_parser("compare", epilog=EPILOG, help="compare two run records and write the report (no GPU)",
@@ -43,22 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
 def read_record(path: Path) -> dict:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read a JSON record ({e})") from None
     return cmp.check_record(data, str(path))
+
+
+def make_out_dir(path: Path) -> None:
+    """--out, created before any work: a bad one is a usage error, not a traceback after the run."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out: cannot create the directory {path} ({e})") from None
 
 
 def judge(out_dir: Path, run: dict, baseline: dict | None) -> int:
@@ -78,9 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "compare":
-            return judge(args.out, read_record(args.run), read_record(args.baseline))
+            run, baseline = read_record(args.run), read_record(args.baseline)
+            make_out_dir(args.out)
+            return judge(args.out, run, baseline)
         config = cfg.load(args.config)
         baseline = read_record(args.baseline) if args.baseline else None
+        make_out_dir(args.out)
         if baseline and args.only:  # points left out on purpose are not "missing"
             baseline["points"] = {k: v for k, v in baseline["points"].items() if runner.selected(k, args.only)}
         command = shlex.join(["python", "-m", "sglang_h20.nightly", *(sys.argv[1:] if argv is None else argv)])
