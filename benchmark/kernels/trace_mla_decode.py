@@ -10,7 +10,8 @@ turns the stamps into phases per warp:
   warps 8-11 the loader WG (wait for a free K stage, issue the tile's cp.async copies).
 
 Output: a table of cycles per phase and per warpgroup (mean over its warps; share of the CTA's span; per
-64-token tile), --json (provenance, point, the CTA traced, raw stamps per warp, the table), --png (one bar per
+64-token tile); how long one math WG was on the tensor cores while the other did CUDA-core work (the overlap the
+seesaw is built for) against both on CUDA cores or both on the tensor cores; --json (provenance, point, the CTA traced, raw stamps per warp, the table), --png (one bar per
 warp, phases coloured over time). The traced CTA runs among all the others, so its timeline is the real
 schedule plus one store per stamp.
 
@@ -53,6 +54,9 @@ END_CODES = (5, 31)
 WAIT_PHASES = ("loader: wait free K stage", "WG barrier (V^T reuse)", "wait K tile", "QK^T wgmma wait",
                "publish P' (wait buffer, store)", "wait P' of the tile")
 WARPGROUPS = {"WG0 (math)": range(0, 4), "WG1 (math)": range(4, 8), "loader": range(8, 12)}
+# what a math warp's phase keeps busy: the design wants one WG on "tensor" while the other is on "cuda"
+TENSOR_PHASES = ("QK^T wgmma wait", "PV wgmma + merge")
+SYNC_PHASES = tuple(p for p in WAIT_PHASES if p not in TENSOR_PHASES)
 TRACE_DEFINE = "MLA_TRACE"
 
 
@@ -97,6 +101,31 @@ def summarize(segs: list[list[tuple[str, int, int]]], tiles: int) -> dict:
                        "waiting_share": round(waits / span, 4) if span else 0.0}
     return {"span_cycles": span, "tiles": tiles, "cycles_per_tile": round(span / tiles, 1) if tiles else None,
             "warpgroups": table}
+
+
+def category(phase: str) -> str:
+    return "tensor" if phase in TENSOR_PHASES else "sync" if phase in SYNC_PHASES else "cuda"
+
+
+def concurrency(segs: list[list[tuple[str, int, int]]], warps: tuple[int, int] = (0, 4)) -> dict:
+    """Cycles during which the two math WGs (one warp of each) are in each pair of categories (tensor / cuda /
+    sync), and the overlap the seesaw is built for: one WG's wgmmas while the other does CUDA-core work."""
+    a, b = (segs[w] if w < len(segs) else [] for w in warps)
+    cuts = sorted({t for w in (a, b) for _, s, e in w for t in (s, e)})
+
+    def at(w, t):  # category of warp w's phase covering [t, next cut)
+        return next((category(p) for p, s, e in w if s <= t < e), "idle")
+
+    cells: dict[str, int] = {}
+    for t, t_next in zip(cuts, cuts[1:]):
+        key = f"{at(a, t)}|{at(b, t)}"
+        cells[key] = cells.get(key, 0) + (t_next - t)
+    span = (cuts[-1] - cuts[0]) if cuts else 0
+    seesaw = cells.get("tensor|cuda", 0) + cells.get("cuda|tensor", 0)
+    return {"cycles": dict(sorted(cells.items(), key=lambda kv: -kv[1])), "span_cycles": span,
+            "seesaw_share": round(seesaw / span, 4) if span else 0.0,
+            "both_cuda_share": round(cells.get("cuda|cuda", 0) / span, 4) if span else 0.0,
+            "both_tensor_share": round(cells.get("tensor|tensor", 0) / span, 4) if span else 0.0}
 
 
 def plot(segs, path: Path, title: str) -> None:
@@ -190,6 +219,11 @@ def main(argv=None) -> int:
     title = (f"v2, batch {batch} x {ctx} tokens x {heads} heads, q_len {q_len}, {meta.num_splits} split(s); "
              f"CTA {tuple(args.cta)}: {summary['cycles_per_tile']} cycles per 64-token tile")
     print(title)
+    summary["concurrency"] = concurrency(segs)
+    c = summary["concurrency"]
+    print(f"  WG0 vs WG1 (warps 0, 4): one on the tensor cores while the other does CUDA-core work "
+          f"{c['seesaw_share']:.0%} of the time, both on CUDA cores {c['both_cuda_share']:.0%}, "
+          f"both on the tensor cores {c['both_tensor_share']:.0%}")
     for wg, row in summary["warpgroups"].items():
         print(f"  {wg}: waiting {row['waiting_share']:.0%} of the span")
         for phase, cyc in row["cycles"].items():

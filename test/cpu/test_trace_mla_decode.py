@@ -47,6 +47,20 @@ def test_summary_per_warpgroup():
     assert s["warpgroups"]["WG1 (math)"]["waiting_share"] == 0.0
 
 
+def test_concurrency_of_the_two_math_warpgroups():
+    # WG0: softmax 0-100, QK^T wait 100-300, wait P' 300-400; WG1: QK^T wait 0-100, softmax 100-250, PV 250-400
+    wg0 = [("softmax", 0, 100), ("QK^T wgmma wait", 100, 300), ("wait P' of the tile", 300, 400)]
+    wg1 = [("QK^T wgmma wait", 0, 100), ("softmax", 100, 250), ("PV wgmma + merge", 250, 400)]
+    c = trace.concurrency([wg0] * 4 + [wg1] * 4)
+    assert c["cycles"] == {"cuda|tensor": 100, "tensor|cuda": 150, "tensor|tensor": 50, "sync|tensor": 100}
+    assert c["span_cycles"] == 400 and c["seesaw_share"] == 0.625 and c["both_tensor_share"] == 0.125
+    assert c["both_cuda_share"] == 0.0
+    # lockstep: both WGs do the same thing at the same time -> no seesaw at all
+    lock = trace.concurrency([wg0] * 4 + [wg0] * 4)
+    assert lock["seesaw_share"] == 0.0 and lock["both_cuda_share"] == 0.25 and lock["both_tensor_share"] == 0.5
+    assert trace.concurrency([])["span_cycles"] == 0
+
+
 def test_plot_writes_a_png(tmp_path):
     segs = [[("wait K tile", 0, 100), ("softmax", 100, 400)]] * 8 + [[("loader: issue copies", 0, 50)]] * 4
     trace.plot(segs, tmp_path / "t.png", "synthetic")
