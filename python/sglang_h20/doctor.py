@@ -43,7 +43,8 @@ def report(settings: Settings | None = None) -> tuple[str, bool]:
     lines.append("features (what the plugin would do in a server process here):")
     for feature in FEATURES:
         d = decide(feature, settings)
-        all_good &= d.on or not feature.wanted(settings) and feature.switch not in settings.errors
+        all_good &= d.on or not feature.wanted(settings) and not any(
+            n in settings.errors for n in (feature.switch, *feature.options))
         lines.append(f"  {feature.name:<16} {'ON ' if d.on else 'off'}  {d.reason}")
     lines += tables_and_kernels()
     return "\n".join(lines), all_good

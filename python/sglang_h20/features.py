@@ -1,7 +1,10 @@
 """The features, what each needs, and the one place that decides whether it turns on.
 
 A feature module exposes `hooks(settings) -> list[Hook]`: its whole patch surface as dotted
-SGLang targets, so reading those functions shows everything we change in SGLang.
+SGLang targets, so reading those functions shows everything we change in SGLang. Where the feature
+cannot apply on this machine (no table for this GPU, not SM90, ...), `hooks()` raises `Unsupported`
+with the reason, which becomes the feature's one log line; it logs nothing itself. An optional
+`enabled(settings)` says what only matters once the feature is on (the plugin calls it then).
 """
 from __future__ import annotations
 
@@ -11,6 +14,10 @@ from typing import Callable, NamedTuple
 
 from sglang_h20 import compat
 from sglang_h20.settings import BY_NAME, Settings
+
+
+class Unsupported(Exception):
+    """Raised by a feature's hooks(): it cannot apply here (the message says why); upstream behaviour is kept."""
 
 
 class Hook(NamedTuple):
@@ -26,6 +33,7 @@ class Feature:
     module: str | None  # provides hooks(settings); None while the feature is not built yet
     needs_gpu: bool = True  # Hopper (sm_90) or newer
     kernel_modules: tuple[str, ...] = ()  # must import, or the feature stays off
+    options: tuple[str, ...] = ()  # its other switches: a bad value there keeps the feature off too
 
     def wanted(self, settings: Settings) -> bool:
         value = settings[self.switch]
@@ -34,15 +42,22 @@ class Feature:
     def hooks(self, settings: Settings) -> list[Hook]:
         return importlib.import_module(self.module).hooks(settings)
 
+    def enabled(self, settings: Settings) -> None:
+        """Once the feature is on: its module's notes that only matter then (e.g. the table in force)."""
+        note = getattr(importlib.import_module(self.module), "enabled", None)
+        if note is not None:
+            note(settings)
+
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("mha_mla_policy", "mha_mla_policy", "sglang_h20.attention.mha_mla"),
-    Feature("fp8_mla", "fp8_mla", "sglang_h20.attention.fp8_mla_backend", kernel_modules=("sgl_kernel_ext.mla_decode",)),
+    Feature("mha_mla_policy", "mha_mla_policy", "sglang_h20.attention.mha_mla", options=("mha_mla_control",)),
+    Feature("fp8_mla", "fp8_mla", "sglang_h20.attention.fp8_mla_backend", kernel_modules=("sgl_kernel_ext.mla_decode",),
+            options=("fp8_mla_kernel",)),
     Feature("swapab", "swapab", "sglang_h20.moe.swapab", kernel_modules=("triton", "sgl_kernel_ext.grouped_gemm_fp8")),
     Feature("sbo", "sbo", "sglang_h20.moe.sbo", kernel_modules=("triton", "sgl_kernel_ext.sbo")),
-    Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False),
+    Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False, options=("eplb_affinity",)),
     Feature("eplb_async", "eplb_async", "sglang_h20.eplb.async_rebalance", needs_gpu=False),
-    Feature("observe", "observe", "sglang_h20.observe.stages"),
+    Feature("observe", "observe", "sglang_h20.observe.stages", options=("observe_control",)),
 )
 
 
@@ -55,11 +70,15 @@ class Decision(NamedTuple):
 def decide(feature: Feature, settings: Settings) -> Decision:
     """On only if switched on, built, supported here, and every hook target resolves."""
     switch = BY_NAME[feature.switch]
-    if feature.switch in settings.errors:
-        return Decision(False, f"bad value, upstream behaviour kept: {settings.errors[feature.switch]}")
+    bad = [settings.errors[n] for n in (feature.switch, *feature.options) if n in settings.errors]
+    if bad:
+        return Decision(False, f"bad value, upstream behaviour kept: {'; '.join(bad)}")
     shown = f"{switch.env}={switch.show(settings[feature.switch])}"
     if not feature.wanted(settings):
         return Decision(False, f"switched off ({shown})")
+    if "allow_untested" in settings.errors:  # every feature's switch: unreadable means none may turn on
+        return Decision(False, f"{shown} asked for it, but bad value, upstream behaviour kept: "
+                               f"{settings.errors['allow_untested']}")
     if feature.module is None:
         return Decision(False, f"{shown} asked for it, but this build does not include it yet: upstream behaviour kept")
     checks = []
@@ -73,8 +92,12 @@ def decide(feature: Feature, settings: Settings) -> Decision:
             return Decision(False, f"{shown} asked for it, but {why}: upstream behaviour kept")
     try:
         hooks = tuple(feature.hooks(settings))
+    except Unsupported as e:
+        return Decision(False, f"{shown} asked for it, but {e}: upstream behaviour kept")
     except Exception as e:
         return Decision(False, f"{shown} asked for it, but its hooks failed to build ({type(e).__name__}: {e})")
+    if not hooks:
+        return Decision(False, f"{shown} asked for it, but it has nothing to hook here: upstream behaviour kept")
     for hook in hooks:
         ok, why = compat.check_target(hook.target)
         if not ok:

@@ -93,6 +93,11 @@ def activate(settings: Settings | None = None) -> dict[str, Decision]:
         d = decide(feature, settings)
         _decisions[feature.name] = d
         log.info("%s: %s", feature.name, d.reason)
+        if d.on:
+            try:
+                feature.enabled(settings)  # what only matters now that it is on (e.g. swapab's table)
+            except Exception as e:  # a note must not take the server down
+                log.warning("%s: %s while describing it (%s)", feature.name, type(e).__name__, e)
         _register(d.hooks)
     from sglang.srt.plugins.hook_registry import HookRegistry
 

@@ -186,9 +186,21 @@ def test_guards_refuse_an_untested_sglang_unless_allowed(monkeypatch):
     d = decide(f, Settings.from_env({"SGLANG_H20_EPLB": "affinity"}))
     assert not d.on and "sglang 0.6.0 is untested (tested: 0.5.17)" in d.reason
     hooks_called = []
-    monkeypatch.setattr(features.Feature, "hooks", lambda self, s: hooks_called.append(1) or [])
+    hook = features.Hook(plugin.POST_INIT, lambda *a, **k: None, "before")  # resolves; never registered here
+    monkeypatch.setattr(features.Feature, "hooks", lambda self, s: hooks_called.append(1) or [hook])
     d = decide(f, Settings.from_env({"SGLANG_H20_EPLB": "affinity", "SGLANG_H20_ALLOW_UNTESTED": "1"}))
     assert d.on and hooks_called
+
+
+def test_feature_with_no_hooks_here_stays_off(monkeypatch):
+    """A switched-on feature that ends up hooking nothing is off (it used to read 'on (...; 0 hook(s))')."""
+    from sglang_h20 import features
+
+    monkeypatch.setattr(features.Feature, "hooks", lambda self, s: [])
+    f = features.Feature("demo", "eplb", "sglang_h20.settings", needs_gpu=False)
+    d = decide(f, Settings.from_env({"SGLANG_H20_EPLB": "affinity"}))
+    assert not d.on and d.reason == ("SGLANG_H20_EPLB=affinity asked for it, but it has nothing to hook here: "
+                                     "upstream behaviour kept")
 
 
 def test_feature_with_an_unresolvable_hook_target_stays_off(monkeypatch):

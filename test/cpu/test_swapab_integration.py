@@ -232,14 +232,19 @@ def test_feature_points_at_this_module_and_needs_a_gpu():
 
 
 def test_hooks_need_a_table_for_this_gpu(monkeypatch, tmp_path, caplog):
+    """No table: no hooks, and the reason is the feature's one line (hooks() logs nothing itself); with one, the
+    table in force is said once the feature is on (enabled())."""
+    from sglang_h20.features import Unsupported
+
     caplog.set_level(logging.INFO, logger="sglang_h20.swapab")
-    assert swapab.hooks(Settings.from_env({})) == []
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "no grouped-GEMM table" in lines[0] and "--tune" in lines[0]
-    caplog.clear()
+    with pytest.raises(Unsupported, match="no grouped-GEMM table.*--tune"):
+        swapab.hooks(Settings.from_env({}))
+    assert not caplog.records
     use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries()))
     hooks = swapab.hooks(Settings.from_env({}))
     assert [(h.target, h.kind) for h in hooks] == [(swapab.TRITON_MOE, "around"), (swapab.DEEPEP_MASKED, "around")]
+    assert not caplog.records
+    swapab.enabled(Settings.from_env({}))
     assert len(caplog.records) == 1 and "t.json" in caplog.records[0].getMessage()
 
 

@@ -353,7 +353,11 @@ class Switchable:
         if got is not None:
             _, word = got
             if word in self.MODES:
-                self.mode, self._current = word, self._get(word)
+                try:  # 'se' needs this GPU's table: a serving process must not die on a control-file word
+                    self.mode, self._current = word, self._get(word)
+                except Exception as e:
+                    log.warning("mha_mla: control file %s says %r, but %s: %s; keeping %r", self._file.path, word,
+                                type(e).__name__, e, self.mode)
             else:
                 log.warning("mha_mla: control file %s says %r; keeping %r (one of %s)", self._file.path, word,
                             self.mode, "/".join(self.MODES))

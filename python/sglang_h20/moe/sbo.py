@@ -2,7 +2,7 @@
 
 Switch: SGLANG_H20_SBO=on (--h20-sbo on). Upstream 0.5.17 refuses --enable-single-batch-overlap on
 SM90 because DeepGEMM/DeepEP wheels lack the SM90 down-GEMM signal. Our hooks (SM90 only; on any
-other GPU `hooks()` returns none and logs one line, so upstream's own SBO applies there):
+other GPU the feature stays off with one log line, so upstream's own SBO applies there):
 
 1. INIT_MOE_CONFIG (around): --enable-single-batch-overlap on SM90 no longer raises; SGLang's SBO
    flag is set as on other GPUs, so upstream's SM90-capable part runs (DeepEP low-latency: shared
@@ -57,8 +57,18 @@ def _sm90() -> bool:
 # ---------------------------------------------------------------------------------------------
 # 1, 2: upstream's flag on SM90
 # ---------------------------------------------------------------------------------------------
+def _note_moe_path(server_args) -> None:
+    """One line (once per process) where this server's MoE never reaches the triton runner that hook 3 serves."""
+    runner = str(getattr(server_args, "moe_runner_backend", None) or "auto")
+    a2a = str(getattr(server_args, "moe_a2a_backend", None) or "none")
+    if runner not in ("auto", "triton") or a2a != "none":
+        _note(f"the MoE runner {runner} with all-to-all {a2a} (the down-GEMM combine is ours only on the triton "
+              f"runner without all-to-all)")
+
+
 def init_moe_config_hook(original, server_args):
     """AROUND initialize_moe_config: accept --enable-single-batch-overlap on SM90 (see module doc)."""
+    _note_moe_path(server_args)
     if not (getattr(server_args, "enable_single_batch_overlap", False) and _sm90()):
         return original(server_args)
     server_args.enable_single_batch_overlap = False  # skip upstream's SM90 refusal ...
@@ -226,22 +236,26 @@ def forward_normal_hook(original, self, hidden_states, gemm_output_zero_allocato
 # Feature entry
 # ---------------------------------------------------------------------------------------------
 def hooks(settings: Settings) -> list[Hook]:
-    """All four hooks on SM90; none elsewhere (one log line: upstream's SBO applies there)."""
+    """All four hooks on SM90; none elsewhere (Unsupported: the feature's one log line; upstream's SBO applies)."""
     from sglang_h20 import compat
+    from sglang_h20.features import Unsupported
 
     g = compat.gpu()
     if g is None or g.capability[0] != 9:
-        log.info("sbo: %s is not SM90: upstream's own SBO (--enable-single-batch-overlap) applies, ours is off",
-                 g.label if g else "no GPU")
-        return []
+        raise Unsupported(f"{g.label if g else 'no GPU'} is not SM90 (upstream's own SBO, "
+                          f"--enable-single-batch-overlap, applies there)")
     _note.clear()
-    log.warning("sbo: on one GPU this costs more than it hides: with the combine in the down GEMM's epilogue, "
-                "dsv3-ep16-slice served 0.86-0.93x the output tok/s of SBO off on the H200 "
-                "(benchmark/results/sbo/sbo_e2e_*.json); it pays only where a network combine has time to hide")
     return [Hook(INIT_MOE_CONFIG, init_moe_config_hook, "around"),
             Hook(COMBINE_DOWN_FLAG, combine_down_flag_hook, "around"),
             Hook(TRITON_MOE, fused_experts_hook, "around"),
             Hook(SHARED_FORWARD, forward_normal_hook, "around")]
+
+
+def enabled(settings: Settings) -> None:
+    """Once on: what it measured to cost (the plugin calls this after the feature's line)."""
+    log.warning("sbo: on one GPU this costs more than it hides: with the combine in the down GEMM's epilogue, "
+                "dsv3-ep16-slice served 0.86-0.93x the output tok/s of SBO off on the H200 "
+                "(benchmark/results/sbo/sbo_e2e_*.json); it pays only where a network combine has time to hide")
 
 
 ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD)

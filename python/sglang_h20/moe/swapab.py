@@ -26,7 +26,7 @@ Table (sgl_kernel_ext.grouped_gemm_fp8.load_table): this user's re-tune
 ~/.cache/sglang_h20/grouped_gemm_<gpu>.json first, else the shipped
 python/sglang_h20/tables/grouped_gemm_<gpu>.json. Re-tune on your GPU with one command:
     python benchmark/kernels/bench_grouped_gemm.py --tune [--groups <experts per GPU> ...]
-No table for this GPU: no hooks at all, and one log line says so. A call we cannot serve (dtype,
+No table for this GPU: no hooks at all, and the feature's one log line says so. A call we cannot serve (dtype,
 quant config, block shape, activation...) goes upstream; each such reason is logged once.
 Not hooked: the non-fused MoE runner path (LoRA, SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1) and the dense
 FP8 linears (fp8_utils), whose measured table has no entries yet.
@@ -275,23 +275,29 @@ def masked_gemm_hook(original, lhs, rhs, out, masked_m, expected_m, overlap_args
 # Feature entry
 # ---------------------------------------------------------------------------------------------
 def hooks(settings: Settings) -> list[Hook]:
-    """Both hooks when this GPU has a table; none (one log line) when it has not."""
+    """Both hooks when this GPU has a table; none when it has not (Unsupported: the feature's one log line)."""
     global _gpu
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     from sglang_h20 import compat
+    from sglang_h20.features import Unsupported
 
     g = compat.gpu()
     _gpu = g.name if g else gg._gpu_name()
     reset()
+    if gg.load_table(_gpu) is None:
+        raise Unsupported(f"there is no grouped-GEMM table for {_gpu} (looked for {gg.user_table_path(_gpu)}, "
+                          f"{gg.table_path(_gpu)}; measure one with: python benchmark/kernels/bench_grouped_gemm.py "
+                          f"--tune), so every MoE GEMM stays upstream")
+    return [Hook(TRITON_MOE, fused_experts_hook, "around"), Hook(DEEPEP_MASKED, masked_gemm_hook, "around")]
+
+
+def enabled(settings: Settings) -> None:
+    """Once on: the table in force (the plugin calls this after the feature's line)."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
     table = gg.load_table(_gpu)
-    if table is None:
-        log.info("swapab: no grouped-GEMM table for %s (looked for %s, %s): every MoE GEMM stays upstream; "
-                 "measure one with: python benchmark/kernels/bench_grouped_gemm.py --tune",
-                 _gpu, gg.user_table_path(_gpu), gg.table_path(_gpu))
-        return []
     wins = sum(e["best"] != "upstream" for e in table["entries"])
     other = "" if table.get("gpu") == _gpu else f" (measured on {table.get('gpu')}, running on {_gpu})"
     log.info("swapab: table %s%s, %s, %d entries, ours fastest at %d; ours only where it says so",
              table["path"], other, table.get("date"), len(table["entries"]), wins)
-    return [Hook(TRITON_MOE, fused_experts_hook, "around"), Hook(DEEPEP_MASKED, masked_gemm_hook, "around")]
