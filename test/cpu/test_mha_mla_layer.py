@@ -376,7 +376,9 @@ def test_w_uk_and_w_uv_are_the_kv_b_proj_rows_sglang_splits(layer):
     w = layer.w.float().view(bench.HEADS, 256, bench.KV_LORA)
     assert torch.equal(layer.w_kc.float(), w[:, :128])  # [H, 128, 512]
     assert torch.equal(layer.w_vc.float(), w[:, 128:].transpose(1, 2))  # [H, 512, 128]
-    c = torch.randn(3, bench.KV_LORA).to(torch.bfloat16)
+    # seeded: with the global RNG (whatever earlier tests left it at) 1 draw in 1000 put a bf16 rounding error
+    # of the projection above atol (seen: 0.044 for torch.manual_seed(0))
+    c = torch.randn(3, bench.KV_LORA, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     kv = layer.kv_b_proj(c).float().view(3, bench.HEADS, 256)
     assert torch.allclose(kv[..., :128], torch.einsum("sc,hdc->shd", c.float(), layer.w_kc.float()), atol=2e-2)
 

@@ -386,9 +386,9 @@ def test_choice_is_cheap_and_remembered_for_the_next_layer():
 
     t = grid_table(bumped_points())
     shapes = [BatchShape([random.Random(i).randint(1, 9000) for _ in range(32)], [i * 7] * 32) for i in range(400)]
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time of this thread: a descheduled or preempted test does not count
     first = [t.choose(s) for s in shapes]  # all new: computed
-    per_call = (time.perf_counter() - t0) / len(shapes)
+    per_call = (time.thread_time() - t0) / len(shapes)
     assert per_call < 1e-3  # pure Python on CPU lists; measured ~20 us
     assert len(t._memo) <= mha_mla.MEMO_SIZE
     assert [t.choose(s) for s in shapes] == first  # remembered or recomputed: the same answer
