@@ -148,6 +148,7 @@ fi
 if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt 300 ]; then  # multi-GPU: remote share, upstream EPLB vs ours
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   say "expert-affinity placement in the server, EP=$n"
+  rm -rf /tmp/affinity  # a warm machine keeps the last call's: its JSON must not pass for this one's
   NCCL_NVLS_ENABLE=0 timeout $(( $(left) - 20 )) python3 benchmark/serving/affinity_remote_share.py --model /tmp/models/dsv3-4l \
     --out /tmp/affinity --gpus "$n" ${AFFINITY_ARGS:-} --server-args "$SERVER_ARGS --attention-backend triton" 2>&1 | tee "$OUT/affinity.log" | grep -v "bench:" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
@@ -156,6 +157,8 @@ if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt 300 ]; then  # multi-GP
     [ -f "$log" ] || continue
     arm=$(basename "$(dirname "$log")" | tr '+' '_')
     grep -E "EPLB|eplb|rebalance|sglang-h20|Error|error|Traceback" "$log" | tail -300 > "$OUT/affinity_server_$arm.txt"
+    # a hang watch's dump: every thread's stack from faulthandler (lines after 'Fatal Python error')
+    grep -q "hang watch" "$log" && sed -n '/Fatal Python error/,$p' "$log" | head -4000 > "$OUT/affinity_stacks_$arm.txt"
   done
 fi
 if [[ " $STEPS " == *" calibrate "* ]]; then

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from sglang_h20 import provenance
+from sglang_h20.cliargs import positive_float
 from sglang_h20.nightly.serving import Server, write_sharegpt
 from sglang_h20.observe import export
 
@@ -105,20 +106,37 @@ def run_arm(a, arm: str, data: Path) -> dict:
     arm_args, arm_env = arm_setup(arm, a.gpus, a.rebalance_iterations)
     args = shlex.split(a.server_args) + arm_args
     env = {"SGLANG_H20_OBSERVE": str(a.fraction), "SGLANG_H20_OBSERVE_DIR": str(dump.resolve()), **arm_env}
-    with Server(a.model, args, out / "server.log", env=env, port=32400 + a.arms.index(arm)) as srv:
-        srv.bench(out / "warmup.jsonl", num_prompts=a.prompts, input_len=a.input_len, output_len=a.output_len,
-                  concurrency=a.concurrency, dataset_path=str(data))
-        split = time.time()
-        rebalances_before = len(REBALANCE_LINE.findall((out / "server.log").read_text(errors="replace")))
-        bench = srv.bench(out / "measure.jsonl", num_prompts=a.prompts, input_len=a.input_len,
-                          output_len=a.output_len, concurrency=a.concurrency, dataset_path=str(data))
-        time.sleep(3)  # the last samples' dump lines
+    srv = Server(a.model, args, out / "server.log", env=env, port=32400 + a.arms.index(arm), hang_s=a.hang_s)
+    try:
+        with srv:
+            srv.bench(out / "warmup.jsonl", num_prompts=a.prompts, input_len=a.input_len,
+                      output_len=a.output_len, concurrency=a.concurrency, dataset_path=str(data))
+            split = time.time()
+            rebalances_before = len(REBALANCE_LINE.findall((out / "server.log").read_text(errors="replace")))
+            bench = srv.bench(out / "measure.jsonl", num_prompts=a.prompts, input_len=a.input_len,
+                              output_len=a.output_len, concurrency=a.concurrency, dataset_path=str(data))
+            time.sleep(3)  # the last samples' dump lines
+            if srv.hung:
+                raise RuntimeError(srv.hung)
+    except Exception as e:  # a failed or hung arm is a result too: the next arm still runs
+        log = (out / "server.log").read_text(errors="replace") if (out / "server.log").exists() else ""
+        return {"error": f"{type(e).__name__}: {str(e)[:2000]}", "hung": srv.hung, **rebalance_costs(log),
+                "stacks": stack_dump(log), "server_args": args, "env": env}
     log = (out / "server.log").read_text(errors="replace")
     res = summarize(export.read_dump([dump]), split)
     return {**res, "rebalances_in_warmup": rebalances_before, "rebalances_total": len(REBALANCE_LINE.findall(log)),
             **rebalance_costs(log), "output_throughput": bench.get("output_throughput"),
             "median_itl_ms": bench.get("median_itl_ms"), "p99_itl_ms": bench.get("p99_itl_ms"),
             "server_args": args, "env": env}
+
+
+def stack_dump(log: str, limit: int = 1500) -> list[str]:
+    """faulthandler's thread stacks in a server log (after a hang watch dump or a crash), at most `limit` lines."""
+    lines = log.splitlines()
+    keep = [i for i, ln in enumerate(lines) if ln.startswith(("Thread 0x", "Current thread 0x", "Fatal Python"))]
+    if not keep:
+        return []
+    return lines[keep[0]:][:limit]
 
 
 def write_record(a, arms: dict) -> None:
@@ -151,6 +169,9 @@ def main() -> int:
     ap.add_argument("--arms", nargs="+", default=["deepseek", "affinity"],
                     help="EPLB algorithms (deepseek: upstream's; affinity: ours), ALGORITHM+async (our migration), "
                          "none (no EPLB: steady ITL)")
+    ap.add_argument("--hang-s", type=positive_float, default=90,
+                    help="a bench during which the server log stays silent this long ends that arm with every "
+                         "server thread's Python stack in its log and the record (default: %(default)s)")
     ap.add_argument("--server-args", default="--load-format dummy",
                     help="extra flags of every server, one string (default: %(default)s)")
     a = ap.parse_args()
@@ -164,6 +185,10 @@ def main() -> int:
     for arm in a.arms:
         arms[arm] = run_arm(a, arm, data)
         r = arms[arm]
+        if "error" in r:
+            print(f"  {arm}: FAILED: {r['error'][:300]} ({len(r['stacks'])} stack lines kept)", flush=True)
+            write_record(a, arms)
+            continue
         print(f"  {arm}: remote share {r['remote_share_mean']} over {r['samples']} samples, "
               f"{r['rebalances_in_warmup']} rebalances before the measurement, ITL median {r['median_itl_ms']} "
               f"P99 {r['p99_itl_ms']} ms, stalls {r.get('rebalance_stall_ms_median')} ms median, "

@@ -552,3 +552,50 @@ def test_bench_serving_measures_from_an_empty_prefix_cache(monkeypatch, tmp_path
     bs.cli_main()
     args = parsed["args"]
     assert args.flush_cache is True and args.max_concurrency == 8 and args.random_input_len == 4096
+
+
+def test_hang_watch_dumps_every_thread_stack_of_a_silent_server(tmp_path):
+    """A server whose log stays silent during a bench is ended by SIGABRT, and faulthandler
+    (PYTHONFAULTHANDLER, set for every server) leaves each thread's stack, the waiting one included."""
+    import threading
+
+    log = tmp_path / "server.log"
+    srv = serving.Server("m", [], log, hang_s=1.0)
+    code = ("import threading, time\n"
+            "threading.Thread(target=lambda: time.sleep(120), name='migration', daemon=True).start()\n"
+            "print('up', flush=True)\n"
+            "def decode_loop_waits():\n"
+            "    time.sleep(120)\n"
+            "decode_loop_waits()\n")
+    with open(log, "a") as f:  # as Server._launch opens it
+        srv.proc = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT,
+                                    env=srv.env, start_new_session=True)
+    done = threading.Event()
+    watcher = threading.Thread(target=srv._watch, args=(done,))
+    watcher.start()
+    watcher.join(30)
+    assert not watcher.is_alive()
+    srv.proc.wait(30)
+    assert srv.hung and "silent" in srv.hung
+    text = log.read_text()
+    assert "[sglang-h20 hang watch]" in text and "nvidia-smi:" in text
+    assert "decode_loop_waits" in text and text.count("Thread 0x") + text.count("Current thread 0x") >= 2
+    assert srv.proc.returncode != 0
+
+
+def test_hang_watch_stays_quiet_while_the_log_grows(tmp_path):
+    import threading
+
+    log = tmp_path / "server.log"
+    srv = serving.Server("m", [], log, hang_s=3.0)
+    code = "import time\nfor i in range(6):\n    print(i, flush=True); time.sleep(1)\n"
+    with open(log, "w") as f:
+        srv.proc = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT,
+                                    env=srv.env, start_new_session=True)
+    done = threading.Event()
+    watcher = threading.Thread(target=srv._watch, args=(done,))
+    watcher.start()
+    srv.proc.wait(30)
+    done.set()
+    watcher.join(10)
+    assert srv.hung is None and srv.proc.returncode == 0

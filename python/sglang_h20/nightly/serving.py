@@ -12,6 +12,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -60,14 +61,18 @@ class Server:
 
     Use as a context manager. `log_path` receives stdout+stderr; `env` adds to os.environ.
     SGLANG_H20_PORT_OFFSET shifts the port, so jobs on different GPUs of one host do not collide.
+    `hang_s`: a bench during which the log stays silent that long ends the server with every thread's
+    Python stack in the log (`dump_stacks`): a hung server then says where it waits instead of a timeout.
     """
 
     def __init__(self, model: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 port: int = 30000, ready_timeout_s: float = 600):
+                 port: int = 30000, ready_timeout_s: float = 600, hang_s: float | None = None):
         port += int(os.environ.get("SGLANG_H20_PORT_OFFSET", "0"))
         self.model, self.args, self.log_path, self.port = model, list(args), Path(log_path), port
-        self.env = {**os.environ, **(env or {})}
-        self.ready_timeout_s = ready_timeout_s
+        # faulthandler acts only on fatal signals: a crash or dump_stacks prints every thread's stack
+        self.env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
+        self.ready_timeout_s, self.hang_s = ready_timeout_s, hang_s
+        self.hung: str | None = None
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.start_s: float | None = None
@@ -88,7 +93,8 @@ class Server:
     def _launch(self) -> "Server":
         _say(f"launch: {' '.join(self.command)}")
         t0 = time.time()
-        self._log = open(self.log_path, "w")
+        self.log_path.write_text("")  # then append mode: the hang watch's note lands after the output
+        self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True)
         while time.time() - t0 < self.ready_timeout_s:
@@ -120,6 +126,35 @@ class Server:
                     continue
         if getattr(self, "_log", None):
             self._log.close()
+
+    def dump_stacks(self, why: str) -> None:
+        """End every server process with SIGABRT: faulthandler writes each thread's Python stack into the
+        log first. `nvidia-smi` goes there too (a GPU spinning at 100% points at a device-side wait)."""
+        self.hung = why
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used",
+                                  "--format=csv,noheader"], capture_output=True, text=True, check=False, timeout=20)
+            gpus = " | ".join((smi.stdout or smi.stderr).strip().splitlines())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            gpus = f"not read ({type(e).__name__})"
+        with open(self.log_path, "a") as f:
+            f.write(f"\n[sglang-h20 hang watch] {why}; nvidia-smi: {gpus}\n")
+        _say(f"hang: {why}; dumping stacks into {self.log_path}")
+        try:
+            os.killpg(self.proc.pid, signal.SIGABRT)
+        except (ProcessLookupError, AttributeError):
+            pass
+
+    def _watch(self, done: threading.Event) -> None:
+        """Dump stacks once the log has not grown for hang_s while `done` is unset and the server lives."""
+        size, since = -1, time.monotonic()
+        while not done.wait(2.0):
+            now = self.log_path.stat().st_size if self.log_path.exists() else 0
+            if now != size:
+                size, since = now, time.monotonic()
+            elif time.monotonic() - since > self.hang_s and self.death() is None:
+                self.dump_stacks(f"log silent for {self.hang_s:.0f} s during a bench")
+                return
 
     def death(self) -> str | None:
         """None while the server process runs; once it has exited, the error that ended it (crash_summary),
@@ -157,9 +192,16 @@ class Server:
               concurrency: int | None = None, dataset_path: str | None = None, seed: int = 1,
               extra: list[str] | None = None, timeout_s: float = 600, flush_cache: bool = True) -> dict:
         """Run `python -m sglang.bench_serving` against this server; returns its result record."""
-        return run_bench_serving(self.url, self.model, out_jsonl, num_prompts=num_prompts, input_len=input_len,
-                                 output_len=output_len, concurrency=concurrency, dataset_path=dataset_path,
-                                 seed=seed, extra=extra, timeout_s=timeout_s, env=self.env, flush_cache=flush_cache)
+        done = threading.Event()
+        if self.hang_s:
+            threading.Thread(target=self._watch, args=(done,), daemon=True, name="server-hang-watch").start()
+        try:
+            return run_bench_serving(self.url, self.model, out_jsonl, num_prompts=num_prompts,
+                                     input_len=input_len, output_len=output_len, concurrency=concurrency,
+                                     dataset_path=dataset_path, seed=seed, extra=extra, timeout_s=timeout_s,
+                                     env=self.env, flush_cache=flush_cache)
+        finally:
+            done.set()
 
 
 def _http_status(url: str) -> int:
