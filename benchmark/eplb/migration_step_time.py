@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from sglang_h20 import provenance
 from sglang_h20.eplb.async_rebalance import TUNING
-from sglang_h20.eplb.migration import KINDS, MigrationExecutor, plan_migration
+from sglang_h20.eplb.migration import KINDS, MigrationExecutor, connect_peers, plan_migration
 from sglang_h20.eplb.placement import Placement, Topology
 
 H, I = 7168, 2048  # DeepSeek-V3 hidden / moe_intermediate
@@ -383,6 +383,7 @@ def run_all(a, dev: torch.device, rk: Ranks) -> None:
         if rk.world > 1:  # the migration's own group; NCCL wants its first op to include every rank
             group = dist.new_group(list(range(rk.world)))
             dist.all_reduce(torch.zeros(1, device=dev), group=group)
+            connect_peers(group, dev)  # as the server's migration group: P2P set up before the steps
         try:
             r = run_preset(name, PRESETS[name], a, dev, a.deadline, rk, group)
         except torch.cuda.OutOfMemoryError as e:

@@ -7,7 +7,10 @@ redundant = 3 slots per rank, static dispatch) and lets the real `init_by_eplb` 
 algorithm place. Thin stand-ins: the runtime context (get_exec/get_parallel), the model config,
 the model (routed_experts_weights_of_layer: two tensors per layer) and the distribution recorder
 (all-reduces per-rank counts, as upstream's dump_record does). The placement is slowed by
-PLACEMENT_DELAY_S. A paced "decode loop" checks, before each on_forward_pass_end, that every MoE
+PLACEMENT_STEPS decode steps (it waits for the loop to run them), and every transfer stage by
+GATE_STEPS steps (test_eplb_migration.StepGate): work tied to decode progress rather than to wall
+time, so (a) holds on any host, and a hook that waited on that work would stand still until the gate
+times out. A paced "decode loop" checks, before each on_forward_pass_end, that every MoE
 layer's routing fields agree with each other and with the weights they route to:
   (a) the loop keeps stepping while the placement is computed and while weights move;
   (b) every step sees, per layer, the old or the new placement (maps and weights), flipping once,
@@ -31,14 +34,15 @@ import numpy as np
 import pytest
 import torch
 
-from test_eplb_migration import (STALL_BOUND_S, WORLD, DyingExecutor, _Count, check_consistent,
-                                 checksum, expert_weight, free_port)
+import test_eplb_migration as tem
+from test_eplb_migration import (LOOP_DEADLINE_S, STALL_BOUND_S, WORLD, DyingExecutor, GatedExecutor, StepGate, _Count,
+                                 check_consistent, checksum, exit_when_released, expert_weight, free_port, join_world)
 
 NUM_LAYERS, MOE = 4, (1, 2, 3)  # labels per MoE layer: check_consistent expects 3 columns
 E, REDUNDANT, K = 8, 4, 3
 PERIOD_S = 0.002
 REBALANCE_AFTER = 12              # eplb_rebalance_num_iterations
-PLACEMENT_DELAY_S = 0.15
+PLACEMENT_STEPS = 20              # the placement returns only after the decode loop ran this many more steps
 # distinct per-expert token counts: the checksum weighs each slot by its expert's count, so weights that do not
 # follow the routing map (two local slots swapped, say) change it; equal counts would hide any such permutation
 TOKENS = np.arange(1, E + 1, dtype=np.int64) * 3
@@ -120,6 +124,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    tem.GATE = gate = StepGate()  # transfer stages of GatedExecutor / DyingExecutor wait on it too
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     sa = _stand_ins()
@@ -131,7 +136,6 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 
     from sglang_h20 import plugin
     from sglang_h20.eplb import async_rebalance as ar
-    from sglang_h20.eplb.migration import MigrationExecutor
     from sglang_h20.settings import Settings
 
     decisions = plugin.activate(Settings.from_env({"SGLANG_H20_EPLB_ASYNC": "on"}))
@@ -141,10 +145,11 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     upstream_place = eplb_algorithms.rebalance_experts
 
     def slow_place(*a, **k):
-        time.sleep(PLACEMENT_DELAY_S)
+        gate.wait(PLACEMENT_STEPS)  # (a): the decode loop must run these steps while the placement is pending
         return upstream_place(*a, **k)
 
     eplb_algorithms.rebalance_experts = slow_place
+    ar.EXECUTOR = GatedExecutor
 
     meta = ExpertLocationMetadata.init_trivial(sa, None, moe_ep_rank=rank)
     set_global_expert_location_metadata(meta)
@@ -168,7 +173,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     res = {"feature": [decisions["eplb_async"].on, decisions["eplb_async"].reason]}
     dist.barrier()
     t0 = time.monotonic() + 0.02
-    step, deadline = 0, time.monotonic() + 40
+    step, deadline = 0, time.monotonic() + LOOP_DEADLINE_S
     for phase in (0, 1, 2):
         old = meta.physical_to_logical_map_cpu.numpy().copy()
         n_err = len(errors.messages)
@@ -194,6 +199,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
             call_s.append(time.perf_counter() - s0)
             own_s.append(call_s[-1] - sum(recorder.dump_s[dumps:]))  # minus upstream's all-reduce
             step += 1
+            gate.step()
             hist = ar.history(mgr)
             if end_step is None and len(hist) == phase + 1 and hist[-1]["outcome"] != "running":
                 end_step = step
@@ -205,17 +211,17 @@ def _worker(rank: int, port: int, outdir: str) -> None:
                            for r, ok in zip(rows, oks)])
         res[phase] = dict(labels=labels, call_s=call_s, own_s=own_s, steps=len(rows), end_step=end_step,
                           history=[dict(h) for h in ar.history(mgr)], old=old, final=final,
-                          bit_ok=bit_ok(final), errors=errors.messages[n_err:])
+                          bit_ok=bit_ok(final), errors=errors.messages[n_err:], gate_timeouts=gate.timeouts)
         recorder.reseed(phase + 1)  # new counts: the next placement differs
         if phase == 0 and rank == 2:
             ar.EXECUTOR = FailingExecutor
         if phase == 1:  # rank 3 will die after its first transfer stage
-            ar.EXECUTOR = DyingExecutor if rank == 3 else MigrationExecutor
+            ar.EXECUTOR = DyingExecutor if rank == 3 else GatedExecutor
     tmp = os.path.join(outdir, f"rank{rank}.tmp")
     with open(tmp, "wb") as f:
         pickle.dump(res, f)
     os.replace(tmp, os.path.join(outdir, f"rank{rank}.pkl"))
-    os._exit(0)  # skip process-group teardown (an aborted migration leaves gloo waits behind)
+    exit_when_released(rank, outdir)  # rank 0 (the store's host) stays until the others are gone
 
 
 @pytest.fixture(scope="module")
@@ -233,13 +239,9 @@ def world(tmp_path_factory):
     try:
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(90)
+        join_world(procs, str(tmp_path), t0)
     finally:
         os.environ.update(env)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
     out = {r: pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes())
            for r in range(WORLD) if (tmp_path / f"rank{r}.pkl").exists()}
     print(f"\n[eplb_async] wall {time.monotonic() - t0:.1f} s, exit codes {[p.exitcode for p in procs]}")
@@ -247,7 +249,8 @@ def world(tmp_path_factory):
         for ph in (0, 1, 2):
             x = res[ph]
             print(f"  rank {r} rebalance {ph}: steps {x['steps']} {x['history'][ph]} max "
-                  f"on_forward_pass_end {max(x['call_s']) * 1e3:.2f} ms (ours {max(x['own_s']) * 1e3:.2f} ms)")
+                  f"on_forward_pass_end {max(x['call_s']) * 1e3:.2f} ms (ours {max(x['own_s']) * 1e3:.2f} ms), "
+                  f"gate timeouts {x['gate_timeouts']}")
     return [p.exitcode for p in procs], out
 
 
@@ -260,8 +263,10 @@ def test_async_rebalance_through_sglang_hooks(world):
         x = res[0]
         h = x["history"][0]
         assert h["outcome"] == "done" and h["error"] is None and x["errors"] == []
-        # (a) the loop kept stepping during the placement (slowed) and during the migration
-        assert h["gate_steps"] >= 10 and h["migration_steps"] >= 8
+        # (a) the loop kept stepping during the placement (which waits for PLACEMENT_STEPS of them) and during
+        # the migration (each stage waits for steps), and nothing waited for a gate until it timed out
+        assert x["gate_timeouts"] == 0
+        assert h["gate_steps"] >= PLACEMENT_STEPS and h["migration_steps"] >= 8
         # (b) old or new per layer, every step; flips once
         f = check_consistent(x)
         changed = [i for i, l in enumerate(MOE) if (x["final"][l] != x["old"][l]).any()]
@@ -286,7 +291,7 @@ def test_async_rebalance_placement_failure_aborts_before_transfers(world):
         assert "migration_steps" in h and h["migration_steps"] == 0
         assert len(x["errors"]) == 1 and "before any transfer" in x["errors"][0]
         assert (x["labels"] == 0).all() and (x["final"] == x["old"]).all() and x["bit_ok"]
-        assert max(x["own_s"]) < STALL_BOUND_S
+        assert max(x["own_s"]) < STALL_BOUND_S and x["gate_timeouts"] == 0
         end.add(x["end_step"])
     assert len(end) == 1, f"ranks aborted at different steps: {end}"
 
@@ -302,7 +307,7 @@ def test_async_rebalance_rank_killed_survivors_abort(world):
         assert len(x["errors"]) == 1 and "aborted" in x["errors"][0]
         assert (x["labels"] == 0).all() and (x["final"] == x["old"]).all() and x["bit_ok"]
         assert (x["old"] == out[r][0]["final"]).all()  # the first rebalance's placement stays
-        assert max(x["own_s"]) < STALL_BOUND_S
+        assert max(x["own_s"]) < STALL_BOUND_S and x["gate_timeouts"] == 0
         end.add(x["end_step"])
     # Consistency needs no layer to switch after the kill on any survivor (asserted above: nothing switched,
     # every survivor ends on the old placement). The abort step itself was once seen to differ between
@@ -344,17 +349,34 @@ def test_gate_abort_reaches_every_rank_at_the_same_boundary():
         assert got[-1] == ("abort", "rank 1: placement failed") and g.boundary == 4
 
 
-def test_step_time_benchmark_cpu_smoke(tmp_path):
-    """benchmark/eplb/migration_step_time.py end to end on CPU (tiny shapes): both moves verified."""
-    import json
+def _step_time_benchmark(*args, timeout_s: float = 600) -> None:
+    """benchmark/eplb/migration_step_time.py --device cpu in a session of its own; on a timeout the whole session
+    (its spawned ranks too) is killed. Idle the --world 2 run takes ~4 s, with 16 busy loops beside it 35-66 s
+    (the imports of 3 processes): the former 120 s timeout was under 2x that, and once it expired
+    subprocess.run(capture_output=True) kept waiting for the orphaned ranks that held its pipes."""
+    import signal
     import subprocess
     import sys
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")
+    p = subprocess.Popen([sys.executable, "benchmark/eplb/migration_step_time.py", "--device", "cpu",
+                          "--deadline-s", str(timeout_s - 60), *args], cwd=root, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        _, err = p.communicate()
+        raise AssertionError(f"migration_step_time.py timed out after {timeout_s} s: {err.decode()[-2000:]}")
+    assert p.returncode == 0, err.decode(errors="replace")[-3000:]
+
+
+def test_step_time_benchmark_cpu_smoke(tmp_path):
+    """benchmark/eplb/migration_step_time.py end to end on CPU (tiny shapes): both moves verified."""
+    import json
+
     out = tmp_path / "r.json"
-    subprocess.run([sys.executable, "benchmark/eplb/migration_step_time.py", "--device", "cpu",
-                    "--steady-steps", "20", "--json", str(out)], cwd=root, check=True, timeout=120,
-                   capture_output=True)
+    _step_time_benchmark("--steady-steps", "20", "--json", str(out))
     r = json.loads(out.read_text())
     p = r["presets"]["cpu-smoke"]
     assert r["provenance"]["git_commit"] and p["ours"]["bit_identical"] and p["blocking"]["bit_identical"]
@@ -366,15 +388,10 @@ def test_step_time_benchmark_cpu_smoke_two_ranks(tmp_path):
     """The same benchmark with --world 2 (2 gloo processes, 1 node x 2 GPUs): experts move between the
     ranks (P2P) and inside them, both migrations land bit-identical on every rank."""
     import json
-    import subprocess
-    import sys
 
-    root = os.path.join(os.path.dirname(__file__), "..", "..")
     out = tmp_path / "r.json"
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "benchmark/eplb/migration_step_time.py", "--device", "cpu", "--world", "2",
-                    "--steady-steps", "20", "--json", str(out)], cwd=root, check=True, timeout=120,
-                   capture_output=True)
+    _step_time_benchmark("--world", "2", "--steady-steps", "20", "--json", str(out))
     r = json.loads(out.read_text())
     p = r["presets"]["cpu-smoke"]
     print(f"\n--world 2 cpu-smoke: wall {time.monotonic() - t0:.1f} s, ours {p['ours']}")

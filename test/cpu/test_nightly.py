@@ -561,7 +561,9 @@ def test_hang_watch_dumps_every_thread_stack_of_a_silent_server(tmp_path):
 
     log = tmp_path / "server.log"
     srv = serving.Server("m", [], log, hang_s=1.0)
-    code = ("import threading, time\n"
+    code = ("import subprocess, sys, threading, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time\\ndef scheduler_waits():\\n"
+            "    time.sleep(120)\\nscheduler_waits()'])\n"
             "threading.Thread(target=lambda: time.sleep(120), name='migration', daemon=True).start()\n"
             "print('up', flush=True)\n"
             "def decode_loop_waits():\n"
@@ -579,7 +581,10 @@ def test_hang_watch_dumps_every_thread_stack_of_a_silent_server(tmp_path):
     assert srv.hung and "silent" in srv.hung
     text = log.read_text()
     assert "[sglang-h20 hang watch]" in text and "nvidia-smi:" in text
-    assert "decode_loop_waits" in text and text.count("Thread 0x") + text.count("Current thread 0x") >= 2
+    assert "decode_loop_waits" in text and text.count("Thread 0x") + text.count("Current thread 0x") >= 3
+    # the child's dump comes whole and first, then the parent's: no interleaving
+    assert text.index("scheduler_waits") < text.index("stacks of pid " + str(srv.proc.pid)) < \
+        text.index("decode_loop_waits")
     assert srv.proc.returncode != 0
 
 

@@ -68,7 +68,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sglang_h20.eplb.migration import MigrationExecutor, plan_migration
+from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, plan_migration
 from sglang_h20.eplb.placement import Placement, Topology
 from sglang_h20.features import Hook
 from sglang_h20.settings import Settings
@@ -139,11 +139,14 @@ def history(manager) -> list[dict]:
 
 
 def _new_group():
-    """A process group only the migration uses, initialised now (NCCL: first op needs all ranks)."""
+    """A process group only the migration uses, initialised now (NCCL: first op needs all ranks), with its
+    P2P connections built too (`connect_peers`): NCCL's lazy setup during serving hung an EP 2 server."""
     cuda = torch.cuda.is_available() and "nccl" in str(dist.get_backend())
     g = dist.new_group(backend="nccl" if cuda else "gloo")
-    x = torch.zeros(1, device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+    dev = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+    x = torch.zeros(1, device=dev)
     dist.all_reduce(x, group=g)
+    connect_peers(g, dev)
     return g
 
 

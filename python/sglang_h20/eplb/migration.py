@@ -833,6 +833,34 @@ class MigrationExecutor:
         return self._tag_base + t.tid * self._ntensors + i
 
 
+def connect_peers(group, device: torch.device | None = None, nbytes: int = 1 << 20) -> None:
+    """Exchange one message with every peer of `group`, the way transfers do (one batch per peer), and wait.
+
+    Call where every rank of the group calls it and no other communicator is busy (process start). NCCL sets
+    up P2P lazily: the first send between two ranks builds their connection (and, in PyTorch, may build a
+    communicator for the pair) inside `batch_isend_irecv`, blocking the host until the peer joins. Done during
+    serving, that setup ran beside the model's own collectives on the other communicator and hung an EP 2
+    server on the H200 (both ranks' transfer threads in `batch_isend_irecv`, both GPUs at 100%). Pairs go in
+    lexicographic order on every rank: the smallest pending pair always has both ends at it, so none waits
+    forever."""
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    dev = device if device is not None else torch.device("cpu")
+    out = torch.full((nbytes,), me + 1, dtype=torch.uint8, device=dev)
+    for a, b in itertools.combinations(range(world), 2):
+        if me not in (a, b):
+            continue
+        peer = b if me == a else a
+        got = torch.empty_like(out)
+        ops = [dist.P2POp(dist.isend, out, group=group, group_peer=peer),
+               dist.P2POp(dist.irecv, got, group=group, group_peer=peer)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if int(got[0]) != peer + 1 or int(got[-1]) != peer + 1:
+            raise RuntimeError(f"rank {me}: warm-up message from rank {peer} arrived wrong")
+
+
 MAX_RUNS = 8  # a switch copies up to this many runs of consecutive slots as slices, else one index_copy_
 
 

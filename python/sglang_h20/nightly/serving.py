@@ -140,10 +140,15 @@ class Server:
         with open(self.log_path, "a") as f:
             f.write(f"\n[sglang-h20 hang watch] {why}; nvidia-smi: {gpus}\n")
         _say(f"hang: {why}; dumping stacks into {self.log_path}")
-        try:
-            os.killpg(self.proc.pid, signal.SIGABRT)
-        except (ProcessLookupError, AttributeError):
-            pass
+        # one process at a time, deepest first (the schedulers): dumps written at once interleave in the log
+        for pid in [*reversed(_descendants(self.proc.pid)), self.proc.pid]:
+            with open(self.log_path, "a") as f:
+                f.write(f"\n[sglang-h20 hang watch] stacks of pid {pid}:\n")
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                continue
+            time.sleep(1.0)
 
     def _watch(self, done: threading.Event) -> None:
         """Dump stacks once the log has not grown for hang_s while `done` is unset and the server lives."""
@@ -202,6 +207,25 @@ class Server:
                                      env=self.env, flush_cache=flush_cache)
         finally:
             done.set()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Child processes of `pid`, breadth first (from /proc: no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = sorted(children.get(todo.pop(0), []))
+        out += kids
+        todo += kids
+    return out
 
 
 def _http_status(url: str) -> int:
