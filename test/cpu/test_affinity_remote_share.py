@@ -39,7 +39,25 @@ def test_rebalance_costs_from_the_server_log():
     c = bench.rebalance_costs(log)
     assert c["rebalance_stall_s"] == [0.118, 0.260] and c["async_rebalances"] == [[3, 41]]
     assert c["rebalance_stall_ms_median"] == pytest.approx(189.0) and c["rebalance_stall_ms_max"] == pytest.approx(260)
-    assert bench.rebalance_costs("no eplb here") == {"rebalance_stall_s": [], "async_rebalances": []}
+    assert bench.rebalance_costs("no eplb here") == {"rebalance_stall_s": [], "async_rebalances": [],
+                                                     "async_pass_intervals": []}
+
+
+def test_pass_interval_lines_as_the_plugin_writes_them(caplog):
+    """The line comes from async_rebalance's own format string (its logger), so a change there breaks this."""
+    import logging
+
+    from sglang_h20.eplb import async_rebalance as ar
+
+    during = {"n": 348, "p50_ms": 4.1, "p99_ms": 9.8, "max_ms": 12.0}
+    before = {"n": 511, "p50_ms": 4.0, "p99_ms": 9.5, "max_ms": 11.0}
+    with caplog.at_level(logging.INFO, logger=ar.log.name):
+        ar.log_pass_intervals("r1", during, before)
+        ar.log_pass_intervals("r1", {**during, "p99_ms": 9.9}, before)
+    c = bench.rebalance_costs("\n".join(r.getMessage() for r in caplog.records))
+    assert [x["during"] for x in c["async_pass_intervals"]] == [during, {**during, "p99_ms": 9.9}]
+    assert c["async_pass_intervals"][0]["before"] == before
+    assert c["async_p99_ratio_max"] == pytest.approx(9.9 / 9.5)
 
 
 def test_arm_setup():

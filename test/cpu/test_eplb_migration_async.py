@@ -276,6 +276,13 @@ def test_async_rebalance_through_sglang_hooks(world):
         assert x["bit_ok"] and (x["final"][0] == x["old"][0]).all()
         # (d) stall bound of the hooked on_forward_pass_end (upstream's dump_record all-reduce aside)
         assert max(x["own_s"]) < STALL_BOUND_S and h["start_s"] < STALL_BOUND_S
+        # (f) the pass clock (hooked on_forward_pass_end): every pass the rebalance spanned, and the steady
+        # passes before it, summarised for the log's "pass intervals" line
+        during, before = h["passes_during"], h["passes_before"]
+        assert during["n"] == h["gate_steps"] + h["migration_steps"]
+        assert before["n"] >= REBALANCE_AFTER - 2
+        for d in (during, before):
+            assert 0 < d["p50_ms"] <= d["p99_ms"] <= d["max_ms"] < 1e3
     assert all(f == flips[0] for f in flips)  # same step on every rank
     assert len(set(flips[0].values())) >= 2   # staging of one layer: layers switched at different steps
     assert min(flips[0].values()) > REBALANCE_AFTER + out[0][0]["history"][0]["gate_steps"]
@@ -401,3 +408,17 @@ def test_step_time_benchmark_cpu_smoke_two_ranks(tmp_path):
         assert p[k]["bytes_cross_gpu_gb"] > 0 and p[k]["bytes_local_gb"] > 0
         assert {"p50_ms", "p99_ms", "max_ms", "p99_over_steady_p50"} <= set(p[k])
     assert p["ours"]["bytes_cross_gpu_gb"] + p["ours"]["bytes_local_gb"] == pytest.approx(p["ours"]["bytes_copied_gb"])
+
+
+def test_pass_intervals_leave_idle_gaps_out_and_summaries_use_nearest_rank():
+    from sglang_h20.eplb import async_rebalance as ar
+
+    ends = [0.0, 0.010, 0.020, 0.035, 5.0, 5.012]  # 10, 10, 15 ms, an idle gap of ~5 s, 12 ms
+    ms = ar.pass_intervals(ends)
+    assert [round(x, 6) for x in ms] == [10.0, 10.0, 15.0, 12.0]
+    s = ar.interval_summary(ms)
+    assert s["n"] == 4 and round(s["p50_ms"], 6) == 10.0 and round(s["p99_ms"], 6) == 15.0 == round(s["max_ms"], 6)
+    assert ar.interval_summary([]) == {"n": 0}
+    xs = [float(i) for i in range(1, 201)]  # nearest rank: p99 of 1..200 is 198, p50 is 100
+    s = ar.interval_summary(xs)
+    assert (s["p50_ms"], s["p99_ms"], s["max_ms"]) == (100.0, 198.0, 200.0)

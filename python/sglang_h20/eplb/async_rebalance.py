@@ -46,17 +46,22 @@ drops the generator (`reset_generator`, e.g. disable_rebalance), the migration i
 peers then abort through their watchdog.
 
 Hook targets: `EPLBManager.__init__` (AFTER: create the dedicated migration process group, eagerly
-initialised, at startup rather than in the serving loop) and `EPLBManager.rebalance` (AROUND).
+initialised with its P2P connections, at startup rather than in the serving loop), `EPLBManager.rebalance`
+(AROUND) and `EPLBManager.on_forward_pass_end` (AFTER: one timestamp per pass, so each rebalance logs the
+wall time between passes it spanned against the passes before it: "pass intervals ... p99 ratio").
 Trigger options stay upstream: `eplb_rebalance_num_iterations` (the `_entrypoint` loop calls our
 rebalance), `eplb_min_rebalancing_utilization_threshold`, disable/enable_rebalance.
 
-Tested on CPU with gloo (test/cpu/test_eplb_migration_async.py); the CUDA parts (pinned async
-copy of the counts, side-stream metadata upload, NCCL migration group) are written but not yet run
-on GPUs with EP > 1. The migration's NCCL P2P run concurrently with the model's own collectives on
-another communicator; NCCL supports that, but it has not been exercised here.
+Tested on CPU with gloo (test/cpu/test_eplb_migration_async.py). In a real EP-2 server on two H200s
+(2026-11-30) one rebalance completed (768 slots, 31 GB over NVLink, 348 passes) and two hung: both
+ranks' transfer threads sat in the migration group's first `batch_isend_irecv` while the model's
+collectives ran on the other communicator, both GPUs at 100% (benchmark/results/eplb/README.md).
+NCCL builds P2P connections lazily, on the first send between two ranks; `connect_peers` now builds
+them at startup instead. That fix has not yet run on GPUs.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import sys
@@ -78,6 +83,7 @@ log = logging.getLogger("sglang_h20.eplb.async")
 MANAGER = "sglang.srt.eplb.eplb_manager.EPLBManager"
 INIT_TARGET = MANAGER + ".__init__"
 REBALANCE_TARGET = MANAGER + ".rebalance"
+PASS_TARGET = MANAGER + ".on_forward_pass_end"
 
 # ExpertLocationMetadata fields that route tokens (the list upstream's `update` copies), dim 0 = layer
 ROUTING_FIELDS = ("physical_to_logical_map", "physical_to_logical_map_cpu",
@@ -97,6 +103,8 @@ class Tuning:
     #                                   HBM-bound, and an unpaced copy takes its bandwidth from the steps.
     #                                   10 GB/s (~0.2% of an H200's HBM) still moves one EP16 GPU's 46 GB
     #                                   of experts in ~5 s; a placement is not worth more per second sooner
+    steady_passes: int = 512          # pass intervals kept as the steady reference before a rebalance
+    idle_gap_s: float = 1.0           # a longer interval between passes is an idle server, not a step
 
 
 TUNING = Tuning()
@@ -119,6 +127,7 @@ class _State:
     """Per-EPLBManager state (attribute `_h20_async`)."""
 
     def __init__(self):
+        self.pass_ends: collections.deque = collections.deque(maxlen=TUNING.steady_passes + 1)
         self.group = None
         self.dead_groups = []  # groups given up after an abort: never destroyed on the decode thread
         self.seq = 0
@@ -148,6 +157,37 @@ def _new_group():
     dist.all_reduce(x, group=g)
     connect_peers(g, dev)
     return g
+
+
+def after_pass(_result, manager, *args, **kwargs):
+    """AFTER EPLBManager.on_forward_pass_end: the wall time of every pass boundary on this rank, so a rebalance
+    can compare the passes it spans with the ones before it (`pass_intervals`). One perf_counter per pass."""
+    _state(manager).pass_ends.append(time.perf_counter())
+    return None
+
+
+def pass_intervals(ends) -> list[float]:
+    """Milliseconds between consecutive boundaries, idle gaps (no pass for TUNING.idle_gap_s) left out."""
+    ends = list(ends)
+    gaps = [1e3 * (b - a) for a, b in zip(ends, ends[1:])]
+    return [g for g in gaps if g <= 1e3 * TUNING.idle_gap_s]
+
+
+def interval_summary(ms: list[float]) -> dict:
+    """p50 / p99 / max of pass intervals (nearest rank), and their count."""
+    if not ms:
+        return {"n": 0}
+    xs = sorted(ms)
+    pick = lambda q: xs[min(len(xs) - 1, max(0, int(np.ceil(q * len(xs))) - 1))]
+    return {"n": len(xs), "p50_ms": pick(0.50), "p99_ms": pick(0.99), "max_ms": xs[-1]}
+
+
+def log_pass_intervals(mid: str, during: dict, before: dict) -> None:
+    """The line benchmark/serving/affinity_remote_share.py reads: passes during a rebalance against the ones before."""
+    log.info("eplb_async: rebalance %s pass intervals: during p50 %.2f p99 %.2f max %.2f ms (%d), "
+             "before p50 %.2f p99 %.2f max %.2f ms (%d); p99 ratio %.3f", mid, during["p50_ms"],
+             during["p99_ms"], during["max_ms"], during["n"], before["p50_ms"], before["p99_ms"],
+             before["max_ms"], before["n"], during["p99_ms"] / before["p99_ms"])
 
 
 def after_init(_result, manager, *args, **kwargs):
@@ -361,6 +401,9 @@ def _rebalance(original, manager, *args, **kwargs):
     if not manager._check_rebalance_needed(out["average_utilization_rate_over_window"]):
         return
     t0 = time.perf_counter()
+    before = pass_intervals(st.pass_ends)
+    spans: list[float] = []  # s between consecutive resumes: a pass plus our boundary work after it
+    last = time.perf_counter()
     counts, ready = out["logical_count"], None
     if isinstance(counts, torch.Tensor) and counts.is_cuda:  # async D2H: no device sync here
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -383,6 +426,9 @@ def _rebalance(original, manager, *args, **kwargs):
     try:
         while True:  # phase 1: placement in the background, start gate
             yield
+            now = time.perf_counter()
+            spans.append(now - last)
+            last = now
             rec["gate_steps"] += 1
             dec = job.gate.step()
             if dec is None or dec[0] == "wait":
@@ -402,6 +448,9 @@ def _rebalance(original, manager, *args, **kwargs):
         ex.start()
         while ex.status.state == "running":  # phase 2: transfers in the background, switches here
             yield
+            now = time.perf_counter()
+            spans.append(now - last)
+            last = now
             rec["migration_steps"] += 1
             ex.maybe_switch()
         s = ex.status
@@ -417,6 +466,11 @@ def _rebalance(original, manager, *args, **kwargs):
         log.info("eplb_async: rebalance %s end: %d layers switched over %d forward passes "
                  "(placement %d, migration %d)", job.mid, len(s.switched_layers),
                  rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"], rec["migration_steps"])
+        during = interval_summary([1e3 * x for x in spans if x <= TUNING.idle_gap_s])
+        steady = interval_summary(before)
+        rec.update(passes_during=during, passes_before=steady)
+        if during["n"] and steady["n"]:
+            log_pass_intervals(job.mid, during, steady)
     finally:
         sys.setswitchinterval(interval)
         job.stop.set()
@@ -432,4 +486,5 @@ def hooks(settings: Settings) -> list[Hook]:
     """The eplb_async feature's patch surface (empty when the switch is off)."""
     if not settings["eplb_async"]:
         return []
-    return [Hook(INIT_TARGET, after_init, "after"), Hook(REBALANCE_TARGET, around_rebalance, "around")]
+    return [Hook(INIT_TARGET, after_init, "after"), Hook(REBALANCE_TARGET, around_rebalance, "around"),
+            Hook(PASS_TARGET, after_pass, "after")]
