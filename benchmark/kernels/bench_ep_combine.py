@@ -274,10 +274,12 @@ def plot(rows: list[dict], png: Path, title: str = "") -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.replot:
+        from sglang_h20.cliargs import read_json
+
         try:
-            rec = json.loads(args.replot.read_text())
-        except (OSError, ValueError) as e:
-            print(f"bench_ep_combine: --replot {args.replot}: cannot read a JSON record ({e})", file=sys.stderr)
+            rec = read_json(args.replot, "bench_ep_combine: --replot")
+        except ValueError as e:
+            print(e, file=sys.stderr)
             return 2
         if not isinstance(rec, dict) or not rec.get("rows"):
             why = rec.get("unavailable") if isinstance(rec, dict) else None

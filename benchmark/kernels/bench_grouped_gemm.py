@@ -69,6 +69,7 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
         sys.path.append(str(_p))
 
 from sglang_h20 import provenance  # noqa: E402
+from sglang_h20.cliargs import read_json  # noqa: E402
 from sglang_h20.gputime import graph_median_us  # noqa: E402
 
 MOE_SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
@@ -575,10 +576,7 @@ def result_record(args, points, peak, unavailable, skipped, partial: bool) -> di
 
 def read_results(path: Path) -> dict:
     """An earlier run's results JSON (--table-from); SystemExit with one line when it is not one."""
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"bench_grouped_gemm: --table-from {path}: cannot read a results JSON ({e})") from None
+    result = read_json(path, "bench_grouped_gemm: --table-from", SystemExit)
     if not isinstance(result, dict) or not isinstance(result.get("points"), list) or not result["points"]:
         raise SystemExit(f"bench_grouped_gemm: --table-from {path}: no measured points "
                          f"(not a bench_grouped_gemm.py --json results file)")

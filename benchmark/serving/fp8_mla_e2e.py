@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from sglang_h20 import provenance
+from sglang_h20.cliargs import read_json
 from sglang_h20.models import random_words
 from sglang_h20.nightly.serving import (
     Server, decode_throughput, output_ids, prefill_tokens, stop_servers_on_sigterm, tail, write_sharegpt,
@@ -270,10 +271,7 @@ def merge_records(records: list[dict], sources: list[str]) -> dict:
 
 def read_record(path: Path, flag: str) -> dict:
     """An earlier fp8_mla_e2e.json; SystemExit with one line when it is not one."""
-    try:
-        rec = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"fp8_mla_e2e: {flag} {path}: cannot read a JSON record ({e})") from None
+    rec = read_json(path, f"fp8_mla_e2e: {flag}", SystemExit)
     if not isinstance(rec, dict) or "model" not in rec or not isinstance(rec.get("phases"), dict):
         raise SystemExit(f"fp8_mla_e2e: {flag} {path}: not an fp8_mla_e2e.json record")
     return rec

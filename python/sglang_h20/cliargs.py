@@ -1,9 +1,12 @@
-"""argparse value types shared by the package's command lines: a bad count or rate fails at parse time, in one line,
-before any work (a zero layer count used to surface as a numpy error after minutes of simulation)."""
+"""What the package's command lines share: argparse value types, so a bad count or rate fails at parse time, in one
+line, before any work (a zero layer count used to surface as a numpy error after minutes of simulation); and the
+reading of input records and creation of output folders, which fail the same way before any work."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from pathlib import Path
 
 
 def int_at_least(least: int):
@@ -32,3 +35,20 @@ def positive_float(text: str) -> float:
     if not (x > 0 and math.isfinite(x)):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return x
+
+
+def read_json(path, what: str, error: type[Exception] = ValueError):
+    """The JSON in `path`, or `error` with one line: "WHAT PATH: cannot read JSON (reason)"."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise error(f"{what} {path}: cannot read JSON ({e})") from None
+
+
+def make_dir(path, what: str = "--out", error: type[Exception] = ValueError) -> Path:
+    """Create an output folder before any work: a bad one is a usage error, not a traceback after the run."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise error(f"{what}: cannot create the directory {path} ({e})") from None
+    return Path(path)

@@ -61,3 +61,11 @@ def test_replot_draws_the_stored_record(tmp_path):
     rec.write_text(src.read_text())
     assert bench.main(["--replot", str(rec)]) == 0
     assert rec.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_replot_of_an_unreadable_file_is_one_line_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert bench.main(["--replot", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"bench_ep_combine: --replot {bad}: cannot read JSON") and "\n" not in err

@@ -2,6 +2,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
 import bench_grouped_gemm as bench  # noqa: E402
 
@@ -26,3 +28,13 @@ def test_partial_record_keeps_what_was_measured_and_names_the_representative():
     assert rec["partial"] and rec["not_started"] == ["down g256 m8 uniform"] and rec["points"] == pts
     assert rec["representative"]["provider"] == "ours-swapab" and rec["latency_us"] == 5.0
     assert rec["provenance"]["git_commit"]
+
+
+def test_table_from_an_unreadable_file_exits_with_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(SystemExit, match=f"^bench_grouped_gemm: --table-from {bad}: cannot read JSON"):
+        bench.main(["--table-from", str(bad), "--table-out", str(tmp_path / "t.json")])
+    (tmp_path / "empty.json").write_text('{"points": []}')
+    with pytest.raises(SystemExit, match="no measured points"):
+        bench.main(["--table-from", str(tmp_path / "empty.json"), "--table-out", str(tmp_path / "t.json")])

@@ -25,3 +25,24 @@ def test_accepts(kind, text, value):
 def test_rejects_with_the_value_named(kind, text):
     with pytest.raises(argparse.ArgumentError, match=f"got '{text}'"):
         parse(kind, text)
+
+
+def test_read_json_and_make_dir_fail_in_one_line_naming_the_input(tmp_path):
+    from sglang_h20.cliargs import make_dir, read_json
+
+    good = tmp_path / "r.json"
+    good.write_text('{"a": 1}')
+    assert read_json(good, "--run") == {"a": 1}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path in (bad, tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match=f"^--run {path}: cannot read JSON") as e:
+            read_json(path, "--run")
+        assert "\n" not in str(e.value)
+    with pytest.raises(SystemExit, match="^tool: --merge"):
+        read_json(bad, "tool: --merge", SystemExit)
+    assert make_dir(tmp_path / "a" / "b").is_dir()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="^--out: cannot create the directory"):
+        make_dir(blocker / "sub")

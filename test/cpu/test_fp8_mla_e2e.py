@@ -73,3 +73,13 @@ def test_summary_lists_a_dead_server_and_ratios_only_what_ran():
     assert s["server_deaths"] == {"ours": ours["server_died"]}
     assert set(s["ours_decode_over"]["4096x512@16"]) == {"flashmla-fp8"}
     assert s["ours-se_decode_over"]["4096x512@16"]["flashmla-fp8"] == pytest.approx(1.0)  # variants get their own
+
+
+def test_merge_of_an_unreadable_record_exits_with_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
+    with pytest.raises(SystemExit, match=f"^fp8_mla_e2e: --merge {bad}: cannot read JSON"):
+        e2e.main(["--merge", str(bad), str(bad), "--out", str(tmp_path / "m")])
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not an fp8_mla_e2e.json record"):
+        e2e.main(["--merge", str(tmp_path / "list.json"), str(bad), "--out", str(tmp_path / "m")])

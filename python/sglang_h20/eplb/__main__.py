@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_h20.cliargs import non_negative_int, positive_int
+from sglang_h20.cliargs import make_dir, non_negative_int, positive_int
 from sglang_h20.eplb import simulate as sim
 
 EPILOG = """\
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump and not Path(args.dump).exists():
         return _usage_error(f"--dump: no such file or directory: {args.dump}")
     try:  # before the simulation: a bad --out must not cost its results
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return _usage_error(f"--out: cannot create the directory {args.out}: {e}")
+        make_dir(args.out)
+    except ValueError as e:
+        return _usage_error(str(e))
     structures = ("clusters", "none") if args.structure == "both" else (args.structure,)
     cfg = sim.SimConfig(
         topologies=tuple(args.topologies), structures=structures, algorithms=tuple(args.algorithms),

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 
-from sglang_h20.cliargs import positive_int
+from sglang_h20.cliargs import make_dir, positive_int, read_json
 from sglang_h20.nightly import compare as cmp
 from sglang_h20.nightly import config as cfg
 from sglang_h20.nightly import report, runner
@@ -45,19 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_record(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read a JSON record ({e})") from None
-    return cmp.check_record(data, str(path))
-
-
-def make_out_dir(path: Path) -> None:
-    """--out, created before any work: a bad one is a usage error, not a traceback after the run."""
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out: cannot create the directory {path} ({e})") from None
+    return cmp.check_record(read_json(path, "record"), str(path))
 
 
 def judge(out_dir: Path, run: dict, baseline: dict | None) -> int:
@@ -78,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "compare":
             run, baseline = read_record(args.run), read_record(args.baseline)
-            make_out_dir(args.out)
+            make_dir(args.out)
             return judge(args.out, run, baseline)
         config = cfg.load(args.config)
         baseline = read_record(args.baseline) if args.baseline else None
-        make_out_dir(args.out)
+        make_dir(args.out)
         if baseline and args.only:  # points left out on purpose are not "missing"
             baseline["points"] = {k: v for k, v in baseline["points"].items() if runner.selected(k, args.only)}
         command = shlex.join(["python", "-m", "sglang_h20.nightly", *(sys.argv[1:] if argv is None else argv)])
