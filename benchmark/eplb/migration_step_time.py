@@ -58,8 +58,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-
 from sglang_h20 import provenance
+from sglang_h20.cliargs import positive_int
 from sglang_h20.eplb.async_rebalance import TUNING
 from sglang_h20.eplb.migration import KINDS, MigrationExecutor, connect_peers, plan_migration
 from sglang_h20.eplb.placement import Placement, Topology
@@ -298,7 +298,9 @@ def run_preset(name: str, cfg: dict, a, dev: torch.device, deadline: float, rk: 
                            store=torch.distributed.HashStore() if world == 1 else None,
                            switch_every=a.switch_every, decide_ahead=a.decide_ahead,
                            migration_id=f"bench-{name}",
-                           max_bytes_per_s=a.copy_gbps * 1e9 if a.copy_gbps > 0 else None)
+                           **({"bytes_per_boundary": a.transfers_per_boundary * expert_bytes}
+                              if a.launch == "boundary" else
+                              {"max_bytes_per_s": a.copy_gbps * 1e9 if a.copy_gbps > 0 else None}))
     ours, switch_ms = [], []
     tm = time.monotonic()
     ex.start()
@@ -364,7 +366,8 @@ def run_all(a, dev: torch.device, rk: Ranks) -> None:
     out = {"benchmark": "eplb_migration_step_time", "provenance": provenance.record(),
            "stand_in": "decode step = per MoE layer FP8 grouped GEMMs (gate_up, SiLU*mul+quant, down) over "
                        "the live expert tensors in a CUDA graph; see the script's docstring",
-           "switch_every": a.switch_every, "decide_ahead": a.decide_ahead, "copy_gbps": a.copy_gbps}
+           "switch_every": a.switch_every, "decide_ahead": a.decide_ahead, "copy_gbps": a.copy_gbps,
+           "launch": a.launch, "transfers_per_boundary": a.transfers_per_boundary}
     if rk.world > 1:
         out["world"] = rk.world
     out["presets"] = {}
@@ -453,7 +456,13 @@ def main() -> None:
     ap.add_argument("--staging-layers", type=int, default=1,
                     help="ours: staging budget, in layers of expert weights (default: %(default)s)")
     ap.add_argument("--copy-gbps", type=float, default=TUNING.copy_gbps or 0.0,
-                    help="pace of our side-stream copies, GB/s (0: unpaced); default: the plugin's")
+                    help="launch thread: pace of our side-stream copies, GB/s (0: unpaced); default: the plugin's")
+    ap.add_argument("--launch", choices=("boundary", "thread"), default="boundary",
+                    help="who posts the transfers: the step loop between steps (the plugin's default) or a "
+                         "background thread (default: %(default)s)")
+    ap.add_argument("--transfers-per-boundary", type=positive_int, default=TUNING.transfers_per_boundary,
+                    help="launch boundary: experts each rank sends or receives per step boundary "
+                         "(default: the plugin's, %(default)s)")
     a = ap.parse_args()
     a.start = time.monotonic()  # CLOCK_MONOTONIC is host-wide: the spawned ranks share the deadline
     a.deadline = a.start + a.deadline_s

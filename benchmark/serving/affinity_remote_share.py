@@ -45,6 +45,9 @@ PASS_LINE = re.compile(r"eplb_async: rebalance (\S+) pass intervals: during p50 
                        r"\((\d+)\), before p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms \((\d+)\)")
 
 
+ASYNC_MODES = {"": None, "async": "boundary", "async-thread": "thread"}  # arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH
+
+
 def rebalance_costs(log: str) -> dict:
     """From a server log: upstream's blocking stalls (s, one per rank and rebalance), our asynchronous
     rebalances' (layers switched, forward passes spanned) and their pass intervals against the steady ones before."""
@@ -63,10 +66,11 @@ def rebalance_costs(log: str) -> dict:
 
 
 def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str], dict]:
-    """Server flags and plugin env of an arm: `none`, an EPLB algorithm, or `<algorithm>+async`."""
+    """Server flags and plugin env of an arm: `none`, an EPLB algorithm, `<algorithm>+async` (our migration,
+    transfers posted by the decode loop) or `<algorithm>+async-thread` (posted by a background thread)."""
     algo, _, mode = arm.partition("+")
-    if mode not in ("", "async"):
-        raise ValueError(f"arm {arm!r}: want ALGORITHM, ALGORITHM+async or none")
+    if mode not in ASYNC_MODES:
+        raise ValueError(f"arm {arm!r}: want ALGORITHM, ALGORITHM+async, ALGORITHM+async-thread or none")
     args = ["--tp", str(gpus), "--ep-size", str(gpus), "--enable-dp-attention", "--dp", str(gpus)]
     env = {}
     if algo != "none":
@@ -74,8 +78,9 @@ def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str]
                  str(rebalance_iterations)]
     if algo == "affinity":
         env["SGLANG_H20_EPLB"] = "affinity"
-    if mode == "async":
+    if mode:
         env["SGLANG_H20_EPLB_ASYNC"] = "on"
+        env["SGLANG_H20_EPLB_ASYNC_LAUNCH"] = ASYNC_MODES[mode]
     return args, env
 
 
@@ -105,7 +110,7 @@ def eplb_algorithms() -> list[str]:
 def arm_valid(arm: str) -> bool:
     algo, _, mode = arm.partition("+")
     known = eplb_algorithms()
-    return arm == "none" or (mode in ("", "async") and (not known or algo in known))
+    return arm == "none" or (mode in ASYNC_MODES and (not known or algo in known))
 
 
 def run_arm(a, arm: str, data: Path) -> dict:
@@ -176,8 +181,9 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=256, help="input tokens per request (default: %(default)s)")
     ap.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--arms", nargs="+", default=["deepseek", "affinity"],
-                    help="EPLB algorithms (deepseek: upstream's; affinity: ours), ALGORITHM+async (our migration), "
-                         "none (no EPLB: steady ITL)")
+                    help="EPLB algorithms (deepseek: upstream's; affinity: ours), ALGORITHM+async (our migration, "
+                         "transfers posted by the decode loop), ALGORITHM+async-thread (posted by a thread), none "
+                         "(no EPLB: steady ITL)")
     ap.add_argument("--hang-s", type=positive_float, default=90,
                     help="a bench during which the server log stays silent this long ends that arm with every "
                          "server thread's Python stack in its log and the record (default: %(default)s)")

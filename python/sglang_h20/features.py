@@ -56,7 +56,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("swapab", "swapab", "sglang_h20.moe.swapab", kernel_modules=("triton", "sgl_kernel_ext.grouped_gemm_fp8")),
     Feature("sbo", "sbo", "sglang_h20.moe.sbo", kernel_modules=("triton", "sgl_kernel_ext.sbo")),
     Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False, options=("eplb_affinity",)),
-    Feature("eplb_async", "eplb_async", "sglang_h20.eplb.async_rebalance", needs_gpu=False),
+    Feature("eplb_async", "eplb_async", "sglang_h20.eplb.async_rebalance", needs_gpu=False,
+            options=("eplb_async_launch",)),
     Feature("observe", "observe", "sglang_h20.observe.stages", options=("observe_control",)),
 )
 

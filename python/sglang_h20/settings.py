@@ -117,6 +117,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("eplb_async", _parse_bool, "off",
            "EPLB rebalance without decode stalls: placement in a background thread, weights moved "
            "on a side stream, each layer switched between forward passes once ready on all ranks"),
+    Switch("eplb_async_launch", _choice("boundary", "thread"), "boundary",
+           "who posts the migration's transfers: 'boundary' = the decode loop, between forward passes, in the "
+           "same order on every rank (its NCCL kernels then sit at the same place among the model's); "
+           "'thread' = a background thread, paced in GB/s (hung an EP-2 server on the H200; A/B runs)"),
     Switch("eplb_affinity", _fraction, "0.25",
            "locality vs balance of the affinity placement: 0 = balance only, 1 = most locality"),
     Switch("observe", _fraction, "0",

@@ -65,7 +65,8 @@ def test_arm_setup():
     assert "--enable-eplb" not in args and env == {} and args[:2] == ["--tp", "2"]
     args, env = bench.arm_setup("deepseek+async", 4, 100)
     assert args[-4:] == ["--eplb-algorithm", "deepseek", "--eplb-rebalance-num-iterations", "100"]
-    assert env == {"SGLANG_H20_EPLB_ASYNC": "on"}
+    assert env == {"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_LAUNCH": "boundary"}
+    assert bench.arm_setup("deepseek+async-thread", 2, 100)[1]["SGLANG_H20_EPLB_ASYNC_LAUNCH"] == "thread"
     assert bench.arm_setup("affinity", 2, 200)[1] == {"SGLANG_H20_EPLB": "affinity"}
     with pytest.raises(ValueError):
         bench.arm_setup("deepseek+sync", 2, 200)

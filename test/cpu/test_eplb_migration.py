@@ -369,6 +369,16 @@ class DyingExecutor(GatedExecutor):
         return received
 
 
+class DyingBoundaryExecutor(MigrationExecutor):
+    """Boundary mode: rank 3 exits hard at the boundary right after it first posted a transfer of its own."""
+
+    def _launch(self):
+        posted = len(self._launched)
+        super()._launch()
+        if self.rank == 3 and any(k == "batch" for k, *_ in self._launched[posted:]):
+            os._exit(17)
+
+
 class _Count(logging.Handler):
     def __init__(self):
         super().__init__(logging.ERROR)
@@ -378,7 +388,7 @@ class _Count(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _worker(rank: int, port: int, outdir: str, scenario: str) -> None:
+def _worker(rank: int, port: int, outdir: str, scenario: str, mode: str = "thread") -> None:
     global GATE
     torch.set_num_threads(1)
     GATE = gate = StepGate()
@@ -399,11 +409,14 @@ def _worker(rank: int, port: int, outdir: str, scenario: str) -> None:
     expect = [(checksum(stack(old, l), old.phy2log[l], rank, tokens[l]),
                checksum(stack(new, l), new.phy2log[l], rank, tokens[l])) for l in range(LAYERS)]
 
-    cls = DyingExecutor if scenario == "kill" else GatedExecutor
+    if mode == "boundary":  # transfers posted by the decode loop itself: no gate needed to tie them to steps
+        cls, extra = (DyingBoundaryExecutor if scenario == "kill" else MigrationExecutor), {"bytes_per_boundary": 1}
+    else:
+        cls, extra = (DyingExecutor if scenario == "kill" else GatedExecutor), {}
     on_switch = []  # (step, layers) seen by the callback
     ex = cls(rank, WORLD, T222, weights, plan, timeout_s=FAULT_TIMEOUT_S,
-             switch_every=SWITCH_EVERY, decide_ahead=DECIDE_AHEAD, migration_id=f"test-{scenario}",
-             on_switch=lambda layers: on_switch.append((step, list(layers))))
+             switch_every=SWITCH_EVERY, decide_ahead=DECIDE_AHEAD, migration_id=f"test-{scenario}-{mode}",
+             on_switch=lambda layers: on_switch.append((step, list(layers))), **extra)
     silent = scenario == "silent" and rank == 3
     dist.barrier()
     t0 = time.monotonic() + 0.02
@@ -494,11 +507,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(tmp_path, scenario):
+def run_world(tmp_path, scenario, mode="thread"):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), scenario)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), scenario, mode)) for r in range(WORLD)]
     t0 = time.monotonic()
     for p in procs:
         p.start()
@@ -533,8 +546,14 @@ def check_consistent(res):
     return flips
 
 
-def test_migration_runs_in_background_consistently(tmp_path):
-    codes, out = run_world(tmp_path, "ok")
+MODES = pytest.mark.parametrize("mode", ["thread", "boundary"])
+
+
+@MODES
+def test_migration_runs_in_background_consistently(tmp_path, mode):
+    """thread: a transfer thread posts and waits; boundary: the decode loop posts one transfer per boundary in
+    the plan's order (the same on every rank), a waiter thread waits."""
+    codes, out = run_world(tmp_path, "ok", mode)
     assert codes == [0] * WORLD and sorted(out) == list(range(WORLD))
     flip_steps = []
     for r, res in out.items():
@@ -577,14 +596,16 @@ def check_aborted_survivors(out, survivors):
     assert len(abort_steps) == 1, f"survivors aborted at different steps: {abort_steps}"
 
 
-def test_rank_killed_mid_migration_survivors_abort(tmp_path):
-    codes, out = run_world(tmp_path, "kill")
+@MODES
+def test_rank_killed_mid_migration_survivors_abort(tmp_path, mode):
+    codes, out = run_world(tmp_path, "kill", mode)
     assert codes[3] == 17 and codes[:3] == [0, 0, 0] and 3 not in out
     check_aborted_survivors(out, range(3))
 
 
-def test_silent_rank_times_out_and_survivors_abort(tmp_path):
-    codes, out = run_world(tmp_path, "silent")
+@MODES
+def test_silent_rank_times_out_and_survivors_abort(tmp_path, mode):
+    codes, out = run_world(tmp_path, "silent", mode)
     assert codes == [0] * WORLD
     check_aborted_survivors(out, range(3))
     assert any("Timed out" in out[r]["status"].error or "not complete" in out[r]["status"].error

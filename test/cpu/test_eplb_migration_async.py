@@ -35,7 +35,8 @@ import pytest
 import torch
 
 import test_eplb_migration as tem
-from test_eplb_migration import (LOOP_DEADLINE_S, STALL_BOUND_S, WORLD, DyingExecutor, GatedExecutor, StepGate, _Count,
+from test_eplb_migration import (LOOP_DEADLINE_S, STALL_BOUND_S, WORLD, DyingBoundaryExecutor, DyingExecutor,
+                                 GatedExecutor, StepGate, _Count,
                                  check_consistent, checksum, exit_when_released, expert_weight, free_port, join_world)
 
 NUM_LAYERS, MOE = 4, (1, 2, 3)  # labels per MoE layer: check_consistent expects 3 columns
@@ -118,7 +119,7 @@ class FailingExecutor:
         raise RuntimeError(f"no executor on rank {rank}")
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
+def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
     """Three rebalances in one run: the first completes; in the second rank 2 fails to plan (abort
     before any transfer); in the third rank 3 dies mid-migration."""
     torch.set_num_threads(1)
@@ -138,7 +139,8 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     from sglang_h20.eplb import async_rebalance as ar
     from sglang_h20.settings import Settings
 
-    decisions = plugin.activate(Settings.from_env({"SGLANG_H20_EPLB_ASYNC": "on"}))
+    decisions = plugin.activate(Settings.from_env({"SGLANG_H20_EPLB_ASYNC": "on",
+                                                   "SGLANG_H20_EPLB_ASYNC_LAUNCH": launch}))
     errors = _Count()
     logging.getLogger("sglang_h20").addHandler(errors)
     ar.TUNING = ar.Tuning(switch_every=8, decide_ahead=6, timeout_s=5.0, placement_timeout_s=20.0)
@@ -170,7 +172,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
                    and torch.equal(weights[l][1][j], scale(l, int(p2l[l, rank * K + j])))
                    for l in MOE for j in range(K))
 
-    res = {"feature": [decisions["eplb_async"].on, decisions["eplb_async"].reason]}
+    res = {"feature": [decisions["eplb_async"].on, decisions["eplb_async"].reason], "launch": launch}
     dist.barrier()
     t0 = time.monotonic() + 0.02
     step, deadline = 0, time.monotonic() + LOOP_DEADLINE_S
@@ -216,7 +218,8 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         if phase == 0 and rank == 2:
             ar.EXECUTOR = FailingExecutor
         if phase == 1:  # rank 3 will die after its first transfer stage
-            ar.EXECUTOR = DyingExecutor if rank == 3 else GatedExecutor
+            dying = DyingBoundaryExecutor if launch == "boundary" else DyingExecutor
+            ar.EXECUTOR = dying if rank == 3 else GatedExecutor
     tmp = os.path.join(outdir, f"rank{rank}.tmp")
     with open(tmp, "wb") as f:
         pickle.dump(res, f)
@@ -224,8 +227,9 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     exit_when_released(rank, outdir)  # rank 0 (the store's host) stays until the others are gone
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
+@pytest.fixture(scope="module", params=["boundary", "thread"])
+def world(tmp_path_factory, request):
+    """One world per launch mode: transfers posted by the decode loop (the default) or by a thread."""
     import torch.multiprocessing as mp
 
     tmp_path = tmp_path_factory.mktemp("eplb_async")
@@ -234,7 +238,7 @@ def world(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_H20_")}
     for k in env:  # the workers' settings come from the test, not from the caller's shell
         os.environ.pop(k)
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), request.param)) for r in range(WORLD)]
     t0 = time.monotonic()
     try:
         for p in procs:
@@ -263,6 +267,7 @@ def test_async_rebalance_through_sglang_hooks(world):
         x = res[0]
         h = x["history"][0]
         assert h["outcome"] == "done" and h["error"] is None and x["errors"] == []
+        assert h["launch"] == res["launch"]  # SGLANG_H20_EPLB_ASYNC_LAUNCH reached the executor
         # (a) the loop kept stepping during the placement (which waits for PLACEMENT_STEPS of them) and during
         # the migration (each stage waits for steps), and nothing waited for a gate until it timed out
         assert x["gate_timeouts"] == 0
@@ -383,9 +388,10 @@ def test_step_time_benchmark_cpu_smoke(tmp_path):
     import json
 
     out = tmp_path / "r.json"
-    _step_time_benchmark("--steady-steps", "20", "--json", str(out))
+    _step_time_benchmark("--steady-steps", "20", "--launch", "thread", "--json", str(out))
     r = json.loads(out.read_text())
     p = r["presets"]["cpu-smoke"]
+    assert r["launch"] == "thread"
     assert r["provenance"]["git_commit"] and p["ours"]["bit_identical"] and p["blocking"]["bit_identical"]
     assert p["ours"]["chunks"] == 3 and p["ours"]["migration_steps"] >= 3
     assert {"p50_ms", "p99_ms", "p99_over_steady_p50"} <= set(p["blocking"])

@@ -168,6 +168,8 @@ BAD_ENV = [  # (feature, env, the variable named in the line)
     ("eplb", {"SGLANG_H20_EPLB": "on"}, "SGLANG_H20_EPLB='on'"),
     ("eplb", {"SGLANG_H20_EPLB": "affinity", "SGLANG_H20_EPLB_AFFINITY": "2"}, "SGLANG_H20_EPLB_AFFINITY='2'"),
     ("eplb_async", {"SGLANG_H20_EPLB_ASYNC": "soon"}, "SGLANG_H20_EPLB_ASYNC='soon'"),
+    ("eplb_async", {"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_LAUNCH": "now"},
+     "SGLANG_H20_EPLB_ASYNC_LAUNCH='now'"),
     ("observe", {"SGLANG_H20_OBSERVE": "-1"}, "SGLANG_H20_OBSERVE='-1'"),
     ("observe", {"SGLANG_H20_OBSERVE": "0.01x"}, "SGLANG_H20_OBSERVE='0.01x'"),
 ]

@@ -16,6 +16,9 @@ forward thread (between passes; never waits on a transfer)
      `update`, but row copies in place: pointers captured by CUDA graphs stay valid, and the cost
      is per switched layer). Weights are swapped in by the executor in the same call, on the
      compute stream, so each forward pass sees per layer either old weights + old maps or new + new.
+     With SGLANG_H20_EPLB_ASYNC_LAUNCH=boundary (default) `maybe_switch` also posts the next
+     transfers (TUNING.transfers_per_boundary experts per rank), the same ones on every rank; with
+     "thread" a transfer thread posts them, paced at TUNING.copy_gbps.
   4. done: `init_lplb_solvers` when ep_dispatch_algorithm == "lp" (as upstream).
 
 placement thread (off the critical path)
@@ -103,6 +106,8 @@ class Tuning:
     #                                   HBM-bound, and an unpaced copy takes its bandwidth from the steps.
     #                                   10 GB/s (~0.2% of an H200's HBM) still moves one EP16 GPU's 46 GB
     #                                   of experts in ~5 s; a placement is not worth more per second sooner
+    transfers_per_boundary: int = 1   # launch "boundary": experts each rank sends or receives per pass boundary
+    #                                   (one DeepSeek-V3 expert is 44 MB: ~11 GB/s at a 4 ms step)
     steady_passes: int = 512          # pass intervals kept as the steady reference before a rebalance
     idle_gap_s: float = 1.0           # a longer interval between passes is an idle server, not a step
 
@@ -260,10 +265,10 @@ class _Gate:
 class _Job:
     """Placement, plan and executor for one rebalance, built off the decode thread."""
 
-    def __init__(self, manager, group, counts, counts_ready, mid: str):
+    def __init__(self, manager, group, counts, counts_ready, mid: str, launch: str = "boundary"):
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
-        self.manager, self.group, self.mid = manager, group, mid
+        self.manager, self.group, self.mid, self.launch = manager, group, mid, launch
         self.counts, self.counts_ready = counts, counts_ready
         self.meta = get_global_expert_location_metadata()
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -325,7 +330,8 @@ class _Job:
             self.rank, self.world, topo, {l: weights[l] for l in self.plan.layers}, self.plan,
             group=self.group, timeout_s=TUNING.timeout_s, switch_every=TUNING.switch_every,
             decide_ahead=TUNING.decide_ahead, migration_id=self.mid, on_switch=self.switch_rows,
-            max_bytes_per_s=TUNING.copy_gbps and TUNING.copy_gbps * 1e9)
+            **({"bytes_per_boundary": TUNING.transfers_per_boundary * expert_bytes} if self.launch == "boundary"
+               else {"max_bytes_per_s": TUNING.copy_gbps and TUNING.copy_gbps * 1e9}))
 
     def _to_devices(self, new) -> dict[str, torch.Tensor]:
         """The new metadata's routing fields, each on its live field's device (side stream)."""
@@ -361,9 +367,12 @@ class _Job:
 
 
 # ----------------------------------------------------------------------------- the hook
-def around_rebalance(original, manager, *args, **kwargs):
-    """AROUND EPLBManager.rebalance: the same generator contract, asynchronous migration."""
-    return _rebalance(original, manager, *args, **kwargs)
+def make_around_rebalance(launch: str):
+    """AROUND EPLBManager.rebalance: the same generator contract, asynchronous migration whose transfers are
+    posted by `launch` ("boundary": the decode loop; "thread": a background thread)."""
+    def around_rebalance(original, manager, *args, **kwargs):
+        return _rebalance(original, manager, launch, *args, **kwargs)
+    return around_rebalance
 
 
 def _upstream_reason(manager) -> str | None:
@@ -385,7 +394,7 @@ def _upstream_reason(manager) -> str | None:
     return None
 
 
-def _rebalance(original, manager, *args, **kwargs):
+def _rebalance(original, manager, launch, *args, **kwargs):
     st = _state(manager)
     why = _upstream_reason(manager)
     if why is not None:
@@ -414,8 +423,9 @@ def _rebalance(original, manager, *args, **kwargs):
     if st.group is None:  # first use, or re-created after an aborted migration (lockstep)
         st.group = _new_group()
     st.seq += 1
-    job = _Job(manager, st.group, counts, ready, f"r{st.seq}")
-    rec = {"id": job.mid, "outcome": "running", "error": None, "gate_steps": 0, "migration_steps": 0}
+    job = _Job(manager, st.group, counts, ready, f"r{st.seq}", launch)
+    rec = {"id": job.mid, "launch": launch, "outcome": "running", "error": None, "gate_steps": 0,
+           "migration_steps": 0}
     st.history.append(rec)
     del st.history[:-100]
     interval = sys.getswitchinterval()
@@ -486,5 +496,6 @@ def hooks(settings: Settings) -> list[Hook]:
     """The eplb_async feature's patch surface (empty when the switch is off)."""
     if not settings["eplb_async"]:
         return []
-    return [Hook(INIT_TARGET, after_init, "after"), Hook(REBALANCE_TARGET, around_rebalance, "around"),
+    return [Hook(INIT_TARGET, after_init, "after"),
+            Hook(REBALANCE_TARGET, make_around_rebalance(settings["eplb_async_launch"]), "around"),
             Hook(PASS_TARGET, after_pass, "after")]

@@ -29,8 +29,20 @@ weights into the live expert slots and only then runs the next forward pass. Wit
    before `layer` is ready there, and `plan.totals` reports copies and bytes per kind and per link
    ("gpu", "nvlink", "network").
 
-2. an EXECUTOR, `MigrationExecutor`, that runs the plan off the critical path. A background
-   TRANSFER thread runs chunk after chunk: it allocates the chunk's staging buffers, then for each
+2. an EXECUTOR, `MigrationExecutor`, that runs the plan off the critical path, in one of two launch modes.
+
+   ``bytes_per_boundary`` (the plugin's default, "boundary"): `maybe_switch` itself posts, at every
+   boundary, the next transfers of the plan's fixed order (chunks, their stages, transfer ids), at most
+   `bytes_per_boundary` per rank, sending or receiving; every rank walks the same order and advances the
+   same transfers at the same boundary, posting only its own ops, and a chunk opens (its staging is
+   allocated) at the boundary after the previous chunk's layers switched. Posting never waits: NCCL ops
+   and local copies go onto the side stream in that order (stream order makes a forward wait for its
+   recv); a WAITER thread watches them complete (on gloo it posts them, in order, and waits). So the
+   migration's NCCL kernels are launched at the same point among the model's own on every rank. In a
+   real EP-2 server on two H200s the thread mode below hung both GPUs: two communicators whose kernels
+   ranks launch in different orders can wait on each other forever.
+
+   ``max_bytes_per_s`` / neither ("thread"): a background TRANSFER thread runs chunk after chunk: it allocates the chunk's staging buffers, then for each
    stage posts this rank's `isend`/`irecv` (gloo on CPU; NCCL `batch_isend_irecv` on a side CUDA
    stream on GPU) and local copies into STAGING buffers (never into live weights) and waits for
    them with a deadline. When all of this rank's incoming transfers of a layer have completed, the
@@ -394,7 +406,7 @@ class MigrationExecutor:
                  decide_ahead: int = 2, watchdog_s: float | None = None,
                  migration_id: str | None = None,
                  on_switch: Callable[[list[int]], None] | None = None,
-                 max_bytes_per_s: float | None = None):
+                 max_bytes_per_s: float | None = None, bytes_per_boundary: int | None = None):
         if world != topology.num_gpus:
             raise ValueError(f"world {world} != {topology.num_gpus} GPUs of the topology")
         if plan.old.topology != topology:
@@ -434,6 +446,16 @@ class MigrationExecutor:
         if max_bytes_per_s is not None and max_bytes_per_s <= 0:
             raise ValueError("max_bytes_per_s must be positive (None: unpaced)")
         self._rate = max_bytes_per_s
+        if bytes_per_boundary is not None and (bytes_per_boundary <= 0 or max_bytes_per_s is not None):
+            raise ValueError("bytes_per_boundary must be positive, and excludes max_bytes_per_s")
+        # boundary mode: transfers per rank and boundary (each is one expert; a rank counts those it sends or
+        # receives, in the plan's order, the same walk on every rank); None: thread mode
+        self._per_boundary = (None if bytes_per_boundary is None
+                              else max(1, int(bytes_per_boundary) // max(1, plan.expert_bytes)))
+        self._order = [[tid for stage in c.stages for tid in stage.tids] for c in plan.chunks]
+        self._cursor = (0, 0)        # boundary mode: (chunk, position in its order) of the next transfer
+        self._opened: set[int] = set()
+        self._launched: list = []    # boundary mode: posted batches for the waiter thread, in order
         self._pace_t = 0.0  # monotonic time before which the next paced transfer may not start
         self.migration_id = migration_id if migration_id is not None else f"m{next(_SEQ)}"
         self._tag_base = (zlib.crc32(self.migration_id.encode()) % 1024) * _TAG_SPAN
@@ -478,7 +500,8 @@ class MigrationExecutor:
             self._start_event.record(torch.cuda.current_stream(self._device))
         if not self._all_layers:
             return
-        for name, fn in (("transfer", self._transfer_main), ("control", self._control_main)):
+        mover = ("transfer", self._transfer_main) if self._per_boundary is None else ("waiter", self._waiter_main)
+        for name, fn in (mover, ("control", self._control_main)):
             t = threading.Thread(target=fn, name=f"eplb-migration-{name}-r{self.rank}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -497,10 +520,13 @@ class MigrationExecutor:
             b, r = self._boundary, self._next_round
             if b >= self._wake_at:  # the control thread waits for this boundary
                 self._cv.notify_all()
-            if b < (r + 1) * self._every:
-                self._max_switch_s = max(self._max_switch_s, time.perf_counter() - t0)
-                return []
-            dec = self._decisions.get(r)
+            due = b >= (r + 1) * self._every
+            dec = self._decisions.get(r) if due else None
+        if not due:
+            if self._per_boundary is not None:
+                self._launch()
+            self._max_switch_s = max(self._max_switch_s, time.perf_counter() - t0)
+            return []
         if dec is None:
             try:
                 dec = _parse(self._store.compare_set(_round_key(r), "", "S:"))
@@ -513,6 +539,8 @@ class MigrationExecutor:
         with self._cv:
             self._next_round = r + 1
             self._cv.notify_all()
+        if self._per_boundary is not None:  # after the switch: a chunk may open on the staging it freed
+            self._launch()
         self._max_switch_s = max(self._max_switch_s, time.perf_counter() - t0)
         return switched
 
@@ -692,7 +720,8 @@ class MigrationExecutor:
                 self._cv.wait(timeout=0.1)
             return not self._stop
 
-    def _run_chunk(self, chunk: Chunk) -> None:
+    def _open_chunk(self, chunk: Chunk) -> bool:
+        """Allocate the chunk's staging (one block per layer and weight tensor); False once stopped."""
         plan, me = self.plan, self.rank
         bufs, blocks = {}, {}
         for l in chunk.layers:
@@ -702,16 +731,25 @@ class MigrationExecutor:
             block = [torch.empty((len(tids), *w.shape[1:]), dtype=w.dtype, device=w.device)
                      for w in self._weights[l]]
             slots = [plan.transfers[tid].dst_slot - me * self._k for tid in tids]
-            blocks[l] = (torch.tensor(slots, dtype=torch.long).to(self._device), _runs(slots), block)
+            idx = torch.tensor(slots, dtype=torch.long)
+            if self._cuda:  # pinned + non_blocking: a pageable upload would wait for the stream's work
+                idx = idx.pin_memory().to(self._device, non_blocking=True)
+            blocks[l] = (idx, _runs(slots), block)
             for n, tid in enumerate(tids):
                 bufs[tid] = [b[n] for b in block]
         with self._cv:
             if self._stop:
-                return
+                return False
             self._staging.update(bufs)
             self._blocks.update(blocks)
             self._staging_bytes += len(bufs) * plan.expert_bytes
             self._peak_staging = max(self._peak_staging, self._staging_bytes)
+        return True
+
+    def _run_chunk(self, chunk: Chunk) -> None:
+        plan, me = self.plan, self.rank
+        if not self._open_chunk(chunk):
+            return
         waiting = {l: set(plan.incoming(me, l)) for l in chunk.layers}
         for l in [l for l, s in waiting.items() if not s]:
             self._mark_ready(l)
@@ -744,28 +782,10 @@ class MigrationExecutor:
 
     def _run_stage(self, chunk: Chunk, stage: Stage) -> set[int]:
         """Post this rank's part of one stage and wait for it; returns the tids received here."""
-        me, plan = self.rank, self.plan
-        mine = [plan.transfers[i] for i in stage.tids
-                if plan.transfers[i].src_rank == me or plan.transfers[i].dst_rank == me]
-        if not mine:
+        built = self._build_ops(stage.tids)
+        if built is None:
             return set()
-        with self._lock:
-            if self._stop:
-                return set()
-            staging = {t.tid: self._staging[t.tid] for t in mine if t.dst_rank == me}
-        ops, copies, received = [], [], set()
-        for t in mine:
-            if t.dst_rank == me:
-                received.add(t.tid)
-            if t.src_rank == me and t.dst_rank == me:
-                copies.append((self._src_tensors(t), staging[t.tid]))
-            elif t.src_rank == me:
-                for i, x in enumerate(self._src_tensors(t)):
-                    ops.append((dist.isend, x if x.is_contiguous() else x.contiguous(), t.dst_rank,
-                                self._tag(t, i), f"send of {t.describe()}"))
-            else:
-                for i, x in enumerate(staging[t.tid]):
-                    ops.append((dist.irecv, x, t.src_rank, self._tag(t, i), f"recv of {t.describe()}"))
+        ops, copies, received = built
         deadline = time.monotonic() + self.timeout_s
         if self._cuda:
             self._run_stage_cuda(ops, copies, deadline, stage)
@@ -779,18 +799,170 @@ class MigrationExecutor:
                 self._pace(sum(d.numel() * d.element_size() for d in dst))
                 for s, d in zip(src, dst):
                     d.copy_(s)
-            for w, what in works:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{what}: not complete after {self.timeout_s:.1f} s")
-                try:
-                    w.wait(timeout=datetime.timedelta(seconds=max(left, 1e-3)))
-                except Exception as e:
-                    raise RuntimeError(f"{what} failed: {e}") from e
+            self._wait_works(works, deadline)
         with self._lock:
-            self._bytes_received += len(received) * plan.expert_bytes
+            self._bytes_received += len(received) * self.plan.expert_bytes
             self._last_progress = time.monotonic()
         return received
+
+    def _build_ops(self, tids) -> tuple[list, list, set[int]] | None:
+        """This rank's P2P ops (op, tensor, peer, tag, what), local copies (src, dst) and received tids among
+        `tids`; None when it has no part in them or the migration stopped."""
+        units = self._build_units(tids)
+        if units is None:
+            return None
+        units, received = units
+        ops = [o for kind, x in units if kind == "p2p" for o in x]
+        copies = [x for kind, x in units if kind == "copy"]
+        return ops, copies, received
+
+    def _build_units(self, tids) -> tuple[list, set[int]] | None:
+        """This rank's part of `tids`, one unit per transfer in their order: ("copy", (src, dst)) or
+        ("p2p", [(op, tensor, peer, tag, what), ...]); and the tids received here. A unit may read a staging
+        buffer an earlier unit fills (a forward), so they are posted in this order."""
+        me, plan = self.rank, self.plan
+        mine = [plan.transfers[i] for i in tids
+                if plan.transfers[i].src_rank == me or plan.transfers[i].dst_rank == me]
+        if not mine:
+            return None
+        with self._lock:
+            if self._stop:
+                return None
+            staging = {t.tid: self._staging[t.tid] for t in mine if t.dst_rank == me}
+        units, received = [], set()
+        for t in mine:
+            if t.dst_rank == me:
+                received.add(t.tid)
+            if t.src_rank == me and t.dst_rank == me:
+                units.append(("copy", (self._src_tensors(t), staging[t.tid])))
+            elif t.src_rank == me:
+                units.append(("p2p", [(dist.isend, x if x.is_contiguous() else x.contiguous(), t.dst_rank,
+                                       self._tag(t, i), f"send of {t.describe()}")
+                                      for i, x in enumerate(self._src_tensors(t))]))
+            else:
+                units.append(("p2p", [(dist.irecv, x, t.src_rank, self._tag(t, i), f"recv of {t.describe()}")
+                                      for i, x in enumerate(staging[t.tid])]))
+        return units, received
+
+    def _wait_works(self, works, deadline: float) -> None:
+        """gloo: wait for posted ops until `deadline` (monotonic)."""
+        for w, what in works:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what}: not complete after {self.timeout_s:.1f} s")
+            try:
+                w.wait(timeout=datetime.timedelta(seconds=max(left, 1e-3)))
+            except Exception as e:
+                raise RuntimeError(f"{what} failed: {e}") from e
+
+    # ---------------------------------------------------------------- boundary mode
+    def _launch(self) -> None:
+        """Decode thread, once per boundary: post the next transfers of the plan's fixed order.
+
+        Every rank walks the same order (chunks, their stages, transfer ids) and advances the same number of
+        transfers at the same boundary, posting only its own ops, and a chunk opens only at the boundary
+        after the previous chunk's layers switched (agreed). So every rank launches the migration's NCCL
+        kernels at the same point between the model's own: in a real EP-2 server, transfers launched from a
+        free-running thread hung both GPUs beside the model's collectives (ranks launching the two
+        communicators' kernels in different orders can wait on each other forever). Posting never waits:
+        NCCL ops and local copies go onto the side stream, gloo ops return handles; the waiter thread
+        watches them complete."""
+        if self._state != "running" or self._stop:
+            return
+        load, tids = Counter(), []  # transfers per rank (either end) posted at this boundary
+        while True:
+            c, i = self._cursor
+            if c >= len(self.plan.chunks):
+                break
+            chunk = self.plan.chunks[c]
+            if c not in self._opened:
+                if c and not all(l in self._switched for l in self.plan.chunks[c - 1].layers):
+                    break
+                if not self._open_chunk(chunk):
+                    return
+                self._opened.add(c)
+                with self._cv:  # layers with nothing incoming here are ready at once (the waiter marks them)
+                    self._launched.append(("open", c, None, time.monotonic()))
+                    self._cv.notify_all()
+            if i >= len(self._order[c]):
+                self._cursor = (c + 1, 0)
+                continue
+            t = self.plan.transfers[self._order[c][i]]
+            ends = {t.src_rank, t.dst_rank}
+            if tids and any(load[r] >= self._per_boundary for r in ends):
+                break  # in order: the next transfer waits for the next boundary
+            load.update(ends)
+            tids.append(t.tid)
+            self._cursor = (c, i + 1)
+        built = self._build_units(tids) if tids else None
+        if built is None:
+            return
+        units, received = built
+        handle = units  # gloo: the waiter posts them, in order (no second communicator to interleave with)
+        if self._cuda:  # pragma: no cover - GPU only
+            with torch.cuda.stream(self._stream):  # in order: stream order makes a forward wait for its recv
+                for kind, x in units:
+                    if kind == "copy":
+                        for a, b in zip(*x):
+                            b.copy_(a, non_blocking=True)
+                        continue
+                    p2p = [dist.P2POp(op, t, group=self._group, tag=tag, group_peer=peer) for op, t, peer, tag, _ in x]
+                    for w in dist.batch_isend_irecv(p2p):
+                        w.wait()  # stream-level: the side stream waits for the NCCL stream
+                handle = torch.cuda.Event()
+                handle.record(self._stream)
+        with self._cv:
+            self._launched.append(("batch", received, handle, time.monotonic()))
+            self._cv.notify_all()
+
+    def _waiter_main(self) -> None:
+        """Boundary mode: wait for each posted batch in order (deadline timeout_s from its posting), mark
+        layers ready when all their incoming transfers arrived."""
+        try:
+            if self._cuda:  # pragma: no cover - GPU only
+                torch.cuda.set_device(self._device)
+                self._stream.wait_event(self._start_event)
+            me, plan = self.rank, self.plan
+            waiting = {l: set(plan.incoming(me, l)) for l in plan.layers}
+            while True:
+                with self._cv:
+                    while not self._stop and not self._launched:
+                        self._cv.wait(timeout=0.1)
+                    if self._stop:
+                        return
+                    kind, what, handle, posted = self._launched.pop(0)  # what: chunk (open) or tids received
+                if kind == "open":
+                    for l in self.plan.chunks[what].layers:
+                        if not waiting[l]:
+                            self._mark_ready(l)
+                    continue
+                deadline = max(posted, time.monotonic()) + self.timeout_s  # earlier batches waited first
+                if isinstance(handle, list):  # gloo: post each unit and wait for it before the next
+                    for kind, x in handle:
+                        if kind == "copy":
+                            for a, b in zip(*x):
+                                b.copy_(a)
+                            continue
+                        works = []
+                        for op, t, peer, tag, desc in x:
+                            kw = {"group_dst": peer} if op is dist.isend else {"group_src": peer}
+                            works.append((op(t, group=self._group, tag=tag, **kw), desc))
+                        self._wait_works(works, deadline)
+                else:  # pragma: no cover - GPU only
+                    while not handle.query():
+                        if time.monotonic() > deadline or self._stop:
+                            raise TimeoutError(f"posted transfers not complete after {self.timeout_s:.1f} s")
+                        time.sleep(5e-4)
+                with self._lock:
+                    self._bytes_received += len(what) * plan.expert_bytes
+                    self._last_progress = time.monotonic()
+                self._store.add("progress", 1)
+                for l in {plan.transfers[t].layer for t in what}:
+                    waiting[l] -= what
+                    if not waiting[l]:
+                        self._mark_ready(l)
+        except Exception as e:
+            self._fail(f"rank {self.rank}: {type(e).__name__}: {e}")
 
     def _run_stage_cuda(self, ops, copies, deadline, stage) -> None:  # pragma: no cover - GPU only
         """NCCL path: everything on the side stream; the host polls an event with a deadline."""
