@@ -19,7 +19,10 @@
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
 #   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds)
 #   (affinity) affinity_remote_share.py: tokens leaving their GPU, upstream EPLB vs affinity, and each rebalance's
-#     stall; AFFINITY_ARGS="--arms none deepseek deepseek+async": upstream's blocking stall vs our migration (multi-GPU);
+#     stall; AFFINITY_ARGS="--arms none deepseek deepseek+async deepseek+async-thread --fraction 0 --hang-s 60":
+#     upstream's blocking stall vs our migration, transfers posted by the decode loop or by a thread (multi-GPU);
+#     a server whose log stays silent --hang-s seconds during a bench leaves every thread's stack
+#     -> $OUT/affinity_stacks_<arm>.txt;
 #     each arm's server log lines (EPLB, errors) -> $OUT/affinity_server_<arm>.txt
 #   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
 #   ${MIGRATION_ARGS}, e.g. MIGRATION_ARGS="--world 2": experts move between 2 GPUs (NCCL, one process per
