@@ -45,7 +45,12 @@ PASS_LINE = re.compile(r"eplb_async: rebalance (\S+) pass intervals: during p50 
                        r"\((\d+)\), before p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms \((\d+)\)")
 
 
-ASYNC_MODES = {"": None, "async": "boundary", "async-thread": "thread"}  # arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH
+# arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH, SGLANG_H20_EPLB_ASYNC_VERIFY ("verify" reads every expert twice: its
+# own arm, so the plain arms' pass intervals stay clean)
+ASYNC_MODES = {"": None, "async": ("boundary", "off"), "async-thread": ("thread", "off"),
+               "async-verify": ("boundary", "on")}
+VERIFY_LINE = re.compile(r"eplb_async: rebalance (\S+) verify: (\d+) slots of \d+ layers bit-identical|"
+                         r"eplb_async: rebalance (\S+) verify: (\d+) of (\d+) slots differ")
 
 
 def rebalance_costs(log: str) -> dict:
@@ -56,7 +61,11 @@ def rebalance_costs(log: str) -> dict:
     passes = [{"id": m[0], "during": {"p50_ms": float(m[1]), "p99_ms": float(m[2]), "max_ms": float(m[3]), "n": int(m[4])},
                "before": {"p50_ms": float(m[5]), "p99_ms": float(m[6]), "max_ms": float(m[7]), "n": int(m[8])},
                "p99_ratio": float(m[2]) / float(m[6])} for m in PASS_LINE.findall(log)]
+    verify = [{"id": m[0], "slots": int(m[1]), "mismatched": 0} if m[0] else
+              {"id": m[2], "slots": int(m[4]), "mismatched": int(m[3])} for m in VERIFY_LINE.findall(log)]
     out = {"rebalance_stall_s": stalls, "async_rebalances": spans, "async_pass_intervals": passes}
+    if verify:  # issue 9: after migration every expert's weights bit-identical on its new GPU (per rank)
+        out["async_verify"] = verify
     if passes:  # issue 9: p99 step during a re-placement <= 1.05x steady (per rank and rebalance, the worst)
         out["async_p99_ratio_max"] = max(x["p99_ratio"] for x in passes)
     if stalls:
@@ -70,7 +79,7 @@ def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str]
     transfers posted by the decode loop) or `<algorithm>+async-thread` (posted by a background thread)."""
     algo, _, mode = arm.partition("+")
     if mode not in ASYNC_MODES:
-        raise ValueError(f"arm {arm!r}: want ALGORITHM, ALGORITHM+async, ALGORITHM+async-thread or none")
+        raise ValueError(f"arm {arm!r}: want ALGORITHM, ALGORITHM+async[-thread|-verify] or none")
     args = ["--tp", str(gpus), "--ep-size", str(gpus), "--enable-dp-attention", "--dp", str(gpus)]
     env = {}
     if algo != "none":
@@ -80,7 +89,7 @@ def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str]
         env["SGLANG_H20_EPLB"] = "affinity"
     if mode:
         env["SGLANG_H20_EPLB_ASYNC"] = "on"
-        env["SGLANG_H20_EPLB_ASYNC_LAUNCH"] = ASYNC_MODES[mode]
+        env["SGLANG_H20_EPLB_ASYNC_LAUNCH"], env["SGLANG_H20_EPLB_ASYNC_VERIFY"] = ASYNC_MODES[mode]
     return args, env
 
 
@@ -182,7 +191,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: %(default)s)")
     ap.add_argument("--arms", nargs="+", default=["deepseek", "affinity"],
                     help="EPLB algorithms (deepseek: upstream's; affinity: ours), ALGORITHM+async (our migration, "
-                         "transfers posted by the decode loop), ALGORITHM+async-thread (posted by a thread), none "
+                         "transfers posted by the decode loop), ALGORITHM+async-thread (posted by a thread), "
+                         "ALGORITHM+async-verify (+ every slot's bytes checked after the move), none "
                          "(no EPLB: steady ITL)")
     ap.add_argument("--hang-s", type=positive_float, default=90,
                     help="a bench during which the server log stays silent this long ends that arm with every "

@@ -121,6 +121,9 @@ SWITCHES: tuple[Switch, ...] = (
            "who posts the migration's transfers: 'boundary' = the decode loop, between forward passes, in the "
            "same order on every rank (its NCCL kernels then sit at the same place among the model's); "
            "'thread' = a background thread, paced in GB/s (hung an EP-2 server on the H200; A/B runs)"),
+    Switch("eplb_async_verify", _parse_bool, "off",
+           "after each asynchronous rebalance, check every expert slot's bytes against its expert's bytes before "
+           "the move (reads all expert weights twice, off the decode thread; one INFO or ERROR line per rank)"),
     Switch("eplb_affinity", _fraction, "0.25",
            "locality vs balance of the affinity placement: 0 = balance only, 1 = most locality"),
     Switch("observe", _fraction, "0",

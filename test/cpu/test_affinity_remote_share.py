@@ -47,14 +47,24 @@ def test_pass_interval_lines_as_the_plugin_writes_them(caplog):
     """The line comes from async_rebalance's own format string (its logger), so a change there breaks this."""
     import logging
 
+    import torch
+
     from sglang_h20.eplb import async_rebalance as ar
+    from sglang_h20.eplb import migration
 
     during = {"n": 348, "p50_ms": 4.1, "p99_ms": 9.8, "max_ms": 12.0}
     before = {"n": 511, "p50_ms": 4.0, "p99_ms": 9.5, "max_ms": 11.0}
     with caplog.at_level(logging.INFO, logger=ar.log.name):
         ar.log_pass_intervals("r1", during, before)
         ar.log_pass_intervals("r1", {**during, "p99_ms": 9.9}, before)
+        job = ar._Job.__new__(ar._Job)  # its verify lines, one intact, one with a changed slot
+        job.weights, job.moe, job.rank, job.mid = {1: [torch.ones(2, 4)]}, [1], 0, "r1"
+        job.expected = migration.slot_digests(job.weights, job.moe)
+        job.check_moved({}, None)
+        job.weights[1][0][1, 0] = 2.0
+        job.check_moved({}, None)
     c = bench.rebalance_costs("\n".join(r.getMessage() for r in caplog.records))
+    assert c["async_verify"] == [{"id": "r1", "slots": 2, "mismatched": 0}, {"id": "r1", "slots": 2, "mismatched": 1}]
     assert [x["during"] for x in c["async_pass_intervals"]] == [during, {**during, "p99_ms": 9.9}]
     assert c["async_pass_intervals"][0]["before"] == before
     assert c["async_p99_ratio_max"] == pytest.approx(9.9 / 9.5)
@@ -65,8 +75,10 @@ def test_arm_setup():
     assert "--enable-eplb" not in args and env == {} and args[:2] == ["--tp", "2"]
     args, env = bench.arm_setup("deepseek+async", 4, 100)
     assert args[-4:] == ["--eplb-algorithm", "deepseek", "--eplb-rebalance-num-iterations", "100"]
-    assert env == {"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_LAUNCH": "boundary"}
+    assert env == {"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_LAUNCH": "boundary",
+                   "SGLANG_H20_EPLB_ASYNC_VERIFY": "off"}
     assert bench.arm_setup("deepseek+async-thread", 2, 100)[1]["SGLANG_H20_EPLB_ASYNC_LAUNCH"] == "thread"
+    assert bench.arm_setup("deepseek+async-verify", 2, 100)[1]["SGLANG_H20_EPLB_ASYNC_VERIFY"] == "on"
     assert bench.arm_setup("affinity", 2, 200)[1] == {"SGLANG_H20_EPLB": "affinity"}
     with pytest.raises(ValueError):
         bench.arm_setup("deepseek+sync", 2, 200)

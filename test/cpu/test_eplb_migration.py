@@ -649,3 +649,41 @@ def test_connect_peers_exchanges_with_every_peer_in_one_pass(tmp_path, world):
         p.join(60)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     assert sorted(x.name for x in tmp_path.glob("rank*.ok")) == [f"rank{r}.ok" for r in range(world)]
+
+
+def test_slot_digests_see_one_changed_byte_and_byte_order():
+    from sglang_h20.eplb.migration import slot_digests
+
+    g = torch.Generator().manual_seed(3)
+    w = {5: [torch.randn(4, 6, 8, generator=g), torch.randn(4, 3, generator=g)]}
+    d = slot_digests(w, [5])
+    assert d.shape == (1, 4) and len(set(d[0].tolist())) == 4
+    assert (slot_digests({5: [t.clone() for t in w[5]]}, [5]) == d).all()  # same bytes, same digests
+    one = [t.clone() for t in w[5]]
+    one[1].view(torch.uint8).view(4, -1)[2, 5] ^= 1  # one bit of slot 2's second tensor
+    d1 = slot_digests({5: one}, [5])
+    assert d1[0, 2] != d[0, 2] and (np.delete(d1, 2, axis=1) == np.delete(d, 2, axis=1)).all()
+    swapped = [t.clone() for t in w[5]]
+    b = swapped[0].view(torch.uint8).view(4, -1)
+    j = int(torch.nonzero(b[0, :-1] != b[0, 1:])[0])
+    b[0, [j, j + 1]] = b[0, [j + 1, j]]  # the same bytes, two of them in the other order
+    assert slot_digests({5: swapped}, [5])[0, 0] != d[0, 0]
+
+
+def test_check_moved_reports_a_corrupted_slot_in_one_error_line(caplog):
+    from sglang_h20.eplb import async_rebalance as ar
+    from sglang_h20.eplb.migration import slot_digests
+
+    g = torch.Generator().manual_seed(4)
+    job = ar._Job.__new__(ar._Job)
+    job.weights = {1: [torch.randn(3, 16, generator=g)], 2: [torch.randn(3, 16, generator=g)]}
+    job.moe, job.rank, job.mid = [1, 2], 1, "r9"
+    job.expected = slot_digests(job.weights, job.moe)
+    rec = {}
+    job.check_moved(rec, None)
+    assert rec["verify"] == {"slots": 6, "layers": 2, "mismatched": 0, "first": []}
+    job.weights[2][0][1, 7] += 1.0
+    with caplog.at_level(logging.ERROR, logger=ar.log.name):
+        job.check_moved(rec, None)
+    assert rec["verify"]["mismatched"] == 1 and rec["verify"]["first"] == ["layer 2 slot 4"]  # rank 1: slots 3..5
+    assert len(caplog.records) == 1 and "1 of 6 slots differ" in caplog.records[0].getMessage()

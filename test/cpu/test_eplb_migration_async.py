@@ -139,7 +139,7 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
     from sglang_h20.eplb import async_rebalance as ar
     from sglang_h20.settings import Settings
 
-    decisions = plugin.activate(Settings.from_env({"SGLANG_H20_EPLB_ASYNC": "on",
+    decisions = plugin.activate(Settings.from_env({"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_VERIFY": "on",
                                                    "SGLANG_H20_EPLB_ASYNC_LAUNCH": launch}))
     errors = _Count()
     logging.getLogger("sglang_h20").addHandler(errors)
@@ -207,6 +207,9 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
                 end_step = step
             if end_step is not None and step >= end_step + 5:
                 break
+        wait_until = time.monotonic() + 10
+        while phase == 0 and "verify" not in ar.history(mgr)[0] and time.monotonic() < wait_until:
+            time.sleep(0.01)  # the verify thread reads every slot after the last switch
         final = meta.physical_to_logical_map_cpu.numpy().copy()
         labels = np.array([[(0 if (row == old[l]).all() else 1 if (row == final[l]).all() else -1)
                             if good else -1 for l, row, good in zip(MOE, r, ok)]
@@ -268,6 +271,8 @@ def test_async_rebalance_through_sglang_hooks(world):
         h = x["history"][0]
         assert h["outcome"] == "done" and h["error"] is None and x["errors"] == []
         assert h["launch"] == res["launch"]  # SGLANG_H20_EPLB_ASYNC_LAUNCH reached the executor
+        # (g) SGLANG_H20_EPLB_ASYNC_VERIFY: every local slot of every MoE layer holds its new expert's bytes
+        assert h["verify"] == {"slots": len(MOE) * K, "layers": len(MOE), "mismatched": 0, "first": []}
         # (a) the loop kept stepping during the placement (which waits for PLACEMENT_STEPS of them) and during
         # the migration (each stage waits for steps), and nothing waited for a gate until it timed out
         assert x["gate_timeouts"] == 0

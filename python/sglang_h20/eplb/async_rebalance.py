@@ -76,7 +76,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, plan_migration
+from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, plan_migration, slot_digests
 from sglang_h20.eplb.placement import Placement, Topology
 from sglang_h20.features import Hook
 from sglang_h20.settings import Settings
@@ -265,10 +265,12 @@ class _Gate:
 class _Job:
     """Placement, plan and executor for one rebalance, built off the decode thread."""
 
-    def __init__(self, manager, group, counts, counts_ready, mid: str, launch: str = "boundary"):
+    def __init__(self, manager, group, counts, counts_ready, mid: str, launch: str = "boundary",
+                 verify: bool = False):
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
-        self.manager, self.group, self.mid, self.launch = manager, group, mid, launch
+        self.manager, self.group, self.mid, self.launch, self.verify = manager, group, mid, launch, verify
+        self.expected = None  # verify: [MoE layers, local slots] digest each slot must have after the move
         self.counts, self.counts_ready = counts, counts_ready
         self.meta = get_global_expert_location_metadata()
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -285,6 +287,8 @@ class _Job:
         except Exception as e:
             self.gate.propose(f"A:rank {self.rank}: placement failed: {type(e).__name__}: {e}", self.stop)
             return
+        if self.verify:  # before counting ready: a peer reading it then finds it
+            self.store.set(f"digest/{self.rank}", self._digests().tobytes())
         self.store.add("ready", 1)
         deadline = time.monotonic() + TUNING.placement_timeout_s
         while not self.stop.is_set() and int(self.store.add("ready", 0)) < self.world:
@@ -293,7 +297,58 @@ class _Job:
                                   f"{TUNING.placement_timeout_s:.0f} s", self.stop)
                 return
             time.sleep(0.005)
+        if self.stop.is_set():  # the rebalance ended (a peer's abort): no peer digests to read, no proposal
+            return
+        if self.verify:
+            try:
+                self.expected = self._expected_digests()
+            except Exception as e:
+                self.gate.propose(f"A:rank {self.rank}: verify setup failed: {type(e).__name__}: {e}", self.stop)
+                return
         self.gate.propose("G:", self.stop)
+
+    def _digests(self) -> np.ndarray:
+        """This rank's slot digests of every MoE layer, read on a side stream (decode goes on)."""
+        w = next(iter(self.weights[self.moe[0]]))
+        if w.is_cuda:
+            torch.cuda.set_device(w.device)
+            side = torch.cuda.Stream(w.device)
+            side.wait_stream(torch.cuda.current_stream(w.device))
+            with torch.cuda.stream(side):
+                return slot_digests(self.weights, self.moe)
+        return slot_digests(self.weights, self.moe)
+
+    def _expected_digests(self) -> np.ndarray:
+        """Every rank published its digests before it counted itself ready: the expert digests of the old
+        placement, then the one each of this rank's slots must show under the new placement."""
+        k = self.meta.num_local_physical_experts
+        by_rank = [np.frombuffer(self.store.get(f"digest/{r}"), dtype=np.int64).reshape(len(self.moe), k)
+                   for r in range(self.world)]
+        of_expert = [{int(self.old[l, r * k + j]): by_rank[r][i, j] for r in range(self.world) for j in range(k)}
+                     for i, l in enumerate(self.moe)]
+        return np.array([[of_expert[i][int(self.p2l[l, self.rank * k + j])] for j in range(k)]
+                         for i, l in enumerate(self.moe)], dtype=np.int64)
+
+    def check_moved(self, rec: dict, ready_event) -> None:
+        """Verify thread, after the last switch: every slot's digest against its expert's before the move."""
+        try:
+            if ready_event is not None:
+                ready_event.synchronize()
+            got = self._digests()
+            bad = np.argwhere(got != self.expected)
+            k = got.shape[1]
+            first = [f"layer {self.moe[i]} slot {self.rank * k + j}" for i, j in bad[:3]]
+            rec["verify"] = {"slots": int(got.size), "layers": len(self.moe), "mismatched": int(len(bad)),
+                             "first": first}
+            if len(bad):
+                log.error("eplb_async: rebalance %s verify: %d of %d slots differ from their expert before the "
+                          "move (%s)", self.mid, len(bad), got.size, ", ".join(first))
+            else:
+                log.info("eplb_async: rebalance %s verify: %d slots of %d layers bit-identical to their expert "
+                         "before the move", self.mid, got.size, len(self.moe))
+        except Exception as e:
+            rec["verify"] = {"error": f"{type(e).__name__}: {e}"}
+            log.error("eplb_async: rebalance %s verify failed: %s: %s", self.mid, type(e).__name__, e)
 
     def _build(self) -> None:
         from sglang.srt.eplb.expert_location import ExpertLocationMetadata
@@ -311,6 +366,7 @@ class _Job:
         keep = np.ones(old.shape[0], dtype=bool)
         keep[moe] = False
         p2l[keep] = old[keep]
+        self.weights, self.moe, self.old, self.p2l = weights, moe, old, p2l
         digest = str(zlib.crc32(p2l.tobytes()))
         agreed = self.store.compare_set("placement", "", digest)
         agreed = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
@@ -367,11 +423,12 @@ class _Job:
 
 
 # ----------------------------------------------------------------------------- the hook
-def make_around_rebalance(launch: str):
+def make_around_rebalance(launch: str, verify: bool = False):
     """AROUND EPLBManager.rebalance: the same generator contract, asynchronous migration whose transfers are
-    posted by `launch` ("boundary": the decode loop; "thread": a background thread)."""
+    posted by `launch` ("boundary": the decode loop; "thread": a background thread); `verify`: check every
+    slot's bytes after the move (`_Job.check_moved`)."""
     def around_rebalance(original, manager, *args, **kwargs):
-        return _rebalance(original, manager, launch, *args, **kwargs)
+        return _rebalance(original, manager, launch, verify, *args, **kwargs)
     return around_rebalance
 
 
@@ -394,7 +451,7 @@ def _upstream_reason(manager) -> str | None:
     return None
 
 
-def _rebalance(original, manager, launch, *args, **kwargs):
+def _rebalance(original, manager, launch, verify, *args, **kwargs):
     st = _state(manager)
     why = _upstream_reason(manager)
     if why is not None:
@@ -423,7 +480,7 @@ def _rebalance(original, manager, launch, *args, **kwargs):
     if st.group is None:  # first use, or re-created after an aborted migration (lockstep)
         st.group = _new_group()
     st.seq += 1
-    job = _Job(manager, st.group, counts, ready, f"r{st.seq}", launch)
+    job = _Job(manager, st.group, counts, ready, f"r{st.seq}", launch, verify)
     rec = {"id": job.mid, "launch": launch, "outcome": "running", "error": None, "gate_steps": 0,
            "migration_steps": 0}
     st.history.append(rec)
@@ -476,6 +533,13 @@ def _rebalance(original, manager, launch, *args, **kwargs):
         log.info("eplb_async: rebalance %s end: %d layers switched over %d forward passes "
                  "(placement %d, migration %d)", job.mid, len(s.switched_layers),
                  rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"], rec["migration_steps"])
+        if verify:  # off the decode thread, after the switch copies enqueued so far
+            done = None
+            if job.executor._cuda:
+                done = torch.cuda.Event()
+                done.record()
+            threading.Thread(target=job.check_moved, args=(rec, done), daemon=True,
+                             name=f"eplb-async-verify-{job.mid}").start()
         during = interval_summary([1e3 * x for x in spans if x <= TUNING.idle_gap_s])
         steady = interval_summary(before)
         rec.update(passes_during=during, passes_before=steady)
@@ -497,5 +561,6 @@ def hooks(settings: Settings) -> list[Hook]:
     if not settings["eplb_async"]:
         return []
     return [Hook(INIT_TARGET, after_init, "after"),
-            Hook(REBALANCE_TARGET, make_around_rebalance(settings["eplb_async_launch"]), "around"),
+            Hook(REBALANCE_TARGET, make_around_rebalance(settings["eplb_async_launch"],
+                                                         settings["eplb_async_verify"]), "around"),
             Hook(PASS_TARGET, after_pass, "after")]

@@ -1033,6 +1033,25 @@ def connect_peers(group, device: torch.device | None = None, nbytes: int = 1 << 
             raise RuntimeError(f"rank {me}: warm-up message from rank {peer} arrived wrong")
 
 
+def slot_digests(weights: Mapping[int, torch.Tensor | Sequence[torch.Tensor]], layers: Sequence[int]) -> np.ndarray:
+    """[len(layers), slots] int64: an order-sensitive checksum of each expert slot's bytes, over all of the
+    layer's tensors (sum of byte x (position % 251 + 1)). Equal bytes give equal digests on any GPU; a moved
+    expert whose digest differs from its digest before the move did not arrive intact. One slot at a time
+    (a temporary of 4 bytes per weight byte)."""
+    rows = []
+    for l in layers:
+        ws = [weights[l]] if isinstance(weights[l], torch.Tensor) else list(weights[l])
+        k = ws[0].shape[0]
+        acc = torch.zeros(k, dtype=torch.int64, device=ws[0].device)
+        for w in ws:
+            flat = w.contiguous().view(torch.uint8).reshape(k, -1)
+            pos = torch.arange(flat.shape[1], device=flat.device, dtype=torch.int32) % 251 + 1
+            for j in range(k):
+                acc[j] += (flat[j].to(torch.int32) * pos).sum()
+        rows.append(acc.cpu().numpy())
+    return np.stack(rows) if rows else np.zeros((0, 0), np.int64)
+
+
 MAX_RUNS = 8  # a switch copies up to this many runs of consecutive slots as slices, else one index_copy_
 
 
