@@ -498,6 +498,8 @@ class MigrationExecutor:
         if self._cuda:  # the side stream must see every earlier write to the live weights
             self._start_event = torch.cuda.Event()
             self._start_event.record(torch.cuda.current_stream(self._device))
+            if self._per_boundary is not None:  # boundary mode posts from this thread, maybe before the waiter runs
+                self._stream.wait_event(self._start_event)
         if not self._all_layers:
             return
         mover = ("transfer", self._transfer_main) if self._per_boundary is None else ("waiter", self._waiter_main)
@@ -732,8 +734,12 @@ class MigrationExecutor:
                      for w in self._weights[l]]
             slots = [plan.transfers[tid].dst_slot - me * self._k for tid in tids]
             idx = torch.tensor(slots, dtype=torch.long)
-            if self._cuda:  # pinned + non_blocking: a pageable upload would wait for the stream's work
-                idx = idx.pin_memory().to(self._device, non_blocking=True)
+            if self._cuda:  # pinned + non_blocking: a pageable upload would wait for the stream's work. On a stream
+                # ordered before the switch reads it: the decode loop's (boundary mode; the switch runs there) or
+                # the side stream, whose work completes before the layer can be ready (thread mode)
+                up = torch.cuda.current_stream(self._device) if self._per_boundary is not None else self._stream
+                with torch.cuda.stream(up):
+                    idx = idx.pin_memory().to(self._device, non_blocking=True)
             blocks[l] = (idx, _runs(slots), block)
             for n, tid in enumerate(tids):
                 bufs[tid] = [b[n] for b in block]
@@ -921,7 +927,6 @@ class MigrationExecutor:
         try:
             if self._cuda:  # pragma: no cover - GPU only
                 torch.cuda.set_device(self._device)
-                self._stream.wait_event(self._start_event)
             me, plan = self.rank, self.plan
             waiting = {l: set(plan.incoming(me, l)) for l in plan.layers}
             while True:
