@@ -91,7 +91,10 @@ layer keeps its old weights and old routing row; staging is dropped; threads sto
 check (a thread blocked in a wait leaves at its deadline); one ERROR line per rank says which
 layers were aborted and why; `status` reports ``aborted`` with the reason. A gloo wait that times
 out closes that pair and NCCL ops cannot be cancelled (on CUDA we abort the migration group), so
-after an abort the migration group must be re-created before the next migration. The store must
+after an abort the migration group must be re-created before the next migration. When the abort comes
+from the watchdog, the control thread aborts the NCCL group at once rather than at the boundary: a
+device-level wait (both GPUs spinning, as in the EP-2 server hang) may keep the decode loop from
+reaching one, and ending the migration's kernels frees it. The store must
 outlive the failed rank (true for torchrun's agent-hosted store); if the store itself is lost,
 each rank aborts locally and consistency can no longer be guaranteed.
 
@@ -486,6 +489,7 @@ class MigrationExecutor:
         self._deferred = 0
         self._max_switch_s = 0.0
         self._threads: list[threading.Thread] = []
+        self._group_aborted = False
 
     # ---------------------------------------------------------------- decode-thread API
     def start(self) -> None:
@@ -633,8 +637,13 @@ class MigrationExecutor:
                   "Layers %s stay on the old placement; layers %s had already switched (on all "
                   "ranks) and keep the new one; %d staging bytes freed.", self.migration_id,
                   self.rank, b, r, reason, aborted, switched, freed)
-        if self._cuda and self._group is not None:
-            try:  # NCCL P2P cannot be cancelled; the dedicated migration group is given up
+        self._abort_group()
+
+    def _abort_group(self) -> None:
+        """NCCL P2P cannot be cancelled: the dedicated migration group is given up (its kernels end)."""
+        if self._cuda and self._group is not None and not self._group_aborted:
+            self._group_aborted = True
+            try:
                 dist.distributed_c10d._abort_process_group(self._group)
             except Exception:  # pragma: no cover - GPU only
                 log.debug("could not abort the migration group", exc_info=True)
@@ -648,6 +657,7 @@ class MigrationExecutor:
 
     def _control_loop(self) -> None:
         st = self._store
+        stuck = False
         for l in self.plan.layers:
             st.add(_ready_key(l), 0)   # create the counters, so that multi_get never blocks
         st.add("progress", 0)
@@ -670,6 +680,7 @@ class MigrationExecutor:
                     if idle > self._watchdog_s:
                         self._local_abort = (f"rank {self.rank}: no migration progress for "
                                              f"{idle:.1f} s (peers stopped?)")
+                        stuck = True
                         break
                     self._cv.wait(timeout=min(0.05, self._watchdog_s))
                 abort = self._local_abort
@@ -677,6 +688,8 @@ class MigrationExecutor:
                                  - {l for d in self._decisions.values() if d[0] == "switch"
                                     for l in d[1]})
             if abort is not None:
+                if stuck:  # the abort is applied at a boundary; a device-level wait may keep the decode loop
+                    self._abort_group()  # from reaching one, so the migration's NCCL kernels are ended now
                 value = "A:" + abort
             else:
                 keys = [_ready_key(l) for l in pending] + ["progress"]
