@@ -19,7 +19,9 @@ forward thread (between passes; never waits on a transfer)
      With SGLANG_H20_EPLB_ASYNC_LAUNCH=boundary (default) `maybe_switch` also posts the next
      transfers (TUNING.transfers_per_boundary experts per rank), the same ones on every rank; with
      "thread" a transfer thread posts them, paced at TUNING.copy_gbps.
-  4. done: `init_lplb_solvers` when ep_dispatch_algorithm == "lp" (as upstream).
+  4. done: `init_lplb_solvers` when ep_dispatch_algorithm == "lp" (as upstream). With
+     SGLANG_H20_EPLB_ASYNC_VERIFY=on a thread then checks every slot's bytes against its expert's
+     digest from before the move (digests taken by the placement thread, shared through the store).
 
 placement thread (off the critical path)
   `ExpertLocationMetadata.init_by_eplb` with the host counts and a CPU view of server_args, i.e.
