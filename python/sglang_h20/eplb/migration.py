@@ -809,11 +809,8 @@ class MigrationExecutor:
         if self._cuda:
             self._run_stage_cuda(ops, copies, deadline, stage)
         else:
-            works = []
             self._pace(sum(x.numel() * x.element_size() for _, x, *_ in ops))
-            for op, x, peer, tag, what in ops:
-                kw = {"group_dst": peer} if op is dist.isend else {"group_src": peer}
-                works.append((op(x, group=self._group, tag=tag, **kw), what))
+            works = self._post_gloo(ops)
             for src, dst in copies:
                 self._pace(sum(d.numel() * d.element_size() for d in dst))
                 for s, d in zip(src, dst):
@@ -925,9 +922,7 @@ class MigrationExecutor:
                         for a, b in zip(*x):
                             b.copy_(a, non_blocking=True)
                         continue
-                    p2p = [dist.P2POp(op, t, group=self._group, tag=tag, group_peer=peer) for op, t, peer, tag, _ in x]
-                    for w in dist.batch_isend_irecv(p2p):
-                        w.wait()  # stream-level: the side stream waits for the NCCL stream
+                    self._post_nccl(x)
                 handle = torch.cuda.Event()
                 handle.record(self._stream)
         with self._cv:
@@ -961,16 +956,9 @@ class MigrationExecutor:
                             for a, b in zip(*x):
                                 b.copy_(a)
                             continue
-                        works = []
-                        for op, t, peer, tag, desc in x:
-                            kw = {"group_dst": peer} if op is dist.isend else {"group_src": peer}
-                            works.append((op(t, group=self._group, tag=tag, **kw), desc))
-                        self._wait_works(works, deadline)
+                        self._wait_works(self._post_gloo(x), deadline)
                 else:  # pragma: no cover - GPU only
-                    while not handle.query():
-                        if time.monotonic() > deadline or self._stop:
-                            raise TimeoutError(f"posted transfers not complete after {self.timeout_s:.1f} s")
-                        time.sleep(5e-4)
+                    self._wait_event(handle, deadline, "posted transfers", stop=lambda: self._stop)
                 with self._lock:
                     self._bytes_received += len(what) * plan.expert_bytes
                     self._last_progress = time.monotonic()
@@ -996,17 +984,31 @@ class MigrationExecutor:
             for _, group in itertools.groupby(ops, key=lambda o: (o[3] - self._tag_base) // self._ntensors):
                 group = list(group)
                 self._pace(sum(x.numel() * x.element_size() for _, x, *_ in group))
-                p2p = [dist.P2POp(op, x, group=self._group, tag=tag, group_peer=peer)
-                       for op, x, peer, tag, _ in group]
-                for w in dist.batch_isend_irecv(p2p):
-                    w.wait()  # stream-level: the side stream waits for the NCCL stream
+                self._post_nccl(group)
             done = torch.cuda.Event()
             done.record(self._stream)
         deadline = max(deadline, time.monotonic() + self.timeout_s)  # pacing time is not the transfer's
+        self._wait_event(done, deadline, f"{stage.kind} stage ({len(ops)} P2P ops)")
+
+    def _post_gloo(self, ops) -> list:
+        """Post (op, tensor, peer, tag, what) ops on gloo; their (work, what) for `_wait_works`."""
+        works = []
+        for op, x, peer, tag, what in ops:
+            kw = {"group_dst": peer} if op is dist.isend else {"group_src": peer}
+            works.append((op(x, group=self._group, tag=tag, **kw), what))
+        return works
+
+    def _post_nccl(self, ops) -> None:  # pragma: no cover - GPU only
+        """One transfer's (op, tensor, peer, tag, what) ops as one NCCL group; the current stream waits for it."""
+        p2p = [dist.P2POp(op, x, group=self._group, tag=tag, group_peer=peer) for op, x, peer, tag, _ in ops]
+        for w in dist.batch_isend_irecv(p2p):
+            w.wait()  # stream-level: the current (side) stream waits for the NCCL stream
+
+    def _wait_event(self, done, deadline: float, what: str, stop=lambda: False) -> None:  # pragma: no cover
+        """Poll a CUDA event until `deadline` (monotonic) or until `stop()`; TimeoutError naming `what`."""
         while not done.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{stage.kind} stage ({len(ops)} P2P ops) not complete after "
-                                   f"{self.timeout_s:.1f} s")
+            if time.monotonic() > deadline or stop():
+                raise TimeoutError(f"{what} not complete after {self.timeout_s:.1f} s")
             time.sleep(5e-4)
 
     def _pace(self, nbytes: int) -> None:
