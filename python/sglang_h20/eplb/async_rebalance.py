@@ -135,6 +135,7 @@ class _State:
 
     def __init__(self):
         self.pass_ends: collections.deque = collections.deque(maxlen=TUNING.steady_passes + 1)
+        self.during: list[float] | None = None  # while a rebalance runs: every boundary since its start
         self.group = None
         self.dead_groups = []  # groups given up after an abort: never destroyed on the decode thread
         self.seq = 0
@@ -169,7 +170,10 @@ def _new_group():
 def after_pass(_result, manager, *args, **kwargs):
     """AFTER EPLBManager.on_forward_pass_end: the wall time of every pass boundary on this rank, so a rebalance
     can compare the passes it spans with the ones before it (`pass_intervals`). One perf_counter per pass."""
-    _state(manager).pass_ends.append(time.perf_counter())
+    st, t = _state(manager), time.perf_counter()
+    st.pass_ends.append(t)
+    if st.during is not None:
+        st.during.append(t)
     return None
 
 
@@ -470,8 +474,6 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
         return
     t0 = time.perf_counter()
     before = pass_intervals(st.pass_ends)
-    spans: list[float] = []  # s between consecutive resumes: a pass plus our boundary work after it
-    last = time.perf_counter()
     counts, ready = out["logical_count"], None
     if isinstance(counts, torch.Tensor) and counts.is_cuda:  # async D2H: no device sync here
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -492,12 +494,10 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
     job.thread.start()
     rec["start_s"] = time.perf_counter() - t0  # our share of this boundary (dump_record is upstream's)
     ex = None
+    st.during = []  # after_pass stamps this boundary and every later one: a pass plus our boundary work
     try:
         while True:  # phase 1: placement in the background, start gate
             yield
-            now = time.perf_counter()
-            spans.append(now - last)
-            last = now
             rec["gate_steps"] += 1
             dec = job.gate.step()
             if dec is None or dec[0] == "wait":
@@ -517,9 +517,6 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
         ex.start()
         while ex.status.state == "running":  # phase 2: transfers in the background, switches here
             yield
-            now = time.perf_counter()
-            spans.append(now - last)
-            last = now
             rec["migration_steps"] += 1
             ex.maybe_switch()
         s = ex.status
@@ -542,13 +539,14 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
                 done.record()
             threading.Thread(target=job.check_moved, args=(rec, done), daemon=True,
                              name=f"eplb-async-verify-{job.mid}").start()
-        during = interval_summary([1e3 * x for x in spans if x <= TUNING.idle_gap_s])
+        during = interval_summary(pass_intervals([*st.during, time.perf_counter()]))  # up to this boundary
         steady = interval_summary(before)
         rec.update(passes_during=during, passes_before=steady)
         if during["n"] and steady["n"]:
             log_pass_intervals(job.mid, during, steady)
     finally:
         sys.setswitchinterval(interval)
+        st.during = None
         job.stop.set()
         if rec["outcome"] == "running":  # generator dropped (reset_generator) mid-way
             rec["outcome"] = "closed"
