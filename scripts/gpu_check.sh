@@ -160,8 +160,8 @@ if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt 300 ]; then  # multi-GP
     [ -f "$log" ] || continue
     arm=$(basename "$(dirname "$log")" | tr '+' '_')
     grep -E "EPLB|eplb|rebalance|sglang-h20|Error|error|Traceback" "$log" | tail -300 > "$OUT/affinity_server_$arm.txt"
-    # a hang watch's dump: every thread's stack from faulthandler (lines after 'Fatal Python error')
-    grep -q "hang watch" "$log" && sed -n '/Fatal Python error/,$p' "$log" | head -4000 > "$OUT/affinity_stacks_$arm.txt"
+    # a hung or crashed arm's thread stacks (faulthandler), as affinity_remote_share.py cut them from its log
+    cp "$(dirname "$log")/stacks.txt" "$OUT/affinity_stacks_$arm.txt" 2>/dev/null
   done
 fi
 if [[ " $STEPS " == *" calibrate "* ]]; then

@@ -143,8 +143,11 @@ def run_arm(a, arm: str, data: Path) -> dict:
                 raise RuntimeError(srv.hung)
     except Exception as e:  # a failed or hung arm is a result too: the next arm still runs
         log = (out / "server.log").read_text(errors="replace") if (out / "server.log").exists() else ""
+        stacks = stack_dump(log)
+        if stacks:  # the whole dump beside the log (scripts/gpu_check.sh brings it back), its head in the record
+            (out / "stacks.txt").write_text("\n".join(stacks[:STACKS_FILE_LINES]) + "\n")
         return {"error": f"{type(e).__name__}: {str(e)[:2000]}", "hung": srv.hung, **rebalance_costs(log),
-                "stacks": stack_dump(log), "server_args": args, "env": env}
+                "stacks": stacks[:STACKS_RECORD_LINES], "server_args": args, "env": env}
     log = (out / "server.log").read_text(errors="replace")
     res = summarize(export.read_dump([dump]), split)
     return {**res, "rebalances_in_warmup": rebalances_before, "rebalances_total": len(REBALANCE_LINE.findall(log)),
@@ -153,13 +156,14 @@ def run_arm(a, arm: str, data: Path) -> dict:
             "server_args": args, "env": env}
 
 
-def stack_dump(log: str, limit: int = 1500) -> list[str]:
-    """faulthandler's thread stacks in a server log (after a hang watch dump or a crash), at most `limit` lines."""
+STACKS_RECORD_LINES, STACKS_FILE_LINES = 1500, 4000
+
+
+def stack_dump(log: str) -> list[str]:
+    """faulthandler's thread stacks in a server log (after a hang watch dump or a crash): from the first to the end."""
     lines = log.splitlines()
     keep = [i for i, ln in enumerate(lines) if ln.startswith(("Thread 0x", "Current thread 0x", "Fatal Python"))]
-    if not keep:
-        return []
-    return lines[keep[0]:][:limit]
+    return lines[keep[0]:] if keep else []
 
 
 def write_record(a, arms: dict) -> None:

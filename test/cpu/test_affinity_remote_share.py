@@ -82,3 +82,10 @@ def test_arm_setup():
     assert bench.arm_setup("affinity", 2, 200)[1] == {"SGLANG_H20_EPLB": "affinity"}
     with pytest.raises(ValueError):
         bench.arm_setup("deepseek+sync", 2, 200)
+
+
+def test_stack_dump_starts_at_the_first_faulthandler_line():
+    log = "\n".join(["server up", "[sglang-h20 hang watch] log silent", "Fatal Python error: Aborted", "",
+                     "Thread 0x7f (most recent call first):", '  File "m.py", line 3 in wait'])
+    assert bench.stack_dump(log) == log.splitlines()[2:]
+    assert bench.stack_dump("server up\nno dump here") == []
