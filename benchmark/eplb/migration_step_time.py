@@ -61,7 +61,8 @@ import torch.distributed as dist
 from sglang_h20 import provenance
 from sglang_h20.cliargs import positive_int
 from sglang_h20.eplb.async_rebalance import TUNING
-from sglang_h20.eplb.migration import KINDS, MigrationExecutor, connect_peers, plan_migration
+from sglang_h20.eplb.migration import (KINDS, LAUNCH_MODES, MigrationExecutor, connect_peers, pacing,
+                                       plan_migration)
 from sglang_h20.eplb.placement import Placement, Topology
 
 H, I = 7168, 2048  # DeepSeek-V3 hidden / moe_intermediate
@@ -298,9 +299,7 @@ def run_preset(name: str, cfg: dict, a, dev: torch.device, deadline: float, rk: 
                            store=torch.distributed.HashStore() if world == 1 else None,
                            switch_every=a.switch_every, decide_ahead=a.decide_ahead,
                            migration_id=f"bench-{name}",
-                           **({"bytes_per_boundary": a.transfers_per_boundary * expert_bytes}
-                              if a.launch == "boundary" else
-                              {"max_bytes_per_s": a.copy_gbps * 1e9 if a.copy_gbps > 0 else None}))
+                           **pacing(a.launch, expert_bytes, a.transfers_per_boundary, a.copy_gbps))
     ours, switch_ms = [], []
     tm = time.monotonic()
     ex.start()
@@ -457,7 +456,7 @@ def main() -> None:
                     help="ours: staging budget, in layers of expert weights (default: %(default)s)")
     ap.add_argument("--copy-gbps", type=float, default=TUNING.copy_gbps or 0.0,
                     help="launch thread: pace of our side-stream copies, GB/s (0: unpaced); default: the plugin's")
-    ap.add_argument("--launch", choices=("boundary", "thread"), default="boundary",
+    ap.add_argument("--launch", choices=LAUNCH_MODES, default="boundary",
                     help="who posts the transfers: the step loop between steps (the plugin's default) or a "
                          "background thread (default: %(default)s)")
     ap.add_argument("--transfers-per-boundary", type=positive_int, default=TUNING.transfers_per_boundary,

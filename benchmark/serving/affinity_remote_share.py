@@ -41,8 +41,9 @@ from sglang_h20.observe import export
 REBALANCE_LINE = re.compile(r"\[EPLBManager\] rebalance start|eplb_async: rebalance start")
 STALL_LINE = re.compile(r"\[EPLBManager\] rebalance end time=([0-9.]+)s")
 ASYNC_END_LINE = re.compile(r"eplb_async: rebalance \S+ end: (\d+) layers switched over (\d+) forward passes")
-PASS_LINE = re.compile(r"eplb_async: rebalance (\S+) pass intervals: during p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms "
-                       r"\((\d+)\), before p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms \((\d+)\)")
+PASS_LINE = re.compile(r"eplb_async: rebalance (\S+) pass intervals: "
+                       r"during p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms \((\d+)\), "
+                       r"before p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms \((\d+)\)")
 
 
 # arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH, SGLANG_H20_EPLB_ASYNC_VERIFY ("verify" reads every expert twice: its
@@ -58,9 +59,9 @@ def rebalance_costs(log: str) -> dict:
     rebalances' (layers switched, forward passes spanned) and their pass intervals against the steady ones before."""
     stalls = [float(x) for x in STALL_LINE.findall(log)]
     spans = [[int(a), int(b)] for a, b in ASYNC_END_LINE.findall(log)]
-    passes = [{"id": m[0], "during": {"p50_ms": float(m[1]), "p99_ms": float(m[2]), "max_ms": float(m[3]), "n": int(m[4])},
-               "before": {"p50_ms": float(m[5]), "p99_ms": float(m[6]), "max_ms": float(m[7]), "n": int(m[8])},
-               "p99_ratio": float(m[2]) / float(m[6])} for m in PASS_LINE.findall(log)]
+    window = lambda p50, p99, top, n: {"p50_ms": float(p50), "p99_ms": float(p99), "max_ms": float(top), "n": int(n)}
+    passes = [{"id": m[0], "during": window(*m[1:5]), "before": window(*m[5:9]), "p99_ratio": float(m[2]) / float(m[6])}
+              for m in PASS_LINE.findall(log)]
     verify = [{"id": m[0], "slots": int(m[1]), "mismatched": 0} if m[0] else
               {"id": m[2], "slots": int(m[4]), "mismatched": int(m[3])} for m in VERIFY_LINE.findall(log)]
     out = {"rebalance_stall_s": stalls, "async_rebalances": spans, "async_pass_intervals": passes}

@@ -78,7 +78,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, plan_migration, slot_digests
+from sglang_h20.eplb.migration import (MigrationExecutor, connect_peers, pacing, plan_migration,
+                                       slot_digests)
 from sglang_h20.eplb.placement import Placement, Topology
 from sglang_h20.features import Hook
 from sglang_h20.settings import Settings
@@ -392,8 +393,7 @@ class _Job:
             self.rank, self.world, topo, {l: weights[l] for l in self.plan.layers}, self.plan,
             group=self.group, timeout_s=TUNING.timeout_s, switch_every=TUNING.switch_every,
             decide_ahead=TUNING.decide_ahead, migration_id=self.mid, on_switch=self.switch_rows,
-            **({"bytes_per_boundary": TUNING.transfers_per_boundary * expert_bytes} if self.launch == "boundary"
-               else {"max_bytes_per_s": TUNING.copy_gbps and TUNING.copy_gbps * 1e9}))
+            **pacing(self.launch, expert_bytes, TUNING.transfers_per_boundary, TUNING.copy_gbps))
 
     def _to_devices(self, new) -> dict[str, torch.Tensor]:
         """The new metadata's routing fields, each on its live field's device (side stream)."""

@@ -42,12 +42,13 @@ weights into the live expert slots and only then runs the next forward pass. Wit
    real EP-2 server on two H200s the thread mode below hung both GPUs: two communicators whose kernels
    ranks launch in different orders can wait on each other forever.
 
-   ``max_bytes_per_s`` / neither ("thread"): a background TRANSFER thread runs chunk after chunk: it allocates the chunk's staging buffers, then for each
-   stage posts this rank's `isend`/`irecv` (gloo on CPU; NCCL `batch_isend_irecv` on a side CUDA
-   stream on GPU) and local copies into STAGING buffers (never into live weights) and waits for
-   them with a deadline. When all of this rank's incoming transfers of a layer have completed, the
-   layer is locally ready. The next chunk starts once the previous chunk's layers have switched
-   and their staging is freed, so staging in use never exceeds the budget.
+   ``max_bytes_per_s`` / neither ("thread"): a background TRANSFER thread runs chunk after chunk: it
+   allocates the chunk's staging buffers, then for each stage posts this rank's `isend`/`irecv` (gloo
+   on CPU; NCCL `batch_isend_irecv` on a side CUDA stream on GPU) and local copies into STAGING buffers
+   (never into live weights) and waits for them with a deadline. When all of this rank's incoming
+   transfers of a layer have completed, the layer is locally ready. The next chunk starts once the
+   previous chunk's layers have switched and their staging is freed, so staging in use never exceeds
+   the budget.
 
    Switching happens only in `maybe_switch()`, which the decode loop calls once BETWEEN forward
    passes on every rank. For the layers it switches it copies staging into the live slots (same
@@ -1023,6 +1024,19 @@ class MigrationExecutor:
 
     def _tag(self, t: Transfer, i: int) -> int:
         return self._tag_base + t.tid * self._ntensors + i
+
+
+LAUNCH_MODES = ("boundary", "thread")  # who posts the transfers (settings' eplb_async_launch names the same)
+
+
+def pacing(launch: str, expert_bytes: int, transfers_per_boundary: int, copy_gbps: float | None) -> dict:
+    """MigrationExecutor's pacing keywords for a launch mode: `transfers_per_boundary` experts per rank and
+    boundary ("boundary"), or a background thread at `copy_gbps` GB/s (None or 0: unpaced; "thread")."""
+    if launch == "boundary":
+        return {"bytes_per_boundary": transfers_per_boundary * expert_bytes}
+    if launch == "thread":
+        return {"max_bytes_per_s": copy_gbps * 1e9 if copy_gbps else None}
+    raise ValueError(f"launch {launch!r}: want one of {', '.join(LAUNCH_MODES)}")
 
 
 def connect_peers(group, device: torch.device | None = None, nbytes: int = 1 << 20) -> None:
