@@ -460,7 +460,7 @@ def main() -> None:
                     help="who posts the transfers: the step loop between steps (the plugin's default) or a "
                          "background thread (default: %(default)s)")
     ap.add_argument("--transfers-per-boundary", type=positive_int, default=TUNING.transfers_per_boundary,
-                    help="launch boundary: experts each rank sends or receives per step boundary "
+                    help="launch boundary: experts each rank sends (and receives) per step boundary "
                          "(default: the plugin's, %(default)s)")
     a = ap.parse_args()
     a.start = time.monotonic()  # CLOCK_MONOTONIC is host-wide: the spawned ranks share the deadline

@@ -109,7 +109,7 @@ class Tuning:
     #                                   HBM-bound, and an unpaced copy takes its bandwidth from the steps.
     #                                   10 GB/s (~0.2% of an H200's HBM) still moves one EP16 GPU's 46 GB
     #                                   of experts in ~5 s; a placement is not worth more per second sooner
-    transfers_per_boundary: int = 1   # launch "boundary": experts each rank sends or receives per pass boundary
+    transfers_per_boundary: int = 1   # launch "boundary": experts each rank sends (and receives) per pass boundary
     #                                   (one DeepSeek-V3 expert is 44 MB: ~11 GB/s at a 4 ms step)
     steady_passes: int = 512          # pass intervals kept as the steady reference before a rebalance
     idle_gap_s: float = 1.0           # a longer interval between passes is an idle server, not a step
@@ -518,7 +518,11 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
         while ex.status.state == "running":  # phase 2: transfers in the background, switches here
             yield
             rec["migration_steps"] += 1
-            ex.maybe_switch()
+            switched = ex.maybe_switch()
+            if switched and ex.status.state == "running":  # progress of a long migration, one line per chunk
+                log.info("eplb_async: rebalance %s: layers %s switched after %d migration passes (%d of %d layers)",
+                         job.mid, switched, rec["migration_steps"], len(ex.status.switched_layers),
+                         len(plan.layers))
         s = ex.status
         rec.update(outcome=s.state, error=s.error, switched=s.switched_layers)
         if s.state == "aborted":  # its P2P state is unusable; a new group at the next rebalance

@@ -33,7 +33,7 @@ weights into the live expert slots and only then runs the next forward pass. Wit
 
    ``bytes_per_boundary`` (the plugin's default, "boundary"): `maybe_switch` itself posts, at every
    boundary, the next transfers of the plan's fixed order (chunks, their stages, transfer ids), at most
-   `bytes_per_boundary` per rank, sending or receiving; every rank walks the same order and advances the
+   `bytes_per_boundary` sent and as much received per rank; every rank walks the same order and advances the
    same transfers at the same boundary, posting only its own ops, and a chunk opens (its staging is
    allocated) at the boundary after the previous chunk's layers switched. Posting never waits: NCCL ops
    and local copies go onto the side stream in that order (stream order makes a forward wait for its
@@ -886,7 +886,7 @@ class MigrationExecutor:
         watches them complete."""
         if self._state != "running" or self._stop:
             return
-        load, tids = Counter(), []  # transfers per rank (either end) posted at this boundary
+        load, tids = Counter(), []  # sends and receives per rank posted at this boundary (links are full duplex)
         while True:
             c, i = self._cursor
             if c >= len(self.plan.chunks):
@@ -905,8 +905,8 @@ class MigrationExecutor:
                 self._cursor = (c + 1, 0)
                 continue
             t = self.plan.transfers[self._order[c][i]]
-            ends = {t.src_rank, t.dst_rank}
-            if tids and any(load[r] >= self._per_boundary for r in ends):
+            ends = {(t.src_rank, "send"), (t.dst_rank, "recv")}
+            if tids and any(load[e] >= self._per_boundary for e in ends):
                 break  # in order: the next transfer waits for the next boundary
             load.update(ends)
             tids.append(t.tid)
