@@ -57,6 +57,7 @@ def test_pass_interval_lines_as_the_plugin_writes_them(caplog):
     with caplog.at_level(logging.INFO, logger=ar.log.name):
         ar.log_pass_intervals("r1", during, before)
         ar.log_pass_intervals("r1", {**during, "p99_ms": 9.9}, before)
+        ar.log_pass_intervals("r2", {**during, "p99_ms": 50.0, "n": 7}, before)  # 7 passes: their max, not judged
         job = ar._Job.__new__(ar._Job)  # its verify lines, one intact, one with a changed slot
         job.weights, job.moe, job.rank, job.mid = {1: [torch.ones(2, 4)]}, [1], 0, "r1"
         job.expected = migration.slot_digests(job.weights, job.moe)
@@ -65,7 +66,8 @@ def test_pass_interval_lines_as_the_plugin_writes_them(caplog):
         job.check_moved({}, None)
     c = bench.rebalance_costs("\n".join(r.getMessage() for r in caplog.records))
     assert c["async_verify"] == [{"id": "r1", "slots": 2, "mismatched": 0}, {"id": "r1", "slots": 2, "mismatched": 1}]
-    assert [x["during"] for x in c["async_pass_intervals"]] == [during, {**during, "p99_ms": 9.9}]
+    assert [x["during"] for x in c["async_pass_intervals"]] == [during, {**during, "p99_ms": 9.9},
+                                                                 {**during, "p99_ms": 50.0, "n": 7}]
     assert c["async_pass_intervals"][0]["before"] == before
     assert c["async_p99_ratio_max"] == pytest.approx(9.9 / 9.5)
 

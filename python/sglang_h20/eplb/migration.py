@@ -128,6 +128,7 @@ addresses, so captured CUDA graphs stay valid. Elastic-EP post-scale rebalances 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -452,8 +453,8 @@ class MigrationExecutor:
         self._rate = max_bytes_per_s
         if bytes_per_boundary is not None and (bytes_per_boundary <= 0 or max_bytes_per_s is not None):
             raise ValueError("bytes_per_boundary must be positive, and excludes max_bytes_per_s")
-        # boundary mode: transfers per rank and boundary (each is one expert; a rank counts those it sends or
-        # receives, in the plan's order, the same walk on every rank); None: thread mode
+        # boundary mode: transfers per rank and boundary (each is one expert; a rank counts those it sends and
+        # those it receives apart, in the plan's order, the same walk on every rank); None: thread mode
         self._per_boundary = (None if bytes_per_boundary is None
                               else max(1, int(bytes_per_boundary) // max(1, plan.expert_bytes)))
         self._order = [[tid for stage in c.stages for tid in stage.tids] for c in plan.chunks]
@@ -744,8 +745,13 @@ class MigrationExecutor:
             tids = sorted(plan.incoming(me, l))
             if not tids:
                 continue
-            block = [torch.empty((len(tids), *w.shape[1:]), dtype=w.dtype, device=w.device)
-                     for w in self._weights[l]]
+            with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+                # on the side stream, which writes it: allocated on the decode loop's stream (this thread's in
+                # boundary mode) it could reuse the staging the switch just freed while that stream's copy out
+                # of it is still queued, and the side stream's next write overwrote experts not yet switched in
+                # (4 of 384 slots differed after a rebalance in an EP-2 server; the verify caught it)
+                block = [torch.empty((len(tids), *w.shape[1:]), dtype=w.dtype, device=w.device)
+                         for w in self._weights[l]]
             slots = [plan.transfers[tid].dst_slot - me * self._k for tid in tids]
             idx = torch.tensor(slots, dtype=torch.long)
             if self._cuda:  # pinned + non_blocking: a pageable upload would wait for the stream's work. On a stream
