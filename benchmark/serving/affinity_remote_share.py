@@ -14,7 +14,9 @@ The same servers also measure what a rebalance costs decode (issue 9's migration
   - arm `<algorithm>+async` (e.g. `deepseek+async`) turns on our asynchronous migration
     (SGLANG_H20_EPLB_ASYNC=on): its rebalances log how many forward passes they spanned instead of a stall, and
     the wall time between pass boundaries during the rebalance against the 512 passes before it (p50 / p99 / max;
-    `async_p99_ratio_max`, the worst rank and rebalance: issue 9 asks for <= 1.05);
+    `async_p99_ratio_max`, the worst rank and rebalance over windows of >= 100 passes), and the same over decode
+    passes only (`async_decode_p99_ratio_max`: issue 9's "p99 step <= 1.05x steady"; prefill passes, ~10x
+    longer, are the p99 of all passes in a serving bench);
   - arm `none` runs without EPLB: the steady ITL to compare both with.
 
 Caveat: the dummy model's random weights give routing without co-activation structure, the structure
@@ -41,7 +43,7 @@ from sglang_h20.observe import export
 REBALANCE_LINE = re.compile(r"\[EPLBManager\] rebalance start|eplb_async: rebalance start")
 STALL_LINE = re.compile(r"\[EPLBManager\] rebalance end time=([0-9.]+)s")
 ASYNC_END_LINE = re.compile(r"eplb_async: rebalance \S+ end: (\d+) layers switched over (\d+) forward passes")
-PASS_LINE = re.compile(r"eplb_async: rebalance (\S+) pass intervals: "
+PASS_LINE = re.compile(r"eplb_async: rebalance (\S+) (pass|decode pass) intervals: "
                        r"during p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms \((\d+)\), "
                        r"before p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms \((\d+)\)")
 
@@ -61,18 +63,23 @@ def rebalance_costs(log: str) -> dict:
     stalls = [float(x) for x in STALL_LINE.findall(log)]
     spans = [[int(a), int(b)] for a, b in ASYNC_END_LINE.findall(log)]
     window = lambda p50, p99, top, n: {"p50_ms": float(p50), "p99_ms": float(p99), "max_ms": float(top), "n": int(n)}
-    passes = [{"id": m[0], "during": window(*m[1:5]), "before": window(*m[5:9]), "p99_ratio": float(m[2]) / float(m[6])}
-              for m in PASS_LINE.findall(log)]
+    lines = PASS_LINE.findall(log)
+    passes, decode = ([{"id": m[0], "during": window(*m[2:6]), "before": window(*m[6:10]),
+                        "p99_ratio": float(m[3]) / float(m[7])} for m in lines if m[1] == kind]
+                      for kind in ("pass", "decode pass"))
     verify = [{"id": m[0], "slots": int(m[1]), "mismatched": 0} if m[0] else
               {"id": m[2], "slots": int(m[4]), "mismatched": int(m[3])} for m in VERIFY_LINE.findall(log)]
     out = {"rebalance_stall_s": stalls, "async_rebalances": spans, "async_pass_intervals": passes}
+    if decode:  # the same over decode passes only (prefill passes are the p99 of all passes in a serving bench)
+        out["async_decode_intervals"] = decode
     if verify:  # issue 9: after migration every expert's weights bit-identical on its new GPU (per rank)
         out["async_verify"] = verify
     # issue 9: p99 step during a re-placement <= 1.05x steady (per rank and rebalance, the worst), over windows
     # of at least MIN_P99_PASSES passes each: a p99 of fewer is their maximum (one prefill pass decides it)
-    judged = [x for x in passes if min(x["during"]["n"], x["before"]["n"]) >= MIN_P99_PASSES]
-    if judged:
-        out["async_p99_ratio_max"] = max(x["p99_ratio"] for x in judged)
+    for key, windows in (("async_p99_ratio_max", passes), ("async_decode_p99_ratio_max", decode)):
+        judged = [x for x in windows if min(x["during"]["n"], x["before"]["n"]) >= MIN_P99_PASSES]
+        if judged:
+            out[key] = max(x["p99_ratio"] for x in judged)
     if stalls:
         out["rebalance_stall_ms_median"] = 1e3 * statistics.median(stalls)
         out["rebalance_stall_ms_max"] = 1e3 * max(stalls)
@@ -226,7 +233,9 @@ def main() -> int:
         print(f"  {arm}: remote share {r['remote_share_mean']} over {r['samples']} samples, "
               f"{r['rebalances_in_warmup']} rebalances before the measurement, ITL median {r['median_itl_ms']} "
               f"P99 {r['p99_itl_ms']} ms, stalls {r.get('rebalance_stall_ms_median')} ms median, "
-              f"{r.get('rebalance_stall_ms_max')} max", flush=True)
+              f"{r.get('rebalance_stall_ms_max')} max; async: {len(r['async_rebalances'])} rebalance ends, decode p99 "
+              f"ratio max {r.get('async_decode_p99_ratio_max')}, verify mismatches "
+              f"{sum(v.get('mismatched', 0) for v in r.get('async_verify', []))}", flush=True)
         write_record(a, arms)  # after every arm: a deadline that cuts the next arm keeps this one
     return 0
 

@@ -120,7 +120,7 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("eplb_async_launch", _choice("boundary", "thread"), "boundary",
            "who posts the migration's transfers: 'boundary' = the decode loop, between forward passes, in the "
            "same order on every rank (its NCCL kernels then sit at the same place among the model's); "
-           "'thread' = a background thread, paced in GB/s (hung an EP-2 server on the H200; A/B runs)"),
+           "'thread' = a background thread, paced in GB/s (hung 3 of 4 EP-2 servers on the H200; A/B runs only)"),
     Switch("eplb_async_verify", _parse_bool, "off",
            "after each asynchronous rebalance, check every expert slot's bytes against its expert's bytes before "
            "the move (reads all expert weights twice, off the decode thread; one INFO or ERROR line per rank)"),

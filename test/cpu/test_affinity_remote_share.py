@@ -58,6 +58,7 @@ def test_pass_interval_lines_as_the_plugin_writes_them(caplog):
         ar.log_pass_intervals("r1", during, before)
         ar.log_pass_intervals("r1", {**during, "p99_ms": 9.9}, before)
         ar.log_pass_intervals("r2", {**during, "p99_ms": 50.0, "n": 7}, before)  # 7 passes: their max, not judged
+        ar.log_pass_intervals("r1", {**during, "p99_ms": 4.8}, {**before, "p99_ms": 4.0}, "decode pass")
         job = ar._Job.__new__(ar._Job)  # its verify lines, one intact, one with a changed slot
         job.weights, job.moe, job.rank, job.mid = {1: [torch.ones(2, 4)]}, [1], 0, "r1"
         job.expected = migration.slot_digests(job.weights, job.moe)
@@ -70,6 +71,8 @@ def test_pass_interval_lines_as_the_plugin_writes_them(caplog):
                                                                  {**during, "p99_ms": 50.0, "n": 7}]
     assert c["async_pass_intervals"][0]["before"] == before
     assert c["async_p99_ratio_max"] == pytest.approx(9.9 / 9.5)
+    assert [x["during"]["p99_ms"] for x in c["async_decode_intervals"]] == [4.8]
+    assert c["async_decode_p99_ratio_max"] == pytest.approx(4.8 / 4.0)
 
 
 def test_arm_setup():

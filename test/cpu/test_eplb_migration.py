@@ -687,3 +687,24 @@ def test_check_moved_reports_a_corrupted_slot_in_one_error_line(caplog):
         job.check_moved(rec, None)
     assert rec["verify"]["mismatched"] == 1 and rec["verify"]["first"] == ["layer 2 slot 4"]  # rank 1: slots 3..5
     assert len(caplog.records) == 1 and "1 of 6 slots differ" in caplog.records[0].getMessage()
+
+
+def test_boundary_walk_posts_one_send_and_one_receive_per_rank():
+    """Boundary mode, bytes_per_boundary = one expert: at each boundary a rank may send one expert and receive one
+    (NVLink is full duplex); a swap of every slot between two GPUs (4 transfers each way) takes 4 boundaries, not 8."""
+    topo = Topology(num_nodes=1, gpus_per_node=2, slots_per_gpu=4)
+    old = Placement(np.array([[0, 1, 2, 3, 4, 5, 6, 7]]), topo, 8)
+    new = Placement(np.array([[4, 5, 6, 7, 0, 1, 2, 3]]), topo, 8)
+    plan = plan_migration(old, new, 40, 10**6)
+    assert Counter((t.src_rank, t.dst_rank) for t in plan.transfers) == {(0, 1): 4, (1, 0): 4}
+    ex = MigrationExecutor(0, 2, topo, {0: torch.zeros(4, 10)}, plan, store=torch.distributed.HashStore(),
+                           bytes_per_boundary=40)
+    ex._state = "running"  # not started: no threads; _launch only queues this rank's units for the waiter
+    per = []  # (rank, direction) -> transfers, per boundary
+    while ex._cursor[0] == 0 and len(per) < 20:
+        before = ex._cursor[1]
+        ex._launch()
+        after = ex._cursor[1] if ex._cursor[0] == 0 else len(ex._order[0])  # (1, 0): the only chunk walked
+        posted = [plan.transfers[ex._order[0][i]] for i in range(before, after)]
+        per.append(Counter(e for t in posted for e in ((t.src_rank, "send"), (t.dst_rank, "recv"))))
+    assert per == [Counter({(0, "send"): 1, (0, "recv"): 1, (1, "send"): 1, (1, "recv"): 1})] * 4

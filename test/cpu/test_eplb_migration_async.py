@@ -167,6 +167,11 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
                       get_model=lambda: model, get_expert_location_updater=lambda: None,
                       get_expert_backup_client=lambda: None, get_weight_updater=lambda: None)
 
+    runner = type("Runner", (), {"eplb_manager": mgr})()  # what before_forward reads of a ModelRunner
+    def pass_batch(decode: bool):
+        mode = type("Mode", (), {"is_decode": lambda _: decode})()
+        return type("Batch", (), {"forward_mode": mode})()
+
     def bit_ok(p2l):
         return all(torch.equal(weights[l][0][j], ref[(l, int(p2l[l, rank * K + j]))])
                    and torch.equal(weights[l][1][j], scale(l, int(p2l[l, rank * K + j])))
@@ -197,7 +202,8 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
             oks.append(ok)
             dumps = len(recorder.dump_s)
             s0 = time.perf_counter()
-            mgr.on_forward_pass_end()
+            ar.before_forward(runner, pass_batch(step % 7 != 3))  # ModelRunner.forward's BEFORE hook: a prefill
+            mgr.on_forward_pass_end()                               # pass in 7; then the pass end, as forward does
             call_s.append(time.perf_counter() - s0)
             own_s.append(call_s[-1] - sum(recorder.dump_s[dumps:]))  # minus upstream's all-reduce
             step += 1
@@ -291,7 +297,10 @@ def test_async_rebalance_through_sglang_hooks(world):
         during, before = h["passes_during"], h["passes_before"]
         assert during["n"] == h["gate_steps"] + h["migration_steps"]
         assert before["n"] >= REBALANCE_AFTER - 2
-        for d in (during, before):
+        # the same over decode passes only (6 in 7 here): the step time, prefill passes left out
+        dd, db = h["decode_passes_during"], h["decode_passes_before"]
+        assert during["n"] * 5 // 7 <= dd["n"] < during["n"] and before["n"] * 5 // 7 <= db["n"] < before["n"]
+        for d in (during, before, dd, db):
             assert 0 < d["p50_ms"] <= d["p99_ms"] <= d["max_ms"] < 1e3
     assert all(f == flips[0] for f in flips)  # same step on every rank
     assert len(set(flips[0].values())) >= 2   # staging of one layer: layers switched at different steps
@@ -424,9 +433,10 @@ def test_step_time_benchmark_cpu_smoke_two_ranks(tmp_path):
 def test_pass_intervals_leave_idle_gaps_out_and_summaries_use_nearest_rank():
     from sglang_h20.eplb import async_rebalance as ar
 
-    ends = [0.0, 0.010, 0.020, 0.035, 5.0, 5.012]  # 10, 10, 15 ms, an idle gap of ~5 s, 12 ms
-    ms = ar.pass_intervals(ends)
+    ends = [(0.0, None), (0.010, True), (0.020, True), (0.035, False), (5.0, True), (5.012, True)]
+    ms = ar.pass_intervals(ends)  # 10, 10, 15 ms (a prefill pass), an idle gap of ~5 s, 12 ms
     assert [round(x, 6) for x in ms] == [10.0, 10.0, 15.0, 12.0]
+    assert [round(x, 6) for x in ar.pass_intervals(ends, decode_only=True)] == [10.0, 10.0, 12.0]
     s = ar.interval_summary(ms)
     assert s["n"] == 4 and round(s["p50_ms"], 6) == 10.0 and round(s["p99_ms"], 6) == 15.0 == round(s["max_ms"], 6)
     assert ar.interval_summary([]) == {"n": 0}

@@ -52,17 +52,19 @@ peers then abort through their watchdog.
 
 Hook targets: `EPLBManager.__init__` (AFTER: create the dedicated migration process group, eagerly
 initialised with its P2P connections, at startup rather than in the serving loop), `EPLBManager.rebalance`
-(AROUND) and `EPLBManager.on_forward_pass_end` (AFTER: one timestamp per pass, so each rebalance logs the
-wall time between passes it spanned against the passes before it: "pass intervals ... p99 ratio").
+(AROUND), `EPLBManager.on_forward_pass_end` (AFTER: one timestamp per pass, so each rebalance logs the
+wall time between passes it spanned against the passes before it: "pass intervals ... p99 ratio") and
+`ModelRunner.forward` (BEFORE: whether the pass decodes, for the same line over decode passes only).
 Trigger options stay upstream: `eplb_rebalance_num_iterations` (the `_entrypoint` loop calls our
 rebalance), `eplb_min_rebalancing_utilization_threshold`, disable/enable_rebalance.
 
-Tested on CPU with gloo (test/cpu/test_eplb_migration_async.py). In a real EP-2 server on two H200s
-(2026-11-30) one rebalance completed (768 slots, 31 GB over NVLink, 348 passes) and two hung: both
-ranks' transfer threads sat in the migration group's first `batch_isend_irecv` while the model's
-collectives ran on the other communicator, both GPUs at 100% (benchmark/results/eplb/README.md).
-NCCL builds P2P connections lazily, on the first send between two ranks; `connect_peers` now builds
-them at startup instead. That fix has not yet run on GPUs.
+Tested on CPU with gloo (test/cpu/test_eplb_migration_async.py). In real EP-2 servers on two H200s
+(benchmark/results/eplb/README.md): transfers posted by a background thread (launch "thread") hung 3 of 4
+servers, with both ranks' transfer threads inside the migration group's `batch_isend_irecv` beside the model's
+collectives, also with the P2P connections built at startup; posted by the decode loop ("boundary", the
+default) none of 4 hung, and two full re-placements (768 slots, 31 GB over NVLink) completed with every slot
+bit-identical (SGLANG_H20_EPLB_ASYNC_VERIFY). One mostly local re-placement left 4 of 384 slots wrong on one
+rank: a staging race, since fixed in `MigrationExecutor._open_chunk` (test/gpu/test_eplb_migration_gpu.py).
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ MANAGER = "sglang.srt.eplb.eplb_manager.EPLBManager"
 INIT_TARGET = MANAGER + ".__init__"
 REBALANCE_TARGET = MANAGER + ".rebalance"
 PASS_TARGET = MANAGER + ".on_forward_pass_end"
+FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 
 # ExpertLocationMetadata fields that route tokens (the list upstream's `update` copies), dim 0 = layer
 ROUTING_FIELDS = ("physical_to_logical_map", "physical_to_logical_map_cpu",
@@ -135,8 +138,10 @@ class _State:
     """Per-EPLBManager state (attribute `_h20_async`)."""
 
     def __init__(self):
+        # (wall time, decode pass?) of each pass end; decode? is None where the forward hook did not see the pass
         self.pass_ends: collections.deque = collections.deque(maxlen=TUNING.steady_passes + 1)
-        self.during: list[float] | None = None  # while a rebalance runs: every boundary since its start
+        self.during: list[tuple] | None = None  # while a rebalance runs: every boundary since its start
+        self.decode: bool | None = None  # the pass now running is a decode pass (before_forward)
         self.group = None
         self.dead_groups = []  # groups given up after an abort: never destroyed on the decode thread
         self.seq = 0
@@ -168,21 +173,35 @@ def _new_group():
     return g
 
 
-def after_pass(_result, manager, *args, **kwargs):
-    """AFTER EPLBManager.on_forward_pass_end: the wall time of every pass boundary on this rank, so a rebalance
-    can compare the passes it spans with the ones before it (`pass_intervals`). One perf_counter per pass."""
-    st, t = _state(manager), time.perf_counter()
-    st.pass_ends.append(t)
-    if st.during is not None:
-        st.during.append(t)
+def before_forward(model_runner, forward_batch, *args, **kwargs):
+    """BEFORE ModelRunner.forward: whether the pass is a decode pass, so that the pass clock can judge decode steps
+    apart from prefill passes (in a serving bench those are the p99 of all passes: ~40 ms against ~4.5)."""
+    manager = getattr(model_runner, "eplb_manager", None)
+    if manager is not None:
+        mode = getattr(forward_batch, "forward_mode", None)
+        _state(manager).decode = bool(mode.is_decode()) if mode is not None else None
     return None
 
 
-def pass_intervals(ends) -> list[float]:
-    """Milliseconds between consecutive boundaries, idle gaps (no pass for TUNING.idle_gap_s) left out."""
+def after_pass(_result, manager, *args, **kwargs):
+    """AFTER EPLBManager.on_forward_pass_end: the wall time of every pass boundary on this rank (and whether the
+    pass was a decode pass), so a rebalance can compare the passes it spans with the ones before it
+    (`pass_intervals`). One perf_counter per pass."""
+    st = _state(manager)
+    end = (time.perf_counter(), st.decode)
+    st.decode = None
+    st.pass_ends.append(end)
+    if st.during is not None:
+        st.during.append(end)
+    return None
+
+
+def pass_intervals(ends, decode_only: bool = False) -> list[float]:
+    """Milliseconds between consecutive boundaries ((time, decode?) pairs), idle gaps (no pass for
+    TUNING.idle_gap_s) left out; `decode_only`: the intervals that end with a decode pass."""
     ends = list(ends)
-    gaps = [1e3 * (b - a) for a, b in zip(ends, ends[1:])]
-    return [g for g in gaps if g <= 1e3 * TUNING.idle_gap_s]
+    gaps = [(1e3 * (b[0] - a[0]), b[1]) for a, b in zip(ends, ends[1:])]
+    return [g for g, decode in gaps if g <= 1e3 * TUNING.idle_gap_s and (decode or not decode_only)]
 
 
 def interval_summary(ms: list[float]) -> dict:
@@ -194,10 +213,11 @@ def interval_summary(ms: list[float]) -> dict:
     return {"n": len(xs), "p50_ms": pick(0.50), "p99_ms": pick(0.99), "max_ms": xs[-1]}
 
 
-def log_pass_intervals(mid: str, during: dict, before: dict) -> None:
-    """The line benchmark/serving/affinity_remote_share.py reads: passes during a rebalance against the ones before."""
-    log.info("eplb_async: rebalance %s pass intervals: during p50 %.2f p99 %.2f max %.2f ms (%d), "
-             "before p50 %.2f p99 %.2f max %.2f ms (%d); p99 ratio %.3f", mid, during["p50_ms"],
+def log_pass_intervals(mid: str, during: dict, before: dict, kind: str = "pass") -> None:
+    """The lines benchmark/serving/affinity_remote_share.py reads: passes (kind "pass": all; "decode pass": decode
+    passes only) during a rebalance against the ones before."""
+    log.info("eplb_async: rebalance %s %s intervals: during p50 %.2f p99 %.2f max %.2f ms (%d), "
+             "before p50 %.2f p99 %.2f max %.2f ms (%d); p99 ratio %.3f", mid, kind, during["p50_ms"],
              during["p99_ms"], during["max_ms"], during["n"], before["p50_ms"], before["p99_ms"],
              before["max_ms"], before["n"], during["p99_ms"] / before["p99_ms"])
 
@@ -473,7 +493,7 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
     if not manager._check_rebalance_needed(out["average_utilization_rate_over_window"]):
         return
     t0 = time.perf_counter()
-    before = pass_intervals(st.pass_ends)
+    before = list(st.pass_ends)
     counts, ready = out["logical_count"], None
     if isinstance(counts, torch.Tensor) and counts.is_cuda:  # async D2H: no device sync here
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -543,11 +563,12 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
                 done.record()
             threading.Thread(target=job.check_moved, args=(rec, done), daemon=True,
                              name=f"eplb-async-verify-{job.mid}").start()
-        during = interval_summary(pass_intervals([*st.during, time.perf_counter()]))  # up to this boundary
-        steady = interval_summary(before)
-        rec.update(passes_during=during, passes_before=steady)
-        if during["n"] and steady["n"]:
-            log_pass_intervals(job.mid, during, steady)
+        spanned = [*st.during, (time.perf_counter(), None)]  # up to this boundary (its pass is unknown yet)
+        for kind, key, only in (("pass", "passes", False), ("decode pass", "decode_passes", True)):
+            during, steady = (interval_summary(pass_intervals(x, only)) for x in (spanned, before))
+            rec.update({key + "_during": during, key + "_before": steady})
+            if during["n"] and steady["n"]:
+                log_pass_intervals(job.mid, during, steady, kind)
     finally:
         sys.setswitchinterval(interval)
         st.during = None
@@ -564,7 +585,10 @@ def hooks(settings: Settings) -> list[Hook]:
     """The eplb_async feature's patch surface (empty when the switch is off)."""
     if not settings["eplb_async"]:
         return []
+    if settings["eplb_async_launch"] == "thread":
+        log.warning("eplb_async: SGLANG_H20_EPLB_ASYNC_LAUNCH=thread posts transfers from a background thread: "
+                    "it hung 3 of 4 real EP-2 servers on the H200 (rebalances every 100 passes); A/B runs only")
     return [Hook(INIT_TARGET, after_init, "after"),
             Hook(REBALANCE_TARGET, make_around_rebalance(settings["eplb_async_launch"],
                                                          settings["eplb_async_verify"]), "around"),
-            Hook(PASS_TARGET, after_pass, "after")]
+            Hook(PASS_TARGET, after_pass, "after"), Hook(FORWARD_TARGET, before_forward, "before")]

@@ -457,7 +457,8 @@ class MigrationExecutor:
         # those it receives apart, in the plan's order, the same walk on every rank); None: thread mode
         self._per_boundary = (None if bytes_per_boundary is None
                               else max(1, int(bytes_per_boundary) // max(1, plan.expert_bytes)))
-        self._order = [[tid for stage in c.stages for tid in stage.tids] for c in plan.chunks]
+        self._order = [[tid for stage in c.stages for tid in _by_link_round_robin(plan, stage.tids)]
+                       for c in plan.chunks]
         self._cursor = (0, 0)        # boundary mode: (chunk, position in its order) of the next transfer
         self._opened: set[int] = set()
         self._launched: list = []    # boundary mode: posted batches for the waiter thread, in order
@@ -1128,6 +1129,17 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
         if t.dim() > 1 and t.is_contiguous() and row_bytes % size == 0 and t.element_size() <= size:
             return t.view(dtype)
     return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _by_link_round_robin(plan: MigrationPlan, tids: Sequence[int]) -> list[int]:
+    """A stage's transfers, one per (source, destination) link in turn: walked in this order, a boundary that lets
+    each rank send one expert and receive one fills both directions of a link (the plan lists them by source)."""
+    links: dict[tuple[int, int], list[int]] = {}
+    for tid in tids:
+        t = plan.transfers[tid]
+        links.setdefault((t.src_rank, t.dst_rank), []).append(tid)
+    queues = list(links.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
 def _round_key(r: int) -> str:
