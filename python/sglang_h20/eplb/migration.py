@@ -854,18 +854,21 @@ class MigrationExecutor:
                 return None
             staging = {t.tid: self._staging[t.tid] for t in mine if t.dst_rank == me}
         units, received = [], set()
-        for t in mine:
-            if t.dst_rank == me:
-                received.add(t.tid)
-            if t.src_rank == me and t.dst_rank == me:
-                units.append(("copy", (self._src_tensors(t), staging[t.tid])))
-            elif t.src_rank == me:
-                units.append(("p2p", [(dist.isend, x if x.is_contiguous() else x.contiguous(), t.dst_rank,
-                                       self._tag(t, i), f"send of {t.describe()}")
-                                      for i, x in enumerate(self._src_tensors(t))]))
-            else:
-                units.append(("p2p", [(dist.irecv, x, t.src_rank, self._tag(t, i), f"recv of {t.describe()}")
-                                      for i, x in enumerate(staging[t.tid])]))
+        # a non-contiguous source is copied for its send on the side stream, which sends it: on the caller's stream
+        # (the decode loop's, or the transfer thread's default one) the send need not wait for that copy
+        with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+            for t in mine:
+                if t.dst_rank == me:
+                    received.add(t.tid)
+                if t.src_rank == me and t.dst_rank == me:
+                    units.append(("copy", (self._src_tensors(t), staging[t.tid])))
+                elif t.src_rank == me:
+                    units.append(("p2p", [(dist.isend, x if x.is_contiguous() else x.contiguous(), t.dst_rank,
+                                           self._tag(t, i), f"send of {t.describe()}")
+                                          for i, x in enumerate(self._src_tensors(t))]))
+                else:
+                    units.append(("p2p", [(dist.irecv, x, t.src_rank, self._tag(t, i), f"recv of {t.describe()}")
+                                          for i, x in enumerate(staging[t.tid])]))
         return units, received
 
     def _wait_works(self, works, deadline: float) -> None:
