@@ -514,12 +514,15 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
     job.thread.start()
     rec["start_s"] = time.perf_counter() - t0  # our share of this boundary (dump_record is upstream's)
     ex = None
+    work = []  # the decode thread's time in our boundary work (gate step, maybe_switch: posts and switches), s
     st.during = []  # after_pass stamps this boundary and every later one: a pass plus our boundary work
     try:
         while True:  # phase 1: placement in the background, start gate
             yield
             rec["gate_steps"] += 1
+            t = time.perf_counter()
             dec = job.gate.step()
+            work.append(time.perf_counter() - t)
             if dec is None or dec[0] == "wait":
                 continue
             break
@@ -538,7 +541,9 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
         while ex.status.state == "running":  # phase 2: transfers in the background, switches here
             yield
             rec["migration_steps"] += 1
+            t = time.perf_counter()
             switched = ex.maybe_switch()
+            work.append(time.perf_counter() - t)
             if switched and ex.status.state == "running":  # progress of a long migration, one line per chunk
                 log.info("eplb_async: rebalance %s: layers %s switched after %d migration passes (%d of %d layers)",
                          job.mid, switched, rec["migration_steps"], len(ex.status.switched_layers),
@@ -553,9 +558,12 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
             from sglang.srt.model_executor.model_runner_components.moe_ep_setup import init_lplb_solvers
 
             init_lplb_solvers(model_config=manager._model_config)
+        rec.update(boundary_work_mean_s=float(np.mean(work)) if work else 0.0,
+                   boundary_work_max_s=max(work, default=0.0))
         log.info("eplb_async: rebalance %s end: %d layers switched over %d forward passes "
-                 "(placement %d, migration %d)", job.mid, len(s.switched_layers),
-                 rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"], rec["migration_steps"])
+                 "(placement %d, migration %d); boundary work on the decode thread: mean %.0f us, max %.2f ms",
+                 job.mid, len(s.switched_layers), rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"],
+                 rec["migration_steps"], 1e6 * rec["boundary_work_mean_s"], 1e3 * rec["boundary_work_max_s"])
         if verify:  # off the decode thread, after the switch copies enqueued so far
             done = None
             if job.executor._cuda:
