@@ -30,7 +30,9 @@
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
 #   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
-#   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz)
+#   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz); when $OUT holds
+#      more than the 8 files the device tool brings back, every file but check.log, the JIT cache and the JSON
+#      records goes into $OUT/logs.tar.xz
 # Knobs (env): NO_SETUP=1 NO_JITPACK=1 (gpu_parallel.sh) STEPS="tests parity" LAYER_S=240 PHASES="upstream plugin-off"
 #   PARITY_ARGS="--observe-fraction 0.5 --repeats 1" DEADLINE_S=540 GIT_COMMIT=...
 #   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
@@ -219,5 +221,10 @@ if [[ " $STEPS " == *" migration "* ]] && [ "$(left)" -gt 90 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 [ -z "${NO_JITPACK:-}" ] && python3 scripts/pack_jitcache.py "$OUT/jitcache.tar.xz"
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then  # the device tool brings back 8 files: the rest of the logs in one archive
+  (cd "$OUT" && ls | grep -vE '^(check\.log|jitcache\.tar\.xz|.*\.json)$' > /tmp/out_bundle.list \
+    && tar -cJf logs.tar.xz -T /tmp/out_bundle.list && xargs rm -f < /tmp/out_bundle.list \
+    && say "bundled into logs.tar.xz: $(tr '\n' ' ' < /tmp/out_bundle.list)")
+fi
 say "done rc=$rc; OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit $rc
