@@ -730,6 +730,11 @@ class MigrationExecutor:
         except Exception as e:
             self._fail(f"rank {self.rank}: {type(e).__name__}: {e}")
 
+    def _on_side_stream(self):
+        """The side stream as the current one (a no-op on CPU), for what it writes or sends: memory allocated on
+        another stream may be handed out again while that stream's work on it is still queued."""
+        return torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
+
     def _gate(self, chunk: Chunk) -> bool:
         """Wait until the previous chunk's layers switched (their staging is free)."""
         prev = self.plan.chunks[chunk.index - 1].layers if chunk.index else ()
@@ -746,7 +751,7 @@ class MigrationExecutor:
             tids = sorted(plan.incoming(me, l))
             if not tids:
                 continue
-            with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+            with self._on_side_stream():
                 # on the side stream, which writes it: allocated on the decode loop's stream (this thread's in
                 # boundary mode) it could reuse the staging the switch just freed while that stream's copy out
                 # of it is still queued, and the side stream's next write overwrote experts not yet switched in
@@ -856,7 +861,7 @@ class MigrationExecutor:
         units, received = [], set()
         # a non-contiguous source is copied for its send on the side stream, which sends it: on the caller's stream
         # (the decode loop's, or the transfer thread's default one) the send need not wait for that copy
-        with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+        with self._on_side_stream():
             for t in mine:
                 if t.dst_rank == me:
                     received.add(t.tid)
