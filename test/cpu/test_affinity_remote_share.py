@@ -39,6 +39,7 @@ def test_rebalance_costs_from_the_server_log():
     c = bench.rebalance_costs(log)
     assert c["rebalance_stall_s"] == [0.118, 0.260] and c["async_rebalances"] == [[3, 41]]
     assert c["async_boundary_work"] == [{"mean_us": 85.0, "max_ms": 5.12}]
+    assert bench.rebalances(log + "\n[2026-11-30 02:02:10 DP1 TP1] [EPLBManager] rebalance start", 2) == 1  # a line a rank
     assert c["rebalance_stall_ms_median"] == pytest.approx(189.0) and c["rebalance_stall_ms_max"] == pytest.approx(260)
     assert bench.rebalance_costs("no eplb here") == {"rebalance_stall_s": [], "async_rebalances": [],
                                                      "async_pass_intervals": []}
