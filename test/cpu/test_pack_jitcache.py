@@ -1,0 +1,42 @@
+"""scripts/pack_jitcache.py: a JIT cache over the device tool's file limit still brings the Triton kernels back."""
+import importlib.util
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pack_jitcache.py"
+spec = importlib.util.spec_from_file_location("pack_jitcache", SCRIPT)
+pj = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pj)
+
+
+@pytest.fixture
+def jit(tmp_path):
+    d = tmp_path / "jit"
+    for name, nbytes in (("triton", 60_000), ("flashinfer", 120_000), ("tvm-ffi", 80_000)):
+        (d / name / "k").mkdir(parents=True)
+        (d / name / "k" / "blob.bin").write_bytes(os.urandom(nbytes))  # random: xz cannot shrink it
+    return d
+
+
+def members(path):
+    with tarfile.open(path) as t:
+        return sorted({m.name.split("/")[0] for m in t.getmembers()})
+
+
+@pytest.mark.parametrize("limit, left_out", [(10**6, ()), (200_000, ("flashinfer",)),
+                                            (100_000, ("flashinfer", "tvm-ffi"))])
+def test_drops_the_least_useful_caches_until_it_fits(jit, tmp_path, limit, left_out):
+    out = tmp_path / "jitcache.tar.xz"
+    size, dropped = pj.pack(str(jit), str(out), limit)
+    assert dropped == left_out and size == out.stat().st_size <= limit
+    assert members(out) == sorted({"triton", "flashinfer", "tvm-ffi"} - set(left_out))
+
+
+def test_too_large_even_alone_leaves_no_archive(jit, tmp_path, capsys):
+    out = tmp_path / "jitcache.tar.xz"
+    assert pj.main([str(out), "--jit-dir", str(jit), "--limit", "30000"]) == 0
+    assert not out.exists() and "too large" in capsys.readouterr().out
+    assert pj.main([str(out), "--jit-dir", str(tmp_path / "absent")]) == 1
