@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from sglang_h20 import provenance
 from sglang_h20.cliargs import positive_int
-from sglang_h20.eplb.async_rebalance import TUNING
+from sglang_h20.eplb.async_rebalance import TUNING, nccl_options
 from sglang_h20.eplb.migration import (KINDS, LAUNCH_MODES, MigrationExecutor, connect_peers, pacing,
                                        plan_migration)
 from sglang_h20.eplb.placement import Placement, Topology
@@ -383,7 +383,7 @@ def run_all(a, dev: torch.device, rk: Ranks) -> None:
             continue
         group = None
         if rk.world > 1:  # the migration's own group; NCCL wants its first op to include every rank
-            group = dist.new_group(list(range(rk.world)))
+            group = dist.new_group(list(range(rk.world)), pg_options=nccl_options() if dev.type == "cuda" else None)
             dist.all_reduce(torch.zeros(1, device=dev), group=group)
             connect_peers(group, dev)  # as the server's migration group: P2P set up before the steps
         try:

@@ -444,3 +444,12 @@ def test_pass_intervals_leave_idle_gaps_out_and_summaries_use_nearest_rank():
     xs = [float(i) for i in range(1, 201)]  # nearest rank: p99 of 1..200 is 198, p50 is 100
     s = ar.interval_summary(xs)
     assert (s["p50_ms"], s["p99_ms"], s["max_ms"]) == (100.0, 198.0, 200.0)
+
+
+def test_migration_group_nccl_options_cap_ctas(monkeypatch):
+    """The migration group's NCCL kernels take at most TUNING.nccl_max_ctas SMs beside decode; None: NCCL's own."""
+    from sglang_h20.eplb import async_rebalance as ar
+
+    assert ar.nccl_options().config.max_ctas == ar.TUNING.nccl_max_ctas == 4
+    monkeypatch.setattr(ar.TUNING, "nccl_max_ctas", None)
+    assert ar.nccl_options() is None

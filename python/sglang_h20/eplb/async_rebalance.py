@@ -114,6 +114,9 @@ class Tuning:
     #                                   of experts in ~5 s; a placement is not worth more per second sooner
     transfers_per_boundary: int = 1   # launch "boundary": experts each rank sends (and receives) per pass boundary
     #                                   (one DeepSeek-V3 expert is 44 MB: ~11 GB/s at a 4 ms step)
+    nccl_max_ctas: int | None = 4     # SMs the migration group's NCCL kernels may take while decode runs beside
+    #                                   them (None: NCCL's choice); a P2P of one 44 MB expert still takes < 1 ms on
+    #                                   NVLink with 4 CTAs, inside the one pass it has. Not yet measured either way
     steady_passes: int = 512          # pass intervals kept as the steady reference before a rebalance
     idle_gap_s: float = 1.0           # a longer interval between passes is an idle server, not a step
 
@@ -161,11 +164,25 @@ def history(manager) -> list[dict]:
     return _state(manager).history
 
 
+def nccl_options():
+    """The migration group's NCCL options: at most TUNING.nccl_max_ctas CTAs per kernel; None (NCCL's defaults)
+    when unset or when this torch has no such option."""
+    if TUNING.nccl_max_ctas is None:
+        return None
+    try:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = int(TUNING.nccl_max_ctas)
+        return opts
+    except (AttributeError, TypeError) as e:
+        log.warning("eplb_async: NCCL options unavailable (%s); the migration group uses NCCL's defaults", e)
+        return None
+
+
 def _new_group():
     """A process group only the migration uses, initialised now (NCCL: first op needs all ranks), with its
     P2P connections built too (`connect_peers`): NCCL's lazy setup during serving hung an EP 2 server."""
     cuda = torch.cuda.is_available() and "nccl" in str(dist.get_backend())
-    g = dist.new_group(backend="nccl" if cuda else "gloo")
+    g = dist.new_group(backend="nccl", pg_options=nccl_options()) if cuda else dist.new_group(backend="gloo")
     dev = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     x = torch.zeros(1, device=dev)
     dist.all_reduce(x, group=g)
