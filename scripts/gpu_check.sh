@@ -157,7 +157,7 @@ if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt 300 ]; then  # multi-GP
   NCCL_NVLS_ENABLE=0 timeout $(( $(left) - 20 )) python3 benchmark/serving/affinity_remote_share.py --model /tmp/models/dsv3-4l \
     --out /tmp/affinity --gpus "$n" ${AFFINITY_ARGS:-} --server-args "$SERVER_ARGS --attention-backend triton" 2>&1 | tee "$OUT/affinity.log" | grep -v "bench:" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-  cp /tmp/affinity/affinity_remote_share.json "$OUT/" 2>/dev/null
+  cp /tmp/affinity/affinity_remote_share.json /tmp/affinity/affinity_remote_share.png "$OUT/" 2>/dev/null
   for log in /tmp/affinity/*/server.log; do  # each arm's server log, its errors and EPLB lines (not the request spam)
     [ -f "$log" ] || continue
     arm=$(basename "$(dirname "$log")" | tr '+' '_')

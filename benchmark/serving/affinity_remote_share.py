@@ -24,6 +24,7 @@ affinity placement exploits; the EPLB simulator (python -m sglang_h20.eplb simul
 with it. This run measures the real server path, whatever the routing.
 
 usage: affinity_remote_share.py --model DIR --out DIR [--gpus 2] [--fraction 0.01] [--server-args "..."]
+       affinity_remote_share.py --plot-from RECORD.json [OUT.png]   (the figure of a stored record)
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import json
 import re
 import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -198,9 +200,47 @@ def write_record(a, arms: dict) -> None:
     if up and ours is not None:
         rec["affinity_over_deepseek"] = ours / up
     (a.out / "affinity_remote_share.json").write_text(json.dumps(rec, indent=1))
+    try:
+        plot_record(rec, a.out / "affinity_remote_share.png")
+    except ImportError as e:
+        print(f"  (no plot: {e})")
+
+
+def plot_record(rec: dict, path: Path) -> None:
+    """ITL per arm (median, P99) and upstream's blocking stalls next to them: what a rebalance costs decode."""
+    from sglang_h20.plotting import pyplot
+
+    plt = pyplot()
+    arms = {n: r for n, r in rec["arms"].items() if r.get("median_itl_ms") is not None}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(arms))
+    ax1.bar([i - 0.2 for i in x], [r["median_itl_ms"] for r in arms.values()], 0.4, label="median")
+    ax1.bar([i + 0.2 for i in x], [r["p99_itl_ms"] for r in arms.values()], 0.4, label="P99")
+    ax1.set_xticks(list(x), list(arms), rotation=15)
+    ax1.set_ylabel("ITL of the measured bench (ms)")
+    ax1.legend()
+    stalls = {n: [1e3 * v for v in r.get("rebalance_stall_s", [])] for n, r in rec["arms"].items()}
+    stalls = {n: v for n, v in stalls.items() if v}
+    for i, (n, v) in enumerate(stalls.items()):
+        ax2.scatter([i] * len(v), v, alpha=0.6, label=f"{n}: {len(v)} (rank, rebalance)")
+    ax2.set_xticks(list(range(len(stalls))), list(stalls))
+    ax2.set_ylabel("blocking rebalance stall (ms)")
+    ax2.set_title("upstream's stalls (ours: none, by design)", fontsize=9)
+    if stalls:
+        ax2.legend(fontsize=8)
+    fig.suptitle(f"EP {rec['gpus']}, rebalance every {rec['rebalance_iterations']} passes, {rec.get('gpu')}, "
+                 f"{rec.get('git_commit')}, {str(rec.get('date'))[:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--plot-from"]:  # re-plot a stored record: --plot-from RECORD.json [OUT.png]
+        rec_path = Path(sys.argv[2])
+        plot_record(json.loads(rec_path.read_text()), Path(sys.argv[3]) if len(sys.argv) > 3
+                    else rec_path.with_suffix(".png"))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (e.g. scripts/make_model.py's, dummy weights)")

@@ -96,3 +96,12 @@ def test_stack_dump_starts_at_the_first_faulthandler_line():
                      "Thread 0x7f (most recent call first):", '  File "m.py", line 3 in wait'])
     assert bench.stack_dump(log) == log.splitlines()[2:]
     assert bench.stack_dump("server up\nno dump here") == []
+
+
+def test_plot_from_a_stored_record(tmp_path, monkeypatch):
+    """The session-12 record (ours, upstream, no EPLB in one call) re-plots from the command line."""
+    out = tmp_path / "a.png"
+    rec = REPO / "benchmark/results/eplb/async_boundary_2_ep2_h200.json"
+    monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(rec), str(out)])
+    assert bench.main() == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
