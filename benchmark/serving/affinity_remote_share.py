@@ -24,7 +24,7 @@ affinity placement exploits; the EPLB simulator (python -m sglang_h20.eplb simul
 with it. This run measures the real server path, whatever the routing.
 
 usage: affinity_remote_share.py --model DIR --out DIR [--gpus 2] [--fraction 0.01] [--server-args "..."]
-       affinity_remote_share.py --plot-from RECORD.json [OUT.png]   (the figure of a stored record)
+       affinity_remote_share.py --plot-from RECORD.json   (the figure of a stored record, RECORD.png)
 """
 from __future__ import annotations
 
@@ -33,12 +33,11 @@ import json
 import re
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from sglang_h20 import provenance
-from sglang_h20.cliargs import positive_float
+from sglang_h20.cliargs import positive_float, read_json
 from sglang_h20.nightly.serving import Server, write_sharegpt
 from sglang_h20.observe import export
 
@@ -236,15 +235,12 @@ def plot_record(rec: dict, path: Path) -> None:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--plot-from"]:  # re-plot a stored record: --plot-from RECORD.json [OUT.png]
-        rec_path = Path(sys.argv[2])
-        plot_record(json.loads(rec_path.read_text()), Path(sys.argv[3]) if len(sys.argv) > 3
-                    else rec_path.with_suffix(".png"))
-        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model folder (e.g. scripts/make_model.py's, dummy weights)")
-    ap.add_argument("--out", type=Path, required=True,
+    ap.add_argument("--plot-from", type=Path, metavar="JSON",
+                    help="only draw a stored record's figure (next to it, .png), no server run")
+    ap.add_argument("--model", help="model folder (e.g. scripts/make_model.py's, dummy weights); needed to run")
+    ap.add_argument("--out", type=Path,
                     help="output folder: affinity_remote_share.json and one folder per arm (server log, dumps)")
     ap.add_argument("--gpus", type=int, default=2,
                     help="GPUs per server: TP = EP = DP attention size (default: %(default)s)")
@@ -268,6 +264,12 @@ def main() -> int:
     ap.add_argument("--server-args", default="--load-format dummy",
                     help="extra flags of every server, one string (default: %(default)s)")
     a = ap.parse_args()
+    if a.plot_from:
+        plot_record(read_json(a.plot_from, "affinity_remote_share: --plot-from", SystemExit),
+                    a.plot_from.with_suffix(".png"))
+        return 0
+    if not a.model or not a.out:
+        ap.error("--model and --out are needed to run the servers (or --plot-from JSON to draw a record)")
     bad = [arm for arm in a.arms if not arm_valid(arm)]
     if bad:  # before any server starts: a typo would otherwise cost a server start and a traceback
         ap.error(f"--arms: unknown {', '.join(bad)}; an arm is none, ALGORITHM or "

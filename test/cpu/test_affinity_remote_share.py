@@ -98,10 +98,20 @@ def test_stack_dump_starts_at_the_first_faulthandler_line():
     assert bench.stack_dump("server up\nno dump here") == []
 
 
-def test_plot_from_a_stored_record(tmp_path, monkeypatch):
-    """The session-12 record (ours, upstream, no EPLB in one call) re-plots from the command line."""
-    out = tmp_path / "a.png"
-    rec = REPO / "benchmark/results/eplb/async_boundary_2_ep2_h200.json"
-    monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(rec), str(out)])
+def test_plot_from_a_stored_record(tmp_path, monkeypatch, capsys):
+    """The session-12 record (ours, upstream, no EPLB in one call) re-plots from the command line, next to itself;
+    an unreadable record or a run without --model / --out is refused with one line."""
+    import shutil
+
+    rec = shutil.copy(REPO / "benchmark/results/eplb/async_boundary_2_ep2_h200.json", tmp_path / "r.json")
+    monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(rec)])
     assert bench.main() == 0
+    out = tmp_path / "r.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(tmp_path / "absent.json")])
+    with pytest.raises(SystemExit, match="--plot-from"):
+        bench.main()
+    monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--gpus", "2"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--model and --out are needed" in capsys.readouterr().err
