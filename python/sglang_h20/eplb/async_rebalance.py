@@ -192,11 +192,14 @@ def _new_group():
 
 def before_forward(model_runner, forward_batch, *args, **kwargs):
     """BEFORE ModelRunner.forward: whether the pass is a decode pass, so that the pass clock can judge decode steps
-    apart from prefill passes (in a serving bench those are the p99 of all passes: ~40 ms against ~4.5)."""
+    apart from prefill passes (in a serving bench those are the p99 of all passes: ~40 ms against ~4.5). Under DP
+    attention a rank's decode pass waits in the MoE for a rank that extends; SGLang's `is_extend_in_batch` (any rank
+    extends, from its MLP sync) makes that pass a prefill pass here too."""
     manager = getattr(model_runner, "eplb_manager", None)
     if manager is not None:
         mode = getattr(forward_batch, "forward_mode", None)
-        _state(manager).decode = bool(mode.is_decode()) if mode is not None else None
+        _state(manager).decode = (bool(mode.is_decode()) and not getattr(forward_batch, "is_extend_in_batch", False)
+                                  if mode is not None else None)
     return None
 
 
