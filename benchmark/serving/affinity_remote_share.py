@@ -45,7 +45,7 @@ REBALANCE_LINE = re.compile(r"\[EPLBManager\] rebalance start|eplb_async: rebala
 STALL_LINE = re.compile(r"\[EPLBManager\] rebalance end time=([0-9.]+)s")
 ASYNC_END_LINE = re.compile(r"eplb_async: rebalance \S+ end: (\d+) layers switched over (\d+) forward passes")
 WORK_LINE = re.compile(r"eplb_async: rebalance \S+ end: .*boundary work on the decode thread: mean ([0-9.]+) us, "
-                       r"max ([0-9.]+) ms")
+                       r"max ([0-9.]+) ms(?: \(at switches: max ([0-9.]+) ms\))?")
 PASS_LINE = re.compile(r"eplb_async: rebalance (\S+) (pass|decode pass) intervals: "
                        r"during p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms \((\d+)\), "
                        r"before p50 ([0-9.]+) p99 ([0-9.]+) max ([0-9.]+) ms \((\d+)\)")
@@ -80,7 +80,8 @@ def rebalance_costs(log: str) -> dict:
     verify = [{"id": m[0], "slots": int(m[1]), "mismatched": 0} if m[0] else
               {"id": m[2], "slots": int(m[4]), "mismatched": int(m[3])} for m in VERIFY_LINE.findall(log)]
     out = {"rebalance_stall_s": stalls, "async_rebalances": spans, "async_pass_intervals": passes}
-    work = [{"mean_us": float(a), "max_ms": float(b)} for a, b in WORK_LINE.findall(log)]
+    work = [{"mean_us": float(a), "max_ms": float(b), **({"switch_max_ms": float(c)} if c else {})}
+            for a, b, c in WORK_LINE.findall(log)]
     if work:  # what our boundary work (posting, switching) took on the decode thread, per rank and rebalance
         out["async_boundary_work"] = work
     if decode:  # the same over decode passes only (prefill passes are the p99 of all passes in a serving bench)

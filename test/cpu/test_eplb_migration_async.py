@@ -307,6 +307,7 @@ def test_async_rebalance_through_sglang_hooks(world):
         for d in (during, before, dd, db):
             assert 0 < d["p50_ms"] <= d["p99_ms"] <= d["max_ms"] < 1e3
         assert 0 < h["boundary_work_mean_s"] <= h["boundary_work_max_s"] < STALL_BOUND_S  # logged in the end line
+        assert 0 < h["switch_work_max_s"] <= h["boundary_work_max_s"]
     assert all(f == flips[0] for f in flips)  # same step on every rank
     assert len(set(flips[0].values())) >= 2   # staging of one layer: layers switched at different steps
     assert min(flips[0].values()) > REBALANCE_AFTER + out[0][0]["history"][0]["gate_steps"]

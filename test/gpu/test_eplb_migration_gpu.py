@@ -4,7 +4,9 @@ In an EP-2 server a rebalance left 4 of 384 slots with the wrong bytes (the veri
 the next chunk was allocated on the decode loop's stream, so it reused the block the switch had just freed while
 that stream's copy out of it was still queued, and the side stream's next copy overwrote it first. Here every
 boundary comes with a forward "in flight" (a 2 ms sleep queued on the decode loop's stream before maybe_switch),
-which puts the switch copy behind it every time; every slot must still end bit-identical to its new expert.
+which puts the switch copy behind it every time; every slot must still end bit-identical to its new expert. Since
+then the chunks share one staging pool made up front, the side stream waiting on an event after the switch copies
+before it writes rows again: the same test checks that wait.
 """
 from __future__ import annotations
 

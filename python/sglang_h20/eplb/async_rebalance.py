@@ -535,6 +535,7 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
     rec["start_s"] = time.perf_counter() - t0  # our share of this boundary (dump_record is upstream's)
     ex = None
     work = []  # the decode thread's time in our boundary work (gate step, maybe_switch: posts and switches), s
+    switch_work = []  # the same at the boundaries that switched layers
     st.during = []  # after_pass stamps this boundary and every later one: a pass plus our boundary work
     try:
         while True:  # phase 1: placement in the background, start gate
@@ -564,6 +565,8 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
             t = time.perf_counter()
             switched = ex.maybe_switch()
             work.append(time.perf_counter() - t)
+            if switched:
+                switch_work.append(work[-1])
             if switched and ex.status.state == "running":  # progress of a long migration, one line per chunk
                 log.info("eplb_async: rebalance %s: layers %s switched after %d migration passes (%d of %d layers)",
                          job.mid, switched, rec["migration_steps"], len(ex.status.switched_layers),
@@ -579,11 +582,12 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
 
             init_lplb_solvers(model_config=manager._model_config)
         rec.update(boundary_work_mean_s=float(np.mean(work)) if work else 0.0,
-                   boundary_work_max_s=max(work, default=0.0))
+                   boundary_work_max_s=max(work, default=0.0), switch_work_max_s=max(switch_work, default=0.0))
         log.info("eplb_async: rebalance %s end: %d layers switched over %d forward passes "
-                 "(placement %d, migration %d); boundary work on the decode thread: mean %.0f us, max %.2f ms",
-                 job.mid, len(s.switched_layers), rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"],
-                 rec["migration_steps"], 1e6 * rec["boundary_work_mean_s"], 1e3 * rec["boundary_work_max_s"])
+                 "(placement %d, migration %d); boundary work on the decode thread: mean %.0f us, max %.2f ms "
+                 "(at switches: max %.2f ms)", job.mid, len(s.switched_layers),
+                 rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"], rec["migration_steps"],
+                 1e6 * rec["boundary_work_mean_s"], 1e3 * rec["boundary_work_max_s"], 1e3 * rec["switch_work_max_s"])
         if verify:  # off the decode thread, after the switch copies enqueued so far
             done = None
             if job.executor._cuda:

@@ -442,6 +442,8 @@ class MigrationExecutor:
         self._device = any_w.device if any_w is not None else torch.device("cpu")
         self._cuda = self._device.type == "cuda"
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._pool, self._index = self._make_staging()
+        self._freed = None  # CUDA event after the last switch's copies out of the pool (decode stream)
         self._group = group
         self._on_switch = on_switch
         self._start_event = None
@@ -480,8 +482,8 @@ class MigrationExecutor:
         self._ready: set[int] = set()
         self._staging: dict[int, list[torch.Tensor]] = {}  # tid -> views into its layer's block
         # layer -> (slot index tensor, runs of consecutive slots, one staging block per weight tensor
-        # [incoming, ...]): the switch is a few slice copies or one index_copy_ per tensor (_copy_rows),
-        # not one copy per expert (1024 launches for 256 slots x 4)
+        # [incoming, ...], rows of the pool): the switch is a few slice copies or one index_copy_ per tensor
+        # (_copy_rows), not one copy per expert (1024 launches for 256 slots x 4)
         self._blocks: dict[int, tuple[torch.Tensor, tuple, list[torch.Tensor]]] = {}
         self._staging_bytes = self._peak_staging = self._bytes_received = 0
         self._local_abort: str | None = None
@@ -604,19 +606,23 @@ class MigrationExecutor:
                 for tid in tids:
                     del self._staging[tid]
                 idx, runs, block = self._blocks.pop(l, (None, (), []))
+            freed = None
             for w, staged in zip(self._weights[l], block):
                 _copy_rows(w, staged, idx, runs)
                 if stream is not None:
-                    staged.record_stream(stream)
-            if idx is not None and stream is not None:
-                idx.record_stream(stream)
+                    staged.record_stream(stream)  # the pool, freed when done, outlives these copies
+            if stream is not None:
+                freed = torch.cuda.Event()
+                freed.record(stream)
             self._phy2log[l] = self.plan.new.phy2log[l]
             with self._cv:
                 self._staging_bytes -= len(tids) * self.plan.expert_bytes
+                self._freed = freed or self._freed
                 self._switched[l] = b
                 self._last_progress = time.monotonic()
                 if self._all_layers <= self._switched.keys():
                     self._state = "done"
+                    self._pool, self._index = [], {}
                 self._cv.notify_all()
         if layers and self._on_switch is not None:
             self._on_switch(layers)
@@ -633,6 +639,7 @@ class MigrationExecutor:
             freed, self._staging_bytes = self._staging_bytes, 0
             self._staging.clear()
             self._blocks.clear()
+            self._pool, self._index = [], {}
             switched = sorted(self._switched)
             aborted = sorted(self._all_layers - self._switched.keys())
             self._cv.notify_all()
@@ -743,30 +750,51 @@ class MigrationExecutor:
                 self._cv.wait(timeout=0.1)
             return not self._stop
 
+    def _make_staging(self) -> tuple[list[torch.Tensor], dict[int, tuple]]:
+        """The staging pool (one block per weight tensor, rows for the largest chunk's incoming experts) and each
+        layer's slot index (on the device) with its runs, made once, when the executor is built: off the decode
+        loop, which in boundary mode opens the chunks (allocating a chunk's 5 GB there, and uploading its index
+        from pinned memory, cost a boundary 6 ms in an EP-2 server). Chunks take consecutive rows of the pool."""
+        me, plan = self.rank, self.plan
+        rows = max((sum(len(plan.incoming(me, l)) for l in c.layers) for c in plan.chunks), default=0)
+        like = [(w.shape[1:], w.dtype) for w in self._weights[plan.layers[0]]] if plan.layers else []
+        for l in plan.layers:
+            if [(w.shape[1:], w.dtype) for w in self._weights[l]] != like:
+                raise ValueError(f"layer {l}: expert tensors differ in shape or dtype from layer {plan.layers[0]}'s "
+                                 "(one staging pool serves every layer)")
+        index = {}
+        with self._on_side_stream():  # the side stream writes the pool: allocated there (see _on_side_stream)
+            pool = [torch.empty((rows, *shape), dtype=dtype, device=self._device) for shape, dtype in like] \
+                if rows else []
+            for l in plan.layers:
+                slots = [plan.transfers[tid].dst_slot - me * self._k for tid in sorted(plan.incoming(me, l))]
+                if slots:
+                    idx = torch.tensor(slots, dtype=torch.long)
+                    index[l] = (idx.pin_memory().to(self._device, non_blocking=True) if self._cuda else idx,
+                                _runs(slots))
+        if self._cuda:
+            self._stream.synchronize()  # the index uploads, before any switch reads them on another stream
+        return pool, index
+
     def _open_chunk(self, chunk: Chunk) -> bool:
-        """Allocate the chunk's staging (one block per layer and weight tensor); False once stopped."""
+        """Hand the chunk its staging: per layer with incoming experts, the next rows of the pool (views, nothing
+        allocated); False once stopped. The side stream first waits, on the GPU, for the previous chunk's switch
+        copies out of those rows (queued on the decode loop's stream)."""
         plan, me = self.plan, self.rank
-        bufs, blocks = {}, {}
+        bufs, blocks, row = {}, {}, 0
+        with self._cv:
+            if self._stop:
+                return False
+            pool, freed = self._pool, self._freed
+        if freed is not None:
+            self._stream.wait_event(freed)
         for l in chunk.layers:
             tids = sorted(plan.incoming(me, l))
             if not tids:
                 continue
-            with self._on_side_stream():
-                # on the side stream, which writes it: allocated on the decode loop's stream (this thread's in
-                # boundary mode) it could reuse the staging the switch just freed while that stream's copy out
-                # of it is still queued, and the side stream's next write overwrote experts not yet switched in
-                # (4 of 384 slots differed after a rebalance in an EP-2 server; the verify caught it)
-                block = [torch.empty((len(tids), *w.shape[1:]), dtype=w.dtype, device=w.device)
-                         for w in self._weights[l]]
-            slots = [plan.transfers[tid].dst_slot - me * self._k for tid in tids]
-            idx = torch.tensor(slots, dtype=torch.long)
-            if self._cuda:  # pinned + non_blocking: a pageable upload would wait for the stream's work. On a stream
-                # ordered before the switch reads it: the decode loop's (boundary mode; the switch runs there) or
-                # the side stream, whose work completes before the layer can be ready (thread mode)
-                up = torch.cuda.current_stream(self._device) if self._per_boundary is not None else self._stream
-                with torch.cuda.stream(up):
-                    idx = idx.pin_memory().to(self._device, non_blocking=True)
-            blocks[l] = (idx, _runs(slots), block)
+            block = [p[row:row + len(tids)] for p in pool]
+            row += len(tids)
+            blocks[l] = (*self._index[l], block)
             for n, tid in enumerate(tids):
                 bufs[tid] = [b[n] for b in block]
         with self._cv:
