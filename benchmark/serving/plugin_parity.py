@@ -3,8 +3,10 @@
 
 Phases alternate between `upstream` (SGLANG_PLUGINS names no plugin, so ours is never loaded) and
 `plugin-off` (ours loaded, all features off). Each phase launches the real server, sends fixed
-greedy prompts one at a time (batch composition identical), then runs bench_serving `--repeats`
-times. The record holds the output ids, their agreement, every throughput and the spread.
+greedy prompts one at a time (batch composition identical), warms up with `--concurrency` requests at once
+(Server.warm_up: no bench_serving client), then runs bench_serving `--repeats` times. The record holds the
+output ids, their agreement, every throughput and the spread, and each phase against `upstream` (output tok/s
+and median ITL ratios).
 
 usage: plugin_parity.py --model DIR --out DIR [--phases upstream plugin-off upstream] [--server-args "..."]
 """
@@ -60,8 +62,7 @@ def run_phase(phase: str, args, port: int, sharegpt: Path) -> dict:
         env["SGLANG_H20_OBSERVE_DIR"] = str((out / "observe").resolve())
     with Server(args.model, shlex.split(args.server_args), log, env=env, port=port) as srv:
         ids = [output_ids(srv.generate(text=p, max_new_tokens=args.gen_tokens)) for p in prompts()]
-        srv.bench(out / "warmup.jsonl", num_prompts=args.concurrency, input_len=args.input_len,
-                  output_len=32, concurrency=args.concurrency, dataset_path=str(sharegpt))  # JIT, graphs: not timed
+        warm_s = srv.warm_up(args.concurrency, args.input_len, 32, args.concurrency)  # JIT, graphs: not timed
         benches = []
         for r in range(args.repeats):
             rec = srv.bench(out / f"bench{r}.jsonl", num_prompts=args.num_prompts, input_len=args.input_len,
@@ -73,7 +74,7 @@ def run_phase(phase: str, args, port: int, sharegpt: Path) -> dict:
         start_s = srv.start_s
     text = log.read_text(errors="replace")
     return {"phase": phase, "env": env, "observed_passes": observed_passes(out / "observe"),
-            "server_start_s": start_s, "wall_s": time.time() - t0, "output_ids": ids,
+            "server_start_s": start_s, "warm_up_s": warm_s, "wall_s": time.time() - t0, "output_ids": ids,
             "bench": benches, "plugin_log_lines": [ln for ln in text.splitlines() if PLUGIN_MARK in ln],
             "hooks_applied_lines": [ln for ln in text.splitlines() if PLUGIN_MARK in ln and "hooks applied" in ln]}
 
@@ -95,10 +96,16 @@ def summarize(phases: list[dict]) -> dict:
                                   "spread_pct": 100 * (max(v) - min(v)) / statistics.median(v)}
                               for k, v in tput.items()},
     }
-    if {"upstream", "plugin-off"} <= tput.keys():
-        up, pl = tput["upstream"], tput["plugin-off"]
-        summary["plugin_vs_upstream_median_ratio"] = statistics.median(pl) / statistics.median(up)
-        summary["run_to_run_spread_pct"] = max(s["spread_pct"] for s in summary["output_throughput"].values())
+    for other in ("plugin-off", "features"):  # against upstream, same run: output tok/s and median ITL
+        if {"upstream", other} <= tput.keys():
+            key = "plugin" if other == "plugin-off" else other
+            summary[f"{key}_vs_upstream_median_ratio"] = statistics.median(tput[other]) / statistics.median(
+                tput["upstream"])
+            itl = {k: [b.get("median_itl_ms") for p in by[k] for b in p["bench"]] for k in ("upstream", other)}
+            if all(v and None not in v for v in itl.values()):
+                summary[f"{key}_vs_upstream_median_itl_ratio"] = (statistics.median(itl[other])
+                                                                  / statistics.median(itl["upstream"]))
+            summary["run_to_run_spread_pct"] = max(s["spread_pct"] for s in summary["output_throughput"].values())
     return summary
 
 

@@ -5,8 +5,10 @@ so that every serving number in this project comes from one launcher and one par
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import random
 import re
 import signal
 import statistics
@@ -174,6 +176,18 @@ class Server:
         """One greedy /generate call; returns SGLang's JSON (output_ids under meta/top level)."""
         prompt = {"input_ids": input_ids} if input_ids is not None else {"text": text}
         return self._generate(prompt, max_new_tokens)
+
+    def warm_up(self, num_prompts: int, input_len: int, output_len: int, concurrency: int, seed: int = 0) -> float:
+        """`num_prompts` greedy requests of `input_len` random token ids, `concurrency` at a time, before a timed
+        bench: JIT kernels and batch shapes of that concurrency, without a bench_serving client (whose start,
+        importing sglang, took ~20 s of a device call per warm-up). Returns its wall seconds."""
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(100, 129000) for _ in range(input_len)] for _ in range(num_prompts)]
+        t0 = time.time()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            for _ in pool.map(lambda ids: self.generate(input_ids=ids, max_new_tokens=output_len), prompts):
+                pass  # a failed request raises here
+        return time.time() - t0
 
     def generate_batch(self, texts: list[str], max_new_tokens: int = 1, return_logprob: bool = False) -> list[dict]:
         """One batched greedy /generate call: all texts reach the scheduler together."""
