@@ -17,7 +17,8 @@
 #   (STEPS mlatrace) benchmark/kernels/trace_mla_decode.py ${TRACE_ARGS}: per-warp timeline of one CTA of the v2
 #     kernel (-DMLA_TRACE clock64 stamps) -> $OUT/mla_trace.json + .png (+ .log)
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
-#   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds)
+#   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds),
+#     phases PHASES (default: upstream features)
 #   (affinity) affinity_remote_share.py: tokens leaving their GPU, upstream EPLB vs affinity, and each rebalance's
 #     stall; AFFINITY_ARGS="--arms none deepseek deepseek+async deepseek+async-thread --fraction 0 --hang-s 60":
 #     upstream's blocking stall vs our migration, transfers posted by the decode loop or by a thread (multi-GPU);
@@ -138,11 +139,13 @@ if [[ " $STEPS " == *" layer "* ]] && [ "$(left)" -gt 90 ]; then
     "$(python3 -c 'from sglang_h20 import compat; from sglang_h20.attention.mha_mla import table_path; print(table_path(compat.gpu().name))' 2>/dev/null)"
 fi
 if [[ " $STEPS " == *" parity_ep "* ]]; then  # the multi-GPU issue: EP = DP attention = every GPU visible
+  # an EP-2 server with flashmla took ~165 s to start and a phase ~275 s with 2 bench repeats: two phases fit one
+  # call only with PARITY_ARGS="--repeats 1" and DEADLINE_S near 590
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   say "plugin parity with EP=$n, DP attention (phases must fit in $(( $(left) - 60 ))s; the JSON is written after each)"
   NCCL_NVLS_ENABLE=0 timeout -k 25 $(( $(left) - 45 )) python3 benchmark/serving/plugin_parity.py \
     --model /tmp/models/dsv3-4l --out "$OUT/parity_ep" \
-    --phases ${PHASES:-upstream plugin-off features} --deadline-s $(( $(left) - 60 )) ${PARITY_ARGS:-} \
+    --phases ${PHASES:-upstream features} --deadline-s $(( $(left) - 60 )) ${PARITY_ARGS:-} \
     --server-args "$SERVER_ARGS --attention-backend triton --log-level info \
 --tp $n --ep-size $n --enable-dp-attention --dp $n ${EP_ARGS:-}" 2>&1 | tee "$OUT/parity_ep.log" | grep -v "^\[.*bench:" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
