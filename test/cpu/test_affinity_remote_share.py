@@ -111,6 +111,12 @@ def test_plot_from_a_stored_record(tmp_path, monkeypatch, capsys):
     assert bench.main() == 0
     out = tmp_path / "r.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    width = lambda png: int.from_bytes(png.read_bytes()[16:20], "big")  # IHDR
+    assert width(out) == 1210  # no decode-pass windows in that record: two panels
+    # a session-13 record, with our rebalances' decode-pass windows: a third panel (their p99 ratios against 1.05)
+    rec2 = shutil.copy(REPO / "benchmark/results/eplb/async_decode_p99_2_ep2_h200.json", tmp_path / "r2.json")
+    monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(rec2)])
+    assert bench.main() == 0 and width(tmp_path / "r2.png") == 1760
     monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(tmp_path / "absent.json")])
     with pytest.raises(SystemExit, match="--plot-from"):
         bench.main()
