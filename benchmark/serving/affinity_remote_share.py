@@ -19,9 +19,11 @@ The same servers also measure what a rebalance costs decode (issue 9's migration
     longer, are the p99 of all passes in a serving bench);
   - arm `none` runs without EPLB: the steady ITL to compare both with.
 
-Caveat: the dummy model's random weights give routing without co-activation structure, the structure
-affinity placement exploits; the EPLB simulator (python -m sglang_h20.eplb simulate) shows how much it buys
-with it. This run measures the real server path, whatever the routing.
+Caveat: the dummy model's random weights give routing without co-activation structure (every token of a layer
+picks nearly the same experts: the dummy correction bias outweighs the dummy logits), the structure affinity
+placement exploits. `--router-clusters S` rewrites every MoE gate after the dummy load so that experts co-activate
+in seeded random clusters of S (sglang_h20.eplb.dummy_router; the same for every arm): a synthetic router on the
+real server path, labelled so in the record (`router_clusters`).
 
 usage: affinity_remote_share.py --model DIR --out DIR [--gpus 2] [--fraction 0.01] [--server-args "..."]
        affinity_remote_share.py --plot-from RECORD.json   (the figure of a stored record, RECORD.png)
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 
 from sglang_h20 import provenance
-from sglang_h20.cliargs import positive_float, read_json
+from sglang_h20.cliargs import non_negative_int, positive_float, read_json
 from sglang_h20.nightly.serving import Server, write_sharegpt
 from sglang_h20.observe import export
 
@@ -155,6 +157,8 @@ def run_arm(a, arm: str, data: Path) -> dict:
     arm_args, arm_env = arm_setup(arm, a.gpus, a.rebalance_iterations)
     args = shlex.split(a.server_args) + arm_args
     env = {"SGLANG_H20_OBSERVE": str(a.fraction), "SGLANG_H20_OBSERVE_DIR": str(dump.resolve()), **arm_env}
+    if a.router_clusters:  # every arm: the same workload
+        env["SGLANG_H20_DUMMY_ROUTER_CLUSTERS"] = str(a.router_clusters)
     srv = Server(a.model, args, out / "server.log", env=env, port=32400 + a.arms.index(arm), hang_s=a.hang_s)
     try:
         with srv:
@@ -194,7 +198,8 @@ def stack_dump(log: str) -> list[str]:
 
 def write_record(a, arms: dict) -> None:
     rec = {**provenance.record(), "benchmark": "affinity_remote_share", "model": a.model, "gpus": a.gpus,
-           "fraction": a.fraction, "rebalance_iterations": a.rebalance_iterations, "arms": arms,
+           "fraction": a.fraction, "rebalance_iterations": a.rebalance_iterations,
+           "router_clusters": a.router_clusters, "arms": arms,
            "arms_requested": a.arms}
     up, ours = arms.get("deepseek", {}).get("remote_share_mean"), arms.get("affinity", {}).get("remote_share_mean")
     if up and ours is not None:
@@ -274,6 +279,10 @@ def main() -> int:
                          "transfers posted by the decode loop), ALGORITHM+async-thread (posted by a thread), "
                          "ALGORITHM+async-verify (+ every slot's bytes checked after the move), none "
                          "(no EPLB: steady ITL)")
+    ap.add_argument("--router-clusters", type=non_negative_int, default=0, metavar="S",
+                    help="dummy weights only: every MoE gate rewritten so that experts co-activate in seeded clusters "
+                         "of S (SGLANG_H20_DUMMY_ROUTER_CLUSTERS, every arm); the dummy router alone co-activates "
+                         "nothing an affinity placement could use (default: 0, off)")
     ap.add_argument("--hang-s", type=positive_float, default=90,
                     help="a bench during which the server log stays silent this long ends that arm with every "
                          "server thread's Python stack in its log and the record (default: %(default)s)")

@@ -12,6 +12,8 @@ import dataclasses
 import os
 from typing import Callable, Mapping
 
+from sglang_h20 import cliargs
+
 ENV_PREFIX = "SGLANG_H20_"
 _TRUE = ("1", "on", "true", "yes")
 _FALSE = ("0", "off", "false", "no", "")
@@ -49,6 +51,13 @@ def _fraction(text: str) -> float:
     if not 0.0 <= v <= 1.0:
         raise SettingError(f"expected a number in [0, 1], got {text!r}")
     return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        return cliargs.non_negative_int(text.strip())
+    except argparse.ArgumentTypeError as e:
+        raise SettingError(str(e)) from None
 
 
 def _path(text: str) -> str:
@@ -126,6 +135,10 @@ SWITCHES: tuple[Switch, ...] = (
            "the move (reads all expert weights twice, off the decode thread; one INFO or ERROR line per rank)"),
     Switch("eplb_affinity", _fraction, "0.25",
            "locality vs balance of the affinity placement: 0 = balance only, 1 = most locality"),
+    Switch("dummy_router_clusters", _non_negative_int, "0",
+           "benchmarks of expert placement on dummy weights only: after a --load-format dummy load, every MoE gate "
+           "rewritten so that experts co-activate in seeded clusters of this size (0 = off; a real checkpoint is "
+           "never touched)"),
     Switch("observe", _fraction, "0",
            "fraction of decode steps timed per stage with CUDA events (0 = off, e.g. 0.001): a sampled "
            "step replays an instrumented twin of its CUDA graph (eagerly without graphs: 9x a graph step "

@@ -32,6 +32,7 @@ ON = {  # the one switch that asks for each feature
     "sbo": {"SGLANG_H20_SBO": "on"},
     "eplb": {"SGLANG_H20_EPLB": "affinity"},
     "eplb_async": {"SGLANG_H20_EPLB_ASYNC": "on"},
+    "dummy_router": {"SGLANG_H20_DUMMY_ROUTER_CLUSTERS": "8"},
     "observe": {"SGLANG_H20_OBSERVE": "0.01"},
 }
 H200 = compat.Gpu("NVIDIA H200", (9, 0), 140.0)
@@ -123,7 +124,7 @@ def test_no_cuda_or_a_gpu_older_than_sm90(activate, name, gpu, why):
 
 def test_eplb_features_need_no_gpu():
     """eplb and eplb_async run on the host (placement) and through SGLang's own weight movement: no GPU guard."""
-    assert {f.name for f in FEATURES if not f.needs_gpu} == {"eplb", "eplb_async"}
+    assert {f.name for f in FEATURES if not f.needs_gpu} == {"eplb", "eplb_async", "dummy_router"}
 
 
 @pytest.mark.parametrize("name, module", [(f.name, m) for f in FEATURES for m in f.kernel_modules
@@ -140,6 +141,7 @@ TARGET_CONSTANTS = {  # per feature: a hook target its hooks() names, as a modul
     "sbo": ("sglang_h20.moe.sbo", "INIT_MOE_CONFIG"),
     "eplb": ("sglang_h20.eplb.integration", "RECORD_TARGET"),
     "eplb_async": ("sglang_h20.eplb.async_rebalance", "INIT_TARGET"),
+    "dummy_router": ("sglang_h20.eplb.dummy_router", "TARGET"),
     "observe": ("sglang_h20.observe.stages", "STEP_TARGET"),
 }
 
