@@ -124,3 +124,25 @@ def test_plot_from_a_stored_record(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert "--model and --out are needed" in capsys.readouterr().err
+
+
+def test_pooled_decode_p99_with_its_interval(tmp_path):
+    """The raw intervals each rank dumps, pooled per rebalance: the p99 ratio with a bootstrap interval around it;
+    windows under MIN_P99_PASSES are left out, as in the per-rank verdict."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    steady = lambda n: list(4 + rng.exponential(0.5, n))
+    for rank in (0, 1):
+        (tmp_path / f"eplb_async_r1_rank{rank}.json").write_text(json.dumps(
+            {"id": "r1", "rank": rank, "decode_during": [1.2 * x for x in steady(400)],
+             "decode_before": steady(450), "all_during": [], "all_before": []}))
+        (tmp_path / f"eplb_async_r2_rank{rank}.json").write_text(json.dumps(
+            {"id": "r2", "rank": rank, "decode_during": steady(3), "decode_before": steady(450)}))
+    (p,) = bench.pooled_decode_p99(tmp_path)
+    assert p["id"] == "r1" and p["ranks"] == 2 and p["n"] == [800, 900]
+    assert p["ci95"][0] < p["ratio"] < p["ci95"][1] and 1.0 < p["ratio"] < 1.45 and p["ci95"][1] - p["ci95"][0] < 0.5
+    assert bench.pooled_line({"async_decode_p99_pooled": [p]}).startswith("r1 1.")
+    assert bench.pooled_line({}) == "none" and bench.pooled_decode_p99(tmp_path / "absent") == []

@@ -458,3 +458,23 @@ def test_migration_group_nccl_options_cap_ctas(monkeypatch):
     assert ar.nccl_options().config.max_ctas == ar.TUNING.nccl_max_ctas == 4
     monkeypatch.setattr(ar.TUNING, "nccl_max_ctas", None)
     assert ar.nccl_options() is None
+
+
+def test_dump_intervals_writes_what_the_benchmark_pools(tmp_path):
+    """A rebalance's raw intervals land where affinity_remote_share.pooled_decode_p99 reads them: per rank, every
+    pass and decode passes, during and before; an unwritable folder costs a warning, not the rebalance."""
+    import json
+
+    from sglang_h20.eplb import async_rebalance as ar
+
+    ends = lambda t0, n, decode: [(t0 + 0.005 * i, decode(i)) for i in range(n)]
+    before = ends(0.0, 200, lambda i: i % 5 != 0)
+    during = ends(10.0, 120, lambda i: True)
+    ar.dump_intervals(str(tmp_path / "d"), "r7", during, before)
+    rec = json.loads((tmp_path / "d" / "eplb_async_r7_rank0.json").read_text())
+    assert rec["id"] == "r7" and rec["rank"] == 0
+    assert len(rec["all_before"]) == 199 and 150 <= len(rec["decode_before"]) <= 161
+    assert len(rec["all_during"]) == len(rec["decode_during"]) == 119
+    assert all(abs(x - 5.0) < 1e-6 for x in rec["all_during"])
+    (tmp_path / "file").write_text("")
+    ar.dump_intervals(str(tmp_path / "file"), "r8", during, before)  # a file where the folder should be: warns

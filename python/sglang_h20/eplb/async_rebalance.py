@@ -70,7 +70,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
+import os
+import pathlib
 import sys
 import threading
 import time
@@ -80,6 +83,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sglang_h20.abstats import nearest_rank
 from sglang_h20.eplb.migration import (MigrationExecutor, connect_peers, pacing, plan_migration,
                                        slot_digests)
 from sglang_h20.eplb.placement import Placement, Topology
@@ -228,9 +232,7 @@ def interval_summary(ms: list[float]) -> dict:
     """p50 / p99 / max of pass intervals (nearest rank), and their count."""
     if not ms:
         return {"n": 0}
-    xs = sorted(ms)
-    pick = lambda q: xs[min(len(xs) - 1, max(0, int(np.ceil(q * len(xs))) - 1))]
-    return {"n": len(xs), "p50_ms": pick(0.50), "p99_ms": pick(0.99), "max_ms": xs[-1]}
+    return {"n": len(ms), "p50_ms": nearest_rank(ms, 0.50), "p99_ms": nearest_rank(ms, 0.99), "max_ms": max(ms)}
 
 
 def log_pass_intervals(mid: str, during: dict, before: dict, kind: str = "pass") -> None:
@@ -240,6 +242,22 @@ def log_pass_intervals(mid: str, during: dict, before: dict, kind: str = "pass")
              "before p50 %.2f p99 %.2f max %.2f ms (%d); p99 ratio %.3f", mid, kind, during["p50_ms"],
              during["p99_ms"], during["max_ms"], during["n"], before["p50_ms"], before["p99_ms"],
              before["max_ms"], before["n"], during["p99_ms"] / before["p99_ms"])
+
+
+def dump_intervals(out_dir: str, mid: str, spanned, before) -> None:
+    """A rebalance's raw pass intervals (ms; every pass and decode passes, during and before) as
+    `eplb_async_<id>_rank<r>.json` in the benchmark's dump folder (SGLANG_H20_OBSERVE_DIR), for a p99 ratio pooled
+    over ranks with a confidence interval: one rank's window of ~400 passes cannot tell 1.05 from 1.3."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rec = {"id": mid, "rank": rank, **{f"{kind}_{when}": pass_intervals(ends, kind == "decode")
+                                       for kind in ("all", "decode") for when, ends in (("during", spanned),
+                                                                                       ("before", before))}}
+    try:
+        path = pathlib.Path(out_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / f"eplb_async_{mid}_rank{rank}.json").write_text(json.dumps(rec))
+    except OSError as e:
+        log.warning("eplb_async: pass intervals of %s not written to %s: %s", mid, out_dir, e)
 
 
 def after_init(_result, manager, *args, **kwargs):
@@ -601,6 +619,10 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
             rec.update({key + "_during": during, key + "_before": steady})
             if during["n"] and steady["n"]:
                 log_pass_intervals(job.mid, during, steady, kind)
+        dump_dir = os.environ.get("SGLANG_H20_OBSERVE_DIR")
+        if dump_dir:
+            threading.Thread(target=dump_intervals, args=(dump_dir, job.mid, spanned, before), daemon=True,
+                             name=f"eplb-async-dump-{job.mid}").start()
     finally:
         sys.setswitchinterval(interval)
         st.during = None
