@@ -4,7 +4,8 @@
 Issue 9 asks for it against upstream EPLB on the same workload. One server per arm, EP = DP attention = every
 visible GPU, SGLang's EPLB on (`--enable-eplb`, rebalance every --rebalance-iterations passes), observation at
 --fraction. The arms differ only in `--eplb-algorithm`: `deepseek` (upstream) or `affinity` (ours, with
-SGLANG_H20_EPLB=affinity). Each runs a warm-up bench_serving long enough for rebalances, then a measured one.
+SGLANG_H20_EPLB=affinity). Each runs a warm-up (as many requests of the same lengths, as /generate calls) long enough
+for rebalances, then a measured bench_serving run.
 The quantity is `remote_share` of the sampled passes after the last rebalance of the warm-up (observe.stages):
 per rank and MoE layer, the share of the rank's routed (token, expert) pairs whose expert lives on another rank.
 
@@ -187,8 +188,9 @@ def run_arm(a, arm: str, data: Path) -> dict:
     srv = Server(a.model, args, out / "server.log", env=env, port=32400 + a.arms.index(arm), hang_s=a.hang_s)
     try:
         with srv:
-            srv.bench(out / "warmup.jsonl", num_prompts=a.prompts, input_len=a.input_len,
-                      output_len=a.output_len, concurrency=a.concurrency, dataset_path=str(data))
+            # the warm-up: the same requests' worth of passes (rebalances before the measurement), sent as
+            # /generate calls: no bench_serving client to start (~20 s of the device call each)
+            srv.warm_up(a.prompts, a.input_len, a.output_len, a.concurrency)
             split = time.time()
             rebalances_before = rebalances((out / "server.log").read_text(errors="replace"), a.gpus)
             bench = srv.bench(out / "measure.jsonl", num_prompts=a.prompts, input_len=a.input_len,

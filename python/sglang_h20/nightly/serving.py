@@ -6,6 +6,7 @@ so that every serving number in this project comes from one launcher and one par
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -184,9 +185,9 @@ class Server:
         rng = random.Random(seed)
         prompts = [[rng.randrange(100, 129000) for _ in range(input_len)] for _ in range(num_prompts)]
         t0 = time.time()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        with self._watched(), concurrent.futures.ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
             for _ in pool.map(lambda ids: self.generate(input_ids=ids, max_new_tokens=output_len), prompts):
-                pass  # a failed request raises here
+                pass  # a failed request raises here (a hung server's stack dump ends it, and so its requests)
         return time.time() - t0
 
     def generate_batch(self, texts: list[str], max_new_tokens: int = 1, return_logprob: bool = False) -> list[dict]:
@@ -211,14 +212,20 @@ class Server:
               concurrency: int | None = None, dataset_path: str | None = None, seed: int = 1,
               extra: list[str] | None = None, timeout_s: float = 600, flush_cache: bool = True) -> dict:
         """Run `python -m sglang.bench_serving` against this server; returns its result record."""
-        done = threading.Event()
-        if self.hang_s:
-            threading.Thread(target=self._watch, args=(done,), daemon=True, name="server-hang-watch").start()
-        try:
+        with self._watched():
             return run_bench_serving(self.url, self.model, out_jsonl, num_prompts=num_prompts,
                                      input_len=input_len, output_len=output_len, concurrency=concurrency,
                                      dataset_path=dataset_path, seed=seed, extra=extra, timeout_s=timeout_s,
                                      env=self.env, flush_cache=flush_cache)
+
+    @contextlib.contextmanager
+    def _watched(self):
+        """The hang watch (hang_s) around a bench or a warm-up."""
+        done = threading.Event()
+        if self.hang_s:
+            threading.Thread(target=self._watch, args=(done,), daemon=True, name="server-hang-watch").start()
+        try:
+            yield
         finally:
             done.set()
 
