@@ -143,6 +143,7 @@ def test_pooled_decode_p99_with_its_interval(tmp_path):
             {"id": "r2", "rank": rank, "decode_during": steady(3), "decode_before": steady(450)}))
     (p,) = bench.pooled_decode_p99(tmp_path)
     assert p["id"] == "r1" and p["ranks"] == 2 and p["n"] == [800, 900]
+    assert len(p["decode_during_ms"]) == 800 and len(p["decode_before_ms"]) == 900
     assert p["ci95"][0] < p["ratio"] < p["ci95"][1] and 1.0 < p["ratio"] < 1.45 and p["ci95"][1] - p["ci95"][0] < 0.5
     assert bench.pooled_line({"async_decode_p99_pooled": [p]}).startswith("r1 1.")
     assert bench.pooled_line({}) == "none" and bench.pooled_decode_p99(tmp_path / "absent") == []
