@@ -111,3 +111,28 @@ def test_switch_turns_the_feature_on_with_the_dummy_loader_hook_only():
     assert not bad.on and "bad value" in bad.reason
     with pytest.raises(Unsupported, match="at least 2"):
         dummy_router.hooks({"dummy_router_clusters": 1})
+
+
+def test_affinity_keeps_clustered_tokens_on_their_gpu_where_deepseek_does_not():
+    """What the EP-2 server run is to show, predicted on the CPU: with the clustered router, our placement (GPUs as
+    the locality domains of one node) lets fewer tokens leave their GPU than SGLang's deepseek placement, at the
+    same load balance; the share of (token, expert) pairs on another GPU stays ~0.5 for both (a token's DP rank
+    does not depend on its experts), so that share cannot show it."""
+    from sglang_h20.eplb.placement import Topology, place
+    from sglang_h20.eplb.simulate import choose_slots, coactivation
+
+    model = dummy_model(layers=(1, 2, 3))
+    dummy_router.cluster_gates(model, SIZE)
+    ids = np.stack([route(model, l, tokens=3000).numpy() for l in (1, 2, 3)])  # [L, T, K]
+    stats, test = coactivation([ids[:, :1500]], E), ids[:, 1500:]
+    topo = Topology(1, 2, E // 2)
+    origin = np.arange(test.shape[1]) % 2  # DP rank of each token
+    out = {}
+    for alg in ("deepseek", "affinity"):
+        slot = choose_slots(place(stats, topo, alg), test, np.zeros(test.shape[1], dtype=np.int64))
+        remote = topo.slot_gpu()[slot] != origin[None, :, None]
+        load = np.stack([np.bincount(topo.slot_gpu()[slot[l]].ravel(), minlength=2) for l in range(3)])
+        out[alg] = (remote.any(axis=2).mean(), remote.mean(), (load.min(axis=1) / load.max(axis=1)).min())
+    assert out["deepseek"][0] >= 0.95 and out["affinity"][0] <= 0.85, out  # tokens leaving their GPU
+    assert all(0.45 <= v[1] <= 0.55 for v in out.values()), out           # pairs: no signal either way
+    assert out["affinity"][2] >= 0.85, out                                 # GPU load balance kept

@@ -190,7 +190,19 @@ def test_argument_errors(random_stats):
     with pytest.raises(ValueError, match="num_groups"):
         place(random_stats, Topology(16, 4, 4), "deepseek_hierarchical")  # 8 groups, 16 nodes
     with pytest.raises(ValueError, match="copies"):
-        place(random_stats, Topology(1, 8, 40), "affinity")  # 1 node: one copy per expert at most
+        place(random_stats, Topology(1, 2, E + 1), "affinity")  # 1 node: one copy per GPU at most
+
+
+def test_affinity_on_one_node_takes_its_gpus_as_the_locality_domains(random_stats):
+    """On one node (EP inside one host) the GPUs are where locality pays (a token copy per GPU over NVLink): a
+    replica per GPU at most, so redundant slots work there too, and co-activated experts share GPUs."""
+    topo = Topology(1, 8, E // 8 + 8)  # 8 redundant slots per GPU
+    p = place(random_stats, topo, "affinity")
+    check_invariants(p, topo, 3)
+    gpu = topo.slot_gpu()
+    for l in range(3):  # no expert twice on one GPU
+        pairs = set(zip(gpu.tolist(), p.phy2log[l].tolist()))
+        assert len(pairs) == topo.num_slots
 
 
 # --- the affinity algorithm -----------------------------------------------------------------

@@ -88,7 +88,8 @@ def place(stats, topo: Topology, algorithm: str, *, affinity: float = DEFAULT_AF
     """Place the experts of every layer of `stats` (a CoactivationStats) onto `topo`.
 
     algorithm: "contiguous" (naive split), "balanced" (LPT, no replication), "deepseek" /
-    "deepseek_hierarchical" (SGLang's EPLB), "affinity" (ours: co-activated experts share nodes).
+    "deepseek_hierarchical" (SGLang's EPLB), "affinity" (ours: co-activated experts share nodes; on a
+    single node, GPUs).
     `affinity` (0..1, "affinity" only) trades GPU-load balance (0: pure balance) for
     co-activation locality (1: locality within a ~0.93 balancedness floor); `seed` breaks ties
     ("affinity" is deterministic for a seed); `num_groups`: expert groups for
@@ -110,7 +111,10 @@ def place(stats, topo: Topology, algorithm: str, *, affinity: float = DEFAULT_AF
     elif algorithm == "affinity":
         if not 0.0 <= affinity <= 1.0:
             raise ValueError(f"affinity must lie in [0, 1], got {affinity}")
-        phy2log = _affinity(np.asarray(stats.coact), topo, float(affinity), seed)
+        # on one node its GPUs are the locality domains (a token copy per GPU over NVLink, as per node over the
+        # network across nodes): the same slot order, each GPU a node of one GPU
+        domains = Topology(topo.gpus_per_node, 1, topo.slots_per_gpu) if topo.num_nodes == 1 else topo
+        phy2log = _affinity(np.asarray(stats.coact), domains, float(affinity), seed)
     else:
         raise ValueError(f"unknown placement algorithm {algorithm!r}; choose from {ALGORITHMS}")
     return Placement(np.ascontiguousarray(phy2log, dtype=np.int64), topo, E, algorithm)
@@ -220,7 +224,7 @@ def _replica_counts(load: np.ndarray, num_slots: int, max_copies: int) -> np.nda
     L, E = load.shape
     if num_slots > E * max_copies:
         raise ValueError(f"{num_slots} slots would need more than {max_copies} copies of an expert "
-                         f"(affinity keeps at most one copy per node)")
+                         f"(affinity keeps at most one copy per node; on one node, per GPU)")
     cnt = np.ones((L, E), dtype=np.int64)
     rows = np.arange(L)
     for _ in range(num_slots - E):
