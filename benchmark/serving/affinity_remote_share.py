@@ -150,15 +150,24 @@ def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str]
 
 
 def summarize(records: list[dict], after_ts: float) -> dict:
-    """Mean remote share of the sampled passes after `after_ts`, overall and per rank."""
+    """Means over the sampled passes after `after_ts`: the remote share of (token, expert) pairs (overall and per
+    rank), and, where the records carry them, the share of tokens that leave their GPU and the other GPUs a token
+    is sent to (the quantities placement can lower: under DP attention a token's rank does not follow its experts,
+    so with balanced load about (EP-1)/EP of the pairs are remote whatever the placement)."""
     per_rank: dict[int, list[float]] = {}
+    token: dict[str, list[float]] = {"token_leave_share": [], "remote_copies_per_token": []}
     for r in records:
         if r.get("kind", "stages") != "stages" or r.get("ts", 0.0) < after_ts or not r.get("remote_share"):
             continue
         per_rank.setdefault(int(r.get("rank", 0)), []).append(statistics.fmean(r["remote_share"]))
+        for key, xs in token.items():
+            if r.get(key):
+                xs.append(statistics.fmean(r[key]))
     flat = [x for xs in per_rank.values() for x in xs]
-    return {"samples": len(flat), "remote_share_mean": statistics.fmean(flat) if flat else None,
-            "per_rank": {str(k): statistics.fmean(v) for k, v in sorted(per_rank.items())}}
+    out = {"samples": len(flat), "remote_share_mean": statistics.fmean(flat) if flat else None,
+           "per_rank": {str(k): statistics.fmean(v) for k, v in sorted(per_rank.items())}}
+    out.update({key + "_mean": statistics.fmean(xs) for key, xs in token.items() if xs})
+    return out
 
 
 def eplb_algorithms() -> list[str]:
@@ -236,6 +245,9 @@ def write_record(a, arms: dict) -> None:
     up, ours = arms.get("deepseek", {}).get("remote_share_mean"), arms.get("affinity", {}).get("remote_share_mean")
     if up and ours is not None:
         rec["affinity_over_deepseek"] = ours / up
+    up, ours = (arms.get(a, {}).get("token_leave_share_mean") for a in ("deepseek", "affinity"))
+    if up and ours is not None:  # the issue's "tokens that leave their GPU", ours over upstream's
+        rec["token_leave_affinity_over_deepseek"] = ours / up
     (a.out / "affinity_remote_share.json").write_text(json.dumps(rec, indent=1))
     try:
         plot_record(rec, a.out / "affinity_remote_share.png")
@@ -341,7 +353,8 @@ def main() -> int:
             print(f"  {arm}: FAILED: {r['error'][:300]} ({len(r['stacks'])} stack lines kept)", flush=True)
             write_record(a, arms)
             continue
-        print(f"  {arm}: remote share {r['remote_share_mean']} over {r['samples']} samples, "
+        print(f"  {arm}: remote share {r['remote_share_mean']} over {r['samples']} samples, tokens leaving their "
+              f"GPU {r.get('token_leave_share_mean')}, other GPUs per token {r.get('remote_copies_per_token_mean')}, "
               f"{r['rebalances_in_warmup']} rebalances before the measurement, ITL median {r['median_itl_ms']} "
               f"P99 {r['p99_itl_ms']} ms, stalls {r.get('rebalance_stall_ms_median')} ms median, "
               f"{r.get('rebalance_stall_ms_max')} max; async: {len(r['async_rebalances'])} rebalance ends, decode p99 "

@@ -27,6 +27,12 @@ def test_summary_counts_sampled_passes_after_the_split_only():
     assert s["per_rank"] == {"0": pytest.approx(0.3), "1": pytest.approx(0.6)}
     assert s["remote_share_mean"] == pytest.approx((0.3 + 0.6 + 0.6) / 3)
     assert bench.summarize(recs, after_ts=100.0) == {"samples": 0, "remote_share_mean": None, "per_rank": {}}
+    assert "token_leave_share_mean" not in s  # records from before the per-token counts
+    recs[1].update(token_leave_share=[0.5, 0.7], remote_copies_per_token=[0.5, 0.7])
+    recs[2].update(token_leave_share=[1.0, 0.8], remote_copies_per_token=[1.0, 1.2])
+    s = bench.summarize(recs, after_ts=10.0)
+    assert s["token_leave_share_mean"] == pytest.approx(0.75)
+    assert s["remote_copies_per_token_mean"] == pytest.approx(0.85)
 
 
 def test_rebalance_costs_from_the_server_log():

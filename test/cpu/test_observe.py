@@ -213,6 +213,15 @@ def test_record_load_counts_and_balancedness():
     assert (r["num_experts"], r["experts_per_rank"], r["ep_size"]) == (8, 2, 4)
     # rank 0 holds experts 0-1: 2 of its 7 routed pairs stay, 5 leave the GPU
     assert r["remote_share"] == [pytest.approx(5 / 7)]
+    # per token: 4 routed ([0,5] [5,7] [3,5] [1,9]), 3 with an expert elsewhere, sent to 1 + 2 + 2 other GPUs
+    assert r["token_leave_share"] == [pytest.approx(3 / 4)] and r["remote_copies_per_token"] == [pytest.approx(5 / 4)]
+    assert "token_counts" not in r
+    one = StageRecorder(clock=FakeClock())  # one GPU: no per-token counts, expert counts as they were
+    one.begin_step(1)
+    one.record_load(2, ids, num_experts=8)
+    one.end_step()
+    (r1,) = one.poll()
+    assert r1["expert_load"] == [[1, 0, 0, 1, 0, 3, 0, 1]] and "token_leave_share" not in r1
     assert stages.remote_share([[0, 0, 3, 1], [2, 0, 0, 0]], 2, 2, rank=1) == [0.0, 1.0]
     assert stages.remote_share([[0, 0, 0, 0]], 2, 2, rank=0) == [0.0]  # nothing routed
 

@@ -14,7 +14,9 @@ kind "stages" (a sampled decode pass: an instrumented graph twin replayed, graph
     expert_load: [[count per physical expert] per MoE layer], expert_load_layers: [layer ids],
     num_experts, experts_per_rank, ep_size, balancedness: [mean/max of the per-rank load per MoE
     layer, from this rank's own routing], remote_share? (ep_size > 1): [share of this rank's routed
-    (token, expert) pairs sent to another rank, per MoE layer]
+    (token, expert) pairs sent to another rank, per MoE layer], token_leave_share? (ep_size > 1): [share of
+    this rank's tokens with an expert on another rank], remote_copies_per_token? (ep_size > 1): [other ranks
+    a token is sent to, mean] (the two that placement can lower: a token's rank does not follow its experts)
     rank_latency_ms?: [[ms]] rank x rank (src row, dst col), when a latency probe provides one
 kind "graph" (a graph-replay reference pass): ts, rank, step, step_ms, mode, eager=false, ...
 
@@ -28,6 +30,7 @@ like SGLang's own `sglang:*` series (Gauge with multiprocess_mode="mostrecent").
     sglang_h20:step_ms{rank,kind}                  gauge, kind = graph_sampled | eager_sampled | graph
     sglang_h20:expert_balancedness{layer,rank}     gauge, last sampled pass
     sglang_h20:expert_remote_share{layer,rank}     gauge, last sampled pass (EP > 1)
+    sglang_h20:token_leave_share{layer,rank}       gauge, last sampled pass (EP > 1)
     sglang_h20:observe_samples_total{rank,kind}    counter
 """
 from __future__ import annotations
@@ -184,6 +187,9 @@ class PrometheusExporter:
         self.remote_share = self._gauge("sglang_h20:expert_remote_share",
                                         "share of this rank's routed tokens sent to another EP rank, last sampled pass",
                                         ["layer", "rank"], kw)
+        self.token_leave = self._gauge("sglang_h20:token_leave_share",
+                                       "share of this rank's tokens with an expert on another EP rank, last sampled "
+                                       "pass", ["layer", "rank"], kw)
         self.samples = prom.Counter("sglang_h20:observe_samples", "Sampled passes exported",
                                     labelnames=["rank", "kind"], **kw)
 
@@ -217,6 +223,8 @@ class PrometheusExporter:
             self.balancedness.labels(layer=str(layer), rank=rank).set(b)
         for layer, share in zip(record.get("expert_load_layers", ()), record.get("remote_share", ())):
             self.remote_share.labels(layer=str(layer), rank=rank).set(share)
+        for layer, share in zip(record.get("expert_load_layers", ()), record.get("token_leave_share", ())):
+            self.token_leave.labels(layer=str(layer), rank=rank).set(share)
 
 
 _PROCESS_PROM: PrometheusExporter | None = None  # the default registry takes each name once

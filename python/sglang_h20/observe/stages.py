@@ -420,10 +420,30 @@ class StageRecorder:
         idx = torch.where((ids >= 0) & (ids < num_experts), ids, torch.full_like(ids, num_experts))
         counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
         counts.scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
+        counts = counts[:num_experts]
+        per_token = ep_size > 1 and experts_per_rank > 0 and 0 <= self.rank < ep_size
+        if per_token:  # carried after the expert counts, split off at read-out
+            counts = torch.cat([counts, self._token_counts(topk_ids, num_experts, experts_per_rank, ep_size)])
         prev = self._loads.get(layer)
-        self._loads[layer] = counts[:num_experts] if prev is None else prev + counts[:num_experts]
+        self._loads[layer] = counts if prev is None else prev + counts
         self._load_meta = {"num_experts": int(num_experts), "experts_per_rank": int(experts_per_rank),
-                           "ep_size": int(ep_size)}
+                           "ep_size": int(ep_size), "token_counts": per_token}
+
+    def _token_counts(self, topk_ids, num_experts: int, experts_per_rank: int, ep_size: int):
+        """int32 [tokens routed, tokens with an expert on another rank, other ranks they are sent to] of this
+        rank's tokens, on the device: a token leaves its GPU once per other GPU holding one of its experts (a
+        dispatch copy), which placement can lower; the share of (token, expert) pairs on other GPUs it cannot,
+        for its DP rank does not depend on its experts."""
+        import torch
+
+        ids = topk_ids.reshape(-1, topk_ids.shape[-1]).to(torch.int64)
+        valid = (ids >= 0) & (ids < num_experts)
+        owner = torch.clamp(torch.div(ids, experts_per_rank, rounding_mode="floor"), 0, ep_size - 1)
+        remote = valid & (owner != self.rank)
+        dest = torch.zeros(ids.shape[0], ep_size, dtype=torch.int32, device=ids.device)
+        dest.scatter_(1, torch.where(remote, owner, torch.full_like(owner, self.rank)), 1)
+        dest[:, self.rank] = 0
+        return torch.stack([valid.any(dim=1).sum(), remote.any(dim=1).sum(), dest.sum()]).to(torch.int32)
 
     def _copy_loads(self, layers):
         import torch
@@ -505,9 +525,15 @@ class StageRecorder:
         rec.update(s.meta)
         if host_loads is not None:
             loads = host_loads.tolist()
+            n = s.load_meta.get("num_experts", 0)
+            if s.load_meta.get("token_counts"):  # [tokens, leaving, copies] after each layer's expert counts
+                tokens = [row[n:n + 3] for row in loads]
+                loads = [row[:n] for row in loads]
+                rec["token_leave_share"] = [left / t if t else 0.0 for t, left, _ in tokens]
+                rec["remote_copies_per_token"] = [c / t if t else 0.0 for t, _, c in tokens]
             rec["expert_load_layers"] = list(s.load_layers)
             rec["expert_load"] = loads
-            rec.update(s.load_meta)
+            rec.update({k: v for k, v in s.load_meta.items() if k != "token_counts"})
             rec["balancedness"] = balancedness(loads, s.load_meta.get("experts_per_rank", 0),
                                                s.load_meta.get("ep_size", 1))
             if s.load_meta.get("ep_size", 1) > 1 and self.rank < s.load_meta["ep_size"]:
