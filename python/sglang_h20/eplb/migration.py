@@ -616,6 +616,8 @@ class MigrationExecutor:
                 if stream is not None:
                     staged.record_stream(stream)  # the pool, freed when done, outlives these copies
             if stream is not None:
+                if idx is not None:
+                    idx.record_stream(stream)  # so does the index (made on the side stream)
                 freed = torch.cuda.Event()
                 freed.record(stream)
             self._phy2log[l] = self.plan.new.phy2log[l]
