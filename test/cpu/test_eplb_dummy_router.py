@@ -4,7 +4,8 @@ rank draws the same gates. Without it the dummy router co-activates nothing (the
 EP-2 servers), so these are what make an affinity placement measurable there."""
 from __future__ import annotations
 
-import types
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,43 +15,13 @@ from sglang_h20.eplb import dummy_router
 from sglang_h20.features import FEATURES, Unsupported, decide
 from sglang_h20.settings import Settings
 
-E, HIDDEN, TOPK, GROUPS, TOPK_GROUPS, SIZE = 256, 512, 8, 8, 4, 8  # DeepSeek-V3's routing, a narrow hidden size
-
-
-def dummy_model(layers=(1, 2)):
-    """Decoder layers holding SGLang's real MoEGate and a norm, filled as SGLang's dummy loader fills weights."""
-    from sglang.srt.models.deepseek_v2 import MoEGate
-
-    cfg = types.SimpleNamespace(n_routed_experts=E, hidden_size=HIDDEN, topk_method="noaux_tc",
-                                architectures=["DeepseekV3ForCausalLM"])
-    g = torch.Generator().manual_seed(0)
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList()
-    for i in range(max(layers) + 1):
-        layer = torch.nn.Module()
-        layer.post_attention_layernorm = torch.nn.Module()
-        layer.post_attention_layernorm.weight = torch.nn.Parameter(torch.rand(HIDDEN, generator=g) * 2e-3 - 1e-3)
-        if i in layers:
-            layer.mlp = torch.nn.Module()
-            layer.mlp.gate = MoEGate(cfg, None, prefix=f"layers.{i}.mlp.gate")
-            with torch.no_grad():
-                for p in layer.mlp.gate.parameters():
-                    p.copy_(torch.rand(p.shape, generator=g) * 2e-3 - 1e-3)
-        model.layers.append(layer)
-    return model
-
-
-def route(model, layer: int, tokens: int = 2000) -> torch.Tensor:
-    """[tokens, TOPK] experts SGLang's biased grouped top-k picks for gate inputs as the layer's RMSNorm makes them."""
-    from sglang.srt.layers.moe.topk import biased_grouped_topk_impl
-
-    gate = model.layers[layer].mlp.gate
-    z = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(layer))
-    h = z * model.layers[layer].post_attention_layernorm.weight.detach()
-    logits = h @ gate.weight.detach().T
-    _, ids = biased_grouped_topk_impl(h, logits, gate.e_score_correction_bias.detach(), TOPK, True, GROUPS,
-                                      TOPK_GROUPS)
-    return ids
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("clustered_router_prediction",
+                                               REPO / "benchmark/eplb/clustered_router_prediction.py")
+prediction = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(prediction)
+dummy_model, route = prediction.dummy_model, prediction.route  # SGLang's MoEGate and grouped top-k, dummy-filled
+E, SIZE = prediction.E, 8
 
 
 def clusters_per_token(ids: torch.Tensor, layer: int) -> np.ndarray:
@@ -113,26 +84,21 @@ def test_switch_turns_the_feature_on_with_the_dummy_loader_hook_only():
         dummy_router.hooks({"dummy_router_clusters": 1})
 
 
-def test_affinity_keeps_clustered_tokens_on_their_gpu_where_deepseek_does_not():
-    """What the EP-2 server run is to show, predicted on the CPU: with the clustered router, our placement (GPUs as
-    the locality domains of one node) lets fewer tokens leave their GPU than SGLang's deepseek placement, at the
-    same load balance; the share of (token, expert) pairs on another GPU stays ~0.5 for both (a token's DP rank
-    does not depend on its experts), so that share cannot show it."""
-    from sglang_h20.eplb.placement import Topology, place
-    from sglang_h20.eplb.simulate import choose_slots, coactivation
+def test_affinity_keeps_clustered_tokens_on_their_gpu_where_deepseek_does_not(tmp_path, monkeypatch):
+    """What the EP-2 server run is to show, predicted on the CPU (benchmark/eplb/clustered_router_prediction.py):
+    with the clustered router, our placement (GPUs as the locality domains of one node) lets fewer tokens leave
+    their GPU than SGLang's deepseek placement, at the same load balance; the share of (token, expert) pairs on
+    another GPU stays ~0.5 for both (a token's DP rank does not depend on its experts), so that share cannot show
+    it. The script's record carries the ratio."""
+    import json
+    import sys
 
-    model = dummy_model(layers=(1, 2, 3))
-    dummy_router.cluster_gates(model, SIZE)
-    ids = np.stack([route(model, l, tokens=3000).numpy() for l in (1, 2, 3)])  # [L, T, K]
-    stats, test = coactivation([ids[:, :1500]], E), ids[:, 1500:]
-    topo = Topology(1, 2, E // 2)
-    origin = np.arange(test.shape[1]) % 2  # DP rank of each token
-    out = {}
-    for alg in ("deepseek", "affinity"):
-        slot = choose_slots(place(stats, topo, alg), test, np.zeros(test.shape[1], dtype=np.int64))
-        remote = topo.slot_gpu()[slot] != origin[None, :, None]
-        load = np.stack([np.bincount(topo.slot_gpu()[slot[l]].ravel(), minlength=2) for l in range(3)])
-        out[alg] = (remote.any(axis=2).mean(), remote.mean(), (load.min(axis=1) / load.max(axis=1)).min())
-    assert out["deepseek"][0] >= 0.95 and out["affinity"][0] <= 0.85, out  # tokens leaving their GPU
-    assert all(0.45 <= v[1] <= 0.55 for v in out.values()), out           # pairs: no signal either way
-    assert out["affinity"][2] >= 0.85, out                                 # GPU load balance kept
+    out = tmp_path / "p.json"
+    monkeypatch.setattr(sys, "argv", ["clustered_router_prediction.py", "--out", str(out)])
+    prediction.main()
+    rec = json.loads(out.read_text())
+    res = rec["placements"]
+    assert res["deepseek"]["token_leave_share"] >= 0.95 and res["affinity"]["token_leave_share"] <= 0.85, res
+    assert all(0.45 <= v["pair_remote_share"] <= 0.55 for v in res.values()), res  # pairs: no signal either way
+    assert res["affinity"]["gpu_balance_min"] >= 0.85, res                          # GPU load balance kept
+    assert rec["token_leave_affinity_over_deepseek"] < 0.9 and rec["kind"] == "CPU prediction"
