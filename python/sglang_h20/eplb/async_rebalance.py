@@ -64,7 +64,8 @@ servers, with both ranks' transfer threads inside the migration group's `batch_i
 collectives, also with the P2P connections built at startup; posted by the decode loop ("boundary", the
 default) none of 4 hung, and two full re-placements (768 slots, 31 GB over NVLink) completed with every slot
 bit-identical (SGLANG_H20_EPLB_ASYNC_VERIFY). One mostly local re-placement left 4 of 384 slots wrong on one
-rank: a staging race, since fixed in `MigrationExecutor._open_chunk` (test/gpu/test_eplb_migration_gpu.py).
+rank: a staging race, since fixed: staging is one pool made with the executor, and a chunk's writes wait on an
+event after the previous switch's copies (`MigrationExecutor._open_chunk`, test/gpu/test_eplb_migration_gpu.py).
 """
 from __future__ import annotations
 
@@ -244,14 +245,19 @@ def log_pass_intervals(mid: str, during: dict, before: dict, kind: str = "pass")
              before["max_ms"], before["n"], during["p99_ms"] / before["p99_ms"])
 
 
-def dump_intervals(out_dir: str, mid: str, spanned, before) -> None:
-    """A rebalance's raw pass intervals (ms; every pass and decode passes, during and before) as
-    `eplb_async_<id>_rank<r>.json` in the benchmark's dump folder (SGLANG_H20_OBSERVE_DIR), for a p99 ratio pooled
-    over ranks with a confidence interval: one rank's window of ~400 passes cannot tell 1.05 from 1.3."""
+def rebalance_intervals(spanned, before) -> dict[str, list[float]]:
+    """A rebalance's pass intervals (ms), keyed `<all|decode>_<during|before>`: every pass, and decode passes only,
+    over the passes it spanned and the steady ones before it."""
+    return {f"{kind}_{when}": pass_intervals(ends, kind == "decode")
+            for kind in ("all", "decode") for when, ends in (("during", spanned), ("before", before))}
+
+
+def dump_intervals(out_dir: str, mid: str, intervals: dict[str, list[float]]) -> None:
+    """A rebalance's raw pass intervals (`rebalance_intervals`) as `eplb_async_<id>_rank<r>.json` in the
+    benchmark's dump folder (SGLANG_H20_OBSERVE_DIR), for a p99 ratio pooled over ranks with a confidence interval:
+    one rank's window of ~400 passes cannot tell 1.05 from 1.3."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rec = {"id": mid, "rank": rank, **{f"{kind}_{when}": pass_intervals(ends, kind == "decode")
-                                       for kind in ("all", "decode") for when, ends in (("during", spanned),
-                                                                                       ("before", before))}}
+    rec = {"id": mid, "rank": rank, **intervals}
     try:
         path = pathlib.Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
@@ -614,14 +620,15 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
             threading.Thread(target=job.check_moved, args=(rec, done), daemon=True,
                              name=f"eplb-async-verify-{job.mid}").start()
         spanned = [*st.during, (time.perf_counter(), None)]  # up to this boundary (its pass is unknown yet)
-        for kind, key, only in (("pass", "passes", False), ("decode pass", "decode_passes", True)):
-            during, steady = (interval_summary(pass_intervals(x, only)) for x in (spanned, before))
+        intervals = rebalance_intervals(spanned, before)
+        for kind, key, which in (("pass", "passes", "all"), ("decode pass", "decode_passes", "decode")):
+            during, steady = (interval_summary(intervals[f"{which}_{when}"]) for when in ("during", "before"))
             rec.update({key + "_during": during, key + "_before": steady})
             if during["n"] and steady["n"]:
                 log_pass_intervals(job.mid, during, steady, kind)
         dump_dir = os.environ.get("SGLANG_H20_OBSERVE_DIR")
         if dump_dir:
-            threading.Thread(target=dump_intervals, args=(dump_dir, job.mid, spanned, before), daemon=True,
+            threading.Thread(target=dump_intervals, args=(dump_dir, job.mid, intervals), daemon=True,
                              name=f"eplb-async-dump-{job.mid}").start()
     finally:
         sys.setswitchinterval(interval)

@@ -34,10 +34,10 @@ weights into the live expert slots and only then runs the next forward pass. Wit
    ``bytes_per_boundary`` (the plugin's default, "boundary"): `maybe_switch` itself posts, at every
    boundary, the next transfers of the plan's fixed order (chunks, their stages, transfer ids), at most
    `bytes_per_boundary` sent and as much received per rank; every rank walks the same order and advances the
-   same transfers at the same boundary, posting only its own ops, and a chunk opens (its staging is
-   allocated) at the boundary after the previous chunk's layers switched. Posting never waits: NCCL ops
-   and local copies go onto the side stream in that order (stream order makes a forward wait for its
-   recv); a WAITER thread watches them complete (on gloo it posts them, in order, and waits). So the
+   same transfers at the same boundary, posting only its own ops, and a chunk opens (takes its rows of the
+   staging pool, made with the executor) at the boundary after the previous chunk's layers switched. Posting
+   never waits: NCCL ops and local copies go onto the side stream in that order (stream order makes a forward
+   wait for its recv); a WAITER thread watches them complete (on gloo it posts them, in order, and waits). So the
    migration's NCCL kernels are launched at the same point among the model's own on every rank. In a
    real EP-2 server on two H200s the thread mode below hung both GPUs: two communicators whose kernels
    ranks launch in different orders can wait on each other forever.
