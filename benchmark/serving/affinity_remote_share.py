@@ -57,6 +57,11 @@ PASS_LINE = re.compile(r"eplb_async: rebalance (\S+) (pass|decode pass) interval
 
 MIN_P99_PASSES = 100  # a p99 over fewer passes is their maximum: such windows are recorded, not judged
 
+
+def judged(window: dict) -> bool:
+    """A rebalance's interval window (during / before) long enough on both sides for its p99 to mean one."""
+    return min(window["during"]["n"], window["before"]["n"]) >= MIN_P99_PASSES
+
 # arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH, SGLANG_H20_EPLB_ASYNC_VERIFY ("verify" reads every expert twice: its
 # own arm, so the plain arms' pass intervals stay clean)
 ASYNC_MODES = {"": None, "async": ("boundary", "off"), "async-thread": ("thread", "off"),
@@ -95,9 +100,9 @@ def rebalance_costs(log: str) -> dict:
     # issue 9: p99 step during a re-placement <= 1.05x steady (per rank and rebalance, the worst), over windows
     # of at least MIN_P99_PASSES passes each: a p99 of fewer is their maximum (one prefill pass decides it)
     for key, windows in (("async_p99_ratio_max", passes), ("async_decode_p99_ratio_max", decode)):
-        judged = [x for x in windows if min(x["during"]["n"], x["before"]["n"]) >= MIN_P99_PASSES]
-        if judged:
-            out[key] = max(x["p99_ratio"] for x in judged)
+        ratios = [x["p99_ratio"] for x in windows if judged(x)]
+        if ratios:
+            out[key] = max(ratios)
     if stalls:
         out["rebalance_stall_ms_median"] = 1e3 * statistics.median(stalls)
         out["rebalance_stall_ms_max"] = 1e3 * max(stalls)
@@ -263,10 +268,8 @@ def plot_record(rec: dict, path: Path) -> None:
 
     plt = pyplot()
     arms = {n: r for n, r in rec["arms"].items() if r.get("median_itl_ms") is not None}
-    moves = [(f"{n}\n{w['id']} #{k}", w["during"]["p99_ms"] / w["before"]["p99_ms"])
-             for n, r in rec["arms"].items()
-             for k, w in enumerate(r.get("async_decode_intervals", []))
-             if min(w["during"]["n"], w["before"]["n"]) >= MIN_P99_PASSES]
+    moves = [(f"{n}\n{w['id']} #{k}", w["p99_ratio"]) for n, r in rec["arms"].items()
+             for k, w in enumerate(r.get("async_decode_intervals", [])) if judged(w)]
     fig, axes = plt.subplots(1, 3 if moves else 2, figsize=(16 if moves else 11, 4))
     ax1, ax2 = axes[:2]
     if moves:
