@@ -171,7 +171,11 @@ def summarize(records: list[dict], after_ts: float) -> dict:
     flat = [x for xs in per_rank.values() for x in xs]
     out = {"samples": len(flat), "remote_share_mean": statistics.fmean(flat) if flat else None,
            "per_rank": {str(k): statistics.fmean(v) for k, v in sorted(per_rank.items())}}
-    out.update({key + "_mean": statistics.fmean(xs) for key, xs in token.items() if xs})
+    bad = sum(not 0.0 <= x <= 1.0 for x in token["token_leave_share"])
+    if bad:  # a share outside [0, 1] is a broken read-out, not a measurement: no mean is reported
+        out["token_records_out_of_range"] = bad
+    else:
+        out.update({key + "_mean": statistics.fmean(xs) for key, xs in token.items() if xs})
     return out
 
 

@@ -33,6 +33,9 @@ def test_summary_counts_sampled_passes_after_the_split_only():
     s = bench.summarize(recs, after_ts=10.0)
     assert s["token_leave_share_mean"] == pytest.approx(0.75)
     assert s["remote_copies_per_token_mean"] == pytest.approx(0.85)
+    recs[3].update(token_leave_share=[-3.5, 0.5], remote_copies_per_token=[0.5, 0.5])  # a broken read-out
+    s = bench.summarize(recs, after_ts=10.0)
+    assert s["token_records_out_of_range"] == 1 and "token_leave_share_mean" not in s
 
 
 def test_rebalance_costs_from_the_server_log():

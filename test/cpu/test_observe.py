@@ -415,6 +415,24 @@ class _CapturingGraphRunner(_FakeGraphRunner):
             m.t, m.done = time.perf_counter(), True
 
 
+def test_a_graph_samples_load_counts_are_copied_right_after_its_replay():
+    """A twin's load counts live in the graph pool, where the plain graph captured before it may have left
+    temporaries: a plain replay before the sample is read overwrites them, so they are copied out at once."""
+    clock = _ReplayClock()
+    rec = StageRecorder(clock=clock, rank=0)
+    clock.capturing = []
+    rec.begin_step(0)
+    rec.record_load(0, torch.tensor([[0, 2], [1, 2]]), num_experts=3)
+    rec.end_step(template=True)
+    clock.capturing = None
+    tmpl = rec.take_template()
+    rec.queue_graph_sample(tmpl, 7, {}, clock.mark())  # right after the twin's replay
+    for t in tmpl.sample.loads.values():
+        t.fill_(-7)  # a plain replay reusing the pool, before the sample is read
+    [r] = rec.poll()
+    assert r["step"] == 7 and r["expert_load"] == [[1, 1, 2]] and r["window_ms"] >= 0
+
+
 class _GraphRunner(_Runner):
     def __init__(self, graph_runner, layers=2):
         super().__init__(layers)

@@ -322,7 +322,7 @@ class StageRecorder:
         self.active = False
         host, layers = None, sorted(self._loads)
         if not discard and layers and not template:
-            host = self._copy_loads(layers)
+            host = _copy_loads(self._loads, layers)
         end = self.clock.mark()  # after the load copy: ready(end) implies the copy landed
         timeline = self._timeline + [(end, None, None)]
         if discard:
@@ -342,12 +342,18 @@ class StageRecorder:
         tmpl, self._captured = self._captured, None
         return tmpl
 
-    def queue_graph_sample(self, tmpl: _Template, step: int, meta: dict, window: tuple) -> None:
-        """A replay of `tmpl`'s graph ran for pass `step`: read its events once they complete."""
+    def queue_graph_sample(self, tmpl: _Template, step: int, meta: dict, start) -> None:
+        """A replay of `tmpl`'s graph ran for pass `step` (from mark `start`): read its events once they complete.
+
+        Its load counts are copied to the host now, stream-ordered right after the replay: they live in the graph
+        pool, where the plain graph captured before the twin may have left temporaries that its next replay
+        overwrites. The window's end mark follows the copy, so ready(end) implies it landed."""
         t = tmpl.sample
         tmpl.in_flight = True
+        host = _copy_loads(t.loads, t.load_layers) if t.loads else None
+        window = (start, self.clock.mark())
         self._pending.append(dataclasses.replace(t, step=int(step), meta={**t.meta, **meta}, ts=time.time(),
-                                                 cpu_ms=0.0, window=window, template=tmpl))
+                                                 cpu_ms=0.0, window=window, template=tmpl, host_loads=host))
 
     def begin_window(self, step: int, meta: dict | None = None) -> _Window:
         """Whole-step timing without stages (the graph-replay reference)."""
@@ -445,16 +451,6 @@ class StageRecorder:
         dest[:, self.rank] = 0
         return torch.stack([valid.any(dim=1).sum(), remote.any(dim=1).sum(), dest.sum()]).to(torch.int32)
 
-    def _copy_loads(self, layers):
-        import torch
-
-        dev = torch.stack([self._loads[l] for l in layers])
-        if dev.device.type != "cuda":
-            return dev.clone()
-        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-        host.copy_(dev, non_blocking=True)
-        return host
-
     # -------------------------------------------------------------- read-out
     def pending(self) -> int:
         return len(self._pending)
@@ -499,10 +495,6 @@ class StageRecorder:
         if s.template is None:
             clock.release([m for m, _, _ in tl] + [m for o in s.overlap for m in o[:2]])
         host_loads = s.host_loads
-        if host_loads is None and s.loads:  # a graph sample: counts are on the device, complete by now
-            import torch
-
-            host_loads = torch.stack([s.loads[l] for l in s.load_layers]).cpu()
         window_ms = None
         if s.window is not None:
             window_ms = clock.elapsed_ms(*s.window)
@@ -540,6 +532,19 @@ class StageRecorder:
                 rec["remote_share"] = remote_share(loads, s.load_meta.get("experts_per_rank", 0),
                                                    s.load_meta["ep_size"], self.rank)
         return rec
+
+
+def _copy_loads(loads: dict, layers):
+    """The per-layer device counts of `layers`, stacked into a pinned host tensor by an async copy on the current
+    stream (a plain clone off the GPU)."""
+    import torch
+
+    dev = torch.stack([loads[l] for l in layers])
+    if dev.device.type != "cuda":
+        return dev.clone()
+    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+    host.copy_(dev, non_blocking=True)
+    return host
 
 
 class _StageCtx:
@@ -840,7 +845,7 @@ def on_model_runner_forward(orig, runner, forward_batch, *args, **kwargs):
 def _graph_sampled_pass(orig, runner, forward_batch, rec, pass_id, mode, args, kwargs):
     """A sampled pass with instrumented graphs: replay the twin of the batch's graph (if it has one and
     its last sample was read) and queue its template's events; otherwise the pass goes unsampled."""
-    window = (rec.clock.mark(),)
+    start = rec.clock.mark()
     _state.graph_request, _state.graph_hit = True, None
     try:
         out = orig(runner, forward_batch, *args, **kwargs)
@@ -849,11 +854,11 @@ def _graph_sampled_pass(orig, runner, forward_batch, rec, pass_id, mode, args, k
     hit, _state.graph_hit = _state.graph_hit, None
     try:
         if hit is None:
-            rec.clock.release(list(window))
+            rec.clock.release([start])
         else:
             tmpl, size = hit
             meta = {**_batch_meta(forward_batch, mode), "eager": False, "graph_sampled": True, "graph_size": size}
-            rec.queue_graph_sample(tmpl, pass_id, meta, window + (rec.clock.mark(),))
+            rec.queue_graph_sample(tmpl, pass_id, meta, start)
     except Exception as e:
         _disable("ModelRunner.forward (graph sample)", e)
     return out
