@@ -265,25 +265,39 @@ def write_record(a, arms: dict) -> None:
 
 
 def plot_record(rec: dict, path: Path) -> None:
-    """ITL per arm (median, P99) and upstream's blocking stalls next to them: what a rebalance costs decode; and,
-    where the record has them, our rebalances' decode-pass p99 during the move over the p99 before it (per rank,
-    windows of >= MIN_P99_PASSES passes), against the issue's 1.05."""
+    """ITL per arm (median, P99) and upstream's blocking stalls next to them: what a rebalance costs decode; where
+    the record has them, the share of tokens that leave their GPU per arm (what placement can lower), and our
+    rebalances' decode-pass p99 during the move over the p99 before it (per rank, windows of >= MIN_P99_PASSES
+    passes), against the issue's 1.05."""
     from sglang_h20.plotting import pyplot
 
     plt = pyplot()
     arms = {n: r for n, r in rec["arms"].items() if r.get("median_itl_ms") is not None}
+    leave = {n: r["token_leave_share_mean"] for n, r in rec["arms"].items()
+             if r.get("token_leave_share_mean") is not None}
     moves = [(f"{n}\n{w['id']} #{k}", w["p99_ratio"]) for n, r in rec["arms"].items()
              for k, w in enumerate(r.get("async_decode_intervals", [])) if judged(w)]
-    fig, axes = plt.subplots(1, 3 if moves else 2, figsize=(16 if moves else 11, 4))
-    ax1, ax2 = axes[:2]
+    panels = 2 + bool(leave) + bool(moves)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    ax1, ax2, *more = axes
+    if leave:
+        ax = more.pop(0)
+        ax.bar(range(len(leave)), list(leave.values()), 0.6)
+        for i, v in enumerate(leave.values()):
+            ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(range(len(leave))), list(leave))
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("tokens with an expert on another GPU (share)")
+        ax.set_title(f"tokens leaving their GPU, sampled decode passes (router clusters "
+                     f"{rec.get('router_clusters', 0)})", fontsize=9)
     if moves:
-        ax3 = axes[2]
-        ax3.bar(range(len(moves)), [v for _, v in moves], 0.6)
-        ax3.axhline(1.05, ls="--", c="k", lw=1, label="1.05 (issue 9)")
-        ax3.set_xticks(list(range(len(moves))), [m for m, _ in moves], fontsize=7)
-        ax3.set_ylabel("decode-pass p99: during move / before")
-        ax3.set_title("our rebalances, per rank (passes that extend on any rank left out)", fontsize=9)
-        ax3.legend(fontsize=8)
+        ax = more.pop(0)
+        ax.bar(range(len(moves)), [v for _, v in moves], 0.6)
+        ax.axhline(1.05, ls="--", c="k", lw=1, label="1.05 (issue 9)")
+        ax.set_xticks(list(range(len(moves))), [m for m, _ in moves], fontsize=7)
+        ax.set_ylabel("decode-pass p99: during move / before")
+        ax.set_title("our rebalances, per rank (passes that extend on any rank left out)", fontsize=9)
+        ax.legend(fontsize=8)
     x = range(len(arms))
     ax1.bar([i - 0.2 for i in x], [r["median_itl_ms"] for r in arms.values()], 0.4, label="median")
     ax1.bar([i + 0.2 for i in x], [r["p99_itl_ms"] for r in arms.values()], 0.4, label="P99")
