@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -125,7 +126,16 @@ def test_plot_from_a_stored_record(tmp_path, monkeypatch, capsys):
     # a session-13 record, with our rebalances' decode-pass windows: a third panel (their p99 ratios against 1.05)
     rec2 = shutil.copy(REPO / "benchmark/results/eplb/async_decode_p99_2_ep2_h200.json", tmp_path / "r2.json")
     monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(rec2)])
-    assert bench.main() == 0 and width(tmp_path / "r2.png") == 1760
+    assert bench.main() == 0 and width(tmp_path / "r2.png") == 1815
+    # a session-14 record with tokens-leaving shares per arm: their panel instead; both: four panels
+    rec3 = shutil.copy(REPO / "benchmark/results/eplb/affinity_token_leave_ep2_h200.json", tmp_path / "r3.json")
+    monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(rec3)])
+    assert bench.main() == 0 and width(tmp_path / "r3.png") == 1815
+    both = json.loads(Path(rec2).read_text())
+    both["arms"]["deepseek+async"]["token_leave_share_mean"] = 0.8
+    (tmp_path / "r4.json").write_text(json.dumps(both))
+    monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(tmp_path / "r4.json")])
+    assert bench.main() == 0 and width(tmp_path / "r4.png") == 2420
     monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--plot-from", str(tmp_path / "absent.json")])
     with pytest.raises(SystemExit, match="--plot-from"):
         bench.main()
