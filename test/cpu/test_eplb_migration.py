@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_h20.eplb.migration import KINDS, MAX_RUNS, MigrationExecutor, _copy_rows, _parse, _runs, plan_migration
+from sglang_h20.eplb.migration import (FLUSH_EVERY, KINDS, MAX_RUNS, MigrationExecutor, _copy_rows, _parse, _runs,
+                                       boundary_schedule, plan_migration)
 from sglang_h20.eplb.placement import Placement, Topology
 
 # ----------------------------------------------------------------------------- planner
@@ -375,7 +376,8 @@ class DyingBoundaryExecutor(MigrationExecutor):
     def _launch(self):
         posted = len(self._launched)
         super()._launch()
-        if self.rank == 3 and any(k == "batch" for k, *_ in self._launched[posted:]):
+        mine = self._unflushed_t is not None or any(k == "batch" for k, *_ in self._launched[posted:])
+        if self.rank == 3 and mine:
             os._exit(17)
 
 
@@ -691,20 +693,44 @@ def test_check_moved_reports_a_corrupted_slot_in_one_error_line(caplog):
 
 def test_boundary_walk_posts_one_send_and_one_receive_per_rank():
     """Boundary mode, bytes_per_boundary = one expert: at each boundary a rank may send one expert and receive one
-    (NVLink is full duplex); a swap of every slot between two GPUs (4 transfers each way) takes 4 boundaries, not 8."""
+    (NVLink is full duplex); a swap of every slot between two GPUs (4 transfers each way) takes 4 boundaries, not 8.
+    The executor posts exactly the schedule's batches, one per boundary."""
     topo = Topology(num_nodes=1, gpus_per_node=2, slots_per_gpu=4)
     old = Placement(np.array([[0, 1, 2, 3, 4, 5, 6, 7]]), topo, 8)
     new = Placement(np.array([[4, 5, 6, 7, 0, 1, 2, 3]]), topo, 8)
     plan = plan_migration(old, new, 40, 10**6)
     assert Counter((t.src_rank, t.dst_rank) for t in plan.transfers) == {(0, 1): 4, (1, 0): 4}
+    batches, flush = boundary_schedule(plan, 1)
+    per = [Counter(e for tid in b for e in ((plan.transfers[tid].src_rank, "send"), (plan.transfers[tid].dst_rank,
+                                                                                      "recv"))) for b in batches[0]]
+    assert per == [Counter({(0, "send"): 1, (0, "recv"): 1, (1, "send"): 1, (1, "recv"): 1})] * 4
+    assert flush == [[False, False, False, True]]  # the last batch holds the layer's last transfer
     ex = MigrationExecutor(0, 2, topo, {0: torch.zeros(4, 10)}, plan, store=torch.distributed.HashStore(),
                            bytes_per_boundary=40)
+    assert ex._batches == batches
     ex._state = "running"  # not started: no threads; _launch only queues this rank's units for the waiter
-    per = []  # (rank, direction) -> transfers, per boundary
-    while ex._cursor[0] == 0 and len(per) < 20:
-        before = ex._cursor[1]
+    for _ in range(6):
         ex._launch()
-        after = ex._cursor[1] if ex._cursor[0] == 0 else len(ex._order[0])  # (1, 0): the only chunk walked
-        posted = [plan.transfers[ex._order[0][i]] for i in range(before, after)]
-        per.append(Counter(e for t in posted for e in ((t.src_rank, "send"), (t.dst_rank, "recv"))))
-    assert per == [Counter({(0, "send"): 1, (0, "recv"): 1, (1, "send"): 1, (1, "recv"): 1})] * 4
+    assert ex._cursor == (1, 0)
+    # the waiter hears once after the chunk opens and once after the flagged batch, with every unit in order
+    kinds = [(k, what) for k, what, *_ in ex._launched]
+    assert kinds == [("open", 0), ("batch", {t for b in batches[0] for t in b if plan.transfers[t].dst_rank == 0})]
+    assert len(ex._launched[1][2]) == 8  # 4 sends and 4 receives of rank 0, one tensor each
+
+
+def test_boundary_schedule_tells_the_waiter_at_layer_ends_and_every_flush_every_batches():
+    """Local copies only (one GPU): one per boundary; the waiter is told after each layer's last copy, at the
+    chunk's end and every FLUSH_EVERY-th batch, the same batches on every rank."""
+    topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=20)
+    rng = np.random.default_rng(3)
+    old = Placement(np.tile(np.arange(20), (2, 1)), topo, 20)
+    new = Placement(np.stack([rng.permutation(20), rng.permutation(20)]), topo, 20)
+    plan = plan_migration(old, new, 8, 20 * 8)  # one layer per chunk
+    batches, flush = boundary_schedule(plan, 1)
+    assert len(batches) == 2 and all(len(b) == 1 for c in batches for b in c)
+    for c, chunk in enumerate(batches):
+        n = len(chunk)
+        assert n == sum(plan.transfers[t].layer == plan.chunks[c].layers[0] for t in range(len(plan.transfers)))
+        assert [k for k in range(n) if flush[c][k]] == sorted({*range(FLUSH_EVERY - 1, n, FLUSH_EVERY), n - 1})
+    batches3, _ = boundary_schedule(plan, 3)
+    assert [len(b) for b in batches3[0]][:-1] == [3] * (len(batches3[0]) - 1)

@@ -35,9 +35,11 @@ weights into the live expert slots and only then runs the next forward pass. Wit
    boundary, the next transfers of the plan's fixed order (chunks, their stages, transfer ids), at most
    `bytes_per_boundary` sent and as much received per rank; every rank walks the same order and advances the
    same transfers at the same boundary, posting only its own ops, and a chunk opens (takes its rows of the
-   staging pool, made with the executor) at the boundary after the previous chunk's layers switched. Posting
+   staging pool, made with the executor) at the boundary after the previous chunk's layers switched. The walk is
+   a schedule fixed when the executor is built (`boundary_schedule`: one batch of transfers per boundary). Posting
    never waits: NCCL ops and local copies go onto the side stream in that order (stream order makes a forward
-   wait for its recv); a WAITER thread watches them complete (on gloo it posts them, in order, and waits). So the
+   wait for its recv); a WAITER thread watches them complete (on gloo it posts them, in order, and waits), told
+   only after the batches that finish a layer or a chunk, or every FLUSH_EVERY-th (one event, one notify). So the
    migration's NCCL kernels are launched at the same point among the model's own on every rank. In a
    real EP-2 server on two H200s the thread mode below hung both GPUs: two communicators whose kernels
    ranks launch in different orders can wait on each other forever.
@@ -385,6 +387,7 @@ class MigrationStatus:
 
 _SEQ = itertools.count()
 _TAG_SPAN = 1 << 20
+FLUSH_EVERY = 8  # boundary mode: the waiter is told at least every this many batches (its progress, the watchdog)
 
 
 class MigrationExecutor:
@@ -442,7 +445,7 @@ class MigrationExecutor:
         self._device = any_w.device if any_w is not None else torch.device("cpu")
         self._cuda = self._device.type == "cuda"
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
-        self._pool, self._index = self._make_staging()
+        self._pool, self._index, self._chunk_views = self._make_staging()
         # the slot views this rank sends or copies from, made here too, not indexed again at every boundary (the
         # decode loop's bookkeeping per boundary; its effect in a server is not measured)
         self._sources = {t.tid: [w[t.src_slot - rank * self._k] for w in self._weights[t.layer]]
@@ -463,11 +466,15 @@ class MigrationExecutor:
         # those it receives apart, in the plan's order, the same walk on every rank); None: thread mode
         self._per_boundary = (None if bytes_per_boundary is None
                               else max(1, int(bytes_per_boundary) // max(1, plan.expert_bytes)))
-        self._order = [[tid for stage in c.stages for tid in _by_link_round_robin(plan, stage.tids)]
-                       for c in plan.chunks]
-        self._cursor = (0, 0)        # boundary mode: (chunk, position in its order) of the next transfer
+        # boundary mode: per chunk, the transfers posted at each of its boundaries, and after which of those the
+        # waiter is told (the same on every rank); made here, not walked again at every boundary
+        self._batches, self._flush = boundary_schedule(plan, self._per_boundary or 1)
+        self._cursor = (0, 0)        # boundary mode: (chunk, batch) posted next
         self._opened: set[int] = set()
-        self._launched: list = []    # boundary mode: posted batches for the waiter thread, in order
+        self._launched: list = []    # boundary mode: posted groups of batches for the waiter thread, in order
+        self._unflushed: list = []   # boundary mode, gloo: units for the waiter since it was last told
+        self._unflushed_tids: set[int] = set()  # ... the tids they receive here
+        self._unflushed_t: float | None = None  # ... when the first of them was posted (None: nothing posted since)
         self._pace_t = 0.0  # monotonic time before which the next paced transfer may not start
         self.migration_id = migration_id if migration_id is not None else f"m{next(_SEQ)}"
         self._tag_base = (zlib.crc32(self.migration_id.encode()) % 1024) * _TAG_SPAN
@@ -628,7 +635,7 @@ class MigrationExecutor:
                 self._last_progress = time.monotonic()
                 if self._all_layers <= self._switched.keys():
                     self._state = "done"
-                    self._pool, self._index = [], {}
+                    self._pool, self._index, self._chunk_views = [], {}, []
                 self._cv.notify_all()
         if layers and self._on_switch is not None:
             self._on_switch(layers)
@@ -645,7 +652,7 @@ class MigrationExecutor:
             freed, self._staging_bytes = self._staging_bytes, 0
             self._staging.clear()
             self._blocks.clear()
-            self._pool, self._index = [], {}
+            self._pool, self._index, self._chunk_views = [], {}, []
             switched = sorted(self._switched)
             aborted = sorted(self._all_layers - self._switched.keys())
             self._cv.notify_all()
@@ -756,11 +763,12 @@ class MigrationExecutor:
                 self._cv.wait(timeout=0.1)
             return not self._stop
 
-    def _make_staging(self) -> tuple[list[torch.Tensor], dict[int, tuple]]:
-        """The staging pool (one block per weight tensor, rows for the largest chunk's incoming experts) and each
-        layer's slot index (on the device) with its runs, made once, when the executor is built: off the decode
-        loop, which in boundary mode opens the chunks (allocating a chunk's 5 GB there, and uploading its index
-        from pinned memory, cost a boundary 6 ms in an EP-2 server). Chunks take consecutive rows of the pool."""
+    def _make_staging(self) -> tuple[list[torch.Tensor], dict[int, tuple], list[tuple[dict, dict]]]:
+        """The staging pool (one block per weight tensor, rows for the largest chunk's incoming experts), each
+        layer's slot index (on the device) with its runs, and per chunk its views of the pool, made once, when the
+        executor is built: off the decode loop, which in boundary mode opens the chunks (allocating a chunk's 5 GB
+        there, and uploading its index from pinned memory, cost a boundary 6 ms in an EP-2 server; making a
+        chunk's ~1500 row views there, ~3 ms). Chunks take consecutive rows of the pool."""
         me, plan = self.rank, self.plan
         rows = max((sum(len(plan.incoming(me, l)) for l in c.layers) for c in plan.chunks), default=0)
         like = [(w.shape[1:], w.dtype) for w in self._weights[plan.layers[0]]] if plan.layers else []
@@ -780,35 +788,38 @@ class MigrationExecutor:
                                 _runs(slots))
         if self._cuda:
             self._stream.synchronize()  # the index uploads, before any switch reads them on another stream
-        return pool, index
+        views = []  # per chunk: (tid -> its staging rows, layer -> (slot index, runs, its block of the pool))
+        for chunk in plan.chunks:
+            bufs, blocks, row = {}, {}, 0
+            for l in chunk.layers:
+                tids = sorted(plan.incoming(me, l))
+                if not tids:
+                    continue
+                block = [p[row:row + len(tids)] for p in pool]
+                row += len(tids)
+                blocks[l] = (*index[l], block)
+                for n, tid in enumerate(tids):
+                    bufs[tid] = [b[n] for b in block]
+            views.append((bufs, blocks))
+        return pool, index, views
 
     def _open_chunk(self, chunk: Chunk) -> bool:
-        """Hand the chunk its staging: per layer with incoming experts, the next rows of the pool (views, nothing
-        allocated); False once stopped. The side stream first waits, on the GPU, for the previous chunk's switch
+        """Hand the chunk its staging: per layer with incoming experts, its rows of the pool (views made with the
+        executor); False once stopped. The side stream first waits, on the GPU, for the previous chunk's switch
         copies out of those rows (queued on the decode loop's stream)."""
-        plan, me = self.plan, self.rank
-        bufs, blocks, row = {}, {}, 0
         with self._cv:
             if self._stop:
                 return False
-            pool, freed = self._pool, self._freed
+            freed = self._freed
+            bufs, blocks = self._chunk_views[chunk.index]
         if freed is not None:
             self._stream.wait_event(freed)
-        for l in chunk.layers:
-            tids = sorted(plan.incoming(me, l))
-            if not tids:
-                continue
-            block = [p[row:row + len(tids)] for p in pool]
-            row += len(tids)
-            blocks[l] = (*self._index[l], block)
-            for n, tid in enumerate(tids):
-                bufs[tid] = [b[n] for b in block]
         with self._cv:
             if self._stop:
                 return False
             self._staging.update(bufs)
             self._blocks.update(blocks)
-            self._staging_bytes += len(bufs) * plan.expert_bytes
+            self._staging_bytes += len(bufs) * self.plan.expert_bytes
             self._peak_staging = max(self._peak_staging, self._staging_bytes)
         return True
 
@@ -922,61 +933,56 @@ class MigrationExecutor:
 
     # ---------------------------------------------------------------- boundary mode
     def _launch(self) -> None:
-        """Decode thread, once per boundary: post the next transfers of the plan's fixed order.
+        """Decode thread, once per boundary: post the next batch of the plan's fixed schedule (`boundary_schedule`).
 
-        Every rank walks the same order (chunks, their stages, transfer ids) and advances the same number of
-        transfers at the same boundary, posting only its own ops, and a chunk opens only at the boundary
-        after the previous chunk's layers switched (agreed). So every rank launches the migration's NCCL
-        kernels at the same point between the model's own: in a real EP-2 server, transfers launched from a
-        free-running thread hung both GPUs beside the model's collectives (ranks launching the two
-        communicators' kernels in different orders can wait on each other forever). Posting never waits:
-        NCCL ops and local copies go onto the side stream, gloo ops return handles; the waiter thread
-        watches them complete."""
+        Every rank walks the same schedule and posts the same batch at the same boundary (only its own ops), and a
+        chunk opens only at the boundary after the previous chunk's layers switched (agreed). So every rank
+        launches the migration's NCCL kernels at the same point between the model's own: in a real EP-2 server,
+        transfers launched from a free-running thread hung both GPUs beside the model's collectives (ranks
+        launching the two communicators' kernels in different orders can wait on each other forever). Posting
+        never waits: NCCL ops and local copies go onto the side stream, gloo ops wait for the waiter thread, which
+        is told (one CUDA event, one notify) only after the batches the schedule flags: those that finish a layer,
+        end a chunk, or every FLUSH_EVERY-th, not at every boundary (each notify hands the waiter the GIL)."""
         if self._state != "running" or self._stop:
             return
-        load, tids = Counter(), []  # sends and receives per rank posted at this boundary (links are full duplex)
-        while True:
-            c, i = self._cursor
-            if c >= len(self.plan.chunks):
-                break
-            chunk = self.plan.chunks[c]
-            if c not in self._opened:
-                if c and not all(l in self._switched for l in self.plan.chunks[c - 1].layers):
-                    break
-                if not self._open_chunk(chunk):
-                    return
-                self._opened.add(c)
-                with self._cv:  # layers with nothing incoming here are ready at once (the waiter marks them)
-                    self._launched.append(("open", c, None, time.monotonic()))
-                    self._cv.notify_all()
-            if i >= len(self._order[c]):
-                self._cursor = (c + 1, 0)
-                continue
-            t = self.plan.transfers[self._order[c][i]]
-            ends = {(t.src_rank, "send"), (t.dst_rank, "recv")}
-            if tids and any(load[e] >= self._per_boundary for e in ends):
-                break  # in order: the next transfer waits for the next boundary
-            load.update(ends)
-            tids.append(t.tid)
-            self._cursor = (c, i + 1)
-        built = self._build_units(tids) if tids else None
-        if built is None:
+        c, k = self._cursor
+        if c >= len(self.plan.chunks):
             return
-        units, received = built
-        handle = units  # gloo: the waiter posts them, in order (no second communicator to interleave with)
-        if self._cuda:  # pragma: no cover - GPU only
-            with torch.cuda.stream(self._stream):  # in order: stream order makes a forward wait for its recv
-                for kind, x in units:
-                    if kind == "copy":
-                        for a, b in zip(*x):
-                            b.copy_(a, non_blocking=True)
-                        continue
-                    self._post_nccl(x)
+        if c not in self._opened:
+            if c and not all(l in self._switched for l in self.plan.chunks[c - 1].layers):
+                return
+            if not self._open_chunk(self.plan.chunks[c]):
+                return
+            self._opened.add(c)
+            with self._cv:  # layers with nothing incoming here are ready at once (the waiter marks them)
+                self._launched.append(("open", c, None, time.monotonic()))
+                self._cv.notify_all()
+        self._cursor = (c + 1, 0) if k + 1 >= len(self._batches[c]) else (c, k + 1)
+        built = self._build_units(self._batches[c][k])
+        if built is not None:
+            units, received = built
+            if self._unflushed_t is None:
+                self._unflushed_t = time.monotonic()
+            if self._cuda:  # pragma: no cover - GPU only
+                with torch.cuda.stream(self._stream):  # in order: stream order makes a forward wait for its recv
+                    for kind, x in units:
+                        if kind == "copy":
+                            for a, b in zip(*x):
+                                b.copy_(a, non_blocking=True)
+                            continue
+                        self._post_nccl(x)
+            else:  # gloo: the waiter posts them, in order (no second communicator to interleave with)
+                self._unflushed.extend(units)
+            self._unflushed_tids |= received
+        if self._flush[c][k] and self._unflushed_t is not None:
+            handle = self._unflushed
+            if self._cuda:  # pragma: no cover - GPU only
                 handle = torch.cuda.Event()
                 handle.record(self._stream)
-        with self._cv:
-            self._launched.append(("batch", received, handle, time.monotonic()))
-            self._cv.notify_all()
+            with self._cv:
+                self._launched.append(("batch", self._unflushed_tids, handle, self._unflushed_t))
+                self._cv.notify_all()
+            self._unflushed, self._unflushed_tids, self._unflushed_t = [], set(), None
 
     def _waiter_main(self) -> None:
         """Boundary mode: wait for each posted batch in order (deadline timeout_s from its posting), mark
@@ -1174,6 +1180,32 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
         if t.dim() > 1 and t.is_contiguous() and row_bytes % size == 0 and t.element_size() <= size:
             return t.view(dtype)
     return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def boundary_schedule(plan: MigrationPlan, per_boundary: int) -> tuple[list[list[list[int]]], list[list[bool]]]:
+    """Boundary mode's fixed schedule, the same on every rank: per chunk, the transfer ids posted at each of its
+    boundaries (its stages in order, each stage's transfers link by link in turn; a boundary takes transfers in
+    that order while every rank sends at most `per_boundary` experts and receives at most as many, links being
+    full duplex), and per batch whether the waiter is told after it: when it holds a layer's last transfer, ends
+    the chunk, or is every FLUSH_EVERY-th."""
+    batches, flush = [], []
+    for chunk in plan.chunks:
+        order = [tid for stage in chunk.stages for tid in _by_link_round_robin(plan, stage.tids)]
+        last = {plan.transfers[tid].layer: tid for tid in order}
+        out, load = [], Counter()
+        for tid in order:
+            t = plan.transfers[tid]
+            ends = ((t.src_rank, "send"), (t.dst_rank, "recv"))
+            if not out or any(load[e] >= per_boundary for e in ends):
+                out.append([])
+                load = Counter()
+            out[-1].append(tid)
+            load.update(ends)
+        ends_layer = set(last.values())
+        batches.append(out)
+        flush.append([k == len(out) - 1 or k % FLUSH_EVERY == FLUSH_EVERY - 1 or any(t in ends_layer for t in b)
+                      for k, b in enumerate(out)])
+    return batches, flush
 
 
 def _by_link_round_robin(plan: MigrationPlan, tids: Sequence[int]) -> list[int]:
