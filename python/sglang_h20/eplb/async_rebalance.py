@@ -112,11 +112,10 @@ class Tuning:
     timeout_s: float = 60.0           # per transfer stage (the executor's deadline)
     placement_timeout_s: float = 300.0  # every rank must have its plan within this
     staging_layers: int = 1           # staging budget, in layers of this rank's slots
-    gil_switch_s: float = 1e-4        # sys.setswitchinterval while the placement thread runs: its pure-Python
-    #                                   work (the plan, the executor's views) holds the GIL, and the decode thread
-    #                                   waits up to this long at each of its re-acquisitions in a pass (at 5e-4 the
-    #                                   first passes of a rebalance took 10-20 ms in an EP-2 server: inferred, not
-    #                                   profiled)
+    gil_switch_s: float = 5e-4        # sys.setswitchinterval while the placement thread runs (its pure-Python
+    #                                   work holds the GIL; the decode thread waits up to this long per re-acquisition).
+    #                                   1e-4 did not remove the 10-45 ms passes at a rebalance's start in an EP-2
+    #                                   server (eplb/async_decode_p99_4_ep2_h200.json): back to 5e-4
     copy_gbps: float | None = 10.0    # pace of the side-stream copies (GB/s; None: unpaced): decode is
     #                                   HBM-bound, and an unpaced copy takes its bandwidth from the steps.
     #                                   10 GB/s (~0.2% of an H200's HBM) still moves one EP16 GPU's 46 GB
