@@ -38,7 +38,8 @@ decode step runs eagerly:
   sampled eager steps' `step_ms` measures how much eager execution inflates the step.
 * Completed samples are read without a device sync: at the start of each later pass we
   `query()` the sample's last event and only then read elapsed times and the load counts
-  (copied non-blocking into pinned memory before that event).
+  (copied non-blocking into pinned memory before that event; a twin replay's counts right after
+  the replay, since the plain graphs share its memory pool and their replays may overwrite them).
 
 Runtime control (SGLANG_H20_OBSERVE_CONTROL=<file>): the file holds a fraction that replaces
 SGLANG_H20_OBSERVE while serving, so one server can alternate observation on and off
