@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from sglang_h20 import provenance
-from sglang_h20.abstats import quantile_ratio_ci95
+from sglang_h20.abstats import nearest_rank, quantile_ratio_ci95
 from sglang_h20.cliargs import non_negative_int, positive_float, read_json
 from sglang_h20.nightly.serving import Server, write_sharegpt
 from sglang_h20.observe import export
@@ -125,13 +125,38 @@ def pooled_decode_p99(dump: Path) -> list[dict]:
         if min(len(during), len(before)) >= MIN_P99_PASSES:  # the raw intervals kept too (0.01 ms), for re-analysis
             out.append({"id": mid, "ranks": len(ranks), **quantile_ratio_ci95(during, before),
                         "decode_during_ms": [round(x, 2) for x in during],
-                        "decode_before_ms": [round(x, 2) for x in before]})
+                        "decode_before_ms": [round(x, 2) for x in before],
+                        **by_phase([r["passes"] for r in ranks if r.get("passes")])})
     return out
 
 
+def by_phase(passes: list[dict]) -> dict:
+    """The decode passes of one rebalance (ranks pooled) per phase (placement, start, migration) and at the
+    boundaries that switched layers: count, p50, p99 (nearest rank), max and the 5 slowest, to tell which part
+    of a rebalance its slow passes fall in. Passes slower than the idle gap (a server waiting) are left out."""
+    groups: dict[str, list[float]] = {}
+    for p in passes:
+        for ms, decode, phase, switch in zip(p["ms"], p["decode"], p["phase"], p["switch"]):
+            if decode and ms <= 1e3:
+                groups.setdefault(phase, []).append(ms)
+                if switch:
+                    groups.setdefault("switch", []).append(ms)
+    if not groups:
+        return {}
+    return {"decode_by_phase": {k: {"n": len(v), "p50_ms": nearest_rank(v, 0.5), "p99_ms": nearest_rank(v, 0.99),
+                                    "max_ms": max(v), "slowest_ms": sorted(v)[-5:][::-1]}
+                                for k, v in groups.items()}}
+
+
 def pooled_line(arm: dict) -> str:
-    """`r1 1.12 [0.98, 1.31]`, one per pooled rebalance: ratio and 95% interval."""
-    return ", ".join(f"{p['id']} {p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]"
+    """`r1 1.12 [0.98, 1.31]`, one per pooled rebalance: ratio and 95% interval, and where the dump has them its
+    phases' decode p99 / max (`{placement 9.1/45.0 ms, ...}`)."""
+    def phases(p):
+        ph = p.get("decode_by_phase") or {}
+        return " {" + ", ".join(f"{k} {v['p99_ms']:.1f}/{v['max_ms']:.1f} ms" for k, v in ph.items()) + "}" \
+            if ph else ""
+
+    return ", ".join(f"{p['id']} {p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]{phases(p)}"
                      for p in arm.get("async_decode_p99_pooled", [])) or "none"
 
 

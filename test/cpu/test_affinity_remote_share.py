@@ -166,3 +166,30 @@ def test_pooled_decode_p99_with_its_interval(tmp_path):
     assert p["ci95"][0] < p["ratio"] < p["ci95"][1] and 1.0 < p["ratio"] < 1.45 and p["ci95"][1] - p["ci95"][0] < 0.5
     assert bench.pooled_line({"async_decode_p99_pooled": [p]}).startswith("r1 1.")
     assert bench.pooled_line({}) == "none" and bench.pooled_decode_p99(tmp_path / "absent") == []
+    assert "decode_by_phase" not in p  # dumps from before the per-pass labels
+
+
+def test_pooled_p99_tells_the_phases_of_a_rebalance_apart(tmp_path):
+    """With the per-pass labels the servers dump, the decode passes of a rebalance are summarised per phase and at
+    the switching boundaries (ranks pooled): where its slow passes are. Prefill passes and idle gaps are left out."""
+    import json
+
+    n = 300
+    for rank in (0, 1):
+        ms = [30.0, 45.0] + [4.0] * (n - 2)            # two slow placement passes
+        ms[150] = 12.0                                  # a switch
+        ms[200], ms[201] = 40.0, 5000.0                 # a prefill pass, an idle gap
+        passes = {"ms": ms, "decode": [k != 200 for k in range(n)],
+                  "phase": ["placement"] * 9 + ["start"] + ["migration"] * (n - 10),
+                  "work_us": [100.0] * n, "switch": [k == 150 for k in range(n)]}
+        (tmp_path / f"eplb_async_r1_rank{rank}.json").write_text(json.dumps(
+            {"id": "r1", "rank": rank, "decode_during": [x for x, d in zip(ms, passes["decode"]) if d and x < 1e3],
+             "decode_before": [4.0] * 400, "passes": passes}))
+    (p,) = bench.pooled_decode_p99(tmp_path)
+    ph = p["decode_by_phase"]
+    assert ph["placement"]["n"] == 18 and ph["placement"]["slowest_ms"][:4] == [45.0, 45.0, 30.0, 30.0]
+    assert ph["start"]["n"] == 2 and ph["start"]["max_ms"] == 4.0
+    assert ph["migration"]["n"] == 2 * (n - 10 - 2) and ph["migration"]["max_ms"] == 12.0
+    assert ph["switch"] == {"n": 2, "p50_ms": 12.0, "p99_ms": 12.0, "max_ms": 12.0, "slowest_ms": [12.0, 12.0]}
+    assert "{placement 45.0/45.0 ms, start 4.0/4.0 ms, migration 4.0/12.0 ms, switch 12.0/12.0 ms}" in \
+        bench.pooled_line({"async_decode_p99_pooled": [p]})

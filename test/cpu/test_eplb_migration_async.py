@@ -25,8 +25,10 @@ Three rebalances run in one world (the sglang import dominates the runtime): ok,
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
+import pathlib
 import pickle
 import time
 
@@ -178,6 +180,7 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
                    for l in MOE for j in range(K))
 
     res = {"feature": [decisions["eplb_async"].on, decisions["eplb_async"].reason], "launch": launch}
+    os.environ["SGLANG_H20_OBSERVE_DIR"] = dump_dir = os.path.join(outdir, f"dump_{launch}")
     dist.barrier()
     t0 = time.monotonic() + 0.02
     step, deadline = 0, time.monotonic() + LOOP_DEADLINE_S
@@ -218,13 +221,17 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
         wait_until = time.monotonic() + 10
         while phase == 0 and "verify" not in ar.history(mgr)[0] and time.monotonic() < wait_until:
             time.sleep(0.01)  # the verify thread reads every slot after the last switch
+        dump = pathlib.Path(dump_dir) / f"eplb_async_r{phase + 1}_rank{rank}.json"
+        while phase == 0 and not dump.exists() and time.monotonic() < wait_until:
+            time.sleep(0.01)  # written by a thread after the rebalance's end line
         final = meta.physical_to_logical_map_cpu.numpy().copy()
         labels = np.array([[(0 if (row == old[l]).all() else 1 if (row == final[l]).all() else -1)
                             if good else -1 for l, row, good in zip(MOE, r, ok)]
                            for r, ok in zip(rows, oks)])
         res[phase] = dict(labels=labels, call_s=call_s, own_s=own_s, steps=len(rows), end_step=end_step,
                           history=[dict(h) for h in ar.history(mgr)], old=old, final=final,
-                          bit_ok=bit_ok(final), errors=errors.messages[n_err:], gate_timeouts=gate.timeouts)
+                          bit_ok=bit_ok(final), errors=errors.messages[n_err:], gate_timeouts=gate.timeouts,
+                          dump=json.loads(dump.read_text()) if dump.exists() else None)
         recorder.reseed(phase + 1)  # new counts: the next placement differs
         if phase == 0 and rank == 2:
             ar.EXECUTOR = FailingExecutor
@@ -308,6 +315,17 @@ def test_async_rebalance_through_sglang_hooks(world):
             assert 0 < d["p50_ms"] <= d["p99_ms"] <= d["max_ms"] < 1e3
         assert 0 < h["boundary_work_mean_s"] <= h["boundary_work_max_s"] < STALL_BOUND_S  # logged in the end line
         assert 0 < h["switch_work_max_s"] <= h["boundary_work_max_s"]
+        # (h) the dump the benchmark pools: every pass, labelled with its phase, our work and the switches
+        d = x["dump"]
+        assert d is not None and d["id"] == h["id"] and len(d["decode_during"]) == dd["n"]
+        p = d["passes"]
+        n = h["gate_steps"] + h["migration_steps"]
+        assert all(len(v) == n for v in p.values())
+        assert p["phase"] == ["placement"] * (h["gate_steps"] - 1) + ["start"] + ["migration"] * h["migration_steps"]
+        assert sum(p["switch"]) == len(set(f.values())) and all(p["phase"][k] == "migration"
+                                                                 for k in range(n) if p["switch"][k])
+        assert all(w is not None and 0 <= w < 1e6 * STALL_BOUND_S for w in p["work_us"])
+        assert sum(p["decode"]) == dd["n"] and p["ms"] and min(p["ms"]) > 0
     assert all(f == flips[0] for f in flips)  # same step on every rank
     assert len(set(flips[0].values())) >= 2   # staging of one layer: layers switched at different steps
     assert min(flips[0].values()) > REBALANCE_AFTER + out[0][0]["history"][0]["gate_steps"]

@@ -255,12 +255,27 @@ def rebalance_intervals(spanned, before) -> dict[str, list[float]]:
             for kind in ("all", "decode") for when, ends in (("during", spanned), ("before", before))}
 
 
-def dump_intervals(out_dir: str, mid: str, intervals: dict[str, list[float]]) -> None:
-    """A rebalance's raw pass intervals (`rebalance_intervals`) as `eplb_async_<id>_rank<r>.json` in the
-    benchmark's dump folder (SGLANG_H20_OBSERVE_DIR), for a p99 ratio pooled over ranks with a confidence interval:
-    one rank's window of ~400 passes cannot tell 1.05 from 1.3."""
+def rebalance_passes(spanned, work: list[float], gate_steps: int, switch_at: set[int]) -> dict[str, list]:
+    """Each pass a rebalance spanned, in order (unfiltered): its interval in ms (boundary to boundary, our boundary
+    work included), whether it decoded, its phase ("placement" while the new placement is computed, "start" for
+    the pass whose boundary started the migration, then "migration"), our boundary work in µs and whether layers
+    switched at its boundary; so that slow passes can be told apart by what ran beside them."""
+    n = len(spanned) - 1
+    return {"ms": [round(1e3 * (b[0] - a[0]), 3) for a, b in zip(spanned, spanned[1:])],
+            "decode": [bool(b[1]) for b in spanned[1:]],
+            "phase": ["placement" if k < gate_steps - 1 else "start" if k == gate_steps - 1 else "migration"
+                      for k in range(n)],
+            "work_us": [round(1e6 * w, 1) for w in work[:n]] + [None] * max(0, n - len(work)),
+            "switch": [k in switch_at for k in range(n)]}
+
+
+def dump_intervals(out_dir: str, mid: str, intervals: dict[str, list[float]], passes: dict | None = None) -> None:
+    """A rebalance's raw pass intervals (`rebalance_intervals`) and, when given, its passes one by one
+    (`rebalance_passes`) as `eplb_async_<id>_rank<r>.json` in the benchmark's dump folder (SGLANG_H20_OBSERVE_DIR),
+    for a p99 ratio pooled over ranks with a confidence interval: one rank's window of ~400 passes cannot tell
+    1.05 from 1.3."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rec = {"id": mid, "rank": rank, **intervals}
+    rec = {"id": mid, "rank": rank, **intervals, **({"passes": passes} if passes is not None else {})}
     try:
         path = pathlib.Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
@@ -563,6 +578,7 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
     ex = None
     work = []  # the decode thread's time in our boundary work (gate step, maybe_switch: posts and switches), s
     switch_work = []  # the same at the boundaries that switched layers
+    switch_at = set()  # their positions in `work`
     st.during = []  # after_pass stamps this boundary and every later one: a pass plus our boundary work
     try:
         while True:  # phase 1: placement in the background, start gate
@@ -594,6 +610,7 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
             work.append(time.perf_counter() - t)
             if switched:
                 switch_work.append(work[-1])
+                switch_at.add(len(work) - 1)
             if switched and ex.status.state == "running":  # progress of a long migration, one line per chunk
                 log.info("eplb_async: rebalance %s: layers %s switched after %d migration passes (%d of %d layers)",
                          job.mid, switched, rec["migration_steps"], len(ex.status.switched_layers),
@@ -631,7 +648,8 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
                 log_pass_intervals(job.mid, during, steady, kind)
         dump_dir = os.environ.get("SGLANG_H20_OBSERVE_DIR")
         if dump_dir:
-            threading.Thread(target=dump_intervals, args=(dump_dir, job.mid, intervals), daemon=True,
+            passes = rebalance_passes(spanned, work, rec["gate_steps"], switch_at)
+            threading.Thread(target=dump_intervals, args=(dump_dir, job.mid, intervals, passes), daemon=True,
                              name=f"eplb-async-dump-{job.mid}").start()
     finally:
         sys.setswitchinterval(interval)
