@@ -24,7 +24,8 @@
 #     upstream's blocking stall vs our migration, transfers posted by the decode loop or by a thread (multi-GPU);
 #     a server whose log stays silent --hang-s seconds during a bench leaves every thread's stack
 #     -> $OUT/affinity_stacks_<arm>.txt;
-#     each arm's server log lines (EPLB, errors) -> $OUT/affinity_server_<arm>.txt
+#     each arm's server log lines (EPLB, errors) -> $OUT/affinity_server_<arm>.txt; starts only with more than
+#     AFFINITY_MIN_S (default 150) seconds left
 #   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
 #   ${MIGRATION_ARGS}, e.g. MIGRATION_ARGS="--world 2": experts move between 2 GPUs (NCCL, one process per
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
@@ -153,7 +154,9 @@ if [[ " $STEPS " == *" parity_ep "* ]]; then  # the multi-GPU issue: EP = DP att
   (cd "$OUT/parity_ep" && tar -cJf "$OUT/parity_ep_logs.tar.xz" --exclude sharegpt.json . 2>/dev/null)
   rm -rf "$OUT/parity_ep"
 fi
-if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt 300 ]; then  # multi-GPU: remote share, upstream EPLB vs ours
+# multi-GPU: tokens leaving their GPU and decode passes during a move, upstream EPLB vs ours; one arm takes ~150 s on a
+# set-up machine (server ~90 s, 1024 prompts), two ~300 s: AFFINITY_MIN_S is the time it needs left to start
+if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt "${AFFINITY_MIN_S:-150}" ]; then
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   say "expert-affinity placement in the server, EP=$n"
   rm -rf /tmp/affinity  # a warm machine keeps the last call's: its JSON must not pass for this one's
