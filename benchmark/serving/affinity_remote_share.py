@@ -40,8 +40,9 @@ import time
 from pathlib import Path
 
 from sglang_h20 import provenance
-from sglang_h20.abstats import nearest_rank, quantile_ratio_ci95
+from sglang_h20.abstats import quantile_ratio_ci95
 from sglang_h20.cliargs import non_negative_int, positive_float, read_json
+from sglang_h20.eplb import async_rebalance
 from sglang_h20.nightly.serving import Server, write_sharegpt
 from sglang_h20.observe import export
 
@@ -137,14 +138,13 @@ def by_phase(passes: list[dict]) -> dict:
     groups: dict[str, list[float]] = {}
     for p in passes:
         for ms, decode, phase, switch in zip(p["ms"], p["decode"], p["phase"], p["switch"]):
-            if decode and ms <= 1e3:
+            if decode and ms <= 1e3 * async_rebalance.TUNING.idle_gap_s:  # the server's own rule (pass_intervals)
                 groups.setdefault(phase, []).append(ms)
                 if switch:
                     groups.setdefault("switch", []).append(ms)
     if not groups:
         return {}
-    return {"decode_by_phase": {k: {"n": len(v), "p50_ms": nearest_rank(v, 0.5), "p99_ms": nearest_rank(v, 0.99),
-                                    "max_ms": max(v), "slowest_ms": sorted(v)[-5:][::-1]}
+    return {"decode_by_phase": {k: {**async_rebalance.interval_summary(v), "slowest_ms": sorted(v)[-5:][::-1]}
                                 for k, v in groups.items()}}
 
 

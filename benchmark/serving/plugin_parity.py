@@ -105,7 +105,8 @@ def summarize(phases: list[dict]) -> dict:
             if all(v and None not in v for v in itl.values()):
                 summary[f"{key}_vs_upstream_median_itl_ratio"] = (statistics.median(itl[other])
                                                                   / statistics.median(itl["upstream"]))
-            summary["run_to_run_spread_pct"] = max(s["spread_pct"] for s in summary["output_throughput"].values())
+    if "upstream" in tput and tput.keys() & {"plugin-off", "features"}:  # a ratio above: the spread beside it
+        summary["run_to_run_spread_pct"] = max(s["spread_pct"] for s in summary["output_throughput"].values())
     return summary
 
 

@@ -265,7 +265,7 @@ def rebalance_passes(spanned, work: list[float], gate_steps: int, switch_at: set
             "decode": [bool(b[1]) for b in spanned[1:]],
             "phase": ["placement" if k < gate_steps - 1 else "start" if k == gate_steps - 1 else "migration"
                       for k in range(n)],
-            "work_us": [round(1e6 * w, 1) for w in work[:n]] + [None] * max(0, n - len(work)),
+            "work_us": [round(1e6 * w, 1) for w in work[:n]],
             "switch": [k in switch_at for k in range(n)]}
 
 
@@ -577,8 +577,7 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
     rec["start_s"] = time.perf_counter() - t0  # our share of this boundary (dump_record is upstream's)
     ex = None
     work = []  # the decode thread's time in our boundary work (gate step, maybe_switch: posts and switches), s
-    switch_work = []  # the same at the boundaries that switched layers
-    switch_at = set()  # their positions in `work`
+    switch_at = set()  # positions in `work` of the boundaries that switched layers
     st.during = []  # after_pass stamps this boundary and every later one: a pass plus our boundary work
     try:
         while True:  # phase 1: placement in the background, start gate
@@ -609,7 +608,6 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
             switched = ex.maybe_switch()
             work.append(time.perf_counter() - t)
             if switched:
-                switch_work.append(work[-1])
                 switch_at.add(len(work) - 1)
             if switched and ex.status.state == "running":  # progress of a long migration, one line per chunk
                 log.info("eplb_async: rebalance %s: layers %s switched after %d migration passes (%d of %d layers)",
@@ -626,7 +624,8 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
 
             init_lplb_solvers(model_config=manager._model_config)
         rec.update(boundary_work_mean_s=float(np.mean(work)) if work else 0.0,
-                   boundary_work_max_s=max(work, default=0.0), switch_work_max_s=max(switch_work, default=0.0))
+                   boundary_work_max_s=max(work, default=0.0),
+                   switch_work_max_s=max((work[k] for k in switch_at), default=0.0))
         log.info("eplb_async: rebalance %s end: %d layers switched over %d forward passes "
                  "(placement %d, migration %d); boundary work on the decode thread: mean %.0f us, max %.2f ms "
                  "(at switches: max %.2f ms)", job.mid, len(s.switched_layers),

@@ -445,7 +445,7 @@ class MigrationExecutor:
         self._device = any_w.device if any_w is not None else torch.device("cpu")
         self._cuda = self._device.type == "cuda"
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
-        self._pool, self._index, self._chunk_views = self._make_staging()
+        self._chunk_views = self._make_staging()
         # the slot views this rank sends or copies from, made here too, not indexed again at every boundary (the
         # decode loop's bookkeeping per boundary; its effect in a server is not measured)
         self._sources = {t.tid: [w[t.src_slot - rank * self._k] for w in self._weights[t.layer]]
@@ -635,7 +635,7 @@ class MigrationExecutor:
                 self._last_progress = time.monotonic()
                 if self._all_layers <= self._switched.keys():
                     self._state = "done"
-                    self._pool, self._index, self._chunk_views = [], {}, []
+                    self._chunk_views = []
                 self._cv.notify_all()
         if layers and self._on_switch is not None:
             self._on_switch(layers)
@@ -652,7 +652,7 @@ class MigrationExecutor:
             freed, self._staging_bytes = self._staging_bytes, 0
             self._staging.clear()
             self._blocks.clear()
-            self._pool, self._index, self._chunk_views = [], {}, []
+            self._chunk_views = []
             switched = sorted(self._switched)
             aborted = sorted(self._all_layers - self._switched.keys())
             self._cv.notify_all()
@@ -763,12 +763,12 @@ class MigrationExecutor:
                 self._cv.wait(timeout=0.1)
             return not self._stop
 
-    def _make_staging(self) -> tuple[list[torch.Tensor], dict[int, tuple], list[tuple[dict, dict]]]:
-        """The staging pool (one block per weight tensor, rows for the largest chunk's incoming experts), each
-        layer's slot index (on the device) with its runs, and per chunk its views of the pool, made once, when the
-        executor is built: off the decode loop, which in boundary mode opens the chunks (allocating a chunk's 5 GB
-        there, and uploading its index from pinned memory, cost a boundary 6 ms in an EP-2 server; making a
-        chunk's ~1500 row views there, ~3 ms). Chunks take consecutive rows of the pool."""
+    def _make_staging(self) -> list[tuple[dict, dict]]:
+        """Per chunk, its views of one staging pool (one block per weight tensor, rows for the largest chunk's
+        incoming experts; chunks take its rows from the first) and each layer's slot index (on the device) with
+        its runs, made once, when the executor is built: off the decode loop, which in boundary mode opens the
+        chunks (allocating a chunk's 5 GB there, and uploading its index from pinned memory, cost a boundary 6 ms
+        in an EP-2 server; making a chunk's ~1500 row views there, ~3 ms). The views keep the pool alive."""
         me, plan = self.rank, self.plan
         rows = max((sum(len(plan.incoming(me, l)) for l in c.layers) for c in plan.chunks), default=0)
         like = [(w.shape[1:], w.dtype) for w in self._weights[plan.layers[0]]] if plan.layers else []
@@ -776,32 +776,28 @@ class MigrationExecutor:
             if [(w.shape[1:], w.dtype) for w in self._weights[l]] != like:
                 raise ValueError(f"layer {l}: expert tensors differ in shape or dtype from layer {plan.layers[0]}'s "
                                  "(one staging pool serves every layer)")
-        index = {}
+        views = []  # per chunk: (tid -> its staging rows, layer -> (slot index, runs, its block of the pool))
         with self._on_side_stream():  # the side stream writes the pool: allocated there (see _on_side_stream)
             pool = [torch.empty((rows, *shape), dtype=dtype, device=self._device) for shape, dtype in like] \
                 if rows else []
-            for l in plan.layers:
-                slots = [plan.transfers[tid].dst_slot - me * self._k for tid in sorted(plan.incoming(me, l))]
-                if slots:
+            for chunk in plan.chunks:
+                bufs, blocks, row = {}, {}, 0
+                for l in chunk.layers:
+                    tids = sorted(plan.incoming(me, l))
+                    if not tids:
+                        continue
+                    slots = [plan.transfers[tid].dst_slot - me * self._k for tid in tids]
                     idx = torch.tensor(slots, dtype=torch.long)
-                    index[l] = (idx.pin_memory().to(self._device, non_blocking=True) if self._cuda else idx,
-                                _runs(slots))
+                    if self._cuda:
+                        idx = idx.pin_memory().to(self._device, non_blocking=True)
+                    block = [p[row:row + len(tids)] for p in pool]
+                    row += len(tids)
+                    blocks[l] = (idx, _runs(slots), block)
+                    bufs.update({tid: [b[n] for b in block] for n, tid in enumerate(tids)})
+                views.append((bufs, blocks))
         if self._cuda:
             self._stream.synchronize()  # the index uploads, before any switch reads them on another stream
-        views = []  # per chunk: (tid -> its staging rows, layer -> (slot index, runs, its block of the pool))
-        for chunk in plan.chunks:
-            bufs, blocks, row = {}, {}, 0
-            for l in chunk.layers:
-                tids = sorted(plan.incoming(me, l))
-                if not tids:
-                    continue
-                block = [p[row:row + len(tids)] for p in pool]
-                row += len(tids)
-                blocks[l] = (*index[l], block)
-                for n, tid in enumerate(tids):
-                    bufs[tid] = [b[n] for b in block]
-            views.append((bufs, blocks))
-        return pool, index, views
+        return views
 
     def _open_chunk(self, chunk: Chunk) -> bool:
         """Hand the chunk its staging: per layer with incoming experts, its rows of the pool (views made with the

@@ -440,7 +440,9 @@ class StageRecorder:
         """int32 [tokens routed, tokens with an expert on another rank, other ranks they are sent to] of this
         rank's tokens, on the device: a token leaves its GPU once per other GPU holding one of its experts (a
         dispatch copy), which placement can lower; the share of (token, expert) pairs on other GPUs it cannot,
-        for its DP rank does not depend on its experts."""
+        for its DP rank does not depend on its experts. Where the MoE routes the tokens of every DP rank gathered
+        (no all-to-all backend), each rank counts them all as its own: the mean over ranks is then the share for a
+        token whose rank does not depend on its experts."""
         import torch
 
         ids = topk_ids.reshape(-1, topk_ids.shape[-1]).to(torch.int64)
