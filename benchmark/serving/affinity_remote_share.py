@@ -127,8 +127,23 @@ def pooled_decode_p99(dump: Path) -> list[dict]:
             out.append({"id": mid, "ranks": len(ranks), **quantile_ratio_ci95(during, before),
                         "decode_during_ms": [round(x, 2) for x in during],
                         "decode_before_ms": [round(x, 2) for x in before],
-                        **by_phase([r["passes"] for r in ranks if r.get("passes")])})
+                        **by_phase([r["passes"] for r in ranks if r.get("passes")]),
+                        **placement_timeline(ranks)})
     return out
+
+
+def placement_timeline(ranks: list[dict]) -> dict:
+    """Per rank, the placement thread's steps and the passes that ended while it ran or before the migration
+    started ([end ms, interval ms, decode?], the job's creation = 0), to line slow passes up with the steps."""
+    out = {}
+    for r in ranks:
+        p = r.get("passes") or {}
+        if "end_ms" not in p:
+            continue
+        early = [[e, ms, d] for e, ms, d, ph in zip(p["end_ms"], p["ms"], p["decode"], p["phase"])
+                 if ph != "migration"]
+        out[str(r.get("rank"))] = {"steps": p.get("placement_steps", []), "passes": early}
+    return {"placement_timeline": out} if out else {}
 
 
 def by_phase(passes: list[dict]) -> dict:

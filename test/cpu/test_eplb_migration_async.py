@@ -25,12 +25,14 @@ Three rebalances run in one world (the sglang import dominates the runtime): ok,
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import logging
 import os
 import pathlib
 import pickle
 import time
+import types
 
 import numpy as np
 import pytest
@@ -76,6 +78,7 @@ class Recorder:
 
     def __init__(self, rank):
         self.rank, self.dump_s = rank, []
+        self._accumulator = types.SimpleNamespace(_first_dump=True)  # upstream's stat accumulator's flag
         self.reseed(0)
 
     def reseed(self, phase):
@@ -231,7 +234,8 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
         res[phase] = dict(labels=labels, call_s=call_s, own_s=own_s, steps=len(rows), end_step=end_step,
                           history=[dict(h) for h in ar.history(mgr)], old=old, final=final,
                           bit_ok=bit_ok(final), errors=errors.messages[n_err:], gate_timeouts=gate.timeouts,
-                          dump=json.loads(dump.read_text()) if dump.exists() else None)
+                          dump=json.loads(dump.read_text()) if dump.exists() else None,
+                          first_dump_flag=recorder._accumulator._first_dump)
         recorder.reseed(phase + 1)  # new counts: the next placement differs
         if phase == 0 and rank == 2:
             ar.EXECUTOR = FailingExecutor
@@ -320,7 +324,13 @@ def test_async_rebalance_through_sglang_hooks(world):
         assert d is not None and d["id"] == h["id"] and len(d["decode_during"]) == dd["n"]
         p = d["passes"]
         n = h["gate_steps"] + h["migration_steps"]
+        steps = p.pop("placement_steps")
         assert all(len(v) == n for v in p.values())
+        assert [x[0] for x in steps] == ["counts", "init_by_eplb", "agree", "plan", "to_devices", "executor"]
+        assert all(0 <= a <= b for _, a, b in steps) and steps == [list(s) for s in h["placement_steps"]]
+        assert p["end_ms"] == sorted(p["end_ms"]) and p["end_ms"][0] > 0
+        # upstream's one-time empty_cache at the first dump was skipped
+        assert x["first_dump_flag"] is False
         assert p["phase"] == ["placement"] * (h["gate_steps"] - 1) + ["start"] + ["migration"] * h["migration_steps"]
         assert sum(p["switch"]) == len(set(f.values())) and all(p["phase"][k] == "migration"
                                                                  for k in range(n) if p["switch"][k])
@@ -372,6 +382,14 @@ def _gates(n=2, every=4, ahead=2):
 
     store = torch.distributed.HashStore()
     return [_Gate(torch.distributed.PrefixStore("g/", store), n, every, ahead) for _ in range(n)]
+
+
+def test_upstream_first_dump_still_empties_the_cache_behind_the_flag_we_clear():
+    """`_skip_first_dump_empty_cache` clears SGLang's `_first_dump`: the installed SGLang must still have it."""
+    from sglang.srt.eplb import expert_distribution as ed
+
+    src = inspect.getsource(ed._StatAccumulator)
+    assert "self._first_dump = True" in src and "if self._first_dump:" in src and "empty_cache()" in src
 
 
 def test_gate_settles_missed_rounds_as_wait_then_all_go_at_one_boundary():

@@ -6,8 +6,9 @@ blocking P2P of every layer before the next forward pass. With this switch on it
 
 forward thread (between passes; never waits on a transfer)
   1. as upstream: skip when rebalancing is disabled; `dump_record("object")` (SGLang's all-reduce,
-     in lockstep on every rank) and `_check_rebalance_needed`. The logical counts are copied to the
-     host asynchronously (pinned buffer + event), so this step adds no device sync.
+     in lockstep on every rank; its one-time empty_cache at the first dump is skipped) and
+     `_check_rebalance_needed`. The placement thread copies the logical counts to the host (side stream, after an
+     event recorded here), so this step adds no device sync and pins no memory.
   2. start a PLACEMENT thread, then `yield` (= let one forward pass run) until the start GATE
      (below) says go. Elastic-EP post-scale rebalances and a world != ep_size stay upstream.
   3. `MigrationExecutor.start()` at the agreed boundary, then `yield; maybe_switch()` until the
@@ -255,13 +256,17 @@ def rebalance_intervals(spanned, before) -> dict[str, list[float]]:
             for kind in ("all", "decode") for when, ends in (("during", spanned), ("before", before))}
 
 
-def rebalance_passes(spanned, work: list[float], gate_steps: int, switch_at: set[int]) -> dict[str, list]:
+def rebalance_passes(spanned, work: list[float], gate_steps: int, switch_at: set[int],
+                     t_ref: float | None = None) -> dict[str, list]:
     """Each pass a rebalance spanned, in order (unfiltered): its interval in ms (boundary to boundary, our boundary
-    work included), whether it decoded, its phase ("placement" while the new placement is computed, "start" for
-    the pass whose boundary started the migration, then "migration"), our boundary work in µs and whether layers
-    switched at its boundary; so that slow passes can be told apart by what ran beside them."""
+    work included), its end in ms after `t_ref` (default: the first boundary; the job's creation lines it up with
+    the placement thread's steps), whether it decoded, its phase ("placement" while the new placement is computed,
+    "start" for the pass whose boundary started the migration, then "migration"), our boundary work in µs and
+    whether layers switched at its boundary; so that slow passes can be told apart by what ran beside them."""
     n = len(spanned) - 1
+    t_ref = spanned[0][0] if t_ref is None else t_ref
     return {"ms": [round(1e3 * (b[0] - a[0]), 3) for a, b in zip(spanned, spanned[1:])],
+            "end_ms": [round(1e3 * (b[0] - t_ref), 3) for b in spanned[1:]],
             "decode": [bool(b[1]) for b in spanned[1:]],
             "phase": ["placement" if k < gate_steps - 1 else "start" if k == gate_steps - 1 else "migration"
                       for k in range(n)],
@@ -351,6 +356,32 @@ class _Gate:
 
 
 # ----------------------------------------------------------------------------- placement thread
+def _to_host(counts, ready):
+    """Placement thread: the dump's logical counts on the host. A CUDA tensor is read on a side stream once the
+    decode stream passed `ready`, into pageable memory: this thread waits; the decode thread neither syncs nor
+    pins memory (a first pinned allocation stalled another thread's loop step by ~6 ms on an H200:
+    benchmark/eplb/placement_interference.py)."""
+    if not (isinstance(counts, torch.Tensor) and counts.is_cuda):
+        return counts
+    side = torch.cuda.Stream(counts.device)
+    side.wait_event(ready)
+    with torch.cuda.stream(side):
+        return counts.to("cpu")
+
+
+def _skip_first_dump_empty_cache(recorder) -> None:
+    """SGLang's stat accumulator empties the CUDA cache at its first dump (`_first_dump`): every cached block is
+    freed (a device sync) and the decode passes after it allocate theirs again, while our placement runs. Its
+    blocking update then allocates temp buffers; our staging is allocated by the placement thread, and PyTorch's
+    allocator frees cached blocks itself before it reports out of memory. So an asynchronous rebalance's first
+    dump skips it (one INFO line)."""
+    acc = getattr(recorder, "_accumulator", None)
+    if getattr(acc, "_first_dump", None) is True:
+        acc._first_dump = False
+        log.info("eplb_async: the first EPLB dump keeps the CUDA cache (upstream empties it there, which stalls "
+                 "the next decode passes)")
+
+
 class _Job:
     """Placement, plan and executor for one rebalance, built off the decode thread."""
 
@@ -368,6 +399,8 @@ class _Job:
         self.gate = _Gate(self.store, self.world, TUNING.switch_every, TUNING.decide_ahead)
         self.stop = threading.Event()
         self.plan = self.fields = self.executor = None
+        self.t0 = time.perf_counter()
+        self.steps: list[tuple[str, float, float]] = []  # placement thread: (step, start ms, end ms) from t0
         self.thread = threading.Thread(target=self._main, name=f"eplb-async-placement-{mid}", daemon=True)
 
     def _main(self) -> None:
@@ -445,9 +478,10 @@ class _Job:
         m, cur = self.manager, self.meta
         if cur.physical_to_logical_map.is_cuda:  # this thread's CUDA work goes to the model's GPU
             torch.cuda.set_device(cur.physical_to_logical_map.device)
-        if self.counts_ready is not None:  # the async host copy of the counts
-            self.counts_ready.synchronize()
-        new = ExpertLocationMetadata.init_by_eplb(_OnCpu(m._server_args), m._model_config, self.counts)
+        counts = _to_host(self.counts, self.counts_ready)
+        self._step("counts")
+        new = ExpertLocationMetadata.init_by_eplb(_OnCpu(m._server_args), m._model_config, counts)
+        self._step("init_by_eplb")
         weights = m._get_model().routed_experts_weights_of_layer
         moe = sorted(int(l) for l in weights)
         old = cur.physical_to_logical_map_cpu.numpy().astype(np.int64)
@@ -461,6 +495,7 @@ class _Job:
         agreed = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
         if agreed != digest:
             raise RuntimeError("ranks computed different placements (crc32 %s vs %s)" % (digest, agreed))
+        self._step("agree")
         k = cur.num_local_physical_experts
         nnodes = int(getattr(m._server_args, "nnodes", 1) or 1)
         topo = Topology(nnodes, self.world // nnodes, k)
@@ -470,12 +505,22 @@ class _Job:
         budget = (layers_per_chunk or TUNING.staging_layers) * k * expert_bytes
         self.plan = plan_migration(Placement(old, topo, E), Placement(p2l, topo, E, "sglang"),
                                    expert_bytes, budget)
+        self._step("plan")
         self.fields = self._to_devices(new)
+        self._step("to_devices")
         self.executor = EXECUTOR(
             self.rank, self.world, topo, {l: weights[l] for l in self.plan.layers}, self.plan,
             group=self.group, timeout_s=TUNING.timeout_s, switch_every=TUNING.switch_every,
             decide_ahead=TUNING.decide_ahead, migration_id=self.mid, on_switch=self.switch_rows,
             **pacing(self.launch, expert_bytes, TUNING.transfers_per_boundary, TUNING.copy_gbps))
+        self._step("executor")
+
+    def _step(self, name: str) -> None:
+        """Placement thread: `name` ended now; its (start, end) in ms from the job's creation (`steps`), to line
+        up with the pass ends of the rebalance's dump."""
+        now = 1e3 * (time.perf_counter() - self.t0)
+        start = self.steps[-1][2] if self.steps else 0.0
+        self.steps.append((name, round(start, 3), round(now, 3)))
 
     def _to_devices(self, new) -> dict[str, torch.Tensor]:
         """The new metadata's routing fields, each on its live field's device (side stream)."""
@@ -488,10 +533,10 @@ class _Job:
                 continue
             if live.shape != src.shape:
                 raise RuntimeError(f"metadata field {f}: shape {tuple(src.shape)} != live {tuple(live.shape)}")
-            if live.device.type == "cuda":
-                side = side or torch.cuda.Stream(live.device)
+            if live.device.type == "cuda":  # from pageable memory: this thread waits, nothing pinned (a first
+                side = side or torch.cuda.Stream(live.device)  # cudaHostAlloc stalled another thread's step)
                 with torch.cuda.stream(side):
-                    out[f] = src.to(live.dtype).pin_memory().to(live.device, non_blocking=True)
+                    out[f] = src.to(live.dtype).to(live.device)
             else:
                 out[f] = src.to(live.dtype).clone()
         if side is not None:
@@ -551,18 +596,18 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
     from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 
     log.info("eplb_async: rebalance start")
-    out = get_global_expert_distribution_recorder().dump_record(output_mode="object")
+    t0 = time.perf_counter()
+    recorder = get_global_expert_distribution_recorder()
+    _skip_first_dump_empty_cache(recorder)
+    out = recorder.dump_record(output_mode="object")
     if not manager._check_rebalance_needed(out["average_utilization_rate_over_window"]):
         return
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     before = list(st.pass_ends)
     counts, ready = out["logical_count"], None
-    if isinstance(counts, torch.Tensor) and counts.is_cuda:  # async D2H: no device sync here
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-        host.copy_(counts, non_blocking=True)
+    if isinstance(counts, torch.Tensor) and counts.is_cuda:  # the placement thread copies them once ready
         ready = torch.cuda.Event()
         ready.record()
-        counts = host
     if st.group is None:  # first use, or re-created after an aborted migration (lockstep)
         st.group = _new_group()
     st.seq += 1
@@ -574,7 +619,8 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
     interval = sys.getswitchinterval()
     sys.setswitchinterval(min(interval, TUNING.gil_switch_s))
     job.thread.start()
-    rec["start_s"] = time.perf_counter() - t0  # our share of this boundary (dump_record is upstream's)
+    rec["dump_s"] = t1 - t0  # upstream's dump_record and check, on this boundary
+    rec["start_s"] = time.perf_counter() - t1  # our share of this boundary
     ex = None
     work = []  # the decode thread's time in our boundary work (gate step, maybe_switch: posts and switches), s
     switch_at = set()  # positions in `work` of the boundaries that switched layers
@@ -590,6 +636,10 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
                 continue
             break
         sys.setswitchinterval(interval)
+        rec["placement_steps"] = list(job.steps)
+        if job.steps:
+            log.info("eplb_async: rebalance %s placement thread: %s ms (upstream dump %.1f ms before it)", job.mid,
+                     ", ".join(f"{n} {b - a:.1f}" for n, a, b in job.steps), 1e3 * rec["dump_s"])
         if dec[0] == "abort":
             rec.update(outcome="aborted", error=dec[1])
             log.error("eplb_async: rebalance %s aborted before any transfer: %s; the old placement "
@@ -647,7 +697,8 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
                 log_pass_intervals(job.mid, during, steady, kind)
         dump_dir = os.environ.get("SGLANG_H20_OBSERVE_DIR")
         if dump_dir:
-            passes = rebalance_passes(spanned, work, rec["gate_steps"], switch_at)
+            passes = {**rebalance_passes(spanned, work, rec["gate_steps"], switch_at, job.t0),
+                      "placement_steps": rec["placement_steps"]}
             threading.Thread(target=dump_intervals, args=(dump_dir, job.mid, intervals, passes), daemon=True,
                              name=f"eplb-async-dump-{job.mid}").start()
     finally:

@@ -788,8 +788,8 @@ class MigrationExecutor:
                         continue
                     slots = [plan.transfers[tid].dst_slot - me * self._k for tid in tids]
                     idx = torch.tensor(slots, dtype=torch.long)
-                    if self._cuda:
-                        idx = idx.pin_memory().to(self._device, non_blocking=True)
+                    if self._cuda:  # from pageable memory: this (placement) thread waits; nothing pinned
+                        idx = idx.to(self._device)
                     block = [p[row:row + len(tids)] for p in pool]
                     row += len(tids)
                     blocks[l] = (idx, _runs(slots), block)
