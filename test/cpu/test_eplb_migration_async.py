@@ -31,6 +31,7 @@ import logging
 import os
 import pathlib
 import pickle
+import sys
 import time
 import types
 
@@ -514,3 +515,27 @@ def test_dump_intervals_writes_what_the_benchmark_pools(tmp_path):
     assert all(abs(x - 5.0) < 1e-6 for x in rec["all_during"])
     (tmp_path / "file").write_text("")
     ar.dump_intervals(str(tmp_path / "file"), "r8", {})  # a file where the folder should be: warns
+
+
+def test_throttled_placement_sleeps_between_bursts_and_unhooks():
+    """`_throttled`: past each burst the thread sleeps (so a decode thread beside it is not kept waiting for the GIL);
+    the profile hook is this thread's only and is gone afterwards, also after an error."""
+    from sglang_h20.eplb import async_rebalance as ar
+
+    def work(n):
+        return [abs(i) for i in range(n)]
+
+    t = time.perf_counter()
+    with ar._throttled(burst_s=0.0, pause_s=0.002):
+        for _ in range(10):
+            work(3)
+    assert time.perf_counter() - t >= 10 * 0.002  # at least one pause per call past the (zero) burst
+    assert sys.getprofile() is None
+    t = time.perf_counter()
+    with ar._throttled(burst_s=10.0, pause_s=1.0):  # a long burst: no pause within it
+        work(1000)
+    assert time.perf_counter() - t < 0.5
+    with pytest.raises(ValueError):
+        with ar._throttled(burst_s=0.0, pause_s=0.0):
+            raise ValueError("placement failed")
+    assert sys.getprofile() is None

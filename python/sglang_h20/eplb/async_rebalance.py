@@ -31,8 +31,9 @@ placement thread (off the critical path)
   store that they computed the same placement; `plan_migration` (staging budget = layers of local
   slots: `eplb_rebalance_layers_per_chunk`, or TUNING.staging_layers, as upstream's one layer of
   temp buffers); the new metadata's tensors are copied to their devices on a side stream; an
-  executor is built (its transfer thread later runs on its own CUDA stream). While it runs the
-  Python switch interval is lowered, so the decode thread gets the GIL back quickly.
+  executor is built (its transfer thread later runs on its own CUDA stream). All of it runs in
+  short bursts with sleeps between (`_throttled`): a busy Python thread beside the decode thread
+  slows each of the decode thread's torch ops (GIL hand-offs), a sleeping one does not.
 
 start gate (same round protocol as the executor's switches)
   Every rank must call `start()` at the same boundary. Rounds end at boundaries
@@ -71,6 +72,7 @@ event after the previous switch's copies (`MigrationExecutor._open_chunk`, test/
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -113,10 +115,12 @@ class Tuning:
     timeout_s: float = 60.0           # per transfer stage (the executor's deadline)
     placement_timeout_s: float = 300.0  # every rank must have its plan within this
     staging_layers: int = 1           # staging budget, in layers of this rank's slots
-    gil_switch_s: float = 5e-4        # sys.setswitchinterval while the placement thread runs (its pure-Python
-    #                                   work holds the GIL; the decode thread waits up to this long per re-acquisition).
-    #                                   1e-4 did not remove the 10-45 ms passes at a rebalance's start in an EP-2
-    #                                   server (eplb/async_decode_p99_4_ep2_h200.json): back to 5e-4
+    placement_burst_s: float = 2e-4   # the placement thread holds the GIL at most about this long at a time, then
+    placement_pause_s: float = 1e-3   # sleeps this long (`_throttled`). Unthrottled, its ~45 ms of Python made the
+    #                                   decode passes beside it 13-20 ms (3.4 steady) in an EP-2 server: every
+    #                                   torch op of the decode thread releases the GIL and waits to get it back
+    #                                   (eplb/async_attribution_2_ep2_h200.json). A lower switch interval did not
+    #                                   help (1e-4 there; 2e-5 on a CPU stand-in); bursts did (CPU stand-in)
     copy_gbps: float | None = 10.0    # pace of the side-stream copies (GB/s; None: unpaced): decode is
     #                                   HBM-bound, and an unpaced copy takes its bandwidth from the steps.
     #                                   10 GB/s (~0.2% of an H200's HBM) still moves one EP16 GPU's 46 GB
@@ -356,6 +360,26 @@ class _Gate:
 
 
 # ----------------------------------------------------------------------------- placement thread
+@contextlib.contextmanager
+def _throttled(burst_s: float, pause_s: float):
+    """Run this thread's Python in bursts of about `burst_s`, each followed by a `pause_s` sleep: a profile hook
+    (this thread only) checks the clock at every call. A busy background thread costs the decode thread a GIL
+    hand-off at each of its torch ops (each releases the GIL); a sleeping one costs nothing. The work takes
+    about (burst + pause) / burst times longer, off the critical path."""
+    mark = [time.perf_counter()]
+
+    def hook(_frame, _event, _arg):
+        if time.perf_counter() - mark[0] > burst_s:
+            time.sleep(pause_s)
+            mark[0] = time.perf_counter()
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+
+
 def _to_host(counts, ready):
     """Placement thread: the dump's logical counts on the host. A CUDA tensor is read on a side stream once the
     decode stream passed `ready`, into pageable memory: this thread waits; the decode thread neither syncs nor
@@ -405,12 +429,13 @@ class _Job:
 
     def _main(self) -> None:
         try:
-            self._build()
+            with _throttled(TUNING.placement_burst_s, TUNING.placement_pause_s):
+                self._build()
+                if self.verify:  # before counting ready: a peer reading it then finds it
+                    self.store.set(f"digest/{self.rank}", self._digests().tobytes())
         except Exception as e:
             self.gate.propose(f"A:rank {self.rank}: placement failed: {type(e).__name__}: {e}", self.stop)
             return
-        if self.verify:  # before counting ready: a peer reading it then finds it
-            self.store.set(f"digest/{self.rank}", self._digests().tobytes())
         self.store.add("ready", 1)
         deadline = time.monotonic() + TUNING.placement_timeout_s
         while not self.stop.is_set() and int(self.store.add("ready", 0)) < self.world:
@@ -616,8 +641,6 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
            "migration_steps": 0}
     st.history.append(rec)
     del st.history[:-100]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, TUNING.gil_switch_s))
     job.thread.start()
     rec["dump_s"] = t1 - t0  # upstream's dump_record and check, on this boundary
     rec["start_s"] = time.perf_counter() - t1  # our share of this boundary
@@ -635,7 +658,6 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
             if dec is None or dec[0] == "wait":
                 continue
             break
-        sys.setswitchinterval(interval)
         rec["placement_steps"] = list(job.steps)
         if job.steps:
             log.info("eplb_async: rebalance %s placement thread: %s ms (upstream dump %.1f ms before it)", job.mid,
@@ -702,7 +724,6 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
             threading.Thread(target=dump_intervals, args=(dump_dir, job.mid, intervals, passes), daemon=True,
                              name=f"eplb-async-dump-{job.mid}").start()
     finally:
-        sys.setswitchinterval(interval)
         st.during = None
         job.stop.set()
         if rec["outcome"] == "running":  # generator dropped (reset_generator) mid-way
