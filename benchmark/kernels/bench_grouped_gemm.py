@@ -378,7 +378,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             continue
         for layout in args.layouts:
             configs = [None] + (tune_grid(variant, args.tune_walks) if tune else [])
-            best, tried = None, 0
+            best, tried, trials = None, 0, []  # trials: every tuned config's time, so walks can be compared
             for cfg in configs:
                 if best is not None and time_up():
                     print(f"  ours-{variant} {layout}: deadline, tuned {tried} of {len(configs)} configs",
@@ -398,6 +398,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                 except Exception as e:
                     print(f"  ours-{variant} {layout} config {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
+                trials.append({"config": cfg, "us": round(us, 3)})
                 if best is None or us < best[0]:
                     used = gg.choose_config(variant, mean, n, k, groups, layout=layout)
                     used.update(cfg or {})
@@ -416,7 +417,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                     err = rel_err(out[lo:hi], a_c[lo:hi], a_cs[lo:hi], b[first], b_s[first])
             tiles = (used["BLOCK_T"], used["BLOCK_N"])
             record(f"ours-{variant}", layout, us, tiles, err, used,
-                   {"configs_tried": tried, "configs_in_grid": len(configs)} if tune else None)
+                   {"configs_tried": tried, "configs_in_grid": len(configs), "trials": trials} if tune else None)
 
     if "deepgemm" in args.providers:
         for layout in args.layouts:
