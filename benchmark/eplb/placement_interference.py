@@ -1,11 +1,15 @@
 """What a rebalance's placement thread does to the decode loop beside it, one suspect at a time (one GPU).
 
 In EP-2 servers the 3-4 decode passes while the placement thread ran took 10-37 ms against a 3 ms steady pass
-(benchmark/results/eplb/async_attribution_ep2_h200.json); that thread does pure-Python work (SGLang's
+(benchmark/results/eplb/async_attribution_1_ep2_h200.json); that thread does pure-Python work (SGLang's
 `init_by_eplb`, our plan), allocates the staging pool (GBs), pins host memory and makes CUDA streams. This
 bench runs a decode-loop stand-in (Python work, one CUDA-graph replay, a host sync: the shape of a scheduler
-step) and, in a second thread started mid-run, one of those actions; it reports each action's slowest loop
-step against the same loop with no action. Exploratory: it says which action to take off the rebalance path.
+step; `--torch-ops` small CPU torch ops per step, each of which releases and re-takes the GIL as SGLang's
+scheduler code does) and, in a second thread started mid-run, one of those actions; it reports each action's
+slowest loop step against the same loop with no action. Exploratory: it says which action to take off the
+rebalance path. Its first run (benchmark/results/exploratory/placement_interference_h200.json) had no torch ops in
+the loop and so missed the GIL hand-offs that decided the server's slow passes; `python_20ms_throttled` is the fix
+(`sglang_h20.eplb.async_rebalance._throttled`).
 
   python benchmark/eplb/placement_interference.py --out benchmark/results/eplb/exploratory/x.json
 """
@@ -41,9 +45,20 @@ def small_torch_ops(ms: float) -> None:
         t.argsort()
 
 
+def throttled_python(ms: float) -> None:
+    """busy_python as the placement thread now runs it: short bursts, sleeps between."""
+    from sglang_h20.eplb.async_rebalance import TUNING, _throttled
+
+    with _throttled(TUNING.placement_burst_s, TUNING.placement_pause_s):
+        end = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < end:
+            busy_python(0.05)
+
+
 ACTIONS = {
     "none": lambda a: None,
     "python_20ms": lambda a: busy_python(20),
+    "python_20ms_throttled": lambda a: throttled_python(20),
     "torch_cpu_ops_20ms": lambda a: small_torch_ops(20),
     "gpu_alloc": lambda a: a.keep.append(torch.empty(int(a.alloc_gb * 2**30), dtype=torch.uint8, device="cuda")),
     "gpu_alloc_side_stream": lambda a: a.keep.append(_on_side(
@@ -69,6 +84,8 @@ def step_graph(gpu_ms: float) -> torch.cuda.CUDAGraph:
     """A CUDA graph of bf16 GEMMs taking about gpu_ms (the decode pass's GPU part)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    for _ in range(10):  # warm: a cold first GEMM sized the first run's graph at ~0.2 ms instead of 2.5
+        a @ b
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(20):
@@ -105,6 +122,8 @@ def run_action(name: str, a, g) -> dict:
             th.start()
         t = time.perf_counter()
         busy_python(a.python_ms)
+        for _ in range(a.torch_ops):
+            a.host_tensor.add_(1)
         g.replay()
         torch.cuda.current_stream().synchronize()
         steps.append(1e3 * (time.perf_counter() - t))
@@ -122,6 +141,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="JSON record (default: print only)")
     ap.add_argument("--gpu-ms", type=float, default=2.5, help="GPU time of one loop step (default %(default)s)")
     ap.add_argument("--python-ms", type=float, default=0.5, help="Python work per step (default %(default)s)")
+    ap.add_argument("--torch-ops", type=int, default=200,
+                    help="small CPU torch ops per step (each releases the GIL; default %(default)s)")
     ap.add_argument("--steps", type=int, default=90, help="loop steps per action (default %(default)s)")
     ap.add_argument("--alloc-gb", type=float, default=5.25, help="staging pool size (default: dsv3-4l EP2's)")
     ap.add_argument("--switch-intervals", type=float, nargs="+", default=[5e-3, 5e-4],
@@ -131,6 +152,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("placement_interference: needs a CUDA GPU", file=sys.stderr)
         return 2
+    a.host_tensor = torch.zeros(64)
     g = step_graph(a.gpu_ms)
     for _ in range(20):
         g.replay()
@@ -144,7 +166,7 @@ def main() -> int:
                 print(f"switch {si:g} s  {name:24s} action {row['action_ms']:8.2f} ms  step p50 {row['p50_ms']:6.2f}"
                       f"  max {row['max_ms']:7.2f}  slowest {row['slowest_ms']}", flush=True)
     rec = {**record(), "benchmark": "placement_interference", "args": {
-        k: v for k, v in vars(a).items() if k != "out"}, "rows": rows}
+        k: v for k, v in vars(a).items() if k not in ("out", "host_tensor")}, "rows": rows}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(rec, indent=1, default=str) + "\n")
