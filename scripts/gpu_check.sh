@@ -22,6 +22,8 @@
 #   (affinity) affinity_remote_share.py: tokens leaving their GPU, upstream EPLB vs affinity, and each rebalance's
 #     stall; AFFINITY_ARGS="--arms none deepseek deepseek+async deepseek+async-thread --fraction 0 --hang-s 60":
 #     upstream's blocking stall vs our migration, transfers posted by the decode loop or by a thread (multi-GPU);
+#     arm deepseek+async-shuffle makes every rebalance a full re-placement (use --rebalance-iterations >= 600: the
+#     passes are counted from the previous move's end, so the 512-pass steady window then holds none of that move);
 #     a server whose log stays silent --hang-s seconds during a bench leaves every thread's stack
 #     -> $OUT/affinity_stacks_<arm>.txt;
 #     each arm's server log lines (EPLB, errors) -> $OUT/affinity_server_<arm>.txt; starts only with more than

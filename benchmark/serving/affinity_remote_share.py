@@ -63,10 +63,10 @@ def judged(window: dict) -> bool:
     """A rebalance's interval window (during / before) long enough on both sides for its p99 to mean one."""
     return min(window["during"]["n"], window["before"]["n"]) >= MIN_P99_PASSES
 
-# arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH, SGLANG_H20_EPLB_ASYNC_VERIFY ("verify" reads every expert twice: its
-# own arm, so the plain arms' pass intervals stay clean)
-ASYNC_MODES = {"": None, "async": ("boundary", "off"), "async-thread": ("thread", "off"),
-               "async-verify": ("boundary", "on")}
+# arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH, _VERIFY, _SHUFFLE ("verify" reads every expert twice: its own arm, so
+# the plain arms' pass intervals stay clean; "shuffle": every rebalance a full re-placement, several per server)
+ASYNC_MODES = {"": None, "async": ("boundary", "off", "off"), "async-thread": ("thread", "off", "off"),
+               "async-verify": ("boundary", "on", "off"), "async-shuffle": ("boundary", "off", "on")}
 VERIFY_LINE = re.compile(r"eplb_async: rebalance (\S+) verify: (\d+) slots of \d+ layers bit-identical|"
                          r"eplb_async: rebalance (\S+) verify: (\d+) of (\d+) slots differ")
 
@@ -129,6 +129,10 @@ def pooled_decode_p99(dump: Path) -> list[dict]:
                         "decode_before_ms": [round(x, 2) for x in before],
                         **by_phase([r["passes"] for r in ranks if r.get("passes")]),
                         **placement_timeline(ranks)})
+    if len(out) > 1:  # several full re-placements (e.g. an async-shuffle arm): one ratio over all of them
+        during = [x for p in out for x in p["decode_during_ms"]]
+        before = [x for p in out for x in p["decode_before_ms"]]
+        out.append({"id": "all", "rebalances": [p["id"] for p in out], **quantile_ratio_ci95(during, before)})
     return out
 
 
@@ -180,7 +184,7 @@ def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str]
     transfers posted by the decode loop) or `<algorithm>+async-thread` (posted by a background thread)."""
     algo, _, mode = arm.partition("+")
     if mode not in ASYNC_MODES:
-        raise ValueError(f"arm {arm!r}: want ALGORITHM, ALGORITHM+async[-thread|-verify] or none")
+        raise ValueError(f"arm {arm!r}: want ALGORITHM, ALGORITHM+async[-thread|-verify|-shuffle] or none")
     args = ["--tp", str(gpus), "--ep-size", str(gpus), "--enable-dp-attention", "--dp", str(gpus)]
     env = {}
     if algo != "none":
@@ -190,7 +194,8 @@ def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str]
         env["SGLANG_H20_EPLB"] = "affinity"
     if mode:
         env["SGLANG_H20_EPLB_ASYNC"] = "on"
-        env["SGLANG_H20_EPLB_ASYNC_LAUNCH"], env["SGLANG_H20_EPLB_ASYNC_VERIFY"] = ASYNC_MODES[mode]
+        keys = ("SGLANG_H20_EPLB_ASYNC_LAUNCH", "SGLANG_H20_EPLB_ASYNC_VERIFY", "SGLANG_H20_EPLB_ASYNC_SHUFFLE")
+        env.update(zip(keys, ASYNC_MODES[mode]))
     return args, env
 
 
@@ -382,7 +387,8 @@ def main() -> int:
     ap.add_argument("--arms", nargs="+", default=["deepseek", "affinity"],
                     help="EPLB algorithms (deepseek: upstream's; affinity: ours), ALGORITHM+async (our migration, "
                          "transfers posted by the decode loop), ALGORITHM+async-thread (posted by a thread), "
-                         "ALGORITHM+async-verify (+ every slot's bytes checked after the move), none "
+                         "ALGORITHM+async-verify (+ every slot's bytes checked after the move), "
+                         "ALGORITHM+async-shuffle (every rebalance a full re-placement: several per server), none "
                          "(no EPLB: steady ITL)")
     ap.add_argument("--router-clusters", type=non_negative_int, default=0, metavar="S",
                     help="dummy weights only: every MoE gate rewritten so that experts co-activate in seeded clusters "
@@ -403,7 +409,7 @@ def main() -> int:
     bad = [arm for arm in a.arms if not arm_valid(arm)]
     if bad:  # before any server starts: a typo would otherwise cost a server start and a traceback
         ap.error(f"--arms: unknown {', '.join(bad)}; an arm is none, ALGORITHM or "
-                 f"ALGORITHM+async[-thread|-verify], ALGORITHM one of {', '.join(eplb_algorithms())}")
+                 f"ALGORITHM+async[-thread|-verify|-shuffle], ALGORITHM one of {', '.join(eplb_algorithms())}")
     a.out.mkdir(parents=True, exist_ok=True)
     data = write_sharegpt(a.out / "sharegpt.json")
     arms = {}

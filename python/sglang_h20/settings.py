@@ -133,6 +133,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("eplb_async_verify", _parse_bool, "off",
            "after each asynchronous rebalance, check every expert slot's bytes against its expert's bytes before "
            "the move (reads all expert weights twice, off the decode thread; one INFO or ERROR line per rank)"),
+    Switch("eplb_async_shuffle", _parse_bool, "off",
+           "benchmarks of the migration only: every asynchronous rebalance moves to a seeded permutation of the "
+           "placement SGLang computed (nearly every slot moves, so one server times several full re-placements; "
+           "balance per GPU is not kept)"),
     Switch("eplb_affinity", _fraction, "0.25",
            "locality vs balance of the affinity placement: 0 = balance only, 1 = most locality"),
     Switch("dummy_router_clusters", _non_negative_int, "0",

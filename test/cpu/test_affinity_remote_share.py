@@ -96,7 +96,8 @@ def test_arm_setup():
     args, env = bench.arm_setup("deepseek+async", 4, 100)
     assert args[-4:] == ["--eplb-algorithm", "deepseek", "--eplb-rebalance-num-iterations", "100"]
     assert env == {"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_LAUNCH": "boundary",
-                   "SGLANG_H20_EPLB_ASYNC_VERIFY": "off"}
+                   "SGLANG_H20_EPLB_ASYNC_VERIFY": "off", "SGLANG_H20_EPLB_ASYNC_SHUFFLE": "off"}
+    assert bench.arm_setup("deepseek+async-shuffle", 2, 600)[1]["SGLANG_H20_EPLB_ASYNC_SHUFFLE"] == "on"
     assert bench.arm_setup("deepseek+async-thread", 2, 100)[1]["SGLANG_H20_EPLB_ASYNC_LAUNCH"] == "thread"
     assert bench.arm_setup("deepseek+async-verify", 2, 100)[1]["SGLANG_H20_EPLB_ASYNC_VERIFY"] == "on"
     assert bench.arm_setup("affinity", 2, 200)[1] == {"SGLANG_H20_EPLB": "affinity"}
@@ -167,6 +168,13 @@ def test_pooled_decode_p99_with_its_interval(tmp_path):
     assert bench.pooled_line({"async_decode_p99_pooled": [p]}).startswith("r1 1.")
     assert bench.pooled_line({}) == "none" and bench.pooled_decode_p99(tmp_path / "absent") == []
     assert "decode_by_phase" not in p  # dumps from before the per-pass labels
+    for rank in (0, 1):  # a second full re-placement: also one ratio over both
+        (tmp_path / f"eplb_async_r3_rank{rank}.json").write_text(json.dumps(
+            {"id": "r3", "rank": rank, "decode_during": steady(400), "decode_before": steady(450)}))
+    r1, r3, both = bench.pooled_decode_p99(tmp_path)
+    assert (r1["id"], r3["id"], both["id"], both["rebalances"]) == ("r1", "r3", "all", ["r1", "r3"])
+    assert both["n"] == [1600, 1800] and r3["ratio"] < both["ratio"] < r1["ratio"]
+    assert bench.pooled_line({"async_decode_p99_pooled": [both]}).startswith("all 1.")
 
 
 def test_pooled_p99_tells_the_phases_of_a_rebalance_apart(tmp_path):

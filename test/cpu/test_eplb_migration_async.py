@@ -326,6 +326,7 @@ def test_async_rebalance_through_sglang_hooks(world):
         p = d["passes"]
         n = h["gate_steps"] + h["migration_steps"]
         steps = p.pop("placement_steps")
+        assert set(p.pop("executor_build_ms")) == {"staging", "views_schedule"}
         assert all(len(v) == n for v in p.values())
         assert [x[0] for x in steps] == ["counts", "init_by_eplb", "agree", "plan", "to_devices", "executor"]
         assert all(0 <= a <= b for _, a, b in steps) and steps == [list(s) for s in h["placement_steps"]]
@@ -539,3 +540,35 @@ def test_throttled_placement_sleeps_between_bursts_and_unhooks():
         with ar._throttled(burst_s=0.0, pause_s=0.0):
             raise ValueError("placement failed")
     assert sys.getprofile() is None
+
+
+def test_shuffled_placement_moves_most_slots_the_same_way_on_every_rank(monkeypatch):
+    """SGLANG_H20_EPLB_ASYNC_SHUFFLE (benchmarks): each MoE layer's slots permuted by a seed from the rebalance id,
+    so every rank gets the same placement; the derived routing maps agree with it; other layers are untouched."""
+    from types import SimpleNamespace as NS
+
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+    from sglang_h20.eplb import async_rebalance as ar
+    from sglang_h20.eplb.integration import sglang_maps
+
+    exe = NS(moe=NS(ep_num_redundant_experts=REDUNDANT, ep_dispatch_algorithm="dynamic", moe_a2a_backend="none",
+                    ep_join_mode="none"))
+    monkeypatch.setattr(rc, "get_exec", lambda: exe)
+    rng = np.random.default_rng(7)
+    rows = np.stack([np.concatenate([rng.permutation(E), rng.integers(0, E, REDUNDANT)]) for _ in range(NUM_LAYERS)])
+    p2l, log2phy, _ = sglang_maps(rows, E)
+    meta = ExpertLocationMetadata._init_raw(ep_size=WORLD, physical_to_logical_map=p2l,
+                                            logical_to_all_physical_map=log2phy)
+    a, b, c = (ar.shuffled(meta, MOE, mid) for mid in ("r1", "r1", "r2"))
+    new = a.physical_to_logical_map_cpu.numpy()
+    assert (new == b.physical_to_logical_map_cpu.numpy()).all()          # same id: same placement on every rank
+    assert not (new == c.physical_to_logical_map_cpu.numpy()).all()      # the next rebalance moves again
+    assert (new[0] == rows[0]).all()                                      # a layer not listed stays
+    for l in MOE:
+        assert sorted(new[l]) == sorted(rows[l])                          # same replicas per expert
+        assert (new[l] != rows[l]).mean() >= 0.5                          # most slots move
+        for e in range(E):                                                # routing maps derived from the new rows
+            slots = [s for s in a.logical_to_all_physical_map_cpu[l, e].tolist() if s >= 0]
+            assert sorted(slots) == [s for s in range(new.shape[1]) if new[l, s] == e]
+        assert a.logical_to_all_physical_map_num_valid[l].tolist() == [int((new[l] == e).sum()) for e in range(E)]

@@ -135,6 +135,16 @@ class Tuning:
 
 
 TUNING = Tuning()
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """How the switches set up this feature (settings eplb_async_launch / _verify / _shuffle)."""
+    launch: str = "boundary"  # who posts the transfers: "boundary" (the decode loop) or "thread"
+    verify: bool = False      # check every slot's bytes after the move (`_Job.check_moved`)
+    shuffle: bool = False     # benchmarks: move to a seeded permutation of SGLang's placement (`shuffled`)
+
+
 EXECUTOR = MigrationExecutor  # tests substitute a failing executor
 
 
@@ -406,14 +416,30 @@ def _skip_first_dump_empty_cache(recorder) -> None:
                  "the next decode passes)")
 
 
+def shuffled(meta, layers, mid: str):
+    """Benchmarks of the migration only (SGLANG_H20_EPLB_ASYNC_SHUFFLE): `meta` (SGLang's new placement) with the
+    slots of each of `layers` permuted by a seed from the rebalance id and the layer, the same on every rank, its
+    other routing fields derived again by SGLang's `_init_raw`. Every rebalance then moves nearly every slot, so one
+    server times several full re-placements; expert counts per slot are kept, balance per GPU is not."""
+    from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+    from sglang_h20.eplb.integration import sglang_maps
+
+    p2l = meta.physical_to_logical_map_cpu.clone()
+    for l in layers:
+        perm = np.random.default_rng([zlib.crc32(mid.encode()), l]).permutation(p2l.shape[1])
+        p2l[l] = p2l[l][torch.from_numpy(perm)]
+    p2l, log2phy, _ = sglang_maps(p2l.numpy(), meta.num_logical_experts)
+    return ExpertLocationMetadata._init_raw(ep_size=meta.ep_size, physical_to_logical_map=p2l,
+                                            logical_to_all_physical_map=log2phy)
+
+
 class _Job:
     """Placement, plan and executor for one rebalance, built off the decode thread."""
 
-    def __init__(self, manager, group, counts, counts_ready, mid: str, launch: str = "boundary",
-                 verify: bool = False):
+    def __init__(self, manager, group, counts, counts_ready, mid: str, mode: Mode = Mode()):
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
-        self.manager, self.group, self.mid, self.launch, self.verify = manager, group, mid, launch, verify
+        self.manager, self.group, self.mid, self.mode = manager, group, mid, mode
         self.expected = None  # verify: [MoE layers, local slots] digest each slot must have after the move
         self.counts, self.counts_ready = counts, counts_ready
         self.meta = get_global_expert_location_metadata()
@@ -431,7 +457,7 @@ class _Job:
         try:
             with _throttled(TUNING.placement_burst_s, TUNING.placement_pause_s):
                 self._build()
-                if self.verify:  # before counting ready: a peer reading it then finds it
+                if self.mode.verify:  # before counting ready: a peer reading it then finds it
                     self.store.set(f"digest/{self.rank}", self._digests().tobytes())
         except Exception as e:
             self.gate.propose(f"A:rank {self.rank}: placement failed: {type(e).__name__}: {e}", self.stop)
@@ -446,7 +472,7 @@ class _Job:
             time.sleep(0.005)
         if self.stop.is_set():  # the rebalance ended (a peer's abort): no peer digests to read, no proposal
             return
-        if self.verify:
+        if self.mode.verify:
             try:
                 self.expected = self._expected_digests()
             except Exception as e:
@@ -509,6 +535,8 @@ class _Job:
         self._step("init_by_eplb")
         weights = m._get_model().routed_experts_weights_of_layer
         moe = sorted(int(l) for l in weights)
+        if self.mode.shuffle:
+            new = shuffled(new, moe, self.mid)
         old = cur.physical_to_logical_map_cpu.numpy().astype(np.int64)
         p2l = new.physical_to_logical_map_cpu.numpy().astype(np.int64)
         keep = np.ones(old.shape[0], dtype=bool)
@@ -537,7 +565,7 @@ class _Job:
             self.rank, self.world, topo, {l: weights[l] for l in self.plan.layers}, self.plan,
             group=self.group, timeout_s=TUNING.timeout_s, switch_every=TUNING.switch_every,
             decide_ahead=TUNING.decide_ahead, migration_id=self.mid, on_switch=self.switch_rows,
-            **pacing(self.launch, expert_bytes, TUNING.transfers_per_boundary, TUNING.copy_gbps))
+            **pacing(self.mode.launch, expert_bytes, TUNING.transfers_per_boundary, TUNING.copy_gbps))
         self._step("executor")
 
     def _step(self, name: str) -> None:
@@ -581,12 +609,10 @@ class _Job:
 
 
 # ----------------------------------------------------------------------------- the hook
-def make_around_rebalance(launch: str, verify: bool = False):
-    """AROUND EPLBManager.rebalance: the same generator contract, asynchronous migration whose transfers are
-    posted by `launch` ("boundary": the decode loop; "thread": a background thread); `verify`: check every
-    slot's bytes after the move (`_Job.check_moved`)."""
+def make_around_rebalance(mode: Mode):
+    """AROUND EPLBManager.rebalance: the same generator contract, an asynchronous migration set up by `mode`."""
     def around_rebalance(original, manager, *args, **kwargs):
-        return _rebalance(original, manager, launch, verify, *args, **kwargs)
+        return _rebalance(original, manager, mode, *args, **kwargs)
     return around_rebalance
 
 
@@ -609,7 +635,7 @@ def _upstream_reason(manager) -> str | None:
     return None
 
 
-def _rebalance(original, manager, launch, verify, *args, **kwargs):
+def _rebalance(original, manager, mode: Mode, *args, **kwargs):
     st = _state(manager)
     why = _upstream_reason(manager)
     if why is not None:
@@ -636,8 +662,8 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
     if st.group is None:  # first use, or re-created after an aborted migration (lockstep)
         st.group = _new_group()
     st.seq += 1
-    job = _Job(manager, st.group, counts, ready, f"r{st.seq}", launch, verify)
-    rec = {"id": job.mid, "launch": launch, "outcome": "running", "error": None, "gate_steps": 0,
+    job = _Job(manager, st.group, counts, ready, f"r{st.seq}", mode)
+    rec = {"id": job.mid, "launch": mode.launch, "outcome": "running", "error": None, "gate_steps": 0,
            "migration_steps": 0}
     st.history.append(rec)
     del st.history[:-100]
@@ -659,9 +685,11 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
                 continue
             break
         rec["placement_steps"] = list(job.steps)
+        rec["executor_build_ms"] = dict(getattr(job.executor, "build_ms", None) or {})
         if job.steps:
-            log.info("eplb_async: rebalance %s placement thread: %s ms (upstream dump %.1f ms before it)", job.mid,
-                     ", ".join(f"{n} {b - a:.1f}" for n, a, b in job.steps), 1e3 * rec["dump_s"])
+            log.info("eplb_async: rebalance %s placement thread: %s ms (executor: %s; upstream dump %.1f ms before it)",
+                     job.mid, ", ".join(f"{n} {b - a:.1f}" for n, a, b in job.steps),
+                     ", ".join(f"{k} {v:.1f}" for k, v in rec["executor_build_ms"].items()) or "-", 1e3 * rec["dump_s"])
         if dec[0] == "abort":
             rec.update(outcome="aborted", error=dec[1])
             log.error("eplb_async: rebalance %s aborted before any transfer: %s; the old placement "
@@ -703,7 +731,7 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
                  "(at switches: max %.2f ms)", job.mid, len(s.switched_layers),
                  rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"], rec["migration_steps"],
                  1e6 * rec["boundary_work_mean_s"], 1e3 * rec["boundary_work_max_s"], 1e3 * rec["switch_work_max_s"])
-        if verify:  # off the decode thread, after the switch copies enqueued so far
+        if mode.verify:  # off the decode thread, after the switch copies enqueued so far
             done = None
             if job.executor._cuda:
                 done = torch.cuda.Event()
@@ -720,7 +748,7 @@ def _rebalance(original, manager, launch, verify, *args, **kwargs):
         dump_dir = os.environ.get("SGLANG_H20_OBSERVE_DIR")
         if dump_dir:
             passes = {**rebalance_passes(spanned, work, rec["gate_steps"], switch_at, job.t0),
-                      "placement_steps": rec["placement_steps"]}
+                      "placement_steps": rec["placement_steps"], "executor_build_ms": rec["executor_build_ms"]}
             threading.Thread(target=dump_intervals, args=(dump_dir, job.mid, intervals, passes), daemon=True,
                              name=f"eplb-async-dump-{job.mid}").start()
     finally:
@@ -742,6 +770,7 @@ def hooks(settings: Settings) -> list[Hook]:
         log.warning("eplb_async: SGLANG_H20_EPLB_ASYNC_LAUNCH=thread posts transfers from a background thread: "
                     "it hung 3 of 4 real EP-2 servers on the H200 (rebalances every 100 passes); A/B runs only")
     return [Hook(INIT_TARGET, after_init, "after"),
-            Hook(REBALANCE_TARGET, make_around_rebalance(settings["eplb_async_launch"],
-                                                         settings["eplb_async_verify"]), "around"),
+            Hook(REBALANCE_TARGET, make_around_rebalance(Mode(settings["eplb_async_launch"],
+                                                              settings["eplb_async_verify"],
+                                                              settings["eplb_async_shuffle"])), "around"),
             Hook(PASS_TARGET, after_pass, "after"), Hook(FORWARD_TARGET, before_forward, "before")]

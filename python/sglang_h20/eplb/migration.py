@@ -445,7 +445,9 @@ class MigrationExecutor:
         self._device = any_w.device if any_w is not None else torch.device("cpu")
         self._cuda = self._device.type == "cuda"
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
+        t0 = time.perf_counter()
         self._chunk_views = self._make_staging()
+        t1 = time.perf_counter()
         # the slot views this rank sends or copies from, made here too, not indexed again at every boundary (the
         # decode loop's bookkeeping per boundary; its effect in a server is not measured)
         self._sources = {t.tid: [w[t.src_slot - rank * self._k] for w in self._weights[t.layer]]
@@ -469,6 +471,9 @@ class MigrationExecutor:
         # boundary mode: per chunk, the transfers posted at each of its boundaries, and after which of those the
         # waiter is told (the same on every rank); made here, not walked again at every boundary
         self._batches, self._flush = boundary_schedule(plan, self._per_boundary or 1)
+        # where building this executor took its time (a rebalance's log line; the staging pool is GBs)
+        self.build_ms = {"staging": round(1e3 * (t1 - t0), 3),
+                         "views_schedule": round(1e3 * (time.perf_counter() - t1), 3)}
         self._cursor = (0, 0)        # boundary mode: (chunk, batch) posted next
         self._opened: set[int] = set()
         self._launched: list = []    # boundary mode: posted groups of batches for the waiter thread, in order
