@@ -119,20 +119,29 @@ def pooled_decode_p99(dump: Path) -> list[dict]:
     for f in sorted(dump.glob("eplb_async_*_rank*.json")):
         r = json.loads(f.read_text())
         by_id.setdefault(r["id"], []).append(r)
-    out = []
+    out, after = [], {}  # after: id -> (during, before) of decode passes right after a decode pass
     for mid, ranks in by_id.items():
         during = [x for r in ranks for x in r["decode_during"]]
         before = [x for r in ranks for x in r["decode_before"]]
         if min(len(during), len(before)) >= MIN_P99_PASSES:  # the raw intervals kept too (0.01 ms), for re-analysis
-            out.append({"id": mid, "ranks": len(ranks), **quantile_ratio_ci95(during, before),
-                        "decode_during_ms": [round(x, 2) for x in during],
-                        "decode_before_ms": [round(x, 2) for x in before],
-                        **by_phase([r["passes"] for r in ranks if r.get("passes")]),
-                        **placement_timeline(ranks)})
+            entry = {"id": mid, "ranks": len(ranks), **quantile_ratio_ci95(during, before),
+                     "decode_during_ms": [round(x, 2) for x in during],
+                     "decode_before_ms": [round(x, 2) for x in before],
+                     **by_phase([r["passes"] for r in ranks if r.get("passes")]),
+                     **placement_timeline(ranks)}
+            if all("decode_after_decode_during" in r for r in ranks):
+                after[mid] = tuple([x for r in ranks for x in r[f"decode_after_decode_{w}"]]
+                                   for w in ("during", "before"))
+                entry["after_decode"] = quantile_ratio_ci95(*after[mid])
+            out.append(entry)
     if len(out) > 1:  # several full re-placements (e.g. an async-shuffle arm): one ratio over all of them
         during = [x for p in out for x in p["decode_during_ms"]]
         before = [x for p in out for x in p["decode_before_ms"]]
-        out.append({"id": "all", "rebalances": [p["id"] for p in out], **quantile_ratio_ci95(during, before)})
+        entry = {"id": "all", "rebalances": [p["id"] for p in out], **quantile_ratio_ci95(during, before)}
+        if len(after) == len(out):
+            entry["after_decode"] = quantile_ratio_ci95(*(sum((after[p["id"]][k] for p in out), [])
+                                                          for k in (0, 1)))
+        out.append(entry)
     return out
 
 
@@ -168,14 +177,19 @@ def by_phase(passes: list[dict]) -> dict:
 
 
 def pooled_line(arm: dict) -> str:
-    """`r1 1.12 [0.98, 1.31]`, one per pooled rebalance: ratio and 95% interval, and where the dump has them its
-    phases' decode p99 / max (`{placement 9.1/45.0 ms, ...}`)."""
+    """`r1 1.12 [0.98, 1.31]`, one per pooled rebalance: ratio and 95% interval, and where the dump has them the
+    same over decode passes right after a decode pass and its phases' decode p99 / max (`{placement 9.1/45.0 ms}`)."""
     def phases(p):
         ph = p.get("decode_by_phase") or {}
         return " {" + ", ".join(f"{k} {v['p99_ms']:.1f}/{v['max_ms']:.1f} ms" for k, v in ph.items()) + "}" \
             if ph else ""
 
-    return ", ".join(f"{p['id']} {p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]{phases(p)}"
+    def after(p):
+        a = p.get("after_decode") or {}
+        return f" (after a decode pass {a['ratio']:.3f} [{a['ci95'][0]:.3f}, {a['ci95'][1]:.3f}])" \
+            if a.get("ratio") is not None else ""
+
+    return ", ".join(f"{p['id']} {p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]{after(p)}{phases(p)}"
                      for p in arm.get("async_decode_p99_pooled", [])) or "none"
 
 

@@ -175,6 +175,17 @@ def test_pooled_decode_p99_with_its_interval(tmp_path):
     assert (r1["id"], r3["id"], both["id"], both["rebalances"]) == ("r1", "r3", "all", ["r1", "r3"])
     assert both["n"] == [1600, 1800] and r3["ratio"] < both["ratio"] < r1["ratio"]
     assert bench.pooled_line({"async_decode_p99_pooled": [both]}).startswith("all 1.")
+    assert "after_decode" not in both  # dumps from before that split
+    for mid in ("r1", "r3"):  # dumps that also split off decode passes right after a prefill pass
+        for rank in (0, 1):
+            f = tmp_path / f"eplb_async_{mid}_rank{rank}.json"
+            rec = json.loads(f.read_text())
+            rec.update(decode_after_decode_during=rec["decode_during"][:380], decode_after_decode_before=steady(430))
+            f.write_text(json.dumps(rec))
+    r1, r3, both = bench.pooled_decode_p99(tmp_path)
+    assert r1["after_decode"]["n"] == [760, 860] and both["after_decode"]["n"] == [1520, 1720]
+    assert 1.0 < r1["after_decode"]["ratio"] < 1.45
+    assert "(after a decode pass 1." in bench.pooled_line({"async_decode_p99_pooled": [r1]})
 
 
 def test_pooled_p99_tells_the_phases_of_a_rebalance_apart(tmp_path):

@@ -481,6 +481,8 @@ def test_pass_intervals_leave_idle_gaps_out_and_summaries_use_nearest_rank():
     ms = ar.pass_intervals(ends)  # 10, 10, 15 ms (a prefill pass), an idle gap of ~5 s, 12 ms
     assert [round(x, 6) for x in ms] == [10.0, 10.0, 15.0, 12.0]
     assert [round(x, 6) for x in ar.pass_intervals(ends, decode_only=True)] == [10.0, 10.0, 12.0]
+    # decode passes after a decode pass: not the first (its previous pass is unknown), not the idle gap
+    assert [round(x, 6) for x in ar.pass_intervals(ends, decode_only=True, after_decode=True)] == [10.0, 12.0]
     s = ar.interval_summary(ms)
     assert s["n"] == 4 and round(s["p50_ms"], 6) == 10.0 and round(s["p99_ms"], 6) == 15.0 == round(s["max_ms"], 6)
     assert ar.interval_summary([]) == {"n": 0}
@@ -512,7 +514,8 @@ def test_dump_intervals_writes_what_the_benchmark_pools(tmp_path):
     rec = json.loads((tmp_path / "d" / "eplb_async_r7_rank0.json").read_text())
     assert rec["id"] == "r7" and rec["rank"] == 0
     assert len(rec["all_before"]) == 199 and 150 <= len(rec["decode_before"]) <= 161
-    assert len(rec["all_during"]) == len(rec["decode_during"]) == 119
+    assert len(rec["all_during"]) == len(rec["decode_during"]) == len(rec["decode_after_decode_during"]) == 119
+    assert 110 <= len(rec["decode_after_decode_before"]) <= 122  # decode passes after a decode pass: ~3 in 5
     assert all(abs(x - 5.0) < 1e-6 for x in rec["all_during"])
     (tmp_path / "file").write_text("")
     ar.dump_intervals(str(tmp_path / "file"), "r8", {})  # a file where the folder should be: warns
