@@ -11,6 +11,9 @@ rebalance path. Its first run (benchmark/results/exploratory/placement_interfere
 the loop and so missed the GIL hand-offs that decided the server's slow passes; `python_20ms_throttled` is the fix
 (`sglang_h20.eplb.async_rebalance._throttled`).
 
+Without a GPU (or with --cpu) the step's GPU part is a sleep of --gpu-ms (the GIL released, as in a host sync) and
+only the CPU actions run: the GIL hand-offs need no GPU.
+
   python benchmark/eplb/placement_interference.py --out benchmark/results/eplb/exploratory/x.json
 """
 from __future__ import annotations
@@ -24,37 +27,36 @@ from pathlib import Path
 
 import torch
 
+from sglang_h20.eplb.async_rebalance import TUNING, _throttled
 from sglang_h20.provenance import record
 
 
 def busy_python(ms: float) -> None:
-    """Pure-Python work holding the GIL (as SGLang's dispatch-map loops do)."""
-    end = time.perf_counter() + ms / 1e3
+    """`ms` of this thread's CPU time in pure Python, holding the GIL (as SGLang's dispatch-map loops do); CPU time,
+    so that a throttled run does the same work and takes longer."""
+    end = time.thread_time() + ms / 1e3
     x = 0
-    while time.perf_counter() < end:
+    while time.thread_time() < end:
         for i in range(200):
             x += i * i
 
 
 def small_torch_ops(ms: float) -> None:
-    """Many small CPU tensor ops (as the EPLB algorithm's per-layer loops do)."""
-    end = time.perf_counter() + ms / 1e3
+    """Many small CPU tensor ops (as the EPLB algorithm's per-layer loops do), `ms` of this thread's CPU time."""
+    end = time.thread_time() + ms / 1e3
     t = torch.arange(256)
-    while time.perf_counter() < end:
+    while time.thread_time() < end:
         t = (t * 3 + 1) % 257
         t.argsort()
 
 
 def throttled_python(ms: float) -> None:
     """busy_python as the placement thread now runs it: short bursts, sleeps between."""
-    from sglang_h20.eplb.async_rebalance import TUNING, _throttled
-
     with _throttled(TUNING.placement_burst_s, TUNING.placement_pause_s):
-        end = time.perf_counter() + ms / 1e3
-        while time.perf_counter() < end:
-            busy_python(0.05)
+        busy_python(ms)
 
 
+CPU_ACTIONS = ("none", "python_20ms", "python_20ms_throttled", "torch_cpu_ops_20ms")
 ACTIONS = {
     "none": lambda a: None,
     "python_20ms": lambda a: busy_python(20),
@@ -124,19 +126,23 @@ def run_action(name: str, a, g) -> dict:
         busy_python(a.python_ms)
         for _ in range(a.torch_ops):
             a.host_tensor.add_(1)
-        g.replay()
-        torch.cuda.current_stream().synchronize()
+        if g is None:  # --cpu: the GPU part as a sleep (the GIL released, as in a host sync)
+            time.sleep(a.gpu_ms / 1e3)
+        else:
+            g.replay()
+            torch.cuda.current_stream().synchronize()
         steps.append(1e3 * (time.perf_counter() - t))
     th.join()
     del a.keep
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if g is not None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     after = sorted(steps[a.steps // 3:])
     return {"action": name, "action_ms": round(act.get("ms", 0.0), 3), "p50_ms": round(after[len(after) // 2], 3),
             "max_ms": round(after[-1], 3), "slowest_ms": [round(x, 3) for x in after[-4:][::-1]]}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="JSON record (default: print only)")
     ap.add_argument("--gpu-ms", type=float, default=2.5, help="GPU time of one loop step (default %(default)s)")
@@ -148,23 +154,26 @@ def main() -> int:
     ap.add_argument("--switch-intervals", type=float, nargs="+", default=[5e-3, 5e-4],
                     help="sys.setswitchinterval values to run every action under")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each action (default %(default)s)")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("placement_interference: needs a CUDA GPU", file=sys.stderr)
-        return 2
+    ap.add_argument("--cpu", action="store_true", help="no GPU: the step's GPU part is a sleep, CPU actions only "
+                    "(the default without a CUDA GPU)")
+    ap.add_argument("--actions", nargs="+", choices=list(ACTIONS), help="run only these (default: all that apply)")
+    a = ap.parse_args(argv)
+    a.cpu = a.cpu or not torch.cuda.is_available()
     a.host_tensor = torch.zeros(64)
-    g = step_graph(a.gpu_ms)
-    for _ in range(20):
+    g = None if a.cpu else step_graph(a.gpu_ms)
+    for _ in range(0 if g is None else 20):
         g.replay()
+    names = [n for n in (a.actions or ACTIONS) if not a.cpu or n in CPU_ACTIONS]
     rows = []
     for si in a.switch_intervals:
         sys.setswitchinterval(si)
-        for name in ACTIONS:
+        for name in names:
             for r in range(a.repeats):
                 row = {"switch_interval_s": si, "repeat": r, **run_action(name, a, g)}
                 rows.append(row)
                 print(f"switch {si:g} s  {name:24s} action {row['action_ms']:8.2f} ms  step p50 {row['p50_ms']:6.2f}"
                       f"  max {row['max_ms']:7.2f}  slowest {row['slowest_ms']}", flush=True)
+    sys.setswitchinterval(5e-3)
     rec = {**record(), "benchmark": "placement_interference", "args": {
         k: v for k, v in vars(a).items() if k not in ("out", "host_tensor")}, "rows": rows}
     if a.out:

@@ -575,3 +575,22 @@ def test_shuffled_placement_moves_most_slots_the_same_way_on_every_rank(monkeypa
             slots = [s for s in a.logical_to_all_physical_map_cpu[l, e].tolist() if s >= 0]
             assert sorted(slots) == [s for s in range(new.shape[1]) if new[l, s] == e]
         assert a.logical_to_all_physical_map_num_valid[l].tolist() == [int((new[l] == e).sum()) for e in range(E)]
+
+
+def test_placement_interference_bench_runs_on_the_cpu(tmp_path):
+    """benchmark/eplb/placement_interference.py without a GPU: the step's GPU part is a sleep, CPU actions only; the
+    throttled action does its 20 ms of CPU work in bursts, so it takes several times as long."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmark" / "eplb" / "placement_interference.py"
+    spec = importlib.util.spec_from_file_location("placement_interference", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "pi.json"
+    assert bench.main(["--cpu", "--steps", "15", "--repeats", "1", "--switch-intervals", "5e-3", "--actions", "none",
+                       "python_20ms_throttled", "gpu_alloc", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    rows = {r["action"]: r for r in rec["rows"]}
+    assert set(rows) == {"none", "python_20ms_throttled"}  # gpu_alloc needs a GPU: left out
+    assert rows["python_20ms_throttled"]["action_ms"] >= 40.0 and rows["none"]["action_ms"] < 5.0
+    assert all(0 < r["p50_ms"] <= r["max_ms"] for r in rows.values()) and rec["args"]["cpu"] is True
