@@ -139,8 +139,8 @@ def pooled_decode_p99(dump: Path) -> list[dict]:
         before = [x for p in out for x in p["decode_before_ms"]]
         entry = {"id": "all", "rebalances": [p["id"] for p in out], **quantile_ratio_ci95(during, before)}
         if len(after) == len(out):
-            entry["after_decode"] = quantile_ratio_ci95(*(sum((after[p["id"]][k] for p in out), [])
-                                                          for k in (0, 1)))
+            entry["after_decode"] = quantile_ratio_ci95([x for p in out for x in after[p["id"]][0]],
+                                                        [x for p in out for x in after[p["id"]][1]])
         out.append(entry)
     return out
 

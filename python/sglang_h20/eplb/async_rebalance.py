@@ -277,14 +277,13 @@ def rebalance_intervals(spanned, before) -> dict[str, list[float]]:
 
 
 def rebalance_passes(spanned, work: list[float], gate_steps: int, switch_at: set[int],
-                     t_ref: float | None = None) -> dict[str, list]:
+                     t_ref: float) -> dict[str, list]:
     """Each pass a rebalance spanned, in order (unfiltered): its interval in ms (boundary to boundary, our boundary
-    work included), its end in ms after `t_ref` (default: the first boundary; the job's creation lines it up with
-    the placement thread's steps), whether it decoded, its phase ("placement" while the new placement is computed,
+    work included), its end in ms after `t_ref` (the job's creation: lines it up with the placement thread's
+    steps), whether it decoded, its phase ("placement" while the new placement is computed,
     "start" for the pass whose boundary started the migration, then "migration"), our boundary work in µs and
     whether layers switched at its boundary; so that slow passes can be told apart by what ran beside them."""
     n = len(spanned) - 1
-    t_ref = spanned[0][0] if t_ref is None else t_ref
     return {"ms": [round(1e3 * (b[0] - a[0]), 3) for a, b in zip(spanned, spanned[1:])],
             "end_ms": [round(1e3 * (b[0] - t_ref), 3) for b in spanned[1:]],
             "decode": [bool(b[1]) for b in spanned[1:]],
@@ -592,8 +591,10 @@ class _Job:
                 continue
             if live.shape != src.shape:
                 raise RuntimeError(f"metadata field {f}: shape {tuple(src.shape)} != live {tuple(live.shape)}")
-            if live.device.type == "cuda":  # from pageable memory: this thread waits, nothing pinned (a first
-                side = side or torch.cuda.Stream(live.device)  # cudaHostAlloc stalled another thread's step)
+            if live.device.type == "cuda":
+                # from pageable memory: this thread waits, nothing pinned (a first cudaHostAlloc stalled another
+                # thread's step)
+                side = side or torch.cuda.Stream(live.device)
                 with torch.cuda.stream(side):
                     out[f] = src.to(live.dtype).to(live.device)
             else:
