@@ -9,7 +9,9 @@ scheduler code does) and, in a second thread started mid-run, one of those actio
 slowest loop step against the same loop with no action. Exploratory: it says which action to take off the
 rebalance path. Its first run (benchmark/results/exploratory/placement_interference_h200.json) had no torch ops in
 the loop and so missed the GIL hand-offs that decided the server's slow passes; `python_20ms_throttled` is the fix
-(`sglang_h20.eplb.async_rebalance._throttled`).
+(`sglang_h20.eplb.throttle`: pace points in the thread's own loops). Its first form was a profile hook on the
+placement thread; `profile_hook_idle_200ms` shows why it went: a thread that only sleeps with a profile function set
+slows the loop's fixed Python work (`--python-calls`) for as long as the function stays set.
 
 Without a GPU (or with --cpu) the step's GPU part is a sleep of --gpu-ms (the GIL released, as in a host sync) and
 only the CPU actions run: the GIL hand-offs need no GPU.
@@ -27,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from sglang_h20.eplb.async_rebalance import TUNING, _throttled
+from sglang_h20.eplb import throttle
+from sglang_h20.eplb.async_rebalance import TUNING
 from sglang_h20.provenance import record
 
 
@@ -37,6 +40,7 @@ def busy_python(ms: float) -> None:
     end = time.thread_time() + ms / 1e3
     x = 0
     while time.thread_time() < end:
+        throttle.point()
         for i in range(200):
             x += i * i
 
@@ -52,16 +56,36 @@ def small_torch_ops(ms: float) -> None:
 
 def throttled_python(ms: float) -> None:
     """busy_python as the placement thread now runs it: short bursts, sleeps between."""
-    with _throttled(TUNING.placement_burst_s, TUNING.placement_pause_s):
+    with throttle.bursts(TUNING.placement_burst_s, TUNING.placement_pause_s):
         busy_python(ms)
 
 
-CPU_ACTIONS = ("none", "python_20ms", "python_20ms_throttled", "torch_cpu_ops_20ms")
+def profiled_sleep(ms: float) -> None:
+    """The first throttle's side effect alone: this thread sets a (no-op) profile function and only sleeps."""
+    sys.setprofile(lambda *_: None)
+    try:
+        time.sleep(ms / 1e3)
+    finally:
+        sys.setprofile(None)
+
+
+def _noop(x):
+    return x
+
+
+def call_python(n: int) -> None:
+    """A fixed amount of Python: `n` small function calls (the scheduler's per-step bookkeeping)."""
+    for i in range(n):
+        _noop(i)
+
+
+CPU_ACTIONS = ("none", "python_20ms", "python_20ms_throttled", "torch_cpu_ops_20ms", "profile_hook_idle_200ms")
 ACTIONS = {
     "none": lambda a: None,
     "python_20ms": lambda a: busy_python(20),
     "python_20ms_throttled": lambda a: throttled_python(20),
     "torch_cpu_ops_20ms": lambda a: small_torch_ops(20),
+    "profile_hook_idle_200ms": lambda a: profiled_sleep(200),
     "gpu_alloc": lambda a: a.keep.append(torch.empty(int(a.alloc_gb * 2**30), dtype=torch.uint8, device="cuda")),
     "gpu_alloc_side_stream": lambda a: a.keep.append(_on_side(
         lambda: torch.empty(int(a.alloc_gb * 2**30), dtype=torch.uint8, device="cuda"))),
@@ -111,12 +135,13 @@ def step_graph(gpu_ms: float) -> torch.cuda.CUDAGraph:
 
 def run_action(name: str, a, g) -> dict:
     a.keep = []
-    steps, act = [], {}
+    steps, spans, act = [], [], {}
 
     def side():
-        t = time.perf_counter()
+        act["t0"] = t = time.perf_counter()
         ACTIONS[name](a)
-        act["ms"] = 1e3 * (time.perf_counter() - t)
+        act["t1"] = time.perf_counter()
+        act["ms"] = 1e3 * (act["t1"] - t)
 
     th = threading.Thread(target=side, daemon=True)
     for i in range(a.steps):
@@ -124,6 +149,7 @@ def run_action(name: str, a, g) -> dict:
             th.start()
         t = time.perf_counter()
         busy_python(a.python_ms)
+        call_python(a.python_calls)
         for _ in range(a.torch_ops):
             a.host_tensor.add_(1)
         if g is None:  # --cpu: the GPU part as a sleep (the GIL released, as in a host sync)
@@ -132,14 +158,18 @@ def run_action(name: str, a, g) -> dict:
             g.replay()
             torch.cuda.current_stream().synchronize()
         steps.append(1e3 * (time.perf_counter() - t))
+        spans.append((t, time.perf_counter()))
     th.join()
     del a.keep
     if g is not None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     after = sorted(steps[a.steps // 3:])
+    # the steps that overlapped the action (an action that slows every step shows here, not in the p50 after start)
+    during = sorted(ms for ms, (t0, t1) in zip(steps, spans) if t1 > act.get("t0", 0) and t0 < act.get("t1", 0))
     return {"action": name, "action_ms": round(act.get("ms", 0.0), 3), "p50_ms": round(after[len(after) // 2], 3),
-            "max_ms": round(after[-1], 3), "slowest_ms": [round(x, 3) for x in after[-4:][::-1]]}
+            "max_ms": round(after[-1], 3), "slowest_ms": [round(x, 3) for x in after[-4:][::-1]],
+            "during_n": len(during), "during_p50_ms": round(during[len(during) // 2], 3) if during else None}
 
 
 def main(argv=None) -> int:
@@ -147,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="JSON record (default: print only)")
     ap.add_argument("--gpu-ms", type=float, default=2.5, help="GPU time of one loop step (default %(default)s)")
     ap.add_argument("--python-ms", type=float, default=0.5, help="Python work per step (default %(default)s)")
+    ap.add_argument("--python-calls", type=int, default=2000,
+                    help="small Python function calls per step: fixed work, unlike --python-ms (default %(default)s)")
     ap.add_argument("--torch-ops", type=int, default=200,
                     help="small CPU torch ops per step (each releases the GIL; default %(default)s)")
     ap.add_argument("--steps", type=int, default=90, help="loop steps per action (default %(default)s)")
@@ -172,7 +204,8 @@ def main(argv=None) -> int:
                 row = {"switch_interval_s": si, "repeat": r, **run_action(name, a, g)}
                 rows.append(row)
                 print(f"switch {si:g} s  {name:24s} action {row['action_ms']:8.2f} ms  step p50 {row['p50_ms']:6.2f}"
-                      f"  max {row['max_ms']:7.2f}  slowest {row['slowest_ms']}", flush=True)
+                      f" (during it {row['during_p50_ms']})  max {row['max_ms']:7.2f}  slowest {row['slowest_ms']}",
+                      flush=True)
     sys.setswitchinterval(5e-3)
     rec = {**record(), "benchmark": "placement_interference", "args": {
         k: v for k, v in vars(a).items() if k not in ("out", "host_tensor")}, "rows": rows}

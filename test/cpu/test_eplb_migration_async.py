@@ -521,28 +521,72 @@ def test_dump_intervals_writes_what_the_benchmark_pools(tmp_path):
     ar.dump_intervals(str(tmp_path / "file"), "r8", {})  # a file where the folder should be: warns
 
 
-def test_throttled_placement_sleeps_between_bursts_and_unhooks():
-    """`_throttled`: past each burst the thread sleeps (so a decode thread beside it is not kept waiting for the GIL);
-    the profile hook is this thread's only and is gone afterwards, also after an error."""
-    from sglang_h20.eplb import async_rebalance as ar
+def test_throttle_pauses_only_inside_bursts_and_sets_no_profile_hook():
+    """`throttle`: inside `bursts` a pace point past the burst sleeps (so a decode thread beside the placement thread
+    is not kept waiting for the GIL); outside it, and on other threads, points do nothing; no profile function is set
+    (one on any thread slows every thread's Python), also not after an error."""
+    import threading
 
-    def work(n):
-        return [abs(i) for i in range(n)]
+    from sglang_h20.eplb import throttle
+
+    def points(n):
+        for _ in range(n):
+            throttle.point()
 
     t = time.perf_counter()
-    with ar._throttled(burst_s=0.0, pause_s=0.002):
-        for _ in range(10):
-            work(3)
-    assert time.perf_counter() - t >= 10 * 0.002  # at least one pause per call past the (zero) burst
-    assert sys.getprofile() is None
+    with throttle.bursts(burst_s=0.0, pause_s=0.002):
+        assert sys.getprofile() is None
+        points(10)
+        other = threading.Thread(target=points, args=(1000,))  # another thread's points: not throttled
+        t_other = time.perf_counter()
+        other.start()
+        other.join()
+        assert time.perf_counter() - t_other < 0.5
+    assert time.perf_counter() - t >= 10 * 0.002  # one pause per point past the (zero) burst
     t = time.perf_counter()
-    with ar._throttled(burst_s=10.0, pause_s=1.0):  # a long burst: no pause within it
-        work(1000)
+    points(1000)  # outside a bursts block
+    with throttle.bursts(burst_s=10.0, pause_s=1.0):  # a long burst: no pause within it
+        points(1000)
     assert time.perf_counter() - t < 0.5
     with pytest.raises(ValueError):
-        with ar._throttled(burst_s=0.0, pause_s=0.0):
+        with throttle.bursts(burst_s=0.0, pause_s=0.0):
             raise ValueError("placement failed")
-    assert sys.getprofile() is None
+    t = time.perf_counter()
+    points(100)  # the failed block left nothing behind
+    assert time.perf_counter() - t < 0.5 and sys.getprofile() is None
+
+
+@pytest.mark.parametrize("algorithm,groups", [("deepseek", None), ("deepseek_hierarchical", 4), ("auto", 4)])
+def test_layered_placement_equals_upstream_init_by_eplb(monkeypatch, algorithm, groups):
+    """`place_layered` (one layer per algorithm call, pace points between) gives upstream init_by_eplb's metadata,
+    every routing field, for the deepseek algorithms (flat and hierarchical over 2 nodes)."""
+    from types import SimpleNamespace as NS
+
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.eplb import expert_location as el
+    from sglang_h20.eplb import async_rebalance as ar
+    from sglang_h20.eplb import throttle
+
+    exe = NS(moe=NS(ep_num_redundant_experts=REDUNDANT, ep_dispatch_algorithm="dynamic", moe_a2a_backend="none",
+                    ep_join_mode="none"))
+    monkeypatch.setattr(rc, "get_exec", lambda: exe)
+    monkeypatch.setattr(rc, "get_parallel", lambda: NS(ep_size=WORLD, nnodes=2, elastic_ep_initial_size=None,
+                                                       max_ep_size=None))
+    monkeypatch.setattr(el.ModelConfigForExpertLocation, "from_model_config",
+                        staticmethod(lambda mc: el.ModelConfigForExpertLocation(NUM_LAYERS, E, groups)))
+    args = NS(eplb_algorithm=algorithm, device="cpu", nnodes=2, tp_size=WORLD, ep_size=WORLD)
+    rng = np.random.default_rng(3)
+    counts = torch.tensor(np.stack([rng.permutation(E) * 7 + rng.integers(1, 7, E) for _ in range(NUM_LAYERS)]))
+    want = el.ExpertLocationMetadata.init_by_eplb(args, None, counts)
+    with throttle.bursts(burst_s=0.0, pause_s=0.0):
+        got = ar.place_layered(args, None, counts)
+    assert ar._layer_by_layer(args)
+    for f in ar.ROUTING_FIELDS + ("ep_size",):
+        a, b = getattr(want, f), getattr(got, f)
+        if isinstance(a, torch.Tensor):
+            assert a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), f
+        else:
+            assert a == b, f
 
 
 def test_shuffled_placement_moves_most_slots_the_same_way_on_every_rank(monkeypatch):

@@ -72,13 +72,11 @@ event after the previous switch's copies (`MigrationExecutor._open_chunk`, test/
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import pathlib
-import sys
 import threading
 import time
 import zlib
@@ -88,6 +86,7 @@ import torch
 import torch.distributed as dist
 
 from sglang_h20.abstats import nearest_rank
+from sglang_h20.eplb import throttle
 from sglang_h20.eplb.migration import (MigrationExecutor, connect_peers, pacing, plan_migration,
                                        slot_digests)
 from sglang_h20.eplb.placement import Placement, Topology
@@ -116,11 +115,11 @@ class Tuning:
     placement_timeout_s: float = 300.0  # every rank must have its plan within this
     staging_layers: int = 1           # staging budget, in layers of this rank's slots
     placement_burst_s: float = 2e-4   # the placement thread holds the GIL at most about this long at a time, then
-    placement_pause_s: float = 1e-3   # sleeps this long (`_throttled`). Unthrottled, its ~45 ms of Python made the
-    #                                   decode passes beside it 13-20 ms (3.4 steady) in an EP-2 server: every
-    #                                   torch op of the decode thread releases the GIL and waits to get it back
-    #                                   (eplb/async_attribution_2_ep2_h200.json). A lower switch interval did not
-    #                                   help (1e-4 there; 2e-5 on a CPU stand-in); bursts did (CPU stand-in)
+    placement_pause_s: float = 1e-3   # sleeps this long (`throttle.bursts`, pace points in its loops). Unthrottled,
+    #                                   its ~45 ms of Python made the decode passes beside it 13-20 ms (3.4 steady) in
+    #                                   an EP-2 server: every torch op of the decode thread releases the GIL and waits
+    #                                   to get it back (eplb/async_attribution_2_ep2_h200.json). A lower switch
+    #                                   interval did not help (1e-4 there; 2e-5 on a CPU stand-in); bursts did
     copy_gbps: float | None = 10.0    # pace of the side-stream copies (GB/s; None: unpaced): decode is
     #                                   HBM-bound, and an unpaced copy takes its bandwidth from the steps.
     #                                   10 GB/s (~0.2% of an H200's HBM) still moves one EP16 GPU's 46 GB
@@ -143,6 +142,8 @@ class Mode:
     launch: str = "boundary"  # who posts the transfers: "boundary" (the decode loop) or "thread"
     verify: bool = False      # check every slot's bytes after the move (`_Job.check_moved`)
     shuffle: bool = False     # benchmarks: move to a seeded permutation of SGLang's placement (`shuffled`)
+    layered: bool = True      # SGLang's deepseek placement one layer at a time, pace points between (`place_layered`);
+    #                           off while our affinity placement (eplb switch) replaces the algorithm: it needs all layers
 
 
 EXECUTOR = MigrationExecutor  # tests substitute a failing executor
@@ -375,26 +376,6 @@ class _Gate:
 
 
 # ----------------------------------------------------------------------------- placement thread
-@contextlib.contextmanager
-def _throttled(burst_s: float, pause_s: float):
-    """Run this thread's Python in bursts of about `burst_s`, each followed by a `pause_s` sleep: a profile hook
-    (this thread only) checks the clock at every call. A busy background thread costs the decode thread a GIL
-    hand-off at each of its torch ops (each releases the GIL); a sleeping one costs nothing. The work takes
-    about (burst + pause) / burst times longer, off the critical path."""
-    mark = [time.perf_counter()]
-
-    def hook(_frame, _event, _arg):
-        if time.perf_counter() - mark[0] > burst_s:
-            time.sleep(pause_s)
-            mark[0] = time.perf_counter()
-
-    sys.setprofile(hook)
-    try:
-        yield
-    finally:
-        sys.setprofile(None)
-
-
 def _to_host(counts, ready):
     """Placement thread: the dump's logical counts on the host. A CUDA tensor is read on a side stream once the
     decode stream passed `ready`, into pageable memory: this thread waits; the decode thread neither syncs nor
@@ -438,6 +419,43 @@ def shuffled(meta, layers, mid: str):
                                             logical_to_all_physical_map=log2phy)
 
 
+def _layer_by_layer(server_args) -> bool:
+    """SGLang's deepseek algorithms place every layer on its own (its other algorithms: not assumed)."""
+    return server_args.eplb_algorithm in ("auto", "deepseek", "deepseek_hierarchical")
+
+
+def place_layered(server_args, model_config, logical_count):
+    """`ExpertLocationMetadata.init_by_eplb`'s result, computed one MoE layer at a time with a pace point between
+    (`throttle`): the deepseek algorithm holds the GIL ~1 ms per layer (76 ms for 61 layers x 16 GPUs on one
+    CPU core here), and a pace point can only fall between calls. Same glue as upstream's init_by_eplb; the
+    routing fields are derived once from the stacked layers (test: equal to upstream's on every field)."""
+    from sglang.srt.eplb import eplb_algorithms
+    from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+    from sglang.srt.runtime_context import get_parallel
+
+    count = torch.as_tensor(logical_count)
+    count = count.unsqueeze(0) if count.dim() == 2 else count
+    common = ExpertLocationMetadata._init_common(server_args, model_config)
+    if common is None:
+        return None
+    cfg, phys, ep = common["model_config_for_expert_location"], common["num_physical_experts"], common["ep_size"]
+    nodes = get_parallel().nnodes
+    algorithm = eplb_algorithms.compute_algorithm(raw_algorithm=server_args.eplb_algorithm,
+                                                  num_groups=cfg.num_groups, num_nodes=nodes)
+    p2l, log2phy = [], []
+    for layer in range(count.shape[1]):
+        throttle.point()
+        p, m, _ = eplb_algorithms.rebalance_experts(
+            tokens_per_expert=count[:, layer:layer + 1], num_physical_experts=phys,
+            num_local_physical_experts=phys // ep, num_groups=cfg.num_groups, num_nodes=nodes, algorithm=algorithm)
+        p2l.append(p)
+        log2phy.append(m)
+    width = max(m.shape[-1] for m in log2phy)  # replicas listed per expert (-1 padded), as the algorithm gives them
+    log2phy = [torch.nn.functional.pad(m, (0, width - m.shape[-1]), value=-1) for m in log2phy]
+    return ExpertLocationMetadata._init_raw(ep_size=ep, physical_to_logical_map=torch.cat(p2l),
+                                            logical_to_all_physical_map=torch.cat(log2phy))
+
+
 class _Job:
     """Placement, plan and executor for one rebalance, built off the decode thread."""
 
@@ -460,7 +478,7 @@ class _Job:
 
     def _main(self) -> None:
         try:
-            with _throttled(TUNING.placement_burst_s, TUNING.placement_pause_s):
+            with throttle.bursts(TUNING.placement_burst_s, TUNING.placement_pause_s):
                 self._build()
                 if self.mode.verify:  # before counting ready: a peer reading it then finds it
                     self.store.set(f"digest/{self.rank}", self._digests().tobytes())
@@ -536,7 +554,9 @@ class _Job:
             torch.cuda.set_device(cur.physical_to_logical_map.device)
         counts = _to_host(self.counts, self.counts_ready)
         self._step("counts")
-        new = ExpertLocationMetadata.init_by_eplb(_OnCpu(m._server_args), m._model_config, counts)
+        args = _OnCpu(m._server_args)
+        new = place_layered(args, m._model_config, counts) if self.mode.layered and _layer_by_layer(args) \
+            else ExpertLocationMetadata.init_by_eplb(args, m._model_config, counts)
         self._step("init_by_eplb")
         weights = m._get_model().routed_experts_weights_of_layer
         moe = sorted(int(l) for l in weights)
@@ -779,5 +799,6 @@ def hooks(settings: Settings) -> list[Hook]:
     return [Hook(INIT_TARGET, after_init, "after"),
             Hook(REBALANCE_TARGET, make_around_rebalance(Mode(settings["eplb_async_launch"],
                                                               settings["eplb_async_verify"],
-                                                              settings["eplb_async_shuffle"])), "around"),
+                                                              settings["eplb_async_shuffle"],
+                                                              layered=settings["eplb"] != "affinity")), "around"),
             Hook(PASS_TARGET, after_pass, "after"), Hook(FORWARD_TARGET, before_forward, "before")]

@@ -145,6 +145,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sglang_h20.eplb import throttle
 from sglang_h20.eplb.placement import Placement, Topology
 
 log = logging.getLogger("sglang_h20.eplb.migration")
@@ -293,6 +294,7 @@ def plan_migration(old: Placement, new: Placement, expert_bytes: int,
             old_row, new_row = old.phy2log[l], new.phy2log[l]
             first_slot: dict[tuple[int, int], int] = {}  # (gpu, expert) -> a slot holding it (old)
             for s in range(S):
+                throttle.point()
                 first_slot.setdefault((int(slot_gpu[s]), int(old_row[s])), s)
             holders: dict[int, list[int]] = defaultdict(list)  # expert -> GPUs holding it (old)
             for g, e in sorted(first_slot):
@@ -300,6 +302,7 @@ def plan_migration(old: Placement, new: Placement, expert_bytes: int,
             by_gpu: dict[tuple[int, int], list[int]] = defaultdict(list)   # NVLink candidates
             by_node: dict[tuple[int, int], list[int]] = defaultdict(list)  # network candidates
             for s in (int(x) for x in np.flatnonzero(changed[l])):
+                throttle.point()
                 e, g = int(new_row[s]), int(slot_gpu[s])
                 if (g, e) in first_slot:
                     add("local", l, e, g, first_slot[(g, e)], s)
@@ -308,6 +311,7 @@ def plan_migration(old: Placement, new: Placement, expert_bytes: int,
                 else:
                     by_node[(node_of(g), e)].append(s)
             for (g, e), slots in sorted(by_gpu.items()):
+                throttle.point()
                 cands = [h for h in holders[e] if node_of(h) == node_of(g)]
                 src = min(cands, key=lambda h: (send_load["nvlink"][h], h))
                 head = add("nvlink", l, e, src, first_slot[(src, e)], slots[0])
@@ -332,6 +336,7 @@ def plan_migration(old: Placement, new: Placement, expert_bytes: int,
         tid_of = {i: len(transfers) + j for j, i in enumerate(order)}
         stage_tids: dict[str, list[int]] = defaultdict(list)
         for i in order:
+            throttle.point()
             d = dict(raw[i])
             ref = d.pop("src_ref")
             t = Transfer(tid=tid_of[i], nbytes=expert_bytes, chunk=ci,
@@ -345,6 +350,7 @@ def plan_migration(old: Placement, new: Placement, expert_bytes: int,
     completion: dict[int, tuple[frozenset, ...]] = {}
     per: dict[tuple[int, int], set] = defaultdict(set)
     for t in transfers:
+        throttle.point()
         per[(t.layer, t.dst_rank)].add(t.tid)
     for c in chunks:
         for l in c.layers:
@@ -450,8 +456,11 @@ class MigrationExecutor:
         t1 = time.perf_counter()
         # the slot views this rank sends or copies from, made here too, not indexed again at every boundary (the
         # decode loop's bookkeeping per boundary; its effect in a server is not measured)
-        self._sources = {t.tid: [w[t.src_slot - rank * self._k] for w in self._weights[t.layer]]
-                         for t in plan.transfers if t.src_rank == rank and not t.from_staging}
+        self._sources = {}
+        for t in plan.transfers:
+            if t.src_rank == rank and not t.from_staging:
+                throttle.point()
+                self._sources[t.tid] = [w[t.src_slot - rank * self._k] for w in self._weights[t.layer]]
         self._freed = None  # CUDA event after the last switch's copies out of the pool (decode stream)
         self._group = group
         self._on_switch = on_switch
@@ -798,7 +807,9 @@ class MigrationExecutor:
                     block = [p[row:row + len(tids)] for p in pool]
                     row += len(tids)
                     blocks[l] = (idx, _runs(slots), block)
-                    bufs.update({tid: [b[n] for b in block] for n, tid in enumerate(tids)})
+                    for n, tid in enumerate(tids):
+                        throttle.point()
+                        bufs[tid] = [b[n] for b in block]
                 views.append((bufs, blocks))
         if self._cuda:
             self._stream.synchronize()  # the index uploads, before any switch reads them on another stream
@@ -1195,6 +1206,7 @@ def boundary_schedule(plan: MigrationPlan, per_boundary: int) -> tuple[list[list
         last = {plan.transfers[tid].layer: tid for tid in order}
         out, load = [], Counter()
         for tid in order:
+            throttle.point()
             t = plan.transfers[tid]
             ends = ((t.src_rank, "send"), (t.dst_rank, "recv"))
             if not out or any(load[e] >= per_boundary for e in ends):
