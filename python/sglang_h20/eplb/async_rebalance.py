@@ -32,8 +32,10 @@ placement thread (off the critical path)
   slots: `eplb_rebalance_layers_per_chunk`, or TUNING.staging_layers, as upstream's one layer of
   temp buffers); the new metadata's tensors are copied to their devices on a side stream; an
   executor is built (its transfer thread later runs on its own CUDA stream). All of it runs in
-  short bursts with sleeps between (`_throttled`): a busy Python thread beside the decode thread
-  slows each of the decode thread's torch ops (GIL hand-offs), a sleeping one does not.
+  short bursts with sleeps between (`throttle`: pace points in the loops, SGLang's placement one
+  layer per call): a busy Python thread beside the decode thread slows each of the decode thread's
+  torch ops (GIL hand-offs), a sleeping one does not. (Not a profile hook: on CPython 3.12 one
+  slows every thread's Python.)
 
 start gate (same round protocol as the executor's switches)
   Every rank must call `start()` at the same boundary. Rounds end at boundaries

@@ -3,9 +3,10 @@
 Why: a busy Python thread beside the decode thread costs that thread a GIL hand-off at each of its torch ops (each
 releases the GIL), so the placement thread works in short bursts with sleeps between. A profile hook
 (`sys.setprofile`) could cut any code into bursts, but a profile function set on ANY thread slows the Python of
-EVERY thread in the process (CPython instruments the shared code objects): on a loop of small calls beside a
-profiled thread that only sleeps, 1.9x slower on CPython 3.11 and 3.1x on 3.12 (`placement_interference.py
---cpu --actions profiled_sleeper`), i.e. the scheduler's whole decode loop for as long as the placement ran.
+EVERY thread in the process on CPython 3.12+ (profiling instruments the shared code objects): a loop of small calls
+beside a profiled thread that only sleeps ran 1.98x slower on 3.12 and 2.47x on 3.13, 1.01x on 3.11
+(benchmark/results/exploratory/profile_hook_cost_cpu.json). The GPU host runs 3.12: the scheduler's whole decode
+loop paid that for as long as the placement ran (its passes ~1-1.5 ms slower at the median in EP-2 servers).
 So the thread calls `point()` in its loops instead; outside `bursts()` a point costs one thread-local lookup.
 """
 from __future__ import annotations
