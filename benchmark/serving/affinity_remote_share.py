@@ -63,10 +63,13 @@ def judged(window: dict) -> bool:
     """A rebalance's interval window (during / before) long enough on both sides for its p99 to mean one."""
     return min(window["during"]["n"], window["before"]["n"]) >= MIN_P99_PASSES
 
-# arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH, _VERIFY, _SHUFFLE ("verify" reads every expert twice: its own arm, so
-# the plain arms' pass intervals stay clean; "shuffle": every rebalance a full re-placement, several per server)
-ASYNC_MODES = {"": None, "async": ("boundary", "off", "off"), "async-thread": ("thread", "off", "off"),
-               "async-verify": ("boundary", "on", "off"), "async-shuffle": ("boundary", "off", "on")}
+# arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH, _VERIFY, _SHUFFLE, _PEER ("verify" reads every expert twice: its own
+# arm, so the plain arms' pass intervals stay clean; "shuffle": every rebalance a full re-placement, several per
+# server; "nccl": NVLink transfers by NCCL send/recv instead of peer copies)
+ASYNC_MODES = {"": None, "async": ("boundary", "off", "off", "on"), "async-thread": ("thread", "off", "off", "on"),
+               "async-verify": ("boundary", "on", "off", "on"), "async-shuffle": ("boundary", "off", "on", "on"),
+               "async-verify-shuffle": ("boundary", "on", "on", "on"),
+               "async-shuffle-nccl": ("boundary", "off", "on", "off")}
 VERIFY_LINE = re.compile(r"eplb_async: rebalance (\S+) verify: (\d+) slots of \d+ layers bit-identical|"
                          r"eplb_async: rebalance (\S+) verify: (\d+) of (\d+) slots differ")
 
@@ -198,7 +201,8 @@ def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str]
     transfers posted by the decode loop) or `<algorithm>+async-thread` (posted by a background thread)."""
     algo, _, mode = arm.partition("+")
     if mode not in ASYNC_MODES:
-        raise ValueError(f"arm {arm!r}: want ALGORITHM, ALGORITHM+async[-thread|-verify|-shuffle] or none")
+        raise ValueError(f"arm {arm!r}: want ALGORITHM, ALGORITHM+async[{'|'.join(m for m in ASYNC_MODES if m)}] "
+                         "or none")
     args = ["--tp", str(gpus), "--ep-size", str(gpus), "--enable-dp-attention", "--dp", str(gpus)]
     env = {}
     if algo != "none":
@@ -208,7 +212,8 @@ def arm_setup(arm: str, gpus: int, rebalance_iterations: int) -> tuple[list[str]
         env["SGLANG_H20_EPLB"] = "affinity"
     if mode:
         env["SGLANG_H20_EPLB_ASYNC"] = "on"
-        keys = ("SGLANG_H20_EPLB_ASYNC_LAUNCH", "SGLANG_H20_EPLB_ASYNC_VERIFY", "SGLANG_H20_EPLB_ASYNC_SHUFFLE")
+        keys = ("SGLANG_H20_EPLB_ASYNC_LAUNCH", "SGLANG_H20_EPLB_ASYNC_VERIFY", "SGLANG_H20_EPLB_ASYNC_SHUFFLE",
+                "SGLANG_H20_EPLB_ASYNC_PEER")
         env.update(zip(keys, ASYNC_MODES[mode]))
     return args, env
 
@@ -402,8 +407,9 @@ def main() -> int:
                     help="EPLB algorithms (deepseek: upstream's; affinity: ours), ALGORITHM+async (our migration, "
                          "transfers posted by the decode loop), ALGORITHM+async-thread (posted by a thread), "
                          "ALGORITHM+async-verify (+ every slot's bytes checked after the move), "
-                         "ALGORITHM+async-shuffle (every rebalance a full re-placement: several per server), none "
-                         "(no EPLB: steady ITL)")
+                         "ALGORITHM+async-shuffle (every rebalance a full re-placement: several per server), "
+                         "ALGORITHM+async-verify-shuffle (both), ALGORITHM+async-shuffle-nccl (NVLink transfers by "
+                         "NCCL send/recv, not peer copies), none (no EPLB: steady ITL)")
     ap.add_argument("--router-clusters", type=non_negative_int, default=0, metavar="S",
                     help="dummy weights only: every MoE gate rewritten so that experts co-activate in seeded clusters "
                          "of S (SGLANG_H20_DUMMY_ROUTER_CLUSTERS, every arm); the dummy router alone co-activates "

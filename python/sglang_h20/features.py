@@ -57,7 +57,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("sbo", "sbo", "sglang_h20.moe.sbo", kernel_modules=("triton", "sgl_kernel_ext.sbo")),
     Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False, options=("eplb_affinity",)),
     Feature("eplb_async", "eplb_async", "sglang_h20.eplb.async_rebalance", needs_gpu=False,
-            options=("eplb_async_launch", "eplb_async_verify", "eplb_async_shuffle")),
+            options=("eplb_async_launch", "eplb_async_verify", "eplb_async_shuffle", "eplb_async_peer")),
     Feature("dummy_router", "dummy_router_clusters", "sglang_h20.eplb.dummy_router", needs_gpu=False),
     Feature("observe", "observe", "sglang_h20.observe.stages", options=("observe_control",)),
 )

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from sglang_h20.eplb.migration import (FLUSH_EVERY, KINDS, MAX_RUNS, MigrationExecutor, _copy_rows, _parse, _runs,
-                                       boundary_schedule, plan_migration)
+                                       boundary_schedule, plan_migration, share_weights)
 from sglang_h20.eplb.placement import Placement, Topology
 
 # ----------------------------------------------------------------------------- planner
@@ -411,8 +411,17 @@ def _worker(rank: int, port: int, outdir: str, scenario: str, mode: str = "threa
     expect = [(checksum(stack(old, l), old.phy2log[l], rank, tokens[l]),
                checksum(stack(new, l), new.phy2log[l], rank, tokens[l])) for l in range(LAYERS)]
 
-    if mode == "boundary":  # transfers posted by the decode loop itself: no gate needed to tie them to steps
+    if mode in ("boundary", "peer"):  # transfers posted by the decode loop itself: no gate ties them to steps
         cls, extra = (DyingBoundaryExecutor if scenario == "kill" else MigrationExecutor), {"bytes_per_boundary": 1}
+        if mode == "peer":  # nvlink transfers pulled from the node peers' tensors, mapped here (shared files)
+            for l, w in weights.items():
+                f = os.path.join(outdir, f"weights-r{rank}-l{l}")
+                weights[l] = torch.from_file(f, shared=True, size=w.numel(), dtype=w.dtype).view(w.shape)
+                weights[l].copy_(w)
+            store = dist.PrefixStore(f"peers-{scenario}", dist.distributed_c10d._get_default_store())
+            extra["peer_weights"] = share_weights(store, rank, T222, {l: [w] for l, w in weights.items()})
+            assert extra["peer_weights"] is not None and sorted(extra["peer_weights"]) == [
+                (rank ^ 1, l) for l in range(LAYERS)]  # the other GPU of its node, every layer
     else:
         cls, extra = (DyingExecutor if scenario == "kill" else GatedExecutor), {}
     on_switch = []  # (step, layers) seen by the callback
@@ -535,6 +544,12 @@ def run_world(tmp_path, scenario, mode="thread"):
     return codes, out
 
 
+def plan_for(res):
+    """The plan every worker made (same placements, same budget)."""
+    old, new = migration_placements()
+    return plan_migration(old, new, EXPERT_BYTES, res["budget"])
+
+
 def check_consistent(res):
     """(a): every step, every layer equals the old or new result, and flips old -> new at most once."""
     lab = res["labels"]
@@ -548,7 +563,7 @@ def check_consistent(res):
     return flips
 
 
-MODES = pytest.mark.parametrize("mode", ["thread", "boundary"])
+MODES = pytest.mark.parametrize("mode", ["thread", "boundary", "peer"])
 
 
 @MODES
@@ -577,6 +592,11 @@ def test_migration_runs_in_background_consistently(tmp_path, mode):
             by_step[f - 1].append(l)  # switched inside maybe_switch of step f - 1, seen from step f
         assert [(st_, sorted(ls)) for st_, ls in res["on_switch"]] == sorted(by_step.items())
         assert not res["threads_alive"]
+        # peer copies: exactly the nvlink transfers into this rank were pulled (its peers posted nothing for them)
+        pulled = sum(t.nbytes for t in plan_for(res).transfers if t.kind == "nvlink" and t.dst_rank == r)
+        assert st.pulled_bytes == (pulled if mode == "peer" else 0)
+    if mode == "peer":
+        assert sum(res["status"].pulled_bytes for res in out.values()) > 0
     # every rank flipped each layer at the same step; chunks made the layers switch at different steps
     assert all(f == flip_steps[0] for f in flip_steps)
     assert out[0]["plan_chunks"] >= 2 and len(set(flip_steps[0].values())) >= 2

@@ -89,7 +89,7 @@ import torch.distributed as dist
 
 from sglang_h20.abstats import nearest_rank
 from sglang_h20.eplb import throttle
-from sglang_h20.eplb.migration import (MigrationExecutor, connect_peers, pacing, plan_migration,
+from sglang_h20.eplb.migration import (MigrationExecutor, connect_peers, pacing, plan_migration, share_weights,
                                        slot_digests)
 from sglang_h20.eplb.placement import Placement, Topology
 from sglang_h20.features import Hook
@@ -140,10 +140,13 @@ TUNING = Tuning()
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """How the switches set up this feature (settings eplb_async_launch / _verify / _shuffle)."""
+    """How the switches set up this feature (settings eplb_async_launch / _verify / _shuffle / _peer)."""
     launch: str = "boundary"  # who posts the transfers: "boundary" (the decode loop) or "thread"
     verify: bool = False      # check every slot's bytes after the move (`_Job.check_moved`)
     shuffle: bool = False     # benchmarks: move to a seeded permutation of SGLang's placement (`shuffled`)
+    peer: bool = True         # launch "boundary": NVLink transfers pulled over CUDA IPC (`share_weights`); posting
+    #                           one expert's 8 NCCL P2P ops cost the decode thread ~290 us per boundary in EP-2
+    #                           servers (eplb/async_shuffle_2_ep2_h200.json)
     layered: bool = True      # SGLang's deepseek placement one layer at a time, pace points between (`place_layered`);
     #                           off while our affinity placement (eplb switch) replaces the algorithm: it needs all layers
 
@@ -176,6 +179,7 @@ class _State:
         self.seq = 0
         self.history: list[dict] = []   # one entry per rebalance: outcome, steps, error
         self.warned: set[str] = set()
+        self.peers = ...  # peer copies: the node's expert tensors mapped here (`share_weights`; None: not possible)
 
 
 def _state(manager) -> _State:
@@ -461,10 +465,11 @@ def place_layered(server_args, model_config, logical_count):
 class _Job:
     """Placement, plan and executor for one rebalance, built off the decode thread."""
 
-    def __init__(self, manager, group, counts, counts_ready, mid: str, mode: Mode = Mode()):
+    def __init__(self, manager, group, counts, counts_ready, mid: str, mode: Mode = Mode(), state=None):
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
         self.manager, self.group, self.mid, self.mode = manager, group, mid, mode
+        self.state = state if state is not None else _State()
         self.expected = None  # verify: [MoE layers, local slots] digest each slot must have after the move
         self.counts, self.counts_ready = counts, counts_ready
         self.meta = get_global_expert_location_metadata()
@@ -588,12 +593,27 @@ class _Job:
         self._step("plan")
         self.fields = self._to_devices(new)
         self._step("to_devices")
+        peers = self._peers(topo, weights, moe) if self.mode.launch == "boundary" and self.mode.peer else None
         self.executor = EXECUTOR(
             self.rank, self.world, topo, {l: weights[l] for l in self.plan.layers}, self.plan,
             group=self.group, timeout_s=TUNING.timeout_s, switch_every=TUNING.switch_every,
             decide_ahead=TUNING.decide_ahead, migration_id=self.mid, on_switch=self.switch_rows,
+            peer_weights=peers,
             **pacing(self.mode.launch, expert_bytes, TUNING.transfers_per_boundary, TUNING.copy_gbps))
         self._step("executor")
+
+    def _peers(self, topo, weights, moe):
+        """The node's expert tensors mapped here for peer copies: shared at this server's first rebalance (every
+        rank takes part; no rank has posted a transfer yet), then reused; None where not possible."""
+        st = self.state
+        if st.peers is ...:
+            store = dist.PrefixStore("sglang_h20/eplb_peers/", dist.distributed_c10d._get_default_store())
+            st.peers = share_weights(store, self.rank, topo, {l: list(weights[l]) for l in moe},
+                                     TUNING.placement_timeout_s)
+            log.info("eplb_async: peer copies %s", "on: NVLink transfers pulled over CUDA IPC"
+                     if st.peers is not None else "off: every transfer through the migration group")
+            self._step("share_weights")
+        return st.peers
 
     def _step(self, name: str) -> None:
         """Placement thread: `name` ended now; its (start, end) in ms from the job's creation (`steps`), to line
@@ -691,7 +711,7 @@ def _rebalance(original, manager, mode: Mode, *args, **kwargs):
     if st.group is None:  # first use, or re-created after an aborted migration (lockstep)
         st.group = _new_group()
     st.seq += 1
-    job = _Job(manager, st.group, counts, ready, f"r{st.seq}", mode)
+    job = _Job(manager, st.group, counts, ready, f"r{st.seq}", mode, st)
     rec = {"id": job.mid, "launch": mode.launch, "outcome": "running", "error": None, "gate_steps": 0,
            "migration_steps": 0}
     st.history.append(rec)
@@ -754,12 +774,14 @@ def _rebalance(original, manager, mode: Mode, *args, **kwargs):
             init_lplb_solvers(model_config=manager._model_config)
         rec.update(boundary_work_mean_s=float(np.mean(work)) if work else 0.0,
                    boundary_work_max_s=max(work, default=0.0),
-                   switch_work_max_s=max((work[k] for k in switch_at), default=0.0))
+                   switch_work_max_s=max((work[k] for k in switch_at), default=0.0),
+                   received_bytes=s.bytes_received, pulled_bytes=s.pulled_bytes)
         log.info("eplb_async: rebalance %s end: %d layers switched over %d forward passes "
                  "(placement %d, migration %d); boundary work on the decode thread: mean %.0f us, max %.2f ms "
-                 "(at switches: max %.2f ms)", job.mid, len(s.switched_layers),
-                 rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"], rec["migration_steps"],
-                 1e6 * rec["boundary_work_mean_s"], 1e3 * rec["boundary_work_max_s"], 1e3 * rec["switch_work_max_s"])
+                 "(at switches: max %.2f ms); received %.2f GB, %.2f GB of it pulled by peer copies", job.mid,
+                 len(s.switched_layers), rec["gate_steps"] + rec["migration_steps"], rec["gate_steps"],
+                 rec["migration_steps"], 1e6 * rec["boundary_work_mean_s"], 1e3 * rec["boundary_work_max_s"],
+                 1e3 * rec["switch_work_max_s"], s.bytes_received / 1e9, s.pulled_bytes / 1e9)
         if mode.verify:  # off the decode thread, after the switch copies enqueued so far
             done = None
             if job.executor._cuda:
@@ -802,5 +824,6 @@ def hooks(settings: Settings) -> list[Hook]:
             Hook(REBALANCE_TARGET, make_around_rebalance(Mode(settings["eplb_async_launch"],
                                                               settings["eplb_async_verify"],
                                                               settings["eplb_async_shuffle"],
+                                                              settings["eplb_async_peer"],
                                                               layered=settings["eplb"] != "affinity")), "around"),
             Hook(PASS_TARGET, after_pass, "after"), Hook(FORWARD_TARGET, before_forward, "before")]

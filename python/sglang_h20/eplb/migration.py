@@ -52,6 +52,13 @@ weights into the live expert slots and only then runs the next forward pass. Wit
    previous chunk's layers have switched and their staging is freed, so staging in use never exceeds
    the budget.
 
+   PEER COPIES (`peer_weights`, from `share_weights`): where every rank of the world could map the expert
+   tensors of the other ranks of its node (CUDA IPC handles; shared memory on the CPU), an ``nvlink`` transfer is
+   not a send/recv pair: its destination PULLS the expert from the source's old slot with a plain copy (on GPUs the
+   copy engines over NVLink: no SMs, no NCCL kernels beside the model's, and one side posts, not two). The
+   source's old slot stays valid until every rank reported the layer ready, so the pull needs no signal from its
+   source. ``network`` transfers and forwards out of a peer's staging keep the process group.
+
    Switching happens only in `maybe_switch()`, which the decode loop calls once BETWEEN forward
    passes on every rank. For the layers it switches it copies staging into the live slots (same
    tensors, so CUDA graphs stay valid; on GPU the copy is ordered on the compute stream) and
@@ -133,6 +140,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import itertools
 import logging
 import threading
@@ -389,6 +397,7 @@ class MigrationStatus:
     bytes_received: int
     deferred_rounds: int                # rounds this rank had to settle itself at the boundary
     max_switch_s: float                 # longest maybe_switch call
+    pulled_bytes: int = 0               # of bytes_received: pulled from a peer's mapped weights (peer copies)
 
 
 _SEQ = itertools.count()
@@ -408,6 +417,8 @@ class MigrationExecutor:
     every forward pass; route with `ex.routing_map` (or `ex.placement`); read `ex.status`.
     `on_switch(layers)`, if given, runs inside maybe_switch right after those layers' weights were
     swapped in (e.g. to update SGLang's ExpertLocationMetadata for the same layers).
+    `peer_weights` ({(peer rank, layer): its expert tensors, mapped here}, from `share_weights`; the same
+    choice on every rank): nvlink transfers become pulls by their destination (module docstring, PEER COPIES).
     `max_bytes_per_s` paces what this rank moves (one expert at a time: local copies, and on GPUs one
     NCCL group per transfer; gloo posts a stage at once, paced by its bytes): decode steps are
     HBM-bound, so an unpaced side-stream copy slows every step it overlaps by its whole bandwidth
@@ -420,7 +431,8 @@ class MigrationExecutor:
                  decide_ahead: int = 2, watchdog_s: float | None = None,
                  migration_id: str | None = None,
                  on_switch: Callable[[list[int]], None] | None = None,
-                 max_bytes_per_s: float | None = None, bytes_per_boundary: int | None = None):
+                 max_bytes_per_s: float | None = None, bytes_per_boundary: int | None = None,
+                 peer_weights: Mapping[tuple[int, int], Sequence[torch.Tensor]] | None = None):
         if world != topology.num_gpus:
             raise ValueError(f"world {world} != {topology.num_gpus} GPUs of the topology")
         if plan.old.topology != topology:
@@ -473,6 +485,8 @@ class MigrationExecutor:
         self._rate = max_bytes_per_s
         if bytes_per_boundary is not None and (bytes_per_boundary <= 0 or max_bytes_per_s is not None):
             raise ValueError("bytes_per_boundary must be positive, and excludes max_bytes_per_s")
+        if peer_weights is not None and bytes_per_boundary is None:
+            raise ValueError("peer copies (peer_weights) run in boundary mode (bytes_per_boundary) only")
         # boundary mode: transfers per rank and boundary (each is one expert; a rank counts those it sends and
         # those it receives apart, in the plan's order, the same walk on every rank); None: thread mode
         self._per_boundary = (None if bytes_per_boundary is None
@@ -510,7 +524,8 @@ class MigrationExecutor:
         # [incoming, ...], rows of the pool): the switch is a few slice copies or one index_copy_ per tensor
         # (_copy_rows), not one copy per expert (1024 launches for 256 slots x 4)
         self._blocks: dict[int, tuple[torch.Tensor, tuple, list[torch.Tensor]]] = {}
-        self._staging_bytes = self._peak_staging = self._bytes_received = 0
+        self._staging_bytes = self._peak_staging = self._bytes_received = self._pulled = 0
+        self._peer = dict(peer_weights) if peer_weights is not None else None
         self._local_abort: str | None = None
         self._error: str | None = None
         self._stop = False
@@ -602,7 +617,7 @@ class MigrationExecutor:
                 ready_layers=tuple(sorted(self._ready - sw.keys())), switch_boundary=sw,
                 error=self._error, boundary=self._boundary, staging_bytes=self._staging_bytes,
                 peak_staging_bytes=self._peak_staging, bytes_received=self._bytes_received,
-                deferred_rounds=self._deferred, max_switch_s=self._max_switch_s)
+                deferred_rounds=self._deferred, max_switch_s=self._max_switch_s, pulled_bytes=self._pulled)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop (aborting if still running) and join the background threads."""
@@ -921,8 +936,16 @@ class MigrationExecutor:
             for t in mine:
                 if t.dst_rank == me:
                     received.add(t.tid)
+                pull = self._peer is not None and t.kind == "nvlink"
                 if t.src_rank == me and t.dst_rank == me:
                     units.append(("copy", (self._src_tensors(t), staging[t.tid])))
+                elif pull and t.dst_rank == me:  # the source's old slot, mapped here (its owner posts nothing)
+                    j, src = t.src_slot - t.src_rank * self._k, self._peer[(t.src_rank, t.layer)]
+                    units.append(("pull", list(zip(src, [j] * len(src), staging[t.tid]))) if self._cuda
+                                 else ("copy", ([w[j] for w in src], staging[t.tid])))
+                    self._pulled += t.nbytes
+                elif pull:
+                    continue
                 elif t.src_rank == me:
                     units.append(("p2p", [(dist.isend, x if x.is_contiguous() else x.contiguous(), t.dst_rank,
                                            self._tag(t, i), f"send of {t.describe()}")
@@ -981,8 +1004,11 @@ class MigrationExecutor:
                         if kind == "copy":
                             for a, b in zip(*x):
                                 b.copy_(a, non_blocking=True)
-                            continue
-                        self._post_nccl(x)
+                        elif kind == "pull":
+                            for src, j, dst in x:
+                                src.pull(j, dst, self._stream)
+                        else:
+                            self._post_nccl(x)
             else:  # gloo: the waiter posts them, in order (no second communicator to interleave with)
                 self._unflushed.extend(units)
             self._unflushed_tids |= received
@@ -1192,6 +1218,122 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
         if t.dim() > 1 and t.is_contiguous() and row_bytes % size == 0 and t.element_size() <= size:
             return t.view(dtype)
     return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+class _MappedSlots:
+    """A peer's expert tensor [slots, ...], mapped into this process by CUDA IPC (opened on this rank's device, with
+    lazy peer access: no CUDA context on the peer's GPU): slot j is `slot_bytes` at ptr + j * stride. A pull is one
+    cudaMemcpyAsync on the caller's stream: the copy engines over NVLink, no SM."""
+
+    def __init__(self, ptr: int, stride: int, slot_bytes: int):
+        self.ptr, self.stride, self.slot_bytes = ptr, stride, slot_bytes
+
+    def pull(self, j: int, dst: torch.Tensor, stream) -> None:  # pragma: no cover - GPU only
+        if dst.numel() * dst.element_size() != self.slot_bytes or not dst.is_contiguous():
+            raise RuntimeError(f"staging slot of {dst.numel() * dst.element_size()} B for a {self.slot_bytes} B slot")
+        _cudart().memcpy_async(dst.data_ptr(), self.ptr + j * self.stride, self.slot_bytes, stream.cuda_stream)
+
+
+class _CudaRT:
+    """The loaded CUDA runtime (SGLang's ctypes wrapper, as its custom all-reduce uses it) plus cudaMemcpyAsync."""
+
+    def __init__(self):
+        import ctypes
+
+        from sglang.srt.distributed.device_communicators.cuda_wrapper import CudaRTLibrary, cudaIpcMemHandle_t
+
+        self.rt, self.handle_t, self._ctypes = CudaRTLibrary(), cudaIpcMemHandle_t, ctypes
+        self._memcpy = self.rt.lib.cudaMemcpyAsync
+        self._memcpy.restype = ctypes.c_int
+        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self.opened: dict[bytes, int] = {}  # IPC handle -> its base address here (each opened once per process)
+
+    def open(self, handle: bytes) -> int:  # pragma: no cover - GPU only
+        if handle not in self.opened:
+            h = self.handle_t()
+            self._ctypes.memmove(self._ctypes.addressof(h), handle, min(len(handle), self._ctypes.sizeof(h)))
+            self.opened[handle] = int(self.rt.cudaIpcOpenMemHandle(h).value)
+        return self.opened[handle]
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:  # pragma: no cover - GPU only
+        err = self._memcpy(dst, src, nbytes, 4, stream)  # cudaMemcpyDefault: UVA picks the route
+        if err:
+            raise RuntimeError(f"cudaMemcpyAsync: {self.rt.cudaGetErrorString(err)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _cudart() -> _CudaRT:
+    return _CudaRT()
+
+
+def _export(t: torch.Tensor):
+    """What a peer needs to map expert tensor `t` [slots, ...]: ("cuda", IPC handle, byte offset, slot stride, slot
+    bytes) or, on the CPU (tests), ("cpu", file, dtype, shape, strides, offset) of a tensor made by
+    `torch.from_file(..., shared=True)`."""
+    if not t.is_cuda:
+        name = t.untyped_storage().filename
+        if name is None:
+            raise RuntimeError("a CPU expert tensor must live in a shared file (torch.from_file(..., shared=True))")
+        return ("cpu", name, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().nbytes())
+    es = t.element_size()
+    if t.dim() < 1 or not t[0].is_contiguous():
+        raise RuntimeError(f"expert tensor {tuple(t.shape)} has non-contiguous slots")
+    shared = t.untyped_storage()._share_cuda_()  # (device, handle, size, offset, ...): SGLang's IPC path too
+    return ("cuda", bytes(shared[1]), int(shared[3]) + t.storage_offset() * es, t.stride(0) * es, t[0].numel() * es)
+
+
+def _map(exported):
+    if exported[0] == "cpu":
+        _, name, dtype, shape, stride, offset, nbytes = exported
+        storage = torch.UntypedStorage.from_file(name, shared=True, nbytes=nbytes)
+        return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+    _, handle, offset, stride, slot_bytes = exported
+    return _MappedSlots(_cudart().open(handle) + offset, stride, slot_bytes)
+
+
+def share_weights(store, rank: int, topology: Topology, weights: Mapping[int, Sequence[torch.Tensor]],
+                  timeout_s: float = 60.0) -> dict[tuple[int, int], list] | None:
+    """Peer copies (`MigrationExecutor(peer_weights=...)`): publish this rank's expert tensors to the ranks of its
+    node and map theirs here, {(peer rank, layer): per tensor, its mapping}. CUDA tensors travel as CUDA IPC handles
+    (opened on this rank's device; pulled with cudaMemcpyAsync), CPU tensors (tests) as the shared files they live
+    in. Collective over the store's ranks: None on EVERY rank when any rank could not publish or map (expandable
+    segments, no IPC, CPU tensors not in a shared file), so the choice is the same everywhere. Once per server:
+    expert tensors never move (CUDA graphs hold their pointers), so the mappings stay valid."""
+    import pickle
+
+    world, gpn = topology.num_gpus, topology.gpus_per_node
+    peers = [r for r in range(world) if r != rank and r // gpn == rank // gpn]
+    wait = datetime.timedelta(seconds=timeout_s)
+    ok, why, mapped = True, "", {}
+    try:
+        exported = {}
+        for l, ws in weights.items():
+            throttle.point()
+            exported[int(l)] = [_export(t) for t in ws]
+        store.set(f"weights/{rank}", b"1" + pickle.dumps(exported))
+    except Exception as e:
+        ok, why = False, f"rank {rank} cannot publish its expert tensors: {type(e).__name__}: {e}"
+        store.set(f"weights/{rank}", b"0")
+    try:
+        if peers:
+            store.wait([f"weights/{r}" for r in peers], wait)
+        for r in peers:
+            v = store.get(f"weights/{r}")
+            if v[:1] != b"1":
+                raise RuntimeError(f"rank {r} published none")
+            for l, ex in pickle.loads(v[1:]).items():
+                throttle.point()
+                mapped[(r, l)] = [_map(x) for x in ex]
+    except Exception as e:
+        if ok:
+            ok, why = False, f"rank {rank} cannot map its peers' expert tensors: {type(e).__name__}: {e}"
+    store.set(f"ok/{rank}", b"1" if ok else b"0")
+    store.wait([f"ok/{r}" for r in range(world)], wait)
+    if all(store.get(f"ok/{r}") == b"1" for r in range(world)):
+        return mapped
+    if why:
+        log.warning("EPLB migration: no peer copies (%s); every transfer goes through the process group", why)
+    return None
 
 
 def boundary_schedule(plan: MigrationPlan, per_boundary: int) -> tuple[list[list[list[int]]], list[list[bool]]]:
