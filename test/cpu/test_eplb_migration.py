@@ -754,3 +754,15 @@ def test_boundary_schedule_tells_the_waiter_at_layer_ends_and_every_flush_every_
         assert [k for k in range(n) if flush[c][k]] == sorted({*range(FLUSH_EVERY - 1, n, FLUSH_EVERY), n - 1})
     batches3, _ = boundary_schedule(plan, 3)
     assert [len(b) for b in batches3[0]][:-1] == [3] * (len(batches3[0]) - 1)
+
+
+def test_ipc_handle_from_torchs_shareable_handle():
+    """The 64-byte cudaIpcMemHandle_t inside torch's shareable handle (version byte, type byte 'c', handle), a raw one
+    as it is, and an expandable segment's ('e') refused, so that share_weights falls back to NCCL on every rank."""
+    from sglang_h20.eplb.migration import _ipc_handle
+
+    raw = bytes(range(64))
+    assert _ipc_handle(raw) == raw
+    assert _ipc_handle(b"\x02c" + raw) == raw and _ipc_handle(b"\x03c" + raw + b"\x00" * 8) == raw
+    with pytest.raises(RuntimeError, match="expandable"):
+        _ipc_handle(b"\x02e" + raw)

@@ -1279,7 +1279,18 @@ def _export(t: torch.Tensor):
     if t.dim() < 1 or not t[0].is_contiguous():
         raise RuntimeError(f"expert tensor {tuple(t.shape)} has non-contiguous slots")
     shared = t.untyped_storage()._share_cuda_()  # (device, handle, size, offset, ...): SGLang's IPC path too
-    return ("cuda", bytes(shared[1]), int(shared[3]) + t.storage_offset() * es, t.stride(0) * es, t[0].numel() * es)
+    return ("cuda", _ipc_handle(bytes(shared[1])), int(shared[3]) + t.storage_offset() * es, t.stride(0) * es,
+            t[0].numel() * es)
+
+
+def _ipc_handle(shareable: bytes) -> bytes:
+    """The cudaIpcMemHandle_t (64 bytes) in torch's shareable handle: raw in old torch; since torch 2.x one version
+    byte, one type byte ('c': a cudaMalloc block; 'e': an expandable segment, which has no such handle), then it."""
+    if len(shareable) == 64:
+        return shareable
+    if len(shareable) >= 66 and shareable[1:2] == b"c":
+        return shareable[2:66]
+    raise RuntimeError(f"not a cudaMalloc block's IPC handle (type {shareable[1:2]!r}: expandable segments?)")
 
 
 def _map(exported):
