@@ -146,7 +146,8 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
     from sglang_h20.settings import Settings
 
     decisions = plugin.activate(Settings.from_env({"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_VERIFY": "on",
-                                                   "SGLANG_H20_EPLB_ASYNC_LAUNCH": launch}))
+                                                   "SGLANG_H20_EPLB_ASYNC_LAUNCH": launch,
+                                                   "SGLANG_H20_EPLB_ASYNC_PEER": "on"}))
     errors = _Count()
     logging.getLogger("sglang_h20").addHandler(errors)
     ar.TUNING = ar.Tuning(switch_every=8, decide_ahead=6, timeout_s=5.0, placement_timeout_s=20.0)
@@ -328,8 +329,8 @@ def test_async_rebalance_through_sglang_hooks(world):
         steps = p.pop("placement_steps")
         assert set(p.pop("executor_build_ms")) == {"staging", "views_schedule"}
         assert all(len(v) == n for v in p.values())
-        # in boundary mode the first rebalance also tried to share the expert tensors for peer copies (CPU tensors
-        # not in shared files: not possible, so every rank goes through gloo)
+        # in boundary mode with SGLANG_H20_EPLB_ASYNC_PEER=on the first rebalance also tried to share the expert
+        # tensors for peer copies (CPU tensors not in shared files: not possible, so every rank goes through gloo)
         assert [x[0] for x in steps] == ["counts", "init_by_eplb", "agree", "plan", "to_devices"] + (
             ["share_weights"] if h["launch"] == "boundary" else []) + ["executor"]
         assert h["pulled_bytes"] == 0 and h["received_bytes"] > 0

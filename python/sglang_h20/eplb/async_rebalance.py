@@ -144,9 +144,10 @@ class Mode:
     launch: str = "boundary"  # who posts the transfers: "boundary" (the decode loop) or "thread"
     verify: bool = False      # check every slot's bytes after the move (`_Job.check_moved`)
     shuffle: bool = False     # benchmarks: move to a seeded permutation of SGLang's placement (`shuffled`)
-    peer: bool = True         # launch "boundary": NVLink transfers pulled over CUDA IPC (`share_weights`); posting
-    #                           one expert's 8 NCCL P2P ops cost the decode thread ~290 us per boundary in EP-2
-    #                           servers (eplb/async_shuffle_2_ep2_h200.json)
+    peer: bool = False        # launch "boundary": NVLink transfers pulled over CUDA IPC (`share_weights`). In EP-2
+    #                           servers it took the decode thread's work per boundary from 280-407 to 155-210 us,
+    #                           but decode p99 during full re-placements rose (pooled 1.32 vs NCCL's 1.09, one run:
+    #                           eplb/async_shuffle_4_peer_ep2_h200.json), so it is off until that is understood
     layered: bool = True      # SGLang's deepseek placement one layer at a time, pace points between (`place_layered`);
     #                           off while our affinity placement (eplb switch) replaces the algorithm: it needs all layers
 

@@ -1302,6 +1302,23 @@ def _map(exported):
     return _MappedSlots(_cudart().open(handle) + offset, stride, slot_bytes)
 
 
+def _touch(mapped, weights) -> None:
+    """One small pull from every mapped peer tensor, here (the placement thread), synchronized: the first copy out
+    of a peer's memory enables peer access (lazily, cudaIpcMemLazyEnablePeerAccess): the likely cause, not
+    confirmed, of the one 16 ms boundary of the decode thread at the first rebalance of an EP-2 server
+    (eplb/async_shuffle_4_peer_ep2_h200.json). Added after that run: not yet run on a GPU."""
+    cuda = [m for ms in mapped.values() for m in ms if isinstance(m, _MappedSlots)]
+    if not cuda:
+        return
+    any_w = next(t for ws in weights.values() for t in ws)
+    scratch = torch.empty(16, dtype=torch.uint8, device=any_w.device)
+    side = torch.cuda.Stream(any_w.device)
+    for m in cuda:  # 16 bytes of each
+        throttle.point()
+        _cudart().memcpy_async(scratch.data_ptr(), m.ptr, min(16, m.slot_bytes), side.cuda_stream)
+    side.synchronize()
+
+
 def share_weights(store, rank: int, topology: Topology, weights: Mapping[int, Sequence[torch.Tensor]],
                   timeout_s: float = 60.0) -> dict[tuple[int, int], list] | None:
     """Peer copies (`MigrationExecutor(peer_weights=...)`): publish this rank's expert tensors to the ranks of its
@@ -1335,6 +1352,7 @@ def share_weights(store, rank: int, topology: Topology, weights: Mapping[int, Se
             for l, ex in pickle.loads(v[1:]).items():
                 throttle.point()
                 mapped[(r, l)] = [_map(x) for x in ex]
+        _touch(mapped, weights)
     except Exception as e:
         if ok:
             ok, why = False, f"rank {rank} cannot map its peers' expert tensors: {type(e).__name__}: {e}"
