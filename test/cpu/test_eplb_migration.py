@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from sglang_h20.eplb.migration import (FLUSH_EVERY, KINDS, MAX_RUNS, MigrationExecutor, _copy_rows, _parse, _runs,
-                                       boundary_schedule, plan_migration, share_weights)
+                                       boundary_schedule, plan_migration)
+from sglang_h20.eplb.peer_copies import share_weights
 from sglang_h20.eplb.placement import Placement, Topology
 
 # ----------------------------------------------------------------------------- planner
@@ -759,7 +760,7 @@ def test_boundary_schedule_tells_the_waiter_at_layer_ends_and_every_flush_every_
 def test_ipc_handle_from_torchs_shareable_handle():
     """The 64-byte cudaIpcMemHandle_t inside torch's shareable handle (version byte, type byte 'c', handle), a raw one
     as it is, and an expandable segment's ('e') refused, so that share_weights falls back to NCCL on every rank."""
-    from sglang_h20.eplb.migration import _ipc_handle
+    from sglang_h20.eplb.peer_copies import _ipc_handle
 
     raw = bytes(range(64))
     assert _ipc_handle(raw) == raw

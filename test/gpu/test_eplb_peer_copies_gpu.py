@@ -48,7 +48,8 @@ def _expected(l: int, e: int) -> list[torch.Tensor]:
 def _worker(rank: int, port: int, outdir: str) -> None:
     import torch.distributed as dist
 
-    from sglang_h20.eplb.migration import MigrationExecutor, plan_migration, share_weights
+    from sglang_h20.eplb.migration import MigrationExecutor, plan_migration
+    from sglang_h20.eplb.peer_copies import share_weights
     from sglang_h20.eplb.placement import Placement, Topology
 
     torch.cuda.set_device(rank)

@@ -89,8 +89,8 @@ import torch.distributed as dist
 
 from sglang_h20.abstats import nearest_rank
 from sglang_h20.eplb import throttle
-from sglang_h20.eplb.migration import (MigrationExecutor, connect_peers, pacing, plan_migration, share_weights,
-                                       slot_digests)
+from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, pacing, plan_migration, slot_digests
+from sglang_h20.eplb.peer_copies import share_weights
 from sglang_h20.eplb.placement import Placement, Topology
 from sglang_h20.features import Hook
 from sglang_h20.settings import Settings
@@ -148,8 +148,8 @@ class Mode:
     #                           servers it took the decode thread's work per boundary from 280-407 to 155-210 us,
     #                           but decode p99 during full re-placements rose (pooled 1.32 vs NCCL's 1.09, one run:
     #                           eplb/async_shuffle_4_peer_ep2_h200.json), so it is off until that is understood
-    layered: bool = True      # SGLang's deepseek placement one layer at a time, pace points between (`place_layered`);
-    #                           off while our affinity placement (eplb switch) replaces the algorithm: it needs all layers
+    layered: bool = True      # SGLang's deepseek placement one layer per call, pace points between (`place_layered`);
+    #                           off while our affinity placement (eplb switch) replaces the algorithm: all layers
 
 
 EXECUTOR = MigrationExecutor  # tests substitute a failing executor
