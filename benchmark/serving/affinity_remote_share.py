@@ -65,11 +65,13 @@ def judged(window: dict) -> bool:
 
 # arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH, _VERIFY, _SHUFFLE, _PEER ("verify" reads every expert twice: its own
 # arm, so the plain arms' pass intervals stay clean; "shuffle": every rebalance a full re-placement, several per
-# server; "nccl": NVLink transfers by NCCL send/recv instead of peer copies)
-ASYNC_MODES = {"": None, "async": ("boundary", "off", "off", "on"), "async-thread": ("thread", "off", "off", "on"),
-               "async-verify": ("boundary", "on", "off", "on"), "async-shuffle": ("boundary", "off", "on", "on"),
-               "async-verify-shuffle": ("boundary", "on", "on", "on"),
-               "async-shuffle-nccl": ("boundary", "off", "on", "off")}
+# server; "peer": NVLink transfers pulled over CUDA IPC instead of NCCL send/recv, the default). Session 16's runs
+# named the NCCL arm "async-shuffle-nccl" and the peer arm "async-shuffle" (peer copies were the default then).
+ASYNC_MODES = {"": None, "async": ("boundary", "off", "off", "off"), "async-thread": ("thread", "off", "off", "off"),
+               "async-verify": ("boundary", "on", "off", "off"), "async-shuffle": ("boundary", "off", "on", "off"),
+               "async-verify-shuffle": ("boundary", "on", "on", "off"),
+               "async-shuffle-peer": ("boundary", "off", "on", "on"),
+               "async-verify-shuffle-peer": ("boundary", "on", "on", "on")}
 VERIFY_LINE = re.compile(r"eplb_async: rebalance (\S+) verify: (\d+) slots of \d+ layers bit-identical|"
                          r"eplb_async: rebalance (\S+) verify: (\d+) of (\d+) slots differ")
 
@@ -408,8 +410,8 @@ def main() -> int:
                          "transfers posted by the decode loop), ALGORITHM+async-thread (posted by a thread), "
                          "ALGORITHM+async-verify (+ every slot's bytes checked after the move), "
                          "ALGORITHM+async-shuffle (every rebalance a full re-placement: several per server), "
-                         "ALGORITHM+async-verify-shuffle (both), ALGORITHM+async-shuffle-nccl (NVLink transfers by "
-                         "NCCL send/recv, not peer copies), none (no EPLB: steady ITL)")
+                         "ALGORITHM+async-verify-shuffle (both), a -peer suffix to those two (NVLink transfers pulled "
+                         "over CUDA IPC, not NCCL send/recv), none (no EPLB: steady ITL)")
     ap.add_argument("--router-clusters", type=non_negative_int, default=0, metavar="S",
                     help="dummy weights only: every MoE gate rewritten so that experts co-activate in seeded clusters "
                          "of S (SGLANG_H20_DUMMY_ROUTER_CLUSTERS, every arm); the dummy router alone co-activates "

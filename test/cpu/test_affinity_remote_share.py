@@ -97,11 +97,15 @@ def test_arm_setup():
     assert args[-4:] == ["--eplb-algorithm", "deepseek", "--eplb-rebalance-num-iterations", "100"]
     assert env == {"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_LAUNCH": "boundary",
                    "SGLANG_H20_EPLB_ASYNC_VERIFY": "off", "SGLANG_H20_EPLB_ASYNC_SHUFFLE": "off",
-                   "SGLANG_H20_EPLB_ASYNC_PEER": "on"}
+                   "SGLANG_H20_EPLB_ASYNC_PEER": "off"}
     assert bench.arm_setup("deepseek+async-shuffle", 2, 600)[1]["SGLANG_H20_EPLB_ASYNC_SHUFFLE"] == "on"
     env = bench.arm_setup("deepseek+async-verify-shuffle", 2, 600)[1]
     assert env["SGLANG_H20_EPLB_ASYNC_VERIFY"] == env["SGLANG_H20_EPLB_ASYNC_SHUFFLE"] == "on"
-    assert bench.arm_setup("deepseek+async-shuffle-nccl", 2, 600)[1]["SGLANG_H20_EPLB_ASYNC_PEER"] == "off"
+    assert env["SGLANG_H20_EPLB_ASYNC_PEER"] == "off"
+    env = bench.arm_setup("deepseek+async-verify-shuffle-peer", 2, 600)[1]
+    assert env["SGLANG_H20_EPLB_ASYNC_VERIFY"] == env["SGLANG_H20_EPLB_ASYNC_SHUFFLE"] == "on"
+    assert env["SGLANG_H20_EPLB_ASYNC_PEER"] == bench.arm_setup("deepseek+async-shuffle-peer", 2, 600)[1][
+        "SGLANG_H20_EPLB_ASYNC_PEER"] == "on"
     assert bench.arm_setup("deepseek+async-thread", 2, 100)[1]["SGLANG_H20_EPLB_ASYNC_LAUNCH"] == "thread"
     assert bench.arm_setup("deepseek+async-verify", 2, 100)[1]["SGLANG_H20_EPLB_ASYNC_VERIFY"] == "on"
     assert bench.arm_setup("affinity", 2, 200)[1] == {"SGLANG_H20_EPLB": "affinity"}
