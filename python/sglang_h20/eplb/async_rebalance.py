@@ -466,11 +466,11 @@ def place_layered(server_args, model_config, logical_count):
 class _Job:
     """Placement, plan and executor for one rebalance, built off the decode thread."""
 
-    def __init__(self, manager, group, counts, counts_ready, mid: str, mode: Mode = Mode(), state=None):
+    def __init__(self, manager, group, counts, counts_ready, mid: str, mode: Mode, state: _State):
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
         self.manager, self.group, self.mid, self.mode = manager, group, mid, mode
-        self.state = state if state is not None else _State()
+        self.state = state  # the manager's: what outlives one rebalance (the peer mappings)
         self.expected = None  # verify: [MoE layers, local slots] digest each slot must have after the move
         self.counts, self.counts_ready = counts, counts_ready
         self.meta = get_global_expert_location_metadata()

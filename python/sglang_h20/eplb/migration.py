@@ -396,7 +396,8 @@ class MigrationStatus:
     bytes_received: int
     deferred_rounds: int                # rounds this rank had to settle itself at the boundary
     max_switch_s: float                 # longest maybe_switch call
-    pulled_bytes: int = 0               # of bytes_received: pulled from a peer's mapped weights (peer copies)
+    pulled_bytes: int = 0               # posted as pulls from a peer's mapped weights (peer copies), counted when
+    #                                     posted (bytes_received counts arrivals)
 
 
 _SEQ = itertools.count()

@@ -126,12 +126,12 @@ def _touch(mapped, weights) -> None:
 
 def share_weights(store, rank: int, topology: Topology, weights: Mapping[int, Sequence[torch.Tensor]],
                   timeout_s: float = 60.0) -> dict[tuple[int, int], list] | None:
-    """Publish this rank's expert tensors to the ranks of its
-    node and map theirs here, {(peer rank, layer): per tensor, its mapping}. CUDA tensors travel as CUDA IPC handles
-    (opened on this rank's device; pulled with cudaMemcpyAsync), CPU tensors (tests) as the shared files they live
-    in. Collective over the store's ranks: None on EVERY rank when any rank could not publish or map (expandable
-    segments, no IPC, CPU tensors not in a shared file), so the choice is the same everywhere. Once per server:
-    expert tensors never move (CUDA graphs hold their pointers), so the mappings stay valid."""
+    """Publish this rank's expert tensors to the ranks of its node and map theirs here, {(peer rank, layer): per
+    tensor, its mapping}. CUDA tensors travel as CUDA IPC handles (opened on this rank's device; pulled with
+    cudaMemcpyAsync), CPU tensors (tests) as the shared files they live in. Collective over the store's ranks:
+    None on EVERY rank when any rank could not publish or map (expandable segments, no IPC, CPU tensors not in a
+    shared file), so the choice is the same everywhere. Once per server: expert tensors never move (CUDA graphs hold
+    their pointers), so the mappings stay valid."""
     world, gpn = topology.num_gpus, topology.gpus_per_node
     peers = [r for r in range(world) if r != rank and r // gpn == rank // gpn]
     wait = datetime.timedelta(seconds=timeout_s)
