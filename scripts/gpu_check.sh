@@ -27,7 +27,7 @@
 #     a server whose log stays silent --hang-s seconds during a bench leaves every thread's stack
 #     -> $OUT/affinity_stacks_<arm>.txt;
 #     each arm's server log lines (EPLB, errors) -> $OUT/affinity_server_<arm>.txt; starts only with more than
-#     AFFINITY_MIN_S (default 150) seconds left
+#     AFFINITY_MIN_S (default 150) seconds left; AFFINITY_MODEL (default dsv3-4l) names the model under /tmp/models
 #   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
 #   ${MIGRATION_ARGS}, e.g. MIGRATION_ARGS="--world 2": experts move between 2 GPUs (NCCL, one process per
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
@@ -162,7 +162,7 @@ if [[ " $STEPS " == *" affinity "* ]] && [ "$(left)" -gt "${AFFINITY_MIN_S:-150}
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   say "expert-affinity placement in the server, EP=$n"
   rm -rf /tmp/affinity  # a warm machine keeps the last call's: its JSON must not pass for this one's
-  NCCL_NVLS_ENABLE=0 timeout $(( $(left) - 20 )) python3 benchmark/serving/affinity_remote_share.py --model /tmp/models/dsv3-4l \
+  NCCL_NVLS_ENABLE=0 timeout $(( $(left) - 20 )) python3 benchmark/serving/affinity_remote_share.py --model "/tmp/models/${AFFINITY_MODEL:-dsv3-4l}" \
     --out /tmp/affinity --gpus "$n" ${AFFINITY_ARGS:-} --server-args "$SERVER_ARGS --attention-backend triton" 2>&1 | tee "$OUT/affinity.log" | grep -v "bench:" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   cp /tmp/affinity/affinity_remote_share.json /tmp/affinity/affinity_remote_share.png "$OUT/" 2>/dev/null

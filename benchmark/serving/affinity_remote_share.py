@@ -41,7 +41,7 @@ from pathlib import Path
 
 from sglang_h20 import provenance
 from sglang_h20.abstats import quantile_ratio_ci95
-from sglang_h20.cliargs import non_negative_int, positive_float, read_json
+from sglang_h20.cliargs import non_negative_int, positive_float, positive_int, read_json
 from sglang_h20.eplb import async_rebalance
 from sglang_h20.nightly.serving import Server, write_sharegpt
 from sglang_h20.observe import export
@@ -65,8 +65,9 @@ def judged(window: dict) -> bool:
 
 # arm suffix -> SGLANG_H20_EPLB_ASYNC_LAUNCH, _VERIFY, _SHUFFLE, _PEER ("verify" reads every expert twice: its own
 # arm, so the plain arms' pass intervals stay clean; "shuffle": every rebalance a full re-placement, several per
-# server; "peer": NVLink transfers pulled over CUDA IPC instead of NCCL send/recv, the default). Session 16's runs
-# named the NCCL arm "async-shuffle-nccl" and the peer arm "async-shuffle" (peer copies were the default then).
+# server; "peer": NVLink transfers pulled over CUDA IPC instead of NCCL send/recv, posted by the transfer thread since
+# session 17 when the plan needs no process group, as on one node). Session 16's runs named the NCCL arm
+# "async-shuffle-nccl" and the peer arm "async-shuffle" (peer copies were the default then).
 ASYNC_MODES = {"": None, "async": ("boundary", "off", "off", "off"), "async-thread": ("thread", "off", "off", "off"),
                "async-verify": ("boundary", "on", "off", "off"), "async-shuffle": ("boundary", "off", "on", "off"),
                "async-verify-shuffle": ("boundary", "on", "on", "off"),
@@ -138,6 +139,8 @@ def pooled_decode_p99(dump: Path) -> list[dict]:
                 after[mid] = tuple([x for r in ranks for x in r[f"decode_after_decode_{w}"]]
                                    for w in ("during", "before"))
                 entry["after_decode"] = quantile_ratio_ci95(*after[mid])
+                entry["after_decode_during_ms"], entry["after_decode_before_ms"] = (
+                    [round(x, 2) for x in xs] for xs in after[mid])
             out.append(entry)
     if len(out) > 1:  # several full re-placements (e.g. an async-shuffle arm): one ratio over all of them
         during = [x for p in out for x in p["decode_during_ms"]]
@@ -147,6 +150,27 @@ def pooled_decode_p99(dump: Path) -> list[dict]:
             entry["after_decode"] = quantile_ratio_ci95([x for p in out for x in after[p["id"]][0]],
                                                         [x for p in out for x in after[p["id"]][1]])
         out.append(entry)
+    return out
+
+
+def pooled_by_arm(arms: dict) -> dict:
+    """Per arm run on several servers (--repeat: keys A, A#2, ...), the decode-pass p99 ratio over every re-placement
+    of all its servers, pooled as `pooled_decode_p99` pools one server's: all decode passes, and those right after a
+    decode pass; with the servers' count."""
+    groups: dict[str, list[dict]] = {}
+    for key, r in arms.items():
+        groups.setdefault(key.split("#")[0], []).append(r)
+    out = {}
+    for arm, servers in groups.items():
+        moves = [p for r in servers for p in r.get("async_decode_p99_pooled", []) if p.get("id") != "all"]
+        if len(servers) < 2 or not moves:
+            continue
+        pool = lambda key: [x for p in moves for x in p.get(key, [])]
+        out[arm] = {"servers": len(servers), "rebalances": len(moves),
+                    **quantile_ratio_ci95(pool("decode_during_ms"), pool("decode_before_ms"))}
+        if all("after_decode_during_ms" in p for p in moves):
+            out[arm]["after_decode"] = quantile_ratio_ci95(pool("after_decode_during_ms"),
+                                                           pool("after_decode_before_ms"))
     return out
 
 
@@ -262,8 +286,9 @@ def arm_valid(arm: str) -> bool:
     return arm == "none" or (mode in ASYNC_MODES and (not known or algo in known))
 
 
-def run_arm(a, arm: str, data: Path) -> dict:
-    out = a.out / arm
+def run_arm(a, arm: str, data: Path, key: str | None = None, port: int = 32400) -> dict:
+    """One server of `arm`; `key` names its folder under --out (default: the arm)."""
+    out = a.out / (key or arm)
     dump = out / "observe"
     dump.mkdir(parents=True, exist_ok=True)
     arm_args, arm_env = arm_setup(arm, a.gpus, a.rebalance_iterations)
@@ -271,7 +296,7 @@ def run_arm(a, arm: str, data: Path) -> dict:
     env = {"SGLANG_H20_OBSERVE": str(a.fraction), "SGLANG_H20_OBSERVE_DIR": str(dump.resolve()), **arm_env}
     if a.router_clusters:  # every arm: the same workload
         env["SGLANG_H20_DUMMY_ROUTER_CLUSTERS"] = str(a.router_clusters)
-    srv = Server(a.model, args, out / "server.log", env=env, port=32400 + a.arms.index(arm), hang_s=a.hang_s)
+    srv = Server(a.model, args, out / "server.log", env=env, port=port, hang_s=a.hang_s)
     try:
         with srv:
             # the warm-up: the same requests' worth of passes (rebalances before the measurement), sent as
@@ -317,6 +342,9 @@ def write_record(a, arms: dict) -> None:
            "fraction": a.fraction, "rebalance_iterations": a.rebalance_iterations,
            "router_clusters": a.router_clusters, "arms": arms,
            "arms_requested": a.arms}
+    pooled = pooled_by_arm(arms)
+    if pooled:
+        rec["decode_p99_pooled_by_arm"] = pooled
     up, ours = arms.get("deepseek", {}).get("remote_share_mean"), arms.get("affinity", {}).get("remote_share_mean")
     if up and ours is not None:
         rec["affinity_over_deepseek"] = ours / up
@@ -411,7 +439,11 @@ def main() -> int:
                          "ALGORITHM+async-verify (+ every slot's bytes checked after the move), "
                          "ALGORITHM+async-shuffle (every rebalance a full re-placement: several per server), "
                          "ALGORITHM+async-verify-shuffle (both), a -peer suffix to those two (NVLink transfers pulled "
-                         "over CUDA IPC, not NCCL send/recv), none (no EPLB: steady ITL)")
+                         "over CUDA IPC by a transfer thread, not NCCL send/recv posted by the decode loop), none (no "
+                         "EPLB: steady ITL)")
+    ap.add_argument("--repeat", type=positive_int, default=1,
+                    help="servers per arm, the arm list run this many times in turn (A B A B: drift over the call "
+                         "falls on both); the second server of arm A is recorded as A#2 (default: %(default)s)")
     ap.add_argument("--router-clusters", type=non_negative_int, default=0, metavar="S",
                     help="dummy weights only: every MoE gate rewritten so that experts co-activate in seeded clusters "
                          "of S (SGLANG_H20_DUMMY_ROUTER_CLUSTERS, every arm); the dummy router alone co-activates "
@@ -435,14 +467,15 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     data = write_sharegpt(a.out / "sharegpt.json")
     arms = {}
-    for arm in a.arms:
-        arms[arm] = run_arm(a, arm, data)
-        r = arms[arm]
+    runs = [(arm, arm if k == 0 else f"{arm}#{k + 1}") for k in range(a.repeat) for arm in a.arms]
+    for i, (arm, key) in enumerate(runs):
+        arms[key] = run_arm(a, arm, data, key.replace("#", "_"), 32400 + i)
+        r = arms[key]
         if "error" in r:
-            print(f"  {arm}: FAILED: {r['error'][:300]} ({len(r['stacks'])} stack lines kept)", flush=True)
+            print(f"  {key}: FAILED: {r['error'][:300]} ({len(r['stacks'])} stack lines kept)", flush=True)
             write_record(a, arms)
             continue
-        print(f"  {arm}: remote share {r['remote_share_mean']} over {r['samples']} samples, tokens leaving their "
+        print(f"  {key}: remote share {r['remote_share_mean']} over {r['samples']} samples, tokens leaving their "
               f"GPU {r.get('token_leave_share_mean')}, other GPUs per token {r.get('remote_copies_per_token_mean')}, "
               f"{r['rebalances_in_warmup']} rebalances before the measurement, ITL median {r['median_itl_ms']} "
               f"P99 {r['p99_itl_ms']} ms, stalls {r.get('rebalance_stall_ms_median')} ms median, "

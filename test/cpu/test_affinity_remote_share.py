@@ -194,6 +194,11 @@ def test_pooled_decode_p99_with_its_interval(tmp_path):
     assert r1["after_decode"]["n"] == [760, 860] and both["after_decode"]["n"] == [1520, 1720]
     assert 1.0 < r1["after_decode"]["ratio"] < 1.45
     assert "(after a decode pass 1." in bench.pooled_line({"async_decode_p99_pooled": [r1]})
+    # --repeat: an arm's servers (A, A#2) pooled over all their re-placements; single-server arms are not
+    pooled = bench.pooled_by_arm({"x": {"async_decode_p99_pooled": [r1, r3, both]},
+                                  "x#2": {"async_decode_p99_pooled": [r1]}, "y": {"async_decode_p99_pooled": [r1]}})
+    assert list(pooled) == ["x"] and pooled["x"]["servers"] == 2 and pooled["x"]["rebalances"] == 3
+    assert pooled["x"]["n"] == [2400, 2700] and pooled["x"]["after_decode"]["n"] == [2280, 2580]
 
 
 def test_pooled_p99_tells_the_phases_of_a_rebalance_apart(tmp_path):

@@ -117,6 +117,23 @@ def random_placements(L, seed, topo=T222, experts=8):
     return P(rows(), topo, experts), P(rows(), topo, experts)
 
 
+def test_one_node_plan_with_peer_copies_is_posted_by_the_transfer_thread():
+    """group_free: with peer copies a one-node plan uses no process group (local copies, NVLink pulls); a two-node
+    plan's network transfers and forwards keep it, so its posting stays with the decode loop (`mover`)."""
+    from sglang_h20.eplb.async_rebalance import mover
+    from sglang_h20.eplb.migration import group_free
+
+    one = Topology(1, 4, 4)
+    old, new = random_placements(3, 0, one, 12)
+    plan = plan_migration(old, new, EB, 10**9)
+    assert {t.kind for t in plan.transfers} >= {"local", "nvlink"} and group_free(plan)
+    assert mover("boundary", True, plan) == "thread" and mover("boundary", False, plan) == "boundary"
+    old, new = random_placements(3, 0, Topology(2, 2, 4), 12)
+    plan = plan_migration(old, new, EB, 10**9)
+    assert "network" in {t.kind for t in plan.transfers} and not group_free(plan)
+    assert mover("boundary", True, plan) == "boundary" and mover("thread", True, plan) == "thread"
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_plan_invariants_budget_dedup_totals(seed):
     topo = Topology(2, 4, 4)  # 32 slots, 20 experts
@@ -414,17 +431,17 @@ def _worker(rank: int, port: int, outdir: str, scenario: str, mode: str = "threa
 
     if mode in ("boundary", "peer"):  # transfers posted by the decode loop itself: no gate ties them to steps
         cls, extra = (DyingBoundaryExecutor if scenario == "kill" else MigrationExecutor), {"bytes_per_boundary": 1}
-        if mode == "peer":  # nvlink transfers pulled from the node peers' tensors, mapped here (shared files)
-            for l, w in weights.items():
-                f = os.path.join(outdir, f"weights-r{rank}-l{l}")
-                weights[l] = torch.from_file(f, shared=True, size=w.numel(), dtype=w.dtype).view(w.shape)
-                weights[l].copy_(w)
-            store = dist.PrefixStore(f"peers-{scenario}", dist.distributed_c10d._get_default_store())
-            extra["peer_weights"] = share_weights(store, rank, T222, {l: [w] for l, w in weights.items()})
-            assert extra["peer_weights"] is not None and sorted(extra["peer_weights"]) == [
-                (rank ^ 1, l) for l in range(LAYERS)]  # the other GPU of its node, every layer
-    else:
+    else:  # thread, peer-thread: a transfer thread, its stages gated on the loop's steps
         cls, extra = (DyingExecutor if scenario == "kill" else GatedExecutor), {}
+    if mode.startswith("peer"):  # nvlink transfers pulled from the node peers' tensors, mapped here (shared files)
+        for l, w in weights.items():
+            f = os.path.join(outdir, f"weights-r{rank}-l{l}")
+            weights[l] = torch.from_file(f, shared=True, size=w.numel(), dtype=w.dtype).view(w.shape)
+            weights[l].copy_(w)
+        store = dist.PrefixStore(f"peers-{scenario}", dist.distributed_c10d._get_default_store())
+        extra["peer_weights"] = share_weights(store, rank, T222, {l: [w] for l, w in weights.items()})
+        assert extra["peer_weights"] is not None and sorted(extra["peer_weights"]) == [
+            (rank ^ 1, l) for l in range(LAYERS)]  # the other GPU of its node, every layer
     on_switch = []  # (step, layers) seen by the callback
     ex = cls(rank, WORLD, T222, weights, plan, timeout_s=FAULT_TIMEOUT_S,
              switch_every=SWITCH_EVERY, decide_ahead=DECIDE_AHEAD, migration_id=f"test-{scenario}-{mode}",
@@ -564,7 +581,7 @@ def check_consistent(res):
     return flips
 
 
-MODES = pytest.mark.parametrize("mode", ["thread", "boundary", "peer"])
+MODES = pytest.mark.parametrize("mode", ["thread", "boundary", "peer", "peer-thread"])
 
 
 @MODES
@@ -595,8 +612,8 @@ def test_migration_runs_in_background_consistently(tmp_path, mode):
         assert not res["threads_alive"]
         # peer copies: exactly the nvlink transfers into this rank were pulled (its peers posted nothing for them)
         pulled = sum(t.nbytes for t in plan_for(res).transfers if t.kind == "nvlink" and t.dst_rank == r)
-        assert st.pulled_bytes == (pulled if mode == "peer" else 0)
-    if mode == "peer":
+        assert st.pulled_bytes == (pulled if mode.startswith("peer") else 0)
+    if mode.startswith("peer"):
         assert sum(res["status"].pulled_bytes for res in out.values()) > 0
     # every rank flipped each layer at the same step; chunks made the layers switch at different steps
     assert all(f == flip_steps[0] for f in flip_steps)

@@ -1,9 +1,10 @@
 """Peer copies on two GPUs: NVLink transfers pulled over CUDA IPC by their destination (`share_weights`).
 
 Two processes, one GPU each (skipped with fewer): each maps the other's expert tensors (IPC handles opened on its own
-device), and a full random re-placement runs in boundary mode while the decode stream is kept busy. Every slot must
-end bit-identical to its new expert, every NVLink transfer into a rank must have been a pull (no NCCL op is posted:
-the migration group is gloo, which would reject a CUDA send). Printed, not asserted: whether mapping the peer's memory
+device), and a full random re-placement runs while the decode stream is kept busy, its pulls posted by the decode
+loop (boundary mode) or by the transfer thread (the plugin's choice for a one-node plan: `async_rebalance.mover`).
+Every slot must end bit-identical to its new expert, every NVLink transfer into a rank must have been a pull (no NCCL
+op is posted: the migration group is gloo, which would reject a CUDA send). Printed, not asserted: whether mapping the peer's memory
 (lazy peer access) made a CUDA context on the peer's GPU, which holds memory there for every peer process.
 """
 from __future__ import annotations
@@ -45,10 +46,10 @@ def _expected(l: int, e: int) -> list[torch.Tensor]:
     return [torch.randint(-100, 100, (ROW,), generator=g, dtype=torch.int8), torch.rand(16, generator=g)]
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
+def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
     import torch.distributed as dist
 
-    from sglang_h20.eplb.migration import MigrationExecutor, plan_migration
+    from sglang_h20.eplb.migration import MigrationExecutor, group_free, pacing, plan_migration
     from sglang_h20.eplb.peer_copies import share_weights
     from sglang_h20.eplb.placement import Placement, Topology
 
@@ -69,8 +70,9 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump({"peers": False}, f)
         os._exit(0)
-    ex = MigrationExecutor(rank, 2, topo, w, plan, timeout_s=60.0, bytes_per_boundary=expert_bytes,
-                           peer_weights=peers, migration_id="peer-gpu")
+    assert group_free(plan)
+    ex = MigrationExecutor(rank, 2, topo, w, plan, timeout_s=60.0, peer_weights=peers, migration_id=f"peer-{launch}",
+                           **pacing(launch, expert_bytes, 1, 10.0))
     busy = torch.randn(2048, 2048, device=dev)
     dist.barrier()
     ex.start()
@@ -106,14 +108,15 @@ def _has_context(device: int) -> bool:
     return bool(active.value)
 
 
-def test_peer_copies_pull_every_nvlink_transfer_bit_identical(tmp_path):
+@pytest.mark.parametrize("launch", ["boundary", "thread"])
+def test_peer_copies_pull_every_nvlink_transfer_bit_identical(tmp_path, launch):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), launch)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

@@ -89,7 +89,7 @@ import torch.distributed as dist
 
 from sglang_h20.abstats import nearest_rank
 from sglang_h20.eplb import throttle
-from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, pacing, plan_migration, slot_digests
+from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, group_free, pacing, plan_migration, slot_digests
 from sglang_h20.eplb.peer_copies import share_weights
 from sglang_h20.eplb.placement import Placement, Topology
 from sglang_h20.features import Hook
@@ -144,15 +144,25 @@ class Mode:
     launch: str = "boundary"  # who posts the transfers: "boundary" (the decode loop) or "thread"
     verify: bool = False      # check every slot's bytes after the move (`_Job.check_moved`)
     shuffle: bool = False     # benchmarks: move to a seeded permutation of SGLang's placement (`shuffled`)
-    peer: bool = False        # launch "boundary": NVLink transfers pulled over CUDA IPC (`share_weights`). In EP-2
-    #                           servers it took the decode thread's work per boundary from 280-407 to 155-210 us,
-    #                           but decode p99 during full re-placements rose (pooled 1.32 vs NCCL's 1.09, one run:
-    #                           eplb/async_shuffle_4_peer_ep2_h200.json), so it is off until that is understood
+    peer: bool = False        # NVLink transfers pulled over CUDA IPC (`share_weights`); a one-node plan is then posted
+    #                           by the transfer thread (`mover`). Posted by the decode loop it took that thread's work
+    #                           per boundary from 280-407 to 155-210 us in EP-2 servers, but decode p99 during full
+    #                           re-placements rose (pooled 1.32 vs NCCL's 1.09, one run:
+    #                           eplb/async_shuffle_4_peer_ep2_h200.json), so it is off until measured again
     layered: bool = True      # SGLang's deepseek placement one layer per call, pace points between (`place_layered`);
     #                           off while our affinity placement (eplb switch) replaces the algorithm: all layers
 
 
 EXECUTOR = MigrationExecutor  # tests substitute a failing executor
+
+
+def mover(launch: str, peer: bool, plan) -> str:
+    """Who posts a rebalance's transfers: the configured launch mode, except that a plan which with peer copies
+    needs no process group (`group_free`: one node) is posted by the transfer thread, paced at TUNING.copy_gbps:
+    copy-engine pulls cannot deadlock against the model's collectives, and the decode thread is left only the
+    switches (posting one expert per boundary there took it 155-210 us for pulls, 280-407 us for NCCL P2P, per pass,
+    eplb/async_shuffle_4_peer_ep2_h200.json)."""
+    return "thread" if peer and group_free(plan) else launch
 
 
 class _OnCpu:
@@ -480,6 +490,7 @@ class _Job:
         self.gate = _Gate(self.store, self.world, TUNING.switch_every, TUNING.decide_ahead)
         self.stop = threading.Event()
         self.plan = self.fields = self.executor = None
+        self.launch = mode.launch  # who posts this rebalance's transfers (`mover`)
         self.t0 = time.perf_counter()
         self.steps: list[tuple[str, float, float]] = []  # placement thread: (step, start ms, end ms) from t0
         self.thread = threading.Thread(target=self._main, name=f"eplb-async-placement-{mid}", daemon=True)
@@ -594,13 +605,14 @@ class _Job:
         self._step("plan")
         self.fields = self._to_devices(new)
         self._step("to_devices")
-        peers = self._peers(topo, weights, moe) if self.mode.launch == "boundary" and self.mode.peer else None
+        peers = self._peers(topo, weights, moe) if self.mode.peer else None
+        self.launch = mover(self.mode.launch, peers is not None, self.plan)
         self.executor = EXECUTOR(
             self.rank, self.world, topo, {l: weights[l] for l in self.plan.layers}, self.plan,
             group=self.group, timeout_s=TUNING.timeout_s, switch_every=TUNING.switch_every,
             decide_ahead=TUNING.decide_ahead, migration_id=self.mid, on_switch=self.switch_rows,
             peer_weights=peers,
-            **pacing(self.mode.launch, expert_bytes, TUNING.transfers_per_boundary, TUNING.copy_gbps))
+            **pacing(self.launch, expert_bytes, TUNING.transfers_per_boundary, TUNING.copy_gbps))
         self._step("executor")
 
     def _peers(self, topo, weights, moe):
@@ -746,10 +758,12 @@ def _rebalance(original, manager, mode: Mode, *args, **kwargs):
                       "stays", job.mid, dec[1])
             return
         ex, plan = job.executor, job.plan
+        rec["launch"] = job.launch
         unchanged = sorted(set(map(int, manager._get_model().routed_experts_weights_of_layer))
                            - set(plan.layers))
         job.switch_rows(unchanged)  # same weights either way; the maps may still differ in order
-        log.info("eplb_async: rebalance %s: %s", job.mid, plan.summary())
+        log.info("eplb_async: rebalance %s: %s; posted by the %s", job.mid, plan.summary(),
+                 "decode loop" if job.launch == "boundary" else "transfer thread")
         ex.start()
         while ex.status.state == "running":  # phase 2: transfers in the background, switches here
             yield

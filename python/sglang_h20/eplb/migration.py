@@ -57,7 +57,9 @@ weights into the live expert slots and only then runs the next forward pass. Wit
    not a send/recv pair: its destination PULLS the expert from the source's old slot with a plain copy (on GPUs the
    copy engines over NVLink: no SMs, no NCCL kernels beside the model's, and one side posts, not two). The
    source's old slot stays valid until every rank reported the layer ready, so the pull needs no signal from its
-   source. ``network`` transfers and forwards out of a peer's staging keep the process group.
+   source. ``network`` transfers and forwards out of a peer's staging keep the process group. A plan that then
+   needs no process group at all (`group_free`: one node) can run in the thread mode whatever the launch setting:
+   its pulls are posted by the transfer thread, paced, and the decode loop only switches.
 
    Switching happens only in `maybe_switch()`, which the decode loop calls once BETWEEN forward
    passes on every rank. For the layers it switches it copies staging into the live slots (same
@@ -419,7 +421,7 @@ class MigrationExecutor:
     swapped in (e.g. to update SGLang's ExpertLocationMetadata for the same layers).
     `peer_weights` ({(peer rank, layer): its expert tensors, mapped here}, from `peer_copies.share_weights`; the same
     choice on every rank): nvlink transfers become pulls by their destination (module docstring, PEER COPIES).
-    `max_bytes_per_s` paces what this rank moves (one expert at a time: local copies, and on GPUs one
+    `max_bytes_per_s` paces what this rank moves (one expert at a time: local copies, pulls, and on GPUs one
     NCCL group per transfer; gloo posts a stage at once, paced by its bytes): decode steps are
     HBM-bound, so an unpaced side-stream copy slows every step it overlaps by its whole bandwidth
     share; paced, the cost is spread thin. None: unpaced.
@@ -485,8 +487,6 @@ class MigrationExecutor:
         self._rate = max_bytes_per_s
         if bytes_per_boundary is not None and (bytes_per_boundary <= 0 or max_bytes_per_s is not None):
             raise ValueError("bytes_per_boundary must be positive, and excludes max_bytes_per_s")
-        if peer_weights is not None and bytes_per_boundary is None:
-            raise ValueError("peer copies (peer_weights) run in boundary mode (bytes_per_boundary) only")
         # boundary mode: transfers per rank and boundary (each is one expert; a rank counts those it sends and
         # those it receives apart, in the plan's order, the same walk on every rank); None: thread mode
         self._per_boundary = (None if bytes_per_boundary is None
@@ -885,36 +885,30 @@ class MigrationExecutor:
 
     def _run_stage(self, chunk: Chunk, stage: Stage) -> set[int]:
         """Post this rank's part of one stage and wait for it; returns the tids received here."""
-        built = self._build_ops(stage.tids)
+        built = self._build_units(stage.tids)
         if built is None:
             return set()
-        ops, copies, received = built
+        units, received = built
         deadline = time.monotonic() + self.timeout_s
-        if self._cuda:
-            self._run_stage_cuda(ops, copies, deadline, stage)
-        else:
+        if self._cuda:  # pragma: no cover - GPU only
+            self._post_cuda(units, paced=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            deadline = max(deadline, time.monotonic() + self.timeout_s)  # pacing time is not the transfers'
+            self._wait_event(done, deadline, f"{stage.kind} stage ({len(units)} transfers)")
+        else:  # gloo posts the stage's P2P at once (paced by its bytes), then copies, then waits
+            ops = [o for kind, x in units if kind == "p2p" for o in x]
             self._pace(sum(x.numel() * x.element_size() for _, x, *_ in ops))
             works = self._post_gloo(ops)
-            for src, dst in copies:
+            for src, dst in [x for kind, x in units if kind == "copy"]:
                 self._pace(sum(d.numel() * d.element_size() for d in dst))
-                for s, d in zip(src, dst):
-                    d.copy_(s)
+                for a, b in zip(src, dst):
+                    b.copy_(a)
             self._wait_works(works, deadline)
         with self._lock:
             self._bytes_received += len(received) * self.plan.expert_bytes
             self._last_progress = time.monotonic()
         return received
-
-    def _build_ops(self, tids) -> tuple[list, list, set[int]] | None:
-        """This rank's P2P ops (op, tensor, peer, tag, what), local copies (src, dst) and received tids among
-        `tids`; None when it has no part in them or the migration stopped."""
-        units = self._build_units(tids)
-        if units is None:
-            return None
-        units, received = units
-        ops = [o for kind, x in units if kind == "p2p" for o in x]
-        copies = [x for kind, x in units if kind == "copy"]
-        return ops, copies, received
 
     def _build_units(self, tids) -> tuple[list, set[int]] | None:
         """This rank's part of `tids`, one unit per transfer in their order: ("copy", (src, dst)) or
@@ -999,16 +993,7 @@ class MigrationExecutor:
             if self._unflushed_t is None:
                 self._unflushed_t = time.monotonic()
             if self._cuda:  # pragma: no cover - GPU only
-                with torch.cuda.stream(self._stream):  # in order: stream order makes a forward wait for its recv
-                    for kind, x in units:
-                        if kind == "copy":
-                            for a, b in zip(*x):
-                                b.copy_(a, non_blocking=True)
-                        elif kind == "pull":
-                            for src, j, dst in x:
-                                src.pull(j, dst, self._stream)
-                        else:
-                            self._post_nccl(x)
+                self._post_cuda(units)
             else:  # gloo: the waiter posts them, in order (no second communicator to interleave with)
                 self._unflushed.extend(units)
             self._unflushed_tids |= received
@@ -1063,25 +1048,27 @@ class MigrationExecutor:
         except Exception as e:
             self._fail(f"rank {self.rank}: {type(e).__name__}: {e}")
 
-    def _run_stage_cuda(self, ops, copies, deadline, stage) -> None:  # pragma: no cover - GPU only
-        """NCCL path: everything on the side stream; the host polls an event with a deadline."""
+    def _post_cuda(self, units, paced: bool = False) -> None:  # pragma: no cover - GPU only
+        """Post units on the side stream, in order (stream order makes a forward wait for the unit filling its
+        source): local copies, pulls out of a peer's mapped slot (copy engines), one NCCL group per P2P transfer
+        (both ends post a pair's transfers in the same (tid, tensor) order, which is how NCCL matches them).
+        `paced`: the transfer thread's, one expert at a time at max_bytes_per_s."""
         with torch.cuda.stream(self._stream):
-            for src, dst in copies:
-                self._pace(sum(d.numel() * d.element_size() for d in dst))  # host-side: one expert at a time
-                for s, d in zip(src, dst):
-                    d.copy_(s, non_blocking=True)
-            # One NCCL group per transfer, each paced like a local copy (one group for the whole stage
-            # ran as one unpaced burst). Both ends post in the stage's (tid, tensor) order, which is how
-            # NCCL matches a pair's ops; every rank walks the stage in that same order, so transfer t
-            # completes once both ends are past the transfers before it: no cycle, no deadlock.
-            for _, group in itertools.groupby(ops, key=lambda o: (o[3] - self._tag_base) // self._ntensors):
-                group = list(group)
-                self._pace(sum(x.numel() * x.element_size() for _, x, *_ in group))
-                self._post_nccl(group)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        deadline = max(deadline, time.monotonic() + self.timeout_s)  # pacing time is not the transfer's
-        self._wait_event(done, deadline, f"{stage.kind} stage ({len(ops)} P2P ops)")
+            for kind, x in units:
+                if kind == "copy":
+                    if paced:
+                        self._pace(sum(d.numel() * d.element_size() for d in x[1]))
+                    for a, b in zip(*x):
+                        b.copy_(a, non_blocking=True)
+                elif kind == "pull":
+                    if paced:
+                        self._pace(sum(d.numel() * d.element_size() for _, _, d in x))
+                    for src, j, dst in x:
+                        src.pull(j, dst, self._stream)
+                else:
+                    if paced:
+                        self._pace(sum(t.numel() * t.element_size() for _, t, *_ in x))
+                    self._post_nccl(x)
 
     def _post_gloo(self, ops) -> list:
         """Post (op, tensor, peer, tag, what) ops on gloo; their (work, what) for `_wait_works`."""
@@ -1123,6 +1110,13 @@ class MigrationExecutor:
 
 
 LAUNCH_MODES = ("boundary", "thread")  # who posts the transfers (settings' eplb_async_launch names the same)
+
+
+def group_free(plan: MigrationPlan) -> bool:
+    """With peer copies, no transfer of `plan` uses the process group (one node: local copies and NVLink pulls
+    only). Such a plan's transfers can be posted by a background thread: nothing of it is launched on a
+    communicator, so no launch order across ranks can deadlock against the model's collectives."""
+    return all(t.src_rank == t.dst_rank or t.kind == "nvlink" for t in plan.transfers)
 
 
 def pacing(launch: str, expert_bytes: int, transfers_per_boundary: int, copy_gbps: float | None) -> dict:
