@@ -104,8 +104,8 @@ SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
 
 class EpilogueCombine(NamedTuple):
     """The MoE combine done in the GEMM's epilogue: out[t] = weight_scale * sum_k weights[t*K + k] * (GEMM
-    row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]) must be zero before
-    the launch; out is [T, N] bf16 with unit inner stride. The GEMM still writes its own out (the rows)."""
+    row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]; segments: [T + G]) must be
+    zero before the launch; out is [T, N] bf16 with unit inner stride. The GEMM still writes its own out (the rows)."""
 
     pair_of_row: torch.Tensor  # int32 [rows]: the (token, slot) pair a GEMM row holds (masked: g * max_m + i)
     row_of_pair: torch.Tensor  # int32 [T * top_k]: its inverse (flat row; masked: g * max_m + i)
@@ -116,6 +116,7 @@ class EpilogueCombine(NamedTuple):
     weight_scale: float = 1.0
     counts_only: bool = False  # benchmarks only: count and synchronize per tile, skip the gather (out not written)
     defer: bool = False  # gather after the program's last GEMM tile instead of inside the tile loop (module doc)
+    segments: bool = False  # count per program segment, not per tile, and gather whole tokens at the end (module doc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +240,67 @@ def _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stri
 
 
 @triton.jit
+def _group_m(indptr_ptr, masked_m_ptr, g, MAX_M, M_DENSE, LAYOUT: tl.constexpr):
+    """Rows of group g (>= 0) in the layout."""
+    if LAYOUT == 0:  # contiguous
+        m = tl.load(indptr_ptr + g + 1) - tl.load(indptr_ptr + g)
+    elif LAYOUT == 1:  # masked
+        m = tl.minimum(tl.load(masked_m_ptr + g), MAX_M)
+    else:  # dense
+        m = M_DENSE
+    return tl.maximum(m, 0)
+
+
+@triton.jit
+def _segment_end(cnt_ptr, pair_ptr, dfr_ptr, pid, DFR_CAP, deferred, g, g64, row0, m, done, group_tiles, MAX_M,
+                 NUM_TOKENS, TOPK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """COMBINE_SEGMENTS: this program stored `done` tiles of group g (one contiguous segment). One acq_rel count per
+    segment (after a CTA barrier: every thread's rows precede it); the program whose segment completes the group
+    counts each of its tokens once more, and the one that brings a token to top_k appends it to its gather list
+    (compacted with a prefix sum). Returns the list's new length."""
+    tl.debug_barrier()  # every thread's rows precede the release below
+    old = tl.atomic_add(cnt_ptr + NUM_TOKENS + g, done, sem="acq_rel")
+    if old + done == group_tiles:  # the group's last segment: all its rows exist (acquired above)
+        tl.debug_barrier()  # the acquiring thread's view covers the token counts' releases below
+        t0 = m * 0
+        while t0 < m:
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            t_mask = offs_t < m
+            pair = tl.load(pair_ptr + g64 * MAX_M + row0 + offs_t, mask=t_mask, other=0)
+            tok = pair // TOPK
+            prev = tl.atomic_add(cnt_ptr + tok, 1, mask=t_mask, sem="acq_rel")
+            last = t_mask & (prev == TOPK - 1)  # this group was the token's last expert: gather it here
+            pos = deferred + tl.cumsum(last.to(tl.int32), 0) - 1
+            tl.store(dfr_ptr + pid * DFR_CAP + pos, tok, mask=last)
+            deferred += tl.sum(last.to(tl.int32))
+            t0 += BLOCK_T
+    return deferred
+
+
+@triton.jit
+def _segment_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on, cmb_rowp_ptr,
+                     cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP, LAYOUT: tl.constexpr,
+                     COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """COMBINE_SEGMENTS: the whole rows (every N-tile) of the tokens in this program's list, after its GEMM tiles."""
+    tl.debug_barrier()  # the list's stores, and the acquires behind them, precede the loads below
+    j = pid * 0
+    while j < deferred:
+        idx = j + tl.arange(0, BLOCK_T)
+        ok = idx < deferred
+        if not COMBINE_GATHER:  # counts_only (benchmarks): the counting and the list, no gather
+            ok = ok & (idx < 0)
+        tok = tl.load(dfr_ptr + pid * DFR_CAP + idx, mask=ok, other=0).to(tl.int64)
+        n_tile = pid * 0
+        while n_tile < n_tiles:
+            gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
+                       tok * 0 + n_tile * BLOCK_N, ok, N, MAX_M, stride_og, stride_om, stride_on, cmb_w_scale,
+                       LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
+            n_tile += 1
+        j += BLOCK_T
+
+
+@triton.jit
 def _fp8_grouped_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, indptr_ptr, masked_m_ptr,
     M_DENSE, MAX_M, N, NUM_PROGRAMS,
@@ -254,14 +316,25 @@ def _fp8_grouped_gemm_kernel(
     G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
     COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True, COMBINE_DEFER: tl.constexpr = False,
+    COMBINE_SEGMENTS: tl.constexpr = False, NUM_TOKENS=0,
 ):
     KB_PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
 
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     tile = pid
+    step = NUM_PROGRAMS
+    hi = pid * 0
+    if COMBINE_SEGMENTS:  # one contiguous range of the tile space per program (segments: module doc)
+        total = pid * 0
+        for g in range(G):
+            total += ((_group_m(indptr_ptr, masked_m_ptr, g, MAX_M, M_DENSE, LAYOUT) + BLOCK_T - 1) // BLOCK_T
+                      * n_tiles)
+        tile = pid * total // NUM_PROGRAMS
+        hi = (pid + 1) * total // NUM_PROGRAMS
+        step = 1
     tiles_before = pid * 0
-    deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER)
+    deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER, COMBINE_SEGMENTS)
     for g in range(G):
         if LAYOUT == 0:  # contiguous
             row0 = tl.load(indptr_ptr + g)
@@ -276,7 +349,11 @@ def _fp8_grouped_gemm_kernel(
         t_tiles = (m + BLOCK_T - 1) // BLOCK_T
         group_tiles = t_tiles * n_tiles * SPLIT_K
         g64 = tl.cast(g, tl.int64)
-        while tile < tiles_before + group_tiles:
+        seg0 = tile
+        lim = tiles_before + group_tiles
+        if COMBINE_SEGMENTS:  # ... and this program's range
+            lim = tl.minimum(lim, hi)
+        while tile < lim:
             local = tile - tiles_before
             ks = local % SPLIT_K
             rest = local // SPLIT_K
@@ -293,7 +370,10 @@ def _fp8_grouped_gemm_kernel(
                             stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
                             stride_bsn, stride_bsk, KB_PER_SPLIT, SWAP_AB, BLOCK_N, BLOCK_T)
             o_mask = t_mask[:, None] & n_mask[None, :]
-            if COMBINE_TOPK > 0:  # the MoE combine in the epilogue (EpilogueCombine)
+            if COMBINE_SEGMENTS:  # rows only; counted once per segment, below
+                o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+                tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+            elif COMBINE_TOPK > 0:  # the MoE combine in the epilogue (EpilogueCombine)
                 deferred = _combine_epilogue(
                     res, out_ptr, g64, rows, offs_t, offs_n, t_mask, n_tile, n_tiles, N, MAX_M, pid, deferred,
                     stride_og, stride_om, stride_on, cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr,
@@ -310,8 +390,16 @@ def _fp8_grouped_gemm_kernel(
                 w_rows = g64 * MAX_M + rows  # flat output row (MAX_M = 0 unless masked)
                 w_ptrs = ws_ptr + ks * stride_ws_split + w_rows[:, None] * stride_ws_row + offs_n[None, :]
                 tl.store(w_ptrs, res, mask=o_mask)
-            tile += NUM_PROGRAMS
+            tile += step
+        if COMBINE_SEGMENTS:
+            if tile > seg0:
+                deferred = _segment_end(cmb_cnt_ptr, cmb_pair_ptr, dfr_ptr, pid, DFR_CAP, deferred, g, g64, row0, m,
+                                        tile - seg0, group_tiles, MAX_M, NUM_TOKENS, COMBINE_TOPK, BLOCK_T)
         tiles_before += group_tiles
+    if COMBINE_SEGMENTS:
+        _segment_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on, cmb_rowp_ptr,
+                         cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP, LAYOUT, COMBINE_TOPK,
+                         COMBINE_GATHER, BLOCK_T, BLOCK_N)
     if COMBINE_DEFER:
         _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
                           cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
@@ -873,9 +961,11 @@ def _pick_split_k(tiles: int, kb: int, num_sms: int) -> int:
     return best
 
 
-def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signal) -> None:
+def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signal, groups: int) -> None:
     if split_k > 1 or signal is not None:
         raise ValueError("combine needs split_k == 1 and no signal (the epilogue replaces the store)")
+    if c.segments and c.defer:
+        raise ValueError("combine: segments and defer are two forms, pick one")
     t = c.out.shape[0]
     tiles = triton.cdiv(n, block_n)
     if c.top_k < 1 or c.weights.numel() != t * c.top_k:
@@ -885,9 +975,11 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
     if c.row_of_pair.dtype != torch.int32 or c.row_of_pair.numel() != t * c.top_k:
         raise ValueError(f"combine: row_of_pair must be int32 [{t * c.top_k}], got {c.row_of_pair.dtype} "
                          f"{tuple(c.row_of_pair.shape)}")
-    if c.counters.shape != (t, tiles) or c.counters.dtype != torch.int32 or not c.counters.is_contiguous():
-        raise ValueError(f"combine: counters must be contiguous int32 [{t}, {tiles}] (BLOCK_N {block_n}), got "
-                         f"{c.counters.dtype} {tuple(c.counters.shape)}")
+    want = (t + groups,) if c.segments else (t, tiles)
+    if c.counters.shape != want or c.counters.dtype != torch.int32 or not c.counters.is_contiguous():
+        raise ValueError(f"combine: counters must be contiguous int32 {list(want)} (BLOCK_N {block_n}"
+                         f"{', segments: tokens + groups' if c.segments else ''}), got {c.counters.dtype} "
+                         f"{tuple(c.counters.shape)}")
     if c.pair_of_row.dtype != torch.int32:
         raise ValueError(f"combine: pair_of_row must be int32, got {c.pair_of_row.dtype}")
 
@@ -943,17 +1035,19 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             raise ValueError(f"signal must be a contiguous int32 [G={groups}, token blocks], got "
                              f"{signal.dtype} {tuple(signal.shape)}")
     if combine is not None:
-        _check_combine(combine, n, cfg["BLOCK_N"], split_k, signal)
+        _check_combine(combine, n, cfg["BLOCK_N"], split_k, signal, groups)
         cmb = (combine.pair_of_row, combine.row_of_pair, combine.weights, combine.counters, combine.out,
                float(combine.weight_scale), combine.out.stride(0))
     else:
         cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
     defer = combine is not None and combine.defer
-    dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else 0  # a program's tiles x rows, at most
-    dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if defer else dummy
+    segments = combine is not None and combine.segments
+    # the gather list's capacity per program: its tiles x rows (defer), or every token once at most (segments)
+    dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else combine.out.shape[0] if segments else 0
+    dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if dfr_cap else dummy
     combine_kw = dict(COMBINE_TOPK=combine.top_k if combine is not None else 0,
                       COMBINE_GATHER=combine is None or not combine.counts_only, COMBINE_DEFER=defer)
-    if cfg.get("flat") and signal is None and split_k == 1 and layout != LAYOUT_DENSE:
+    if cfg.get("flat") and signal is None and split_k == 1 and layout != LAYOUT_DENSE and not segments:
         descs = _tma_descriptors(a3, b, bt, bn) if cfg.get("tma") else None
         _fp8_grouped_gemm_flat_kernel[(num_programs,)](
             a3, s3, b, b_scale, o3, indptr if indptr is not None else dummy,
@@ -983,7 +1077,8 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         signal if signal is not None else dummy, signal.shape[1] if signal is not None else 0,
         *cmb, dfr, dfr_cap,
         G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
-        HAS_SIGNAL=signal is not None, **combine_kw,
+        HAS_SIGNAL=signal is not None, **combine_kw, COMBINE_SEGMENTS=segments,
+        NUM_TOKENS=combine.out.shape[0] if segments else 0,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     if split_k > 1:

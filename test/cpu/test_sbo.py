@@ -185,30 +185,33 @@ def test_overlap_emulated_equals_plain_and_references(masked, t, k, skip):
     assert sbo.order_error(bad, plain) > 1 and rel_err(bad, r64) > 1e-2
 
 
-@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("form", ["inline", "defer", "segments"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("variant,cfg", [("swapab", CFG), ("normal", {"BLOCK_N": 128, "BLOCK_T": 16})])
 @pytest.mark.parametrize("t,k,skip", [(5, 2, (1,)), (20, 4, ()), (1, 1, (0, 2, 3))])
-def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, defer):
+def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, form):
     """fused=True: the combine in the GEMM's epilogue (the tile completing a token's N-range gathers its rows;
-    defer: after the program's last tile). Same bf16 rows as GEMM-then-combine, summed in slot order: equal up
-    to the summation order, deterministic, every token written, and a wrong weight is caught."""
+    defer: after the program's last tile; segments: one count per program segment, whole tokens gathered after the
+    program's last tile). Same bf16 rows as GEMM-then-combine, summed in slot order: equal up to the summation
+    order, deterministic, every token written, and a wrong weight is caught."""
+    kw = dict(weight_scale=2.5, fused=True, defer=form == "defer", segments=form == "segments", config=cfg,
+              variant=variant)
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=40 + t, masked=masked, skip=skip)
     plain = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
                                      weight_scale=2.5, overlap=False, config=cfg, variant=variant)
     y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
     fused = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
-                                     weight_scale=2.5, fused=True, defer=defer, config=cfg, variant=variant, y=y)
+                                     y=y, **kw)
     assert not torch.isnan(fused.float()).any()  # every (token, N-tile) was written by its last contributor
     assert sbo.order_error(fused, plain) <= 1
     assert rel_err(fused, combine64(y, lay, w, 2.5)) <= 1e-2  # the gathered rows are the GEMM's own
     again = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.empty(t, H, dtype=torch.bfloat16),
-                                     weight_scale=2.5, fused=True, defer=defer, config=cfg, variant=variant)
+                                     **kw)
     assert torch.equal(again, fused)  # slot-order sum: no arrival-order rounding
     w_bad = w.clone()
     w_bad[t // 2, k - 1] *= 1.25
     bad = sbo.moe_down_and_combine(q, qs, wq, ws, w_bad, lay, torch.empty(t, H, dtype=torch.bfloat16),
-                                   weight_scale=2.5, fused=True, defer=defer, config=cfg, variant=variant)
+                                   **kw)
     assert sbo.order_error(bad, plain) > 1
 
 
@@ -284,6 +287,27 @@ def test_epilogue_combine_counts_only_counts_and_writes_nothing():
                                                                    cnt, out, k, 2.5, counts_only=True))
     assert torch.equal(y, plain_rows) and torch.isnan(out.float()).all()
     assert (cnt == k).all()
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_epilogue_combine_segments_counts_once_per_segment(programs):
+    """segments: whatever the programs' ranges (one program, several per group, more programs than tiles), every
+    group's count ends at its tile count and every token's at top_k; with counts_only the rows are the plain GEMM's
+    and out is never written."""
+    t, k = 6, 3
+    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=8, masked=False)
+    plain_rows = gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, config=CFG, variant="swapab")
+    y = torch.empty(t * k, H, dtype=torch.bfloat16)
+    out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
+    cnt = torch.zeros(t + E, dtype=torch.int32)
+    gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
+                                        num_sms=programs,
+                                        combine=gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1),
+                                                                   cnt, out, k, 2.5, counts_only=True, segments=True))
+    assert torch.equal(y, plain_rows) and torch.isnan(out.float()).all()
+    m = lay.m_indptr.diff()
+    group_tiles = (m + CFG["BLOCK_T"] - 1) // CFG["BLOCK_T"] * (H // CFG["BLOCK_N"])
+    assert (cnt[:t] == k).all() and torch.equal(cnt[t:], group_tiles.to(torch.int32))
 
 
 def test_epilogue_combine_rejects_bad_workspace():

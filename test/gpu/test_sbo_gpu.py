@@ -183,13 +183,21 @@ def test_cuda_graph_replay_matches(mods, weights):
 FLAT_TMA = {"flat": True, "tma": True}  # the flattened, TMA-fed tile walk (merged over the chosen tile config)
 
 
+FORMS = pytest.mark.parametrize("form", ["inline", "defer", "segments"])  # EpilogueCombine's forms
+
+
+def _form(form: str) -> dict:
+    return {"defer": form == "defer", "segments": form == "segments"}
+
+
 @pytest.mark.parametrize("walk", [None, FLAT_TMA], ids=["group_walk", "flat_tma"])
-@pytest.mark.parametrize("defer", [False, True])
+@FORMS
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("experts", [256, 32])
-def test_epilogue_combine_equals_plain(mods, weights, experts, masked, defer, walk):
+def test_epilogue_combine_equals_plain(mods, weights, experts, masked, form, walk):
     """fused=True (the tile completing a token's N-range gathers its top_k rows in the down GEMM's epilogue;
-    defer: after the program's last tile): equal to GEMM-then-combine up to the summation order, every token
+    defer: after the program's last tile; segments: one count per program segment, whole tokens gathered at the
+    end, on the group walk whatever the config): equal to GEMM-then-combine up to the summation order, every token
     written (NaN-poisoned output and rows), and within 1e-2 of float32 torch; on either tile walk."""
     _, _, sbo = mods
     for seed in range(16):
@@ -197,7 +205,7 @@ def test_epilogue_combine_equals_plain(mods, weights, experts, masked, defer, wa
         lay, w, q, qs, wq, ws = case(mods, weights, t, experts, 300 + seed, masked)
         plain, _ = run(sbo, lay, w, q, qs, wq, ws, overlap=False)
         out = torch.full((t, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True, defer=defer,
+        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True, **_form(form),
                                  y=nan_y(lay, t), config=walk)
         assert not torch.isnan(out.float()).any(), (seed, t)
         assert sbo.order_error(out, plain) <= 1, (seed, t, sbo.order_error(out, plain))
@@ -206,9 +214,9 @@ def test_epilogue_combine_equals_plain(mods, weights, experts, masked, defer, wa
             assert float((out.float() - ref).norm() / ref.norm()) < 1e-2, seed
 
 
-@pytest.mark.parametrize("defer", [False, True])
+@FORMS
 @pytest.mark.parametrize("masked", [False, True])
-def test_epilogue_combine_race_stress(mods, weights, masked, defer):
+def test_epilogue_combine_race_stress(mods, weights, masked, form):
     """Thousands of fused calls over tile configs (the flat, TMA-fed walk among them): bit-identical to the first
     run (the gather sums in slot order), never NaN, and in a CUDA graph too (the counters' memset is captured)."""
     _, _, sbo = mods
@@ -221,7 +229,7 @@ def test_epilogue_combine_race_stress(mods, weights, masked, defer):
         for c in configs:
             o = torch.empty(t, H, device="cuda", dtype=torch.bfloat16)
             firsts.append(sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, o, weight_scale=2.5, fused=True, config=c,
-                                                   defer=defer))
+                                                   **_form(form)))
         cases.append((lay, w, q, qs, wq, ws, firsts))
     bad, outs = [], []
     for it in range(1500):
@@ -229,7 +237,7 @@ def test_epilogue_combine_race_stress(mods, weights, masked, defer):
         ci = (it // 3) % len(configs)
         o = torch.full((w.shape[0], H), float("nan"), device="cuda", dtype=torch.bfloat16)
         sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, o, weight_scale=2.5, fused=True, config=configs[ci],
-                                 defer=defer)
+                                 **_form(form))
         outs.append((it, o, firsts[ci]))
         if len(outs) == 100:
             bad += [i for i, o2, f in outs if not torch.equal(o2, f)]
@@ -239,7 +247,7 @@ def test_epilogue_combine_race_stress(mods, weights, masked, defer):
     lay, w, q, qs, wq, ws, firsts = cases[1]
     out = torch.empty(w.shape[0], H, device="cuda", dtype=torch.bfloat16)
     step = lambda: sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True,  # noqa: E731
-                                            defer=defer)
+                                            **_form(form))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
