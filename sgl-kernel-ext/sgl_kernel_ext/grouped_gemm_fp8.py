@@ -54,6 +54,12 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     list, and the program gathers its list after its last GEMM tile, so the gathers stop interrupting
     the weight stream and fill the persistent grid's tail instead. Measured 2026-11-30
     (bench_sbo_counts_only_h200.json): 1.04-1.08x serial, and counting alone (counts_only) costs as much.
+    segments=True (group walk only): the per-tile release is the cost (each drains the program's weight stream:
+    ~1 us per tile), so each program takes ONE contiguous range of the tile space instead of every
+    NUM_PROGRAMS-th tile, stores its tiles' rows plainly, and counts once per group it covers (CTA barrier, one
+    acq_rel add of its tile count to the group's counter). The program whose add completes a group counts that
+    group's tokens once each; the one that brings a token to top_k lists it and, after its last GEMM tile,
+    gathers the token's whole row (every N-tile; `gather_sum`). Counters: [T tokens + G groups].
 
 Config "flat": True (masked / contiguous, plain outputs or EpilogueCombine; no signal, no split-K) runs
 _fp8_grouped_gemm_flat_kernel: the same tiles in one flattened, pipelined loop over the program's tiles
