@@ -19,11 +19,10 @@ so launch overhead is out; a point whose capture fails is timed eagerly and says
                       stop interrupting the weight stream
   fused_counts_only   fused with the gather skipped (EpilogueCombine.counts_only; out not written): fused minus this
                       is the gather's cost, this minus gemm_alone the per-tile counting and barriers'
-  fused_segments      fused with one count per program segment (EpilogueCombine.segments: each program takes one
-                      contiguous range of the tiles, one acq_rel count per group it covers, whole tokens gathered
-                      after its last tile): the per-tile counting's drain taken out; segments_hidden_pct = the
-                      share of (serial - gemm_alone) it removes
-  fused_segments_counts_only  the same without the gathers: its counting and the contiguous tile ranges' cost
+  fused_tail          fused with no per-tile count (EpilogueCombine.tail: every program arrives at one grid-wide
+                      counter after its last tile, then all programs gather (token, N-tile)s side by side);
+                      tail_hidden_pct = the share of (serial - gemm_alone) it removes
+  fused_tail_counts_only  the same without the gathers: what the grid-wide wait costs
   flat_*              gemm_alone, serial, fused and fused_counts_only again on the flat walk with TMA operands
                       (config flat + tma: one flattened, pipelined tile loop, so the next tiles' loads are in flight
                       while a tile counts): does the per-tile counting still cost more than the combine there?
@@ -198,13 +197,12 @@ def main(argv=None) -> int:
         s["fused+shared"] = add("fused+shared", beside_shared(fused))
         s["fused_deferred"] = add_checked("fused_deferred", down(fused=True, defer=True))
         s["fused_counts_only"] = add("fused_counts_only", down(fused=True, counts_only=True))
-        s["fused_segments"] = add_checked("fused_segments", down(fused=True, segments=True))
-        s["fused_segments_counts_only"] = add("fused_segments_counts_only",
-                                              down(fused=True, segments=True, counts_only=True))
+        s["fused_tail"] = add_checked("fused_tail", down(fused=True, tail=True))
+        s["fused_tail_counts_only"] = add("fused_tail_counts_only", down(fused=True, tail=True, counts_only=True))
         s["fused_gain_us"] = s["serial"] - s["fused"]
         s["combine_hidden_pct"] = 100 * s["fused_gain_us"] / s["combine_alone"]
-        # of the combine's cost in the serial form (serial - GEMM alone), the share fused_segments removes
-        s["segments_hidden_pct"] = 100 * (s["serial"] - s["fused_segments"]) / (s["serial"] - s["gemm_alone"])
+        # of the combine's cost in the serial form (serial - GEMM alone), the share fused_tail removes
+        s["tail_hidden_pct"] = 100 * (s["serial"] - s["fused_tail"]) / (s["serial"] - s["gemm_alone"])
         flat = {**cfg, "flat": True, "tma": True}  # the same tiles on the flattened, TMA-fed walk
         s["flat_gemm_alone"] = add("flat_gemm_alone", gemm(flat))
         s["flat_serial"] = add("flat_serial", down(flat, overlap=False))
@@ -262,9 +260,9 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(result, indent=1))
     for t, s in summary.items():
         best_us = s[f"overlap[{s['best_budget']}]"]
-        print(f"batch {t}: GEMM alone {s['gemm_alone']:.1f}, serial {s['serial']:.1f}, fused_segments "
-              f"{s['fused_segments']:.1f} us ({s['segments_hidden_pct']:.0f}% of serial - GEMM hidden), counting only "
-              f"{s['fused_segments_counts_only']:.1f} us")
+        print(f"batch {t}: GEMM alone {s['gemm_alone']:.1f}, serial {s['serial']:.1f}, fused_tail "
+              f"{s['fused_tail']:.1f} us ({s['tail_hidden_pct']:.0f}% of serial - GEMM hidden), wait only "
+              f"{s['fused_tail_counts_only']:.1f} us")
         print(f"batch {t}: fused {s['fused']:.1f} us (combine {s['combine_alone']:.1f} us, "
               f"{s['combine_hidden_pct']:.0f}% hidden), fused+shared {s['fused+shared']:.1f} us")
         print(f"batch {t}: flat+tma walk: GEMM {s['flat_gemm_alone']:.1f}, serial {s['flat_serial']:.1f}, fused "

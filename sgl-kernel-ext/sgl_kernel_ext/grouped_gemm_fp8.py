@@ -54,12 +54,15 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     list, and the program gathers its list after its last GEMM tile, so the gathers stop interrupting
     the weight stream and fill the persistent grid's tail instead. Measured 2026-11-30
     (bench_sbo_counts_only_h200.json): 1.04-1.08x serial, and counting alone (counts_only) costs as much.
-    segments=True (group walk only): the per-tile release is the cost (each drains the program's weight stream:
-    ~1 us per tile), so each program takes ONE contiguous range of the tile space instead of every
-    NUM_PROGRAMS-th tile, stores its tiles' rows plainly, and counts once per group it covers (CTA barrier, one
-    acq_rel add of its tile count to the group's counter). The program whose add completes a group counts that
-    group's tokens once each; the one that brings a token to top_k lists it and, after its last GEMM tile,
-    gathers the token's whole row (every N-tile; `gather_sum`). Counters: [T tokens + G groups].
+    A first try at taking the per-tile release out (2026-12-01, bench_sbo_segments_h200.json): each program one
+    contiguous range of tiles, one count per group range, whole tokens gathered by the program completing them:
+    1.41-1.65x serial (counting alone +64-111 us: a second scalar walk over the groups before the tiles; the
+    whole-token gathers serial in few programs). tail=True (group walk only): no per-tile count at all. Every
+    program stores its rows plainly; after its last tile it arrives at ONE grid-wide counter (CTA barrier, one
+    release add), waits until every program arrived, and gathers every NUM_PROGRAMS-th block of (token, N-tile)
+    items: the combine fills the persistent grid's tail, spread over all programs, with one kernel launch. The
+    grid is capped at the programs resident at once (`_resident_programs`), so the wait cannot deadlock; a wait
+    that gives up (bounded polls) sets counters[1] and leaves out unwritten. Counters: int32 [2].
 
 Config "flat": True (masked / contiguous, plain outputs or EpilogueCombine; no signal, no split-K) runs
 _fp8_grouped_gemm_flat_kernel: the same tiles in one flattened, pipelined loop over the program's tiles
@@ -110,7 +113,7 @@ SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
 
 class EpilogueCombine(NamedTuple):
     """The MoE combine done in the GEMM's epilogue: out[t] = weight_scale * sum_k weights[t*K + k] * (GEMM
-    row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]; segments: [T + G]) must be
+    row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]; tail: [2]) must be
     zero before the launch; out is [T, N] bf16 with unit inner stride. The GEMM still writes its own out (the rows)."""
 
     pair_of_row: torch.Tensor  # int32 [rows]: the (token, slot) pair a GEMM row holds (masked: g * max_m + i)
@@ -122,7 +125,7 @@ class EpilogueCombine(NamedTuple):
     weight_scale: float = 1.0
     counts_only: bool = False  # benchmarks only: count and synchronize per tile, skip the gather (out not written)
     defer: bool = False  # gather after the program's last GEMM tile instead of inside the tile loop (module doc)
-    segments: bool = False  # count per program segment, not per tile, and gather whole tokens at the end (module doc)
+    tail: bool = False  # no per-tile count: one grid-wide arrival per program, then all gather (module doc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,64 +249,42 @@ def _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stri
 
 
 @triton.jit
-def _group_m(indptr_ptr, masked_m_ptr, g, MAX_M, M_DENSE, LAYOUT: tl.constexpr):
-    """Rows of group g (>= 0) in the layout."""
-    if LAYOUT == 0:  # contiguous
-        m = tl.load(indptr_ptr + g + 1) - tl.load(indptr_ptr + g)
-    elif LAYOUT == 1:  # masked
-        m = tl.minimum(tl.load(masked_m_ptr + g), MAX_M)
-    else:  # dense
-        m = M_DENSE
-    return tl.maximum(m, 0)
-
-
-@triton.jit
-def _segment_end(cnt_ptr, pair_ptr, dfr_ptr, pid, DFR_CAP, deferred, g, g64, row0, m, done, group_tiles, MAX_M,
-                 NUM_TOKENS, TOPK: tl.constexpr, BLOCK_T: tl.constexpr):
-    """COMBINE_SEGMENTS: this program stored `done` tiles of group g (one contiguous segment). One acq_rel count per
-    segment (after a CTA barrier: every thread's rows precede it); the program whose segment completes the group
-    counts each of its tokens once more, and the one that brings a token to top_k appends it to its gather list
-    (compacted with a prefix sum). Returns the list's new length."""
+def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
+                  cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, NUM_TOKENS, MAX_SPIN,
+                  LAYOUT: tl.constexpr, COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr,
+                  INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """COMBINE_TAIL: after its last GEMM tile a program arrives at one grid-wide counter (CTA barrier, one release
+    add); once every program arrived (volatile polls, then one acquire), each gathers every NUM_PROGRAMS-th block of
+    BLOCK_T (token, N-tile) items. Needs every program resident at once (the launcher caps the grid at the resident
+    capacity); a wait that gives up after MAX_SPIN polls sets cnt[1] and gathers nothing (out invalid). Under the
+    interpreter programs run one after another: there the last one to arrive gathers every item."""
     tl.debug_barrier()  # every thread's rows precede the release below
-    old = tl.atomic_add(cnt_ptr + NUM_TOKENS + g, done, sem="acq_rel")
-    if old + done == group_tiles:  # the group's last segment: all its rows exist (acquired above)
-        tl.debug_barrier()  # the acquiring thread's view covers the token counts' releases below
-        t0 = m * 0
-        while t0 < m:
-            offs_t = t0 + tl.arange(0, BLOCK_T)
-            t_mask = offs_t < m
-            pair = tl.load(pair_ptr + g64 * MAX_M + row0 + offs_t, mask=t_mask, other=0)
-            tok = pair // TOPK
-            prev = tl.atomic_add(cnt_ptr + tok, 1, mask=t_mask, sem="acq_rel")
-            last = t_mask & (prev == TOPK - 1)  # this group was the token's last expert: gather it here
-            pos = deferred + tl.cumsum(last.to(tl.int32), 0) - 1
-            tl.store(dfr_ptr + pid * DFR_CAP + pos, tok, mask=last)
-            deferred += tl.sum(last.to(tl.int32))
-            t0 += BLOCK_T
-    return deferred
-
-
-@triton.jit
-def _segment_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on, cmb_rowp_ptr,
-                     cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP, LAYOUT: tl.constexpr,
-                     COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """COMBINE_SEGMENTS: the whole rows (every N-tile) of the tokens in this program's list, after its GEMM tiles."""
-    tl.debug_barrier()  # the list's stores, and the acquires behind them, precede the loads below
-    j = pid * 0
-    while j < deferred:
-        idx = j + tl.arange(0, BLOCK_T)
-        ok = idx < deferred
-        if not COMBINE_GATHER:  # counts_only (benchmarks): the counting and the list, no gather
-            ok = ok & (idx < 0)
-        tok = tl.load(dfr_ptr + pid * DFR_CAP + idx, mask=ok, other=0).to(tl.int64)
-        n_tile = pid * 0
-        while n_tile < n_tiles:
-            gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
-                       tok * 0 + n_tile * BLOCK_N, ok, N, MAX_M, stride_og, stride_om, stride_on, cmb_w_scale,
-                       LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
-            n_tile += 1
-        j += BLOCK_T
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") + 1
+    if INTERPRET:
+        go = arrived == NUM_PROGRAMS
+        j, stride = pid * 0, BLOCK_T
+    else:
+        spins = pid * 0
+        while (arrived < NUM_PROGRAMS) & (spins < MAX_SPIN):
+            arrived = tl.load(cnt_ptr, volatile=True)
+            spins += 1
+        arrived = tl.atomic_add(cnt_ptr, 0, sem="acquire")  # every program's rows, for this program's loads
+        go = arrived >= NUM_PROGRAMS
+        if not go:
+            tl.atomic_xchg(cnt_ptr + 1, 1)  # gave up: the caller's status
+        j, stride = pid * BLOCK_T, NUM_PROGRAMS * BLOCK_T
+    tl.debug_barrier()  # the acquiring thread's view covers every thread's loads below
+    items = NUM_TOKENS * n_tiles
+    while go & (j < items):
+        it = j + tl.arange(0, BLOCK_T)
+        ok = it < items
+        if not COMBINE_GATHER:  # counts_only (benchmarks): the barrier, no gather
+            ok = ok & (it < 0)
+        tok = (it // n_tiles).to(tl.int64)
+        gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
+                   (it % n_tiles) * BLOCK_N, ok, N, MAX_M, stride_og, stride_om, stride_on, cmb_w_scale,
+                   LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
+        j += stride
 
 
 @triton.jit
@@ -322,25 +303,15 @@ def _fp8_grouped_gemm_kernel(
     G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
     COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True, COMBINE_DEFER: tl.constexpr = False,
-    COMBINE_SEGMENTS: tl.constexpr = False, NUM_TOKENS=0,
+    COMBINE_TAIL: tl.constexpr = False, NUM_TOKENS=0, MAX_SPIN=0, INTERPRET: tl.constexpr = False,
 ):
     KB_PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
 
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     tile = pid
-    step = NUM_PROGRAMS
-    hi = pid * 0
-    if COMBINE_SEGMENTS:  # one contiguous range of the tile space per program (segments: module doc)
-        total = pid * 0
-        for g in range(G):
-            total += ((_group_m(indptr_ptr, masked_m_ptr, g, MAX_M, M_DENSE, LAYOUT) + BLOCK_T - 1) // BLOCK_T
-                      * n_tiles)
-        tile = pid * total // NUM_PROGRAMS
-        hi = (pid + 1) * total // NUM_PROGRAMS
-        step = 1
     tiles_before = pid * 0
-    deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER, COMBINE_SEGMENTS)
+    deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER)
     for g in range(G):
         if LAYOUT == 0:  # contiguous
             row0 = tl.load(indptr_ptr + g)
@@ -355,11 +326,7 @@ def _fp8_grouped_gemm_kernel(
         t_tiles = (m + BLOCK_T - 1) // BLOCK_T
         group_tiles = t_tiles * n_tiles * SPLIT_K
         g64 = tl.cast(g, tl.int64)
-        seg0 = tile
-        lim = tiles_before + group_tiles
-        if COMBINE_SEGMENTS:  # ... and this program's range
-            lim = tl.minimum(lim, hi)
-        while tile < lim:
+        while tile < tiles_before + group_tiles:
             local = tile - tiles_before
             ks = local % SPLIT_K
             rest = local // SPLIT_K
@@ -376,7 +343,7 @@ def _fp8_grouped_gemm_kernel(
                             stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
                             stride_bsn, stride_bsk, KB_PER_SPLIT, SWAP_AB, BLOCK_N, BLOCK_T)
             o_mask = t_mask[:, None] & n_mask[None, :]
-            if COMBINE_SEGMENTS:  # rows only; counted once per segment, below
+            if COMBINE_TAIL:  # rows only; combined in the grid's tail
                 o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
                 tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
             elif COMBINE_TOPK > 0:  # the MoE combine in the epilogue (EpilogueCombine)
@@ -396,16 +363,12 @@ def _fp8_grouped_gemm_kernel(
                 w_rows = g64 * MAX_M + rows  # flat output row (MAX_M = 0 unless masked)
                 w_ptrs = ws_ptr + ks * stride_ws_split + w_rows[:, None] * stride_ws_row + offs_n[None, :]
                 tl.store(w_ptrs, res, mask=o_mask)
-            tile += step
-        if COMBINE_SEGMENTS:
-            if tile > seg0:
-                deferred = _segment_end(cmb_cnt_ptr, cmb_pair_ptr, dfr_ptr, pid, DFR_CAP, deferred, g, g64, row0, m,
-                                        tile - seg0, group_tiles, MAX_M, NUM_TOKENS, COMBINE_TOPK, BLOCK_T)
+            tile += NUM_PROGRAMS
         tiles_before += group_tiles
-    if COMBINE_SEGMENTS:
-        _segment_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on, cmb_rowp_ptr,
-                         cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP, LAYOUT, COMBINE_TOPK,
-                         COMBINE_GATHER, BLOCK_T, BLOCK_N)
+    if COMBINE_TAIL:
+        _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cmb_cnt_ptr, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
+                      cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, NUM_TOKENS, MAX_SPIN,
+                      LAYOUT, COMBINE_TOPK, COMBINE_GATHER, INTERPRET, BLOCK_T, BLOCK_N)
     if COMBINE_DEFER:
         _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
                           cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
@@ -970,8 +933,8 @@ def _pick_split_k(tiles: int, kb: int, num_sms: int) -> int:
 def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signal, groups: int) -> None:
     if split_k > 1 or signal is not None:
         raise ValueError("combine needs split_k == 1 and no signal (the epilogue replaces the store)")
-    if c.segments and c.defer:
-        raise ValueError("combine: segments and defer are two forms, pick one")
+    if c.tail and c.defer:
+        raise ValueError("combine: tail and defer are two forms, pick one")
     t = c.out.shape[0]
     tiles = triton.cdiv(n, block_n)
     if c.top_k < 1 or c.weights.numel() != t * c.top_k:
@@ -981,13 +944,32 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
     if c.row_of_pair.dtype != torch.int32 or c.row_of_pair.numel() != t * c.top_k:
         raise ValueError(f"combine: row_of_pair must be int32 [{t * c.top_k}], got {c.row_of_pair.dtype} "
                          f"{tuple(c.row_of_pair.shape)}")
-    want = (t + groups,) if c.segments else (t, tiles)
+    want = (2,) if c.tail else (t, tiles)
     if c.counters.shape != want or c.counters.dtype != torch.int32 or not c.counters.is_contiguous():
         raise ValueError(f"combine: counters must be contiguous int32 {list(want)} (BLOCK_N {block_n}"
-                         f"{', segments: tokens + groups' if c.segments else ''}), got {c.counters.dtype} "
+                         f"{', tail: arrivals + gave-up flag' if c.tail else ''}), got {c.counters.dtype} "
                          f"{tuple(c.counters.shape)}")
     if c.pair_of_row.dtype != torch.int32:
         raise ValueError(f"combine: pair_of_row must be int32, got {c.pair_of_row.dtype}")
+
+
+TAIL_MAX_SPIN = 1 << 22  # EpilogueCombine.tail: polls of the grid-wide counter before giving up (seconds; the GEMM < 1 ms)
+
+
+def _resident_programs(kernel, pos, kw, device) -> int:
+    """How many programs of `kernel` (compiled for these arguments; no launch) the GPU holds at once: per SM the
+    least of what its registers (allocated per warp in 256s), shared memory and threads allow."""
+    k = kernel.warmup(*pos, grid=(1,), **kw)
+    if hasattr(k, "_init_handles"):
+        k._init_handles()  # fills n_regs
+    props = torch.cuda.get_device_properties(device)
+    warps = kw.get("num_warps", 4)
+    regs_per_warp = -(-max(1, k.n_regs) * 32 // 256) * 256
+    shared = int(getattr(k.metadata, "shared", 0) or 0)
+    per_sm = min(props.regs_per_multiprocessor // (regs_per_warp * warps),
+                 props.shared_memory_per_multiprocessor // (shared + 1024),
+                 props.max_threads_per_multi_processor // (32 * warps), 32)
+    return max(1, per_sm) * props.multi_processor_count
 
 
 def _tma_descriptors(a3: torch.Tensor, b: torch.Tensor, block_t: int, block_n: int):
@@ -1047,13 +1029,12 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     else:
         cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
     defer = combine is not None and combine.defer
-    segments = combine is not None and combine.segments
-    # the gather list's capacity per program: its tiles x rows (defer), or every token once at most (segments)
-    dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else combine.out.shape[0] if segments else 0
-    dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if dfr_cap else dummy
+    tail = combine is not None and combine.tail
+    dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else 0  # a program's tiles x rows, at most
+    dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if defer else dummy
     combine_kw = dict(COMBINE_TOPK=combine.top_k if combine is not None else 0,
                       COMBINE_GATHER=combine is None or not combine.counts_only, COMBINE_DEFER=defer)
-    if cfg.get("flat") and signal is None and split_k == 1 and layout != LAYOUT_DENSE and not segments:
+    if cfg.get("flat") and signal is None and split_k == 1 and layout != LAYOUT_DENSE and not tail:
         descs = _tma_descriptors(a3, b, bt, bn) if cfg.get("tma") else None
         _fp8_grouped_gemm_flat_kernel[(num_programs,)](
             a3, s3, b, b_scale, o3, indptr if indptr is not None else dummy,
@@ -1070,7 +1051,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         )
         return out
-    _fp8_grouped_gemm_kernel[(num_programs,)](
+    pos = [
         a3, s3, b, b_scale, o3, ws,
         indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
         m_dense, max_m if layout == LAYOUT_MASKED else 0, n, num_programs,
@@ -1082,11 +1063,14 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         *ws_strides,
         signal if signal is not None else dummy, signal.shape[1] if signal is not None else 0,
         *cmb, dfr, dfr_cap,
-        G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
-        HAS_SIGNAL=signal is not None, **combine_kw, COMBINE_SEGMENTS=segments,
-        NUM_TOKENS=combine.out.shape[0] if segments else 0,
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
-    )
+    ]
+    kw = dict(G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
+              HAS_SIGNAL=signal is not None, **combine_kw, COMBINE_TAIL=tail,
+              NUM_TOKENS=combine.out.shape[0] if tail else 0, MAX_SPIN=TAIL_MAX_SPIN, INTERPRET=_interpreting(),
+              num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+    if tail and not _interpreting():  # the tail's grid-wide wait needs every program resident at once
+        num_programs = pos[11] = min(num_programs, _resident_programs(_fp8_grouped_gemm_kernel, pos, kw, a.device))
+    _fp8_grouped_gemm_kernel[(num_programs,)](*pos, **kw)
     if split_k > 1:
         block = 256
         _splitk_reduce_kernel[(rows_flat, triton.cdiv(n, block))](

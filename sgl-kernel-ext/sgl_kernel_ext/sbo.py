@@ -311,7 +311,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
                          max_spin: int = DEFAULT_MAX_SPIN, status: torch.Tensor | None = None,
                          y: torch.Tensor | None = None, spin_sleep_ns: int = DEFAULT_SPIN_SLEEP_NS,
                          fused: bool = False, counts_only: bool = False, defer: bool = False,
-                         segments: bool = False) -> torch.Tensor:
+                         tail: bool = False) -> torch.Tensor:
     """Down GEMM (FP8 1x128 x 128x128 blocks, bf16 out) + local combine into out [T, H] bf16.
 
     q [rows, I] (contiguous layout) or [E, max_m, I] (masked) fp8 with q_scale; w2 [E, H, I] fp8,
@@ -329,9 +329,9 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     2026-11-29: 3-5% of the GEMM against a 12-21 us combine). counts_only (benchmarks, with fused): the epilogue
     counts and synchronizes but skips the gather, so out is not written: what the per-tile counting costs.
     defer (with fused): each program gathers the (token, N-tile)s its tiles completed after its last GEMM tile
-    (grouped_gemm_fp8 module doc); the same sums. segments (with fused): each program takes one contiguous range
-    of the tiles, counts once per group it covers (not per tile), and gathers whole tokens after its last tile
-    (grouped_gemm_fp8 module doc); the same sums.
+    (grouped_gemm_fp8 module doc); the same sums. tail (with fused): no per-tile count; every program arrives at one
+    grid-wide counter after its last tile, then all gather (token, N-tile)s side by side (grouped_gemm_fp8 module
+    doc); the same sums.
     """
     num_tokens = topk_weights.shape[0]
     e, hdim, inter = w2.shape
@@ -349,10 +349,10 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
         shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
         y = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
     if fused:
-        shape = (num_tokens + e,) if segments else (num_tokens, triton.cdiv(hdim, bn))
+        shape = (2,) if tail else (num_tokens, triton.cdiv(hdim, bn))
         counters = torch.zeros(shape, dtype=torch.int32, device=q.device)
         cmb = gg.EpilogueCombine(layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), counters, out,
-                                 layout.top_k, weight_scale, counts_only, defer, segments)
+                                 layout.top_k, weight_scale, counts_only, defer, tail)
         if layout.masked:
             gg.m_grouped_fp8_gemm_nt_masked(q, q_scale, w2, w2_scale, layout.masked_m, out=y, variant=variant,
                                             config=cfg, combine=cmb)

@@ -61,7 +61,7 @@ def test_grouped_gemm_and_sbo_kernels_compile_with_their_signals(report):
     # acquire atomics only when it waits, and accumulates with fp32 atomics
     assert [r["release_atomics"] for r in gemms.values()] == [0, 0, 1] + [0] * 8, gemms
     # the combine in the GEMM's epilogue (one GPU; inline or deferred to the program's end: one acq_rel count
-    # per row and tile; segments: one per program segment, then per token), no float atomics
+    # per row and tile; tail: one grid-wide arrival per program), no float atomics
     assert [r["acq_rel_atomics"] >= 1 for r in gemms.values()] == [False, False, False, True, True, True, False,
                                                                     False, False, True, True], gemms
     # config tma: the FP8 operands by TMA (cp.async.bulk.tensor), the pointer configs by plain loads

@@ -185,16 +185,16 @@ def test_overlap_emulated_equals_plain_and_references(masked, t, k, skip):
     assert sbo.order_error(bad, plain) > 1 and rel_err(bad, r64) > 1e-2
 
 
-@pytest.mark.parametrize("form", ["inline", "defer", "segments"])
+@pytest.mark.parametrize("form", ["inline", "defer", "tail"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("variant,cfg", [("swapab", CFG), ("normal", {"BLOCK_N": 128, "BLOCK_T": 16})])
 @pytest.mark.parametrize("t,k,skip", [(5, 2, (1,)), (20, 4, ()), (1, 1, (0, 2, 3))])
 def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, form):
     """fused=True: the combine in the GEMM's epilogue (the tile completing a token's N-range gathers its rows;
-    defer: after the program's last tile; segments: one count per program segment, whole tokens gathered after the
-    program's last tile). Same bf16 rows as GEMM-then-combine, summed in slot order: equal up to the summation
+    defer: after the program's last tile; tail: one grid-wide arrival per program, then (token, N-tile)s gathered
+    side by side; here, in the interpreter, by the last program to arrive). Same bf16 rows as GEMM-then-combine, summed in slot order: equal up to the summation
     order, deterministic, every token written, and a wrong weight is caught."""
-    kw = dict(weight_scale=2.5, fused=True, defer=form == "defer", segments=form == "segments", config=cfg,
+    kw = dict(weight_scale=2.5, fused=True, defer=form == "defer", tail=form == "tail", config=cfg,
               variant=variant)
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=40 + t, masked=masked, skip=skip)
     plain = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
@@ -290,24 +290,23 @@ def test_epilogue_combine_counts_only_counts_and_writes_nothing():
 
 
 @pytest.mark.parametrize("programs", [1, 3, 64])
-def test_epilogue_combine_segments_counts_once_per_segment(programs):
-    """segments: whatever the programs' ranges (one program, several per group, more programs than tiles), every
-    group's count ends at its tile count and every token's at top_k; with counts_only the rows are the plain GEMM's
-    and out is never written."""
+def test_epilogue_combine_tail_arrives_once_per_program(programs):
+    """tail: whatever the grid (one program, several, more programs than tiles), the counter ends at the programs
+    launched, the gave-up flag stays 0; with counts_only the rows are the plain GEMM's and out is never written."""
     t, k = 6, 3
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=8, masked=False)
     plain_rows = gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, config=CFG, variant="swapab")
     y = torch.empty(t * k, H, dtype=torch.bfloat16)
     out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
-    cnt = torch.zeros(t + E, dtype=torch.int32)
-    gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
-                                        num_sms=programs,
+    cnt = torch.zeros(2, dtype=torch.int32)
+    gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config={**CFG, "programs_per_sm": 1},
+                                        variant="swapab", num_sms=programs,
                                         combine=gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1),
-                                                                   cnt, out, k, 2.5, counts_only=True, segments=True))
+                                                                   cnt, out, k, 2.5, counts_only=True, tail=True))
     assert torch.equal(y, plain_rows) and torch.isnan(out.float()).all()
-    m = lay.m_indptr.diff()
-    group_tiles = (m + CFG["BLOCK_T"] - 1) // CFG["BLOCK_T"] * (H // CFG["BLOCK_N"])
-    assert (cnt[:t] == k).all() and torch.equal(cnt[t:], group_tiles.to(torch.int32))
+    # the grid: one program per SM given, at most the launcher's tile bound (token tiles <= rows/BT + groups)
+    upper = (t * k // CFG["BLOCK_T"] + min(E, t * k)) * (H // CFG["BLOCK_N"])
+    assert cnt.tolist() == [min(programs, upper), 0]
 
 
 def test_epilogue_combine_rejects_bad_workspace():

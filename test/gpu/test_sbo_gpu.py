@@ -183,11 +183,11 @@ def test_cuda_graph_replay_matches(mods, weights):
 FLAT_TMA = {"flat": True, "tma": True}  # the flattened, TMA-fed tile walk (merged over the chosen tile config)
 
 
-FORMS = pytest.mark.parametrize("form", ["inline", "defer", "segments"])  # EpilogueCombine's forms
+FORMS = pytest.mark.parametrize("form", ["inline", "defer", "tail"])  # EpilogueCombine's forms
 
 
 def _form(form: str) -> dict:
-    return {"defer": form == "defer", "segments": form == "segments"}
+    return {"defer": form == "defer", "tail": form == "tail"}
 
 
 @pytest.mark.parametrize("walk", [None, FLAT_TMA], ids=["group_walk", "flat_tma"])
@@ -196,8 +196,8 @@ def _form(form: str) -> dict:
 @pytest.mark.parametrize("experts", [256, 32])
 def test_epilogue_combine_equals_plain(mods, weights, experts, masked, form, walk):
     """fused=True (the tile completing a token's N-range gathers its top_k rows in the down GEMM's epilogue;
-    defer: after the program's last tile; segments: one count per program segment, whole tokens gathered at the
-    end, on the group walk whatever the config): equal to GEMM-then-combine up to the summation order, every token
+    defer: after the program's last tile; tail: one grid-wide arrival per program, then all programs gather, on the
+    group walk whatever the config): equal to GEMM-then-combine up to the summation order, every token
     written (NaN-poisoned output and rows), and within 1e-2 of float32 torch; on either tile walk."""
     _, _, sbo = mods
     for seed in range(16):
