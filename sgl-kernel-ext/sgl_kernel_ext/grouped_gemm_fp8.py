@@ -264,11 +264,12 @@ def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, N, MAX_M, stride
         go = arrived == NUM_PROGRAMS
         j, stride = pid * 0, BLOCK_T
     else:
-        spins = pid * 0
-        while (arrived < NUM_PROGRAMS) & (spins < MAX_SPIN):
-            arrived = tl.load(cnt_ptr, volatile=True)
-            spins += 1
-        arrived = tl.atomic_add(cnt_ptr, 0, sem="acquire")  # every program's rows, for this program's loads
+        if arrived < NUM_PROGRAMS:  # (the last to arrive acquired every other program's rows with its add)
+            spins = pid * 0
+            while (arrived < NUM_PROGRAMS) & (spins < MAX_SPIN):
+                arrived = tl.load(cnt_ptr, volatile=True)
+                spins += 1
+            arrived = tl.atomic_add(cnt_ptr, 0, sem="acquire")  # every program's rows, for this program's loads
         go = arrived >= NUM_PROGRAMS
         if not go:
             tl.atomic_xchg(cnt_ptr + 1, 1)  # gave up: the caller's status
@@ -283,7 +284,7 @@ def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, N, MAX_M, stride
         tok = (it // n_tiles).to(tl.int64)
         gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
                    (it % n_tiles) * BLOCK_N, ok, N, MAX_M, stride_og, stride_om, stride_on, cmb_w_scale,
-                   LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
+                   LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N, 64)  # 2 passes (1 pass of 128: 200 registers, not 120)
         j += stride
 
 
@@ -507,16 +508,18 @@ GATHER_COLS = tl.constexpr(32)  # columns per gather pass: [BLOCK_T, 32] pointer
 
 @triton.jit
 def gather_sum(y_ptr, rowp_ptr, w_ptr, dst, tok, col0, last, N, MAX_M, stride_yg, stride_ym, stride_yn, w_scale,
-               LAYOUT: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+               LAYOUT: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+               COLS: tl.constexpr = GATHER_COLS):
     """The combine of the rows flagged `last` (the MoE combine in a GEMM epilogue; also ep_combine's):
     dst[row][col0 : col0 + BLOCK_N] = w_scale * sum_k w_k * (GEMM row of pair tok * TOPK + k), fp32 in slot order;
     dst: [BLOCK_T] pointers to the output rows, col0 per row; a slot without a row (row id -1: another EP rank's
-    expert) adds nothing. In GATHER_COLS-column passes: a whole [BLOCK_T, BLOCK_N] tile of 64-bit row pointers
-    per slot took the swapAB kernel from 116 to 212 registers."""
-    for c in range(0, BLOCK_N, GATHER_COLS):  # a loop, not unrolled: passes must not overlap in registers
-        cols = col0[:, None] + (c + tl.arange(0, GATHER_COLS))[None, :]
+    expert) adds nothing. In COLS-column passes (default GATHER_COLS): inside the tile loop a whole [BLOCK_T,
+    BLOCK_N] tile of 64-bit row pointers per slot took the swapAB kernel from 116 to 212 registers; after it (the
+    tail form) one pass, so the row ids and weights are read once, not once per pass."""
+    for c in range(0, BLOCK_N, COLS):  # a loop, not unrolled: passes must not overlap in registers
+        cols = col0[:, None] + (c + tl.arange(0, COLS))[None, :]
         col_ok = cols < N
-        total = tl.full([BLOCK_T, GATHER_COLS], 0.0, tl.float32)
+        total = tl.full([BLOCK_T, COLS], 0.0, tl.float32)
         for k in tl.static_range(TOPK):
             pk = tok * TOPK + k
             rk = tl.load(rowp_ptr + pk, mask=last, other=-1).to(tl.int64)
