@@ -36,7 +36,8 @@ Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_
   layer_upstream      SGLang's fused_experts (triton runner), inplace as the model runs it
   layer_ours_serial   sglang_h20.moe.sbo.moe_forward(overlap=False)
   layer_ours_overlap  moe_forward(overlap=True): the combine on a second stream
-  layer_ours_fused    moe_forward(combine="fused"), what --h20-sbo runs for these calls on one GPU
+  layer_ours_fused    moe_forward(combine="fused"): the per-tile epilogue form
+  layer_ours_tail     moe_forward(combine="tail"), what --h20-sbo runs for these calls on one GPU
 (upstream needs SGLang's global server args: --model PATH gives a config dir, else a dummy attempt;
 a failure is recorded under "unavailable", never dropped silently).
 
@@ -241,7 +242,8 @@ def main(argv=None) -> int:
             unavailable["layer"] = f"{type(ex).__name__}: {ex}"
             print(f"layer comparison unavailable: {unavailable['layer']}", file=sys.stderr)
     all_equal = all(p.get("equal_to_serial", True) for p in points) and \
-        all(r.get("overlap_equal_serial", True) and r.get("fused_equal_serial", True) for r in layer_rows)
+        all(r.get("overlap_equal_serial", True) and r.get("fused_equal_serial", True)
+            and r.get("tail_equal_serial", True) for r in layer_rows)
     result = {"provenance": record(), "shape": {"experts": e, "top_k": TOPK, "hidden": H, "inter": I,
                                                  "shared_inter": SHARED_I, "sms": sms},
               "points": points, "summary": summary, "layer": layer_rows, "unavailable": unavailable,
@@ -308,7 +310,9 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
                 "layer_ours_overlap": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
                                                                      routed_scaling_factor=2.5, overlap=True),
                 "layer_ours_fused": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
-                                                                   routed_scaling_factor=2.5, combine="fused")}
+                                                                   routed_scaling_factor=2.5, combine="fused"),
+                "layer_ours_tail": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
+                                                                  routed_scaling_factor=2.5, combine="tail")}
         if upstream is not None:
             fm, cfg, topk_cls = upstream
 
@@ -332,6 +336,9 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         if "layer_ours_fused" in outs and "layer_ours_serial" in outs:  # the same bf16 rows, another summation order
             row["fused_order_error_vs_serial"] = sbo.order_error(outs["layer_ours_fused"], outs["layer_ours_serial"])
             row["fused_equal_serial"] = row["fused_order_error_vs_serial"] <= 1
+        if "layer_ours_tail" in outs and "layer_ours_serial" in outs:
+            row["tail_order_error_vs_serial"] = sbo.order_error(outs["layer_ours_tail"], outs["layer_ours_serial"])
+            row["tail_equal_serial"] = row["tail_order_error_vs_serial"] <= 1
         if "layer_upstream" in outs and "layer_ours_overlap" in outs:
             a, b = outs["layer_ours_overlap"].float(), outs["layer_upstream"].float()
             row["rel_diff_vs_upstream"] = float((a - b).norm() / b.norm())

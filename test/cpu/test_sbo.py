@@ -372,9 +372,9 @@ def test_workspace_parts_cover_the_buffer():
     assert wsp.acc.data_ptr() % 16 == 0 and wsp.counters.shape == (9, triton.cdiv(H, sbo.BLOCK_H))
 
 
-@pytest.mark.parametrize("combine", ["serial", "fused"])
+@pytest.mark.parametrize("combine", ["serial", "fused", "tail"])
 def test_moe_forward_matches_reference(combine):
-    """The whole SBO MoE (dispatch, gate_up, SiLU, down + combine) on tiny shapes vs float32 torch; 'fused' is
+    """The whole SBO MoE (dispatch, gate_up, SiLU, down + combine) on tiny shapes vs float32 torch; 'tail' is
     what the hook runs on one GPU."""
     from sglang_h20.moe import sbo as plugin_sbo
     from sgl_kernel_ext.quant import dequant_per_block, dequant_per_token_group

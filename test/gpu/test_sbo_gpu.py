@@ -279,8 +279,9 @@ def test_moe_forward_overlap_equals_plain():
     for _ in range(5):
         b = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, overlap=True)
         assert sbo.order_error(b, a) <= 1, sbo.order_error(b, a)
-    f = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, combine="fused")
-    assert sbo.order_error(f, a) <= 1, sbo.order_error(f, a)
+    for form in ("fused", "tail"):
+        f = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, combine=form)
+        assert sbo.order_error(f, a) <= 1, (form, sbo.order_error(f, a))
 
 
 @pytest.mark.parametrize("config", [{"BLOCK_N": 128, "BLOCK_T": 16}, {"BLOCK_N": 64, "BLOCK_T": 32},

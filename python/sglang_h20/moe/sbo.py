@@ -102,13 +102,14 @@ def _ep_size() -> int:
         return 1
 
 
-COMBINE_MODES = ("fused", "overlap", "serial")
-# How the hook combines on one GPU: in the down GEMM's epilogue (the tile completing a token's N-range gathers
-# its rows). A consumer on a second stream needs SMs lent by the GEMM, which streams weights at full bandwidth on
-# every SM: on the H200 that cost 3-5% of the GEMM, as much as the whole combine (bench_sbo_h200.json); the first
-# epilogue form (float atomics) was slower still (bench_sbo_fused_h200.json), and so was the gather form this
-# uses, 1.02-1.09x GEMM-then-combine (bench_sbo_gather_h200.json): keep --h20-sbo off on one GPU.
-ONE_GPU_COMBINE = "fused"
+COMBINE_MODES = ("tail", "fused", "overlap", "serial")
+# How the hook combines on one GPU: in the down GEMM's grid tail (EpilogueCombine.tail: every program arrives at
+# one grid-wide counter after its tiles, then all gather). A consumer on a second stream needs SMs lent by the
+# GEMM, which streams weights at full bandwidth on every SM: on the H200 that cost 3-5% of the GEMM, as much as
+# the whole combine (bench_sbo_h200.json); the per-tile epilogue forms ("fused": a count per row and tile) were
+# 1.02-1.09x GEMM-then-combine (bench_sbo_gather_h200.json). The tail form was the first below it:
+# 0.984-0.994x, 31-63% of the combine's time hidden (bench_sbo_tail_h200.json, bench_sbo_tail2_h200.json).
+ONE_GPU_COMBINE = "tail"
 
 
 def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, a1_q=None, a1_scale=None,
@@ -116,8 +117,8 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
                 combine: str | None = None):
     """FP8 MoE through our kernels with the SBO down GEMM + combine; returns out [T, H] bf16.
 
-    combine: 'fused' (in the down GEMM's epilogue), 'overlap' (consumer kernel on a second stream) or
-    'serial'; None: 'overlap' if overlap else 'serial'."""
+    combine: 'tail' (in the down GEMM's grid tail), 'fused' (in its per-tile epilogue), 'overlap' (consumer kernel
+    on a second stream) or 'serial'; None: 'overlap' if overlap else 'serial'."""
     mode = combine or ("overlap" if overlap else "serial")
     if mode not in COMBINE_MODES:
         raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
@@ -141,7 +142,8 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
     out = torch.empty_like(hidden_states) if out is None else out
     return sbo.moe_down_and_combine(q, q_scale, w2, w2_scale, topk_weights, layout, out,
                                     weight_scale=1.0 if routed_scaling_factor is None else routed_scaling_factor,
-                                    overlap=mode == "overlap", combine_sms=combine_sms, fused=mode == "fused")
+                                    overlap=mode == "overlap", combine_sms=combine_sms,
+                                    fused=mode in ("fused", "tail"), tail=mode == "tail")
 
 
 def fused_experts_hook(original, hidden_states, w1, w2, topk_output, moe_runner_config, b1=None, b2=None,
