@@ -249,19 +249,12 @@ def _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stri
 
 
 @triton.jit
-def _load_acquire(ptr):
-    """ld.acquire.gpu of one int32 (no RMW: many programs poll one word)."""
-    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
                   cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, NUM_TOKENS, MAX_SPIN,
                   LAYOUT: tl.constexpr, COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr,
                   INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     """COMBINE_TAIL: after its last GEMM tile a program arrives at one grid-wide counter (CTA barrier, one release
-    add); once every program arrived (acquire-load polls), each gathers every NUM_PROGRAMS-th block of
+    add); once every program arrived (volatile polls, then one acquire), each gathers every NUM_PROGRAMS-th block of
     BLOCK_T (token, N-tile) items. Needs every program resident at once (the launcher caps the grid at the resident
     capacity); a wait that gives up after MAX_SPIN polls sets cnt[1] and gathers nothing (out invalid). Under the
     interpreter programs run one after another: there the last one to arrive gathers every item."""
@@ -273,9 +266,10 @@ def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, N, MAX_M, stride
     else:
         if arrived < NUM_PROGRAMS:  # (the last to arrive acquired every other program's rows with its add)
             spins = pid * 0
-            while (arrived < NUM_PROGRAMS) & (spins < MAX_SPIN):  # acquire loads: the poll that sees every
-                arrived = _load_acquire(cnt_ptr)                  # arrival also orders this program's loads
+            while (arrived < NUM_PROGRAMS) & (spins < MAX_SPIN):  # volatile polls (polling with ld.acquire made
+                arrived = tl.load(cnt_ptr, volatile=True)          # the wait 2-3x longer: tail_acquire_poll run)
                 spins += 1
+            arrived = tl.atomic_add(cnt_ptr, 0, sem="acquire")  # every program's rows, for this program's loads
         go = arrived >= NUM_PROGRAMS
         if not go:
             tl.atomic_xchg(cnt_ptr + 1, 1)  # gave up: the caller's status
