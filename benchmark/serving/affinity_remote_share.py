@@ -443,7 +443,8 @@ def main() -> int:
                          "EPLB: steady ITL)")
     ap.add_argument("--repeat", type=positive_int, default=1,
                     help="servers per arm, the arm list run this many times in turn (A B A B: drift over the call "
-                         "falls on both); the second server of arm A is recorded as A#2 (default: %(default)s)")
+                         "falls on both); the second server of arm A (here or named twice in --arms) is recorded as "
+                         "A#2 (default: %(default)s)")
     ap.add_argument("--router-clusters", type=non_negative_int, default=0, metavar="S",
                     help="dummy weights only: every MoE gate rewritten so that experts co-activate in seeded clusters "
                          "of S (SGLANG_H20_DUMMY_ROUTER_CLUSTERS, every arm); the dummy router alone co-activates "
@@ -467,7 +468,10 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     data = write_sharegpt(a.out / "sharegpt.json")
     arms = {}
-    runs = [(arm, arm if k == 0 else f"{arm}#{k + 1}") for k in range(a.repeat) for arm in a.arms]
+    runs, seen = [], {}  # (arm, its record's key): an arm's second server (repeat, or named twice) is "arm#2"
+    for arm in [arm for _ in range(a.repeat) for arm in a.arms]:
+        seen[arm] = seen.get(arm, 0) + 1
+        runs.append((arm, arm if seen[arm] == 1 else f"{arm}#{seen[arm]}"))
     for i, (arm, key) in enumerate(runs):
         arms[key] = run_arm(a, arm, data, key.replace("#", "_"), 32400 + i)
         r = arms[key]
