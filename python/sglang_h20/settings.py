@@ -138,11 +138,12 @@ SWITCHES: tuple[Switch, ...] = (
            "placement SGLang computed (nearly every slot moves, so one server times several full re-placements; "
            "balance per GPU is not kept)"),
     Switch("eplb_async_peer", _parse_bool, "off",
-           "launch 'boundary': a transfer between GPUs of one node is pulled by its destination straight from the "
-           "source's expert tensor, mapped over CUDA IPC (the copy engines over NVLink: no SMs, no NCCL kernels, "
-           "one side posts); 'off' = NCCL send/recv. Halves the decode thread's work per boundary, but decode p99 "
-           "during moves was higher than with NCCL in the one A/B run so far; falls back to NCCL where a rank "
-           "cannot map"),
+           "a transfer between GPUs of one node is pulled by its destination straight from the source's expert "
+           "tensor, mapped over CUDA IPC (the copy engines over NVLink: no SMs, no NCCL kernels, one side posts); "
+           "a one-node plan is then posted by the transfer thread, and the decode loop only switches (15-29 us per "
+           "boundary against NCCL's ~250-300); 'off' = NCCL send/recv posted by the decode loop. Decode p99 over a "
+           "whole rebalance was not yet shown better than NCCL's (its placement phase dominates); falls back to NCCL "
+           "where a rank cannot map"),
     Switch("eplb_affinity", _fraction, "0.25",
            "locality vs balance of the affinity placement: 0 = balance only, 1 = most locality"),
     Switch("dummy_router_clusters", _non_negative_int, "0",

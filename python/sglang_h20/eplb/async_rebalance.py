@@ -148,7 +148,9 @@ class Mode:
     #                           by the transfer thread (`mover`). Posted by the decode loop it took that thread's work
     #                           per boundary from 280-407 to 155-210 us in EP-2 servers, but decode p99 during full
     #                           re-placements rose (pooled 1.32 vs NCCL's 1.09, one run:
-    #                           eplb/async_shuffle_4_peer_ep2_h200.json), so it is off until measured again
+    #                           eplb/async_shuffle_4_peer_ep2_h200.json). Posted by the transfer thread: 15-29 us per
+    #                           boundary, migration phase at steady p99, whole rebalance 0.955 vs NCCL's 0.931 pooled
+    #                           (eplb/async_mover_1_ep2_h200.json, 2 vs 1 servers): off until an A/B says which wins
     layered: bool = True      # SGLang's deepseek placement one layer per call, pace points between (`place_layered`);
     #                           off while our affinity placement (eplb switch) replaces the algorithm: all layers
 

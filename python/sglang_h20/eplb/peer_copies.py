@@ -7,7 +7,9 @@ CUDA IPC handles taken out of torch's shareable handle (as SGLang's own weight s
 this rank's device with lazy peer access, through SGLang's ctypes wrapper of the CUDA runtime (its custom all-reduce
 maps peer buffers the same way); CPU tensors (the multi-process tests) as the shared files they live in.
 Measured (two H200s, eplb/async_shuffle_4_peer_ep2_h200.json): correct, half the decode thread's work per boundary,
-but a higher decode p99 during moves than NCCL: the switch SGLANG_H20_EPLB_ASYNC_PEER is off by default.
+but a higher decode p99 during moves than NCCL. Posted by the transfer thread (a one-node plan, since session 17,
+eplb/async_mover_1_ep2_h200.json): 15-29 us of decode-thread work per boundary, the migration phase's decode p99 at
+0.97-1.005x steady, the whole rebalance's not shown better than NCCL's: SGLANG_H20_EPLB_ASYNC_PEER is off by default.
 """
 from __future__ import annotations
 

@@ -255,9 +255,10 @@ def hooks(settings: Settings) -> list[Hook]:
 
 def enabled(settings: Settings) -> None:
     """Once on: what it measured to cost (the plugin calls this after the feature's line)."""
-    log.warning("sbo: on one GPU this costs more than it hides: with the combine in the down GEMM's epilogue, "
-                "dsv3-ep16-slice served 0.86-0.93x the output tok/s of SBO off on the H200 "
-                "(benchmark/results/sbo/sbo_e2e_*.json); it pays only where a network combine has time to hide")
+    log.warning("sbo: on one GPU this costs more than it hides: our MoE path (with the combine in the down GEMM's "
+                "grid tail) served dsv3-ep16-slice at 0.945x the output tok/s of SBO off on the H200 (earlier "
+                "epilogue forms 0.86-0.93x; benchmark/results/sbo/sbo_e2e_*.json); it pays only where a network "
+                "combine has time to hide")
 
 
 ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD)
