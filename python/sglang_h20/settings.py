@@ -139,7 +139,8 @@ SWITCHES: tuple[Switch, ...] = (
            "balance per GPU is not kept)"),
     Switch("eplb_async_peer", _parse_bool, "off",
            "a transfer between GPUs of one node is pulled by its destination straight from the source's expert "
-           "tensor, mapped over CUDA IPC (the copy engines over NVLink: no SMs, no NCCL kernels, one side posts); "
+           "tensor, mapped over CUDA IPC at startup (the copy engines over NVLink: no SMs, no NCCL kernels, one side "
+           "posts); "
            "a one-node plan is then posted by the transfer thread, and the decode loop only switches (15-29 us per "
            "boundary against NCCL's ~250-300); 'off' = NCCL send/recv posted by the decode loop. Decode p99 over a "
            "whole rebalance was not yet shown better than NCCL's (its placement phase dominates); falls back to NCCL "

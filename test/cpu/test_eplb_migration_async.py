@@ -175,6 +175,8 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
                       get_expert_backup_client=lambda: None, get_weight_updater=lambda: None)
 
     runner = type("Runner", (), {"eplb_manager": mgr})()  # what before_forward reads of a ModelRunner
+    ar.after_model_init(None, runner)  # SGLANG_H20_EPLB_ASYNC_PEER: the ModelRunner.initialize hook maps the peers
+    res_peers = ar._state(mgr).peers   # here: CPU tensors not in shared files, so not possible on any rank
     def pass_batch(decode: bool, other_rank_extends: bool = False):
         mode = type("Mode", (), {"is_decode": lambda _: decode})()
         return type("Batch", (), {"forward_mode": mode, "is_extend_in_batch": other_rank_extends})()
@@ -184,7 +186,8 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
                    and torch.equal(weights[l][1][j], scale(l, int(p2l[l, rank * K + j])))
                    for l in MOE for j in range(K))
 
-    res = {"feature": [decisions["eplb_async"].on, decisions["eplb_async"].reason], "launch": launch}
+    res = {"feature": [decisions["eplb_async"].on, decisions["eplb_async"].reason], "launch": launch,
+           "startup_peers": res_peers}
     os.environ["SGLANG_H20_OBSERVE_DIR"] = dump_dir = os.path.join(outdir, f"dump_{launch}")
     dist.barrier()
     t0 = time.monotonic() + 0.02
@@ -329,11 +332,11 @@ def test_async_rebalance_through_sglang_hooks(world):
         steps = p.pop("placement_steps")
         assert set(p.pop("executor_build_ms")) == {"staging", "views_schedule"}
         assert all(len(v) == n for v in p.values())
-        # with SGLANG_H20_EPLB_ASYNC_PEER=on the first rebalance also tried to share the expert tensors for peer
-        # copies (CPU tensors not in shared files: not possible, so every rank goes through gloo, and the plan
-        # keeps the configured launch mode)
-        assert [x[0] for x in steps] == ["counts", "init_by_eplb", "agree", "plan", "to_devices",
-                                         "share_weights", "executor"]
+        # with SGLANG_H20_EPLB_ASYNC_PEER=on the startup hook already tried to share the expert tensors for peer
+        # copies (CPU tensors not in shared files: not possible on any rank, so every rank goes through gloo, the plan
+        # keeps the configured launch mode, and the rebalance does not try again)
+        assert res["startup_peers"] is None
+        assert [x[0] for x in steps] == ["counts", "init_by_eplb", "agree", "plan", "to_devices", "executor"]
         assert h["pulled_bytes"] == 0 and h["received_bytes"] > 0
         assert all(0 <= a <= b for _, a, b in steps) and steps == [list(s) for s in h["placement_steps"]]
         assert p["end_ms"] == sorted(p["end_ms"]) and p["end_ms"][0] > 0
@@ -382,6 +385,30 @@ def test_async_rebalance_rank_killed_survivors_abort(world):
     # survivors on a loaded 2-core CI box ({413, 437}; not reproduced in other runs): printed, not asserted.
     print(f"survivors' abort steps: {sorted(end)}")
     assert all(step is not None for step in end)
+
+
+def test_map_peers_failure_leaves_the_mapping_to_the_first_rebalance(tmp_path, caplog):
+    """The startup hook's mapping (`map_peers`) never fails the server: an error leaves st.peers unset (the first
+    rebalance maps them then, or falls back to NCCL) with one WARNING line."""
+    import torch.distributed as dist
+
+    from sglang_h20.eplb import async_rebalance as ar
+
+    def no_model():
+        raise RuntimeError("model not loaded")
+
+    mgr = types.SimpleNamespace(_get_model=no_model, _server_args=types.SimpleNamespace(nnodes=1))
+    ar.map_peers(mgr)  # no process group yet: nothing to map with, nothing said
+    assert ar._state(mgr).peers is ... and not caplog.records
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sglang_h20.eplb.async"):
+            ar.map_peers(mgr)
+    finally:
+        dist.destroy_process_group()
+    assert ar._state(mgr).peers is ...
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "not mapped at startup" in caplog.records[0].getMessage()
 
 
 # ----------------------------------------------------------------------------- start gate (in-process)

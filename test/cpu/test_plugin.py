@@ -218,7 +218,7 @@ def test_every_built_feature_hook_target_resolves(monkeypatch):
     monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 140.0))  # tables are per GPU
     env = {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_FP8_MLA": "1", "SGLANG_H20_SWAPAB": "1",
            "SGLANG_H20_SBO": "1", "SGLANG_H20_EPLB": "affinity", "SGLANG_H20_OBSERVE": "0.01",
-           "SGLANG_H20_EPLB_ASYNC": "1", "SGLANG_H20_DUMMY_ROUTER_CLUSTERS": "8"}
+           "SGLANG_H20_EPLB_ASYNC": "1", "SGLANG_H20_EPLB_ASYNC_PEER": "on", "SGLANG_H20_DUMMY_ROUTER_CLUSTERS": "8"}
     s = Settings.from_env(env)
     built = [f for f in FEATURES if f.module is not None]
     assert {"mha_mla_policy", "eplb", "eplb_async", "observe"} <= {f.name for f in built}

@@ -58,7 +58,8 @@ Hook targets: `EPLBManager.__init__` (AFTER: create the dedicated migration proc
 initialised with its P2P connections, at startup rather than in the serving loop), `EPLBManager.rebalance`
 (AROUND), `EPLBManager.on_forward_pass_end` (AFTER: one timestamp per pass, so each rebalance logs the
 wall time between passes it spanned against the passes before it: "pass intervals ... p99 ratio") and
-`ModelRunner.forward` (BEFORE: whether the pass decodes, for the same line over decode passes only).
+`ModelRunner.forward` (BEFORE: whether the pass decodes, for the same line over decode passes only); with peer
+copies also `ModelRunner.initialize` (AFTER: map the node's expert tensors once the model is loaded, `map_peers`).
 Trigger options stay upstream: `eplb_rebalance_num_iterations` (the `_entrypoint` loop calls our
 rebalance), `eplb_min_rebalancing_utilization_threshold`, disable/enable_rebalance.
 
@@ -102,6 +103,7 @@ INIT_TARGET = MANAGER + ".__init__"
 REBALANCE_TARGET = MANAGER + ".rebalance"
 PASS_TARGET = MANAGER + ".on_forward_pass_end"
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+MODEL_INIT_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
 
 # ExpertLocationMetadata fields that route tokens (the list upstream's `update` copies), dim 0 = layer
 ROUTING_FIELDS = ("physical_to_logical_map", "physical_to_logical_map_cpu",
@@ -326,6 +328,45 @@ def dump_intervals(out_dir: str, mid: str, intervals: dict[str, list[float]], pa
         (path / f"eplb_async_{mid}_rank{rank}.json").write_text(json.dumps(rec))
     except OSError as e:
         log.warning("eplb_async: pass intervals of %s not written to %s: %s", mid, out_dir, e)
+
+
+def _share(st: _State, rank: int, topo: Topology, weights, moe) -> None:
+    """st.peers = the node's expert tensors mapped here (`share_weights`, collective over the ranks; None where any
+    rank cannot map)."""
+    store = dist.PrefixStore("sglang_h20/eplb_peers/", dist.distributed_c10d._get_default_store())
+    st.peers = share_weights(store, rank, topo, {l: list(weights[l]) for l in moe}, TUNING.placement_timeout_s)
+    log.info("eplb_async: peer copies %s", "on: NVLink transfers pulled over CUDA IPC"
+             if st.peers is not None else "off: every transfer through the migration group")
+
+
+def map_peers(manager) -> None:
+    """Peer copies: map the node's expert tensors now, once the model is loaded (startup, every rank), not in the
+    first rebalance's placement thread: there the mapping (56 ms, CUDA IPC opens) slowed the decode passes beside it
+    to 17-23 ms in EP-2 servers (eplb/async_mover_1_ep2_h200.json). A failure leaves it to that rebalance."""
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    st = _state(manager)
+    if st.peers is not ... or not dist.is_initialized():
+        return
+    try:
+        meta = get_global_expert_location_metadata()
+        weights = manager._get_model().routed_experts_weights_of_layer
+        rank, world = dist.get_rank(st.group), dist.get_world_size(st.group)
+        nnodes = int(getattr(manager._server_args, "nnodes", 1) or 1)
+        _share(st, rank, Topology(nnodes, world // nnodes, meta.num_local_physical_experts), weights,
+               sorted(int(l) for l in weights))
+    except Exception as e:  # the first rebalance maps them instead (or falls back to NCCL, one line)
+        st.peers = ...
+        log.warning("eplb_async: peer copies not mapped at startup (%s: %s); the first rebalance tries",
+                    type(e).__name__, e)
+
+
+def after_model_init(_result, runner, *args, **kwargs):
+    """AFTER ModelRunner.initialize (the model loaded; on every rank, drafts without EPLB aside): `map_peers`."""
+    manager = getattr(runner, "eplb_manager", None)
+    if manager is not None:
+        map_peers(manager)
+    return None
 
 
 def after_init(_result, manager, *args, **kwargs):
@@ -618,17 +659,12 @@ class _Job:
         self._step("executor")
 
     def _peers(self, topo, weights, moe):
-        """The node's expert tensors mapped here for peer copies: shared at this server's first rebalance (every
-        rank takes part; no rank has posted a transfer yet), then reused; None where not possible."""
-        st = self.state
-        if st.peers is ...:
-            store = dist.PrefixStore("sglang_h20/eplb_peers/", dist.distributed_c10d._get_default_store())
-            st.peers = share_weights(store, self.rank, topo, {l: list(weights[l]) for l in moe},
-                                     TUNING.placement_timeout_s)
-            log.info("eplb_async: peer copies %s", "on: NVLink transfers pulled over CUDA IPC"
-                     if st.peers is not None else "off: every transfer through the migration group")
+        """The node's expert tensors mapped here for peer copies: at startup (`map_peers`), else at this server's
+        first rebalance (every rank takes part; no rank has posted a transfer yet); None where not possible."""
+        if self.state.peers is ...:
+            _share(self.state, self.rank, topo, weights, moe)
             self._step("share_weights")
-        return st.peers
+        return self.state.peers
 
     def _step(self, name: str) -> None:
         """Placement thread: `name` ended now; its (start, end) in ms from the job's creation (`steps`), to line
@@ -843,4 +879,5 @@ def hooks(settings: Settings) -> list[Hook]:
                                                               settings["eplb_async_shuffle"],
                                                               settings["eplb_async_peer"],
                                                               layered=settings["eplb"] != "affinity")), "around"),
-            Hook(PASS_TARGET, after_pass, "after"), Hook(FORWARD_TARGET, before_forward, "before")]
+            Hook(PASS_TARGET, after_pass, "after"), Hook(FORWARD_TARGET, before_forward, "before")] + (
+        [Hook(MODEL_INIT_TARGET, after_model_init, "after")] if settings["eplb_async_peer"] else [])
