@@ -125,7 +125,7 @@ def pooled_decode_p99(dump: Path) -> list[dict]:
     for f in sorted(dump.glob("eplb_async_*_rank*.json")):
         r = json.loads(f.read_text())
         by_id.setdefault(r["id"], []).append(r)
-    out, after = [], {}  # after: id -> (during, before) of decode passes right after a decode pass
+    out = []
     for mid, ranks in by_id.items():
         during = [x for r in ranks for x in r["decode_during"]]
         before = [x for r in ranks for x in r["decode_before"]]
@@ -135,21 +135,24 @@ def pooled_decode_p99(dump: Path) -> list[dict]:
                      "decode_before_ms": [round(x, 2) for x in before],
                      **by_phase([r["passes"] for r in ranks if r.get("passes")]),
                      **placement_timeline(ranks)}
-            if all("decode_after_decode_during" in r for r in ranks):
-                after[mid] = tuple([x for r in ranks for x in r[f"decode_after_decode_{w}"]]
-                                   for w in ("during", "before"))
-                entry["after_decode"] = quantile_ratio_ci95(*after[mid])
+            if all("decode_after_decode_during" in r for r in ranks):  # decode passes right after a decode pass
+                after = [[x for r in ranks for x in r[f"decode_after_decode_{w}"]] for w in ("during", "before")]
+                entry["after_decode"] = quantile_ratio_ci95(*after)
                 entry["after_decode_during_ms"], entry["after_decode_before_ms"] = (
-                    [round(x, 2) for x in xs] for xs in after[mid])
+                    [round(x, 2) for x in xs] for xs in after)
             out.append(entry)
     if len(out) > 1:  # several full re-placements (e.g. an async-shuffle arm): one ratio over all of them
-        during = [x for p in out for x in p["decode_during_ms"]]
-        before = [x for p in out for x in p["decode_before_ms"]]
-        entry = {"id": "all", "rebalances": [p["id"] for p in out], **quantile_ratio_ci95(during, before)}
-        if len(after) == len(out):
-            entry["after_decode"] = quantile_ratio_ci95([x for p in out for x in after[p["id"]][0]],
-                                                        [x for p in out for x in after[p["id"]][1]])
-        out.append(entry)
+        out.append({"id": "all", "rebalances": [p["id"] for p in out], **_pooled(out)})
+    return out
+
+
+def _pooled(moves: list[dict]) -> dict:
+    """The decode-pass p99 ratio over several re-placements' stored intervals (`pooled_decode_p99` entries), and
+    over those right after a decode pass where every entry has them."""
+    pool = lambda key: [x for p in moves for x in p[key]]  # noqa: E731
+    out = quantile_ratio_ci95(pool("decode_during_ms"), pool("decode_before_ms"))
+    if all("after_decode_during_ms" in p for p in moves):
+        out["after_decode"] = quantile_ratio_ci95(pool("after_decode_during_ms"), pool("after_decode_before_ms"))
     return out
 
 
@@ -163,14 +166,8 @@ def pooled_by_arm(arms: dict) -> dict:
     out = {}
     for arm, servers in groups.items():
         moves = [p for r in servers for p in r.get("async_decode_p99_pooled", []) if p.get("id") != "all"]
-        if len(servers) < 2 or not moves:
-            continue
-        pool = lambda key: [x for p in moves for x in p.get(key, [])]
-        out[arm] = {"servers": len(servers), "rebalances": len(moves),
-                    **quantile_ratio_ci95(pool("decode_during_ms"), pool("decode_before_ms"))}
-        if all("after_decode_during_ms" in p for p in moves):
-            out[arm]["after_decode"] = quantile_ratio_ci95(pool("after_decode_during_ms"),
-                                                           pool("after_decode_before_ms"))
+        if len(servers) >= 2 and moves:
+            out[arm] = {"servers": len(servers), "rebalances": len(moves), **_pooled(moves)}
     return out
 
 

@@ -140,11 +140,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("eplb_async_peer", _parse_bool, "off",
            "a transfer between GPUs of one node is pulled by its destination straight from the source's expert "
            "tensor, mapped over CUDA IPC at startup (the copy engines over NVLink: no SMs, no NCCL kernels, one side "
-           "posts); "
-           "a one-node plan is then posted by the transfer thread, and the decode loop only switches (15-29 us per "
-           "boundary against NCCL's ~250-300); 'off' = NCCL send/recv posted by the decode loop. Decode p99 over a "
-           "whole rebalance was not yet shown better than NCCL's (its placement phase dominates); falls back to NCCL "
-           "where a rank cannot map"),
+           "posts); a one-node plan is then posted by the transfer thread, and the decode loop only switches (15-29 "
+           "us per boundary against NCCL's ~250-300); 'off' = NCCL send/recv posted by the decode loop. Decode p99 "
+           "over a whole rebalance was not yet shown better than NCCL's (its placement phase dominates); falls back "
+           "to NCCL where a rank cannot map"),
     Switch("eplb_affinity", _fraction, "0.25",
            "locality vs balance of the affinity placement: 0 = balance only, 1 = most locality"),
     Switch("dummy_router_clusters", _non_negative_int, "0",

@@ -344,10 +344,8 @@ def _fp8_grouped_gemm_kernel(
                             stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk,
                             stride_bsn, stride_bsk, KB_PER_SPLIT, SWAP_AB, BLOCK_N, BLOCK_T)
             o_mask = t_mask[:, None] & n_mask[None, :]
-            if COMBINE_TAIL:  # rows only; combined in the grid's tail
-                o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-                tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-            elif COMBINE_TOPK > 0:  # the MoE combine in the epilogue (EpilogueCombine)
+            if COMBINE_TOPK > 0 and not COMBINE_TAIL:  # the MoE combine in the epilogue (EpilogueCombine); tail:
+                # plain rows below (split-K 1, no signal), combined in the grid's tail
                 deferred = _combine_epilogue(
                     res, out_ptr, g64, rows, offs_t, offs_n, t_mask, n_tile, n_tiles, N, MAX_M, pid, deferred,
                     stride_og, stride_om, stride_on, cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr,
@@ -933,7 +931,7 @@ def _pick_split_k(tiles: int, kb: int, num_sms: int) -> int:
     return best
 
 
-def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signal, groups: int) -> None:
+def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signal) -> None:
     if split_k > 1 or signal is not None:
         raise ValueError("combine needs split_k == 1 and no signal (the epilogue replaces the store)")
     if c.tail and c.defer:
@@ -1026,7 +1024,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             raise ValueError(f"signal must be a contiguous int32 [G={groups}, token blocks], got "
                              f"{signal.dtype} {tuple(signal.shape)}")
     if combine is not None:
-        _check_combine(combine, n, cfg["BLOCK_N"], split_k, signal, groups)
+        _check_combine(combine, n, cfg["BLOCK_N"], split_k, signal)
         cmb = (combine.pair_of_row, combine.row_of_pair, combine.weights, combine.counters, combine.out,
                float(combine.weight_scale), combine.out.stride(0))
     else:

@@ -339,6 +339,12 @@ def _share(st: _State, rank: int, topo: Topology, weights, moe) -> None:
              if st.peers is not None else "off: every transfer through the migration group")
 
 
+def _topology(manager, world: int, meta) -> Topology:
+    """The EP world as the migration plans it: nodes from server_args.nnodes, the metadata's slots per GPU."""
+    nnodes = int(getattr(manager._server_args, "nnodes", 1) or 1)
+    return Topology(nnodes, world // nnodes, meta.num_local_physical_experts)
+
+
 def map_peers(manager) -> None:
     """Peer copies: map the node's expert tensors now, once the model is loaded (startup, every rank), not in the
     first rebalance's placement thread: there the mapping (56 ms, CUDA IPC opens) slowed the decode passes beside it
@@ -351,9 +357,7 @@ def map_peers(manager) -> None:
     try:
         meta = get_global_expert_location_metadata()
         weights = manager._get_model().routed_experts_weights_of_layer
-        rank, world = dist.get_rank(st.group), dist.get_world_size(st.group)
-        nnodes = int(getattr(manager._server_args, "nnodes", 1) or 1)
-        _share(st, rank, Topology(nnodes, world // nnodes, meta.num_local_physical_experts), weights,
+        _share(st, dist.get_rank(st.group), _topology(manager, dist.get_world_size(st.group), meta), weights,
                sorted(int(l) for l in weights))
     except Exception as e:  # the first rebalance maps them instead (or falls back to NCCL, one line)
         st.peers = ...
@@ -636,13 +640,11 @@ class _Job:
         if agreed != digest:
             raise RuntimeError("ranks computed different placements (crc32 %s vs %s)" % (digest, agreed))
         self._step("agree")
-        k = cur.num_local_physical_experts
-        nnodes = int(getattr(m._server_args, "nnodes", 1) or 1)
-        topo = Topology(nnodes, self.world // nnodes, k)
+        topo = _topology(m, self.world, cur)
         E = cur.num_logical_experts
         expert_bytes = sum(t[0].numel() * t.element_size() for t in weights[moe[0]])
         layers_per_chunk = getattr(m._server_args, "eplb_rebalance_layers_per_chunk", None)
-        budget = (layers_per_chunk or TUNING.staging_layers) * k * expert_bytes
+        budget = (layers_per_chunk or TUNING.staging_layers) * topo.slots_per_gpu * expert_bytes
         self.plan = plan_migration(Placement(old, topo, E), Placement(p2l, topo, E, "sglang"),
                                    expert_bytes, budget)
         self._step("plan")

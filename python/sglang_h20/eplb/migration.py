@@ -911,8 +911,9 @@ class MigrationExecutor:
         return received
 
     def _build_units(self, tids) -> tuple[list, set[int]] | None:
-        """This rank's part of `tids`, one unit per transfer in their order: ("copy", (src, dst)) or
-        ("p2p", [(op, tensor, peer, tag, what), ...]); and the tids received here. A unit may read a staging
+        """This rank's part of `tids`, one unit per transfer in their order: ("copy", (src, dst)), ("pull",
+        [(mapped peer tensor, slot, dst), ...]) or ("p2p", [(op, tensor, peer, tag, what), ...]); and the tids
+        received here. A unit may read a staging
         buffer an earlier unit fills (a forward), so they are posted in this order."""
         me, plan = self.rank, self.plan
         mine = [plan.transfers[i] for i in tids
