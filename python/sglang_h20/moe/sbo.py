@@ -108,7 +108,7 @@ COMBINE_MODES = ("tail", "fused", "overlap", "serial")
 # GEMM, which streams weights at full bandwidth on every SM: on the H200 that cost 3-5% of the GEMM, as much as
 # the whole combine (bench_sbo_h200.json); the per-tile epilogue forms ("fused": a count per row and tile) were
 # 1.02-1.09x GEMM-then-combine (bench_sbo_gather_h200.json). The tail form was the first below it:
-# 0.984-0.994x, 31-63% of the combine's time hidden (bench_sbo_tail_h200.json, bench_sbo_tail2_h200.json).
+# 0.984-0.993x, 31-63% of the combine's time hidden (bench_sbo_tail_h200.json, bench_sbo_tail2_h200.json).
 ONE_GPU_COMBINE = "tail"
 
 
