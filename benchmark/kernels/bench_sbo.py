@@ -12,6 +12,9 @@ so launch overhead is out; a point whose capture fails is timed eagerly and says
   serial              moe_down_and_combine(overlap=False): GEMM, then combine, one stream
   overlap[b]          moe_down_and_combine(overlap=True, combine_sms=b)
   overlap_nosleep[b]  the same with spin_sleep_ns=0 (the consumer polls without pausing: what the back-off buys)
+  colocated[b]        overlap with colocate=True: the GEMM keeps every SM, the b consumer programs run beside its
+                      programs on the same SMs (no SM lent); colocated_hidden_pct[b] = the share of
+                      (serial - gemm_alone) it removes
   fused               moe_down_and_combine(fused=True): the combine in the down GEMM's epilogue, one kernel on
                       every SM: the tile completing a token's N-range sums its top_k rows (order_error vs serial)
   fused+shared        the shared expert on a second stream beside fused
@@ -224,6 +227,16 @@ def main(argv=None) -> int:
             s[f"overlap_nosleep[{b}]"] = add("overlap_nosleep",
                                              down(overlap=True, combine_sms=b, status=status, spin_sleep_ns=0), b)
             s[f"overlap+shared[{b}]"] = add("overlap+shared", beside_shared(overlapped), b)
+            colocated = down(overlap=True, combine_sms=b, status=status, colocate=True)
+            status.zero_()
+            out.fill_(float("nan"))
+            colocated()
+            torch.cuda.synchronize()
+            cerr = sbo.order_error(out, ref)
+            csame = cerr <= 1 and int(status) == 0
+            s[f"colocated[{b}]"] = add("colocated", colocated, b, equal_to_serial=csame, order_error=cerr)
+            s[f"colocated_hidden_pct[{b}]"] = 100 * (s["serial"] - s[f"colocated[{b}]"]) / (s["serial"] - s["gemm_alone"])
+            same = same and csame
             if not same:
                 print(f"batch {t}: overlapped output differs from serial at budget {b}!", file=sys.stderr)
         best = min(args.budgets, key=lambda b: s[f"overlap[{b}]"])
@@ -273,6 +286,9 @@ def main(argv=None) -> int:
         print(f"batch {t}: serial {s['serial']:.1f} us, overlap {best_us:.1f} us "
               f"(b={s['best_budget']}, gain {s['overlap_gain_us']:.1f} us, GEMM +{s['gemm_slowdown_pct_at_best']:.1f}%), "
               f"with shared: gain {s['with_shared_gain_us']:.1f} us")
+        print(f"batch {t}: colocated " + ", ".join(f"b={b} {s[f'colocated[{b}]']:.1f} us "
+                                                   f"({s[f'colocated_hidden_pct[{b}]']:.0f}% hidden)"
+                                                   for b in args.budgets))
     return 0 if all_equal else 1
 
 
@@ -360,6 +376,10 @@ def plot(summary, budgets, png: Path):
                     label=f"overlap{suffix}, {b} SMs to combine")
         ax.plot(batches, [summary[t][f"fused{suffix}"] for t in batches], "g-^", label=f"fused{suffix} (epilogue combine)")
         if not suffix:
+            for b in budgets:
+                ax.plot(batches, [summary[t][f"colocated[{b}]"] for t in batches], "-.d",
+                        label=f"colocated, {b} consumer programs beside the GEMM")
+            ax.plot(batches, [summary[t]["fused_tail"] for t in batches], "m-v", label="fused_tail (grid-tail combine)")
             ax.plot(batches, [summary[t]["gemm_alone"] for t in batches], ":", label="down GEMM alone")
             ax.plot(batches, [summary[t]["combine_alone"] for t in batches], ":", label="combine alone")
         ax.set_xlabel("batch (tokens)")

@@ -311,7 +311,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
                          max_spin: int = DEFAULT_MAX_SPIN, status: torch.Tensor | None = None,
                          y: torch.Tensor | None = None, spin_sleep_ns: int = DEFAULT_SPIN_SLEEP_NS,
                          fused: bool = False, counts_only: bool = False, defer: bool = False,
-                         tail: bool = False) -> torch.Tensor:
+                         tail: bool = False, colocate: bool = False) -> torch.Tensor:
     """Down GEMM (FP8 1x128 x 128x128 blocks, bf16 out) + local combine into out [T, H] bf16.
 
     q [rows, I] (contiguous layout) or [E, max_m, I] (masked) fp8 with q_scale; w2 [E, H, I] fp8,
@@ -331,7 +331,9 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     defer (with fused): each program gathers the (token, N-tile)s its tiles completed after its last GEMM tile
     (grouped_gemm_fp8 module doc); the same sums. tail (with fused): no per-tile count; every program arrives at one
     grid-wide counter after its last tile, then all gather (token, N-tile)s side by side (grouped_gemm_fp8 module
-    doc); the same sums.
+    doc); the same sums. colocate (with overlap): the GEMM keeps every SM and the combine_sms consumer programs
+    run beside its programs on the same SMs instead of on lent ones (the swapAB down GEMM's two programs per SM
+    leave room for one consumer program: 2 x 55 KB + 4 KB shared memory, 2 x 128 x 102 + 128 x 166 registers).
     """
     num_tokens = topk_weights.shape[0]
     e, hdim, inter = w2.shape
@@ -380,7 +382,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     main, side = torch.cuda.current_stream(q.device), side_stream(q.device)
     ws.gemm_part.zero_()  # signals (and the internal status) before the GEMM counts into them
     side.wait_stream(main)  # inputs and zeroed signals are ready; the GEMM below is not waited for
-    gemm(ws.signal, sms - budget)  # first, so it never waits behind a spinning consumer
+    gemm(ws.signal, None if colocate else sms - budget)  # first, so it never waits behind a spinning consumer
     with torch.cuda.stream(side):
         ws.combine_part.zero_()  # acc + counts, beside the GEMM's first tiles
         combine(y, layout, topk_weights, out, signal=ws.signal, expect=triton.cdiv(hdim, bn),

@@ -90,9 +90,10 @@ def test_overlap_equals_plain_many_routings(mods, weights, experts, masked):
         t = [1, 3, 8, 16, 32, 56, 64, 100][seed % 8]
         lay, w, q, qs, wq, ws = case(mods, weights, t, experts, seed, masked)
         plain, st0 = run(sbo, lay, w, q, qs, wq, ws, overlap=False)
-        for rep in range(3):
+        for rep in range(5):  # the last two: consumer programs beside the GEMM's on the same SMs (colocate)
             y = nan_y(lay, t)
-            over, st = run(sbo, lay, w, q, qs, wq, ws, overlap=True, y=y, combine_sms=[2, 8, 16][rep])
+            over, st = run(sbo, lay, w, q, qs, wq, ws, overlap=True, y=y, combine_sms=[2, 8, 16, 16, 132][rep],
+                           colocate=rep >= 3)
             assert int(st) == 0 and int(st0) == 0
             assert sbo.order_error(over, plain) <= 1, (seed, t, rep, sbo.order_error(over, plain))
             r64 = combine64(y, lay, w)
@@ -113,7 +114,7 @@ def test_some_experts_are_empty(mods):
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_race_stress(mods, weights, masked):
-    """Thousands of overlapped calls, varying SM budgets and token tiles: never a mismatch, never a NaN."""
+    """Thousands of overlapped calls, varying SM budgets, tile configs and colocation: never a mismatch, never a NaN."""
     _, _, sbo = mods
     configs = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32},
                {"BLOCK_N": 128, "BLOCK_T": 16, **FLAT_TMA}]
@@ -128,8 +129,9 @@ def test_race_stress(mods, weights, masked):
     for it in range(iters):
         lay, w, q, qs, wq, ws, plains = cases[it % len(cases)]
         ci = (it // 3) % len(configs)
-        budget = [1, 2, 4, 8, 16, 32][it % 6]
-        out, st = run(sbo, lay, w, q, qs, wq, ws, overlap=True, combine_sms=budget, config=configs[ci])
+        budget = [1, 2, 4, 8, 16, 32, 132][it % 7]
+        out, st = run(sbo, lay, w, q, qs, wq, ws, overlap=True, combine_sms=budget, config=configs[ci],
+                      colocate=it % 2 == 1)
         outs.append((it, out, st, plains[ci]))
         if len(outs) == 100:  # compare in batches: no host sync inside the stream of launches
             bad += [i for i, o, s, p in outs if int(s) != 0 or not sbo.order_error(o, p) <= 1]
