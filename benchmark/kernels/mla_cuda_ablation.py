@@ -10,9 +10,6 @@ design. The "Ablations" paragraph of the v2 .cu's header says exactly what each 
   NO_MERGE      the per-tile O rescale + add (P'V accumulates straight into O)
   EMPTY         the whole split kernel (what is left: the launch, the Q pre-pass, the combine kernel)
   A+B           several at once; ALL = every NO_* switch (the synchronization skeleton); ALL-X = all but X (X alone)
-Options (mla_decode_cuda.OPTIONS, named in full) build another form of the same work, with right results, e.g.
-MLA_V2_PV_HALVES+MLA_V2_NO_FAST_MERGE: v2's P'V merge as it was before 2026-12-01 (the .cu's header says what each
-does); "saved" is then what the default form gains over that one.
 
 How to read the deltas. "saved" = default us - variant us: what that part costs when it is removed. A part that
 runs overlapped with other work saves ~0 when removed alone, although it is not free: remove its partner too (A+B),
@@ -72,31 +69,28 @@ def parse_point(text: str) -> tuple[int, int, int, int]:
 
 
 def _switches() -> list[str]:
-    """The ablation switches without their prefix, then the kernels' A/B options by their full names."""
     import importlib
-    cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-    return [a[len(PREFIX):] for a in cu.ABLATIONS] + list(cu.OPTIONS)
+    return [a[len(PREFIX):] for a in importlib.import_module("sgl_kernel_ext.mla_decode_cuda").ABLATIONS]
 
 
 def parse_variant(spec: str, switches: list[str]) -> tuple[str, ...]:
-    """'NO_QK+NO_PV' -> the sorted -D names; ALL = every NO_* switch; '-X' takes X out again. An option
-    (e.g. MLA_V2_PV_HALVES: another form of the same work, results right) is named in full and combines too."""
-    terms = re.findall(r"([+-]?)([A-Za-z_0-9]+)", spec)
+    """'NO_QK+NO_PV' -> the sorted -D names; ALL = every NO_* switch; '-X' takes X out again."""
+    terms = re.findall(r"([+-]?)([A-Za-z_]+)", spec)
     if not terms or "".join(s + n for s, n in terms) != spec.replace(" ", ""):
         raise ValueError(f"variant {spec!r}: want names joined by + or -, e.g. NO_QK+NO_PV or ALL-NO_LOAD")
     names: set[str] = set()
     for sign, name in terms:
         name = name.upper()
         if name == "ALL":
-            group = {PREFIX + s for s in switches if s.startswith("NO_")}
+            group = {s for s in switches if s.startswith("NO_")}
         elif name in switches:
-            group = {name if name.startswith("MLA_") else PREFIX + name}
+            group = {name}
         else:
             raise ValueError(f"variant {spec!r}: unknown switch {name} (have {', '.join(switches)}, ALL)")
         names = names - group if sign == "-" else names | group
     if not names:
         raise ValueError(f"variant {spec!r} removes nothing (the default is always timed)")
-    return tuple(sorted(names))
+    return tuple(sorted(PREFIX + n for n in names))
 
 
 def parse_args(argv=None):

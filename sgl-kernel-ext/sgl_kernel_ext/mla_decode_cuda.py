@@ -44,7 +44,7 @@ from .mla_decode import (
 )
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
-           "VERSIONS", "ABLATIONS", "OPTIONS"]
+           "VERSIONS", "ABLATIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
@@ -61,8 +61,6 @@ _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
 # compile-time switches of both versions, each removing one part of the split kernel's work (results wrong)
 ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_PV", "MLA_ABLATE_NO_QK",
              "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
-# compile-time A/B options of version 2 (another form of the same work, results right; the .cu header says which)
-OPTIONS = ("MLA_V2_PV_HALVES", "MLA_V2_NO_FAST_MERGE")
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up

@@ -18,28 +18,13 @@ import pytest
 
 cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
 
-# QGMMA instructions in the SASS per version and part: (shape, count).
+# QGMMA instructions in the SASS per version: (shape, count).
 # v1: QK^T m64n32k32 x 18 (16 latent + 2 rope), PV m64n128k32 x 4 (2 halves x 2 k-steps).
-# v2: QK^T m64n64k32 x 18; PV m64n64k32 x 16 (4 quarters x 2 k-steps, the per-tile P'V inlined twice: own tile and
-# the other WG's); with -DMLA_V2_PV_HALVES PV m64n128k32 x 8 (2 halves x 2 k-steps, twice).
-_F8 = "QGMMA.{}.F32.E4M3.E4M3"
-QGMMA_PARTS = {
-    1: {"qk": (_F8.format("64x32x32"), 18), "pv": (_F8.format("64x128x32"), 4)},
-    2: {"qk": (_F8.format("64x64x32"), 18), "pv": (_F8.format("64x64x32"), 16)},
+# v2: QK^T m64n64k32 x 18; PV m64n128k32 x 8 (the per-tile P'V is inlined twice: own tile and the other WG's).
+EXPECTED_QGMMA = {
+    1: {"QGMMA.64x32x32.F32.E4M3.E4M3": 18, "QGMMA.64x128x32.F32.E4M3.E4M3": 4},
+    2: {"QGMMA.64x64x32.F32.E4M3.E4M3": 18, "QGMMA.64x128x32.F32.E4M3.E4M3": 8},
 }
-PV_HALVES_V2 = (_F8.format("64x128x32"), 8)
-
-
-def expected_qgmma(version: int, defines=()) -> dict[str, int]:
-    """Shape -> count of the build of `version` with these -D names (parts an ablation removes count 0)."""
-    parts = dict(QGMMA_PARTS[version])
-    if version == 2 and "MLA_V2_PV_HALVES" in defines:
-        parts["pv"] = PV_HALVES_V2
-    want: dict[str, int] = {}
-    for part, (shape, n) in parts.items():
-        gone = any(f"MLA_ABLATE_{x}" in defines for x in (f"NO_{part.upper()}", "EMPTY"))
-        want[shape] = want.get(shape, 0) + (0 if gone else n)
-    return want
 
 
 def _cuobjdump() -> str | None:
@@ -86,9 +71,8 @@ def test_sass_has_fp8_wgmma(compiled):
     if tool is None:
         pytest.skip("cuobjdump not found")
     sass = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, timeout=120).stdout
-    want = expected_qgmma(version)
-    got = {shape: sass.count(shape) for shape in want}
-    assert got == want, f"v{version}: QGMMA counts {got}, want {want}"
+    got = {shape: sass.count(shape) for shape in EXPECTED_QGMMA[version]}
+    assert got == EXPECTED_QGMMA[version], f"v{version}: QGMMA counts {got}, want {EXPECTED_QGMMA[version]}"
     if version == 2:  # warp specialization: the register split and no local memory in the math warpgroups
         assert "USETMAXREG" in sass, "v2: setmaxnreg missing from the SASS"
         assert not re.search(r"\b(STL|LDL)\b", sass), "v2: local memory traffic in the SASS"
@@ -117,11 +101,10 @@ ablation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ablation)
 
 # every switch alone and every variant the ablation script times by default
-_SWITCHES = ablation._switches()
-# plus the v2 options alone, together (the form measured before 2026-12-01), and with the parts they touch removed
-ABLATION_VARIANTS = list(dict.fromkeys(_SWITCHES + ablation.DEFAULT_VARIANTS + [
-    "MLA_V2_PV_HALVES+MLA_V2_NO_FAST_MERGE", "MLA_V2_PV_HALVES+NO_PV", "MLA_V2_PV_HALVES+NO_MERGE",
-    "MLA_V2_PV_HALVES+NO_PV+NO_MERGE"]))
+_SWITCHES = [a[len(ablation.PREFIX):] for a in cu.ABLATIONS]
+ABLATION_VARIANTS = list(dict.fromkeys(_SWITCHES + ablation.DEFAULT_VARIANTS))
+_QK_SHAPE = {1: "QGMMA.64x32x32.F32.E4M3.E4M3", 2: "QGMMA.64x64x32.F32.E4M3.E4M3"}
+_PV_SHAPE = "QGMMA.64x128x32.F32.E4M3.E4M3"
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +149,10 @@ def test_ablation_build(ablation_builds, version, variant):
     if sass is None:
         pytest.skip("cuobjdump not found")
     defines = ablation.parse_variant(variant, _SWITCHES)
-    want = expected_qgmma(version, defines)
+    base = EXPECTED_QGMMA[version]
+    gone = lambda s: any(f"{ablation.PREFIX}{x}" in defines for x in (s, "EMPTY"))  # noqa: E731
+    want = {_QK_SHAPE[version]: 0 if gone("NO_QK") else base[_QK_SHAPE[version]],
+            _PV_SHAPE: 0 if gone("NO_PV") else base[_PV_SHAPE]}
     got = {shape: sass.count(shape) for shape in want}
     assert got == want, f"v{version} {variant}: QGMMA counts {got}, want {want}"
 

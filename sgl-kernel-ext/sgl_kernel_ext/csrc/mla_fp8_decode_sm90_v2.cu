@@ -82,19 +82,6 @@
 // unused). test_mla_decode_cuda_build.py pins each build's QGMMA count.
 #include "mla_fp8_sm90_common.cuh"
 
-// Options of the P'V merge (A/B switches for benchmark/kernels/mla_cuda_ablation.py; the default is the tuned form):
-//   -DMLA_V2_PV_HALVES       P'V in two m64n128k32 halves, each waited for and merged before the next is issued
-//                            (the form measured until 2026-12-01) instead of four m64n64k32 quarters with two
-//                            accumulators in flight, so a quarter's merge overlaps the next quarter's wgmmas
-//   -DMLA_V2_NO_FAST_MERGE   always O = O alpha + acc beta; by default a warp whose rows kept their max (and C)
-//                            adds O += acc beta (one FFMA per element instead of FMUL + FFMA)
-#ifndef MLA_V2_PV_HALVES
-#define MLA_V2_PV_HALVES 0
-#endif
-#ifndef MLA_V2_NO_FAST_MERGE
-#define MLA_V2_NO_FAST_MERGE 0
-#endif
-
 namespace mla_fp8_sm90_v2 {
 
 using namespace mla_fp8_common;
@@ -134,41 +121,6 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float* d, uint64_t da, uint
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(da), "l"(db), "r"(scale_d));
-}
-
-// O (NJ groups of 4 accumulator entries: rows r0, r0 + 8 x 2 channels each) += P'V of one tile: O alpha + acc beta
-// per row, or, when no row of the warp changed its max nor C (`fast`, warp-uniform: alpha is exactly 1 then),
-// O + acc beta, one FFMA per element.
-template <int NJ>
-__device__ __forceinline__ void merge_pv(float* o, const float* acc, const float* alpha, const float* beta,
-                                         bool fast) {
-  if (fast) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      o[j * 4 + 0] = fmaf(acc[j * 4 + 0], beta[0], o[j * 4 + 0]);
-      o[j * 4 + 1] = fmaf(acc[j * 4 + 1], beta[0], o[j * 4 + 1]);
-      o[j * 4 + 2] = fmaf(acc[j * 4 + 2], beta[1], o[j * 4 + 2]);
-      o[j * 4 + 3] = fmaf(acc[j * 4 + 3], beta[1], o[j * 4 + 3]);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      o[j * 4 + 0] = fmaf(o[j * 4 + 0], alpha[0], acc[j * 4 + 0] * beta[0]);
-      o[j * 4 + 1] = fmaf(o[j * 4 + 1], alpha[0], acc[j * 4 + 1] * beta[0]);
-      o[j * 4 + 2] = fmaf(o[j * 4 + 2], alpha[1], acc[j * 4 + 2] * beta[1]);
-      o[j * 4 + 3] = fmaf(o[j * 4 + 3], alpha[1], acc[j * 4 + 3] * beta[1]);
-    }
-  }
-}
-
-// acc (+)= P' V^T for 64 channels (va: their 64 V^T rows, 4096 B), issued as one wgmma group and not waited for
-template <bool ACCUMULATE = false>
-__device__ __forceinline__ void pv_quarter(float* acc, uint32_t pa, uint32_t va) {
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < 2; ++ks)
-    wgmma_m64n64k32_e4m3(acc, desc_sw64(pa + ks * 32), desc_sw64(va + ks * 32), ACCUMULATE ? 1 : ks);
-  wgmma_commit();
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -334,13 +286,11 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     mbar_wait(bar_full_p + 8 * pb, (t >> 1) & 1);
     MLA_TRACE(18);
     fence_proxy_async();
-    float alpha[2] = {1.f, 1.f}, beta[2] = {1.f, 1.f};
-    bool kept = true;  // this thread's rows kept their max M and C kept its value: alpha == 1
+    float alpha[2], beta[2];
     if constexpr (!MLA_ABLATE_NO_MERGE) {
       const float ci = xc[pb];  // >= 1e-30
       const float c_new = fmaxf(C, ci);
       const float rc = 1.f / c_new;
-      kept = c_new == C;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float mi = xm[pb * ROWS + r0 + 8 * h];
@@ -348,57 +298,30 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
         alpha[h] = ex2(M[h] - m_use) * (C * rc);   // M = -inf -> 0 (O is 0 then)
         beta[h] = ex2(mi - m_use) * (ci * rc);     // mi = -inf -> 0 (P' of the tile is 0 then)
-        kept = kept && m_new == M[h];  // (M = m_new = -inf: O is still 0, O + acc beta is right too)
         M[h] = m_new;
       }
       C = c_new;
     }
-    const bool fast = !MLA_V2_NO_FAST_MERGE && __all_sync(0xffffffffu, kept);  // warp-uniform branch
     const uint32_t pa = sbase + OFF_P + pb * P_BYTES;
     const uint32_t vt = sbase + OFF_VT + (wg * 2 + (t & 1)) * VTH_BYTES;
-    if constexpr (MLA_V2_PV_HALVES) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        if constexpr (MLA_ABLATE_NO_MERGE) {  // ablation: P'V accumulates straight into O, no rescale (or none)
-          if constexpr (!MLA_ABLATE_NO_PV) pv_half<true>(o + half * 64, pa, vt + half * 8192);
-        } else {
-          float acc[64];
-          if constexpr (MLA_ABLATE_NO_PV)
-            stand_in<64>(acc, o + half * 64);  // ablation: no P'V wgmmas, the merge below still runs
-          else
-            pv_half(acc, pa, vt + half * 8192);
-          merge_pv<16>(o + half * 64, acc, alpha, beta, fast);
+    for (int half = 0; half < 2; ++half) {
+      if constexpr (MLA_ABLATE_NO_MERGE) {  // ablation: P'V accumulates straight into O, no rescale (or none: NO_PV)
+        if constexpr (!MLA_ABLATE_NO_PV) pv_half<true>(o + half * 64, pa, vt + half * 8192);
+      } else {
+        float acc[64];
+        if constexpr (MLA_ABLATE_NO_PV)
+          stand_in<64>(acc, o + half * 64);  // ablation: no P'V wgmmas, the merge below still runs
+        else
+          pv_half(acc, pa, vt + half * 8192);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          float* oj = o + half * 64 + j * 4;
+          oj[0] = fmaf(oj[0], alpha[0], acc[j * 4 + 0] * beta[0]);
+          oj[1] = fmaf(oj[1], alpha[0], acc[j * 4 + 1] * beta[0]);
+          oj[2] = fmaf(oj[2], alpha[1], acc[j * 4 + 2] * beta[1]);
+          oj[3] = fmaf(oj[3], alpha[1], acc[j * 4 + 3] * beta[1]);
         }
-      }
-    } else if constexpr (MLA_ABLATE_NO_MERGE) {  // ablation: P'V accumulates straight into O (or nothing: NO_PV)
-      if constexpr (!MLA_ABLATE_NO_PV) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) pv_quarter<true>(o + q * 32, pa, vt + q * 4096);
-        wgmma_wait<0>();
-        fence_regs<128>(o);
-      }
-    } else {
-      // four quarters of 64 channels, two accumulators in flight: quarter q is merged on the CUDA cores while
-      // quarter q + 1 runs on the tensor cores (O 128 + 2 x 32 accumulator registers)
-      float acc[2][32];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        if constexpr (MLA_ABLATE_NO_PV) {
-          stand_in<32>(acc[q & 1], o + q * 32);  // ablation: no P'V wgmmas, the merges still run
-        } else {
-          if (q == 0) {
-            pv_quarter(acc[0], pa, vt);
-            pv_quarter(acc[1], pa, vt + 4096);
-          }
-          if (q < 3)
-            wgmma_wait<1>();  // quarter q done (q + 1 may still run)
-          else
-            wgmma_wait<0>();
-          fence_regs<32>(acc[q & 1]);
-        }
-        merge_pv<8>(o + q * 32, acc[q & 1], alpha, beta, fast);
-        if constexpr (!MLA_ABLATE_NO_PV)
-          if (q < 2) pv_quarter(acc[q & 1], pa, vt + (q + 2) * 4096);  // its fence orders the merge's reads first
       }
     }
     mbar_arrive(bar_empty_p + 8 * pb);  // this thread's wgmmas completed and its m/c reads are done
