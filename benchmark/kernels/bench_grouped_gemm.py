@@ -95,10 +95,28 @@ TUNE_GRID = {
 }
 
 
-def tune_grid(variant: str, walks) -> list[dict]:
-    """TUNE_GRID[variant] restricted to the named walks (--tune-walks)."""
+def tune_grid(variant: str, walks, where: dict | None = None) -> list[dict]:
+    """TUNE_GRID[variant] restricted to the named walks (--tune-walks) and to the values `where` allows per key
+    (--tune-where; a key the grid lacks is an error)."""
     want = [WALKS[w] for w in walks]
-    return [c for c in TUNE_GRID[variant] if {"flat": c["flat"], **({"tma": True} if c.get("tma") else {})} in want]
+    grid = [c for c in TUNE_GRID[variant] if {"flat": c["flat"], **({"tma": True} if c.get("tma") else {})} in want]
+    for key, allowed in (where or {}).items():
+        if not any(key in c for c in TUNE_GRID[variant]):
+            raise ValueError(f"--tune-where {key}: not a tile-config key (have {sorted(TUNE_GRID[variant][0])})")
+        grid = [c for c in grid if c[key] in allowed]
+    return grid
+
+
+def parse_where(text: str) -> tuple[str, set]:
+    """'num_stages=4,5' -> ('num_stages', {4, 5}) (integer values)."""
+    key, sep, vals = text.partition("=")
+    try:
+        allowed = {int(v) for v in vals.split(",") if v}
+    except ValueError:
+        allowed = set()
+    if not sep or not key or not allowed:
+        raise argparse.ArgumentTypeError(f"{text!r}: want KEY=INT[,INT...], e.g. BLOCK_N=128 or num_stages=4,5")
+    return key, allowed
 
 
 def parse_args(argv=None):
@@ -120,6 +138,11 @@ def parse_args(argv=None):
                     help="also sweep each variant's tile grid (TUNE_GRID) and keep the best config per point")
     ap.add_argument("--tune-walks", nargs="+", choices=sorted(WALKS), default=list(WALKS),
                     help="the tile walks --tune sweeps (default: all)")
+    ap.add_argument("--tune-where", nargs="+", type=parse_where, default=[], metavar="KEY=V[,V...]",
+                    help="restrict --tune's grid, e.g. BLOCK_N=128 num_stages=4,5 programs_per_sm=2")
+    ap.add_argument("--size-matched-read", action="store_true",
+                    help="also time the read-only stream over each MoE point's weight bytes (the ceiling a kernel "
+                         "reading that much can reach, launch and ramp included): per point size_matched_read_tbs")
     ap.add_argument("--table-out", type=Path,
                     help="write the integration table here (with --tune: default ~/.cache/sglang_h20/...)")
     ap.add_argument("--table-from", type=Path, help="build the table from this results JSON and exit")
@@ -150,8 +173,9 @@ def _read_sum_kernel(x_ptr, out_ptr, n, NUM_PROGRAMS, BLOCK: tl.constexpr):
     tl.store(out_ptr + pid, tl.sum(acc))
 
 
-def measure_peak_read(rep_ms) -> dict:
-    n = (4 << 30) // 4  # 4 GiB of fp32
+def measure_peak_read(rep_ms, nbytes: int = 4 << 30) -> dict:
+    """The read-only stream over nbytes (default 4 GiB: the steady-state peak), best of 2/4/8 programs per SM."""
+    n = max(1, nbytes // 4)
     x = torch.rand(n, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     best = None
@@ -167,8 +191,24 @@ def measure_peak_read(rep_ms) -> dict:
     x = None  # free the 4 GiB (rebinding, not del: the lambda above names it)
     torch.cuda.empty_cache()
     return {"peak_read_tbs": best["tbs"], "bytes": n * 4, "us": best["us"], "programs": best["programs"],
-            "method": "Triton grid-stride fp32 sum-reduction over 4 GiB (read-only), best of 2/4/8 programs per SM",
+            "method": f"Triton grid-stride fp32 sum-reduction over {n * 4 / 2**30:.3g} GiB (read-only), best of 2/4/8 "
+                      "programs per SM",
             "sum_rel_err": check}
+
+
+def annotate_size_matched(points, peak: dict, rep_ms) -> None:
+    """Time the read-only stream once per distinct MoE weight size, and give every point of that size the rate
+    (size_matched_read_tbs) and its share of it (frac_of_size_matched); peak["size_matched_tbs"]: bytes -> TB/s."""
+    sizes = sorted({p["weight_bytes"] for p in points if p.get("kind") == "moe"})
+    rates = {}
+    for nbytes in sizes:
+        rates[nbytes] = measure_peak_read(rep_ms, nbytes)["peak_read_tbs"]
+        print(f"read-only stream over {nbytes / 1e6:.0f} MB: {rates[nbytes]:.2f} TB/s", flush=True)
+    peak["size_matched_tbs"] = {str(b): r for b, r in rates.items()}
+    for p in points:
+        if p.get("weight_bytes") in rates and p.get("weight_tbs") is not None:
+            p["size_matched_read_tbs"] = rates[p["weight_bytes"]]
+            p["frac_of_size_matched"] = p["weight_tbs"] / rates[p["weight_bytes"]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,7 +417,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         if f"ours-{variant}" not in args.providers:
             continue
         for layout in args.layouts:
-            configs = [None] + (tune_grid(variant, args.tune_walks) if tune else [])
+            configs = [None] + (tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune else [])
             best, tried, trials = None, 0, []  # trials: every tuned config's time, so walks can be compared
             for cfg in configs:
                 if best is not None and time_up():
@@ -639,6 +679,9 @@ def main(argv=None) -> int:
                 if in_time(f"{shape} g{g} m{t} uneven"):
                     points += moe_points(args, shape, g, t, "uneven", counts, gen, unavailable, args.tune, time_up)
                     checkpoint()
+    if args.size_matched_read:
+        annotate_size_matched(points, peak, args.rep_ms)
+        checkpoint()
     if "dense" in args.shapes:
         for shape in DENSE_SHAPES:
             for m in dense_m:

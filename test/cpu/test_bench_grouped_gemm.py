@@ -1,4 +1,5 @@
-"""bench_grouped_gemm's tune grid: every walk is in it, --tune-walks keeps exactly the named ones."""
+"""bench_grouped_gemm's tune grid: every walk is in it, --tune-walks and --tune-where keep exactly what they name;
+the size-matched read ceiling annotates the MoE points of each weight size."""
 import sys
 from pathlib import Path
 
@@ -16,6 +17,37 @@ def test_tune_walks_filter_the_grid():
         assert plain_flat and not any(c.get("tma") for c in plain_flat)
         assert len(tma) + len(plain_flat) == len(grid) == 3 * len(tma)
     assert bench.parse_args(["--tune", "--tune-walks", "tma"]).tune_walks == ["tma"]
+
+
+def test_tune_where_restricts_the_grid():
+    args = bench.parse_args(["--tune", "--tune-where", "BLOCK_N=128", "num_stages=4,5", "programs_per_sm=2"])
+    where = dict(args.tune_where)
+    assert where == {"BLOCK_N": {128}, "num_stages": {4, 5}, "programs_per_sm": {2}}
+    grid = bench.tune_grid("swapab", ["plain", "flat", "tma"], where)
+    full = bench.tune_grid("swapab", ["plain", "flat", "tma"])
+    assert grid and len(grid) < len(full)
+    assert all(c["BLOCK_N"] == 128 and c["num_stages"] in (4, 5) and c["programs_per_sm"] == 2 for c in grid)
+    assert len(grid) == sum(c["BLOCK_N"] == 128 and c["num_stages"] in (4, 5) and c["programs_per_sm"] == 2
+                            for c in full)
+    with pytest.raises(ValueError, match="not a tile-config key"):
+        bench.tune_grid("swapab", ["plain"], {"BLOCK_K": {128}})
+    for bad in ("BLOCK_N", "BLOCK_N=", "=4", "num_stages=four"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--tune-where", bad])
+
+
+def test_size_matched_read_annotates_each_weight_size(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "measure_peak_read", lambda rep_ms, nbytes: calls.append(nbytes) or
+                        {"peak_read_tbs": 2.0 if nbytes < 200 else 4.0})
+    pts = [{"kind": "moe", "weight_bytes": 100, "weight_tbs": 1.0}, {"kind": "moe", "weight_bytes": 300,
+                                                                       "weight_tbs": 3.0},
+           {"kind": "moe", "weight_bytes": 100, "weight_tbs": 1.5}, {"kind": "dense", "weight_bytes": 7,
+                                                                       "weight_tbs": 1.0}]
+    peak = {"peak_read_tbs": 4.5}
+    bench.annotate_size_matched(pts, peak, 10)
+    assert calls == [100, 300] and peak["size_matched_tbs"] == {"100": 2.0, "300": 4.0}
+    assert [p.get("frac_of_size_matched") for p in pts] == [0.5, 0.75, 0.75, None]
 
 
 def test_partial_record_keeps_what_was_measured_and_names_the_representative():
