@@ -82,6 +82,7 @@ def parse_args(argv):
     ap.add_argument("--quick", action="store_true", help="batches 8 and 64, budget 8")
     ap.add_argument("--model", help="model dir for SGLang's server args (upstream layer arm)")
     ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer comparison")
+    ap.add_argument("--layer-only", action="store_true", help="only the whole-layer comparison (no kernel arms)")
     return ap.parse_args(argv)
 
 
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         return gg.fp8_gemm_nt(q, qs, sh2q, sh2s)
 
     points, summary = [], {}
-    for t in args.batches:
+    for t in ([] if args.layer_only else args.batches):
         ids = torch.stack([torch.randperm(e, device=dev, generator=g)[:TOPK] for _ in range(t)]).to(torch.int32)
         w = torch.rand(t, TOPK, device=dev, generator=g) + 0.05
         lay = sbo.build_layout(ids, e)

@@ -137,6 +137,14 @@ def sbo_variants():
                      SLEEP_NS=sbo.DEFAULT_SPIN_SLEEP_NS)
         yield (f"sbo_combine[{'masked' if masked else 'contiguous'}{' wait' if wait else ''}]", sbo._combine_kernel,
                const, types, 4, 2, ())
+    # the dispatch map (one program sorts up to LAYOUT_MAX_PAIRS pairs) and the row gather
+    ltypes = {n: "*i32" for n in sbo._layout_kernel.arg_names if n.endswith("_ptr")}
+    for masked, drops, block_p in ((False, False, 2048), (True, True, 2048), (False, False, sbo.LAYOUT_MAX_PAIRS)):
+        const = dict(TOPK=8, BLOCK_P=block_p, BLOCK_E=512, MASKED=masked, DROPS=drops, BLOCK_S=1024)
+        yield (f"sbo_layout[{'masked' if masked else 'contiguous'}{' drops' if drops else ''} p{block_p}]",
+               sbo._layout_kernel, const, ltypes, 8, 1, ())
+    dtypes = {"src_ptr": "*i32", "dst_ptr": "*i32", "row_of_pair_ptr": "*i32"}
+    yield ("sbo_dispatch_rows[int32 words]", sbo._dispatch_rows_kernel, dict(TOPK=8, BLOCK=2048), dtypes, 4, 1, ())
 
 
 def ep_variants():

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 
     for _name, _kernel in (("sgl_kernel_ext.quant", "_silu_mul_quant_kernel"),
                            ("sgl_kernel_ext.grouped_gemm_fp8", "_fp8_grouped_gemm_kernel"),
-                           ("sgl_kernel_ext.sbo", "_combine_kernel")):
+                           ("sgl_kernel_ext.sbo", "_combine_kernel"), ("sgl_kernel_ext.sbo", "_layout_kernel")):
         _mod = sys.modules.get(_name)
         if _mod is not None and not isinstance(getattr(_mod, _kernel), InterpretedFunction):
             importlib.reload(_mod)
@@ -88,6 +88,46 @@ def test_layout_maps_are_inverse(masked):
         lo, hi = lay.m_indptr[expert_of_pair].long(), lay.m_indptr[expert_of_pair + 1].long()
         assert bool(((rows >= lo) & (rows < hi)).all())
     assert int(lay.m_indptr[3] - lay.m_indptr[2]) == 0 if not masked else int(lay.masked_m[2]) == 0
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("drops", [False, True])
+def test_layout_kernel_equals_torch_form(masked, drops):
+    """The one-program Triton layout (interpreted here) builds exactly the torch form's maps, random routings with
+    empty experts, a count of experts that is not a power of two, one pair, and (drops) ids of -1."""
+    g = gen(31)
+    for case, (t, k, e) in enumerate([(1, 1, 3), (7, 2, 5), (16, 8, 256), (33, 4, 6), (3, 3, 37)]):
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+        if drops:
+            ids[torch.rand(t, k, generator=g) < 0.3] = -1
+        max_m = t + case if masked else None
+        got = sbo.build_layout(ids, e, masked_max_m=max_m, drops=drops)
+        want = sbo._build_layout_torch(ids, e, max_m, drops)
+        for name in sbo.MoeLayout._fields:
+            a, b = getattr(got, name), getattr(want, name)
+            if isinstance(b, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), (case, name, a, b)
+            else:
+                assert a == b, (case, name)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_dispatch_rows_places_each_pair(masked):
+    """Every kept pair's row holds its token's row (fp8 rows through int32 words, fp32 scales, and a row size
+    that is not a multiple of 4 bytes through bytes); a dropped pair writes nothing."""
+    t, k, e = 6, 3, 5
+    g = gen(32)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    ids[1, 2] = -1
+    lay = sbo.build_layout(ids, e, masked_max_m=t if masked else None, drops=True)
+    for x in (torch.randn(t, 256, generator=g).to(torch.float8_e4m3fn), torch.randn(t, 2, generator=g),
+              torch.randint(0, 255, (t, 7), dtype=torch.uint8, generator=g)):
+        out = sbo.dispatch_rows(x, lay).reshape(-1, *x.shape[1:])
+        rop = lay.row_of_pair.long()
+        for pair in range(t * k):
+            if rop[pair] >= 0:
+                assert torch.equal(out[rop[pair]].view(torch.uint8), x[pair // k].view(torch.uint8)), pair
+        assert int((rop < 0).sum()) == 1
 
 
 def test_masked_gemm_signals_count_finished_tiles():
