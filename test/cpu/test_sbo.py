@@ -482,7 +482,7 @@ def test_hooks_only_on_sm90(monkeypatch, caplog):
         assert not caplog.records  # the cost warning waits until the feature is on ...
         plugin_sbo.enabled(Settings.from_env({"SGLANG_H20_SBO": "on"}))
     assert targets == list(plugin_sbo.ALL_TARGETS)
-    warned = [r for r in caplog.records if "costs more than it hides" in r.message]
+    warned = [r for r in caplog.records if "hides 46-58% of the combine" in r.message]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING  # on SM90 the measured cost is said once
 
 
@@ -525,6 +525,20 @@ def test_triton_hook_declines_to_original_off_cuda():
     r = plugin_sbo.fused_experts_hook(lambda *a, **kw: calls.append(kw) or "upstream", x, w1, w2, (w, ids, None), cfg,
                                       use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
     assert r == "upstream" and calls[0]["block_shape"] == [128, 128]
+
+
+def test_size_limits_of_the_triton_hook():
+    """Ours serves decode sizes up to MAX_PAIRS_PER_EXPERT (token, expert) pairs per expert, where the whole layer
+    measured faster than upstream's; above, and above MAX_TOKENS, the call goes upstream with its reason."""
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    cap = plugin_sbo.MAX_PAIRS_PER_EXPERT
+    assert plugin_sbo.size_unsupported(32, 32 * 8, 16) is None  # dsv3-ep16-slice at batch 32: 16 per expert
+    assert plugin_sbo.size_unsupported(64, 64 * 8, 256) is None  # the whole 256-expert layer at batch 64
+    assert "tokens per expert" in plugin_sbo.size_unsupported(56, 56 * 8, 16)  # 28 per expert
+    assert plugin_sbo.size_unsupported(2, cap * 4, 4) is None
+    assert str(cap) in plugin_sbo.size_unsupported(2, cap * 4 + 1, 4)
+    assert "above 256 tokens" in plugin_sbo.size_unsupported(plugin_sbo.MAX_TOKENS + 1, 8, 4096)
 
 
 def test_shared_overlap_declines_where_unsafe():
