@@ -231,6 +231,19 @@ def main() -> int:
             "forced": {"SGLANG_H20_SWAPAB": "on", TABLE_ENV: str(forced)},
             "sbo": {"SGLANG_H20_SWAPAB": "off", "SGLANG_H20_SBO": "on"}}
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
+    result = args.result or args.out / "swapab_e2e.json"
+
+    def save(arms) -> dict:
+        """The record of the arms run so far, written after each (a run stopped from outside keeps them)."""
+        record = {**provenance.record(), "benchmark": "swapab_e2e", "model": args.model, "model_shapes": shapes,
+                  "server_args": args.server_args, "env": BASE_ENV,
+                  "table_on_arm": str(args.table or "plugin default"),
+                  "workload": {k: getattr(args, k) for k in ("concurrency", "input_len", "output_len", "waves",
+                                                              "min_prompts")},
+                  "layer": layer, "arms": arms, "vs_off": compare(arms), "partial": len(arms) < len(args.arms)}
+        result.write_text(json.dumps(record, indent=1))
+        return record
+
     arms, levels = [], list(args.concurrency)
     for n, name in enumerate(args.arms):
         left = args.deadline_s - (time.time() - t0)
@@ -239,14 +252,9 @@ def main() -> int:
             break
         arm = run_arm(name, args, envs[name], levels, left / (len(args.arms) - n), sharegpt, 30000 + n)
         arms.append(arm)
+        save(arms)
         levels = [c for c in levels if c in arm["levels"]]  # the next arm pairs with these
-    record = {**provenance.record(), "benchmark": "swapab_e2e", "model": args.model, "model_shapes": shapes,
-              "server_args": args.server_args, "env": BASE_ENV, "table_on_arm": str(args.table or "plugin default"),
-              "workload": {k: getattr(args, k) for k in ("concurrency", "input_len", "output_len", "waves",
-                                                          "min_prompts")},
-              "layer": layer, "arms": arms, "vs_off": compare(arms)}
-    result = args.result or args.out / "swapab_e2e.json"
-    result.write_text(json.dumps(record, indent=1))
+    record = save(arms)
     print(json.dumps({"vs_off": record["vs_off"],
                       "batch sizes served by ours": {a["arm"]: len(a["swapab_ours_lines"]) for a in arms}}, indent=1))
     return 0
