@@ -184,6 +184,16 @@ def main(argv=None) -> int:
             return add(name, fn, order_error_vs_serial=err, all_written=not bool(torch.isnan(out.float()).any()),
                        equal_to_serial=err <= 1)
 
+        def signalled_check(fn):
+            """One run of a signal-waiting arm into a NaN-filled out: (order_error vs serial, equal and no wait gave
+            up)."""
+            status.zero_()
+            out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            err = sbo.order_error(out, ref)
+            return err, err <= 1 and int(status) == 0
+
         fused = down(fused=True)
         s["fused"] = add_checked("fused", fused)
 
@@ -218,23 +228,13 @@ def main(argv=None) -> int:
             lent = gemm(signal=sig, num_sms=sms - b)
             s[f"gemm_lent[{b}]"] = add("gemm_lent", lambda lent=lent: (sig.zero_(), lent()), b)
             overlapped = down(overlap=True, combine_sms=b, status=status)
-            status.zero_()
-            out.fill_(float("nan"))
-            overlapped()
-            torch.cuda.synchronize()
-            err = sbo.order_error(out, ref)
-            same = err <= 1 and int(status) == 0
+            err, same = signalled_check(overlapped)
             s[f"overlap[{b}]"] = add("overlap", overlapped, b, equal_to_serial=same, order_error=err)
             s[f"overlap_nosleep[{b}]"] = add("overlap_nosleep",
                                              down(overlap=True, combine_sms=b, status=status, spin_sleep_ns=0), b)
             s[f"overlap+shared[{b}]"] = add("overlap+shared", beside_shared(overlapped), b)
             colocated = down(overlap=True, combine_sms=b, status=status, colocate=True)
-            status.zero_()
-            out.fill_(float("nan"))
-            colocated()
-            torch.cuda.synchronize()
-            cerr = sbo.order_error(out, ref)
-            csame = cerr <= 1 and int(status) == 0
+            cerr, csame = signalled_check(colocated)
             s[f"colocated[{b}]"] = add("colocated", colocated, b, equal_to_serial=csame, order_error=cerr)
             s[f"colocated_hidden_pct[{b}]"] = 100 * (s["serial"] - s[f"colocated[{b}]"]) / (s["serial"] - s["gemm_alone"])
             same = same and csame
