@@ -45,7 +45,9 @@ Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_
 a failure is recorded under "unavailable", never dropped silently).
 
 Output: --json OUT (provenance = sglang_h20.provenance.record(), points, per-batch summary, numeric
-"latency_us" = overlap at the best budget for batch 32) and a PNG next to it (--png to move it).
+"latency_us" = overlap at the best budget for batch 32; from the layer rows at batch 32 (else the first)
+"layer_tail_us" and "layer_vs_upstream" = upstream µs / ours: the nightly's metrics) and a PNG next to it (--png to
+move it).
 Takes about 3 minutes on an H200 (--quick: batches 8 and 64, one budget).
 
 usage: bench_sbo.py [--json OUT] [--png OUT] [--batches 8 16 ...] [--budgets 4 8 16] [--experts 256] [--quick]
@@ -264,6 +266,11 @@ def main(argv=None) -> int:
               "all_overlapped_equal_to_serial": all_equal}
     if 32 in summary:
         result["latency_us"] = summary[32][f"overlap[{summary[32]['best_budget']}]"]
+    row = next((r for r in layer_rows if r["batch"] == 32), layer_rows[0] if layer_rows else None)
+    if row and row.get("layer_ours_tail_us"):  # the nightly's metrics: what --h20-sbo runs, and vs upstream
+        result["layer_tail_us"] = row["layer_ours_tail_us"]
+        if row.get("layer_upstream_us"):
+            result["layer_vs_upstream"] = row["layer_upstream_us"] / row["layer_ours_tail_us"]
     png = args.png or (args.json.with_suffix(".png") if args.json else None)
     if png:
         try:

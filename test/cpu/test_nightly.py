@@ -208,8 +208,14 @@ def test_models_placeholder():
 def test_shipped_configs(name, gpu):
     c = cfg.load(name)
     assert c.gpu == gpu and c.repeats == 3
-    assert [k.name for k in c.kernels] == ["mla_decode", "grouped_gemm"]
-    assert all("benchmark/kernels/bench_" in k.command and "--quick --json {out}" in k.command for k in c.kernels)
+    assert [k.name for k in c.kernels] == ["mla_decode", "grouped_gemm", "sbo_layer"]
+    assert all("benchmark/kernels/bench_" in k.command and "--json {out}" in k.command for k in c.kernels)
+    assert all("--quick" in k.command for k in c.kernels[:2])
+    sbo = c.kernels[2]
+    assert "--layer-only" in sbo.command and sbo.metrics == {"layer_tail_us": "lower", "layer_vs_upstream": "higher"}
+    assert sbo.command_for("/o/x.json", "/m/") == sbo.command.replace("{out}", "/o/x.json").replace("{models}", "/m")
+    with pytest.raises(cfg.ConfigError, match="needs --models DIR"):
+        sbo.command_for("/o/x.json", None)
     assert [s.name for s in c.serving] == ["dsv3-4l/features-off", "dsv3-4l/features-on",
                                            "dsv3-ep16-slice/features-off", "dsv3-ep16-slice/features-on"]
     on = {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_FP8_MLA": "1", "SGLANG_H20_SWAPAB": "1"}
@@ -267,6 +273,21 @@ def test_gpu_label_matching():
     assert not runner.gpu_matches("H20", "NVIDIA H200")
     assert runner.gpu_matches("H200", "NVIDIA H200 NVL")
     assert not runner.gpu_matches("H200", None)
+
+
+def test_runner_fills_models_into_kernel_commands(tmp_path, monkeypatch):
+    """A kernel command may name {models} (the SBO layer bench reads a model's config); without --models the run
+    stops with a ConfigError before anything runs."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench_m.py").write_text(
+        "import json, sys\njson.dump({'t': float(len(sys.argv[2]))}, open(sys.argv[1], 'w'))\n")
+    conf = cfg.parse({"name": "t", "gpu": "H200", "repeats": 1, "kernel": [
+        {"name": "m", "command": f"{sys.executable} bench_m.py {{out}} {{models}}/x", "metrics": {"t": "higher"}}]})
+    with pytest.raises(cfg.ConfigError, match="needs --models DIR"):
+        runner.run(conf, tmp_path / "none")
+    assert not (tmp_path / "none" / "run.json").exists()
+    rec = runner.run(conf, tmp_path / "out", models=str(tmp_path / "models") + "/")
+    assert rec["points"]["kernel/m"]["metrics"]["t"]["values"] == [float(len(str(tmp_path / "models") + "/x"))]
 
 
 def test_runner_kernels_record_values_skips_and_failures(tmp_path, monkeypatch):

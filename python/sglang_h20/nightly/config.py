@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -48,6 +49,16 @@ class KernelBench:
     @property
     def point_id(self) -> str:
         return f"kernel/{self.name}"
+
+    def command_for(self, out, models: str | None) -> str:
+        """The command with `{out}` (quoted) and `{models}` filled in; `{models}` without a models root is an
+        error."""
+        cmd = self.command.replace(OUT_PLACEHOLDER, shlex.quote(str(out)))
+        if MODELS_PLACEHOLDER not in cmd:
+            return cmd
+        if not models:
+            raise ConfigError(f"kernel {self.name!r}: command {self.command!r} needs --models DIR")
+        return cmd.replace(MODELS_PLACEHOLDER, shlex.quote(str(models).rstrip("/")))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,8 @@ def run(config: Config, out_dir: Path, *, models: str | None = None, repeats: in
     plan = [(i, s, pts) for i, s, pts in plan if pts]
     models_of = {s.name: s.model_path(models) for _, s, _ in plan}  # ConfigError before any GPU work
     kernels = [k for k in config.kernels if selected(k.point_id, only)]
+    for k in kernels:
+        k.command_for("-", models)  # ConfigError (a {models} command without --models) before any GPU work
     if not kernels and not plan:
         raise ValueError(f"--only {only!r} selects no point of config {config.name!r}")
 
@@ -59,7 +61,7 @@ def run(config: Config, out_dir: Path, *, models: str | None = None, repeats: in
         report.write_record(path, record)
 
     for k in kernels:
-        save(k.point_id, run_kernel(k, repeats, out_dir / "kernels", t0))
+        save(k.point_id, run_kernel(k, repeats, out_dir / "kernels", t0, models))
     sharegpt = None
     for i, s, points in plan:
         if sharegpt is None:  # one dataset for the whole run, sized for its largest point
@@ -93,7 +95,7 @@ def missing_script(command: str, cwd: Path | None = None) -> str | None:
     return next((w for w in words if w.endswith(".py") and not (base / w).is_file()), None)
 
 
-def run_kernel(k: KernelBench, repeats: int, work_dir: Path, t0: float) -> dict:
+def run_kernel(k: KernelBench, repeats: int, work_dir: Path, t0: float, models: str | None = None) -> dict:
     """Run the command `repeats` times; every metric of the config must come back as a number."""
     point = _point("kernel", {"command": k.command})
     script = missing_script(k.command)
@@ -105,7 +107,7 @@ def run_kernel(k: KernelBench, repeats: int, work_dir: Path, t0: float) -> dict:
     for r in range(repeats):
         out = work_dir / f"{k.name}.r{r}.json"
         out.unlink(missing_ok=True)
-        cmd = k.command.replace("{out}", shlex.quote(str(out)))
+        cmd = k.command_for(out, models)
         _progress(t0, f"{k.point_id} repeat {r + 1}/{repeats}: {cmd}")
         try:
             log = work_dir / f"{k.name}.r{r}.log"
