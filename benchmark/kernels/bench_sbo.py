@@ -41,6 +41,7 @@ Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_
   layer_ours_overlap  moe_forward(overlap=True): the combine on a second stream
   layer_ours_fused    moe_forward(combine="fused"): the per-tile epilogue form
   layer_ours_tail     moe_forward(combine="tail"), what --h20-sbo runs for these calls on one GPU
+  layer_ours_tail_fq  the same with fused_quant=True: the input quantized and placed in one kernel (quant_dispatch)
 (upstream needs SGLang's global server args: --model PATH gives a config dir, else a dummy attempt;
 a failure is recorded under "unavailable", never dropped silently).
 
@@ -336,7 +337,10 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
                 "layer_ours_fused": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
                                                                    routed_scaling_factor=2.5, combine="fused"),
                 "layer_ours_tail": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
-                                                                  routed_scaling_factor=2.5, combine="tail")}
+                                                                  routed_scaling_factor=2.5, combine="tail"),
+                "layer_ours_tail_fq": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
+                                                                     routed_scaling_factor=2.5, combine="tail",
+                                                                     fused_quant=True)}
         if upstream is not None:
             fm, cfg, topk_cls = upstream
 
@@ -363,6 +367,9 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         if "layer_ours_tail" in outs and "layer_ours_serial" in outs:
             row["tail_order_error_vs_serial"] = sbo.order_error(outs["layer_ours_tail"], outs["layer_ours_serial"])
             row["tail_equal_serial"] = row["tail_order_error_vs_serial"] <= 1
+        if "layer_ours_tail_fq" in outs and "layer_ours_tail" in outs:  # our quant kernel against SGLang's
+            a, b = outs["layer_ours_tail_fq"].float(), outs["layer_ours_tail"].float()
+            row["tail_fq_rel_diff_vs_tail"] = float((a - b).norm() / b.norm())
         if "layer_upstream" in outs and "layer_ours_overlap" in outs:
             a, b = outs["layer_ours_overlap"].float(), outs["layer_upstream"].float()
             row["rel_diff_vs_upstream"] = float((a - b).norm() / b.norm())

@@ -145,6 +145,9 @@ def sbo_variants():
                sbo._layout_kernel, const, ltypes, 8, 1, ())
     dtypes = {"src_ptr": "*i32", "dst_ptr": "*i32", "row_of_pair_ptr": "*i32"}
     yield ("sbo_dispatch_rows[int32 words]", sbo._dispatch_rows_kernel, dict(TOPK=8, BLOCK=2048), dtypes, 4, 1, ())
+    qtypes = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "row_of_pair_ptr": "*i32", "eps": "fp32"}
+    yield ("sbo_quant_dispatch[gpp 4]", sbo._quant_dispatch_kernel,
+           dict(TOPK=8, GROUP=128, GROUPS_PER_PROG=4, EXACT_ROUND=False), qtypes, 4, 1, ())
 
 
 def ep_variants():

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext import grouped_gemm_fp8 as gg
-from sgl_kernel_ext.quant import _interpreting
+from sgl_kernel_ext.quant import EPS, FP8, _interpreting, _max_combine, _round_to_e4m3_grid
 
 DEFAULT_MAX_SPIN = 1 << 20  # polls of one unit's counts before giving up (~0.5-1 s; a real down GEMM takes < 1 ms)
 # Back-off between polls (PTX nanosleep). The first overlap run of this combine (H200, 2026-11-29) made the GEMM
@@ -223,6 +223,61 @@ def dispatch_rows(x: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
         kept = r >= 0
         out[r[kept]] = x.index_select(0, torch.arange(p, device=x.device)[kept] // k)
     return out.view(layout.num_experts, layout.max_m, *x.shape[1:]) if layout.masked else out
+
+
+def quant_dispatch(x: torch.Tensor, layout: MoeLayout, group: int = 128,
+                   groups_per_program: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (bf16) quantized per 1 x `group` token group as `quant.per_token_group_quant_fp8` (scale = amax /
+    448, floored at EPS) and written straight to the layout's rows: (q fp8, scales fp32) as
+    dispatch_rows(per_token_group_quant_fp8(x)) gives them, in one kernel instead of a quant and two row passes.
+    Triton on the GPU and under the interpreter; those torch ops on a plain CPU."""
+    t, h = x.shape
+    if h % group:
+        raise ValueError(f"hidden {h} is not a multiple of the group size {group}")
+    if not (x.is_cuda or _interpreting()):
+        from sgl_kernel_ext.quant import per_token_group_quant_fp8
+
+        q, sc = per_token_group_quant_fp8(x, group)
+        return dispatch_rows(q, layout), dispatch_rows(sc, layout)
+    p = layout.row_of_pair.numel()
+    rows = layout.num_experts * layout.max_m if layout.masked else p
+    q = torch.empty(rows, h, dtype=FP8, device=x.device)
+    sc = torch.empty(rows, h // group, dtype=torch.float32, device=x.device)
+    if t and p:
+        xs = x.contiguous()
+        gpp = min(triton.next_power_of_2(groups_per_program), triton.next_power_of_2(h // group))
+        _quant_dispatch_kernel[(t, triton.cdiv(h // group, gpp))](
+            xs, q, sc, layout.row_of_pair, h, EPS, TOPK=layout.top_k, GROUP=group, GROUPS_PER_PROG=gpp,
+            EXACT_ROUND=_interpreting(), num_warps=4)
+    if layout.masked:
+        return q.view(layout.num_experts, layout.max_m, h), sc.view(layout.num_experts, layout.max_m, h // group)
+    return q, sc
+
+
+@triton.jit
+def _quant_dispatch_kernel(x_ptr, q_ptr, s_ptr, row_of_pair_ptr, H, eps, TOPK: tl.constexpr, GROUP: tl.constexpr,
+                           GROUPS_PER_PROG: tl.constexpr, EXACT_ROUND: tl.constexpr):
+    """Program (t, c): GROUPS_PER_PROG groups of token t quantized once, stored to the row of each of its TOPK
+    pairs (a dropped pair, row -1, stores nothing)."""
+    tok = tl.program_id(0)
+    n_groups = H // GROUP
+    offs_grp = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
+    col = offs_grp[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    grp_ok = offs_grp < n_groups
+    ok = grp_ok[:, None] & (col < H)
+    x = tl.load(x_ptr + tok.to(tl.int64) * H + col, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.reduce(tl.abs(x), 1, _max_combine), eps), 448.0)
+    # div.rn (the / operator gives div.full, 2 ulp): the quotients, so the FP8 bits, are the torch quant's
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
+    if EXACT_ROUND:
+        q = _round_to_e4m3_grid(q)
+    q = q.to(q_ptr.dtype.element_ty)
+    for k in tl.static_range(TOPK):
+        row = tl.load(row_of_pair_ptr + tok * TOPK + k)
+        kept = row >= 0
+        r = tl.maximum(row, 0).to(tl.int64)
+        tl.store(q_ptr + r * H + col, q, mask=ok & kept)
+        tl.store(s_ptr + r * n_groups + offs_grp, scale, mask=grp_ok & kept)
 
 
 @triton.jit

@@ -130,6 +130,29 @@ def test_dispatch_rows_places_each_pair(masked):
         assert int((rop < 0).sum()) == 1
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_quant_dispatch_equals_quant_then_dispatch(masked):
+    """One kernel gives the bits of per_token_group_quant_fp8 then dispatch_rows, for every kept pair's row (a
+    dropped pair's row is never written; an all-zero group gets the EPS scale and zeros)."""
+    t, k, e, h = 5, 3, 4, 384
+    g = gen(33)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    ids[3, 1] = -1
+    x = (torch.randn(t, h, generator=g) * torch.logspace(-3, 2, h)).to(torch.bfloat16)
+    x[2, 128:256] = 0
+    lay = sbo.build_layout(ids, e, masked_max_m=t if masked else None, drops=True)
+    q, sc = sbo.quant_dispatch(x, lay)
+    wq, ws = per_token_group_quant_fp8(x, 128)
+    wq, ws = sbo.dispatch_rows(wq, lay), sbo.dispatch_rows(ws, lay)
+    assert q.shape == wq.shape and sc.shape == ws.shape and q.dtype == wq.dtype and sc.dtype == torch.float32
+    rop = lay.row_of_pair.long()
+    kept = rop[rop >= 0]
+    q2, wq2 = q.reshape(-1, h)[kept], wq.reshape(-1, h)[kept]
+    assert torch.equal(q2.view(torch.uint8), wq2.view(torch.uint8))
+    assert torch.equal(sc.reshape(-1, h // 128)[kept], ws.reshape(-1, h // 128)[kept])
+    assert len(kept) == t * k - 1
+
+
 def test_masked_gemm_signals_count_finished_tiles():
     masked_m = torch.tensor([5, 0, 19, 16], dtype=torch.int32)
     max_m = 20

@@ -284,6 +284,26 @@ def test_moe_forward_overlap_equals_plain():
     for form in ("fused", "tail"):
         f = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, combine=form)
         assert sbo.order_error(f, a) <= 1, (form, sbo.order_error(f, a))
+    # the input quantized and placed in one kernel: the same FP8 rows as SGLang's quant + dispatch, up to its rounding
+    fq = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, combine="tail",
+                                fused_quant=True)
+    assert bool(torch.isfinite(fq.float()).all())
+    assert float((fq.float() - a.float()).norm() / a.float().norm()) <= 1e-2
+
+
+def test_quant_dispatch_equals_quant_then_dispatch_gpu():
+    """On the GPU (native cvt.rn): the bits of our torch quant then dispatch_rows, at DeepSeek-V3's hidden size."""
+    from sgl_kernel_ext import quant, sbo
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    t, experts = 48, 16
+    x = (torch.randn(t, H, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    ids, _ = routing(t, experts, 10)
+    lay = sbo.build_layout(ids, experts)
+    q, sc = sbo.quant_dispatch(x, lay)
+    wq, ws = quant.per_token_group_quant_fp8(x, 128)
+    assert torch.equal(q.view(torch.uint8), sbo.dispatch_rows(wq, lay).view(torch.uint8))
+    assert torch.equal(sc, sbo.dispatch_rows(ws, lay))
 
 
 @pytest.mark.parametrize("config", [{"BLOCK_N": 128, "BLOCK_T": 16}, {"BLOCK_N": 64, "BLOCK_T": 32},

@@ -120,11 +120,13 @@ ONE_GPU_COMBINE = "tail"
 
 def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, a1_q=None, a1_scale=None,
                 out=None, routed_scaling_factor=None, overlap: bool = True, combine_sms: int | None = None,
-                combine: str | None = None):
+                combine: str | None = None, fused_quant: bool = False):
     """FP8 MoE through our kernels with the SBO down GEMM + combine; returns out [T, H] bf16.
 
     combine: 'tail' (in the down GEMM's grid tail), 'fused' (in its per-tile epilogue), 'overlap' (consumer kernel
-    on a second stream) or 'serial'; None: 'overlap' if overlap else 'serial'."""
+    on a second stream) or 'serial'; None: 'overlap' if overlap else 'serial'. fused_quant (bf16 input only):
+    quantize and place the rows in one kernel (`sgl_kernel_ext.sbo.quant_dispatch`) instead of SGLang's quant and
+    two row passes; not yet measured, so off (bench_sbo's layer arm layer_ours_tail_fq times it)."""
     mode = combine or ("overlap" if overlap else "serial")
     if mode not in COMBINE_MODES:
         raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
@@ -134,16 +136,19 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
 
     num_experts = w1.shape[0]
     layout = sbo.build_layout(topk_ids, num_experts)
-    if a1_q is not None:
-        a, a_scale = a1_q, a1_scale
-    elif hidden_states.is_cuda:
-        from sglang.kernels.ops.moe.fused_moe_triton_kernels import sglang_per_token_group_quant_fp8
-
-        a, a_scale = sglang_per_token_group_quant_fp8(hidden_states, 128)
+    if a1_q is None and fused_quant:
+        rows, rows_scale = sbo.quant_dispatch(hidden_states, layout)
     else:
-        a, a_scale = per_token_group_quant_fp8(hidden_states, 128)
-    h = gg.m_grouped_fp8_gemm_nt_contiguous(sbo.dispatch_rows(a, layout), sbo.dispatch_rows(a_scale, layout),
-                                            w1, w1_scale, layout.m_indptr)
+        if a1_q is not None:
+            a, a_scale = a1_q, a1_scale
+        elif hidden_states.is_cuda:
+            from sglang.kernels.ops.moe.fused_moe_triton_kernels import sglang_per_token_group_quant_fp8
+
+            a, a_scale = sglang_per_token_group_quant_fp8(hidden_states, 128)
+        else:
+            a, a_scale = per_token_group_quant_fp8(hidden_states, 128)
+        rows, rows_scale = sbo.dispatch_rows(a, layout), sbo.dispatch_rows(a_scale, layout)
+    h = gg.m_grouped_fp8_gemm_nt_contiguous(rows, rows_scale, w1, w1_scale, layout.m_indptr)
     q, q_scale = silu_mul_quant_fp8(h)
     out = torch.empty_like(hidden_states) if out is None else out
     return sbo.moe_down_and_combine(q, q_scale, w2, w2_scale, topk_weights, layout, out,
