@@ -96,7 +96,8 @@ def test_layout_kernel_equals_torch_form(masked, drops):
     """The one-program Triton layout (interpreted here) builds exactly the torch form's maps, random routings with
     empty experts, a count of experts that is not a power of two, one pair, and (drops) ids of -1."""
     g = gen(31)
-    for case, (t, k, e) in enumerate([(1, 1, 3), (7, 2, 5), (16, 8, 256), (33, 4, 6), (3, 3, 37)]):
+    # (130, 8, 256): 1040 pairs, the 8-warp program (> 1024 pairs) the hook runs at 256 experts above batch 128
+    for case, (t, k, e) in enumerate([(1, 1, 3), (7, 2, 5), (16, 8, 256), (33, 4, 6), (3, 3, 37), (130, 8, 256)]):
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
         if drops:
             ids[torch.rand(t, k, generator=g) < 0.3] = -1
