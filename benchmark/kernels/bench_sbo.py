@@ -178,24 +178,21 @@ def main(argv=None) -> int:
 
         s["serial+shared"] = add("serial+shared", serial_shared)
 
-        def add_checked(name, fn):
-            """Time an arm that writes out after checking it against serial (every token written, order only)."""
-            out.fill_(float("nan"))
-            fn()
-            torch.cuda.synchronize()
-            err = sbo.order_error(out, ref)
-            return add(name, fn, order_error_vs_serial=err, all_written=not bool(torch.isnan(out.float()).any()),
-                       equal_to_serial=err <= 1)
-
         def signalled_check(fn):
-            """One run of a signal-waiting arm into a NaN-filled out: (order_error vs serial, equal and no wait gave
-            up)."""
+            """One run of an arm into a NaN-filled out, status cleared first: (order_error vs serial, equal to serial
+            and no wait gave up)."""
             status.zero_()
             out.fill_(float("nan"))
             fn()
             torch.cuda.synchronize()
             err = sbo.order_error(out, ref)
             return err, err <= 1 and int(status) == 0
+
+        def add_checked(name, fn):
+            """Time an arm that writes out after checking it against serial (every token written, order only)."""
+            err, _ = signalled_check(fn)
+            return add(name, fn, order_error_vs_serial=err, all_written=not bool(torch.isnan(out.float()).any()),
+                       equal_to_serial=err <= 1)
 
         fused = down(fused=True)
         s["fused"] = add_checked("fused", fused)

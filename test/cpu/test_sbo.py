@@ -563,6 +563,8 @@ def test_size_limits_of_the_triton_hook():
     assert plugin_sbo.size_unsupported(2, cap * 4, 4) is None
     assert str(cap) in plugin_sbo.size_unsupported(2, cap * 4 + 1, 4)
     assert "above 256 tokens" in plugin_sbo.size_unsupported(plugin_sbo.MAX_TOKENS + 1, 8, 4096)
+    from sglang_h20.settings import SWITCHES  # the switch's help quotes the cap (a literal there: no torch import)
+    assert f"up to {cap} tokens per expert" in next(s.help for s in SWITCHES if s.name == "sbo")
 
 
 def test_shared_overlap_declines_where_unsafe():
