@@ -284,11 +284,47 @@ def test_moe_forward_overlap_equals_plain():
     for form in ("fused", "tail"):
         f = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, combine=form)
         assert sbo.order_error(f, a) <= 1, (form, sbo.order_error(f, a))
-    # the input quantized and placed in one kernel: the same FP8 rows as SGLang's quant + dispatch, up to its rounding
-    fq = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, combine="tail",
-                                fused_quant=True)
+
+
+def test_fused_quant_as_accurate_as_sglang_quant():
+    """moe_forward(fused_quant=True) against SGLang's quant + dispatch. Not bit-equal: SGLang's CUDA quant rounds
+    ~0.06% of the bytes one FP8 step differently, and the SiLU output's second FP8 quant amplifies that into a
+    ~1.5% output difference (measured 1.4-1.8% on the H200, 2026-12-01; a float emulation gives the same). So:
+    the rows within one step of SGLang's on <= 1% of the bytes, and the layer as close to a float32 reference."""
+    from sgl_kernel_ext import quant, sbo
+    from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8
+
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    experts, t = 16, 24
+    w1q, w1s = quant.per_block_quant_fp8(torch.randn(experts, 2 * I, H, device="cuda", generator=g) * 0.02, 128)
+    w2q, w2s = quant.per_block_quant_fp8(torch.randn(experts, H, I, device="cuda", generator=g) * 0.02, 128)
+    x = (torch.randn(t, H, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    ids, w = routing(t, experts, 11)
+    lay = sbo.build_layout(ids, experts)
+    rows, rows_scale = sbo.quant_dispatch(x, lay)
+    sq, ss = sglang_per_token_group_quant_fp8(x, 128)
+    want = sbo.dispatch_rows(sq, lay)
+    assert torch.allclose(rows_scale, sbo.dispatch_rows(ss, lay), rtol=1e-6, atol=0)
+    differ = rows.view(torch.uint8) != want.view(torch.uint8)
+    assert float(differ.float().mean()) <= 1e-2
+    got_v, want_v = rows.float()[differ], want.float()[differ]
+    assert bool(((got_v - want_v).abs() <= torch.maximum(got_v.abs(), want_v.abs()) / 8 + 2 ** -9).all())
+
+    kw = dict(routed_scaling_factor=2.5, combine="tail")
+    a = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, fused_quant=False, **kw)
+    fq = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, fused_quant=True, **kw)
+    w1f, w2f = quant.dequant_per_block(w1q, w1s), quant.dequant_per_block(w2q, w2s)
+    ref = torch.zeros(t, H, device="cuda")
+    for k in range(ids.shape[1]):
+        e = ids[:, k].long()
+        h = torch.einsum("th,tnh->tn", x.float(), w1f[e])
+        act = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        ref += 2.5 * w[:, k, None].float() * torch.einsum("ti,thi->th", act, w2f[e])
+    err = lambda o: float((o.float() - ref).norm() / ref.norm())  # noqa: E731
     assert bool(torch.isfinite(fq.float()).all())
-    assert float((fq.float() - a.float()).norm() / a.float().norm()) <= 1e-2
+    assert err(a) < 6e-2 and err(fq) <= 1.05 * err(a) + 1e-3, (err(a), err(fq))
 
 
 def test_quant_dispatch_equals_quant_then_dispatch_gpu():
