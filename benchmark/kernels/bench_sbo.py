@@ -43,6 +43,10 @@ Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_
   layer_ours_fused    moe_forward(combine="fused"): the per-tile epilogue form
   layer_ours_tail     moe_forward(combine="tail"), what --h20-sbo runs for these calls on one GPU
   layer_ours_tail_sq  the same with fused_quant=False: SGLang's quant, then the rows placed (before 2026-12-01)
+  X+shared_beside     (--shared; X = layer_upstream, layer_ours_tail) the shared expert (SGLang's block-FP8 Triton
+                      linears) on a side stream beside X, as upstream's forward_normal_dual_stream runs in the decode
+                      CUDA graphs: a persistent grid whose programs must all be resident meets SMs taken by it
+  X+shared_serial     the shared expert, then X, on one stream
 (upstream needs SGLang's global server args: --model PATH gives a config dir, else a dummy attempt;
 a failure is recorded under "unavailable", never dropped silently).
 
@@ -87,6 +91,9 @@ def parse_args(argv):
     ap.add_argument("--model", help="model dir for SGLang's server args (upstream layer arm)")
     ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer comparison")
     ap.add_argument("--layer-only", action="store_true", help="only the whole-layer comparison (no kernel arms)")
+    ap.add_argument("--shared", action="store_true",
+                    help="layer arms with the shared expert beside (side stream, as upstream's decode graphs run it) "
+                         "and before the routed experts (+shared_beside, +shared_serial)")
     return ap.parse_args(argv)
 
 
@@ -322,6 +329,7 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(1)
     w1, w1s = quant_weights(torch, e, 2 * I, H, g)
     w2, w2s = quant_weights(torch, e, H, I, g)
+    shared = upstream_shared_expert(torch, g) if args.shared else None
     rows = []
     for t in args.batches:
         x0 = torch.randn(t, H, device="cuda", generator=g).to(torch.bfloat16)
@@ -348,6 +356,8 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
                                         w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
 
             arms["layer_upstream"] = up
+        if args.shared:
+            arms.update(shared_arms(torch, arms, x0, shared))
         row = {"batch": t, "experts": e}
         outs = {}
         for name, fn in arms.items():
@@ -374,6 +384,48 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         print("layer", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         rows.append(row)
     return rows
+
+
+def upstream_shared_expert(torch, g):
+    """DeepSeek-V3's shared expert as the server runs it with --fp8-gemm-backend triton: SGLang's block-FP8 linear
+    (its quant + w8a8 Triton matmul) for gate_up 7168 -> 4096 and down 2048 -> 7168, SiLU * up between."""
+    from sglang.srt.layers.quantization.fp8_utils import triton_w8a8_block_fp8_linear
+
+    from sgl_kernel_ext import quant
+
+    w13, s13 = quant.per_block_quant_fp8(torch.randn(2 * SHARED_I, H, device="cuda", generator=g) * 0.02, 128)
+    w2, s2 = quant.per_block_quant_fp8(torch.randn(H, SHARED_I, device="cuda", generator=g) * 0.02, 128)
+
+    def forward(x):
+        h = triton_w8a8_block_fp8_linear(x, w13, [128, 128], s13)
+        act = (torch.nn.functional.silu(h[:, :SHARED_I].float()) * h[:, SHARED_I:].float()).to(x.dtype)
+        return triton_w8a8_block_fp8_linear(act, w2, [128, 128], s2)
+    return forward
+
+
+def shared_arms(torch, arms, x0, shared) -> dict:
+    """Each of layer_upstream and layer_ours_tail with the shared expert: '+shared_beside' on a side stream forked
+    before the routed experts and joined before the add (what upstream's forward_normal_dual_stream captures in the
+    decode CUDA graphs), '+shared_serial' before them on one stream."""
+    side = torch.cuda.Stream()
+    out = {}
+    for name in ("layer_upstream", "layer_ours_tail"):
+        if name not in arms:
+            continue
+        routed = arms[name]
+
+        def beside(routed=routed):
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            y = routed()
+            with torch.cuda.stream(side):
+                sh = shared(x0)
+            main.wait_stream(side)
+            return y + sh
+
+        out[name + "+shared_beside"] = beside
+        out[name + "+shared_serial"] = lambda routed=routed: shared(x0) + routed()
+    return out
 
 
 def plot(summary, budgets, png: Path):
