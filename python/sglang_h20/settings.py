@@ -121,7 +121,7 @@ SWITCHES: tuple[Switch, ...] = (
            "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert"),
     Switch("sbo", _parse_bool, "off",
            "single-batch overlap on SM90: MoE combine with the down GEMM, shared experts with dispatch; on one "
-           "GPU our MoE path serves decode calls of up to 16 tokens per expert (measured faster than upstream's "
+           "GPU our MoE path serves decode calls of up to 8 tokens per expert (measured faster than upstream's "
            "there), larger ones stay upstream's"),
     Switch("eplb", _choice("off", "affinity"), "off",
            "expert placement: 'affinity' = co-activation-aware EPLB with asynchronous migration"),

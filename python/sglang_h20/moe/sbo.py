@@ -24,13 +24,7 @@ other GPU the feature stays off with one log line, so upstream's own SBO applies
    (tp_size == 1, or shared experts replicated per rank: `_shared_expert_tp1`), so the result is the
    same sum. Under CUDA-graph capture upstream already takes `forward_normal_dual_stream` (the same
    overlap), and its DeepEP path already forks shared experts when SBO is off: this hook covers the
-   eager forward_normal (prefill, non-graph decode). Except where our routed path (3) serves the call
-   (`routed_served_by_ours`): there the shared experts run first, on the one stream (upstream's own
-   forward_normal), because the tail-combine GEMM is a persistent grid whose programs must all be
-   resident for its grid-wide wait; shared-expert kernels beside it hold SMs and its late programs start
-   only after them (bench_sbo --shared measures both orders).
-5. SHARED_DUAL_STREAM (around `DeepseekV2MoE.forward_normal_dual_stream`, what decode CUDA graphs capture):
-   the same rule; where our routed path serves the call, forward_normal (4) runs instead.
+   eager forward_normal (prefill, non-graph decode).
 Every decline reason is logged once.
 """
 from __future__ import annotations
@@ -48,13 +42,14 @@ COMBINE_DOWN_FLAG = ("sglang.srt.batch_overlap.single_batch_overlap.SboFlags."
                      "enable_combine_down_gemm_two_stream_overlap")
 TRITON_MOE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.fused_experts"
 SHARED_FORWARD = "sglang.srt.models.deepseek_v2.DeepseekV2MoE.forward_normal"
-SHARED_DUAL_STREAM = "sglang.srt.models.deepseek_v2.DeepseekV2MoE.forward_normal_dual_stream"
 MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys nothing
-# Above this many (token, expert) pairs per expert our grouped GEMMs trail upstream's, so the whole path does:
-# whole MoE layer on the H200 (sbo/sbo_layer_e16_h200.json, session 18), ours with the grid-tail combine against
-# SGLang's fused_experts, 16 experts: 1.06-1.09x faster at 4-16 pairs per expert (batch 8-32), 0.96x / 0.94x at
-# 28 / 32 (batch 56 / 64); 256 experts, 0.25-2 per expert: 1.03-1.05x (sbo/sbo_layer_e256_h200.json).
-MAX_PAIRS_PER_EXPERT = 16
+# Above this many (token, expert) pairs per expert upstream's path is faster, so calls go there. Whole MoE layer on
+# the H200, 16 experts, each with the shared expert beside it on a side stream as the decode graphs run it
+# (sbo/sbo_layer_shared_e16_h200.json, 2026-12-01): ours 1.12x / 1.11x upstream at 4 / 8 pairs per expert (batch 8 /
+# 16), 0.96x at 16 (batch 32): the tail-combine GEMM is a persistent grid whose programs must all be resident, and the
+# shared expert's kernels hold SMs beside it. Alone (sbo_layer_fq_e16_h200.json) ours was 1.04x faster at 16 per
+# expert, 0.975x / 0.954x at 28 / 32; 256 experts, 0.25-2 per expert: 1.03-1.05x (sbo_layer_fq_e256_h200.json).
+MAX_PAIRS_PER_EXPERT = 8
 
 log = logging.getLogger("sglang_h20.sbo")
 _note = OnceLog(log, "sbo: upstream for ")  # each reason for going upstream, once per process
@@ -170,7 +165,7 @@ def size_unsupported(num_tokens: int, num_pairs: int, num_experts: int) -> str |
     if num_tokens > MAX_TOKENS:
         return f"MoE calls above {MAX_TOKENS} tokens"
     if num_pairs > MAX_PAIRS_PER_EXPERT * num_experts:
-        return f"MoE calls above {MAX_PAIRS_PER_EXPERT} tokens per expert (our grouped GEMMs trail upstream's there)"
+        return f"MoE calls above {MAX_PAIRS_PER_EXPERT} tokens per expert (upstream's path measured faster there)"
     return None
 
 
@@ -241,23 +236,10 @@ def _in_piecewise_graph() -> bool:
         return False
 
 
-def routed_served_by_ours(moe, hidden_states) -> bool:
-    """Whether fused_experts_hook takes this layer's routed call by its size (no EP, unfused shared experts)."""
-    cfg = getattr(moe, "config", None)
-    experts, top_k = getattr(cfg, "n_routed_experts", None), getattr(cfg, "num_experts_per_tok", None)
-    if not (isinstance(experts, int) and isinstance(top_k, int)) or _ep_size() > 1:
-        return False
-    t = hidden_states.shape[0]
-    return size_unsupported(t, t * top_k, experts) is None
-
-
 def forward_normal_hook(original, self, hidden_states, gemm_output_zero_allocator=None, input_ids=None,
                         input_ids_global=None, skip_shared_experts=False):
-    """AROUND DeepseekV2MoE.forward_normal: shared experts on alt_stream, routed on the current one (before it,
-    on one stream, where our routed path serves the call: module doc, 4)."""
+    """AROUND DeepseekV2MoE.forward_normal: shared experts on alt_stream, routed on the current one."""
     why = shared_unsupported(self, hidden_states, skip_shared_experts)
-    if why is None and routed_served_by_ours(self, hidden_states):
-        why = "shared experts beside our routed path (they run before it, on one stream)"
     if why is not None:
         _note(why)
         return original(self, hidden_states, gemm_output_zero_allocator, input_ids,
@@ -275,20 +257,11 @@ def forward_normal_hook(original, self, hidden_states, gemm_output_zero_allocato
     return routed.add_(shared)
 
 
-def dual_stream_hook(original, self, hidden_states, gemm_output_zero_allocator=None, input_ids=None,
-                     input_ids_global=None):
-    """AROUND DeepseekV2MoE.forward_normal_dual_stream: forward_normal where our routed path serves the call."""
-    if routed_served_by_ours(self, hidden_states) and not _in_piecewise_graph():
-        return self.forward_normal(hidden_states, gemm_output_zero_allocator, input_ids,
-                                   input_ids_global=input_ids_global)
-    return original(self, hidden_states, gemm_output_zero_allocator, input_ids, input_ids_global=input_ids_global)
-
-
 # ---------------------------------------------------------------------------------------------
 # Feature entry
 # ---------------------------------------------------------------------------------------------
 def hooks(settings: Settings) -> list[Hook]:
-    """All five hooks on SM90; none elsewhere (Unsupported: the feature's one log line; upstream's SBO applies)."""
+    """All four hooks on SM90; none elsewhere (Unsupported: the feature's one log line; upstream's SBO applies)."""
     from sglang_h20 import compat
     from sglang_h20.features import Unsupported
 
@@ -300,8 +273,7 @@ def hooks(settings: Settings) -> list[Hook]:
     return [Hook(INIT_MOE_CONFIG, init_moe_config_hook, "around"),
             Hook(COMBINE_DOWN_FLAG, combine_down_flag_hook, "around"),
             Hook(TRITON_MOE, fused_experts_hook, "around"),
-            Hook(SHARED_FORWARD, forward_normal_hook, "around"),
-            Hook(SHARED_DUAL_STREAM, dual_stream_hook, "around")]
+            Hook(SHARED_FORWARD, forward_normal_hook, "around")]
 
 
 def enabled(settings: Settings) -> None:
@@ -313,4 +285,4 @@ def enabled(settings: Settings) -> None:
                 "upstream", MAX_PAIRS_PER_EXPERT)
 
 
-ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD, SHARED_DUAL_STREAM)
+ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD)
