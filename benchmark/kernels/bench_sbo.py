@@ -280,7 +280,10 @@ def main(argv=None) -> int:
     png = args.png or (args.json.with_suffix(".png") if args.json else None)
     if png:
         try:
-            plot(summary, args.budgets, png)
+            if summary:
+                plot(summary, args.budgets, png)
+            else:  # --layer-only
+                plot_layer(layer_rows, png)
             result["png"] = str(png)
         except Exception as ex:
             print(f"plot failed: {type(ex).__name__}: {ex}", file=sys.stderr)
@@ -452,6 +455,28 @@ def plot(summary, budgets, png: Path):
         ax.set_title("down GEMM + combine" + (" + shared expert" if suffix else ""))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+
+
+def plot_layer(rows: list[dict], png: Path):
+    """The whole-layer arms (--layer-only): µs per arm against the batch, upstream in black."""
+    from sglang_h20.plotting import pyplot
+
+    plt = pyplot()
+    batches = [r["batch"] for r in rows]
+    arms = [k[:-3] for k in rows[0] if k.endswith("_us")] if rows else []
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for arm in arms:
+        style = {"layer_upstream": "k-o", "layer_upstream+shared_beside": "k--o",
+                 "layer_upstream+shared_serial": "k:o"}.get(arm, "-s")
+        ax.plot(batches, [r.get(arm + "_us") for r in rows], style, label=arm.removeprefix("layer_"))
+    ax.set_xlabel("batch (tokens)")
+    ax.set_ylabel("µs per MoE layer")
+    ax.set_title(f"whole MoE layer, {rows[0]['experts'] if rows else '?'} experts, top-8: ours vs SGLang's fused_experts")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)

@@ -278,11 +278,12 @@ def hooks(settings: Settings) -> list[Hook]:
 
 def enabled(settings: Settings) -> None:
     """Once on: what it measured to cost (the plugin calls this after the feature's line)."""
-    log.warning("sbo: on one GPU it hides 46-58%% of the combine (the issue asks 80%%); our MoE path served "
-                "dsv3-ep16-slice at 1.005x the output tok/s of SBO off at 32 concurrent (median ITL 0.977x) on the "
-                "H200 (benchmark/results/sbo/sbo_e2e_layout_h200.json); above %d tokens per expert (56 concurrent "
-                "there: 0.959x before that limit, 0.984x with it, sbo_e2e_threshold_56_h200.json) the calls go "
-                "upstream", MAX_PAIRS_PER_EXPERT)
+    log.warning("sbo: on one GPU it hides 46-58%% of the combine (the issue asks 80%%); end to end on dsv3-ep16-slice "
+                "at 32 concurrent, serving up to 16 tokens per expert, 0.92-1.005x the output tok/s of SBO off and "
+                "median ITL 0.98-1.01x on the H200 (benchmark/results/sbo/sbo_e2e_layout_h200.json, "
+                "sbo_e2e_fq_h200.json); with the shared expert beside it our layer is 1.11-1.12x upstream's at 4-8 "
+                "tokens per expert and 0.96x at 16 (sbo_layer_shared_e16_h200.json), so above %d per expert the calls "
+                "go upstream (not yet measured end to end)", MAX_PAIRS_PER_EXPERT)
 
 
 ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD)
