@@ -110,7 +110,7 @@ def _ep_size() -> int:
         return 1
 
 
-COMBINE_MODES = ("tail", "fused", "overlap", "serial")
+COMBINE_MODES = ("tail", "tail_dynamic", "fused", "overlap", "serial")
 # How the hook combines on one GPU: in the down GEMM's grid tail (EpilogueCombine.tail: every program arrives at
 # one grid-wide counter after its tiles, then all gather). A consumer on a second stream needs SMs lent by the
 # GEMM, which streams weights at full bandwidth on every SM: on the H200 that cost 3-5% of the GEMM, as much as
@@ -125,8 +125,9 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
                 combine: str | None = None, fused_quant: bool = True):
     """FP8 MoE through our kernels with the SBO down GEMM + combine; returns out [T, H] bf16.
 
-    combine: 'tail' (in the down GEMM's grid tail), 'fused' (in its per-tile epilogue), 'overlap' (consumer kernel
-    on a second stream) or 'serial'; None: 'overlap' if overlap else 'serial'. fused_quant (bf16 input only):
+    combine: 'tail' (in the down GEMM's grid tail), 'tail_dynamic' (the same with tiles and gathers from atomic
+    tickets: no program has to be resident, for the shared expert beside it; not yet measured), 'fused' (in its
+    per-tile epilogue), 'overlap' (consumer kernel on a second stream) or 'serial'; None: 'overlap' if overlap else 'serial'. fused_quant (bf16 input only):
     quantize and place the rows in one kernel (`sgl_kernel_ext.sbo.quant_dispatch`) instead of SGLang's quant and
     two row passes: 2-4.5 us (1-2%) less per layer on the H200 at 8-64 tokens, 16 and 256 experts
     (benchmark/results/sbo/sbo_layer_fq_e16_h200.json); as accurate (test_sbo_gpu)."""
@@ -157,7 +158,8 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
     return sbo.moe_down_and_combine(q, q_scale, w2, w2_scale, topk_weights, layout, out,
                                     weight_scale=1.0 if routed_scaling_factor is None else routed_scaling_factor,
                                     overlap=mode == "overlap", combine_sms=combine_sms,
-                                    fused=mode in ("fused", "tail"), tail=mode == "tail")
+                                    fused=mode in ("fused", "tail", "tail_dynamic"), tail=mode.startswith("tail"),
+                                    dynamic=mode == "tail_dynamic")
 
 
 def size_unsupported(num_tokens: int, num_pairs: int, num_experts: int) -> str | None:
