@@ -32,6 +32,9 @@
 #   ${MIGRATION_ARGS}, e.g. MIGRATION_ARGS="--world 2": experts move between 2 GPUs (NCCL, one process per
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
+#   (sbo) the SBO GPU tests, bench_sbo.py --layer-only --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default
+#     8 16 32) -> $OUT/sbo_layer_shared.json (+ .png), then swapab_e2e.py --arms off sbo at SBO_CONC (default 16 32)
+#     -> $OUT/sbo_e2e.json (the e2e starts only with more than 300 s left)
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
 #   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz); when $OUT holds
@@ -202,6 +205,21 @@ if [[ " $STEPS " == *" swapab "* ]] && [ "$(left)" -gt 120 ]; then
   python3 benchmark/serving/swapab_e2e.py --model /tmp/models/dsv3-ep16-slice --out "$OUT/swapab_e2e" \
     --deadline-s $(( $(left) - 40 )) --arms ${SWAPAB_ARMS:-off forced} ${SWAPAB_ARGS:-} 2>&1 | tee "$OUT/swapab_e2e.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" sbo "* ]]; then  # single-batch overlap: tests, the layer beside the shared expert, e2e
+  say "SBO GPU tests"
+  python3 -m pytest -m gpu test/gpu/test_sbo_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/sbo_gpu_tests.log" | tail -3
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  say "bench_sbo --layer-only --shared (batches ${SBO_BATCHES:-8 16 32})"
+  python3 benchmark/kernels/bench_sbo.py --layer-only --shared --experts 16 --batches ${SBO_BATCHES:-8 16 32} \
+    --model /tmp/models/dsv3-ep16-slice --json "$OUT/sbo_layer_shared.json" > "$OUT/sbo_layer_shared.log" 2>&1 \
+    || { rc=1; tail -20 "$OUT/sbo_layer_shared.log"; }
+  if [ "$(left)" -gt 300 ]; then
+    python3 benchmark/serving/swapab_e2e.py --model /tmp/models/dsv3-ep16-slice --out /tmp/sbo_e2e \
+      --deadline-s $(( $(left) - 40 )) --arms off sbo --concurrency ${SBO_CONC:-16 32} --waves 3 --no-layer \
+      2>&1 | tee "$OUT/sbo_e2e.log" | grep -E "tok/s|ratio"
+    cp /tmp/sbo_e2e/swapab_e2e.json "$OUT/sbo_e2e.json" 2>/dev/null || rc=1
+  fi
 fi
 if [[ " $STEPS " == *" fp8smoke "* ]] && [ "$(left)" -gt 120 ]; then
   say "h20_fp8_mla smoke on dsv3-4l"

@@ -68,8 +68,9 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     expert there (benchmark/results/sbo/sbo_layer_shared_e16_h200.json). dynamic=True (with tail): tiles and
     gather blocks come from atomic tickets, so running programs take the work and a late program finds none; the
     wait counts programs that registered (before their first ticket) rather than the grid, so no program has to
-    be resident and the grid is not capped. Counters: int32 [5] (arrived, gave up, registered, tile ticket,
-    gather ticket). A waiter proceeds once the tile tickets passed the last tile and arrived == registered, read in
+    be resident. Counters: int32 [5] (arrived, gave up, registered, tile ticket,
+    gather ticket); the grid stays capped at the resident programs, as those past it would only start after the
+    work, to find none. A waiter proceeds once the tile tickets passed the last tile and arrived == registered, read in
     that order with acquire: every tile-taker registered before its ticket, so it is counted, and an arrival is
     never counted before its registration.
 
@@ -1123,7 +1124,8 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
               HAS_SIGNAL=signal is not None, **combine_kw, COMBINE_TAIL=tail,
               NUM_TOKENS=combine.out.shape[0] if tail else 0, MAX_SPIN=TAIL_MAX_SPIN, INTERPRET=_interpreting(),
               DYNAMIC=dynamic, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
-    if tail and not dynamic and not _interpreting():  # the static tail's wait needs every program resident at once
+    if tail and not _interpreting():  # the static tail's wait needs every program resident at once; the dynamic
+        # one does not, but programs past the resident ones would only start after the work, to find none
         num_programs = pos[11] = min(num_programs, _resident_programs(_fp8_grouped_gemm_kernel, pos, kw, a.device))
     _fp8_grouped_gemm_kernel[(num_programs,)](*pos, **kw)
     if split_k > 1:

@@ -494,6 +494,10 @@ def test_moe_forward_matches_reference(combine):
     assert plugin_sbo.ONE_GPU_COMBINE in plugin_sbo.COMBINE_MODES
     with pytest.raises(ValueError, match="combine"):
         plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, combine="both")
+    # the gate_up GEMM on one program per tile (the grid past the tiles exits at once): the same bits
+    grid = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=1.5, combine=combine,
+                                  gate_up_config={"programs_per_sm": 32})
+    assert torch.equal(grid, out)
 
 
 # ---------------------------------------------------------------------------------------------

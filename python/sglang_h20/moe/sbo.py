@@ -122,7 +122,7 @@ ONE_GPU_COMBINE = "tail"
 
 def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, a1_q=None, a1_scale=None,
                 out=None, routed_scaling_factor=None, overlap: bool = True, combine_sms: int | None = None,
-                combine: str | None = None, fused_quant: bool = True):
+                combine: str | None = None, fused_quant: bool = True, gate_up_config: dict | None = None):
     """FP8 MoE through our kernels with the SBO down GEMM + combine; returns out [T, H] bf16.
 
     combine: 'tail' (in the down GEMM's grid tail), 'tail_dynamic' (the same with tiles and gathers from atomic
@@ -130,7 +130,9 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
     per-tile epilogue), 'overlap' (consumer kernel on a second stream) or 'serial'; None: 'overlap' if overlap else 'serial'. fused_quant (bf16 input only):
     quantize and place the rows in one kernel (`sgl_kernel_ext.sbo.quant_dispatch`) instead of SGLang's quant and
     two row passes: 2-4.5 us (1-2%) less per layer on the H200 at 8-64 tokens, 16 and 256 experts
-    (benchmark/results/sbo/sbo_layer_fq_e16_h200.json); as accurate (test_sbo_gpu)."""
+    (benchmark/results/sbo/sbo_layer_fq_e16_h200.json); as accurate (test_sbo_gpu). gate_up_config: tile config
+    keys over the table's for the gate_up GEMM (e.g. {"programs_per_sm": 32}: one program per tile, so the
+    hardware places tiles on the SMs free of other kernels, as upstream's grid does; bench_sbo times it)."""
     mode = combine or ("overlap" if overlap else "serial")
     if mode not in COMBINE_MODES:
         raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
@@ -152,7 +154,7 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
         else:
             a, a_scale = per_token_group_quant_fp8(hidden_states, 128)
         rows, rows_scale = sbo.dispatch_rows(a, layout), sbo.dispatch_rows(a_scale, layout)
-    h = gg.m_grouped_fp8_gemm_nt_contiguous(rows, rows_scale, w1, w1_scale, layout.m_indptr)
+    h = gg.m_grouped_fp8_gemm_nt_contiguous(rows, rows_scale, w1, w1_scale, layout.m_indptr, config=gate_up_config)
     q, q_scale = silu_mul_quant_fp8(h)
     out = torch.empty_like(hidden_states) if out is None else out
     return sbo.moe_down_and_combine(q, q_scale, w2, w2_scale, topk_weights, layout, out,
