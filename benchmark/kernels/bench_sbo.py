@@ -47,9 +47,10 @@ Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_
   layer_ours_tail_dyn_grid  that with the gate_up GEMM on one program per tile (programs_per_sm 32: the hardware
                       places its tiles, as upstream's grid does, instead of a static stride over 2 per SM)
   layer_ours_tail_sq  layer_ours_tail with fused_quant=False: SGLang's quant, then the rows placed (before 2026-12-01)
-  X+shared_beside     (--shared; X = layer_upstream, layer_ours_tail, layer_ours_tail_dyn[_grid]) the shared expert (SGLang's block-FP8 Triton
-                      linears) on a side stream beside X, as upstream's forward_normal_dual_stream runs in the decode
-                      CUDA graphs: a persistent grid whose programs must all be resident meets SMs taken by it
+  X+shared_beside     (--shared; X = layer_upstream, layer_ours_tail, layer_ours_tail_dyn[_grid]) the shared
+                      expert (SGLang's block-FP8 Triton linears) on a side stream beside X, as upstream's
+                      forward_normal_dual_stream runs in the decode CUDA graphs: a persistent grid whose programs
+                      must all be resident meets SMs taken by it
   X+shared_serial     the shared expert, then X, on one stream
 (upstream needs SGLang's global server args: --model PATH gives a config dir, else a dummy attempt;
 a failure is recorded under "unavailable", never dropped silently).
@@ -417,9 +418,9 @@ def upstream_shared_expert(torch, g):
 
 
 def shared_arms(torch, arms, x0, shared) -> dict:
-    """Each of layer_upstream, layer_ours_tail, layer_ours_tail_dyn and _grid with the shared expert: '+shared_beside' on a side stream forked
-    before the routed experts and joined before the add (what upstream's forward_normal_dual_stream captures in the
-    decode CUDA graphs), '+shared_serial' before them on one stream."""
+    """Each of layer_upstream, layer_ours_tail, layer_ours_tail_dyn and _grid with the shared expert:
+    '+shared_beside' on a side stream forked before the routed experts and joined before the add (what upstream's
+    forward_normal_dual_stream captures in the decode CUDA graphs), '+shared_serial' before them on one stream."""
     side = torch.cuda.Stream()
     out = {}
     for name in ("layer_upstream", "layer_ours_tail", "layer_ours_tail_dyn", "layer_ours_tail_dyn_grid"):
@@ -484,7 +485,8 @@ def plot_layer(rows: list[dict], png: Path):
         ax.plot(batches, [r.get(arm + "_us") for r in rows], style, label=arm.removeprefix("layer_"))
     ax.set_xlabel("batch (tokens)")
     ax.set_ylabel("µs per MoE layer")
-    ax.set_title(f"whole MoE layer, {rows[0]['experts'] if rows else '?'} experts, top-8: ours vs SGLang's fused_experts")
+    experts = rows[0]["experts"] if rows else "?"
+    ax.set_title(f"whole MoE layer, {experts} experts, top-8: ours vs SGLang's fused_experts")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()

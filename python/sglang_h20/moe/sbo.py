@@ -127,12 +127,13 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
 
     combine: 'tail' (in the down GEMM's grid tail), 'tail_dynamic' (the same with tiles and gathers from atomic
     tickets: no program has to be resident, for the shared expert beside it; not yet measured), 'fused' (in its
-    per-tile epilogue), 'overlap' (consumer kernel on a second stream) or 'serial'; None: 'overlap' if overlap else 'serial'. fused_quant (bf16 input only):
-    quantize and place the rows in one kernel (`sgl_kernel_ext.sbo.quant_dispatch`) instead of SGLang's quant and
-    two row passes: 2-4.5 us (1-2%) less per layer on the H200 at 8-64 tokens, 16 and 256 experts
-    (benchmark/results/sbo/sbo_layer_fq_e16_h200.json); as accurate (test_sbo_gpu). gate_up_config: tile config
-    keys over the table's for the gate_up GEMM (e.g. {"programs_per_sm": 32}: one program per tile, so the
-    hardware places tiles on the SMs free of other kernels, as upstream's grid does; bench_sbo times it)."""
+    per-tile epilogue), 'overlap' (consumer kernel on a second stream) or 'serial'; None: 'overlap' if overlap
+    else 'serial'. fused_quant (bf16 input only): quantize and place the rows in one kernel
+    (`sgl_kernel_ext.sbo.quant_dispatch`) instead of SGLang's quant and two row passes: 2-4.5 us (1-2%) less per
+    layer on the H200 at 8-64 tokens, 16 and 256 experts (benchmark/results/sbo/sbo_layer_fq_e16_h200.json); as
+    accurate (test_sbo_gpu). gate_up_config: tile config keys over the table's for the gate_up GEMM (e.g.
+    {"programs_per_sm": 32}: one program per tile, so the hardware places tiles on the SMs free of other kernels, as
+    upstream's grid does; bench_sbo times it)."""
     mode = combine or ("overlap" if overlap else "serial")
     if mode not in COMBINE_MODES:
         raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
