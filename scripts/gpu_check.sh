@@ -32,7 +32,7 @@
 #   ${MIGRATION_ARGS}, e.g. MIGRATION_ARGS="--world 2": experts move between 2 GPUs (NCCL, one process per
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
-#   (sbo) the SBO GPU tests, bench_sbo.py --layer-only --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default
+#   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min), bench_sbo.py --layer-only --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default
 #     8 16 32) -> $OUT/sbo_layer_shared.json (+ .png), then swapab_e2e.py --arms off sbo at SBO_CONC (default 16 32)
 #     -> $OUT/sbo_e2e.json (the e2e starts only with more than 300 s left)
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
@@ -208,7 +208,8 @@ if [[ " $STEPS " == *" swapab "* ]] && [ "$(left)" -gt 120 ]; then
 fi
 if [[ " $STEPS " == *" sbo "* ]]; then  # single-batch overlap: tests, the layer beside the shared expert, e2e
   say "SBO GPU tests"
-  python3 -m pytest -m gpu test/gpu/test_sbo_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/sbo_gpu_tests.log" | tail -3
+  python3 -m pytest -m gpu test/gpu/test_sbo_gpu.py -q -p no:cacheprovider ${SBO_K:+-k "$SBO_K"} 2>&1 \
+    | tee "$OUT/sbo_gpu_tests.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   say "bench_sbo --layer-only --shared (batches ${SBO_BATCHES:-8 16 32})"
   python3 benchmark/kernels/bench_sbo.py --layer-only --shared --experts 16 --batches ${SBO_BATCHES:-8 16 32} \
