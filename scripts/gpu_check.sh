@@ -33,8 +33,9 @@
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
 #   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min), bench_sbo.py --layer-only
-#     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32) -> $OUT/sbo_layer_shared.json (+ .png), then swapab_e2e.py --arms off sbo at SBO_CONC (default 16 32)
-#     -> $OUT/sbo_e2e.json (the e2e starts only with more than 300 s left)
+#     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32) -> $OUT/sbo_layer_shared.json
+#     (+ .png), then swapab_e2e.py --arms off sbo at SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e
+#     starts only with more than 300 s left)
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
 #   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz); when $OUT holds
