@@ -34,8 +34,8 @@
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
 #   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min), bench_sbo.py --layer-only
 #     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32) -> $OUT/sbo_layer_shared.json
-#     (+ .png), then swapab_e2e.py --arms off sbo at SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e
-#     starts only with more than 300 s left)
+#     (+ .png), then swapab_e2e.py --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair) at
+#     SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e starts only with more than 300 s left)
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
 #   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz); when $OUT holds
@@ -218,7 +218,7 @@ if [[ " $STEPS " == *" sbo "* ]]; then  # single-batch overlap: tests, the layer
     || { rc=1; tail -20 "$OUT/sbo_layer_shared.log"; }
   if [ "$(left)" -gt 300 ]; then
     python3 benchmark/serving/swapab_e2e.py --model /tmp/models/dsv3-ep16-slice --out /tmp/sbo_e2e \
-      --deadline-s $(( $(left) - 40 )) --arms off sbo --concurrency ${SBO_CONC:-16 32} --waves 3 --no-layer \
+      --deadline-s $(( $(left) - 40 )) --arms ${SBO_ARMS:-off sbo} --concurrency ${SBO_CONC:-16 32} --waves 3 --no-layer \
       2>&1 | tee "$OUT/sbo_e2e.log" | grep -E "tok/s|ratio"
     cp /tmp/sbo_e2e/swapab_e2e.json "$OUT/sbo_e2e.json" 2>/dev/null || rc=1
   fi

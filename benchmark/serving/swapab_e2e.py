@@ -165,14 +165,21 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
             "swapab_ours_lines": [ln for ln in mine if "swapab: MoE" in ln and "-> ours" in ln]}
 
 
+def arm_labels(names: list[str]) -> list[str]:
+    """A repeated arm is run again under 'name#2', 'name#3', ... (alternating off/on repeats show the noise)."""
+    return [n if names[:i].count(n) == 0 else f"{n}#{names[:i].count(n) + 1}" for i, n in enumerate(names)]
+
+
 def compare(arms: list[dict]) -> dict:
-    """Each arm against 'off', per concurrency level both ran."""
+    """Each arm against 'off' of the same repeat ('sbo#2' against 'off#2', else 'off'), per level both ran."""
     by = {a["arm"]: a for a in arms}
     out = {}
-    for name in sorted(by.keys() - {"off"}):
-        if "off" not in by or name not in by:
+    for name in sorted(k for k in by if k.split("#")[0] != "off"):
+        repeat = name.partition("#")[2]
+        base = f"off#{repeat}" if repeat and f"off#{repeat}" in by else "off"
+        if base not in by:
             continue
-        for c, off in by["off"]["levels"].items():
+        for c, off in by[base]["levels"].items():
             on = by[name]["levels"].get(c)
             if on:
                 out.setdefault(name, {})[str(c)] = {
@@ -188,7 +195,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True,
                     help="output folder: server logs, benches, layer.json, results JSON")
     ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "forced", "sbo"],
-                    help="servers to run, in order (module doc; default: %(default)s)")
+                    help="servers to run, in order; a repeated arm runs again as NAME#2 and pairs with off#2 "
+                         "(module doc; default: %(default)s)")
     ap.add_argument("--table", type=Path, help="table file for the 'on' arm (default: the one the plugin finds)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 48, 128],
                     help="bench_serving concurrency levels per arm (default: %(default)s)")
@@ -245,12 +253,12 @@ def main() -> int:
         return record
 
     arms, levels = [], list(args.concurrency)
-    for n, name in enumerate(args.arms):
+    for n, (name, label) in enumerate(zip(args.arms, arm_labels(args.arms))):
         left = args.deadline_s - (time.time() - t0)
         if arms and left < 60:
-            print(f"deadline: skipping arm {name}", flush=True)
+            print(f"deadline: skipping arm {label}", flush=True)
             break
-        arm = run_arm(name, args, envs[name], levels, left / (len(args.arms) - n), sharegpt, 30000 + n)
+        arm = run_arm(label, args, envs[name], levels, left / (len(args.arms) - n), sharegpt, 30000 + n)
         arms.append(arm)
         save(arms)
         levels = [c for c in levels if c in arm["levels"]]  # the next arm pairs with these
