@@ -1,19 +1,16 @@
 """affinity_remote_share.py's summary: only sampled passes after the split count, per rank and overall."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from repo_scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmark/serving"))
-_spec = importlib.util.spec_from_file_location("affinity_remote_share",
-                                               REPO / "benchmark/serving/affinity_remote_share.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("benchmark/serving/affinity_remote_share.py")
 
 
 def test_summary_counts_sampled_passes_after_the_split_only():

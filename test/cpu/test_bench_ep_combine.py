@@ -2,22 +2,19 @@
 and summarizes by the slowest rank."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from repo_scripts import load_script
+
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_ep_combine", REPO / "benchmark/kernels/bench_ep_combine.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_ep_combine"] = bench
-_spec.loader.exec_module(bench)
+bench = load_script("benchmark/kernels/bench_ep_combine.py")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host has 2 GPUs: the bench would run")

@@ -4,8 +4,6 @@ rank draws the same gates. Without it the dummy router co-activates nothing (the
 EP-2 servers), so these are what make an affinity placement measurable there."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,11 +13,9 @@ from sglang_h20.eplb import dummy_router
 from sglang_h20.features import FEATURES, Unsupported, decide
 from sglang_h20.settings import Settings
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("clustered_router_prediction",
-                                               REPO / "benchmark/eplb/clustered_router_prediction.py")
-prediction = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(prediction)
+from repo_scripts import load_script
+
+prediction = load_script("benchmark/eplb/clustered_router_prediction.py")
 dummy_model, route = prediction.dummy_model, prediction.route  # SGLang's MoEGate and grouped top-k, dummy-filled
 E, SIZE = prediction.E, 8
 

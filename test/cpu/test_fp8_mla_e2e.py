@@ -2,18 +2,13 @@
 summary compares them, with every source's provenance kept; conflicting inputs are refused."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmark/serving"))
-_spec = importlib.util.spec_from_file_location("fp8_mla_e2e", REPO / "benchmark/serving/fp8_mla_e2e.py")
-e2e = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(e2e)
+from repo_scripts import load_script
+
+e2e = load_script("benchmark/serving/fp8_mla_e2e.py")
 
 
 def phase(ids, tok_s, itl):

@@ -6,7 +6,6 @@ report work without a GPU. Skipped (with the reason) where nvcc is missing."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import re
 import shutil
@@ -15,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from repo_scripts import load_script
 
 cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
 
@@ -95,10 +96,7 @@ def test_exports_only_entry_points(compiled):
 
 # --- ablation builds (benchmark/kernels/mla_cuda_ablation.py) -----------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("mla_cuda_ablation", REPO / "benchmark/kernels/mla_cuda_ablation.py")
-ablation = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ablation)
+ablation = load_script("benchmark/kernels/mla_cuda_ablation.py")
 
 # every switch alone and every variant the ablation script times by default
 _SWITCHES = [a[len(ablation.PREFIX):] for a in cu.ABLATIONS]

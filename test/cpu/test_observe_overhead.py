@@ -1,6 +1,5 @@
 """benchmark/serving/observe_overhead.py without a GPU: window order, paired ratio and its interval,
 log slicing, the stage-sum check and the /metrics parser, on synthetic data."""
-import importlib.util
 import json
 import math
 import random
@@ -14,10 +13,9 @@ from sglang_h20 import abstats
 from sglang_h20.observe import export, synth
 from sglang_h20.observe.stages import CpuClock, StageRecorder
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("observe_overhead", REPO / "benchmark/serving/observe_overhead.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from repo_scripts import load_script
+
+bench = load_script("benchmark/serving/observe_overhead.py")
 
 
 def test_schedule_is_abba_and_every_pair_has_both_states():

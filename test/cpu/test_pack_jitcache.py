@@ -1,15 +1,12 @@
 """scripts/pack_jitcache.py: a JIT cache over the device tool's file limit still brings the Triton kernels back."""
-import importlib.util
 import os
 import tarfile
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pack_jitcache.py"
-spec = importlib.util.spec_from_file_location("pack_jitcache", SCRIPT)
-pj = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(pj)
+from repo_scripts import load_script
+
+pj = load_script("scripts/pack_jitcache.py")
 
 
 @pytest.fixture

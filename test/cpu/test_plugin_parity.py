@@ -2,15 +2,9 @@
 report a plugin leak or a missed load as fine, or flag a correct run."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from repo_scripts import load_script
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmark/serving"))
-_spec = importlib.util.spec_from_file_location("plugin_parity", REPO / "benchmark/serving/plugin_parity.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("benchmark/serving/plugin_parity.py")
 
 LOADED = ["[sglang-h20 pid 7] hooks applied: 3/3 (a, b, c)"]
 

@@ -3,18 +3,14 @@ on a synthetic Chrome trace (the format torch.profiler writes)."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmark/serving"))
-_spec = importlib.util.spec_from_file_location("prefill_profile", REPO / "benchmark/serving/prefill_profile.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from repo_scripts import load_script
+
+bench = load_script("benchmark/serving/prefill_profile.py")
 
 
 def _trace(path: Path, kernels: dict[str, float], cpu: dict[str, float]) -> Path:

@@ -12,21 +12,17 @@ rewrites stay as far apart in real time as a real server would keep them (the po
 its mtime and size)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from sglang_h20.attention.mha_mla import BatchShape, Switchable
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmark/serving"))
-_spec = importlib.util.spec_from_file_location("prefix_ttft", REPO / "benchmark/serving/prefix_ttft.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from repo_scripts import load_script
+
+bench = load_script("benchmark/serving/prefix_ttft.py")
 
 DELAY_S = {"mha": 0.004, "mla": 0.008}  # the fake prefill: MHA twice as fast, as the H200 grid says here
 

@@ -1,15 +1,9 @@
 """swapab_e2e.py's arm bookkeeping: repeated arms get their own label and pair with the 'off' of their repeat."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from repo_scripts import load_script
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmark/serving"))
-_spec = importlib.util.spec_from_file_location("swapab_e2e", REPO / "benchmark/serving/swapab_e2e.py")
-e2e = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(e2e)
+e2e = load_script("benchmark/serving/swapab_e2e.py")
 
 
 def arm(label, tok_s, itl):

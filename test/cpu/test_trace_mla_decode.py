@@ -1,7 +1,6 @@
 """The v2 kernel's trace build (-DMLA_TRACE, csrc/mla_fp8_trace.cuh) and benchmark/kernels/trace_mla_decode.py's
 reading of the stamps. The build needs nvcc (no GPU); the stamp logic is plain Python."""
 import importlib
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -9,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from repo_scripts import load_script
+
 cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("trace_mla_decode", REPO / "benchmark/kernels/trace_mla_decode.py")
-trace = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace)
+trace = load_script("benchmark/kernels/trace_mla_decode.py")
 
 TRACE_ENTRY_POINTS = ("mla_fp8_trace_reset", "mla_fp8_trace_read", "mla_fp8_trace_shape")
 

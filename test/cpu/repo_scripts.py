@@ -1,0 +1,21 @@
+"""The repository's benchmark and script files (not packages) loaded as modules, for the CPU tests."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_script(rel: str):
+    """REPO/rel as a module named after its file: registered in sys.modules (dataclasses and pickling look it up
+    there), its folder on sys.path (sibling imports, e.g. benchmark/serving's plugin_parity)."""
+    path = REPO / rel
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
