@@ -325,7 +325,10 @@ def dump_intervals(out_dir: str, mid: str, intervals: dict[str, list[float]], pa
     try:
         path = pathlib.Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
-        (path / f"eplb_async_{mid}_rank{rank}.json").write_text(json.dumps(rec))
+        final = path / f"eplb_async_{mid}_rank{rank}.json"
+        tmp = final.with_name(final.name + ".tmp")
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, final)  # readers poll for the file: never let them see it half written
     except OSError as e:
         log.warning("eplb_async: pass intervals of %s not written to %s: %s", mid, out_dir, e)
 
