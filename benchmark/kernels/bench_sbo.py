@@ -57,7 +57,8 @@ a failure is recorded under "unavailable", never dropped silently).
 
 Output: --json OUT (provenance = sglang_h20.provenance.record(), points, per-batch summary, numeric
 "latency_us" = overlap at the best budget for batch 32; from the layer rows at batch 32 (else the first)
-"layer_tail_us" and "layer_vs_upstream" = upstream µs / ours: the nightly's metrics) and a PNG next to it (--png to
+"layer_tail_us" and "layer_vs_upstream" = upstream µs / ours: the nightly's metrics; with --shared each row also has
+"<arm>_beside_vs_upstream" = upstream+shared_beside µs / <arm>+shared_beside µs) and a PNG next to it (--png to
 move it).
 Takes about 3 minutes on an H200 (--quick: batches 8 and 64, one budget).
 
@@ -395,6 +396,10 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         if "layer_upstream" in outs and "layer_ours_overlap" in outs:
             a, b = outs["layer_ours_overlap"].float(), outs["layer_upstream"].float()
             row["rel_diff_vs_upstream"] = float((a - b).norm() / b.norm())
+        up_beside = row.get("layer_upstream+shared_beside_us")
+        for name in ("layer_ours_tail", "layer_ours_tail_dyn", "layer_ours_tail_dyn_grid"):
+            if up_beside and row.get(f"{name}+shared_beside_us"):  # what the decode graphs run: upstream / ours
+                row[f"{name[len('layer_'):]}_beside_vs_upstream"] = up_beside / row[f"{name}+shared_beside_us"]
         print("layer", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         rows.append(row)
     return rows
