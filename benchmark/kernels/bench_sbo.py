@@ -78,6 +78,7 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
 
 BATCHES = [8, 16, 32, 56, 64]
 BUDGETS = [4, 8, 16]
+SHARED_ARMS = ("layer_upstream", "layer_ours_tail", "layer_ours_tail_dyn", "layer_ours_tail_dyn_grid")  # --shared
 H, I, TOPK, SHARED_I = 7168, 2048, 8, 2048
 
 
@@ -397,7 +398,7 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
             a, b = outs["layer_ours_overlap"].float(), outs["layer_upstream"].float()
             row["rel_diff_vs_upstream"] = float((a - b).norm() / b.norm())
         up_beside = row.get("layer_upstream+shared_beside_us")
-        for name in ("layer_ours_tail", "layer_ours_tail_dyn", "layer_ours_tail_dyn_grid"):
+        for name in SHARED_ARMS[1:]:
             if up_beside and row.get(f"{name}+shared_beside_us"):  # what the decode graphs run: upstream / ours
                 row[f"{name[len('layer_'):]}_beside_vs_upstream"] = up_beside / row[f"{name}+shared_beside_us"]
         print("layer", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -428,7 +429,7 @@ def shared_arms(torch, arms, x0, shared) -> dict:
     forward_normal_dual_stream captures in the decode CUDA graphs), '+shared_serial' before them on one stream."""
     side = torch.cuda.Stream()
     out = {}
-    for name in ("layer_upstream", "layer_ours_tail", "layer_ours_tail_dyn", "layer_ours_tail_dyn_grid"):
+    for name in SHARED_ARMS:
         if name not in arms:
             continue
         routed = arms[name]

@@ -970,6 +970,12 @@ def _pick_split_k(tiles: int, kb: int, num_sms: int) -> int:
     return best
 
 
+def tail_counters(dynamic: bool) -> int:
+    """int32 counters EpilogueCombine.tail needs: arrivals and the gave-up flag; dynamic adds registrations, the tile
+    ticket and the gather ticket (module doc)."""
+    return 5 if dynamic else 2
+
+
 def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signal) -> None:
     if split_k > 1 or signal is not None:
         raise ValueError("combine needs split_k == 1 and no signal (the epilogue replaces the store)")
@@ -986,7 +992,7 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
     if c.row_of_pair.dtype != torch.int32 or c.row_of_pair.numel() != t * c.top_k:
         raise ValueError(f"combine: row_of_pair must be int32 [{t * c.top_k}], got {c.row_of_pair.dtype} "
                          f"{tuple(c.row_of_pair.shape)}")
-    want = (5,) if c.dynamic else (2,) if c.tail else (t, tiles)
+    want = (tail_counters(c.dynamic),) if c.tail else (t, tiles)
     what = (", dynamic: arrived, gave up, registered, tile and gather tickets" if c.dynamic
             else ", tail: arrivals + gave-up flag" if c.tail else "")
     if c.counters.shape != want or c.counters.dtype != torch.int32 or not c.counters.is_contiguous():
@@ -1006,8 +1012,7 @@ def _resident_programs(kernel, pos, kw, device) -> int:
     """How many programs of `kernel` (compiled for these arguments; no launch) the GPU holds at once: per SM the
     least of what its registers (allocated per warp in 256s), shared memory and threads allow. Cached per
     compile-relevant arguments: the warmup behind it costs an eager call (prefill) a second launch's host time."""
-    key = (str(device), kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel),
-           tuple(sorted(kw.items())), tuple(p for p in pos if isinstance(p, (bool, int, float))))
+    key = (str(device), kernel, tuple(sorted(kw.items())), tuple(p for p in pos if isinstance(p, (bool, int, float))))
     if key not in _RESIDENT:
         _RESIDENT[key] = _count_resident(kernel, pos, kw, device)
     return _RESIDENT[key]

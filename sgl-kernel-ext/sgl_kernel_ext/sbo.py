@@ -514,7 +514,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
         shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
         y = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
     if fused:
-        shape = ((5,) if dynamic else (2,)) if tail else (num_tokens, triton.cdiv(hdim, bn))
+        shape = (gg.tail_counters(dynamic),) if tail else (num_tokens, triton.cdiv(hdim, bn))
         counters = torch.zeros(shape, dtype=torch.int32, device=q.device)
         cmb = gg.EpilogueCombine(layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), counters, out,
                                  layout.top_k, weight_scale, counts_only, defer, tail, tail and dynamic)
