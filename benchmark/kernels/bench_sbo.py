@@ -42,12 +42,10 @@ Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_
   layer_ours_overlap  moe_forward(overlap=True): the combine on a second stream
   layer_ours_fused    moe_forward(combine="fused"): the per-tile epilogue form
   layer_ours_tail     moe_forward(combine="tail"), what --h20-sbo runs for these calls on one GPU
-  layer_ours_tail_dyn moe_forward(combine="tail_dynamic"): tiles and gathers from atomic tickets (no program has
-                      to be resident)
-  layer_ours_tail_dyn_grid  that with the gate_up GEMM on one program per tile (programs_per_sm 32: the hardware
+  layer_ours_tail_grid  that with the gate_up GEMM on one program per tile (programs_per_sm 32: the hardware
                       places its tiles, as upstream's grid does, instead of a static stride over 2 per SM)
   layer_ours_tail_sq  layer_ours_tail with fused_quant=False: SGLang's quant, then the rows placed (before 2026-12-01)
-  X+shared_beside     (--shared; X = layer_upstream, layer_ours_tail, layer_ours_tail_dyn[_grid]) the shared
+  X+shared_beside     (--shared; X = layer_upstream, layer_ours_tail, layer_ours_tail_grid) the shared
                       expert (SGLang's block-FP8 Triton linears) on a side stream beside X, as upstream's
                       forward_normal_dual_stream runs in the decode CUDA graphs: a persistent grid whose programs
                       must all be resident meets SMs taken by it
@@ -78,7 +76,7 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
 
 BATCHES = [8, 16, 32, 56, 64]
 BUDGETS = [4, 8, 16]
-SHARED_ARMS = ("layer_upstream", "layer_ours_tail", "layer_ours_tail_dyn", "layer_ours_tail_dyn_grid")  # --shared
+SHARED_ARMS = ("layer_upstream", "layer_ours_tail", "layer_ours_tail_grid")  # --shared
 H, I, TOPK, SHARED_I = 7168, 2048, 8, 2048
 
 
@@ -354,11 +352,8 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
                                                                    routed_scaling_factor=2.5, combine="fused"),
                 "layer_ours_tail": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
                                                                   routed_scaling_factor=2.5, combine="tail"),
-                "layer_ours_tail_dyn": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
-                                                                      routed_scaling_factor=2.5,
-                                                                      combine="tail_dynamic"),
-                "layer_ours_tail_dyn_grid": lambda: plugin_sbo.moe_forward(
-                    x0, w1, w2, w, ids, w1s, w2s, routed_scaling_factor=2.5, combine="tail_dynamic",
+                "layer_ours_tail_grid": lambda: plugin_sbo.moe_forward(
+                    x0, w1, w2, w, ids, w1s, w2s, routed_scaling_factor=2.5, combine="tail",
                     gate_up_config={"programs_per_sm": 32}),
                 "layer_ours_tail_sq": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
                                                                      routed_scaling_factor=2.5, combine="tail",
@@ -424,7 +419,7 @@ def upstream_shared_expert(torch, g):
 
 
 def shared_arms(torch, arms, x0, shared) -> dict:
-    """Each of layer_upstream, layer_ours_tail, layer_ours_tail_dyn and _grid with the shared expert:
+    """Each of layer_upstream, layer_ours_tail and layer_ours_tail_grid with the shared expert:
     '+shared_beside' on a side stream forked before the routed experts and joined before the add (what upstream's
     forward_normal_dual_stream captures in the decode CUDA graphs), '+shared_serial' before them on one stream."""
     side = torch.cuda.Stream()
