@@ -98,20 +98,17 @@ def gemm_variants():
              "masked_m_ptr": "*i32", "sig_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32", "ws_ptr": "*fp32",
              "cmb_pair_ptr": "*i32", "cmb_rowp_ptr": "*i32", "cmb_w_ptr": "*fp32", "cmb_cnt_ptr": "*i32",
              "cmb_out_ptr": "*bf16", "dfr_ptr": "*i32"}
-    # defer: False, True, "tail" (one grid-wide arrival per program, EpilogueCombine.tail) or "tail dynamic" (tiles
-    # and gathers from atomic tickets)
+    # defer: False, True, or "tail" (one grid-wide arrival per program, EpilogueCombine.tail)
     for swap, bt, sig, topk, defer in ((True, 16, False, 0, False), (False, 64, False, 0, False),
                                        (True, 16, True, 0, False), (True, 16, False, 8, False),
-                                       (True, 16, False, 8, True), (True, 16, False, 8, "tail"),
-                                       (True, 16, False, 8, "tail dynamic")):
+                                       (True, 16, False, 8, True), (True, 16, False, 8, "tail")):
         const = dict(G=8, K=2048, LAYOUT=1, SWAP_AB=swap, BLOCK_N=128, BLOCK_T=bt, SPLIT_K=1, HAS_SIGNAL=sig,
-                     COMBINE_TOPK=topk, COMBINE_DEFER=defer is True, COMBINE_TAIL=str(defer).startswith("tail"),
-                     DYNAMIC=defer == "tail dynamic")
+                     COMBINE_TOPK=topk, COMBINE_DEFER=defer is True, COMBINE_TAIL=defer == "tail")
         const = {k: v for k, v in const.items() if k in g._fp8_grouped_gemm_kernel.arg_names}
         ones = [n for n in ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk")
                 if n in g._fp8_grouped_gemm_kernel.arg_names]
         yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt}{' signal' if sig else ''}"
-               f"{' combine' if topk else ''}{' deferred' if defer is True else ' ' + defer if defer else ''}]",
+               f"{' combine' if topk else ''}{' deferred' if defer is True else ' tail' if defer else ''}]",
                g._fp8_grouped_gemm_kernel, const, types, 4, 3, ones)
     # config "flat": the same tiles in one flattened, pipelined loop (tl.range(..., flatten=True)); "tma": its
     # FP8 operands through tensor descriptors (cp.async.bulk.tensor) instead of pointer loads

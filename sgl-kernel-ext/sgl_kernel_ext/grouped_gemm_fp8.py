@@ -65,14 +65,9 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     that gives up (bounded polls) sets counters[1] and leaves out unwritten. Counters: int32 [2].
     Beside other kernels (the decode graphs run the shared expert on a side stream) some programs start only
     after those finish, and with a static stride their tiles wait for them: 0.96x upstream's layer at 16 tokens per
-    expert there (benchmark/results/sbo/sbo_layer_shared_e16_h200.json). dynamic=True (with tail): tiles and
-    gather blocks come from atomic tickets, so running programs take the work and a late program finds none; the
-    wait counts programs that registered (before their first ticket) rather than the grid, so no program has to
-    be resident. Counters: int32 [5] (arrived, gave up, registered, tile ticket,
-    gather ticket); the grid stays capped at the resident programs, as those past it would only start after the
-    work, to find none. A waiter proceeds once the tile tickets passed the last tile and arrived == registered, read in
-    that order with acquire: every tile-taker registered before its ticket, so it is counted, and an arrival is
-    never counted before its registration.
+    expert there (benchmark/results/sbo/sbo_layer_shared_e16_h200.json). Tiles and gathers from atomic tickets
+    (no program has to be resident) measured slower, alone and beside it (sbo_layer_tail_dyn_shared_e16_h200.json;
+    that form is at commit 06994ea).
 
 Config "flat": True (masked / contiguous, plain outputs or EpilogueCombine; no signal, no split-K) runs
 _fp8_grouped_gemm_flat_kernel: the same tiles in one flattened, pipelined loop over the program's tiles
@@ -123,7 +118,7 @@ SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
 
 class EpilogueCombine(NamedTuple):
     """The MoE combine done in the GEMM's epilogue: out[t] = weight_scale * sum_k weights[t*K + k] * (GEMM
-    row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]; tail: [2]; dynamic: [5]) must be
+    row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]; tail: [TAIL_COUNTERS]) must be
     zero before the launch; out is [T, N] bf16 with unit inner stride. The GEMM still writes its own out (the rows)."""
 
     pair_of_row: torch.Tensor  # int32 [rows]: the (token, slot) pair a GEMM row holds (masked: g * max_m + i)
@@ -136,7 +131,6 @@ class EpilogueCombine(NamedTuple):
     counts_only: bool = False  # benchmarks only: count and synchronize per tile, skip the gather (out not written)
     defer: bool = False  # gather after the program's last GEMM tile instead of inside the tile loop (module doc)
     tail: bool = False  # no per-tile count: one grid-wide arrival per program, then all gather (module doc)
-    dynamic: bool = False  # with tail: tiles and gathers from atomic tickets, no residency needed (module doc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,35 +254,18 @@ def _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stri
 
 
 @triton.jit
-def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, total_tiles, N, MAX_M, stride_og, stride_om,
-                  stride_on, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, NUM_TOKENS, MAX_SPIN,
+def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
+                  cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, NUM_TOKENS, MAX_SPIN,
                   LAYOUT: tl.constexpr, COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr,
-                  DYNAMIC: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+                  INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     """COMBINE_TAIL: after its last GEMM tile a program arrives at one grid-wide counter (CTA barrier, one release
     add); once every program arrived (volatile polls, then one acquire), each gathers every NUM_PROGRAMS-th block of
     BLOCK_T (token, N-tile) items. Needs every program resident at once (the launcher caps the grid at the resident
     capacity); a wait that gives up after MAX_SPIN polls sets cnt[1] and gathers nothing (out invalid). Under the
-    interpreter programs run one after another: there the last one to arrive gathers every item. DYNAMIC: the wait
-    is for the tile tickets past total_tiles and every registered program arrived; the blocks come from cnt[4]."""
+    interpreter programs run one after another: there the last one to arrive gathers every item."""
     tl.debug_barrier()  # every thread's rows precede the release below
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") + 1
-    if DYNAMIC:
-        spins = pid * 0
-        done = pid * 0
-        while (done == 0) & (spins < MAX_SPIN):
-            if (tl.load(cnt_ptr + 3, volatile=True) >= total_tiles) & (
-                    tl.load(cnt_ptr, volatile=True) == tl.load(cnt_ptr + 2, volatile=True)):
-                tickets = tl.atomic_add(cnt_ptr + 3, 0, sem="acquire")  # in this order (module doc)
-                arrived = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-                registered = tl.atomic_add(cnt_ptr + 2, 0, sem="acquire")
-                done = ((tickets >= total_tiles) & (arrived == registered)).to(tl.int32)
-            spins += 1
-        go = done != 0
-        if not go:
-            tl.atomic_xchg(cnt_ptr + 1, 1)  # gave up: the caller's status
-        j = tl.atomic_add(cnt_ptr + 4, 1, sem="relaxed") * BLOCK_T
-        stride = 0
-    elif INTERPRET:
+    if INTERPRET:
         go = arrived == NUM_PROGRAMS
         j, stride = pid * 0, BLOCK_T
     else:
@@ -313,10 +290,7 @@ def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, total_tiles, N, 
         gather_sum(out_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr + tok * stride_cmb_om, tok,
                    (it % n_tiles) * BLOCK_N, ok, N, MAX_M, stride_og, stride_om, stride_on, cmb_w_scale,
                    LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N, 64)  # 2 passes (1 pass of 128: 200 registers, not 120)
-        if DYNAMIC:
-            j = tl.atomic_add(cnt_ptr + 4, 1, sem="relaxed") * BLOCK_T
-        else:
-            j += stride
+        j += stride
 
 
 @triton.jit
@@ -336,17 +310,12 @@ def _fp8_grouped_gemm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
     COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True, COMBINE_DEFER: tl.constexpr = False,
     COMBINE_TAIL: tl.constexpr = False, NUM_TOKENS=0, MAX_SPIN=0, INTERPRET: tl.constexpr = False,
-    DYNAMIC: tl.constexpr = False,
 ):
     KB_PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
 
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
-    if DYNAMIC:  # register, then the first ticket (acq_rel: the registration is seen with it; module doc)
-        tl.atomic_add(cmb_cnt_ptr + 2, 1, sem="relaxed")
-        tile = tl.atomic_add(cmb_cnt_ptr + 3, 1, sem="acq_rel")
-    else:
-        tile = pid
+    tile = pid
     tiles_before = pid * 0
     deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER)
     for g in range(G):
@@ -398,15 +367,12 @@ def _fp8_grouped_gemm_kernel(
                 w_rows = g64 * MAX_M + rows  # flat output row (MAX_M = 0 unless masked)
                 w_ptrs = ws_ptr + ks * stride_ws_split + w_rows[:, None] * stride_ws_row + offs_n[None, :]
                 tl.store(w_ptrs, res, mask=o_mask)
-            if DYNAMIC:
-                tile = tl.atomic_add(cmb_cnt_ptr + 3, 1, sem="acq_rel")
-            else:
-                tile += NUM_PROGRAMS
+            tile += NUM_PROGRAMS
         tiles_before += group_tiles
     if COMBINE_TAIL:
-        _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cmb_cnt_ptr, n_tiles, tiles_before, N, MAX_M, stride_og, stride_om,
-                      stride_on, cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, NUM_TOKENS,
-                      MAX_SPIN, LAYOUT, COMBINE_TOPK, COMBINE_GATHER, DYNAMIC, INTERPRET, BLOCK_T, BLOCK_N)
+        _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cmb_cnt_ptr, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
+                      cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, NUM_TOKENS, MAX_SPIN,
+                      LAYOUT, COMBINE_TOPK, COMBINE_GATHER, INTERPRET, BLOCK_T, BLOCK_N)
     if COMBINE_DEFER:
         _deferred_gathers(out_ptr, pid, deferred, n_tiles, N, MAX_M, stride_og, stride_om, stride_on,
                           cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, dfr_ptr, DFR_CAP,
@@ -970,19 +936,11 @@ def _pick_split_k(tiles: int, kb: int, num_sms: int) -> int:
     return best
 
 
-def tail_counters(dynamic: bool) -> int:
-    """int32 counters EpilogueCombine.tail needs: arrivals and the gave-up flag; dynamic adds registrations, the tile
-    ticket and the gather ticket (module doc)."""
-    return 5 if dynamic else 2
-
-
 def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signal) -> None:
     if split_k > 1 or signal is not None:
         raise ValueError("combine needs split_k == 1 and no signal (the epilogue replaces the store)")
     if c.tail and c.defer:
         raise ValueError("combine: tail and defer are two forms, pick one")
-    if c.dynamic and not c.tail:
-        raise ValueError("combine: dynamic is a form of tail (tail=True)")
     t = c.out.shape[0]
     tiles = triton.cdiv(n, block_n)
     if c.top_k < 1 or c.weights.numel() != t * c.top_k:
@@ -992,9 +950,8 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
     if c.row_of_pair.dtype != torch.int32 or c.row_of_pair.numel() != t * c.top_k:
         raise ValueError(f"combine: row_of_pair must be int32 [{t * c.top_k}], got {c.row_of_pair.dtype} "
                          f"{tuple(c.row_of_pair.shape)}")
-    want = (tail_counters(c.dynamic),) if c.tail else (t, tiles)
-    what = (", dynamic: arrived, gave up, registered, tile and gather tickets" if c.dynamic
-            else ", tail: arrivals + gave-up flag" if c.tail else "")
+    want = (TAIL_COUNTERS,) if c.tail else (t, tiles)
+    what = ", tail: arrivals + gave-up flag" if c.tail else ""
     if c.counters.shape != want or c.counters.dtype != torch.int32 or not c.counters.is_contiguous():
         raise ValueError(f"combine: counters must be contiguous int32 {list(want)} (BLOCK_N {block_n}{what}), "
                          f"got {c.counters.dtype} {tuple(c.counters.shape)}")
@@ -1002,6 +959,7 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
         raise ValueError(f"combine: pair_of_row must be int32, got {c.pair_of_row.dtype}")
 
 
+TAIL_COUNTERS = 2  # EpilogueCombine.tail's int32 counters: arrivals and the gave-up flag
 TAIL_MAX_SPIN = 1 << 22  # EpilogueCombine.tail: polls of the grid-wide counter before giving up (seconds; the GEMM < 1 ms)
 
 
@@ -1090,7 +1048,6 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
     defer = combine is not None and combine.defer
     tail = combine is not None and combine.tail
-    dynamic = tail and combine.dynamic
     dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else 0  # a program's tiles x rows, at most
     dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if defer else dummy
     combine_kw = dict(COMBINE_TOPK=combine.top_k if combine is not None else 0,
@@ -1128,9 +1085,8 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     kw = dict(G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
               HAS_SIGNAL=signal is not None, **combine_kw, COMBINE_TAIL=tail,
               NUM_TOKENS=combine.out.shape[0] if tail else 0, MAX_SPIN=TAIL_MAX_SPIN, INTERPRET=_interpreting(),
-              DYNAMIC=dynamic, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
-    if tail and not _interpreting():  # the static tail's wait needs every program resident at once; the dynamic
-        # one does not, but programs past the resident ones would only start after the work, to find none
+              num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+    if tail and not _interpreting():  # the tail's wait needs every program resident at once
         num_programs = pos[11] = min(num_programs, _resident_programs(_fp8_grouped_gemm_kernel, pos, kw, a.device))
     _fp8_grouped_gemm_kernel[(num_programs,)](*pos, **kw)
     if split_k > 1:

@@ -472,7 +472,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
                          max_spin: int = DEFAULT_MAX_SPIN, status: torch.Tensor | None = None,
                          y: torch.Tensor | None = None, spin_sleep_ns: int = DEFAULT_SPIN_SLEEP_NS,
                          fused: bool = False, counts_only: bool = False, defer: bool = False,
-                         tail: bool = False, colocate: bool = False, dynamic: bool = False) -> torch.Tensor:
+                         tail: bool = False, colocate: bool = False) -> torch.Tensor:
     """Down GEMM (FP8 1x128 x 128x128 blocks, bf16 out) + local combine into out [T, H] bf16.
 
     q [rows, I] (contiguous layout) or [E, max_m, I] (masked) fp8 with q_scale; w2 [E, H, I] fp8,
@@ -492,8 +492,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     defer (with fused): each program gathers the (token, N-tile)s its tiles completed after its last GEMM tile
     (grouped_gemm_fp8 module doc); the same sums. tail (with fused): no per-tile count; every program arrives at one
     grid-wide counter after its last tile, then all gather (token, N-tile)s side by side (grouped_gemm_fp8 module
-    doc); the same sums. dynamic (with tail): tiles and gathers from atomic tickets, so no program has to be resident
-    and programs that start late (other kernels beside it) find the work done (grouped_gemm_fp8 module doc).
+    doc); the same sums.
     colocate (with overlap): the GEMM keeps every SM and the combine_sms consumer programs
     run beside its programs on the same SMs instead of on lent ones (the swapAB down GEMM's two programs per SM
     leave room for one consumer program: 2 x 55 KB + 4 KB shared memory, 2 x 128 x 102 + 128 x 166 registers).
@@ -514,10 +513,10 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
         shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
         y = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
     if fused:
-        shape = (gg.tail_counters(dynamic),) if tail else (num_tokens, triton.cdiv(hdim, bn))
+        shape = (gg.TAIL_COUNTERS,) if tail else (num_tokens, triton.cdiv(hdim, bn))
         counters = torch.zeros(shape, dtype=torch.int32, device=q.device)
         cmb = gg.EpilogueCombine(layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), counters, out,
-                                 layout.top_k, weight_scale, counts_only, defer, tail, tail and dynamic)
+                                 layout.top_k, weight_scale, counts_only, defer, tail)
         if layout.masked:
             gg.m_grouped_fp8_gemm_nt_masked(q, q_scale, w2, w2_scale, layout.masked_m, out=y, variant=variant,
                                             config=cfg, combine=cmb)

@@ -249,18 +249,16 @@ def test_overlap_emulated_equals_plain_and_references(masked, t, k, skip):
     assert sbo.order_error(bad, plain) > 1 and rel_err(bad, r64) > 1e-2
 
 
-@pytest.mark.parametrize("form", ["inline", "defer", "tail", "tail_dynamic"])
+@pytest.mark.parametrize("form", ["inline", "defer", "tail"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("variant,cfg", [("swapab", CFG), ("normal", {"BLOCK_N": 128, "BLOCK_T": 16})])
 @pytest.mark.parametrize("t,k,skip", [(5, 2, (1,)), (20, 4, ()), (1, 1, (0, 2, 3))])
 def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, form):
     """fused=True: the combine in the GEMM's epilogue (the tile completing a token's N-range gathers its rows;
     defer: after the program's last tile; tail: one grid-wide arrival per program, then (token, N-tile)s gathered
-    side by side; here, in the interpreter, by the last program to arrive; tail_dynamic: tiles and gathers from
-    tickets, here all taken by the first program). Same bf16 rows as GEMM-then-combine, summed in slot order:
+    side by side; here, in the interpreter, by the last program to arrive). Same bf16 rows as GEMM-then-combine, summed in slot order:
     equal up to the summation order, deterministic, every token written, and a wrong weight is caught."""
-    kw = dict(weight_scale=2.5, fused=True, defer=form == "defer", tail=form.startswith("tail"),
-              dynamic=form == "tail_dynamic", config=cfg, variant=variant)
+    kw = dict(weight_scale=2.5, fused=True, defer=form == "defer", tail=form == "tail", config=cfg, variant=variant)
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=40 + t, masked=masked, skip=skip)
     plain = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
                                      weight_scale=2.5, overlap=False, config=cfg, variant=variant)
@@ -374,35 +372,6 @@ def test_epilogue_combine_tail_arrives_once_per_program(programs):
     assert cnt.tolist() == [min(programs, upper), 0]
 
 
-@pytest.mark.parametrize("programs", [1, 3, 64])
-def test_epilogue_combine_dynamic_tickets(programs):
-    """tail dynamic: every launched program registers and arrives once, the tile tickets run one past the tiles per
-    program, the gather tickets cover every block; rows as the plain GEMM's, out as the static tail's."""
-    t, k = 6, 3
-    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=8, masked=False)
-    plain_rows = gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, config=CFG, variant="swapab")
-    outs = {}
-    for dynamic in (False, True):
-        y = torch.empty(t * k, H, dtype=torch.bfloat16)
-        out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
-        cnt = torch.zeros(5 if dynamic else 2, dtype=torch.int32)
-        gg.m_grouped_fp8_gemm_nt_contiguous(
-            q, qs, wq, ws, lay.m_indptr, out=y, config={**CFG, "programs_per_sm": 1}, variant="swapab",
-            num_sms=programs, combine=gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), cnt, out, k,
-                                                         2.5, tail=True, dynamic=dynamic))
-        assert torch.equal(y, plain_rows)
-        outs[dynamic] = out
-    assert torch.equal(outs[True], outs[False])  # the same slot-order sums
-    launched = int(cnt[0])
-    tiles = sum(-(-int(m) // CFG["BLOCK_T"]) for m in lay.m_indptr.diff()) * (H // CFG["BLOCK_N"])
-    blocks = -(-t * (H // CFG["BLOCK_N"]) // CFG["BLOCK_T"])
-    assert launched >= 1 and cnt.tolist() == [launched, 0, launched, tiles + launched, blocks + launched]
-    with pytest.raises(ValueError, match="dynamic is a form of tail"):
-        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
-                                            combine=gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair,
-                                                                       w.reshape(-1), cnt, out, k, dynamic=True))
-
-
 def test_epilogue_combine_rejects_bad_workspace():
     ids, w, lay, q, qs, wq, ws = run_case(4, 2, seed=3, masked=False)
     out = torch.empty(4, H, dtype=torch.bfloat16)
@@ -466,7 +435,7 @@ def test_workspace_parts_cover_the_buffer():
     assert wsp.acc.data_ptr() % 16 == 0 and wsp.counters.shape == (9, triton.cdiv(H, sbo.BLOCK_H))
 
 
-@pytest.mark.parametrize("combine", ["serial", "fused", "tail", "tail_dynamic"])
+@pytest.mark.parametrize("combine", ["serial", "fused", "tail"])
 def test_moe_forward_matches_reference(combine):
     """The whole SBO MoE (dispatch, gate_up, SiLU, down + combine) on tiny shapes vs float32 torch; 'tail' is
     what the hook runs on one GPU."""

@@ -185,11 +185,11 @@ def test_cuda_graph_replay_matches(mods, weights):
 FLAT_TMA = {"flat": True, "tma": True}  # the flattened, TMA-fed tile walk (merged over the chosen tile config)
 
 
-FORMS = pytest.mark.parametrize("form", ["inline", "defer", "tail", "tail_dynamic"])  # EpilogueCombine's forms
+FORMS = pytest.mark.parametrize("form", ["inline", "defer", "tail"])  # EpilogueCombine's forms
 
 
 def _form(form: str) -> dict:
-    return {"defer": form == "defer", "tail": form.startswith("tail"), "dynamic": form == "tail_dynamic"}
+    return {"defer": form == "defer", "tail": form == "tail"}
 
 
 @pytest.mark.parametrize("walk", [None, FLAT_TMA], ids=["group_walk", "flat_tma"])
@@ -265,14 +265,13 @@ def test_epilogue_combine_race_stress(mods, weights, masked, form):
         assert torch.equal(out, firsts[0])
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_tail_beside_a_busy_stream(mods, weights, dynamic):
-    """The tail forms while another stream's kernels hold SMs (as the shared expert does in the decode graphs): the
-    same sums as alone, nothing gives up; the dynamic form needs no program resident, the static one waits."""
+def test_tail_beside_a_busy_stream(mods, weights):
+    """The tail form while another stream's kernels hold SMs (as the shared expert does in the decode graphs): the
+    same sums as alone, nothing gives up (its wait holds until the late programs arrive)."""
     _, _, sbo = mods
     lay, w, q, qs, wq, ws = case(mods, weights, 32, 16, 77, False)
     alone = torch.empty(32, H, device="cuda", dtype=torch.bfloat16)
-    sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, alone, weight_scale=2.5, fused=True, tail=True, dynamic=dynamic)
+    sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, alone, weight_scale=2.5, fused=True, tail=True)
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()
     for i in range(20):
@@ -280,8 +279,7 @@ def test_tail_beside_a_busy_stream(mods, weights, dynamic):
         with torch.cuda.stream(side):
             busy = a @ a  # ~100 us of every SM, launched first
         out = torch.full((32, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True, tail=True,
-                                 dynamic=dynamic)
+        sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, weight_scale=2.5, fused=True, tail=True)
         main.wait_stream(side)
         busy.record_stream(main)
         assert torch.equal(out, alone), i
@@ -303,7 +301,7 @@ def test_moe_forward_overlap_equals_plain():
     for _ in range(5):
         b = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, overlap=True)
         assert sbo.order_error(b, a) <= 1, sbo.order_error(b, a)
-    for form in ("fused", "tail", "tail_dynamic"):
+    for form in ("fused", "tail"):
         f = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, combine=form)
         assert sbo.order_error(f, a) <= 1, (form, sbo.order_error(f, a))
 

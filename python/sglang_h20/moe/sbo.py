@@ -47,7 +47,9 @@ MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys not
 # the H200, 16 experts, each with the shared expert beside it on a side stream as the decode graphs run it
 # (sbo/sbo_layer_shared_e16_h200.json, 2026-12-01): ours 1.12x / 1.11x upstream at 4 / 8 pairs per expert (batch 8 /
 # 16), 0.96x at 16 (batch 32): the tail-combine GEMM is a persistent grid whose programs must all be resident, and the
-# shared expert's kernels hold SMs beside it. Alone (sbo_layer_fq_e16_h200.json) ours was 1.04x faster at 16 per
+# shared expert's kernels hold SMs beside it. Rerun with the cap at 8 (sbo_layer_tail_grid_shared_e16_h200.json):
+# 1.14x at 8 per expert, 0.96x / 0.97x at 16 / 28; end to end at 16 concurrent median ITL 0.958x SBO off
+# (sbo_e2e_cap8_c16_h200.json). Alone (sbo_layer_fq_e16_h200.json) ours was 1.04x faster at 16 per
 # expert, 0.975x / 0.954x at 28 / 32; 256 experts, 0.25-2 per expert: 1.03-1.05x (sbo_layer_fq_e256_h200.json).
 MAX_PAIRS_PER_EXPERT = 8
 
@@ -110,7 +112,7 @@ def _ep_size() -> int:
         return 1
 
 
-COMBINE_MODES = ("tail", "tail_dynamic", "fused", "overlap", "serial")
+COMBINE_MODES = ("tail", "fused", "overlap", "serial")
 # How the hook combines on one GPU: in the down GEMM's grid tail (EpilogueCombine.tail: every program arrives at
 # one grid-wide counter after its tiles, then all gather). A consumer on a second stream needs SMs lent by the
 # GEMM, which streams weights at full bandwidth on every SM: on the H200 that cost 3-5% of the GEMM, as much as
@@ -125,15 +127,14 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
                 combine: str | None = None, fused_quant: bool = True, gate_up_config: dict | None = None):
     """FP8 MoE through our kernels with the SBO down GEMM + combine; returns out [T, H] bf16.
 
-    combine: 'tail' (in the down GEMM's grid tail), 'tail_dynamic' (the same with tiles and gathers from atomic
-    tickets: no program has to be resident, for the shared expert beside it; not yet measured), 'fused' (in its
-    per-tile epilogue), 'overlap' (consumer kernel on a second stream) or 'serial'; None: 'overlap' if overlap
+    combine: 'tail' (in the down GEMM's grid tail), 'fused' (in its per-tile epilogue), 'overlap' (consumer kernel on a second stream) or 'serial'; None: 'overlap' if overlap
     else 'serial'. fused_quant (bf16 input only): quantize and place the rows in one kernel
     (`sgl_kernel_ext.sbo.quant_dispatch`) instead of SGLang's quant and two row passes: 2-4.5 us (1-2%) less per
     layer on the H200 at 8-64 tokens, 16 and 256 experts (benchmark/results/sbo/sbo_layer_fq_e16_h200.json); as
     accurate (test_sbo_gpu). gate_up_config: tile config keys over the table's for the gate_up GEMM (e.g.
     {"programs_per_sm": 32}: one program per tile, so the hardware places tiles on the SMs free of other kernels, as
-    upstream's grid does; bench_sbo times it)."""
+    upstream's grid does: beside the shared expert 1.00x upstream at 16 tokens per expert where the default is
+    0.96x, 0.99x at 28 (sbo_layer_tail_grid_shared_e16_h200.json); not the default, as the hook stops at 8)."""
     mode = combine or ("overlap" if overlap else "serial")
     if mode not in COMBINE_MODES:
         raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
@@ -161,8 +162,7 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
     return sbo.moe_down_and_combine(q, q_scale, w2, w2_scale, topk_weights, layout, out,
                                     weight_scale=1.0 if routed_scaling_factor is None else routed_scaling_factor,
                                     overlap=mode == "overlap", combine_sms=combine_sms,
-                                    fused=mode in ("fused", "tail", "tail_dynamic"), tail=mode.startswith("tail"),
-                                    dynamic=mode == "tail_dynamic")
+                                    fused=mode in ("fused", "tail"), tail=mode == "tail")
 
 
 def size_unsupported(num_tokens: int, num_pairs: int, num_experts: int) -> str | None:
@@ -283,12 +283,12 @@ def hooks(settings: Settings) -> list[Hook]:
 
 def enabled(settings: Settings) -> None:
     """Once on: what it measured to cost (the plugin calls this after the feature's line)."""
-    log.warning("sbo: on one GPU it hides 46-58%% of the combine (the issue asks 80%%); end to end on dsv3-ep16-slice "
-                "at 32 concurrent, serving up to 16 tokens per expert, 0.92-1.005x the output tok/s of SBO off and "
-                "median ITL 0.98-1.01x on the H200 (benchmark/results/sbo/sbo_e2e_layout_h200.json, "
-                "sbo_e2e_fq_h200.json); with the shared expert beside it our layer is 1.11-1.12x upstream's at 4-8 "
-                "tokens per expert and 0.96x at 16 (sbo_layer_shared_e16_h200.json), so above %d per expert the calls "
-                "go upstream (not yet measured end to end)", MAX_PAIRS_PER_EXPERT)
+    log.warning("sbo: on one GPU it hides 46-58%% of the combine (the issue asks 80%%); with the shared expert beside "
+                "it our MoE layer is 1.11-1.14x upstream's at 4-8 tokens per expert and 0.96x at 16 on the H200 "
+                "(benchmark/results/sbo/sbo_layer_shared_e16_h200.json, sbo_layer_tail_grid_shared_e16_h200.json), "
+                "so above %d per expert calls go upstream; end to end on dsv3-ep16-slice: median ITL 0.958x SBO "
+                "off at 16 concurrent (output tok/s 1.004x), 1.00x at 32 and 56 where the batches go upstream "
+                "(sbo_e2e_cap8_c16_h200.json, sbo_e2e_cap8_c32_c56_h200.json)", MAX_PAIRS_PER_EXPERT)
 
 
 ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD)
