@@ -118,8 +118,8 @@ SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
 
 class EpilogueCombine(NamedTuple):
     """The MoE combine done in the GEMM's epilogue: out[t] = weight_scale * sum_k weights[t*K + k] * (GEMM
-    row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]; tail: [TAIL_COUNTERS]) must be
-    zero before the launch; out is [T, N] bf16 with unit inner stride. The GEMM still writes its own out (the rows)."""
+    row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]; tail: [TAIL_COUNTERS])
+    must be zero before the launch; out is [T, N] bf16 with unit inner stride. The GEMM still writes its own out (the rows)."""
 
     pair_of_row: torch.Tensor  # int32 [rows]: the (token, slot) pair a GEMM row holds (masked: g * max_m + i)
     row_of_pair: torch.Tensor  # int32 [T * top_k]: its inverse (flat row; masked: g * max_m + i)

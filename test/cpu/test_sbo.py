@@ -256,8 +256,8 @@ def test_overlap_emulated_equals_plain_and_references(masked, t, k, skip):
 def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, form):
     """fused=True: the combine in the GEMM's epilogue (the tile completing a token's N-range gathers its rows;
     defer: after the program's last tile; tail: one grid-wide arrival per program, then (token, N-tile)s gathered
-    side by side; here, in the interpreter, by the last program to arrive). Same bf16 rows as GEMM-then-combine, summed in slot order:
-    equal up to the summation order, deterministic, every token written, and a wrong weight is caught."""
+    side by side; here, in the interpreter, by the last program to arrive). Same bf16 rows as GEMM-then-combine,
+    summed in slot order: equal up to the summation order, deterministic, every token written, and a wrong weight is caught."""
     kw = dict(weight_scale=2.5, fused=True, defer=form == "defer", tail=form == "tail", config=cfg, variant=variant)
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=40 + t, masked=masked, skip=skip)
     plain = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),

@@ -127,14 +127,15 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
                 combine: str | None = None, fused_quant: bool = True, gate_up_config: dict | None = None):
     """FP8 MoE through our kernels with the SBO down GEMM + combine; returns out [T, H] bf16.
 
-    combine: 'tail' (in the down GEMM's grid tail), 'fused' (in its per-tile epilogue), 'overlap' (consumer kernel on a second stream) or 'serial'; None: 'overlap' if overlap
-    else 'serial'. fused_quant (bf16 input only): quantize and place the rows in one kernel
-    (`sgl_kernel_ext.sbo.quant_dispatch`) instead of SGLang's quant and two row passes: 2-4.5 us (1-2%) less per
-    layer on the H200 at 8-64 tokens, 16 and 256 experts (benchmark/results/sbo/sbo_layer_fq_e16_h200.json); as
-    accurate (test_sbo_gpu). gate_up_config: tile config keys over the table's for the gate_up GEMM (e.g.
-    {"programs_per_sm": 32}: one program per tile, so the hardware places tiles on the SMs free of other kernels, as
-    upstream's grid does: beside the shared expert 1.00x upstream at 16 tokens per expert where the default is
-    0.96x, 0.99x at 28 (sbo_layer_tail_grid_shared_e16_h200.json); not the default, as the hook stops at 8)."""
+    combine: 'tail' (in the down GEMM's grid tail), 'fused' (in its per-tile epilogue), 'overlap' (consumer kernel
+    on a second stream) or 'serial'; None: 'overlap' if overlap else 'serial'. fused_quant (bf16 input only):
+    quantize and place the rows in one kernel (`sgl_kernel_ext.sbo.quant_dispatch`) instead of SGLang's quant and
+    two row passes: 2-4.5 us (1-2%) less per layer on the H200 at 8-64 tokens, 16 and 256 experts
+    (benchmark/results/sbo/sbo_layer_fq_e16_h200.json); as accurate (test_sbo_gpu). gate_up_config: tile config keys
+    over the table's for the gate_up GEMM (e.g. {"programs_per_sm": 32}: one program per tile, so the hardware
+    places tiles on the SMs free of other kernels, as upstream's grid does: beside the shared expert 1.00x upstream
+    at 16 tokens per expert where the default is 0.96x, 0.99x at 28 (sbo_layer_tail_grid_shared_e16_h200.json); not
+    the default, as the hook stops at 8)."""
     mode = combine or ("overlap" if overlap else "serial")
     if mode not in COMBINE_MODES:
         raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
