@@ -61,6 +61,10 @@ export SGLANG_ENABLE_JIT_DEEPGEMM=${SGLANG_ENABLE_JIT_DEEPGEMM:-0} SGLANG_JIT_DE
 export SGL_KERNEL_FLASHINFER=${SGL_KERNEL_FLASHINFER:-0} SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK=1
 export TRITON_CACHE_DIR=/tmp/jit/triton TVM_FFI_CACHE_DIR=/tmp/jit/tvm-ffi DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm
 export FLASHINFER_WORKSPACE_BASE=/tmp/jit/flashinfer
+# SGLang's triton MoE path and top-k run torch.compile'd helpers: Inductor's caches (FX graphs, its Triton kernels)
+# beside the others, so they are packed too. Left in /tmp/torchinductor_root they were compiled again in every call,
+# the likely (not yet verified) reason why each call's first server start took 137-209 s and the second 75 s
+export TORCHINDUCTOR_CACHE_DIR=/tmp/jit/inductor
 mkdir -p /tmp/jit /tmp/site /tmp/dg
 
 if [ -z "${NO_SETUP:-}" ]; then  # scripts/gpu_parallel.sh sets up once, then runs one job per GPU

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Pack the device host's JIT caches (/tmp/jit: Triton, TVM-FFI, DeepGEMM, FlashInfer) into one archive for $OUT,
-so the next call can restore them (carry it as .devkit/jitcache.tar.xz) instead of compiling again.
+"""Pack the device host's JIT caches (/tmp/jit: Triton, Inductor, TVM-FFI, DeepGEMM, FlashInfer) into one archive
+for $OUT, so the next call can restore them (carry it as .devkit/jitcache.tar.xz) instead of compiling again.
 
 The device tool brings back files of at most 16 MiB. A cache over that is packed again without the caches least
 worth their bytes (FlashInfer, then TVM-FFI: our runs disable or barely use them), and only then harder, so that the

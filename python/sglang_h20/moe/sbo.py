@@ -47,10 +47,11 @@ MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys not
 # the H200, 16 experts, each with the shared expert beside it on a side stream as the decode graphs run it
 # (sbo/sbo_layer_shared_e16_h200.json, 2026-12-01): ours 1.12x / 1.11x upstream at 4 / 8 pairs per expert (batch 8 /
 # 16), 0.96x at 16 (batch 32): the tail-combine GEMM is a persistent grid whose programs must all be resident, and the
-# shared expert's kernels hold SMs beside it. Rerun with the cap at 8 (sbo_layer_tail_grid_shared_e16_h200.json):
-# 1.14x at 8 per expert, 0.96x / 0.97x at 16 / 28; end to end at 16 concurrent median ITL 0.958x SBO off
-# (sbo_e2e_cap8_c16_h200.json). Alone (sbo_layer_fq_e16_h200.json) ours was 1.04x faster at 16 per
-# expert, 0.975x / 0.954x at 28 / 32; 256 experts, 0.25-2 per expert: 1.03-1.05x (sbo_layer_fq_e256_h200.json).
+# shared expert's kernels hold SMs beside it. Two reruns (sbo_layer_tail_dyn_shared_e16_h200.json,
+# sbo_layer_tail_grid_shared_e16_h200.json): 1.13-1.14x at 4-8 per expert, 1.01x / 0.96x at 16, 0.97x at 28; end to
+# end at 16 concurrent median ITL 0.958x SBO off (sbo_e2e_cap8_c16_h200.json). Alone (sbo_layer_fq_e16_h200.json) ours
+# was 1.04x faster at 16 per expert, 0.975x / 0.954x at 28 / 32; 256 experts, 0.25-2 per expert: 1.03-1.05x
+# (sbo_layer_fq_e256_h200.json).
 MAX_PAIRS_PER_EXPERT = 8
 
 log = logging.getLogger("sglang_h20.sbo")
@@ -285,8 +286,9 @@ def hooks(settings: Settings) -> list[Hook]:
 def enabled(settings: Settings) -> None:
     """Once on: what it measured to cost (the plugin calls this after the feature's line)."""
     log.warning("sbo: on one GPU it hides 46-58%% of the combine (the issue asks 80%%); with the shared expert beside "
-                "it our MoE layer is 1.11-1.14x upstream's at 4-8 tokens per expert and 0.96x at 16 on the H200 "
-                "(benchmark/results/sbo/sbo_layer_shared_e16_h200.json, sbo_layer_tail_grid_shared_e16_h200.json), "
+                "it our MoE layer is 1.11-1.14x upstream's at 4-8 tokens per expert and 0.96-1.01x at 16 on the H200 "
+                "(benchmark/results/sbo/sbo_layer_shared_e16_h200.json, sbo_layer_tail_dyn_shared_e16_h200.json, "
+                "sbo_layer_tail_grid_shared_e16_h200.json), "
                 "so above %d per expert calls go upstream; end to end on dsv3-ep16-slice: median ITL 0.958x SBO "
                 "off at 16 concurrent (output tok/s 1.004x), 1.00x at 32 and 56 where the batches go upstream "
                 "(sbo_e2e_cap8_c16_h200.json, sbo_e2e_cap8_c32_c56_h200.json)", MAX_PAIRS_PER_EXPERT)
