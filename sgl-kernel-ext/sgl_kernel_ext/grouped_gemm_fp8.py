@@ -61,8 +61,11 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     program stores its rows plainly; after its last tile it arrives at ONE grid-wide counter (CTA barrier, one
     release add), waits until every program arrived, and gathers every NUM_PROGRAMS-th block of (token, N-tile)
     items: the combine fills the persistent grid's tail, spread over all programs, with one kernel launch. The
-    grid is capped at the programs resident at once (`_resident_programs`), so the wait cannot deadlock; a wait
-    that gives up (bounded polls) sets counters[1] and leaves out unwritten. Counters: int32 [2].
+    grid is capped at the programs resident at once (`_resident_programs`), so nobody waits for a program that
+    cannot start. A wait that still runs out (TAIL_MAX_SPIN polls) adds a mark (1 << TAIL_GAVE_UP_SHIFT) to the same
+    counter and leaves; the last program to arrive sees that in the value its own arrival returns and gathers every
+    item, so out is always complete: a give-up costs time, never a wrong answer. (A leaver whose add finds every
+    program arrived does its share after all: the last one came before its mark.) Counters: int32 [1].
     Beside other kernels (the decode graphs run the shared expert on a side stream) some programs start only
     after those finish, and with a static stride their tiles wait for them: 0.96x upstream's layer at 16 tokens per
     expert there (benchmark/results/sbo/sbo_layer_shared_e16_h200.json). Tiles and gathers from atomic tickets
@@ -119,7 +122,8 @@ SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
 class EpilogueCombine(NamedTuple):
     """The MoE combine done in the GEMM's epilogue: out[t] = weight_scale * sum_k weights[t*K + k] * (GEMM
     row of pair t*K + k), summed in slot order. counters (int32 [T, ceil(N / BLOCK_N)]; tail: [TAIL_COUNTERS])
-    must be zero before the launch; out is [T, N] bf16 with unit inner stride. The GEMM still writes its own out (the rows)."""
+    must be zero before the launch; out is [T, N] bf16 with unit inner stride. The GEMM still writes its own out
+    (the rows)."""
 
     pair_of_row: torch.Tensor  # int32 [rows]: the (token, slot) pair a GEMM row holds (masked: g * max_m + i)
     row_of_pair: torch.Tensor  # int32 [T * top_k]: its inverse (flat row; masked: g * max_m + i)
@@ -258,27 +262,32 @@ def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, N, MAX_M, stride
                   cmb_rowp_ptr, cmb_w_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om, NUM_TOKENS, MAX_SPIN,
                   LAYOUT: tl.constexpr, COMBINE_TOPK: tl.constexpr, COMBINE_GATHER: tl.constexpr,
                   INTERPRET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """COMBINE_TAIL: after its last GEMM tile a program arrives at one grid-wide counter (CTA barrier, one release
+    """COMBINE_TAIL: after its last GEMM tile a program arrives at one grid-wide counter (CTA barrier, one acq_rel
     add); once every program arrived (volatile polls, then one acquire), each gathers every NUM_PROGRAMS-th block of
-    BLOCK_T (token, N-tile) items. Needs every program resident at once (the launcher caps the grid at the resident
-    capacity); a wait that gives up after MAX_SPIN polls sets cnt[1] and gathers nothing (out invalid). Under the
-    interpreter programs run one after another: there the last one to arrive gathers every item."""
+    BLOCK_T (token, N-tile) items. The launcher caps the grid at the resident capacity, so the wait is short; one
+    that runs out after MAX_SPIN polls marks the counter (TAIL_GAVE_UP_SHIFT) and leaves its share to the last arrival,
+    which gathers every item when its add returns a mark (module doc). Under the interpreter programs run one after
+    another: there the last one to arrive gathers every item."""
     tl.debug_barrier()  # every thread's rows precede the release below
-    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") + 1
+    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")  # (the last to arrive acquires every other program's rows here)
+    arrived = (old & TAIL_ARRIVALS) + 1
     if INTERPRET:
         go = arrived == NUM_PROGRAMS
         j, stride = pid * 0, BLOCK_T
     else:
-        if arrived < NUM_PROGRAMS:  # (the last to arrive acquired every other program's rows with its add)
+        everything = (arrived == NUM_PROGRAMS) & ((old >> TAIL_GAVE_UP_SHIFT) != 0)  # the last, after a leaver
+        if arrived < NUM_PROGRAMS:
             spins = pid * 0
             while (arrived < NUM_PROGRAMS) & (spins < MAX_SPIN):  # volatile polls (polling with ld.acquire made
-                arrived = tl.load(cnt_ptr, volatile=True)          # the wait 2-3x longer: tail_acquire_poll run)
+                arrived = tl.load(cnt_ptr, volatile=True) & TAIL_ARRIVALS  # the wait 2-3x longer: tail_acquire_poll)
                 spins += 1
-            arrived = tl.atomic_add(cnt_ptr, 0, sem="acquire")  # every program's rows, for this program's loads
+            if arrived < NUM_PROGRAMS:  # ran out: mark and leave, unless every program arrived before the mark
+                arrived = tl.atomic_add(cnt_ptr, 1 << TAIL_GAVE_UP_SHIFT, sem="acq_rel") & TAIL_ARRIVALS
+            else:
+                arrived = tl.atomic_add(cnt_ptr, 0, sem="acquire") & TAIL_ARRIVALS  # every program's rows
         go = arrived >= NUM_PROGRAMS
-        if not go:
-            tl.atomic_xchg(cnt_ptr + 1, 1)  # gave up: the caller's status
-        j, stride = pid * BLOCK_T, NUM_PROGRAMS * BLOCK_T
+        j = tl.where(everything, 0, pid * BLOCK_T)
+        stride = tl.where(everything, BLOCK_T, NUM_PROGRAMS * BLOCK_T)
     tl.debug_barrier()  # the acquiring thread's view covers every thread's loads below
     items = NUM_TOKENS * n_tiles
     while go & (j < items):
@@ -506,6 +515,8 @@ def _fp8_grouped_gemm_flat_kernel(
                           LAYOUT, COMBINE_TOPK, BLOCK_T, BLOCK_N)
 
 
+TAIL_GAVE_UP_SHIFT = tl.constexpr(20)  # EpilogueCombine.tail's counter: arrivals below bit 20, give-ups above
+TAIL_ARRIVALS = tl.constexpr((1 << 20) - 1)
 GATHER_COLS = tl.constexpr(32)  # columns per gather pass: [BLOCK_T, 32] pointer tiles keep the registers low
 
 
@@ -951,7 +962,7 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
         raise ValueError(f"combine: row_of_pair must be int32 [{t * c.top_k}], got {c.row_of_pair.dtype} "
                          f"{tuple(c.row_of_pair.shape)}")
     want = (TAIL_COUNTERS,) if c.tail else (t, tiles)
-    what = ", tail: arrivals + gave-up flag" if c.tail else ""
+    what = ", tail: arrivals and give-ups" if c.tail else ""
     if c.counters.shape != want or c.counters.dtype != torch.int32 or not c.counters.is_contiguous():
         raise ValueError(f"combine: counters must be contiguous int32 {list(want)} (BLOCK_N {block_n}{what}), "
                          f"got {c.counters.dtype} {tuple(c.counters.shape)}")
@@ -959,8 +970,11 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
         raise ValueError(f"combine: pair_of_row must be int32, got {c.pair_of_row.dtype}")
 
 
-TAIL_COUNTERS = 2  # EpilogueCombine.tail's int32 counters: arrivals and the gave-up flag
-TAIL_MAX_SPIN = 1 << 22  # EpilogueCombine.tail: polls of the grid-wide counter before giving up (seconds; the GEMM < 1 ms)
+TAIL_COUNTERS = 1  # EpilogueCombine.tail's int32 counter: arrivals (low 20 bits) and give-ups (above)
+# EpilogueCombine.tail: polls of the grid-wide counter before a waiter leaves its share to the last arrival (~30-60
+# ms; the longest wait measured, beside the shared expert, is tens of us). Bounds the cost of a program that cannot
+# start (another kernel holding its SM) without deciding the result.
+TAIL_MAX_SPIN = 1 << 16
 
 
 _RESIDENT: dict = {}  # (device, kernel, constexprs and scalars) -> programs resident at once

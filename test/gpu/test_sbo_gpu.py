@@ -285,6 +285,38 @@ def test_tail_beside_a_busy_stream(mods, weights):
         assert torch.equal(out, alone), i
 
 
+@pytest.mark.parametrize("max_spin", [0, 1, 8])
+def test_tail_waits_that_give_up_still_complete_out(mods, weights, monkeypatch, max_spin):
+    """Waits cut short (TAIL_MAX_SPIN 0-8 polls) mark the counter and leave; the last program to arrive then
+    gathers every item: out bit-identical to the full wait's on the same grid (with 0 polls every program but the
+    last leaves)."""
+    gg, _, sbo = mods
+    t = 24
+    lay, w, q, qs, wq, ws = case(mods, weights, t, 16, 91, False)
+
+    def tail(programs):
+        out = torch.full((t, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        cnt = torch.zeros(gg.TAIL_COUNTERS, dtype=torch.int32, device="cuda")
+        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=nan_y(lay, t), num_sms=programs,
+                                            combine=gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair,
+                                                                       w.reshape(-1), cnt, out, lay.top_k, 2.5,
+                                                                       tail=True))
+        return out, int(cnt.item())
+
+    grids = [None, 132, 33, 7]  # the hardware's count, fewer SMs, a handful
+    full = {p: tail(p) for p in grids}
+    assert all(c == c & 0xFFFFF for _, c in full.values())  # the full waits: no mark
+    monkeypatch.setattr(gg, "TAIL_MAX_SPIN", max_spin)
+    marks = 0
+    for it in range(60):
+        p = grids[it % 4]
+        out, c = tail(p)
+        assert not torch.isnan(out.float()).any() and torch.equal(out, full[p][0]), (it, p)
+        assert c & 0xFFFFF == full[p][1]  # every program arrived once
+        marks += c >> 20
+    assert marks > 0 or max_spin > 0  # with no poll at all every program but the last marks
+
+
 def test_moe_forward_overlap_equals_plain():
     """The plugin's whole SBO MoE path, overlap on vs off, with DeepSeek-V3 sizes at batch 16."""
     from sgl_kernel_ext import quant, sbo
