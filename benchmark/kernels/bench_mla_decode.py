@@ -28,6 +28,9 @@ reason, never silently dropped):
                      decode_attention_fwd, has_mla=True) on the bf16 cache, page_size 1 token-slot indices; the
                      q_len x B queries become rows with their causal lengths; num_kv_splits from upstream's
                      get_num_kv_splits_triton with max_kv_splits = _mla_decode_kv_splits_cap(8, SMs, context).
+  sglang-triton-fp8  the same kernel on the FP8 cache as SGLang's triton backend runs it with an FP8 KV pool:
+                     q cast to e4m3 in the kernel, FP8 QK and PV dots, the per-tensor scale as k/v descale
+                     (576 B/token).
 Points: batch {1,16,64,128} x context {1k,4k,16k} x heads {16,128} x q_len {1,2}; every sequence of a point has
 the context's length. --quick: 4 points at context 4k.
 
@@ -50,6 +53,7 @@ import itertools
 import json
 import math
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -66,8 +70,8 @@ QUICK_POINTS = [(1, 4096, 128, 1), (64, 4096, 128, 1), (64, 4096, 128, 2), (64, 
 REPRESENTATIVE = (64, 4096, 128, 1)
 PAGE = 64
 PROVIDER_NAMES = ["ours", *(f"ours-cuda{v}{k}" for v in ("", "-v2") for k in ("", "-tplan", "-ctx", "-graph")),
-                  "flashmla-bf16", "flashmla-fp8", "sglang-triton"]
-DEFAULT_PROVIDERS = ["ours", "ours-cuda", "flashmla-bf16", "flashmla-fp8", "sglang-triton"]
+                  "flashmla-bf16", "flashmla-fp8", "sglang-triton", "sglang-triton-fp8"]
+DEFAULT_PROVIDERS = ["ours", "ours-cuda", "flashmla-bf16", "flashmla-fp8", "sglang-triton", "sglang-triton-fp8"]
 H20_FP8_FLOPS, H20_BF16_FLOPS, H20_HBM_BPS = 296e12, 148e12, 4.0e12
 L2_BYTES_FALLBACK = 60 * 2**20
 
@@ -92,11 +96,14 @@ def parse_args(argv=None):
                     help="the context length the -ctx / -graph providers plan their grid for (DeepSeek-V3's)")
     ap.add_argument("--configs", nargs="*", default=[],
                     help="extra tile configs of ours, BHxBNxBVxWxS[b] e.g. 64x32x256x8x2 64x32x512x8x2b (block_h, "
-                         "block_n, block_v, warps, stages; b: PV on fp16 MMA); with --only-configs instead of the default")
+                         "block_n, block_v, warps, stages; b: PV on fp16 MMA); with --only-configs instead of the "
+                         "default")
     ap.add_argument("--only-configs", action="store_true", help="time only the --configs variants of ours")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the error check against fp32")
     ap.add_argument("--max-sets", type=int, default=8, help="rotating input sets at most")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep (ms)")
+    ap.add_argument("--deadline-s", type=float, default=0,
+                    help="stop starting points after this many seconds (0: none); the record says which were left")
     a = ap.parse_args(argv)
     unknown = [p for p in a.providers if p not in PROVIDER_NAMES]
     if unknown:  # checked here, before the GPU's ceilings are measured
@@ -247,7 +254,7 @@ def make_flashmla(torch, sets, fp8: bool):
     return calls, (lambda: outs[0][0]), info
 
 
-def make_sglang_triton(torch, sets, ctx):
+def make_sglang_triton(torch, sets, ctx, fp8=False):
     try:
         from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
     except Exception:
@@ -278,8 +285,9 @@ def make_sglang_triton(torch, sets, ctx):
         row = torch.repeat_interleave(torch.arange(B * T, device="cuda") // T, vis)
         pages = s["block_table"][row, pos // PAGE].long()
         indices = (pages * PAGE + pos % PAGE).to(torch.int32)
-        k_buf = s["latent_cache"].view(-1, 1, 576)
+        k_buf = (s["flashmla_fp8"] if fp8 else s["latent_cache"]).view(-1, 1, 576)
         v_buf = k_buf[..., :512]
+        descale = float(s["flashmla_fp8_descale"].item()) if fp8 else 1.0
         q = s["q"].reshape(B * T, H, D)
         o = torch.empty(B * T, H, 512, dtype=torch.bfloat16, device="cuda")
         logits = torch.empty(B * T, H, max_kv_splits, 512, dtype=torch.float32, device="cuda")
@@ -290,12 +298,14 @@ def make_sglang_triton(torch, sets, ctx):
             get_num_kv_splits_triton[(1,)](splits, vis.to(torch.int32), n, 1, H, 1, max_kv_splits, num_sm,
                                            MAX_NUM_SEQ=max(256, 1 << (n - 1).bit_length()))
 
-        def call(q=q, o=o, indptr=indptr, indices=indices, logits=logits, lse=lse, splits=splits, s=s):
+        def call(q=q, o=o, indptr=indptr, indices=indices, logits=logits, lse=lse, splits=splits, s=s,
+                 k_buf=k_buf, v_buf=v_buf, descale=descale):
             decode_attention_fwd(q, k_buf, v_buf, o, indptr, indices, logits, lse, splits, max_kv_splits,
-                                 s["softmax_scale"], 1.0, 1.0, has_mla=True)
+                                 s["softmax_scale"], descale, descale, has_mla=True)
         calls.append(call)
         outs.append(o.view(B, T, H, 512))
-    info = {"bytes_per_token": 1152, "precision": "bf16", "max_kv_splits": max_kv_splits}
+    info = {"bytes_per_token": 576 if fp8 else 1152, "precision": "fp8" if fp8 else "bf16",
+            "max_kv_splits": max_kv_splits}
     return calls, (lambda: outs[0]), info
 
 
@@ -372,6 +382,46 @@ def run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, un
     return rows
 
 
+def issue_targets(rows) -> dict:
+    """The FP8 MLA issue's three kernel targets, checked on the best of our providers at each point: >= 1.6x
+    FlashMLA BF16 (128 heads, batch >= 16, context >= 4k), >= 1.0x the fastest upstream FP8 path, >= 70% of the
+    binding roofline. Ratios are time_upstream / time_ours (above 1: ours faster)."""
+    by_point: dict = {}
+    for r in rows:
+        by_point.setdefault((r["batch"], r["context"], r["heads"], r["q_len"]), {})[r["provider"]] = r
+    per_point = []
+    for (b, c, h, t), prov in sorted(by_point.items()):
+        ours = [r for name, r in prov.items() if name.startswith("ours")]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["latency_us"])
+        fp8_up = [prov[n] for n in ("flashmla-fp8", "sglang-triton-fp8") if n in prov]
+        fl16 = prov.get("flashmla-bf16")
+        per_point.append({
+            "batch": b, "context": c, "heads": h, "q_len": t, "best_ours": best["provider"],
+            "ours_us": best["latency_us"], "roofline_frac": best["roofline_frac"],
+            "vs_flashmla_bf16": fl16["latency_us"] / best["latency_us"] if fl16 else None,
+            "fastest_upstream_fp8": min(fp8_up, key=lambda r: r["latency_us"])["provider"] if fp8_up else None,
+            "vs_fastest_upstream_fp8": (min(r["latency_us"] for r in fp8_up) / best["latency_us"]) if fp8_up else None,
+            "h20_modelled_vs_flashmla_bf16": (fl16["h20_modelled_us"] / best["h20_modelled_us"]) if fl16 else None})
+
+    def check(name, pts, key, bound):
+        vals = [p[key] for p in pts if p[key] is not None]
+        met = sum(v >= bound for v in vals)
+        line = (f"target {name}: {met} of {len(vals)} points"
+                + (f" (range {min(vals):.2f}-{max(vals):.2f}, need >= {bound})" if vals else ""))
+        return {"points": len(vals), "met": met, "min": min(vals, default=None), "max": max(vals, default=None),
+                "bound": bound, "line": line}
+
+    big = [p for p in per_point if p["heads"] == 128 and p["batch"] >= 16 and p["context"] >= 4096]
+    checks = {"vs_flashmla_bf16_h128_b16_ctx4k": check(">= 1.6x FlashMLA BF16 (128 heads, batch >= 16, ctx >= 4k)",
+                                                       big, "vs_flashmla_bf16", 1.6),
+              "vs_fastest_upstream_fp8": check(">= 1.0x the fastest upstream FP8 path", per_point,
+                                               "vs_fastest_upstream_fp8", 1.0),
+              "roofline": check(">= 70% of the binding roofline", per_point, "roofline_frac", 0.7)}
+    return {"per_point": per_point, "checks": checks, "summary": [c["line"] for c in checks.values()]}
+
+
 def plot(rows, ceilings, path: Path):
     from sglang_h20.plotting import pyplot
     plt = pyplot()
@@ -441,19 +491,28 @@ def main(argv=None) -> int:
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
         elif p == "flashmla-fp8":
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=True)))
-        else:  # sglang-triton
-            providers.append((p, lambda sets, ctx: make_sglang_triton(torch, sets, ctx)))
+        else:  # sglang-triton[-fp8]
+            providers.append((p, lambda sets, ctx, fp8=p.endswith("fp8"): make_sglang_triton(torch, sets, ctx, fp8)))
 
-    rows, unavailable = [], {}
-    for point in points:
+    rows, unavailable, left = [], {}, []
+    start = time.monotonic()
+    for i, point in enumerate(points):
+        if args.deadline_s and time.monotonic() - start > args.deadline_s:
+            left = points[i:]
+            print(f"deadline: {len(left)} of {len(points)} points left unrun", flush=True)
+            break
         rows += run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, unavailable)
 
+    rep_provider = next((p for p in args.providers if p.startswith("ours")), "ours")  # the first of ours asked for
     rep = [r for r in rows if (r["batch"], r["context"], r["heads"], r["q_len"]) == REPRESENTATIVE
-           and r["provider"] == "ours"]
+           and r["provider"] == rep_provider]
     result = {"provenance": record(), "representative": dict(zip(("batch", "context", "heads", "q_len"),
-                                                                  REPRESENTATIVE), provider="ours"),
+                                                                  REPRESENTATIVE), provider=rep_provider),
               "ceilings": ceilings, "points": rows, "unavailable": unavailable,
-              "kv_bytes_per_token": {"ours": mla.KV_BYTES_PER_TOKEN, "flashmla-fp8": 576, "bf16": 1152}}
+              "kv_bytes_per_token": {"ours": mla.KV_BYTES_PER_TOKEN, "flashmla-fp8": 576, "bf16": 1152},
+              "points_left_unrun": [list(p) for p in left], "targets": issue_targets(rows)}
+    for line in result["targets"]["summary"]:
+        print(line)
     if rep:
         result["latency_us"] = rep[0]["latency_us"]
         result["tflops"] = rep[0]["tflops"]

@@ -1,0 +1,36 @@
+"""bench_mla_decode's target check: the best of our providers per point against FlashMLA BF16 (on the issue's
+128-head, batch >= 16, context >= 4k points only), the fastest upstream FP8 path and the roofline."""
+from repo_scripts import load_script
+
+bench = load_script("benchmark/kernels/bench_mla_decode.py")
+
+
+def row(provider, batch, ctx, heads, us, roof=0.5, h20=None):
+    return {"provider": provider, "batch": batch, "context": ctx, "heads": heads, "q_len": 1, "latency_us": us,
+            "roofline_frac": roof, "h20_modelled_us": h20 if h20 is not None else us}
+
+
+def test_targets_take_the_best_of_ours_and_the_fastest_upstream_fp8():
+    rows = [row("ours-cuda", 64, 4096, 128, 200.0, 0.3), row("ours-cuda-v2", 64, 4096, 128, 100.0, 0.75),
+            row("flashmla-bf16", 64, 4096, 128, 170.0), row("flashmla-fp8", 64, 4096, 128, 120.0),
+            row("sglang-triton-fp8", 64, 4096, 128, 90.0),
+            # batch 1 and 16 heads: outside the 1.6x target's points, inside the other two
+            row("ours-cuda", 1, 4096, 128, 30.0, 0.2), row("flashmla-bf16", 1, 4096, 128, 60.0),
+            row("flashmla-fp8", 1, 4096, 128, 20.0),
+            row("ours-cuda", 64, 4096, 16, 50.0, 0.9), row("flashmla-bf16", 64, 4096, 16, 40.0)]
+    t = bench.issue_targets(rows)
+    rep = next(p for p in t["per_point"] if (p["batch"], p["heads"]) == (64, 128))
+    assert rep["best_ours"] == "ours-cuda-v2" and rep["fastest_upstream_fp8"] == "sglang-triton-fp8"
+    assert rep["vs_flashmla_bf16"] == 1.7 and rep["vs_fastest_upstream_fp8"] == 0.9
+    c = t["checks"]
+    assert (c["vs_flashmla_bf16_h128_b16_ctx4k"]["points"], c["vs_flashmla_bf16_h128_b16_ctx4k"]["met"]) == (1, 1)
+    # upstream FP8 at two points (none at 16 heads): 0.9x and 20/30
+    assert (c["vs_fastest_upstream_fp8"]["points"], c["vs_fastest_upstream_fp8"]["met"]) == (2, 0)
+    assert (c["roofline"]["points"], c["roofline"]["met"]) == (3, 2)
+    assert len(t["summary"]) == 3 and "1 of 1" in t["summary"][0]
+
+
+def test_fp8_triton_provider_is_listed_and_parsed():
+    assert "sglang-triton-fp8" in bench.PROVIDER_NAMES and "sglang-triton-fp8" in bench.DEFAULT_PROVIDERS
+    args = bench.parse_args(["--providers", "ours-cuda", "sglang-triton-fp8", "--deadline-s", "30"])
+    assert args.providers == ["ours-cuda", "sglang-triton-fp8"] and args.deadline_s == 30
