@@ -62,9 +62,12 @@ export SGL_KERNEL_FLASHINFER=${SGL_KERNEL_FLASHINFER:-0} SGLANG_OPT_USE_JIT_KERN
 export TRITON_CACHE_DIR=/tmp/jit/triton TVM_FFI_CACHE_DIR=/tmp/jit/tvm-ffi DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm
 export FLASHINFER_WORKSPACE_BASE=/tmp/jit/flashinfer
 # SGLang's triton MoE path and top-k run torch.compile'd helpers: Inductor's caches (FX graphs, its Triton kernels)
-# beside the others, so they are packed too. Left in /tmp/torchinductor_root they were compiled again in every call,
-# the likely (not yet verified) reason why each call's first server start took 137-209 s and the second 75 s
+# beside the others, so they are packed too (each call's first server start took 137-209 s, the second 75 s)
 export TORCHINDUCTOR_CACHE_DIR=/tmp/jit/inductor
+# Measured since (2026-12-01): with Inductor's cache carried the first start still took 187 s (175 s without it), so
+# that was not it. Next suspect: the CUDA driver compiling PTX-only kernels to SASS on first load, cached under
+# ~/.nv/ComputeCache by default; kept beside the others here so that it is packed too (not yet measured)
+export CUDA_CACHE_PATH=/tmp/jit/cuda-compute CUDA_CACHE_MAXSIZE=1073741824
 mkdir -p /tmp/jit /tmp/site /tmp/dg
 
 if [ -z "${NO_SETUP:-}" ]; then  # scripts/gpu_parallel.sh sets up once, then runs one job per GPU

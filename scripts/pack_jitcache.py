@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Pack the device host's JIT caches (/tmp/jit: Triton, Inductor, TVM-FFI, DeepGEMM, FlashInfer) into one archive
+"""Pack the device host's JIT caches (/tmp/jit: Triton, Inductor, TVM-FFI, DeepGEMM, FlashInfer, the CUDA driver's
+PTX cache) into one archive
 for $OUT, so the next call can restore them (carry it as .devkit/jitcache.tar.xz) instead of compiling again.
 
 The device tool brings back files of at most 16 MiB. A cache over that is packed again without the caches least
-worth their bytes (FlashInfer, then TVM-FFI: our runs disable or barely use them), and only then harder, so that the
+worth their bytes (FlashInfer, then the driver's PTX cache, then TVM-FFI), and only then harder, so that the
 Triton kernels, whose compiling costs each server start tens of seconds, still come back. Fast presets first: this
 runs at the end of a device call, on its clock (xz -9e over the ~150 MB cache would take minutes)."""
 import argparse
@@ -13,13 +14,19 @@ import tarfile
 
 LIMIT = 15_500_000  # the device tool brings back files of at most 16 MiB
 JIT_DIR = "/tmp/jit"
-DROP_ORDER = ("flashinfer", "tvm-ffi")  # left out first when the archive is too large
-ATTEMPTS = ((3, ()), (3, DROP_ORDER[:1]), (3, DROP_ORDER), (6, DROP_ORDER))  # (xz preset, caches left out)
+DROP_ORDER = ("flashinfer", "cuda-compute", "tvm-ffi")  # left out first when the archive is too large
+
+
+def attempts(present) -> list:
+    """(xz preset, caches left out): everything, then one more of DROP_ORDER's present caches left out at a time,
+    then the smallest at a slower preset."""
+    drop = tuple(d for d in DROP_ORDER if d in present)
+    return [(3, drop[:i]) for i in range(len(drop) + 1)] + [(6, drop)]
 
 
 def pack(jit_dir: str, out: str, limit: int) -> tuple[int, tuple[str, ...]] | None:
     """Write the archive; (its size, the caches left out), or None when even the smallest is over `limit`."""
-    for preset, left_out in ATTEMPTS:
+    for preset, left_out in attempts(os.listdir(jit_dir)):
         with tarfile.open(out, "w:xz", preset=preset) as t:
             for d in sorted(os.listdir(jit_dir)):
                 if d not in left_out:

@@ -5,9 +5,9 @@ from repo_scripts import load_script
 bench = load_script("benchmark/kernels/bench_mla_decode.py")
 
 
-def row(provider, batch, ctx, heads, us, roof=0.5, h20=None):
+def row(provider, batch, ctx, heads, us, roof=0.5):
     return {"provider": provider, "batch": batch, "context": ctx, "heads": heads, "q_len": 1, "latency_us": us,
-            "roofline_frac": roof, "h20_modelled_us": h20 if h20 is not None else us}
+            "roofline_frac": roof}
 
 
 def test_targets_take_the_best_of_ours_and_the_fastest_upstream_fp8():

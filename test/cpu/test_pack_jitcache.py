@@ -37,3 +37,13 @@ def test_too_large_even_alone_leaves_no_archive(jit, tmp_path, capsys):
     assert pj.main([str(out), "--jit-dir", str(jit), "--limit", "30000"]) == 0
     assert not out.exists() and "too large" in capsys.readouterr().out
     assert pj.main([str(out), "--jit-dir", str(tmp_path / "absent")]) == 1
+
+
+def test_the_drivers_ptx_cache_goes_after_flashinfer_before_tvm_ffi(jit, tmp_path):
+    (jit / "cuda-compute" / "k").mkdir(parents=True)
+    (jit / "cuda-compute" / "k" / "blob.bin").write_bytes(os.urandom(50_000))
+    assert pj.attempts(os.listdir(jit))[1:4] == [(3, ("flashinfer",)), (3, ("flashinfer", "cuda-compute")),
+                                                (3, ("flashinfer", "cuda-compute", "tvm-ffi"))]
+    out = tmp_path / "jitcache.tar.xz"
+    size, dropped = pj.pack(str(jit), str(out), 170_000)  # 310 KB in all; 140 KB without those two
+    assert dropped == ("flashinfer", "cuda-compute") and members(out) == ["triton", "tvm-ffi"]

@@ -49,9 +49,9 @@ MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys not
 # 16), 0.96x at 16 (batch 32): the tail-combine GEMM is a persistent grid whose programs must all be resident, and the
 # shared expert's kernels hold SMs beside it. Two reruns (sbo_layer_tail_dyn_shared_e16_h200.json,
 # sbo_layer_tail_grid_shared_e16_h200.json): 1.13-1.14x at 4-8 per expert, 1.01x / 0.96x at 16, 0.97x at 28; end to
-# end at 16 concurrent median ITL 0.958x SBO off (sbo_e2e_cap8_c16_h200.json). Alone (sbo_layer_fq_e16_h200.json) ours
-# was 1.04x faster at 16 per expert, 0.975x / 0.954x at 28 / 32; 256 experts, 0.25-2 per expert: 1.03-1.05x
-# (sbo_layer_fq_e256_h200.json).
+# end at 16 concurrent median ITL 0.958x / 0.956x SBO off (sbo_e2e_cap8_c16{,_run2}_h200.json).
+# Alone (sbo_layer_fq_e16_h200.json) ours was 1.04x faster at 16 per expert, 0.975x / 0.954x at 28 / 32; 256 experts,
+# 0.25-2 per expert: 1.03-1.05x (sbo_layer_fq_e256_h200.json).
 MAX_PAIRS_PER_EXPERT = 8
 
 log = logging.getLogger("sglang_h20.sbo")
@@ -289,9 +289,10 @@ def enabled(settings: Settings) -> None:
                 "it our MoE layer is 1.11-1.14x upstream's at 4-8 tokens per expert and 0.96-1.01x at 16 on the H200 "
                 "(benchmark/results/sbo/sbo_layer_shared_e16_h200.json, sbo_layer_tail_dyn_shared_e16_h200.json, "
                 "sbo_layer_tail_grid_shared_e16_h200.json), "
-                "so above %d per expert calls go upstream; end to end on dsv3-ep16-slice: median ITL 0.958x SBO "
-                "off at 16 concurrent (output tok/s 1.004x), 1.00x at 32 and 56 where the batches go upstream "
-                "(sbo_e2e_cap8_c16_h200.json, sbo_e2e_cap8_c32_c56_h200.json)", MAX_PAIRS_PER_EXPERT)
+                "so above %d per expert calls go upstream; end to end on dsv3-ep16-slice: median ITL 0.956-0.958x "
+                "SBO off at 16 concurrent (two runs), 1.00x at 32 and 56 where the batches go upstream "
+                "(sbo_e2e_cap8_c16_h200.json, sbo_e2e_cap8_c16_run2_h200.json, "
+                "sbo_e2e_cap8_c32_c56_h200.json)", MAX_PAIRS_PER_EXPERT)
 
 
 ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD)
