@@ -114,9 +114,9 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("fp8_mla", _parse_bool, "off",
            "FP8 MLA decode: FP8 KV cache with FP8 QK^T and PV on Hopper tensor cores"),
     Switch("fp8_mla_kernel", _choice("auto", "cuda", "cuda-v2", "triton"), "auto",
-           "decode kernel of the h20_fp8_mla backend: 'auto'/'cuda' = the CUDA split kernel (version 1) where it "
-           "builds (sm_90 + nvcc), else the Triton one; 'cuda-v2' = version 2 (warp-specialized, 1.00-1.10x "
-           "version 1 on the H200); 'triton' = the Triton kernel (A/B runs)"),
+           "decode kernel of the h20_fp8_mla backend: 'auto' = the CUDA split kernel where it builds (sm_90 + "
+           "nvcc; version 1 below batch 16, version 2 from there: 0.99-1.10x version 1 on the H200), else the "
+           "Triton one; 'cuda' / 'cuda-v2' = one CUDA version; 'triton' = the Triton kernel (A/B runs)"),
     Switch("swapab", _parse_bool, "off",
            "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert"),
     Switch("sbo", _parse_bool, "off",

@@ -609,6 +609,21 @@ def test_gpu_decode_and_mla_prefill_with_real_kernels():
     check_mla_extend(b2, b2.backend(), prefix=[150, 0, 89], new=[50, 64, 1], lyr=layer(0, heads=128))
 
 
+def test_auto_decode_kernel_picks_the_version_by_batch(monkeypatch):
+    """'auto' calls version 1 below V2_FROM_BATCH sequences and version 2 from there, passing every argument on."""
+    cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+    calls = []
+    monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
+    monkeypatch.setattr(cu, "mla_decode_fp8_cuda", lambda q, *a, version=1, **k: calls.append((q.shape[0], version,
+                                                                                              a, k)) or version)
+    fn = fb.decode_kernel("auto").fn
+    for batch in (1, fb.V2_FROM_BATCH - 1, fb.V2_FROM_BATCH, 128):
+        assert fn(torch.empty(batch, 1, 128, 576), "kv", "bt", "lens", 0.1, "plan", out="o") == (
+            2 if batch >= fb.V2_FROM_BATCH else 1)
+    assert [c[:2] for c in calls] == [(1, 1), (15, 1), (16, 2), (128, 2)]
+    assert all(c[2] == ("kv", "bt", "lens", 0.1, "plan") and c[3] == {"out": "o"} for c in calls)
+
+
 def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     """The CUDA kernel where it can run, else the Triton one, with why (here: no CUDA device, or a failed build)."""
     mla = importlib.import_module("sgl_kernel_ext.mla_decode")
@@ -621,9 +636,15 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata and lut is mla.splits_lut
     assert "nvcc not found" in what and "more" not in what
     monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
-    fn, plan, lut, what = fb.decode_kernel()
+    fn, plan, lut, what = fb.decode_kernel("cuda")
     assert fn is cu.mla_decode_fp8_cuda and plan is cu.get_mla_decode_metadata and what.startswith("CUDA (")
     assert lut is cu.splits_lut
+    fn, plan, lut, what = fb.decode_kernel()  # auto: both versions, by batch
+    assert plan is cu.get_mla_decode_metadata and what.startswith("CUDA v1 below batch 16, v2 from there")
+    monkeypatch.setattr(cu, "available", lambda version=1: (version == 1, "" if version == 1 else "v2 failed\nx"))
+    fn, plan, lut, what = fb.decode_kernel()  # auto without v2: v1, and why
+    assert fn is cu.mla_decode_fp8_cuda and "v2 unavailable: v2 failed" in what and "x" not in what.split(": ")[-1]
+    monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
     fn, plan, lut, what = fb.decode_kernel("cuda-v2")
     assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2} and what.startswith("CUDA v2")
     monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL", "triton")  # the switch, read when no choice is passed

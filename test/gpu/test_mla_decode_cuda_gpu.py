@@ -277,3 +277,28 @@ def test_tiles_far_below_the_row_max(gap_log2, version):
         # the output is ~ one token's FP8 value row, so vs exact is that row's e4m3 rounding (no averaging over
         # tokens): bounded loosely; vs the reference on the same FP8 cache keeps the usual 2e-2
         check(o, lse, ref, ref_lse, exact, f"sink gap 2^{gap_log2} splits={splits}", exact_bound=1e-1)
+
+
+def test_backend_auto_kernel_is_v1_below_16_and_v2_from_there():
+    """The h20_fp8_mla backend's default ('auto') decode function, both versions loaded in one process: its output
+    is bit-identical to version 1's below V2_FROM_BATCH sequences and to version 2's from there."""
+    if not cu.available(2)[0]:
+        pytest.skip("CUDA MLA kernel v2 unavailable")
+    from sglang_h20.attention import fp8_mla_backend as fb
+
+    k = fb.decode_kernel("auto")
+    assert k.what.startswith("CUDA v1 below batch")
+    differ = []
+    for batch, version in ((4, 1), (fb.V2_FROM_BATCH - 1, 1), (fb.V2_FROM_BATCH, 2), (40, 2)):
+        d = mla.make_mla_inputs(lengths(batch, 2000, batch), 128, 1, 64, device="cuda", seed=batch, **DEEPSEEK_LIKE)
+        args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"])
+        meta = k.plan(d["cache_seqlens"], 128, 1)
+        got = k.fn(*args, meta)
+        want = cu.mla_decode_fp8_cuda(*args, meta, version=version)
+        other = cu.mla_decode_fp8_cuda(*args, meta, version=3 - version)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), (batch, version)
+        differ.append(not torch.equal(got, other))
+        ref, _ = mla.mla_decode_reference(*args)
+        assert rel(got, ref) <= 2e-2
+    assert any(differ)  # the versions round differently (v2 merges per-owner softmax chains): the pick is visible

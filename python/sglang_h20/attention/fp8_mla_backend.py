@@ -79,12 +79,26 @@ class DecodeKernel(NamedTuple):
     what: str
 
 
+# 'auto' runs version 2 from this many sequences per call, version 1 below: in the full grid (H200,
+# benchmark/results/mla_decode/mla_decode_full_grid_h200.json) v2 ran at 0.99-1.10x v1's speed at batch >= 16
+# (1.03-1.10x at 64 and 128) and 0.95-1.04x at batch 1. Under CUDA graphs each captured batch size keeps its version.
+V2_FROM_BATCH = 16
+
+
+def _by_batch(v1: Callable, v2: Callable, from_batch: int) -> Callable:
+    """One decode function over both kernel versions (same arguments and results), picked by q's batch."""
+    def decode(q, *args, **kwargs):
+        return (v2 if q.shape[0] >= from_batch else v1)(q, *args, **kwargs)
+    return decode
+
+
 def decode_kernel(choice: str | None = None) -> DecodeKernel:
     """(decode function, its split planner, its split table, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`;
-    default: the environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV; on the H200 0.54x FlashMLA
-    BF16 at batch 64 x 4k, where the Triton one was 0.29x; version 2 1.00-1.10x version 1) with its own plan
-    (whole waves of one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its
-    plan, with the reason. Same arguments and format; the choice is logged once per process."""
+    default: the environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV; 0.66-0.77x FlashMLA BF16 at 128
+    heads on the H200, the Triton one 0.25-0.99x) with its own plan (whole waves of one CTA per SM) where it builds
+    and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the reason. 'auto': version 1 below
+    V2_FROM_BATCH sequences, version 2 from there (v1 alone when v2 cannot run, with why); 'cuda' / 'cuda-v2': one
+    version. Same arguments and format for all; the choice is logged once per process."""
     import functools
 
     if choice is None:
@@ -99,12 +113,21 @@ def decode_kernel(choice: str | None = None) -> DecodeKernel:
         ok, why = cu.available(version)
     except Exception as e:  # an import error must not take the Triton path down with it
         ok, why = False, f"{type(e).__name__}: {e}"
-    if ok:
-        fn = cu.mla_decode_fp8_cuda if version == 1 else functools.partial(cu.mla_decode_fp8_cuda, version=2)
-        return DecodeKernel(fn, cu.get_mla_decode_metadata, cu.splits_lut,
-                            f"CUDA{' v2' if version == 2 else ''} (sm_90a, FP8 QK and PV)")
-    return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
-                        f"Triton (CUDA kernel unavailable: {why.splitlines()[0][:160] if why else '?'})")
+    if not ok:
+        return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
+                            f"Triton (CUDA kernel unavailable: {why.splitlines()[0][:160] if why else '?'})")
+    v2 = functools.partial(cu.mla_decode_fp8_cuda, version=2)
+    kinds = "(sm_90a, FP8 QK and PV)"
+    if version == 2:
+        return DecodeKernel(v2, cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA v2 {kinds}")
+    if choice == "auto":
+        ok2, why2 = cu.available(2)
+        if ok2:
+            return DecodeKernel(_by_batch(cu.mla_decode_fp8_cuda, v2, V2_FROM_BATCH), cu.get_mla_decode_metadata,
+                                cu.splits_lut, f"CUDA v1 below batch {V2_FROM_BATCH}, v2 from there {kinds}")
+        return DecodeKernel(cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, cu.splits_lut,
+                            f"CUDA {kinds}; v2 unavailable: {why2.splitlines()[0][:160] if why2 else '?'}")
+    return DecodeKernel(cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}")
 
 
 # ------------------------------------------------------------------------------------------------------------
