@@ -79,6 +79,9 @@ if [ -z "${NO_SETUP:-}" ]; then  # scripts/gpu_parallel.sh sets up once, then ru
   python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \
     || { say "FAIL: install sglang-h20"; cat "$OUT/install.log"; exit 2; }
   python3 scripts/make_model.py /tmp/models > /dev/null || { say "FAIL: make_model"; exit 2; }
+  # the bundle ships no bytecode (build_devkit.sh strips __pycache__): compile it once on all cores here, so no
+  # server process compiles sglang/transformers on its first import (a suspect for the slow first start; timed)
+  tc=$(date +%s); python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1; say "byte-compiled /tmp/site in $(( $(date +%s) - tc ))s"
   say "unpacked + installed; doctor:"
   (cd /tmp && python3 -m sglang_h20 doctor 2>&1 | grep -v Warning | tee "$OUT/doctor.txt")
 
