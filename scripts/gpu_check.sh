@@ -81,7 +81,8 @@ if [ -z "${NO_SETUP:-}" ]; then  # scripts/gpu_parallel.sh sets up once, then ru
   python3 scripts/make_model.py /tmp/models > /dev/null || { say "FAIL: make_model"; exit 2; }
   # the bundle ships no bytecode (build_devkit.sh strips __pycache__): compile it once on all cores here, so no
   # server process compiles sglang/transformers on its first import (a suspect for the slow first start; timed)
-  tc=$(date +%s); python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1; say "byte-compiled /tmp/site in $(( $(date +%s) - tc ))s"
+  tc=$(date +%s); python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1
+  say "byte-compiled /tmp/site in $(( $(date +%s) - tc ))s"
   say "unpacked + installed; doctor:"
   (cd /tmp && python3 -m sglang_h20 doctor 2>&1 | grep -v Warning | tee "$OUT/doctor.txt")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pack the device host's JIT caches (/tmp/jit: Triton, Inductor, TVM-FFI, DeepGEMM, FlashInfer, the CUDA driver's
-PTX cache) into one archive
-for $OUT, so the next call can restore them (carry it as .devkit/jitcache.tar.xz) instead of compiling again.
+PTX cache) into one archive for $OUT, so the next call can restore them (carry it as .devkit/jitcache.tar.xz) instead
+of compiling again.
 
 The device tool brings back files of at most 16 MiB. A cache over that is packed again without the caches least
 worth their bytes (FlashInfer, then the driver's PTX cache, then TVM-FFI), and only then harder, so that the
