@@ -101,8 +101,9 @@ ablation = load_script("benchmark/kernels/mla_cuda_ablation.py")
 # every switch alone and every variant the ablation script times by default; v2's design options, alone and ablated
 _SWITCHES = [a[len(ablation.PREFIX):] for a in cu.ABLATIONS]
 _OPTIONS = cu.DESIGN_OPTIONS
-ABLATION_VARIANTS = list(dict.fromkeys(_SWITCHES + ablation.DEFAULT_VARIANTS + [
-    v for o in _OPTIONS for v in (o, f"{o}+NO_TRANSPOSE", f"{o}+NO_LOAD", f"{o}+ALL", f"{o}+NO_QK+NO_PV")]))
+ABLATION_VARIANTS = list(dict.fromkeys(_SWITCHES + ablation.DEFAULT_VARIANTS))
+BUILDS = [(v, name) for v in cu.VERSIONS for name in ABLATION_VARIANTS] + [  # v2's options: v2 only
+    (2, v) for o in _OPTIONS for v in (o, f"{o}+NO_TRANSPOSE", f"{o}+NO_LOAD", f"{o}+ALL", f"{o}+NO_QK+NO_PV")]
 _QK_SHAPE = {1: "QGMMA.64x32x32.F32.E4M3.E4M3", 2: "QGMMA.64x64x32.F32.E4M3.E4M3"}
 _PV_SHAPE = "QGMMA.64x128x32.F32.E4M3.E4M3"
 
@@ -117,7 +118,7 @@ def ablation_builds(tmp_path_factory):
     tool = _cuobjdump()
     tmp = tmp_path_factory.mktemp("mla_ablation")
     flags = [f for f in cu.NVCC_FLAGS if f.startswith(("-gencode", "-O", "-std"))]
-    keys = [(v, name) for v in cu.VERSIONS for name in ABLATION_VARIANTS]
+    keys = BUILDS
 
     def one(key):
         version, name = key
@@ -136,8 +137,7 @@ def ablation_builds(tmp_path_factory):
         return dict(ex.map(one, keys))
 
 
-@pytest.mark.parametrize("version", cu.VERSIONS, ids=[f"v{v}" for v in cu.VERSIONS])
-@pytest.mark.parametrize("variant", ABLATION_VARIANTS)
+@pytest.mark.parametrize("version,variant", BUILDS, ids=[f"{n}-v{v}" for v, n in BUILDS])
 def test_ablation_build(ablation_builds, version, variant):
     """Compiles clean (no spill, no stack frame, no wgmma serialization) and keeps exactly the wgmmas it should:
     ptxas drops a wgmma whose accumulator is never read, so a stand-in gone wrong would remove more than the switch
