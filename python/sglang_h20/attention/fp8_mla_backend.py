@@ -92,6 +92,10 @@ def _by_batch(v1: Callable, v2: Callable, from_batch: int) -> Callable:
     return decode
 
 
+def _first_line(why: str) -> str:
+    return why.splitlines()[0][:160] if why else "?"
+
+
 def decode_kernel(choice: str | None = None) -> DecodeKernel:
     """(decode function, its split planner, its split table, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`;
     default: the environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV; 0.66-0.77x FlashMLA BF16 at 128
@@ -115,7 +119,7 @@ def decode_kernel(choice: str | None = None) -> DecodeKernel:
         ok, why = False, f"{type(e).__name__}: {e}"
     if not ok:
         return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
-                            f"Triton (CUDA kernel unavailable: {why.splitlines()[0][:160] if why else '?'})")
+                            f"Triton (CUDA kernel unavailable: {_first_line(why)})")
     v2 = functools.partial(cu.mla_decode_fp8_cuda, version=2)
     kinds = "(sm_90a, FP8 QK and PV)"
     if version == 2:
@@ -126,7 +130,7 @@ def decode_kernel(choice: str | None = None) -> DecodeKernel:
             return DecodeKernel(_by_batch(cu.mla_decode_fp8_cuda, v2, V2_FROM_BATCH), cu.get_mla_decode_metadata,
                                 cu.splits_lut, f"CUDA v1 below batch {V2_FROM_BATCH}, v2 from there {kinds}")
         return DecodeKernel(cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, cu.splits_lut,
-                            f"CUDA {kinds}; v2 unavailable: {why2.splitlines()[0][:160] if why2 else '?'}")
+                            f"CUDA {kinds}; v2 unavailable: {_first_line(why2)}")
     return DecodeKernel(cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}")
 
 

@@ -260,6 +260,11 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
   const int zsw = lane & 1;         // this lane stores channels c ^ 1
   const uint32_t sel_a = xsw ? 0x1504u : 0x5140u, sel_b = xsw ? 0x3726u : 0x7362u;
   const uint32_t sel_c = zsw ? 0x7632u : 0x5410u, sel_d = zsw ? 0x5410u : 0x7632u;
+  // byte offsets (SW64): this lane's 8 bytes of token row k of group tg in the K block; its 8 token bytes of V^T row d
+  auto src_at = [&](int tg, int k) { return tg * 512 + k * 64 + ((((cg8 >> 1) ^ (k >> 1)) & 3) << 4) + (cg8 & 1) * 8; };
+  auto dst_at = [&](int tg, int d) {
+    return (d >> 3) * 512 + (d & 7) * 64 + ((((tg >> 1) ^ ((d & 7) >> 1)) & 3) << 4) + (tg & 1) * 8;
+  };
 #pragma unroll REP_UNROLL
   for (int rep = 0; rep < 2; ++rep) {
     const int tg = xsw | (((lane >> 4) & 1) << 1) | ((((lane >> 2) & 1) ^ rep) << 2);  // token group
@@ -270,8 +275,7 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int k = i ^ xsw;
-          const uint32_t v = *reinterpret_cast<const uint32_t*>(
-              ksrc + tg * 512 + k * 64 + ((((cg8 >> 1) ^ (k >> 1)) & 3) << 4) + (cg8 & 1) * 8 + part * 4);
+          const uint32_t v = *reinterpret_cast<const uint32_t*>(ksrc + src_at(tg, k) + part * 4);
           w[i] = tg * 8 + k < nvalid ? v : 0u;
         }
         uint32_t ta[4], tb[4];  // [channel 4 part + i] tokens 0..3 / 4..7
@@ -280,8 +284,7 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int d = dloc0 + cg8 * 8 + ((part * 4 + i) ^ zsw);
-          *reinterpret_cast<uint2*>(vdst + (d >> 3) * 512 + (d & 7) * 64 + ((((tg >> 1) ^ ((d & 7) >> 1)) & 3) << 4) +
-                                    (tg & 1) * 8) = make_uint2(ta[i], tb[i]);
+          *reinterpret_cast<uint2*>(vdst + dst_at(tg, d)) = make_uint2(ta[i], tb[i]);
         }
       }
     } else {
@@ -289,8 +292,7 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int k = i ^ xsw;  // token row within the group held in slot i
-        const uint2 v = *reinterpret_cast<const uint2*>(ksrc + tg * 512 + k * 64 +
-                                                        ((((cg8 >> 1) ^ (k >> 1)) & 3) << 4) + (cg8 & 1) * 8);
+        const uint2 v = *reinterpret_cast<const uint2*>(ksrc + src_at(tg, k));
         const bool ok = tg * 8 + k < nvalid;
         lo[i] = ok ? v.x : 0u;
         hi[i] = ok ? v.y : 0u;
@@ -303,8 +305,7 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
         const int d = dloc0 + cg8 * 8 + (c ^ zsw);  // row of the V^T half buffer
-        *reinterpret_cast<uint2*>(vdst + (d >> 3) * 512 + (d & 7) * 64 + ((((tg >> 1) ^ ((d & 7) >> 1)) & 3) << 4) +
-                                  (tg & 1) * 8) = make_uint2(tlo[c], thi[c]);
+        *reinterpret_cast<uint2*>(vdst + dst_at(tg, d)) = make_uint2(tlo[c], thi[c]);
       }
     }
   }
