@@ -260,9 +260,12 @@ if [[ " $STEPS " == *" migration "* ]] && [ "$(left)" -gt 90 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 [ -z "${NO_JITPACK:-}" ] && python3 scripts/pack_jitcache.py "$OUT/jitcache.tar.xz"
-if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then  # the device tool brings back 8 files: the rest of the logs in one archive
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then  # the device tool brings back 8 files, folders' files counted:
+  for f in "$OUT"/*/*.json; do  # a step's record JSON comes back on its own, the rest of the logs in one archive
+    [ -e "$f" ] && [ ! -e "$OUT/$(basename "$f")" ] && cp "$f" "$OUT/"
+  done
   (cd "$OUT" && ls | grep -vE '^(check\.log|jitcache\.tar\.xz|.*\.json)$' > /tmp/out_bundle.list \
-    && tar -cJf logs.tar.xz -T /tmp/out_bundle.list && xargs rm -f < /tmp/out_bundle.list \
+    && tar -cJf logs.tar.xz -T /tmp/out_bundle.list && xargs rm -rf < /tmp/out_bundle.list \
     && say "bundled into logs.tar.xz: $(tr '\n' ' ' < /tmp/out_bundle.list)")
 fi
 say "done rc=$rc; OUT: $(ls "$OUT" | tr '\n' ' ')"
