@@ -10,9 +10,6 @@ design. The "Ablations" paragraph of the v2 .cu's header says exactly what each 
   NO_MERGE      the per-tile O rescale + add (P'V accumulates straight into O)
   EMPTY         the whole split kernel (what is left: the launch, the Q pre-pass, the combine kernel)
   A+B           several at once; ALL = every NO_* switch (the synchronization skeleton); ALL-X = all but X (X alone)
-  MLA_V2_...    a design option of the kernel (sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS, by its full -D name):
-                results unchanged, so it is timed against the default like a variant, and combines with the
-                switches (MLA_V2_LOADER_TRANSPOSE+NO_TRANSPOSE ablates the option's build); --versions 2 for v2's
 
 How to read the deltas. "saved" = default us - variant us: what that part costs when it is removed. A part that
 runs overlapped with other work saves ~0 when removed alone, although it is not free: remove its partner too (A+B),
@@ -76,33 +73,24 @@ def _switches() -> list[str]:
     return [a[len(PREFIX):] for a in importlib.import_module("sgl_kernel_ext.mla_decode_cuda").ABLATIONS]
 
 
-def _options() -> tuple[str, ...]:
-    import importlib
-    return importlib.import_module("sgl_kernel_ext.mla_decode_cuda").DESIGN_OPTIONS
-
-
-def parse_variant(spec: str, switches: list[str], options=()) -> tuple[str, ...]:
-    """'NO_QK+NO_PV' -> the sorted -D names; ALL = every NO_* switch; '-X' takes X out again; a name in `options`
-    (a design option's full -D name) is taken as it is."""
-    terms = re.findall(r"([+-]?)([A-Za-z_][A-Za-z0-9_]*)", spec)
+def parse_variant(spec: str, switches: list[str]) -> tuple[str, ...]:
+    """'NO_QK+NO_PV' -> the sorted -D names; ALL = every NO_* switch; '-X' takes X out again."""
+    terms = re.findall(r"([+-]?)([A-Za-z_]+)", spec)
     if not terms or "".join(s + n for s, n in terms) != spec.replace(" ", ""):
         raise ValueError(f"variant {spec!r}: want names joined by + or -, e.g. NO_QK+NO_PV or ALL-NO_LOAD")
     names: set[str] = set()
     for sign, name in terms:
         name = name.upper()
         if name == "ALL":
-            group = {PREFIX + s for s in switches if s.startswith("NO_")}
+            group = {s for s in switches if s.startswith("NO_")}
         elif name in switches:
-            group = {PREFIX + name}
-        elif name in options:
             group = {name}
         else:
-            raise ValueError(f"variant {spec!r}: unknown switch {name} (have {', '.join(switches)}, ALL"
-                             f"{', ' + ', '.join(options) if options else ''})")
+            raise ValueError(f"variant {spec!r}: unknown switch {name} (have {', '.join(switches)}, ALL)")
         names = names - group if sign == "-" else names | group
     if not names:
         raise ValueError(f"variant {spec!r} removes nothing (the default is always timed)")
-    return tuple(sorted(names))
+    return tuple(sorted(PREFIX + n for n in names))
 
 
 def parse_args(argv=None):
@@ -125,7 +113,7 @@ def parse_args(argv=None):
     try:
         args.variant_defines = {"default": ()}
         for spec in args.variants:
-            args.variant_defines[spec] = parse_variant(spec, switches, _options())
+            args.variant_defines[spec] = parse_variant(spec, switches)
     except ValueError as e:
         ap.error(str(e))
     return args

@@ -257,16 +257,23 @@ def merge_records(records: list[dict], sources: list[str]) -> dict:
             phases[name] = ph
     ref = phases["triton"]["ids"] if "triton" in phases else None
     prompts = min((len(p.get("ids") or []) for p in phases.values()), default=0)
+    summary = summarize(phases, ref[:prompts] if ref else None)
+    if ref is None:  # sources that ran with --reference keep the agreement they computed against it
+        carried = {n: a for r in records for n, a in (r.get("summary", {}).get("greedy_agreement_vs_triton") or {}).items()}
+        if carried:
+            summary = {"greedy_agreement_vs_triton": carried, **summary}
+    references = sorted({r["reference"] for r in records if r.get("reference")})
     keep = ("command", "git_commit", "gpu", "date", "versions", "server_args", "workloads", "wall_s")
     # the merge runs anywhere (a CPU box): where every source ran on the same GPU and versions, say so at the top
     measured_on = {k: records[0].get(k) for k in ("gpu", "gpu_capability", "versions")
                    if all(r.get(k) == records[0].get(k) for r in records)}
     return {**provenance.record(), **measured_on, "benchmark": "fp8_mla_e2e", "model": models.pop(),
             "merged_from": [{"source": src, **{k: r.get(k) for k in keep}} for r, src in zip(records, sources)],
-            "skipped": [s for r in records for s in r.get("skipped", [])],
+            "skipped": [s for r in records for s in r.get("skipped", [])  # a phase skipped in one run, run in another
+                        if not any(s.startswith(f"phase {n}:") for n in phases)],
             "errors": {k: v for r in records for k, v in r.get("errors", {}).items()},
-            "reference": "triton phase" if ref else None,
-            "summary": summarize(phases, ref[:prompts] if ref else None), "phases": phases}
+            "reference": "triton phase" if ref else (", ".join(references) or None),
+            "summary": summary, "phases": phases}
 
 
 def read_record(path: Path, flag: str) -> dict:

@@ -61,9 +61,6 @@ _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
 # compile-time switches of both versions, each removing one part of the split kernel's work (results wrong)
 ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_PV", "MLA_ABLATE_NO_QK",
              "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
-# compile-time design options of version 2, off by default, results bit-identical to the default build (the
-# header of csrc/mla_fp8_decode_sm90_v2.cu says what each changes); build(version=2, defines=(option,))
-DESIGN_OPTIONS = ("MLA_V2_LOADER_TRANSPOSE",)
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up

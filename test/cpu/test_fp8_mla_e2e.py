@@ -78,3 +78,19 @@ def test_merge_of_an_unreadable_record_exits_with_one_line(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(SystemExit, match="not an fp8_mla_e2e.json record"):
         e2e.main(["--merge", str(tmp_path / "list.json"), str(bad), "--out", str(tmp_path / "m")])
+
+
+def test_merge_keeps_agreement_against_a_reference_and_drops_skips_another_run_filled():
+    """Runs made with --reference carry their greedy agreement into the merge (no triton phase to recompute it
+    from); a phase one run skipped for time but another ran is not reported as skipped."""
+    agree = {"mean_matching_prefix": 64.0, "mean_match_rate": 1.0, "identical": True}
+    a = {**record({"ours": phase([[1, 2]], 1.0, 1.0)}), "reference": "old.json",
+         "skipped": ["phase flashmla: 114s left < ~154s for startup + greedy", "ours: 4096x512@128: 120s left"],
+         "summary": {"greedy_agreement_vs_triton": {"ours": agree}}}
+    b = {**record({"flashmla": phase([[1, 2]], 1.0, 1.0)}), "reference": "old.json",
+         "summary": {"greedy_agreement_vs_triton": {"flashmla": {**agree, "mean_matching_prefix": 3.0}}}}
+    rec = e2e.merge_records([a, b], ["x", "y"])
+    got = rec["summary"]["greedy_agreement_vs_triton"]
+    assert got["ours"]["mean_matching_prefix"] == 64.0 and got["flashmla"]["mean_matching_prefix"] == 3.0
+    assert rec["reference"] == "old.json"
+    assert rec["skipped"] == ["ours: 4096x512@128: 120s left"]

@@ -98,12 +98,9 @@ def test_exports_only_entry_points(compiled):
 
 ablation = load_script("benchmark/kernels/mla_cuda_ablation.py")
 
-# every switch alone and every variant the ablation script times by default; v2's design options, alone and ablated
+# every switch alone and every variant the ablation script times by default
 _SWITCHES = [a[len(ablation.PREFIX):] for a in cu.ABLATIONS]
-_OPTIONS = cu.DESIGN_OPTIONS
 ABLATION_VARIANTS = list(dict.fromkeys(_SWITCHES + ablation.DEFAULT_VARIANTS))
-BUILDS = [(v, name) for v in cu.VERSIONS for name in ABLATION_VARIANTS] + [  # v2's options: v2 only
-    (2, v) for o in _OPTIONS for v in (o, f"{o}+NO_TRANSPOSE", f"{o}+NO_LOAD", f"{o}+ALL", f"{o}+NO_QK+NO_PV")]
 _QK_SHAPE = {1: "QGMMA.64x32x32.F32.E4M3.E4M3", 2: "QGMMA.64x64x32.F32.E4M3.E4M3"}
 _PV_SHAPE = "QGMMA.64x128x32.F32.E4M3.E4M3"
 
@@ -118,11 +115,11 @@ def ablation_builds(tmp_path_factory):
     tool = _cuobjdump()
     tmp = tmp_path_factory.mktemp("mla_ablation")
     flags = [f for f in cu.NVCC_FLAGS if f.startswith(("-gencode", "-O", "-std"))]
-    keys = BUILDS
+    keys = [(v, name) for v in cu.VERSIONS for name in ABLATION_VARIANTS]
 
     def one(key):
         version, name = key
-        defines = ablation.parse_variant(name, _SWITCHES, _OPTIONS)
+        defines = ablation.parse_variant(name, _SWITCHES)
         out = tmp / f"v{version}_{'_'.join(defines)}.cubin"
         cmd = [nvcc, *flags, "-cubin", "-Xptxas", "-v", *(f"-D{d}" for d in defines), str(cu.source_path(version)),
                "-o", str(out)]
@@ -137,7 +134,8 @@ def ablation_builds(tmp_path_factory):
         return dict(ex.map(one, keys))
 
 
-@pytest.mark.parametrize("version,variant", BUILDS, ids=[f"{n}-v{v}" for v, n in BUILDS])
+@pytest.mark.parametrize("version", cu.VERSIONS, ids=[f"v{v}" for v in cu.VERSIONS])
+@pytest.mark.parametrize("variant", ABLATION_VARIANTS)
 def test_ablation_build(ablation_builds, version, variant):
     """Compiles clean (no spill, no stack frame, no wgmma serialization) and keeps exactly the wgmmas it should:
     ptxas drops a wgmma whose accumulator is never read, so a stand-in gone wrong would remove more than the switch
@@ -148,28 +146,13 @@ def test_ablation_build(ablation_builds, version, variant):
     assert "serialized" not in log, "ptxas serialized the wgmma pipeline:\n" + log
     if sass is None:
         pytest.skip("cuobjdump not found")
-    defines = ablation.parse_variant(variant, _SWITCHES, _OPTIONS)
+    defines = ablation.parse_variant(variant, _SWITCHES)
     base = EXPECTED_QGMMA[version]
     gone = lambda s: any(f"{ablation.PREFIX}{x}" in defines for x in (s, "EMPTY"))  # noqa: E731
     want = {_QK_SHAPE[version]: 0 if gone("NO_QK") else base[_QK_SHAPE[version]],
             _PV_SHAPE: 0 if gone("NO_PV") else base[_PV_SHAPE]}
     got = {shape: sass.count(shape) for shape in want}
     assert got == want, f"v{version} {variant}: QGMMA counts {got}, want {want}"
-
-
-def test_loader_transpose_option_moves_the_transposes(ablation_builds):
-    """-DMLA_V2_LOADER_TRANSPOSE: the register split becomes 2 x 224 + 56 (the loader's lean transpose fits, no local
-    memory anywhere), and the math warpgroups lose their per-round named barriers (2 + wg): only the CTA barrier
-    after the mbarrier init and the epilogue's named barrier 1 are left."""
-    log, sass = ablation_builds[(2, "MLA_V2_LOADER_TRANSPOSE")]
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
-    assert "used 2 barriers" in log, log
-    default_log, _ = ablation_builds[(2, "NO_TRANSPOSE")]
-    assert "used 16 barriers" in default_log  # (named barriers 2 and 3 in use: ptxas reserves all 16)
-    if sass is None:
-        pytest.skip("cuobjdump not found")
-    assert "USETMAXREG.DEALLOC.CTAPOOL 0x38" in sass and "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0" in sass
-    assert not re.search(r"\b(STL|LDL)\b", sass)
 
 
 def test_defines_key_the_build_and_the_library(monkeypatch, tmp_path):
@@ -221,10 +204,6 @@ def test_ablation_args_and_points():
     assert args.points == [(128, 16384, 16, 2), (1, 1024, 128, 1)] and args.versions == [2]
     assert args.variant_defines["ALL-NO_LOAD"] == tuple(d for d in all_no if d != "MLA_ABLATE_NO_LOAD")
     assert args.variant_defines["no_pv"] == ("MLA_ABLATE_NO_PV",)
-    opt = ablation.parse_args(["--variants", "MLA_V2_LOADER_TRANSPOSE", "MLA_V2_LOADER_TRANSPOSE+NO_TRANSPOSE"])
-    assert opt.variant_defines["MLA_V2_LOADER_TRANSPOSE"] == ("MLA_V2_LOADER_TRANSPOSE",)
-    assert opt.variant_defines["MLA_V2_LOADER_TRANSPOSE+NO_TRANSPOSE"] == ("MLA_ABLATE_NO_TRANSPOSE",
-                                                                          "MLA_V2_LOADER_TRANSPOSE")
     assert len(ablation.jobs_for(args)) == 2 * 1 * 4
     for bad in (["--points", "64"], ["--points", "64x0"], ["--variants", "NO_SUCH"], ["--variants", "NO_PV-NO_PV"],
                 ["--variants", "NO_PV*NO_QK"], ["--versions", "3"]):

@@ -7,9 +7,6 @@ random later times, and every buffer tagged with the tile it holds. Checked over
 no deadlock, every read sees the tile it expects and is never overwritten while in flight (K stages, V^T halves,
 P'), the parity waits never alias (a barrier 2 phases ahead or still 1 behind), and each WG merges every tile
 once. test_mutations_are_caught: removing any one wait or miscounting an arrival is detected.
-loader_vt=True models the build with -DMLA_V2_LOADER_TRANSPOSE: the loader writes both V^T halves of tile t - 1
-after issuing tile t's copies (its own full_k wait, then empty_p of tile t - 3 frees the buffer) and arrives on
-full_vt and on empty_k in place of the non-owner WG; the math WGs wait full_vt before their P'V.
 Keep it in step with the kernel (the round structure in its math loop, the loader loop).
 """
 from __future__ import annotations
@@ -33,11 +30,10 @@ class Bar:
             self.pending = self.count
 
 
-def simulate(ntiles, seed, mutation=None, loader_vt=False):
+def simulate(ntiles, seed, mutation=None):
     rng = random.Random(seed)
     m = mutation or ""
     full_k = [Bar(128) for _ in range(NST)]
-    full_vt = [Bar(128) for _ in range(2)]
     empty_k = [Bar(128 if m == "empty_k_count" else 256) for _ in range(NST)]
     full_p = [Bar(128) for _ in range(2)]
     empty_p = [Bar(256) for _ in range(2)]
@@ -54,33 +50,15 @@ def simulate(ntiles, seed, mutation=None, loader_vt=False):
         return ok
 
     def loader():
-        for t in range(ntiles + (1 if loader_vt else 0)):
+        for t in range(ntiles):
             st = t % NST
-            if t < ntiles:
-                if t >= NST and m != "no_empty_k_wait":
-                    while not ready(empty_k[st], (t // NST - 1) & 1, t // NST - 1):
-                        yield
-                assert not readers.get(("k", st)), "K stage refilled while read"
-                kstage[st] = ("landing", t)
-                inflight.append((st, t))  # cp.async ... + cp.async.mbarrier.arrive.noinc full_k[st]
-                yield
-            if loader_vt and t >= 1:  # both V^T halves of tile u = t - 1
-                u = t - 1
-                su = u % NST
-                if m != "no_loader_full_k_wait":
-                    while not ready(full_k[su], (u // NST) & 1, u // NST):
-                        yield
-                if u >= 2 and m != "no_vt_free_wait":
-                    while not ready(empty_p[u & 1], ((u - 2) >> 1) & 1, (u - 2) >> 1):
-                        yield
-                assert kstage[su] == u, f"loader transposes tile {u}, the stage holds {kstage[su]}"
-                assert not any(readers.get(("v", w, u & 1)) for w in range(2)), "V^T rewritten while read"
-                yield
-                assert kstage[su] == u, "K stage overwritten during the transpose"
-                vt[(0, u & 1)] = vt[(1, u & 1)] = u
-                full_vt[u & 1].arrive(128)  # fence.proxy.async, then the arrive
-                empty_k[su].arrive(128)
-                yield
+            if t >= NST and m != "no_empty_k_wait":
+                while not ready(empty_k[st], (t // NST - 1) & 1, t // NST - 1):
+                    yield
+            assert not readers.get(("k", st)), "K stage refilled while read"
+            kstage[st] = ("landing", t)
+            inflight.append((st, t))  # cp.async ... + cp.async.mbarrier.arrive.noinc full_k[st]
+            yield
 
     def math(w):
         merged = []
@@ -90,14 +68,9 @@ def simulate(ntiles, seed, mutation=None, loader_vt=False):
         for j in range(ntiles // 2 + 1):
             t_own, t_oth = 2 * j + w, (2 * j - 1 if w == 0 else 2 * j)
             has_own, has_oth = t_own < ntiles, 0 <= t_oth < ntiles
-            if has_oth and m == "early_oth_release" and not loader_vt:
+            if has_oth and m == "early_oth_release":
                 empty_k[t_oth % NST].arrive(128)
-            if loader_vt and has_own:  # the owner's own wait for its K tile (the transposes waited before)
-                st = t_own % NST
-                while not ready(full_k[st], (t_own // NST) & 1, t_own // NST):
-                    yield
-                assert kstage[st] == t_own
-            for t in ([] if loader_vt else ([t_oth] if has_oth else []) + ([t_own] if has_own else [])):  # V^T
+            for t in ([t_oth] if has_oth else []) + ([t_own] if has_own else []):  # V^T of both tiles
                 st = t % NST
                 while not ready(full_k[st], (t // NST) & 1, t // NST):
                     yield
@@ -106,7 +79,7 @@ def simulate(ntiles, seed, mutation=None, loader_vt=False):
                 yield
                 assert kstage[st] == t, "K stage overwritten during the transpose"
                 vt[(w, t & 1)] = t
-            if has_oth and m != "early_oth_release" and not loader_vt:
+            if has_oth and m != "early_oth_release":
                 empty_k[t_oth % NST].arrive(128)
                 yield
             if has_own:
@@ -129,9 +102,6 @@ def simulate(ntiles, seed, mutation=None, loader_vt=False):
                 pb = t & 1
                 if m != "no_full_p_wait":
                     while not ready(full_p[pb], (t >> 1) & 1, t >> 1):
-                        yield
-                if loader_vt and m != "no_full_vt_wait":
-                    while not ready(full_vt[t & 1], (t >> 1) & 1, t >> 1):
                         yield
                 readers.setdefault(("p", pb), set()).add(w)
                 readers.setdefault(("v", w, t & 1), set()).add(w)
@@ -164,11 +134,10 @@ def simulate(ntiles, seed, mutation=None, loader_vt=False):
     raise AssertionError(f"deadlock (ntiles {ntiles}, seed {seed}, mutation {mutation})")
 
 
-@pytest.mark.parametrize("loader_vt", [False, True], ids=["default", "loader_transpose"])
 @pytest.mark.parametrize("ntiles", list(range(0, 10)) + [17, 64])
-def test_protocol(ntiles, loader_vt):
+def test_protocol(ntiles):
     for seed in range(150):
-        simulate(ntiles, seed, loader_vt=loader_vt)
+        simulate(ntiles, seed)
 
 
 @pytest.mark.parametrize("mutation", ["empty_k_count", "no_empty_k_wait", "no_empty_p_wait", "no_full_p_wait",
@@ -178,15 +147,6 @@ def test_mutations_are_caught(mutation):
         for ntiles in (5, 8, 17):
             for seed in range(100):
                 simulate(ntiles, seed, mutation)
-
-
-@pytest.mark.parametrize("mutation", ["empty_k_count", "no_empty_k_wait", "no_empty_p_wait", "no_full_p_wait",
-                                      "no_full_vt_wait", "no_vt_free_wait", "no_loader_full_k_wait"])
-def test_mutations_are_caught_with_loader_transposes(mutation):
-    with pytest.raises(AssertionError):
-        for ntiles in (5, 8, 17):
-            for seed in range(100):
-                simulate(ntiles, seed, mutation, loader_vt=True)
 
 
 def test_skew_is_only_performance():

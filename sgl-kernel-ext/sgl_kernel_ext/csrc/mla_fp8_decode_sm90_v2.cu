@@ -80,24 +80,7 @@
 //   -DMLA_ABLATE_EMPTY         the kernel returns at once: what is left is the launch, Q pre-pass and combine
 // Stand-ins come from live registers, not constants: ptxas would fold those (and drop wgmmas whose results are
 // unused). test_mla_decode_cuda_build.py pins each build's QGMMA count.
-//
-// Design option (results unchanged, off by default; not yet timed on a GPU):
-//   -DMLA_V2_LOADER_TRANSPOSE  the loader warpgroup writes both V^T halves of each tile instead of the math WGs
-//     (the session-9 trace: the V transpose took 21-23% of each math WG's span while the loader waited for a free
-//     K stage 46% of its own). After issuing tile t's copies the loader waits for tile t-1's (its own full_k
-//     wait), for empty_p[(t-1) & 1] of tile t-3 (both WGs' P'V done: the V^T buffer of that parity is free), writes
-//     V^T (loader warp w: K blocks w and w+4, i.e. rows 64w.. of WG0's and of WG1's half), fences, and arrives on
-//     full_vt[(t-1) & 1] (count 128) and on empty_k in place of the WG that does not own the tile. The math WGs
-//     lose their transposes, the two named barriers per round around them and the non-owner's empty_k arrive; the
-//     owner waits full_k for its QK^T; P'V of tile t waits full_vt[t & 1]. Modelled (no deadlock, no stale or
-//     overwritten V^T, each removed wait caught) by test_mla_decode_v2_sync_model.py (loader_vt).
 #include "mla_fp8_sm90_common.cuh"
-
-#ifdef MLA_V2_LOADER_TRANSPOSE
-constexpr bool LOADER_VT = true;
-#else
-constexpr bool LOADER_VT = false;
-#endif
 
 namespace mla_fp8_sm90_v2 {
 
@@ -108,10 +91,8 @@ constexpr int DQK = 576;
 constexpr int ROWS = 64;            // query rows per CTA
 constexpr int NST = 3;              // K tile stages
 constexpr int THREADS = 384;        // WG0, WG1: math; WG2: loader
-// setmaxnreg: 2 x 232 + 40 = 504 = 3 x 168 (the launch allocation); with the loader transposing (LOADER_VT) its
-// transpose needs more than 40 (ptxas spilled 104 B there), so 2 x 224 + 56
-constexpr int MATH_REGS = LOADER_VT ? 224 : 232;
-constexpr int LOADER_REGS = LOADER_VT ? 56 : 40;
+constexpr int MATH_REGS = 232;      // setmaxnreg: 2 x 232 + 40 = 504 = 3 x 168 (the launch allocation)
+constexpr int LOADER_REGS = 40;
 constexpr int TILE_BYTES = PAGE * DQK;            // 36864
 constexpr int KB_BYTES = 64 * 64;                 // one SW64 K block of 64 rows
 constexpr int VTH_BYTES = 256 * PAGE;             // 16384: V^T of one WG's 256 channels x 64 tokens
@@ -126,7 +107,7 @@ constexpr int OFF_XM = OFF_KS + NST * KS_BYTES;   // 222720: float [2][64] owner
 constexpr int OFF_XC = OFF_XM + 2 * ROWS * 4;     // 223232: float [2] owner's c with each P' (16 B)
 constexpr int OFF_XL = OFF_XC + 16;               // 223248: float [2][64] l, [2][64] m (epilogue)
 constexpr int OFF_BAR = OFF_XL + 4 * ROWS * 4;    // 224272: mbarriers full_k[3] empty_k[3] full_p[2] empty_p[2]
-constexpr int SMEM_USED = OFF_BAR + 8 * (2 * NST + 4 + (LOADER_VT ? 2 : 0));  // 224352 (+16: full_vt[2])
+constexpr int SMEM_USED = OFF_BAR + 8 * (2 * NST + 4);  // 224352
 constexpr int SMEM_BYTES = SMEM_USED + 1024;            // 225376 (1 KB alignment slack)
 static_assert(SMEM_BYTES <= 232448, "over the sm_90 shared memory per block");
 static_assert(OFF_K % 1024 == 0 && OFF_VT % 1024 == 0 && OFF_P % 1024 == 0 && OFF_KS % 16 == 0 &&
@@ -215,7 +196,6 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   const uint32_t bar_empty_k = bar_full_k + 8 * NST;      // [NST] count 256: both math WGs (QK^T, V^T, scales read)
   const uint32_t bar_full_p = bar_empty_k + 8 * NST;      // [2]   count 128: the owner WG (P', m, c written)
   const uint32_t bar_empty_p = bar_full_p + 16;           // [2]   count 256: both math WGs (PV done, m/c read)
-  const uint32_t bar_full_vt = bar_empty_p + 16;          // [2]   count 128: the loader (V^T written), LOADER_VT
   if (tid == 0) {
     for (int s = 0; s < NST; ++s) {
       mbar_init(bar_full_k + 8 * s, 128);
@@ -224,7 +204,6 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     for (int s = 0; s < 2; ++s) {
       mbar_init(bar_full_p + 8 * s, 128);
       mbar_init(bar_empty_p + 8 * s, 256);
-      if constexpr (LOADER_VT) mbar_init(bar_full_vt + 8 * s, 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // inits visible (cp.async arrives too)
   }
@@ -238,51 +217,33 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     const int ptid = tid - 256;
     const int* bt_row = p.block_table + static_cast<long long>(b) * p.bt_stride;
 #pragma unroll 1
-    for (int t = 0; t < ntiles + (LOADER_VT ? 1 : 0); ++t) {
+    for (int t = 0; t < ntiles; ++t) {
       const int st = t % NST;
-      if (t < ntiles) {
-        MLA_TRACE(2);
-        if (t >= NST) mbar_wait(bar_empty_k + 8 * st, ((t / NST) - 1) & 1);  // tile t - NST released by its readers
-        MLA_TRACE(3);
-        if (t == 0) {  // Q rides with tile 0 (every later full_k phase also covers it: arrive tracks prior copies)
+      MLA_TRACE(2);
+      if (t >= NST) mbar_wait(bar_empty_k + 8 * st, ((t / NST) - 1) & 1);  // tile t - NST released by both WGs
+      MLA_TRACE(3);
+      if (t == 0) {  // Q rides with tile 0 (every later full_k phase also covers it: arrive tracks all prior copies)
 #pragma unroll 2
-          for (int i = 0; i < 18; ++i) load_q_chunk(p, sbase + OFF_Q, b, rb, ROWS, KB_BYTES, i * 128 + ptid);
-        }
-        if (!(MLA_ABLATE_NO_LOAD && t >= NST)) {  // ablation: the stages keep tiles 0 .. NST-1; the protocol stays
-          const int page = bt_row[(start + t * PAGE) / PAGE];
-          const uint8_t* src = p.kv + static_cast<long long>(page) * p.kv_page_stride;
-          const uint32_t dst = sbase + OFF_K + st * TILE_BYTES;
-#pragma unroll 2
-          for (int i = 0; i < 18; ++i) {
-            const int g = i * 128 + ptid;
-            const int tok = g / 36, c = g % 36;
-            cp_async16(dst + (c >> 2) * KB_BYTES + sw64(tok, (c & 3) * 16), src + g * 16, 16);
-          }
-          if (ptid < 32)
-            cp_async16(sbase + OFF_KS + st * KS_BYTES + ptid * 16,
-                       p.kvs + static_cast<long long>(page) * p.kvs_page_stride + ptid * 4, 16);
-        }
+        for (int i = 0; i < 18; ++i) load_q_chunk(p, sbase + OFF_Q, b, rb, ROWS, KB_BYTES, i * 128 + ptid);
+      }
+      if (MLA_ABLATE_NO_LOAD && t >= NST) {  // ablation: the stages keep tiles 0 .. NST-1; the protocol stays
         cp_async_mbar_arrive(bar_full_k + 8 * st);
-        MLA_TRACE(4);
+        continue;
       }
-      if constexpr (LOADER_VT) {
-        if (t >= 1) {  // both V^T halves of tile u = t - 1 (header: design option)
-          const int u = t - 1, su = u % NST;
-          mbar_wait(bar_full_k + 8 * su, (u / NST) & 1);                      // its copies landed
-          if (u >= 2) mbar_wait(bar_empty_p + 8 * (u & 1), ((u - 2) >> 1) & 1);  // V^T buffer u & 1 free
-          if constexpr (!MLA_ABLATE_NO_TRANSPOSE) {
-            const int lw = ptid >> 5;
-#pragma unroll 1
-            for (int h = 0; h < 2; ++h)  // K block lw + 4h = channels 256h + 64lw.. = rows 64lw.. of WG h's V^T
-              transpose_v<1, true>(smem + OFF_K + su * TILE_BYTES + (lw + 4 * h) * KB_BYTES,
-                             smem + OFF_VT + (h * 2 + (u & 1)) * VTH_BYTES, lw * 64,
-                             min(end - (start + u * PAGE), PAGE), lane);
-          }
-          fence_proxy_async();  // V^T written by ordinary stores; the math WGs' wgmmas read it through the async proxy
-          mbar_arrive(bar_full_vt + 8 * (u & 1));
-          mbar_arrive(bar_empty_k + 8 * su);  // the loader's reads of the stage are done (for the non-owner WG)
-        }
+      const int page = bt_row[(start + t * PAGE) / PAGE];
+      const uint8_t* src = p.kv + static_cast<long long>(page) * p.kv_page_stride;
+      const uint32_t dst = sbase + OFF_K + st * TILE_BYTES;
+#pragma unroll 2
+      for (int i = 0; i < 18; ++i) {
+        const int g = i * 128 + ptid;
+        const int tok = g / 36, c = g % 36;
+        cp_async16(dst + (c >> 2) * KB_BYTES + sw64(tok, (c & 3) * 16), src + g * 16, 16);
       }
+      if (ptid < 32)
+        cp_async16(sbase + OFF_KS + st * KS_BYTES + ptid * 16,
+                   p.kvs + static_cast<long long>(page) * p.kvs_page_stride + ptid * 4, 16);
+      cp_async_mbar_arrive(bar_full_k + 8 * st);
+      MLA_TRACE(4);
     }
     cp_async_wait_all();
     MLA_TRACE(5);
@@ -323,7 +284,6 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     const int pb = t & 1;
     MLA_TRACE(17);
     mbar_wait(bar_full_p + 8 * pb, (t >> 1) & 1);
-    if constexpr (LOADER_VT) mbar_wait(bar_full_vt + 8 * pb, (t >> 1) & 1);  // the loader wrote V^T of tile t
     MLA_TRACE(18);
     fence_proxy_async();
     float alpha[2], beta[2];
@@ -377,39 +337,34 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     const int t_oth = wg == 0 ? 2 * j - 1 : 2 * j;  // the other WG's tile whose P'V this WG adds this round
     const bool has_own = t_own < ntiles, has_oth = t_oth >= 0 && t_oth < ntiles;
 
-    if constexpr (LOADER_VT) {  // V^T comes from the loader (pv_tile waits for it); only the own K tile is waited for
-      if (has_own) mbar_wait(bar_full_k + 8 * (t_own % NST), (t_own / NST) & 1);
-      MLA_TRACE(12);
-    } else {
-      // every warp of this WG is past last round's P'V wgmmas (they read the V^T buffers rewritten below)
-      MLA_TRACE(10);
-      named_barrier(wg_bar, 128);
-      MLA_TRACE(11);
+    // every warp of this WG is past last round's P'V wgmmas (they read the V^T buffers rewritten below)
+    MLA_TRACE(10);
+    named_barrier(wg_bar, 128);
+    MLA_TRACE(11);
 
-      // ---- V^T of this WG's 256 channels for both tiles of the round (before the QK^T wgmmas: their 64 accumulator
-      //      registers on top of O leave no room for the transpose's, ptxas spilled) ----
-      if (has_oth) {
-        const int st = t_oth % NST;
-        mbar_wait(bar_full_k + 8 * st, (t_oth / NST) & 1);
-        MLA_TRACE(20);
-        if constexpr (!MLA_ABLATE_NO_TRANSPOSE)  // ablation: the P'V wgmmas read stale V^T
-          transpose_v<1>(smem + OFF_K + st * TILE_BYTES + kblk * KB_BYTES,
-                         smem + OFF_VT + (wg * 2 + (t_oth & 1)) * VTH_BYTES, vt_dloc,
-                         min(end - (start + t_oth * PAGE), PAGE), lane);
-      }
-      if (has_own) {
-        mbar_wait(bar_full_k + 8 * (t_own % NST), (t_own / NST) & 1);
-        MLA_TRACE(20);
-        if constexpr (!MLA_ABLATE_NO_TRANSPOSE)
-          transpose_v<1>(smem + OFF_K + (t_own % NST) * TILE_BYTES + kblk * KB_BYTES,
-                         smem + OFF_VT + (wg * 2 + (t_own & 1)) * VTH_BYTES, vt_dloc,
-                         min(end - (start + t_own * PAGE), PAGE), lane);
-      }
-      fence_proxy_async();         // V^T written by ordinary stores; wgmma reads it through the async proxy
-      named_barrier(wg_bar, 128);  // ... complete for the whole WG
-      MLA_TRACE(12);
-      if (has_oth) mbar_arrive(bar_empty_k + 8 * (t_oth % NST));  // done with the other tile's K stage
+    // ---- V^T of this WG's 256 channels for both tiles of the round (before the QK^T wgmmas: their 64 accumulator
+    //      registers on top of O leave no room for the transpose's, ptxas spilled) ----
+    if (has_oth) {
+      const int st = t_oth % NST;
+      mbar_wait(bar_full_k + 8 * st, (t_oth / NST) & 1);
+      MLA_TRACE(20);
+      if constexpr (!MLA_ABLATE_NO_TRANSPOSE)  // ablation: the P'V wgmmas read stale V^T
+        transpose_v<1>(smem + OFF_K + st * TILE_BYTES + kblk * KB_BYTES,
+                       smem + OFF_VT + (wg * 2 + (t_oth & 1)) * VTH_BYTES, vt_dloc,
+                       min(end - (start + t_oth * PAGE), PAGE), lane);
     }
+    if (has_own) {
+      mbar_wait(bar_full_k + 8 * (t_own % NST), (t_own / NST) & 1);
+      MLA_TRACE(20);
+      if constexpr (!MLA_ABLATE_NO_TRANSPOSE)
+        transpose_v<1>(smem + OFF_K + (t_own % NST) * TILE_BYTES + kblk * KB_BYTES,
+                       smem + OFF_VT + (wg * 2 + (t_own & 1)) * VTH_BYTES, vt_dloc,
+                       min(end - (start + t_own * PAGE), PAGE), lane);
+    }
+    fence_proxy_async();         // V^T written by ordinary stores; wgmma reads it through the async proxy
+    named_barrier(wg_bar, 128);  // ... complete for the whole WG
+    MLA_TRACE(12);
+    if (has_oth) mbar_arrive(bar_empty_k + 8 * (t_oth % NST));  // done with the other tile's K stage
 
     float s_lat[32], s_rope[32];
     if (has_own) {

@@ -250,63 +250,38 @@ __device__ __forceinline__ void store_row(const Params& p, const float* o, int h
 // V^T for one warp: 64 channels (K block kblk of the K tile = channels 64 kblk .. +63) x 64 tokens, written as
 // rows dloc0 .. dloc0+63 of a V^T buffer (channel rows x 64 token bytes, SW64). Loop unrolling is the caller's
 // (8x8 byte blocks, prmt with lane-dependent selectors: 2 wavefronts per 8-byte warp access). Tokens >= nvalid are
-// written as zeros (their cache bytes may be NaN and 0 x NaN poisons the MMA). LEAN: the same bytes in two passes
-// (channels 0-3, then 4-7 of each 8-channel group; 4-byte loads), ~16 fewer live registers (v2's loader warps).
+// written as zeros (their cache bytes may be NaN and 0 x NaN poisons the MMA).
 // ---------------------------------------------------------------------------------------------------------------
-template <int REP_UNROLL, bool LEAN = false>
+template <int REP_UNROLL>
 __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, int dloc0, int nvalid, int lane) {
   const int cg8 = lane & 7;
   const int xsw = (lane >> 3) & 1;  // this lane loads rows i ^ 1 (row-pair order swapped)
   const int zsw = lane & 1;         // this lane stores channels c ^ 1
   const uint32_t sel_a = xsw ? 0x1504u : 0x5140u, sel_b = xsw ? 0x3726u : 0x7362u;
   const uint32_t sel_c = zsw ? 0x7632u : 0x5410u, sel_d = zsw ? 0x5410u : 0x7632u;
-  // byte offsets (SW64): this lane's 8 bytes of token row k of group tg in the K block; its 8 token bytes of V^T row d
-  auto src_at = [&](int tg, int k) { return tg * 512 + k * 64 + ((((cg8 >> 1) ^ (k >> 1)) & 3) << 4) + (cg8 & 1) * 8; };
-  auto dst_at = [&](int tg, int d) {
-    return (d >> 3) * 512 + (d & 7) * 64 + ((((tg >> 1) ^ ((d & 7) >> 1)) & 3) << 4) + (tg & 1) * 8;
-  };
 #pragma unroll REP_UNROLL
   for (int rep = 0; rep < 2; ++rep) {
     const int tg = xsw | (((lane >> 4) & 1) << 1) | ((((lane >> 2) & 1) ^ rep) << 2);  // token group
-    if constexpr (LEAN) {
-#pragma unroll 1
-      for (int part = 0; part < 2; ++part) {  // bytes 4 part .. +3 of each row's 8: channels 4 part .. +3
-        uint32_t w[8];
+    uint32_t lo[8], hi[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int k = i ^ xsw;
-          const uint32_t v = *reinterpret_cast<const uint32_t*>(ksrc + src_at(tg, k) + part * 4);
-          w[i] = tg * 8 + k < nvalid ? v : 0u;
-        }
-        uint32_t ta[4], tb[4];  // [channel 4 part + i] tokens 0..3 / 4..7
-        transpose4(w[0], w[1], w[2], w[3], sel_a, sel_b, sel_c, sel_d, ta);
-        transpose4(w[4], w[5], w[6], w[7], sel_a, sel_b, sel_c, sel_d, tb);
+    for (int i = 0; i < 8; ++i) {
+      const int k = i ^ xsw;  // token row within the group held in slot i
+      const uint2 v = *reinterpret_cast<const uint2*>(ksrc + tg * 512 + k * 64 +
+                                                      ((((cg8 >> 1) ^ (k >> 1)) & 3) << 4) + (cg8 & 1) * 8);
+      const bool ok = tg * 8 + k < nvalid;
+      lo[i] = ok ? v.x : 0u;
+      hi[i] = ok ? v.y : 0u;
+    }
+    uint32_t tlo[8], thi[8];  // [channel slot] tokens 0..3 / 4..7
+    transpose4(lo[0], lo[1], lo[2], lo[3], sel_a, sel_b, sel_c, sel_d, tlo);
+    transpose4(lo[4], lo[5], lo[6], lo[7], sel_a, sel_b, sel_c, sel_d, thi);
+    transpose4(hi[0], hi[1], hi[2], hi[3], sel_a, sel_b, sel_c, sel_d, tlo + 4);
+    transpose4(hi[4], hi[5], hi[6], hi[7], sel_a, sel_b, sel_c, sel_d, thi + 4);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int d = dloc0 + cg8 * 8 + ((part * 4 + i) ^ zsw);
-          *reinterpret_cast<uint2*>(vdst + dst_at(tg, d)) = make_uint2(ta[i], tb[i]);
-        }
-      }
-    } else {
-      uint32_t lo[8], hi[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int k = i ^ xsw;  // token row within the group held in slot i
-        const uint2 v = *reinterpret_cast<const uint2*>(ksrc + src_at(tg, k));
-        const bool ok = tg * 8 + k < nvalid;
-        lo[i] = ok ? v.x : 0u;
-        hi[i] = ok ? v.y : 0u;
-      }
-      uint32_t tlo[8], thi[8];  // [channel slot] tokens 0..3 / 4..7
-      transpose4(lo[0], lo[1], lo[2], lo[3], sel_a, sel_b, sel_c, sel_d, tlo);
-      transpose4(lo[4], lo[5], lo[6], lo[7], sel_a, sel_b, sel_c, sel_d, thi);
-      transpose4(hi[0], hi[1], hi[2], hi[3], sel_a, sel_b, sel_c, sel_d, tlo + 4);
-      transpose4(hi[4], hi[5], hi[6], hi[7], sel_a, sel_b, sel_c, sel_d, thi + 4);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const int d = dloc0 + cg8 * 8 + (c ^ zsw);  // row of the V^T half buffer
-        *reinterpret_cast<uint2*>(vdst + dst_at(tg, d)) = make_uint2(tlo[c], thi[c]);
-      }
+    for (int c = 0; c < 8; ++c) {
+      const int d = dloc0 + cg8 * 8 + (c ^ zsw);  // row of the V^T half buffer
+      *reinterpret_cast<uint2*>(vdst + (d >> 3) * 512 + (d & 7) * 64 + ((((tg >> 1) ^ ((d & 7) >> 1)) & 3) << 4) +
+                                (tg & 1) * 8) = make_uint2(tlo[c], thi[c]);
     }
   }
 }
