@@ -85,8 +85,17 @@ H200_FP8_FLOPS = 1979e12  # dense FP8, for the roofline plot's compute roof
 REPRESENTATIVE = {"shape": "gate_up", "groups": 32, "tokens_per_group": 8, "provider": "ours-swapab",
                   "layout": "masked", "distribution": "uniform"}
 # tile walks: plain (per-group loop), flat (one flattened, pipelined loop: _fp8_grouped_gemm_flat_kernel), tma (flat
-# with the FP8 operands through tensor descriptors)
-WALKS = {"plain": {"flat": False}, "flat": {"flat": True}, "tma": {"flat": True, "tma": True}}
+# with the FP8 operands through tensor descriptors), ws (masked layout only: a program per tile, the K loop
+# warp-specialized over tensor descriptors: _fp8_grouped_gemm_ws_kernel)
+WALKS = {"plain": {"flat": False}, "flat": {"flat": True}, "tma": {"flat": True, "tma": True},
+         "ws": {"flat": False, "ws": True}}
+MASKED_ONLY_WALKS = ("ws",)
+
+
+def walk_of(cfg: dict) -> str:
+    """The WALKS name of a tile config."""
+    keys = {"flat": cfg["flat"], **{k: True for k in ("tma", "ws") if cfg.get(k)}}
+    return next(name for name, w in WALKS.items() if w == keys)
 TUNE_GRID = {
     "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4, **WALKS[w]}
                for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2) for w in WALKS],
@@ -98,8 +107,7 @@ TUNE_GRID = {
 def tune_grid(variant: str, walks, where: dict | None = None) -> list[dict]:
     """TUNE_GRID[variant] restricted to the named walks (--tune-walks) and to the values `where` allows per key
     (--tune-where; a key the grid lacks is an error)."""
-    want = [WALKS[w] for w in walks]
-    grid = [c for c in TUNE_GRID[variant] if {"flat": c["flat"], **({"tma": True} if c.get("tma") else {})} in want]
+    grid = [c for c in TUNE_GRID[variant] if walk_of(c) in walks]
     for key, allowed in (where or {}).items():
         if not any(key in c for c in TUNE_GRID[variant]):
             raise ValueError(f"--tune-where {key}: not a tile-config key (have {sorted(TUNE_GRID[variant][0])})")
@@ -417,7 +425,8 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         if f"ours-{variant}" not in args.providers:
             continue
         for layout in args.layouts:
-            configs = [None] + (tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune else [])
+            configs = [None] + [c for c in (tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune else [])
+                                if layout == "masked" or walk_of(c) not in MASKED_ONLY_WALKS]
             best, tried, trials = None, 0, []  # trials: every tuned config's time, so walks can be compared
             for cfg in configs:
                 if best is not None and time_up():

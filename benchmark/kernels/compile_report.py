@@ -72,6 +72,8 @@ def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int
         "f32_atomics": len(re.findall(r"(?:atom|red)\.[\w.]*f32", ptx)),
         "nanosleeps": ptx.count("nanosleep"),
         "sys_atomics": len(re.findall(r"atom\.[\w.]*\bsys\b", ptx)),  # system scope (peer GPUs' memory)
+        "setmaxnreg": ptx.count("setmaxnreg"),  # warp specialization: register budgets moved between warp groups
+        "num_warps": c.metadata.num_warps,  # as launched (warp specialization adds warps)
     }
 
 
@@ -125,6 +127,20 @@ def gemm_variants():
         yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt} flat{' tma' if tma else ''}"
                f"{' combine' if topk else ''}{' deferred' if defer else ''}]",
                g._fp8_grouped_gemm_flat_kernel, const, {**types, **descs}, 4, 4, ones)
+    yield from ws_variants()
+
+
+def ws_variants():
+    """config "ws": one tile per program, the K loop warp-specialized over TMA boxes."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as g
+
+    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "masked_m_ptr": "*i32", "as_ptr": "*fp32",
+             "bs_ptr": "*fp32"}
+    for swap, bt, bn in ((False, 128, 128), (False, 64, 128), (True, 32, 128)):
+        const = dict(K=2048, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, INTERPRET=False)
+        descs = {"a_desc": f"tensordesc<fp8e4nv[{bt}, 128]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, 128]>"}
+        yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt} n{bn} ws]", g._fp8_grouped_gemm_ws_kernel,
+               const, {**types, **descs}, 4, 4, ("stride_on", "stride_asm", "stride_bsk"))
 
 
 def sbo_variants():
@@ -198,7 +214,8 @@ def main(argv=None) -> int:
                   f"regs {rep['registers']} spill {rep['spill_bytes']} B smem {rep['shared_bytes']} B "
                   f"wgmma {rep['wgmma']} mma.sync {rep['mma_sync']} tma {rep['tma_copies']} "
                   f"release {rep['release_atomics']} acquire {rep['acquire_loads']}+{rep['acquire_atomics']} atom "
-                  f"f32-atomics {rep['f32_atomics']}"), flush=True)
+                  f"f32-atomics {rep['f32_atomics']} setmaxnreg {rep['setmaxnreg']} warps {rep['num_warps']}"),
+                  flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 1 if any("error" in r for r in out.values()) else 0

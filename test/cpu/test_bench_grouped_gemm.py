@@ -12,10 +12,13 @@ import bench_grouped_gemm as bench  # noqa: E402
 def test_tune_walks_filter_the_grid():
     for variant, grid in bench.TUNE_GRID.items():
         tma = bench.tune_grid(variant, ["tma"])
+        ws = bench.tune_grid(variant, ["ws"])
         plain_flat = bench.tune_grid(variant, ["plain", "flat"])
-        assert tma and all(c["flat"] and c["tma"] for c in tma)
-        assert plain_flat and not any(c.get("tma") for c in plain_flat)
-        assert len(tma) + len(plain_flat) == len(grid) == 3 * len(tma)
+        assert tma and all(c["flat"] and c["tma"] and not c.get("ws") for c in tma)
+        assert ws and all(c["ws"] and not c["flat"] and not c.get("tma") for c in ws)
+        assert plain_flat and not any(c.get("tma") or c.get("ws") for c in plain_flat)
+        assert len(tma) + len(ws) + len(plain_flat) == len(grid) == 4 * len(tma)
+        assert {bench.walk_of(c) for c in grid} == set(bench.WALKS)
     assert bench.parse_args(["--tune", "--tune-walks", "tma"]).tune_walks == ["tma"]
 
 
@@ -23,8 +26,8 @@ def test_tune_where_restricts_the_grid():
     args = bench.parse_args(["--tune", "--tune-where", "BLOCK_N=128", "num_stages=4,5", "programs_per_sm=2"])
     where = dict(args.tune_where)
     assert where == {"BLOCK_N": {128}, "num_stages": {4, 5}, "programs_per_sm": {2}}
-    grid = bench.tune_grid("swapab", ["plain", "flat", "tma"], where)
-    full = bench.tune_grid("swapab", ["plain", "flat", "tma"])
+    grid = bench.tune_grid("swapab", ["plain", "flat", "tma", "ws"], where)
+    full = bench.tune_grid("swapab", ["plain", "flat", "tma", "ws"])
     assert grid and len(grid) < len(full)
     assert all(c["BLOCK_N"] == 128 and c["num_stages"] in (4, 5) and c["programs_per_sm"] == 2 for c in grid)
     assert len(grid) == sum(c["BLOCK_N"] == 128 and c["num_stages"] in (4, 5) and c["programs_per_sm"] == 2

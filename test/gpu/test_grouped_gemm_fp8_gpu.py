@@ -129,7 +129,11 @@ def test_silu_mul_quant(mods):
         assert (q.float() != qr.float()).float().mean().item() <= 0.01
 
 
-@pytest.mark.parametrize("walk", ["default", "tma"])
+WS_CONFIGS = [("normal", {"BLOCK_N": 128, "BLOCK_T": 128, "num_stages": 4}), ("normal", {"BLOCK_N": 128, "BLOCK_T": 64}),
+              ("swapab", {"BLOCK_N": 128, "BLOCK_T": 32, "num_stages": 4})]  # config ws: K loop warp-specialized
+
+
+@pytest.mark.parametrize("walk", ["default", "tma", "ws"])
 def test_masked_launch_is_graph_safe(mods, walk):
     """No host sync: a captured launch replays correctly after masked_m changes on the device (tma: the tensor
     descriptors are by-value kernel parameters, captured with the launch)."""
@@ -139,7 +143,7 @@ def test_masked_launch_is_graph_safe(mods, walk):
     a, a_s = quantized_acts(quant, (groups, max_m, k), seed=4)
     mm = torch.tensor([1] * groups, dtype=torch.int32, device="cuda")
     out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
-    cfg = {**WALK_CONFIGS["swapab"], "flat": True, "tma": True} if walk == "tma" else None
+    cfg = {"tma": {**WALK_CONFIGS["swapab"], "flat": True, "tma": True}, "ws": {**WS_CONFIGS[2][1], "ws": True}}.get(walk)
     gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", expected_m=8, config=cfg)
     torch.cuda.synchronize()  # compiled
     graph = torch.cuda.CUDAGraph()
@@ -190,3 +194,37 @@ def test_flat_and_tma_walks_match_the_plain_walk(mods, shape):
             if m:
                 check(outs["tma"][0][g, :m], ref[g, :m], f"tma masked {shape} {variant} g={g}")
 
+
+
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_ws_config_matches_the_reference(mods, shape, monkeypatch):
+    """Config ws (masked layout: a program per tile, the K loop split by Triton into a TMA producer warp group and
+    MMA consumers) at the real shapes: every valid row within REL of the float reference, rows past masked_m
+    (e4m3 NaN in A, read by the boxes) never written, and the ws kernel is what ran."""
+    gg, quant = mods
+    n, k = MOE_SHAPES[shape]
+    groups, max_m = 8, 256
+    b, b_s = quantized_weights(quant, groups, n, k, seed=17)
+    c = [256, 0, 3, 129, 64, 1, 255, 128]
+    a, a_s = quantized_acts(quant, (groups, max_m, k), seed=18)
+    for g, m in enumerate(c):
+        a.view(torch.uint8)[g, m:] = 0x7F
+    mm = torch.tensor(c, dtype=torch.int32, device="cuda")
+    ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+    launched, kernel = [], gg._fp8_grouped_gemm_ws_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(gg, "_fp8_grouped_gemm_ws_kernel", Spy())
+    for variant, cfg in WS_CONFIGS:
+        om = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=om, variant=variant, config={**cfg, "ws": True})
+        torch.cuda.synchronize()
+        for g, m in enumerate(c):
+            if m:
+                check(om[g, :m], ref[g, :m], f"ws {shape} {variant} {cfg} g={g}")
+            assert om[g, m:].isnan().all(), f"ws {shape} {variant} {cfg} g={g}: rows past masked_m written"
+    assert len(launched) == len(WS_CONFIGS)
