@@ -85,11 +85,10 @@ H200_FP8_FLOPS = 1979e12  # dense FP8, for the roofline plot's compute roof
 REPRESENTATIVE = {"shape": "gate_up", "groups": 32, "tokens_per_group": 8, "provider": "ours-swapab",
                   "layout": "masked", "distribution": "uniform"}
 # tile walks: plain (per-group loop), flat (one flattened, pipelined loop: _fp8_grouped_gemm_flat_kernel), tma (flat
-# with the FP8 operands through tensor descriptors), ws (masked layout only: a program per tile, the K loop
-# warp-specialized over tensor descriptors: _fp8_grouped_gemm_ws_kernel)
+# with the FP8 operands through tensor descriptors), ws (a token-tile map, then a persistent walk warp-specialized
+# over tensor descriptors: _fp8_grouped_gemm_ws_kernel)
 WALKS = {"plain": {"flat": False}, "flat": {"flat": True}, "tma": {"flat": True, "tma": True},
          "ws": {"flat": False, "ws": True}}
-MASKED_ONLY_WALKS = ("ws",)
 
 
 def walk_of(cfg: dict) -> str:
@@ -425,8 +424,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         if f"ours-{variant}" not in args.providers:
             continue
         for layout in args.layouts:
-            configs = [None] + [c for c in (tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune else [])
-                                if layout == "masked" or walk_of(c) not in MASKED_ONLY_WALKS]
+            configs = [None] + (tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune else [])
             best, tried, trials = None, 0, []  # trials: every tuned config's time, so walks can be compared
             for cfg in configs:
                 if best is not None and time_up():

@@ -82,12 +82,15 @@ instead of pointer loads, as DeepGEMM feeds its wgmmas: no address math or per-e
 past a tile's real ones are read and masked on the store).
 Both bit-identical to the group walk (CPU tests). Measured at gate_up 32 x 128 masked (2026-11-30): best plain
 338.4, flat 386.2, tma 334.1 us against DeepGEMM's 277.8.
-Config "ws": True (masked layout, plain outputs; else the configs above run) runs _fp8_grouped_gemm_ws_kernel: a
-program per (token tile, weight tile, group), its K loop a tl.range(warp_specialize=True) over TMA boxes, which
-Triton 3.6 splits on sm_90a into a producer warp group that only issues the copies and MMA warp groups with more
-registers (setmaxnreg; 12 warps for num_warps=4) -- DeepGEMM's structure, which the flat walk does not get: that
-pass rejects kernels with reductions (the flat walk's group lookup) and persistent flattened loops. Bit-identical
-to the group walk in the CPU interpreter (which ignores the specialization); not yet measured on a GPU.
+Config "ws": True (masked / contiguous, plain outputs, no split-K or signal; else the configs above run): two
+launches. `_token_tile_map_kernel` (one program) lists every real token tile as (group, first row, end of the
+group's rows) and their count; `_fp8_grouped_gemm_ws_kernel` walks those token tiles x weight tiles persistently,
+the FP8 operands through TMA boxes, its tile loop a tl.range(warp_specialize=True), which Triton 3.6 splits on
+sm_90a into a producer warp group that only issues the copies (running ahead into the next tile) and MMA warp
+groups given the registers (setmaxnreg; 12 warps for num_warps=4) -- DeepGEMM's structure. The map is a launch of
+its own because that pass rejects a kernel with any reduction (the flat walk finds groups with sums) or an early
+return, and leaves a flattened loop unspecialized. Bit-identical to the group walk in the CPU interpreter (which
+ignores the specialization); not yet measured on a GPU.
 `bench_grouped_gemm.py --tune` times all of them.
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
@@ -149,37 +152,11 @@ class EpilogueCombine(NamedTuple):
 # imported before TRITON_INTERPRET=1 was set they cannot be called from an interpreted kernel)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _scaled_step(acc, a, b, as_ptrs, bs_ptrs, t_mask, n_mask, tile_in_n, SWAP_AB: tl.constexpr,
-                 SCALAR_BS: tl.constexpr):
-    """acc += (a @ b^T) * a_scale * b_scale for one 128-deep K block (swapAB: acc^T, weights on the MMA's M side);
-    tile_in_n: the tile's first weight row is a real one (the scalar b_scale's mask)."""
-    sa = tl.load(as_ptrs, mask=t_mask, other=0.0)  # [BLOCK_T]
-    if SCALAR_BS:
-        sb = tl.load(bs_ptrs, mask=tile_in_n, other=0.0)
-    else:
-        sb = tl.load(bs_ptrs, mask=n_mask, other=0.0)  # [BLOCK_N]
-    if SWAP_AB:
-        d = tl.dot(b, tl.trans(a))  # [BLOCK_N, BLOCK_T]
-        if SCALAR_BS:
-            acc += d * (sa[None, :] * sb)
-        else:
-            acc += d * sa[None, :] * sb[:, None]
-    else:
-        d = tl.dot(a, tl.trans(b))  # [BLOCK_T, BLOCK_N]
-        if SCALAR_BS:
-            acc += d * (sa[:, None] * sb)
-        else:
-            acc += d * sa[:, None] * sb[None, :]
-    return acc
-
-
-@triton.jit
 def _mma_tile(
     a_g, as_g, b_g, bs_g, rows, t_mask, n_tile, k0, n_lim,
     stride_am, stride_ak, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk,
     KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-    a_desc=None, b_desc=None, a_row0=0, b_row0=0, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
-    active=True, INTERPRET: tl.constexpr = False,
+    a_desc=None, b_desc=None, a_row0=0, b_row0=0, TMA: tl.constexpr = False,
 ):
     """One output tile in fp32, [BLOCK_T, BLOCK_N]: KB scale blocks of K from k0, for A rows `rows`
     (t_mask: which are real) against weight rows n_tile*BLOCK_N.. of one group (bases a_g, as_g, b_g,
@@ -187,11 +164,7 @@ def _mma_tile(
     TMA: the FP8 operands come through tensor descriptors instead (a_desc [rows, K] from row a_row0, b_desc
     [G * N, K] from row b_row0): whole boxes, so rows past the tile's real ones are read too (another
     group's, or zeros past the tensor). Each output element depends on its own A row and weight row only,
-    and those rows are masked on the store, so the result is the same.
-    WARP_SPEC (config "ws", TMA only): the K loop is a tl.range(warp_specialize=True), which Triton 3.6 splits
-    into a TMA producer warp group and MMA consumers on sm_90a; `active` False runs no K step (the tile is
-    past the last real one: a ws program has no early return, which that pass does not accept; the interpreter
-    cannot range() to a tensor bound, so there an idle tile runs its K steps and its store masks them)."""
+    and those rows are masked on the store, so the result is the same."""
     BLOCK_K: tl.constexpr = 128
     SCALAR_BS: tl.constexpr = BLOCK_N <= 128  # the tile sits inside one 128-row scale block
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -209,27 +182,35 @@ def _mma_tile(
     else:
         acc = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
     kc = k0
-    if WARP_SPEC:
-        for kb in tl.range(0, KB if INTERPRET else KB * active.to(tl.int32), warp_specialize=True):
-            a = a_desc.load([a_row0, kc + kb * BLOCK_K])  # [BLOCK_T, 128] fp8
-            b = b_desc.load([b_row0, kc + kb * BLOCK_K])  # [BLOCK_N, 128] fp8
-            acc = _scaled_step(acc, a, b, as_ptrs + kb * stride_ask, bs_ptrs + kb * stride_bsk, t_mask, n_mask,
-                               n_lim > n_tile * BLOCK_N, SWAP_AB, SCALAR_BS)
-    else:
-        for _ in range(KB):
-            if TMA:
-                a = a_desc.load([a_row0, kc])  # [BLOCK_T, 128] fp8
-                b = b_desc.load([b_row0, kc])  # [BLOCK_N, 128] fp8
+    for _ in range(KB):
+        if TMA:
+            a = a_desc.load([a_row0, kc])  # [BLOCK_T, 128] fp8
+            b = b_desc.load([b_row0, kc])  # [BLOCK_N, 128] fp8
+        else:
+            a = tl.load(a_ptrs, mask=t_mask[:, None], other=0.0)  # [BLOCK_T, 128] fp8
+            b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, 128] fp8
+        sa = tl.load(as_ptrs, mask=t_mask, other=0.0)  # [BLOCK_T]
+        if SCALAR_BS:
+            sb = tl.load(bs_ptrs, mask=n_lim > n_tile * BLOCK_N, other=0.0)
+        else:
+            sb = tl.load(bs_ptrs, mask=n_mask, other=0.0)  # [BLOCK_N]
+        if SWAP_AB:
+            d = tl.dot(b, tl.trans(a))  # [BLOCK_N, BLOCK_T]: weights on the MMA's M side
+            if SCALAR_BS:
+                acc += d * (sa[None, :] * sb)
             else:
-                a = tl.load(a_ptrs, mask=t_mask[:, None], other=0.0)  # [BLOCK_T, 128] fp8
-                b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, 128] fp8
-            acc = _scaled_step(acc, a, b, as_ptrs, bs_ptrs, t_mask, n_mask, n_lim > n_tile * BLOCK_N, SWAP_AB,
-                               SCALAR_BS)
-            kc += BLOCK_K
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-            as_ptrs += stride_ask
-            bs_ptrs += stride_bsk
+                acc += d * sa[None, :] * sb[:, None]
+        else:
+            d = tl.dot(a, tl.trans(b))  # [BLOCK_T, BLOCK_N]
+            if SCALAR_BS:
+                acc += d * (sa[:, None] * sb)
+            else:
+                acc += d * sa[:, None] * sb[None, :]
+        kc += BLOCK_K
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        as_ptrs += stride_ask
+        bs_ptrs += stride_bsk
     if SWAP_AB:
         acc = tl.trans(acc)  # [BLOCK_T, BLOCK_N]; one return: Triton 3.6 rejects returns of different shapes
     return acc
@@ -545,37 +526,81 @@ def _fp8_grouped_gemm_flat_kernel(
 
 
 @triton.jit
-def _fp8_grouped_gemm_ws_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, masked_m_ptr,
-    MAX_M, N,
-    stride_asg, stride_asm, stride_ask,
-    stride_bsg, stride_bsn, stride_bsk,
-    stride_og, stride_om, stride_on,
-    a_desc, b_desc,
-    K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """config "ws" (masked layout, plain outputs): one tile per program on a (token tile, weight tile, group) grid,
-    the K loop warp-specialized over TMA boxes (_mma_tile's WARP_SPEC): a producer warp group keeps the weight
-    stream in flight while the MMA warps multiply and promote the scales, as DeepGEMM's kernels are built.
-    Token tiles at or past the group's masked_m run no K step and store nothing. Why not the flat walk: Triton
-    3.6's warp specialization rejects any reduction in the kernel (its group lookup sums) and does not apply to
-    a persistent flattened loop."""
-    KB: tl.constexpr = K // 128
-    t_tile = tl.program_id(0)
-    n_tile = tl.program_id(1)
-    g = tl.program_id(2)
-    m = tl.minimum(tl.load(masked_m_ptr + g), MAX_M)
+def _token_tile_map_kernel(indptr_ptr, masked_m_ptr, MAX_M, map_ptr, count_ptr, T_MAX,
+                           G: tl.constexpr, G_P2: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """config "ws", first launch (one program): every real token tile of every group, in group order, as
+    (group, first row, end of the group's rows) in map_ptr [tiles, 3], and their count in count_ptr[0]. Rows as the
+    group walk counts them (masked: within the group's slab; contiguous: rows of A). T_MAX: token tiles the largest
+    group can have."""
+    walk, total = _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, 1, G, G_P2, LAYOUT, 1, BLOCK_T)
+    gi, start, m_vec, cum, tiles, _ = walk  # one weight tile per group: tiles = token tiles
+    gmask = gi < G
+    j = 0
+    while j < T_MAX:  # the j-th token tile of every group at once (while: the interpreter cannot range() to an arg)
+        ok = gmask & (j < tiles)
+        entry = map_ptr + (cum - tiles + j) * 3
+        tl.store(entry, gi, mask=ok)
+        tl.store(entry + 1, start + j * BLOCK_T, mask=ok)
+        tl.store(entry + 2, start + m_vec, mask=ok)
+        j += 1
+    tl.store(count_ptr, total)
+
+
+@triton.jit
+def _ws_tile(tile, m_tiles, map_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, N,
+             stride_asg, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on,
+             a_desc, b_desc, A_ROWS_PER_GROUP, KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_T: tl.constexpr):
+    """One tile of config ws: its token tile from the map (token tiles fastest, so programs running together
+    share a weight tile), _mma_tile over TMA boxes, the store."""
+    entry = map_ptr + (tile % m_tiles) * 3
+    n_tile = tile // m_tiles
+    g = tl.load(entry)
     g64 = g.to(tl.int64)
-    offs_t = t_tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < m
+    row0 = tl.load(entry + 1)
+    offs_t = row0 + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < tl.load(entry + 2)
     rows = offs_t.to(tl.int64)
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     res = _mma_tile(a_ptr, as_ptr + g64 * stride_asg, b_ptr, bs_ptr + g64 * stride_bsg, rows, t_mask, n_tile, 0, N,
                     0, 1, stride_asm, stride_ask, 0, 1, stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T,
-                    a_desc, b_desc, (g * MAX_M + t_tile * BLOCK_T).to(tl.int32), (g * N + n_tile * BLOCK_N).to(tl.int32),
-                    True, True, t_tile * BLOCK_T < m, INTERPRET)
+                    a_desc, b_desc, (g * A_ROWS_PER_GROUP + row0).to(tl.int32), (g * N + n_tile * BLOCK_N).to(tl.int32),
+                    True)
     o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _fp8_grouped_gemm_ws_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, map_ptr, count_ptr, N, NUM_PROGRAMS,
+    stride_asg, stride_asm, stride_ask,
+    stride_bsg, stride_bsn, stride_bsk,
+    stride_og, stride_om, stride_on,
+    a_desc, b_desc, A_ROWS_PER_GROUP,
+    K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """config "ws" (masked / contiguous, plain outputs), second launch: a persistent walk over the mapped token
+    tiles x weight tiles whose loop Triton 3.6 warp-specializes on sm_90a (tl.range(warp_specialize=True)): a
+    producer warp group only issues the TMA copies, running ahead into the next tile while the MMA warp groups
+    (given the registers by setmaxnreg) multiply, promote the scales and store; DeepGEMM's structure. Why a map
+    kernel first: that pass rejects a kernel with any reduction (the flat walk finds its groups with sums) or an
+    early return, and leaves a flattened loop unspecialized."""
+    KB: tl.constexpr = K // 128
+    pid = tl.program_id(0)
+    m_tiles = tl.load(count_ptr)
+    total = m_tiles * ((N + BLOCK_N - 1) // BLOCK_N)
+    if INTERPRET:  # the interpreter cannot range() from a program id
+        tile = pid
+        while tile < total:
+            _ws_tile(tile, m_tiles, map_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, N, stride_asg, stride_asm,
+                     stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on, a_desc, b_desc,
+                     A_ROWS_PER_GROUP, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+            tile += NUM_PROGRAMS
+    else:
+        for tile in tl.range(pid, total, NUM_PROGRAMS, warp_specialize=True):
+            _ws_tile(tile, m_tiles, map_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, N, stride_asg, stride_asm,
+                     stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on, a_desc, b_desc,
+                     A_ROWS_PER_GROUP, KB, SWAP_AB, BLOCK_N, BLOCK_T)
 
 
 TAIL_GAVE_UP_SHIFT = tl.constexpr(20)  # EpilogueCombine.tail's counter: arrivals below bit 20, give-ups above
@@ -1131,12 +1156,21 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
                       COMBINE_GATHER=combine is None or not combine.counts_only, COMBINE_DEFER=defer)
     plain = signal is None and split_k == 1 and layout != LAYOUT_DENSE
     descs = _tma_descriptors(a3, b, bt, bn) if plain and (cfg.get("ws") or cfg.get("tma")) else None
-    if cfg.get("ws") and plain and layout == LAYOUT_MASKED and combine is None and descs is not None:
-        _fp8_grouped_gemm_ws_kernel[(triton.cdiv(max_m, bt), triton.cdiv(n, bn), groups)](
-            a3, s3, b, b_scale, o3, masked_m, max_m, n,
+    if cfg.get("ws") and plain and combine is None and descs is not None:
+        t_max = triton.cdiv(max_m if layout == LAYOUT_MASKED else a3.shape[1], bt)  # a group's token tiles, at most
+        upper_t = max(1, min(upper_tiles_t, groups * t_max))
+        buf = torch.empty(3 * upper_t + 1, dtype=torch.int32, device=a.device)
+        tile_map, count = buf[:-1], buf[-1:]
+        _token_tile_map_kernel[(1,)](indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
+                                     max_m, tile_map, count, t_max, G=groups, G_P2=triton.next_power_of_2(groups),
+                                     LAYOUT=layout, BLOCK_T=bt, num_warps=4)
+        programs = min(upper_t * triton.cdiv(n, bn), num_sms * cfg.get("programs_per_sm", 1))
+        _fp8_grouped_gemm_ws_kernel[(programs,)](
+            a3, s3, b, b_scale, o3, tile_map, count, n, programs,
             sa_g[1], s3.stride(1), s3.stride(2),
             b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
-            sa_g[2], o3.stride(1), o3.stride(2), *descs,
+            sa_g[2], o3.stride(1), o3.stride(2),
+            *descs, a3.shape[1] if layout == LAYOUT_MASKED else 0,
             K=k, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, INTERPRET=_interpreting(),
             num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         )

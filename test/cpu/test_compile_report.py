@@ -96,9 +96,10 @@ def test_ep_combine_kernels_publish_at_system_scope(report):
 
 
 def test_ws_config_is_warp_specialized(report):
-    """config ws: Triton splits the K loop into a TMA producer and MMA consumer warp groups (setmaxnreg moves
-    registers between them; 12 warps for num_warps=4), FP8 wgmma, no spills. Triton leaves a kernel unspecialized
-    without an error when it cannot split it (num_warps=8, the flat walk), so this checks it happened."""
+    """config ws: Triton splits the persistent tile loop into a TMA producer and MMA consumer warp groups
+    (setmaxnreg moves registers between them; 12 warps for num_warps=4), FP8 wgmma, no spills. Triton leaves a
+    kernel unspecialized without an error when it cannot split it (num_warps=8, a flattened loop), so this checks
+    that it happened. The token-tile map it reads compiles too (the interpreter would not catch a compile error)."""
     _, rep = report
     ws = {n: r for n, r in rep.items() if n.endswith(" ws]")}
     assert len(ws) == 3, sorted(rep)
@@ -107,3 +108,5 @@ def test_ws_config_is_warp_specialized(report):
         assert r["tma_copies"] > 0 and r["mma_sync"] == 0 and r["spill_bytes"] == 0, (name, r)
         assert any(x.endswith("e4m3.e4m3") for x in r["wgmma"]), (name, r)
     assert all(r["setmaxnreg"] == 0 for n, r in rep.items() if n not in ws), "specialized where not asked"
+    maps = {n: r for n, r in rep.items() if n.startswith("token_tile_map")}  # its first launch, 256 experts
+    assert len(maps) == 2 and all(r["spill_bytes"] == 0 for r in maps.values()), maps

@@ -175,32 +175,47 @@ class LaunchCounter:
         return self.kernel[grid]
 
 
-def test_ws_config_equals_the_group_walk(monkeypatch):
-    """config ws (masked layout: one tile per program on a (token tile, weight tile, group) grid, the K loop
-    warp-specialized over TMA boxes on the GPU): the same bits as the group walk over empty, small, uneven and
-    full groups, rows past masked_m NaN in A (read by the boxes, never into a written row), and nothing written
-    at or past masked_m (the poisoned out stays NaN there)."""
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_ws_config_equals_the_group_walk(layout, monkeypatch):
+    """config ws (a map of the real token tiles, then a persistent walk over them whose loop is warp-specialized
+    over TMA boxes on the GPU): the same bits as the group walk over empty, small, uneven and full groups and over
+    all groups empty; in the masked layout rows past masked_m are NaN in A (read by the boxes, never into a written
+    row) and nothing is written at or past masked_m. The ws kernels must be what ran."""
     ms = [0, 5, 33, 0, 1, 17, 0, 40, 40]
     g, n, k = len(ms), 192, 256
     b, b_s = weights(g, n, k, seed=8)
-    a, a_s = activations((g, 40, k), seed=9)
-    mm = torch.tensor(ms, dtype=torch.int32)
-    for gi, m in enumerate(ms):
-        a.view(torch.uint8)[gi, m:] = 0x7F
-    for variant, cfg in (("swapab", {"BLOCK_N": 64, "BLOCK_T": 16}), ("normal", {"BLOCK_N": 128, "BLOCK_T": 32}),
-                         ("normal", {"BLOCK_N": 256, "BLOCK_T": 64})):
-        def run(c):
-            return gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(g, 40, n), variant=variant,
-                                                   config=c)
-        spy = LaunchCounter(gg._fp8_grouped_gemm_ws_kernel)
-        monkeypatch.setattr(gg, "_fp8_grouped_gemm_ws_kernel", spy)
-        plain, ws = run(cfg), run({**cfg, "ws": True})
-        monkeypatch.undo()
-        assert spy.launches == 1, (variant, cfg)  # the ws kernel ran (not a fallback to the group walk)
-        assert torch.equal(plain.isnan(), ws.isnan()), (variant, cfg)
-        assert torch.equal(torch.nan_to_num(plain), torch.nan_to_num(ws)), (variant, cfg)
-        for gi, m in enumerate(ms):
-            assert not ws[gi, :m].isnan().any() and ws[gi, m:].isnan().all(), (variant, cfg, gi)
+    for counts in (ms, [0] * g):
+        if layout == "contiguous":
+            a, a_s = activations((sum(ms) + 2, k), seed=9)
+            ip = cumsum0(counts, start=1)
+
+            def run(variant, c):
+                return gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=poisoned(sum(ms) + 2, n),
+                                                           variant=variant, config=c)
+        else:
+            a, a_s = activations((g, 40, k), seed=9)
+            mm = torch.tensor(counts, dtype=torch.int32)
+            for gi, m in enumerate(counts):
+                a.view(torch.uint8)[gi, m:] = 0x7F
+
+            def run(variant, c):
+                return gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(g, 40, n), variant=variant,
+                                                       config=c)
+        for variant, cfg in (("swapab", {"BLOCK_N": 64, "BLOCK_T": 16}), ("normal", {"BLOCK_N": 128, "BLOCK_T": 32}),
+                             ("normal", {"BLOCK_N": 256, "BLOCK_T": 64})):
+            spies = {name: LaunchCounter(getattr(gg, name)) for name in ("_token_tile_map_kernel",
+                                                                          "_fp8_grouped_gemm_ws_kernel")}
+            plain = run(variant, cfg)
+            for name, spy in spies.items():
+                monkeypatch.setattr(gg, name, spy)
+            ws = run(variant, {**cfg, "ws": True})
+            monkeypatch.undo()
+            assert [spy.launches for spy in spies.values()] == [1, 1], (variant, cfg)  # not a fallback
+            assert torch.equal(plain.isnan(), ws.isnan()), (layout, counts, variant, cfg)
+            assert torch.equal(torch.nan_to_num(plain), torch.nan_to_num(ws)), (layout, counts, variant, cfg)
+            if layout == "masked":
+                for gi, m in enumerate(counts):
+                    assert not ws[gi, :m].isnan().any() and ws[gi, m:].isnan().all(), (variant, cfg, gi)
 
 
 @pytest.mark.parametrize("variant", gg.VARIANTS)

@@ -198,9 +198,10 @@ def test_flat_and_tma_walks_match_the_plain_walk(mods, shape):
 
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_ws_config_matches_the_reference(mods, shape, monkeypatch):
-    """Config ws (masked layout: a program per tile, the K loop split by Triton into a TMA producer warp group and
-    MMA consumers) at the real shapes: every valid row within REL of the float reference, rows past masked_m
-    (e4m3 NaN in A, read by the boxes) never written, and the ws kernel is what ran."""
+    """Config ws (a token-tile map, then a persistent tile walk that Triton splits into a TMA producer warp group
+    and MMA consumers) at the real shapes, both layouts: every valid row within REL of the float reference, rows
+    past masked_m (e4m3 NaN in A, read by the boxes) and outside the contiguous groups never written, and the ws
+    kernels are what ran."""
     gg, quant = mods
     n, k = MOE_SHAPES[shape]
     groups, max_m = 8, 256
@@ -211,20 +212,32 @@ def test_ws_config_matches_the_reference(mods, shape, monkeypatch):
         a.view(torch.uint8)[g, m:] = 0x7F
     mm = torch.tensor(c, dtype=torch.int32, device="cuda")
     ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
-    launched, kernel = [], gg._fp8_grouped_gemm_ws_kernel
+    total = sum(c)
+    ac, ac_s = quantized_acts(quant, (total + 2, k), seed=19)
+    ip = torch.tensor([1] + [1 + sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    ref_c = gg.grouped_gemm_reference(ac, ac_s, b, b_s, m_indptr=ip)
+    launched = []
 
     class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return kernel[grid]
+        def __init__(self, kernel):
+            self.kernel = kernel
 
-    monkeypatch.setattr(gg, "_fp8_grouped_gemm_ws_kernel", Spy())
+        def __getitem__(self, grid):
+            launched.append(self.kernel)
+            return self.kernel[grid]
+
+    for name in ("_token_tile_map_kernel", "_fp8_grouped_gemm_ws_kernel"):
+        monkeypatch.setattr(gg, name, Spy(getattr(gg, name)))
     for variant, cfg in WS_CONFIGS:
         om = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=om, variant=variant, config={**cfg, "ws": True})
+        oc = torch.full((total + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gg.m_grouped_fp8_gemm_nt_contiguous(ac, ac_s, b, b_s, ip, out=oc, variant=variant, config={**cfg, "ws": True})
         torch.cuda.synchronize()
         for g, m in enumerate(c):
             if m:
-                check(om[g, :m], ref[g, :m], f"ws {shape} {variant} {cfg} g={g}")
+                check(om[g, :m], ref[g, :m], f"ws masked {shape} {variant} {cfg} g={g}")
             assert om[g, m:].isnan().all(), f"ws {shape} {variant} {cfg} g={g}: rows past masked_m written"
-    assert len(launched) == len(WS_CONFIGS)
+        check(oc[1:total + 1], ref_c[1:total + 1], f"ws contiguous {shape} {variant} {cfg}")
+        assert oc[0].isnan().all() and oc[total + 1].isnan().all(), f"ws {shape} {variant}: rows outside written"
+    assert len(launched) == 4 * len(WS_CONFIGS)
