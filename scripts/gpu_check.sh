@@ -93,6 +93,7 @@ fi
 # the dummy DeepSeek-V3 servers' flags every server step shares (each adds its attention backend)
 SERVER_ARGS="--load-format dummy --sampling-backend pytorch --moe-runner-backend triton --fp8-gemm-backend triton --grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64"
 rc=0
+touch /tmp/steps_began  # what the steps write outside /tmp/jit is listed at the end (caches a call does not carry)
 if [[ " $STEPS " == *" tests "* ]]; then
   say "pytest -m gpu"
   python3 -m pytest -m gpu ${TESTS:-test} -q -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
@@ -259,6 +260,14 @@ if [[ " $STEPS " == *" migration "* ]] && [ "$(left)" -gt 90 ]; then
     --deadline-s $(( $(left) - 40 )) ${MIGRATION_ARGS:-} 2>&1 | tee "$OUT/migration_step_time.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
+# files the steps wrote outside the carried caches, by folder: the first server start of each call takes ~70 s longer
+# than the next one (its first prefill waits), so some cache that is not carried is filled then
+find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path "$OUT" -o -path /tmp/jit -o -path /tmp/models \) -prune \
+  -o -type f -newer /tmp/steps_began -printf '%s %h\n' 2>/dev/null \
+  | awk '{split($2, p, "/"); d = "/" p[2] "/" p[3] "/" p[4] "/" p[5]; n[d]++; b[d] += $1}
+         END {for (d in n) printf "%8d files %10.1f MB  %s\n", n[d], b[d] / 1e6, d}' | sort -k3 -rn | head -25 \
+  > "$OUT/new_files.txt"
+say "files written outside /tmp/jit since the steps began (top folders): $(wc -l < "$OUT/new_files.txt") lines in new_files.txt"
 [ -z "${NO_JITPACK:-}" ] && python3 scripts/pack_jitcache.py "$OUT/jitcache.tar.xz"
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then  # the device tool brings back 8 files, folders' files counted:
   for f in "$OUT"/*/*.json; do  # a step's record JSON comes back on its own, the rest of the logs in one archive
