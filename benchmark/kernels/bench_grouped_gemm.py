@@ -95,6 +95,8 @@ def walk_of(cfg: dict) -> str:
     """The WALKS name of a tile config."""
     keys = {"flat": cfg["flat"], **{k: True for k in ("tma", "ws") if cfg.get(k)}}
     return next(name for name, w in WALKS.items() if w == keys)
+
+
 TUNE_GRID = {
     "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4, **WALKS[w]}
                for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2) for w in WALKS],

@@ -206,10 +206,10 @@ def test_ws_config_equals_the_group_walk(layout, monkeypatch):
             spies = {name: LaunchCounter(getattr(gg, name)) for name in ("_token_tile_map_kernel",
                                                                           "_fp8_grouped_gemm_ws_kernel")}
             plain = run(variant, cfg)
-            for name, spy in spies.items():
-                monkeypatch.setattr(gg, name, spy)
-            ws = run(variant, {**cfg, "ws": True})
-            monkeypatch.undo()
+            with monkeypatch.context() as mp:
+                for name, spy in spies.items():
+                    mp.setattr(gg, name, spy)
+                ws = run(variant, {**cfg, "ws": True})
             assert [spy.launches for spy in spies.values()] == [1, 1], (variant, cfg)  # not a fallback
             assert torch.equal(plain.isnan(), ws.isnan()), (layout, counts, variant, cfg)
             assert torch.equal(torch.nan_to_num(plain), torch.nan_to_num(ws)), (layout, counts, variant, cfg)
