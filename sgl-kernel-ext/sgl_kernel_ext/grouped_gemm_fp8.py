@@ -1365,6 +1365,15 @@ def m_grouped_fp8_gemm_nt_aligned(a: torch.Tensor, a_scale: torch.Tensor, b: tor
     return out
 
 
+OTHER_WALKS = ("flat", "tma", "ws")  # config keys of walks m_grouped_fp8_gemm_nt_aligned does not have
+
+
+def aligned_runs(config: dict | None) -> bool:
+    """Whether the aligned kernel runs the walk a table config was measured with (it has the group walk only, so a
+    time measured on flat / tma / ws says nothing about it)."""
+    return not any((config or {}).get(key) for key in OTHER_WALKS)
+
+
 def plan_fp8_gemm_nt(m: int, n: int, k: int, variant: str = "auto", config: dict | None = None,
                      split_k: int | None = None, num_sms: int = 132) -> tuple[str, dict, int]:
     """(variant, tile config, split_k) that fp8_gemm_nt uses for this shape (benchmarks record it)."""

@@ -486,6 +486,16 @@ def test_plan_moe_needs_both_gemms_and_uses_expected_load(monkeypatch, tmp_path)
     assert swapab.plan_moe(1, 8, 32, 7168, 1024) is None  # down shape not measured
 
 
+@pytest.mark.parametrize("walk", ["flat", "tma", "ws"])
+def test_plan_moe_trusts_only_times_of_the_walk_it_runs(monkeypatch, tmp_path, walk):
+    """The single-GPU MoE runs the aligned kernel, which has the group walk only: an entry measured on another walk
+    (a re-tune may pick flat, tma or ws for the contiguous layout) says nothing about it, so upstream runs."""
+    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries(config={"BLOCK_T": 16})))
+    assert swapab.plan_moe(5, 2, E, H, INTER) is not None  # the group walk's time: ours
+    use_table(monkeypatch, write_table(tmp_path / "w.json", tiny_entries(config={"BLOCK_T": 16, walk: True})))
+    assert swapab.plan_moe(5, 2, E, H, INTER) is None
+
+
 def test_user_retune_comes_before_the_shipped_table(monkeypatch, tmp_path):
     monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
     assert gg.find_table("NVIDIA H200") == gg.table_path("NVIDIA H200")  # shipped

@@ -94,6 +94,10 @@ def plan_moe(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: 
     if up.best == "upstream" or down.best != up.best:
         log.debug("swapab: %s -> upstream (gate_up: %s; down: %s)", what, up.why, down.why)
         return None
+    if not (gg.aligned_runs(up.config) and gg.aligned_runs(down.config)):
+        log.debug("swapab: %s -> upstream (measured on a walk the aligned kernel lacks: %s / %s)", what, up.config,
+                  down.config)
+        return None
     base = gg.heuristic_config(up.best, math.ceil(m), 2 * inter, hidden, round(active))
     block_t = {**base, **(up.config or {})}["BLOCK_T"]
     plan = MoePlan(up.best, block_t, dict(up.config or {}), dict(down.config or {}), f"{up.why}; {down.why}")
