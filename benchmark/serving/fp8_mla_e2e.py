@@ -259,7 +259,8 @@ def merge_records(records: list[dict], sources: list[str]) -> dict:
     prompts = min((len(p.get("ids") or []) for p in phases.values()), default=0)
     summary = summarize(phases, ref[:prompts] if ref else None)
     if ref is None:  # sources that ran with --reference keep the agreement they computed against it
-        carried = {n: a for r in records for n, a in (r.get("summary", {}).get("greedy_agreement_vs_triton") or {}).items()}
+        carried = {n: a for r in records
+                   for n, a in (r.get("summary", {}).get("greedy_agreement_vs_triton") or {}).items()}
         if carried:
             summary = {"greedy_agreement_vs_triton": carried, **summary}
     references = sorted({r["reference"] for r in records if r.get("reference")})

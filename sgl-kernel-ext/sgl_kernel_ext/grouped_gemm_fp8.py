@@ -547,12 +547,14 @@ def _token_tile_map_kernel(indptr_ptr, masked_m_ptr, MAX_M, map_ptr, count_ptr, 
 
 
 @triton.jit
-def _ws_tile(tile, m_tiles, map_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, N,
-             stride_asg, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on,
-             a_desc, b_desc, A_ROWS_PER_GROUP, KB: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_T: tl.constexpr):
+def _ws_tile(tile, m_tiles, map_ptr, N, ops, scale_strides, out, KB: tl.constexpr, SWAP_AB: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     """One tile of config ws: its token tile from the map (token tiles fastest, so programs running together
-    share a weight tile), _mma_tile over TMA boxes, the store."""
+    share a weight tile), _mma_tile over TMA boxes, the store. Operands and strides in tuples, as the flat walk
+    passes them."""
+    a_ptr, as_ptr, b_ptr, bs_ptr, a_desc, b_desc, A_ROWS_PER_GROUP = ops
+    stride_asg, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk = scale_strides
+    out_ptr, stride_og, stride_om, stride_on = out
     entry = map_ptr + (tile % m_tiles) * 3
     n_tile = tile // m_tiles
     g = tl.load(entry)
@@ -564,8 +566,8 @@ def _ws_tile(tile, m_tiles, map_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, N,
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     res = _mma_tile(a_ptr, as_ptr + g64 * stride_asg, b_ptr, bs_ptr + g64 * stride_bsg, rows, t_mask, n_tile, 0, N,
                     0, 1, stride_asm, stride_ask, 0, 1, stride_bsn, stride_bsk, KB, SWAP_AB, BLOCK_N, BLOCK_T,
-                    a_desc, b_desc, (g * A_ROWS_PER_GROUP + row0).to(tl.int32), (g * N + n_tile * BLOCK_N).to(tl.int32),
-                    True)
+                    a_desc, b_desc, (g * A_ROWS_PER_GROUP + row0).to(tl.int32),
+                    (g * N + n_tile * BLOCK_N).to(tl.int32), True)
     o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_n < N)[None, :])
 
@@ -589,18 +591,17 @@ def _fp8_grouped_gemm_ws_kernel(
     pid = tl.program_id(0)
     m_tiles = tl.load(count_ptr)
     total = m_tiles * ((N + BLOCK_N - 1) // BLOCK_N)
+    ops = (a_ptr, as_ptr, b_ptr, bs_ptr, a_desc, b_desc, A_ROWS_PER_GROUP)
+    scale_strides = (stride_asg, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk)
+    out = (out_ptr, stride_og, stride_om, stride_on)
     if INTERPRET:  # the interpreter cannot range() from a program id
         tile = pid
         while tile < total:
-            _ws_tile(tile, m_tiles, map_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, N, stride_asg, stride_asm,
-                     stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on, a_desc, b_desc,
-                     A_ROWS_PER_GROUP, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+            _ws_tile(tile, m_tiles, map_ptr, N, ops, scale_strides, out, KB, SWAP_AB, BLOCK_N, BLOCK_T)
             tile += NUM_PROGRAMS
     else:
         for tile in tl.range(pid, total, NUM_PROGRAMS, warp_specialize=True):
-            _ws_tile(tile, m_tiles, map_ptr, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, N, stride_asg, stride_asm,
-                     stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_og, stride_om, stride_on, a_desc, b_desc,
-                     A_ROWS_PER_GROUP, KB, SWAP_AB, BLOCK_N, BLOCK_T)
+            _ws_tile(tile, m_tiles, map_ptr, N, ops, scale_strides, out, KB, SWAP_AB, BLOCK_N, BLOCK_T)
 
 
 TAIL_GAVE_UP_SHIFT = tl.constexpr(20)  # EpilogueCombine.tail's counter: arrivals below bit 20, give-ups above
@@ -1161,12 +1162,12 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         upper_t = max(1, min(upper_tiles_t, groups * t_max))
         buf = torch.empty(3 * upper_t + 1, dtype=torch.int32, device=a.device)
         tile_map, count = buf[:-1], buf[-1:]
-        _token_tile_map_kernel[(1,)](indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
-                                     max_m, tile_map, count, t_max, G=groups, G_P2=triton.next_power_of_2(groups),
-                                     LAYOUT=layout, BLOCK_T=bt, num_warps=4)
-        programs = min(upper_t * triton.cdiv(n, bn), num_sms * cfg.get("programs_per_sm", 1))
-        _fp8_grouped_gemm_ws_kernel[(programs,)](
-            a3, s3, b, b_scale, o3, tile_map, count, n, programs,
+        _token_tile_map_kernel[(1,)](indptr if indptr is not None else dummy,
+                                     masked_m if masked_m is not None else dummy, max_m, tile_map, count, t_max,
+                                     G=groups, G_P2=triton.next_power_of_2(groups), LAYOUT=layout, BLOCK_T=bt,
+                                     num_warps=4)
+        _fp8_grouped_gemm_ws_kernel[(num_programs,)](  # programs past the mapped tiles find none
+            a3, s3, b, b_scale, o3, tile_map, count, n, num_programs,
             sa_g[1], s3.stride(1), s3.stride(2),
             b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
             sa_g[2], o3.stride(1), o3.stride(2),

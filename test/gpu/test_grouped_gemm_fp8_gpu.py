@@ -129,8 +129,9 @@ def test_silu_mul_quant(mods):
         assert (q.float() != qr.float()).float().mean().item() <= 0.01
 
 
-WS_CONFIGS = [("normal", {"BLOCK_N": 128, "BLOCK_T": 128, "num_stages": 4}), ("normal", {"BLOCK_N": 128, "BLOCK_T": 64}),
-              ("swapab", {"BLOCK_N": 128, "BLOCK_T": 32, "num_stages": 4})]  # config ws: K loop warp-specialized
+WS_CONFIGS = [("normal", {"BLOCK_N": 128, "BLOCK_T": 128, "num_stages": 4}),  # config ws: the tile loop
+              ("normal", {"BLOCK_N": 128, "BLOCK_T": 64}),                     # warp-specialized
+              ("swapab", {"BLOCK_N": 128, "BLOCK_T": 32, "num_stages": 4})]
 
 
 @pytest.mark.parametrize("walk", ["default", "tma", "ws"])
@@ -143,7 +144,8 @@ def test_masked_launch_is_graph_safe(mods, walk):
     a, a_s = quantized_acts(quant, (groups, max_m, k), seed=4)
     mm = torch.tensor([1] * groups, dtype=torch.int32, device="cuda")
     out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
-    cfg = {"tma": {**WALK_CONFIGS["swapab"], "flat": True, "tma": True}, "ws": {**WS_CONFIGS[2][1], "ws": True}}.get(walk)
+    cfg = {"tma": {**WALK_CONFIGS["swapab"], "flat": True, "tma": True},
+           "ws": {**WS_CONFIGS[2][1], "ws": True}}.get(walk)
     gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="swapab", expected_m=8, config=cfg)
     torch.cuda.synchronize()  # compiled
     graph = torch.cuda.CUDAGraph()
