@@ -11,6 +11,8 @@
 #   (STEPS profile) benchmark/serving/prefill_profile.py: torch-profiler totals of the same prefills, MHA vs MLA
 #   (STEPS mlacuda) the CUDA MLA decode kernels: v2 smoke in its own process, tests of v1 and v2, bench_mla_decode
 #     (MLA_ARGS, default --quick) with ours-cuda, ours-cuda-v2 and FlashMLA -> $OUT/bench_mla_cuda.json
+#   (STEPS wsprobe) benchmark/kernels/probe_ws_walk.py ${WSPROBE_ARGS}: config ws case by case, each in its own
+#     process under a timeout (stage reached, error, µs against the plain and TMA walks) -> $OUT/probe_ws_walk.json
 #   (STEPS ncu) benchmark/kernels/profile_mla_decode.py ${NCU_ARGS}: Nsight Compute counters of one decode step
 #   (STEPS mlaablate) benchmark/kernels/mla_cuda_ablation.py ${ABLATE_ARGS}: the CUDA MLA kernels' ablation builds
 #     (-DMLA_ABLATE_*) timed against the default, where the time goes -> $OUT/mla_ablation.json (+ .log)
@@ -96,7 +98,9 @@ rc=0
 touch /tmp/steps_began  # what the steps write outside /tmp/jit is listed at the end (caches a call does not carry)
 if [[ " $STEPS " == *" tests "* ]]; then
   say "pytest -m gpu"
-  python3 -m pytest -m gpu ${TESTS:-test} -q -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+  # under a timeout: a kernel that never completes (config ws's first run, 2026-12-02) must not take the call
+  timeout -k 10 "${TESTS_TIMEOUT_S:-$(( $(left) - 60 ))}" \
+    python3 -m pytest -m gpu ${TESTS:-test} -q -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" mlacuda "* ]]; then  # the CUDA MLA kernels: v2 smoke alone first (a device trap poisons the
@@ -135,6 +139,11 @@ if [[ " $STEPS " == *" kernels "* ]]; then
     timeout $(( $(left) - 30 )) python3 "$b" ${KERNEL_ARGS:---quick} --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -25
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   done
+fi
+if [[ " $STEPS " == *" wsprobe "* ]]; then  # config ws, each case in its own process under a timeout
+  say "probe_ws_walk ${WSPROBE_ARGS:-}"
+  python3 benchmark/kernels/probe_ws_walk.py --json "$OUT/probe_ws_walk.json" --deadline-s $(( $(left) - 30 )) \
+    ${WSPROBE_ARGS:-} 2>&1 | tee "$OUT/probe_ws_walk.log" | tail -12
 fi
 if [[ " $STEPS " == *" parity "* ]]; then
   say "plugin parity (phases must fit in $(( $(left) - 60 ))s; the JSON is written after each)"

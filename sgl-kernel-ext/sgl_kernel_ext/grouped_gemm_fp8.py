@@ -580,13 +580,15 @@ def _fp8_grouped_gemm_ws_kernel(
     stride_og, stride_om, stride_on,
     a_desc, b_desc, A_ROWS_PER_GROUP,
     K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
+    SPECIALIZE: tl.constexpr = True,
 ):
     """config "ws" (masked / contiguous, plain outputs), second launch: a persistent walk over the mapped token
     tiles x weight tiles whose loop Triton 3.6 warp-specializes on sm_90a (tl.range(warp_specialize=True)): a
     producer warp group only issues the TMA copies, running ahead into the next tile while the MMA warp groups
     (given the registers by setmaxnreg) multiply, promote the scales and store; DeepGEMM's structure. Why a map
     kernel first: that pass rejects a kernel with any reduction (the flat walk finds its groups with sums) or an
-    early return, and leaves a flattened loop unspecialized."""
+    early return, and leaves a flattened loop unspecialized. SPECIALIZE=False (config ws_split False): the same
+    walk left to the software pipeliner, which tells a fault of the warp-specialize pass from one of the walk."""
     KB: tl.constexpr = K // 128
     pid = tl.program_id(0)
     m_tiles = tl.load(count_ptr)
@@ -600,7 +602,7 @@ def _fp8_grouped_gemm_ws_kernel(
             _ws_tile(tile, m_tiles, map_ptr, N, ops, scale_strides, out, KB, SWAP_AB, BLOCK_N, BLOCK_T)
             tile += NUM_PROGRAMS
     else:
-        for tile in tl.range(pid, total, NUM_PROGRAMS, warp_specialize=True):
+        for tile in tl.range(pid, total, NUM_PROGRAMS, warp_specialize=SPECIALIZE):
             _ws_tile(tile, m_tiles, map_ptr, N, ops, scale_strides, out, KB, SWAP_AB, BLOCK_N, BLOCK_T)
 
 
@@ -1173,6 +1175,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             sa_g[2], o3.stride(1), o3.stride(2),
             *descs, a3.shape[1] if layout == LAYOUT_MASKED else 0,
             K=k, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, INTERPRET=_interpreting(),
+            SPECIALIZE=cfg.get("ws_split", True),
             num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         )
         return out
