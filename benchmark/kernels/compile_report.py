@@ -131,16 +131,20 @@ def gemm_variants():
 
 
 def ws_variants():
-    """config "ws": the persistent tile walk warp-specialized over TMA boxes, fed by the token-tile map."""
+    """config "ws": the persistent tile walk over TMA boxes, fed by the token-tile map, left to the software
+    pipeliner (" ws]") and warp-specialized (ws_split: " ws split]")."""
     from sgl_kernel_ext import grouped_gemm_fp8 as g
 
     types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "map_ptr": "*i32", "count_ptr": "*i32",
              "as_ptr": "*fp32", "bs_ptr": "*fp32"}
     for swap, bt, bn in ((False, 128, 128), (False, 64, 128), (True, 32, 128)):
-        const = dict(K=2048, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, INTERPRET=False)
-        descs = {"a_desc": f"tensordesc<fp8e4nv[{bt}, 128]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, 128]>"}
-        yield (f"grouped_gemm[{'swapab' if swap else 'normal'} t{bt} n{bn} ws]", g._fp8_grouped_gemm_ws_kernel,
-               const, {**types, **descs}, 4, 4, ("stride_on", "stride_asm", "stride_bsk"))
+        for split in (False, True):
+            const = dict(K=2048, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, INTERPRET=False, SPECIALIZE=split)
+            descs = {"a_desc": f"tensordesc<fp8e4nv[{bt}, 128]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, 128]>"}
+            yield (f"grouped_gemm[{'swapab' if swap else 'normal'} t{bt} n{bn} ws{' split' if split else ''}]",
+                   g._fp8_grouped_gemm_ws_kernel, const, {**types, **descs},
+                   8 if bt * bn >= 128 * 128 and not split else 4, 3 if split else 4,  # 128x128 at 4 warps spills
+                   ("stride_on", "stride_asm", "stride_bsk"))
     for layout in (0, 1):
         yield (f"token_tile_map[{('contiguous', 'masked')[layout]}]", g._token_tile_map_kernel,
                dict(G=256, G_P2=256, LAYOUT=layout, BLOCK_T=128), {"indptr_ptr": "*i32", "masked_m_ptr": "*i32",

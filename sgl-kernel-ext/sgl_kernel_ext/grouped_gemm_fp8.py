@@ -85,12 +85,17 @@ Both bit-identical to the group walk (CPU tests). Measured at gate_up 32 x 128 m
 Config "ws": True (masked / contiguous, plain outputs, no split-K or signal; else the configs above run): two
 launches. `_token_tile_map_kernel` (one program) lists every real token tile as (group, first row, end of the
 group's rows) and their count; `_fp8_grouped_gemm_ws_kernel` walks those token tiles x weight tiles persistently,
-the FP8 operands through TMA boxes, its tile loop a tl.range(warp_specialize=True), which Triton 3.6 splits on
-sm_90a into a producer warp group that only issues the copies (running ahead into the next tile) and MMA warp
-groups given the registers (setmaxnreg; 12 warps for num_warps=4) -- DeepGEMM's structure. The map is a launch of
-its own because that pass rejects a kernel with any reduction (the flat walk finds groups with sums) or an early
-return, and leaves a flattened loop unspecialized. Bit-identical to the group walk in the CPU interpreter (which
-ignores the specialization); not yet measured on a GPU.
+the FP8 operands through TMA boxes. The walk was built for Triton 3.6's warp-specialize pass (which rejects a
+kernel with any reduction, hence the map in a launch of its own, or an early return, and leaves a flattened loop
+unspecialized); with "ws_split": True its tile loop is a tl.range(warp_specialize=True), split on sm_90a into a
+producer warp group that only issues the copies and MMA warp groups given the registers (setmaxnreg; 12 warps for
+num_warps=4), DeepGEMM's structure. Measured on the H200 (2026-12-02, benchmark/results/swapab/
+probe_ws_walk_h200.json): every split case with num_stages=4 never completed (the launch returned, the kernel hung:
+normal 128x128 gate_up and down, swapab 32x128), the one with num_stages=3 ran (normal 128x64 gate_up 32 x 128: 540
+us, the TMA flat walk 514); unsplit, the same walk ran every case (normal 128x128 gate_up 32 x 256, num_warps=4:
+1090 us, TMA flat 1271, plain 3066; swapab 32x128 gate_up 32 x 32: 274, TMA flat 275, plain 288). So the split is
+opt-in and refused with num_stages >= 4. Bit-identical to the group walk in the CPU interpreter (which ignores the
+split).
 `bench_grouped_gemm.py --tune` times all of them.
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
@@ -580,15 +585,15 @@ def _fp8_grouped_gemm_ws_kernel(
     stride_og, stride_om, stride_on,
     a_desc, b_desc, A_ROWS_PER_GROUP,
     K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr,
-    SPECIALIZE: tl.constexpr = True,
+    SPECIALIZE: tl.constexpr = False,
 ):
     """config "ws" (masked / contiguous, plain outputs), second launch: a persistent walk over the mapped token
-    tiles x weight tiles whose loop Triton 3.6 warp-specializes on sm_90a (tl.range(warp_specialize=True)): a
-    producer warp group only issues the TMA copies, running ahead into the next tile while the MMA warp groups
-    (given the registers by setmaxnreg) multiply, promote the scales and store; DeepGEMM's structure. Why a map
-    kernel first: that pass rejects a kernel with any reduction (the flat walk finds its groups with sums) or an
-    early return, and leaves a flattened loop unspecialized. SPECIALIZE=False (config ws_split False): the same
-    walk left to the software pipeliner, which tells a fault of the warp-specialize pass from one of the walk."""
+    tiles x weight tiles, left to the software pipeliner. SPECIALIZE (config ws_split): Triton 3.6 warp-specializes
+    the loop on sm_90a (tl.range(warp_specialize=True)): a producer warp group only issues the TMA copies, running
+    ahead into the next tile while the MMA warp groups (given the registers by setmaxnreg) multiply, promote the
+    scales and store; DeepGEMM's structure, which hung on the H200 at num_stages=4 (see the module docstring).
+    Why a map kernel first: that pass rejects a kernel with any reduction (the flat walk finds its groups with
+    sums) or an early return, and leaves a flattened loop unspecialized."""
     KB: tl.constexpr = K // 128
     pid = tl.program_id(0)
     m_tiles = tl.load(count_ptr)
@@ -1160,6 +1165,10 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     plain = signal is None and split_k == 1 and layout != LAYOUT_DENSE
     descs = _tma_descriptors(a3, b, bt, bn) if plain and (cfg.get("ws") or cfg.get("tma")) else None
     if cfg.get("ws") and plain and combine is None and descs is not None:
+        if cfg.get("ws_split") and cfg.get("num_stages", 3) >= 4:
+            raise ValueError(f"config ws_split with num_stages={cfg['num_stages']}: Triton 3.6's warp-specialized "
+                             "loop hung on the H200 at num_stages=4 (probe_ws_walk.py); use num_stages <= 3 or no "
+                             "ws_split")
         t_max = triton.cdiv(max_m if layout == LAYOUT_MASKED else a3.shape[1], bt)  # a group's token tiles, at most
         upper_t = max(1, min(upper_tiles_t, groups * t_max))
         buf = torch.empty(3 * upper_t + 1, dtype=torch.int32, device=a.device)
@@ -1175,7 +1184,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             sa_g[2], o3.stride(1), o3.stride(2),
             *descs, a3.shape[1] if layout == LAYOUT_MASKED else 0,
             K=k, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, INTERPRET=_interpreting(),
-            SPECIALIZE=cfg.get("ws_split", True),
+            SPECIALIZE=bool(cfg.get("ws_split", False)),
             num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
         )
         return out

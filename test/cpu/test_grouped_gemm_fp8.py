@@ -177,8 +177,8 @@ class LaunchCounter:
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 def test_ws_config_equals_the_group_walk(layout, monkeypatch):
-    """config ws (a map of the real token tiles, then a persistent walk over them whose loop is warp-specialized
-    over TMA boxes on the GPU): the same bits as the group walk over empty, small, uneven and full groups and over
+    """config ws (a map of the real token tiles, then a persistent walk over them through TMA boxes on the GPU, its
+    loop warp-specialized there with ws_split): the same bits as the group walk over empty, small, uneven and full groups and over
     all groups empty; in the masked layout rows past masked_m are NaN in A (read by the boxes, never into a written
     row) and nothing is written at or past masked_m. The ws kernels must be what ran."""
     ms = [0, 5, 33, 0, 1, 17, 0, 40, 40]
@@ -216,6 +216,24 @@ def test_ws_config_equals_the_group_walk(layout, monkeypatch):
             if layout == "masked":
                 for gi, m in enumerate(counts):
                     assert not ws[gi, :m].isnan().any() and ws[gi, m:].isnan().all(), (variant, cfg, gi)
+
+
+def test_ws_split_is_refused_where_it_hung():
+    """ws_split at num_stages >= 4 hung on the H200 (benchmark/results/swapab/probe_ws_walk_h200.json): a clear
+    error before any launch, not a kernel that never returns; at num_stages 3 it runs (the interpreter ignores the
+    split, so the bits are the group walk's)."""
+    a, a_s = activations((2, 16, 256), seed=21)
+    b, b_s = weights(2, 128, 256, seed=22)
+    mm = torch.tensor([16, 3], dtype=torch.int32)
+    cfg = {"BLOCK_N": 64, "BLOCK_T": 16, "ws": True, "ws_split": True}
+    with pytest.raises(ValueError, match="num_stages=4"):
+        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(2, 16, 128), variant="swapab",
+                                        config={**cfg, "num_stages": 4})
+    got = gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(2, 16, 128), variant="swapab",
+                                          config={**cfg, "num_stages": 3})
+    want = gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(2, 16, 128), variant="swapab",
+                                           config={"BLOCK_N": 64, "BLOCK_T": 16})
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)) and torch.equal(got.isnan(), want.isnan())
 
 
 @pytest.mark.parametrize("variant", gg.VARIANTS)
