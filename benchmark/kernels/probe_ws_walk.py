@@ -13,7 +13,7 @@ Per case (masked layout, uniform tokens per expert, DeepSeek-V3 shapes): the sta
 the relative error of every expert's rows against float32 on the dequantized inputs, and µs of the ws walk
 next to the same tiles on the plain and flat+TMA walks (bench_grouped_gemm's timing: CUDA graph, median).
 
-usage: probe_ws_walk.py [--json OUT] [--timeout-s 60] [--deadline-s 300] [--rep-ms 30]
+usage: probe_ws_walk.py [--json OUT] [--timeout-s 60] [--deadline-s 300] [--rep-ms 30] [--cases NAME ...]
 """
 from __future__ import annotations
 
@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=60, help="per case: compile, run, check and timing")
     ap.add_argument("--deadline-s", type=float, default=300, help="no case starts past this")
     ap.add_argument("--rep-ms", type=int, default=30)
+    ap.add_argument("--cases", nargs="+", choices=[c[0] for c in CASES], help="these, in this order (default: all)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
     from sglang_h20 import provenance
 
     t0, results = time.time(), []
-    for name, variant, tiles, shape, groups, tokens in CASES:
+    cases = [next(c for c in CASES if c[0] == n) for n in args.cases] if args.cases else CASES
+    for name, variant, tiles, shape, groups, tokens in cases:
         if time.time() - t0 + args.timeout_s > args.deadline_s:
             print(f"[probe] {name}: skipped (deadline)", flush=True)
             continue
