@@ -6,8 +6,8 @@ whole pytest step silent for 565 s. Each case here runs in its own process under
 that never finishes costs one case, and the stage it reached tells a compile that never ends from a launch
 that never completes (the host returns from the launch once the kernel is compiled and queued). Cases without
 ws_split run the same map and persistent walk without the warp-specialize pass: if those finish and the split
-ones do not, the fault is the pass's. (That first run, 2026-12-02: every split case at num_stages=4 hung, so
-config ws now refuses that; these cases try the split at num_stages=3.)
+ones do not, the fault is the pass's. (2026-12-02: the split hung in 5 of 6 cases at 3 and 4 stages, so config ws
+refuses it unless SGLANG_H20_WS_SPLIT=1, which this probe's cases set.)
 
 Per case (masked layout, uniform tokens per expert, DeepSeek-V3 shapes): the stage reached, compile seconds,
 the relative error of every expert's rows against float32 on the dequantized inputs, and µs of the ws walk
@@ -42,7 +42,11 @@ CASES = [  # (name, variant, tiles, shape, groups, tokens per expert); fault-iso
 
 def child(case: dict) -> None:
     """One case, stages printed as they are reached (the parent keeps the last one on a timeout)."""
+    import os
+
     import torch
+
+    os.environ["SGLANG_H20_WS_SPLIT"] = "1"  # config ws refuses the split without it (it hung here before)
 
     sys.path.insert(0, str(HERE))
     import bench_grouped_gemm as bench  # noqa: E402  (puts the repo's packages on the path)

@@ -90,12 +90,13 @@ kernel with any reduction, hence the map in a launch of its own, or an early ret
 unspecialized); with "ws_split": True its tile loop is a tl.range(warp_specialize=True), split on sm_90a into a
 producer warp group that only issues the copies and MMA warp groups given the registers (setmaxnreg; 12 warps for
 num_warps=4), DeepGEMM's structure. Measured on the H200 (2026-12-02, benchmark/results/swapab/
-probe_ws_walk_h200.json): every split case with num_stages=4 never completed (the launch returned, the kernel hung:
-normal 128x128 gate_up and down, swapab 32x128), the one with num_stages=3 ran (normal 128x64 gate_up 32 x 128: 540
-us, the TMA flat walk 514); unsplit, the same walk ran every case (normal 128x128 gate_up 32 x 256, num_warps=4:
-1090 us, TMA flat 1271, plain 3066; swapab 32x128 gate_up 32 x 32: 274, TMA flat 275, plain 288). So the split is
-opt-in and refused with num_stages >= 4. Bit-identical to the group walk in the CPU interpreter (which ignores the
-split).
+probe_ws_walk_h200.json, probe_ws_walk_w8_h200.json): the split never completed (the launch returned, the kernel
+hung) in 5 of 6 cases (normal 128x128 gate_up at 3 and 4 stages, down at 4, swapab 32x128 at 3 and 4); it ran once
+(normal 128x64, 3 stages, gate_up 32 x 128: 540 us, the TMA flat walk 514). So the split runs only with
+SGLANG_H20_WS_SPLIT=1 (for probe_ws_walk.py). Unsplit, the walk ran every case but is no faster where it matters:
+gate_up / down 32 x 256 at 128x128, 8 warps, 727 / 379 us against the TMA flat walk's 611 / 331 (at 4 warps, where
+both spill, 1090 vs 1271; swapab 32x128 gate_up 32 x 32: 274 vs 275). Bit-identical to the group walk in the
+CPU interpreter (which ignores the split).
 `bench_grouped_gemm.py --tune` times all of them.
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
@@ -591,7 +592,7 @@ def _fp8_grouped_gemm_ws_kernel(
     tiles x weight tiles, left to the software pipeliner. SPECIALIZE (config ws_split): Triton 3.6 warp-specializes
     the loop on sm_90a (tl.range(warp_specialize=True)): a producer warp group only issues the TMA copies, running
     ahead into the next tile while the MMA warp groups (given the registers by setmaxnreg) multiply, promote the
-    scales and store; DeepGEMM's structure, which hung on the H200 at num_stages=4 (see the module docstring).
+    scales and store; DeepGEMM's structure, which mostly hung on the H200 (see the module docstring).
     Why a map kernel first: that pass rejects a kernel with any reduction (the flat walk finds its groups with
     sums) or an early return, and leaves a flattened loop unspecialized."""
     KB: tl.constexpr = K // 128
@@ -1165,10 +1166,10 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     plain = signal is None and split_k == 1 and layout != LAYOUT_DENSE
     descs = _tma_descriptors(a3, b, bt, bn) if plain and (cfg.get("ws") or cfg.get("tma")) else None
     if cfg.get("ws") and plain and combine is None and descs is not None:
-        if cfg.get("ws_split") and cfg.get("num_stages", 3) >= 4:
-            raise ValueError(f"config ws_split with num_stages={cfg['num_stages']}: Triton 3.6's warp-specialized "
-                             "loop hung on the H200 at num_stages=4 (probe_ws_walk.py); use num_stages <= 3 or no "
-                             "ws_split")
+        if cfg.get("ws_split") and os.environ.get("SGLANG_H20_WS_SPLIT") != "1":
+            raise ValueError("config ws_split: Triton 3.6's warp-specialized loop never completed on the H200 in 5 of "
+                             "6 cases (benchmark/results/swapab/probe_ws_walk*_h200.json); set SGLANG_H20_WS_SPLIT=1 "
+                             "to run it anyway (probe_ws_walk.py does, each case under a timeout)")
         t_max = triton.cdiv(max_m if layout == LAYOUT_MASKED else a3.shape[1], bt)  # a group's token tiles, at most
         upper_t = max(1, min(upper_tiles_t, groups * t_max))
         buf = torch.empty(3 * upper_t + 1, dtype=torch.int32, device=a.device)
