@@ -20,6 +20,7 @@ def test_tune_walks_filter_the_grid():
         assert len(tma) + len(ws) + len(plain_flat) == len(grid) == 4 * len(tma)
         assert {bench.walk_of(c) for c in grid} == set(bench.WALKS)
     assert bench.parse_args(["--tune", "--tune-walks", "tma"]).tune_walks == ["tma"]
+    assert bench.parse_args(["--tune"]).tune_walks == ["plain", "flat", "tma"]  # ws only when named
 
 
 def test_tune_where_restricts_the_grid():
