@@ -269,19 +269,18 @@ if [[ " $STEPS " == *" migration "* ]] && [ "$(left)" -gt 90 ]; then
     --deadline-s $(( $(left) - 40 )) ${MIGRATION_ARGS:-} 2>&1 | tee "$OUT/migration_step_time.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
+by_folder() {  # "size dir" lines -> files and MB per folder of the first $1 path levels, largest first
+  awk -v levels="$1" '{split($2, p, "/"); d = ""; for (i = 2; i <= levels + 1; i++) d = d "/" p[i]; n[d]++; b[d] += $1}
+       END {for (d in n) printf "%8d files %10.1f MB  %s\n", n[d], b[d] / 1e6, d}' | sort -k3 -rn | head -25
+}
 # files the steps wrote outside the carried caches, by folder: the first server start of each call takes ~70 s longer
 # than the next one (its first prefill waits), so some cache that is not carried is filled then
 find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path "$OUT" -o -path /tmp/jit -o -path /tmp/models \) -prune \
-  -o -type f -newer /tmp/steps_began -printf '%s %h\n' 2>/dev/null \
-  | awk '{split($2, p, "/"); d = "/" p[2] "/" p[3] "/" p[4] "/" p[5]; n[d]++; b[d] += $1}
-         END {for (d in n) printf "%8d files %10.1f MB  %s\n", n[d], b[d] / 1e6, d}' | sort -k3 -rn | head -25 \
-  > "$OUT/new_files.txt"
+  -o -type f -newer /tmp/steps_began -printf '%s %h\n' 2>/dev/null | by_folder 4 > "$OUT/new_files.txt"
 # and inside them: what the restored caches lacked (2026-12-02: nothing was written outside /tmp/jit during a call
 # whose first server took 179 s and its second 53 s, so the misses, if any, are here)
-{ echo "# inside /tmp/jit (the carried caches' misses), by cache and first level:"
-  find /tmp/jit -type f -newer /tmp/steps_began -printf '%s %h\n' 2>/dev/null \
-  | awk '{split($2, p, "/"); d = "/" p[2] "/" p[3] "/" p[4]; n[d]++; b[d] += $1}
-         END {for (d in n) printf "%8d files %10.1f MB  %s\n", n[d], b[d] / 1e6, d}' | sort -k3 -rn | head -25
+{ echo "# inside /tmp/jit (the carried caches' misses), by cache:"
+  find /tmp/jit -type f -newer /tmp/steps_began -printf '%s %h\n' 2>/dev/null | by_folder 3
 } >> "$OUT/new_files.txt"
 say "files written since the steps began (top folders, outside and inside /tmp/jit): $(wc -l < "$OUT/new_files.txt") lines in new_files.txt"
 [ -z "${NO_JITPACK:-}" ] && python3 scripts/pack_jitcache.py "$OUT/jitcache.tar.xz"

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Does config ws (the warp-specialized grouped GEMM walk) run on this GPU, and is it faster?
+"""Does config ws (the grouped GEMM walk built for warp specialization) run on this GPU, split or not, and is it
+faster?
 
 Why a probe of its own: the first GPU run of config ws (2026-12-02, Triton 3.6, H200) never returned, the
 whole pytest step silent for 565 s. Each case here runs in its own process under a timeout, so that a kernel
@@ -38,6 +39,13 @@ CASES = [  # (name, variant, tiles, shape, groups, tokens per expert); fault-iso
     ("normal-128x128-down-nosplit-w8", "normal", {"BLOCK_N": 128, "BLOCK_T": 128, "num_stages": 3, "num_warps": 8},
      "down", 32, 256),
 ]
+
+
+def case_of(name: str, rep_ms: int) -> dict:
+    """CASES' entry `name` as the record a child process runs."""
+    _, variant, tiles, shape, groups, tokens = next(c for c in CASES if c[0] == name)
+    return {"name": name, "variant": variant, "tiles": tiles, "shape": shape, "groups": groups, "tokens": tokens,
+            "rep_ms": rep_ms}
 
 
 def child(case: dict) -> None:
@@ -121,14 +129,11 @@ def main(argv=None) -> int:
     from sglang_h20 import provenance
 
     t0, results = time.time(), []
-    cases = [next(c for c in CASES if c[0] == n) for n in args.cases] if args.cases else CASES
-    for name, variant, tiles, shape, groups, tokens in cases:
+    for name in args.cases or [c[0] for c in CASES]:
         if time.time() - t0 + args.timeout_s > args.deadline_s:
             print(f"[probe] {name}: skipped (deadline)", flush=True)
             continue
-        case = {"name": name, "variant": variant, "tiles": tiles, "shape": shape, "groups": groups,
-                "tokens": tokens, "rep_ms": args.rep_ms}
-        r = probe(case, args.timeout_s)
+        r = probe(case_of(name, args.rep_ms), args.timeout_s)
         print(f"[probe] {name}: {r['status']}, stage {r['stage']}, {r.get('us', '')} "
               f"err {r.get('max_rel_err', '-')}", flush=True)
         results.append(r)

@@ -5,20 +5,14 @@ from repo_scripts import load_script
 probe = load_script("benchmark/kernels/probe_ws_walk.py")
 
 
-def case(name="normal-128x64"):
-    name, variant, tiles, shape, groups, tokens = next(c for c in probe.CASES if c[0] == name)
-    return {"name": name, "variant": variant, "tiles": tiles, "shape": shape, "groups": groups, "tokens": tokens,
-            "rep_ms": 1}
-
-
 def test_a_failing_case_is_recorded_with_its_tail():
-    r = probe.probe(case(), timeout_s=120)  # no GPU here: the child fails building its inputs
+    r = probe.probe(probe.case_of("normal-128x64", 1), timeout_s=120)  # no GPU here: the child fails building its inputs
     assert r["status"].startswith("exit ") and r["status"] != "exit 0", r
     assert r["stage"] is None and r["tail"] and r["name"] == "normal-128x64", r
 
 
 def test_a_case_past_its_timeout_is_killed_and_recorded():
-    r = probe.probe(case(), timeout_s=0.05)
+    r = probe.probe(probe.case_of("normal-128x64", 1), timeout_s=0.05)
     assert r["status"] == "timeout after 0 s" and r["wall_s"] < 30, r
 
 

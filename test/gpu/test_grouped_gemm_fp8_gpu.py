@@ -129,8 +129,8 @@ def test_silu_mul_quant(mods):
         assert (q.float() != qr.float()).float().mean().item() <= 0.01
 
 
-WS_CONFIGS = [("normal", {"BLOCK_N": 128, "BLOCK_T": 128, "num_stages": 4}),  # config ws: the tile loop
-              ("normal", {"BLOCK_N": 128, "BLOCK_T": 64}),                     # warp-specialized
+WS_CONFIGS = [("normal", {"BLOCK_N": 128, "BLOCK_T": 128, "num_stages": 4}),  # config ws: the map walk, not
+              ("normal", {"BLOCK_N": 128, "BLOCK_T": 64}),                     # split (ws_split: see the last test)
               ("swapab", {"BLOCK_N": 128, "BLOCK_T": 32, "num_stages": 4})]
 
 
@@ -200,8 +200,7 @@ def test_flat_and_tma_walks_match_the_plain_walk(mods, shape):
 
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_ws_config_matches_the_reference(mods, shape, monkeypatch):
-    """Config ws (a token-tile map, then a persistent tile walk that Triton splits into a TMA producer warp group
-    and MMA consumers) at the real shapes, both layouts: every valid row within REL of the float reference, rows
+    """Config ws (a token-tile map, then a persistent tile walk over TMA boxes; not warp-split) at the real shapes, both layouts: every valid row within REL of the float reference, rows
     past masked_m (e4m3 NaN in A, read by the boxes) and outside the contiguous groups never written, and the ws
     kernels are what ran."""
     gg, quant = mods
@@ -256,8 +255,6 @@ def test_ws_split_completes_where_it_did():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
     import probe_ws_walk
 
-    name, variant, tiles, shape, groups, tokens = next(c for c in probe_ws_walk.CASES if c[0] == "normal-128x64")
-    r = probe_ws_walk.probe({"name": name, "variant": variant, "tiles": tiles, "shape": shape, "groups": groups,
-                             "tokens": tokens, "rep_ms": 5}, timeout_s=120)
+    r = probe_ws_walk.probe(probe_ws_walk.case_of("normal-128x64", 5), timeout_s=120)
     assert r["status"] == "ok", r
     assert r["finite"] and r["max_rel_err"] <= REL, r
