@@ -47,3 +47,19 @@ def test_the_drivers_ptx_cache_goes_after_flashinfer_before_tvm_ffi(jit, tmp_pat
     out = tmp_path / "jitcache.tar.xz"
     size, dropped = pj.pack(str(jit), str(out), 170_000)  # 310 KB in all; 140 KB without those two
     assert dropped == ("flashinfer", "cuda-compute") and members(out) == ["triton", "tvm-ffi"]
+
+
+def test_triton_keeps_only_what_a_cache_hit_reads(jit, tmp_path):
+    kernel = jit / "triton" / "HASH"
+    kernel.mkdir()
+    for ext in ("cubin", "json", "ttir", "ttgir", "llir", "ptx", "source"):
+        (kernel / f"k.{ext}").write_text(ext)
+    (kernel / "__grp__k.json").write_text("{}")
+    (jit / "tvm-ffi" / "k" / "kernel.ptx").write_text("other caches keep every file")
+    out = tmp_path / "jitcache.tar.xz"
+    pj.pack(str(jit), str(out), 10**6)
+    with tarfile.open(out) as t:
+        names = {m.name for m in t.getmembers() if m.isfile()}
+    assert {n for n in names if n.startswith("triton/HASH/")} == {
+        "triton/HASH/k.cubin", "triton/HASH/k.json", "triton/HASH/__grp__k.json"}
+    assert "tvm-ffi/k/kernel.ptx" in names
