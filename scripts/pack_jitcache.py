@@ -10,7 +10,12 @@ runs at the end of a device call, on its clock (xz -9e over the ~150 MB cache wo
 
 Triton's intermediate files (.ttir, .ttgir, .llir, .ptx, .source) are never packed: a cache hit reads only a kernel's
 .json metadata and its .cubin (triton 3.6 `get_group` skips a group's missing files), and they were 80% of its bytes
-(2026-12-02: 81 MB of Triton cache, 12.5 MB without them; 3.2 MB packed with FlashInfer's and TVM-FFI's)."""
+(2026-12-02: 81 MB of Triton cache, 12.5 MB without them; 3.2 MB packed with FlashInfer's and TVM-FFI's).
+
+Every mtime is packed rounded down to the second. FlashInfer and TVM-FFI build with ninja, whose deps log records
+each object's mtime in ns and rebuilds an object whose file is newer than that record; tar's float mtimes came
+back up to ~100 ns later, so some objects of every restored module were rebuilt (FlashInfer's prefill module,
+~65 s of the first server's start on 2026-12-02, its objects' mtimes from three different calls)."""
 import argparse
 import os
 import sys
@@ -22,10 +27,12 @@ DROP_ORDER = ("flashinfer", "cuda-compute", "tvm-ffi")  # left out first when th
 TRITON_IR = (".ttir", ".ttgir", ".llir", ".ptx", ".source")  # compiler stages a Triton cache hit does not read
 
 
-def without_triton_ir(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
-    """tar filter: drop Triton's intermediate files, keep everything else."""
-    parts = member.name.split("/")
-    return None if parts[0] == "triton" and member.name.endswith(TRITON_IR) else member
+def packable(member: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """tar filter: drop Triton's intermediate files; round mtimes down to the second (never later than ninja's)."""
+    if member.name.split("/")[0] == "triton" and member.name.endswith(TRITON_IR):
+        return None
+    member.mtime = int(member.mtime)
+    return member
 
 
 def attempts(present) -> list:
@@ -41,7 +48,7 @@ def pack(jit_dir: str, out: str, limit: int) -> tuple[int, tuple[str, ...]] | No
         with tarfile.open(out, "w:xz", preset=preset) as t:
             for d in sorted(os.listdir(jit_dir)):
                 if d not in left_out:
-                    t.add(os.path.join(jit_dir, d), arcname=d, filter=without_triton_ir)
+                    t.add(os.path.join(jit_dir, d), arcname=d, filter=packable)
         size = os.path.getsize(out)
         if size <= limit:
             return size, left_out

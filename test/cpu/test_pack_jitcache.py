@@ -63,3 +63,16 @@ def test_triton_keeps_only_what_a_cache_hit_reads(jit, tmp_path):
     assert {n for n in names if n.startswith("triton/HASH/")} == {
         "triton/HASH/k.cubin", "triton/HASH/k.json", "triton/HASH/__grp__k.json"}
     assert "tvm-ffi/k/kernel.ptx" in names
+
+
+def test_mtimes_come_back_no_later_than_ninja_recorded(jit, tmp_path):
+    obj = jit / "flashinfer" / "k" / "kernel.cuda.o"
+    obj.write_bytes(b"o")
+    ns = 1_796_160_570_818_275_357  # as a float this mtime reads back 94 ns later (unrounded, ninja rebuilt)
+    os.utime(obj, ns=(ns, ns))
+    out = tmp_path / "jitcache.tar.xz"
+    pj.pack(str(jit), str(out), 10**6)
+    with tarfile.open(out) as t:
+        t.extractall(tmp_path / "restored", filter="tar")
+    restored = (tmp_path / "restored" / "flashinfer" / "k" / "kernel.cuda.o").stat().st_mtime_ns
+    assert restored <= ns and ns - restored < 10**9
