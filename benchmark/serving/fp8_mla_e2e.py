@@ -126,6 +126,7 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
             guess = measured.get(w, GUESS_S.get(w, 120.0))
             if clock.left() < guess:
                 rec["skipped"].append(f"{w}: {clock.left():.0f}s left < ~{guess:.0f}s expected")
+                print(f"deadline: {name} {rec['skipped'][-1]}", flush=True)
                 continue
             inp, outp, conc = parse_workload(w)
             before = log.stat().st_size
