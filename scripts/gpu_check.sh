@@ -67,8 +67,9 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/jit/flashinfer
 # beside the others, so they are packed too (each call's first server start took 137-209 s, the second 75 s)
 export TORCHINDUCTOR_CACHE_DIR=/tmp/jit/inductor
 # Measured since (2026-12-01): with Inductor's cache carried the first start still took 187 s (175 s without it), so
-# that was not it. Next suspect: the CUDA driver compiling PTX-only kernels to SASS on first load, cached under
-# ~/.nv/ComputeCache by default; kept beside the others here so that it is packed too (not yet measured)
+# that was not it, nor the CUDA driver's PTX cache (kept here all the same; it stayed empty). Found 2026-12-02: ninja
+# rebuilt FlashInfer's prefill module in every call (restored objects ~100 ns newer than its deps log); with mtimes
+# packed rounded down (pack_jitcache.py) the first server starts in 63-65 s, the second in 57-73 s
 export CUDA_CACHE_PATH=/tmp/jit/cuda-compute CUDA_CACHE_MAXSIZE=1073741824
 mkdir -p /tmp/jit /tmp/site /tmp/dg
 
@@ -273,8 +274,7 @@ by_folder() {  # "size dir" lines -> files and MB per folder of the first $1 pat
   awk -v levels="$1" '{split($2, p, "/"); d = ""; for (i = 2; i <= levels + 1; i++) d = d "/" p[i]; n[d]++; b[d] += $1}
        END {for (d in n) printf "%8d files %10.1f MB  %s\n", n[d], b[d] / 1e6, d}' | sort -k3 -rn | head -25
 }
-# files the steps wrote outside the carried caches, by folder: the first server start of each call takes ~70 s longer
-# than the next one (its first prefill waits), so some cache that is not carried is filled then
+# files the steps wrote outside the carried caches, by folder (a cache that is not carried shows here)
 find / -xdev \( -path /proc -o -path /sys -o -path /dev -o -path "$OUT" -o -path /tmp/jit -o -path /tmp/models \) -prune \
   -o -type f -newer /tmp/steps_began -printf '%s %h\n' 2>/dev/null | by_folder 4 > "$OUT/new_files.txt"
 # and inside them: what the restored caches lacked (2026-12-02: nothing was written outside /tmp/jit during a call
