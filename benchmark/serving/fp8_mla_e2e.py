@@ -298,7 +298,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server-args", default=SERVER_ARGS,
                     help="flags of every phase's server, one string (default: %(default)s)")
     ap.add_argument("--prompts", type=int, default=4,
-                    help="greedy prompts per phase, each sent twice (default: %(default)s)")
+                    help="greedy prompts per phase, each sent twice; 0 skips the greedy step, e.g. when a call has "
+                         "room for two phases of a long workload only (default: %(default)s)")
     ap.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per prompt (default: %(default)s)")
     ap.add_argument("--deadline-s", type=float, default=480.0,
                     help="seconds for the whole run: later phases and workloads start only if they fit "

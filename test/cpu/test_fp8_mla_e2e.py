@@ -94,3 +94,11 @@ def test_merge_keeps_agreement_against_a_reference_and_drops_skips_another_run_f
     assert got["ours"]["mean_matching_prefix"] == 64.0 and got["flashmla"]["mean_matching_prefix"] == 3.0
     assert rec["reference"] == "old.json"
     assert rec["skipped"] == ["ours: 4096x512@128: 120s left"]
+
+
+def test_phases_without_greedy_ids_still_compare_throughput():
+    """--prompts 0: no greedy ids; the summary leaves the phases out of the agreement, keeps their ratios."""
+    s = e2e.summarize({"ours": phase([], 400.0, 26.0), "flashmla-fp8": phase([], 500.0, 22.0)}, [[1, 2]])
+    assert s["greedy_agreement_vs_triton"] == {} and s["repeat_agreement (cached prefix vs fresh prefill)"] == {}
+    assert s["ours_over"]["4096x512@16"]["flashmla-fp8"] == pytest.approx(0.8)  # output tok/s, ours / anchor
+    assert e2e.prompts(0) == []
