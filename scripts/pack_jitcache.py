@@ -4,9 +4,9 @@ PTX cache) into one archive for $OUT, so the next call can restore them (carry i
 of compiling again.
 
 The device tool brings back files of at most 16 MiB. A cache over that is packed again without the caches least
-worth their bytes (the driver's PTX cache, which stayed empty; then TVM-FFI's, ~10 s of nvcc per module; then
-FlashInfer's, whose prefill module took ~65 s), and only then harder, so that the Triton kernels, whose compiling
-costs each server start tens of seconds, still come back. Fast presets first: this
+worth their bytes (the driver's PTX cache, which stayed empty; then TVM-FFI's, 6-9 s of nvcc per module by their
+ninja logs; then FlashInfer's, whose prefill module held the first server ~65 s), and only then harder, so that the
+Triton kernels, whose compiling costs each server start tens of seconds, still come back. Fast presets first: this
 runs at the end of a device call, on its clock (xz -9e over the ~150 MB cache would take minutes).
 
 Triton's intermediate files (.ttir, .ttgir, .llir, .ptx, .source) are never packed: a cache hit reads only a kernel's
