@@ -156,13 +156,30 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
                                  "command": r.get("command")}
             b = rec["benches"][w]
             print(f"  {name} {w}: {b['output_throughput']:.1f} tok/s out, median ITL {b['median_itl_ms']:.2f} ms, "
-                  f"decode-only {b['decode_log'].get('median_tok_s')} tok/s, "
-                  f"{b['prefill_log']['cached_tokens']} of the prompt tokens from the prefix cache", flush=True)
+                  f"decode-only {b['decode_log'].get('median_tok_s')} tok/s, at most {b['decode_log']['max_running']}"
+                  f" of {conc} decoding at once, {b['prefill_log']['cached_tokens']} of the prompt tokens from the "
+                  f"prefix cache", flush=True)
     text = log.read_text(errors="replace")
     rec["plugin_log_lines"] = [ln for ln in text.splitlines() if PLUGIN_MARK in ln]
     rec["kv_cache_log_lines"] = [ln for ln in text.splitlines() if any(m in ln for m in KV_MARKS)][:8]
     rec["wall_s"] = time.time() - t0
     return rec
+
+
+def kv_pool_full(phases: dict) -> dict:
+    """Per workload, the phases whose KV pool could not hold all its requests at once (the rest queued).
+
+    Such a phase decodes fewer requests at a time: its throughput then says as much about the pool's capacity
+    (FP8 holds twice BF16's tokens in the same memory) as about its attention kernel.
+    """
+    full: dict = {}
+    for name, p in phases.items():
+        for w, b in (p.get("benches") or {}).items():
+            d, conc = b.get("decode_log") or {}, parse_workload(w)[2]
+            if d.get("max_queued") and d.get("max_running", conc) < conc:
+                full.setdefault(w, {})[name] = (f"at most {d['max_running']} of {conc} decoding at once, "
+                                                f"up to {d['max_queued']} queued")
+    return full
 
 
 def summarize(phases: dict, ref: list | None) -> dict:
@@ -186,6 +203,7 @@ def summarize(phases: dict, ref: list | None) -> dict:
                 for w, v in table.items() if mine in v}
 
     s["server_deaths"] = {n: p["server_died"] for n, p in phases.items() if p.get("server_died")}
+    s["kv_pool_full"] = kv_pool_full(phases)
     for mine in [n for n in phases if n.startswith("ours")]:  # ours, and opt-in variants as <name>_...
         s[f"{mine}_over"] = over(mine, "output_tok_s")
         # output tok/s carries each workload's prefill too; the server's decode-only rate is the attention kernel's
@@ -225,7 +243,8 @@ def plot(record: dict, path: Path) -> str | None:
     commits = sorted({str(m.get("git_commit"))[:7] for m in record.get("merged_from", [])}
                      or {str(record.get("git_commit"))[:7]})  # a merge: the runs' commits, not the merge's
     fig.suptitle(f"h20_fp8_mla vs upstream FlashMLA, {Path(str(record.get('model'))).name}, {gpu}, "
-                 f"commit {', '.join(commits)} (n/a: not run or the server died)", fontsize=10)
+                 f"commit {', '.join(commits)}\n(n/a: not run, the server died, or it never decoded 90% of the "
+                 f"concurrency at once)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

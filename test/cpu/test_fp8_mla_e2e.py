@@ -102,3 +102,15 @@ def test_phases_without_greedy_ids_still_compare_throughput():
     assert s["greedy_agreement_vs_triton"] == {} and s["repeat_agreement (cached prefix vs fresh prefill)"] == {}
     assert s["ours_over"]["4096x512@16"]["flashmla-fp8"] == pytest.approx(0.8)  # output tok/s, ours / anchor
     assert e2e.prompts(0) == []
+
+
+def test_summary_flags_a_phase_whose_kv_pool_held_fewer_requests_than_the_concurrency():
+    """FlashMLA BF16 at 4096x512 @128 (2026-12-02): 87 decoding, 41 queued; FP8 pools held all 128."""
+    bf16, fp8 = phase([], 379.0, 148.9), phase([], 437.0, 151.7)
+    for p, (running, queued) in ((bf16, (87, 44)), (fp8, (128, 0))):
+        p["benches"] = {"4096x512@128": {**p["benches"]["4096x512@16"],
+                                         "decode_log": {"median_tok_s": None, "max_running": running,
+                                                        "max_queued": queued}}}
+    s = e2e.summarize({"ours": fp8, "flashmla": bf16}, None)
+    assert s["kv_pool_full"] == {"4096x512@128": {"flashmla": "at most 87 of 128 decoding at once, up to 44 queued"}}
+    assert e2e.summarize({"ours": phase([], 1.0, 1.0)}, None)["kv_pool_full"] == {}  # records without the fields

@@ -248,10 +248,32 @@ LOG = """\
 def test_decode_throughput_parses_real_log_lines():
     d = serving.decode_throughput(LOG, min_running=48)
     assert d.pop("mean_tok_s") == pytest.approx(3 / (1 / 2345.67 + 1 / 2380.0 + 1 / 2401.5))
-    assert d == {"lines": 4, "steady_lines": 3, "median_tok_s": 2380.0, "min_tok_s": 2345.67, "max_tok_s": 2401.5}
+    assert d == {"lines": 4, "steady_lines": 3, "median_tok_s": 2380.0, "min_tok_s": 2345.67, "max_tok_s": 2401.5,
+                 "max_running": 48, "max_queued": 0, "eager_lines": 0}
     assert serving.decode_throughput(LOG, min_running=1)["steady_lines"] == 4
     assert serving.decode_throughput(LOG, min_running=64)["median_tok_s"] is None
     assert serving.decode_throughput("no decode here")["lines"] == 0
+
+
+# a full KV pool (FlashMLA BF16 at 4096x512 @128 on dsv3-ep16-slice, 2026-12-02): 87 decode, 41 wait; batches
+# above --cuda-graph-max-bs 64 run eagerly
+FULL_POOL_LOG = """\
+[2026-12-02 07:27:21] Decode batch, #running-req: 1, #token: 0, token usage: 0.00, cuda graph: True, gen throughput (token/s): 1.89, #queue-req: 0
+[2026-12-02 07:28:15] Decode batch, #running-req: 87, #token: 361920, token usage: 0.93, cuda graph: False, gen throughput (token/s): 64.24, #queue-req: 41
+[2026-12-02 07:29:34] Decode batch, #running-req: 84, #token: 387072, token usage: 0.99, cuda graph: False, gen throughput (token/s): 474.37, #queue-req: 44
+[2026-12-02 07:30:03] Decode batch, #running-req: 44, #token: 184256, token usage: 0.47, cuda graph: True, gen throughput (token/s): 1685.02, #queue-req: 0
+"""
+
+
+def test_decode_throughput_says_why_a_run_had_no_steady_lines():
+    d = serving.decode_throughput(FULL_POOL_LOG, min_running=115)
+    assert d == {"lines": 4, "steady_lines": 0, "median_tok_s": None,
+                 "max_running": 87, "max_queued": 44, "eager_lines": 2}
+    # lines without the optional fields (older SGLang formats) still count, and report nothing they lack
+    short = "Decode batch, #running-req: 5, gen throughput (token/s): 10.0\n"
+    assert serving.decode_throughput(short) == {
+        "lines": 1, "steady_lines": 1, "median_tok_s": 10.0, "mean_tok_s": 10.0, "min_tok_s": 10.0,
+        "max_tok_s": 10.0, "max_running": 5, "max_queued": 0, "eager_lines": 0}
 
 
 def test_prefill_tokens_counts_new_and_cached():

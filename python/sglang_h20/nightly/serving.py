@@ -22,7 +22,8 @@ import urllib.request
 from pathlib import Path
 
 DECODE_LINE = re.compile(
-    r"Decode batch.*?#running-req:\s*(?P<running>\d+).*?gen throughput \(token/s\):\s*(?P<tput>[0-9.]+)"
+    r"Decode batch.*?#running-req:\s*(?P<running>\d+)(?:.*?cuda graph:\s*(?P<graph>True|False))?"
+    r".*?gen throughput \(token/s\):\s*(?P<tput>[0-9.]+)(?:.*?#queue-req:\s*(?P<queued>\d+))?"
 )
 PREFILL_LINE = re.compile(r"Prefill batch.*?#new-token:\s*(?P<new>\d+),\s*#cached-token:\s*(?P<cached>\d+)")
 
@@ -349,10 +350,18 @@ def decode_throughput(log_text: str, min_running: int = 1) -> dict:
     run at that concurrency) and reports the median and spread of their gen throughput, and their
     harmonic mean: tokens over time when the lines carry equal token counts, so a rare slow step
     counts in full (the median would skip the lines that hold it).
+    Also what explains a run with no steady lines or a slow one: the most requests decoding at once
+    (below the concurrency when the KV pool is full: the rest wait in the queue, `max_queued`) and the
+    lines decoded without a CUDA graph (a batch above --cuda-graph-max-bs runs eagerly).
     """
-    samples = [(int(m["running"]), float(m["tput"])) for m in DECODE_LINE.finditer(log_text)]
+    matches = list(DECODE_LINE.finditer(log_text))
+    samples = [(int(m["running"]), float(m["tput"])) for m in matches]
+    shape = {"max_running": max((r for r, _ in samples), default=0),
+             "max_queued": max((int(m["queued"]) for m in matches if m["queued"]), default=0),
+             "eager_lines": sum(m["graph"] == "False" for m in matches)}
     steady = [t for r, t in samples if r >= min_running and t > 0]
     if not steady:
-        return {"lines": len(samples), "steady_lines": 0, "median_tok_s": None}
+        return {"lines": len(samples), "steady_lines": 0, "median_tok_s": None, **shape}
     return {"lines": len(samples), "steady_lines": len(steady), "median_tok_s": statistics.median(steady),
-            "mean_tok_s": statistics.harmonic_mean(steady), "min_tok_s": min(steady), "max_tok_s": max(steady)}
+            "mean_tok_s": statistics.harmonic_mean(steady), "min_tok_s": min(steady), "max_tok_s": max(steady),
+            **shape}
