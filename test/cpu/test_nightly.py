@@ -269,6 +269,10 @@ def test_decode_throughput_says_why_a_run_had_no_steady_lines():
     d = serving.decode_throughput(FULL_POOL_LOG, min_running=115)
     assert d == {"lines": 4, "steady_lines": 0, "median_tok_s": None,
                  "max_running": 87, "max_queued": 44, "eager_lines": 2}
+    assert runner._why_no_decode_rate(d, 128) == (
+        " (no decode lines with >= 128 running: at most 87, up to 44 queued: the KV pool is full)")
+    assert runner._why_no_decode_rate(serving.decode_throughput(LOG, 64), 64) == (
+        " (no decode lines with >= 64 running: at most 48)")
     # lines without the optional fields (older SGLang formats) still count, and report nothing they lack
     short = "Decode batch, #running-req: 5, gen throughput (token/s): 10.0\n"
     assert serving.decode_throughput(short) == {

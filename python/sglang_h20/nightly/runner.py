@@ -207,9 +207,17 @@ def bench_point(server, pid: str, p, params: dict, repeats: int, sharegpt: Path,
             values["decode_tok_s"] = decode["median_tok_s"]
         for metric, value in values.items():
             _add(point, metric, value, SERVING_METRICS[metric])
-        note = "" if "decode_tok_s" in values else f" (no decode lines with >= {p.concurrency} running)"
+        note = "" if "decode_tok_s" in values else _why_no_decode_rate(decode, p.concurrency)
         _progress(t0, f"{pid} repeat {r + 1}/{repeats}: {_fmt(values)}{note}")
     return point
+
+
+def _why_no_decode_rate(decode: dict, concurrency: int) -> str:
+    """Why a repeat has no decode-only rate: too few requests decoded at once, and whether a full KV pool did it."""
+    why = f" (no decode lines with >= {concurrency} running: at most {decode.get('max_running', 0)}"
+    if decode.get("max_queued"):
+        why += f", up to {decode['max_queued']} queued: the KV pool is full"
+    return why + ")"
 
 
 def _size(path: Path) -> int:
