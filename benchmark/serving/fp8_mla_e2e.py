@@ -45,11 +45,12 @@ from sglang_h20 import provenance
 from sglang_h20.cliargs import read_json
 from sglang_h20.models import random_words
 from sglang_h20.nightly.serving import (
-    Server, decode_throughput, output_ids, prefill_tokens, stop_servers_on_sigterm, tail, write_sharegpt,
+    Server, decode_throughput, graphs_up_to, output_ids, prefill_tokens, stop_servers_on_sigterm, tail,
+    write_sharegpt,
 )
 
 SERVER_ARGS = ("--load-format dummy --sampling-backend pytorch --moe-runner-backend triton --fp8-gemm-backend triton "
-               "--grammar-backend none --mem-fraction-static 0.6 --cuda-graph-max-bs 64")
+               "--grammar-backend none --mem-fraction-static 0.6")  # + decode graphs up to the largest concurrency
 HOST_ENV = {"SGL_KERNEL_FLASHINFER": "0", "SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK": "1",
             "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
 UPSTREAM = {"SGLANG_PLUGINS": "__none__"}
@@ -315,7 +316,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", nargs="+", default=WORKLOADS, help="INxOUT@CONCURRENCY, in order of priority")
     ap.add_argument("--num-prompts", type=int, default=0, help="per workload (default: its concurrency, one wave)")
     ap.add_argument("--server-args", default=SERVER_ARGS,
-                    help="flags of every phase's server, one string (default: %(default)s)")
+                    help="flags of every phase's server, one string; without a CUDA-graph flag in it, "
+                         "--cuda-graph-max-bs <the largest workload concurrency> is added (default: %(default)s)")
     ap.add_argument("--prompts", type=int, default=4,
                     help="greedy prompts per phase, each sent twice; 0 skips the greedy step, e.g. when a call has "
                          "room for two phases of a long workload only (default: %(default)s)")
@@ -345,6 +347,7 @@ def main(argv=None) -> int:
     if any("=" not in kv for kv in args.server_env):
         ap.error("--server-env takes KEY=VALUE words")
     args.server_env = dict(kv.split("=", 1) for kv in args.server_env)
+    args.server_args = graphs_up_to(args.server_args, max(parse_workload(w)[2] for w in args.workloads))
     for k, v in HOST_ENV.items():
         os.environ.setdefault(k, v)
     stop_servers_on_sigterm()

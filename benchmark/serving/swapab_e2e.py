@@ -36,11 +36,11 @@ from plugin_parity import HOOKS_APPLIED, PLUGIN_MARK  # same directory
 
 from sglang_h20 import provenance
 from sglang_h20.gputime import graph_median_us
-from sglang_h20.nightly.serving import Server, write_sharegpt
+from sglang_h20.nightly.serving import Server, graphs_up_to, write_sharegpt
 
 SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-backend pytorch "
                "--moe-runner-backend triton --fp8-gemm-backend triton --grammar-backend none "
-               "--mem-fraction-static 0.6 --cuda-graph-max-bs 64")
+               "--mem-fraction-static 0.6")  # + decode graphs up to the largest --concurrency
 BASE_ENV = {"SGL_KERNEL_FLASHINFER": "0", "SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK": "1",
             "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
 TABLE_ENV = "SGLANG_H20_GEMM_TABLE"
@@ -205,7 +205,8 @@ def main() -> int:
     ap.add_argument("--waves", type=int, default=1, help="prompts per level = waves x concurrency")
     ap.add_argument("--min-prompts", type=int, default=16, help="prompts per level at least (default: %(default)s)")
     ap.add_argument("--server-args", default=SERVER_ARGS,
-                    help="flags of every server, one string (default: %(default)s)")
+                    help="flags of every server, one string; without a CUDA-graph flag in it, "
+                         "--cuda-graph-max-bs <the largest --concurrency> is added (default: %(default)s)")
     ap.add_argument("--deadline-s", type=float, default=360,
                     help="seconds for the whole run, split between the layer phase and the arms "
                          "(default: %(default)s)")
@@ -213,6 +214,7 @@ def main() -> int:
     ap.add_argument("--layer-only", type=Path, help=argparse.SUPPRESS)  # child mode: write layer JSON here
     ap.add_argument("--result", type=Path, help="results JSON (default OUT/swapab_e2e.json)")
     args = ap.parse_args()
+    args.server_args = graphs_up_to(args.server_args, max(args.concurrency))
     if not (Path(args.model) / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there (make one with scripts/make_model.py)")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -651,3 +651,11 @@ def test_hang_watch_stays_quiet_while_the_log_grows(tmp_path):
     done.set()
     watcher.join(10)
     assert srv.hung is None and srv.proc.returncode == 0
+
+
+def test_graphs_up_to_the_concurrency_unless_the_args_set_graphs():
+    base = "--load-format dummy --mem-fraction-static 0.6"
+    assert serving.graphs_up_to(base, 128) == base + " --cuda-graph-max-bs 128"
+    for own in ("--cuda-graph-max-bs 64", "--cuda-graph-max-bs-decode=32", "--disable-cuda-graph",
+                "--cuda-graph-bs 1 2 4"):
+        assert serving.graphs_up_to(f"{base} {own}", 128) == f"{base} {own}"  # the caller's choice stands

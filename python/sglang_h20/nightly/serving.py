@@ -277,6 +277,24 @@ def output_ids(response: dict) -> list[int]:
     return list(ids)
 
 
+GRAPH_FLAGS = ("--cuda-graph-max-bs", "--cuda-graph-max-bs-decode", "--cuda-graph-bs", "--cuda-graph-bs-decode",
+               "--disable-cuda-graph", "--cuda-graph-config")
+
+
+def graphs_up_to(server_args: str, concurrency: int) -> str:
+    """`server_args` with `--cuda-graph-max-bs concurrency` added, unless they already set the decode graphs.
+
+    A batch above the largest captured size decodes eagerly: dsv3-ep16-slice (61 layers) stepped at 146-218 ms
+    at batch 128 that way (H200, 2026-12-02) against ~30 ms with graphs at batch 48, mostly Python and kernel
+    launches rather than the kernels a benchmark compares. SGLang 0.5.17 captures up to 256 by itself on an
+    H200/H20 at tp < 4; a benchmark caps it to save start time, so it must not cap below its concurrency.
+    """
+    words = server_args.split()
+    if any(w.split("=", 1)[0] in GRAPH_FLAGS for w in words):
+        return server_args
+    return f"{server_args} --cuda-graph-max-bs {concurrency}"
+
+
 def write_sharegpt(path: Path, n: int = 400, seed: int = 0) -> Path:
     """bench_serving's random dataset samples from a ShareGPT file; the host has none, so write one.
 
