@@ -45,7 +45,8 @@
 #      records goes into $OUT/logs.tar.xz
 # Knobs (env): NO_SETUP=1 NO_JITPACK=1 (gpu_parallel.sh) STEPS="tests parity" LAYER_S=240 PHASES="upstream plugin-off"
 #   PARITY_ARGS="--observe-fraction 0.5 --repeats 1" DEADLINE_S=540 GIT_COMMIT=...
-#   TESTS="test/gpu/test_x.py" (default: test) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
+#   TESTS="test/gpu/test_x.py" (default: test) TESTS_K="not equals_plain" (a pytest -k expression; TESTS is split
+#   on spaces, this is not) BENCHES="mla_decode grouped_gemm" (default: all of benchmark/kernels)
 #   MIGRATION_ARGS="--world 2 --presets ep16-slice" (extra args of migration_step_time.py)
 #   LAYER_ARGS="--kv-b-proj fp8" (extra args of mha_mla_layer.py)
 #   EP_ARGS="--attention-backend flashmla --enable-dp-lm-head" (server flags parity_ep adds last, so they win)
@@ -101,7 +102,8 @@ if [[ " $STEPS " == *" tests "* ]]; then
   say "pytest -m gpu"
   # under a timeout: a kernel that never completes (config ws's first run, 2026-12-02) must not take the call
   timeout -k 10 "${TESTS_TIMEOUT_S:-$(( $(left) - 60 ))}" \
-    python3 -m pytest -m gpu ${TESTS:-test} -q -p no:cacheprovider -s 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+    python3 -m pytest -m gpu ${TESTS:-test} ${TESTS_K:+-k "$TESTS_K"} -q -p no:cacheprovider -s 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" mlacuda "* ]]; then  # the CUDA MLA kernels: v2 smoke alone first (a device trap poisons the

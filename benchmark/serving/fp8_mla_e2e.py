@@ -160,6 +160,9 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
                   f"decode-only {b['decode_log'].get('median_tok_s')} tok/s, at most {b['decode_log']['max_running']}"
                   f" of {conc} decoding at once, {b['prefill_log']['cached_tokens']} of the prompt tokens from the "
                   f"prefix cache", flush=True)
+            if b["decode_log"]["eager_lines"]:  # host time, not the kernels: see graphs_up_to
+                print(f"  {name} {w}: WARNING: {b['decode_log']['eager_lines']} decode log lines without CUDA "
+                      f"graphs: their steps are mostly host time", flush=True)
     text = log.read_text(errors="replace")
     rec["plugin_log_lines"] = [ln for ln in text.splitlines() if PLUGIN_MARK in ln]
     rec["kv_cache_log_lines"] = [ln for ln in text.splitlines() if any(m in ln for m in KV_MARKS)][:8]
