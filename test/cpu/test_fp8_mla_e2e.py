@@ -114,3 +114,24 @@ def test_summary_flags_a_phase_whose_kv_pool_held_fewer_requests_than_the_concur
     s = e2e.summarize({"ours": fp8, "flashmla": bf16}, None)
     assert s["kv_pool_full"] == {"4096x512@128": {"flashmla": "at most 87 of 128 decoding at once, up to 44 queued"}}
     assert e2e.summarize({"ours": phase([], 1.0, 1.0)}, None)["kv_pool_full"] == {}  # records without the fields
+
+
+def test_servers_capture_decode_graphs_up_to_the_largest_concurrency(tmp_path, monkeypatch):
+    """Every @128 row before 2026-12-02 decoded eagerly under a shared --cuda-graph-max-bs 64 (mostly host time)."""
+    seen = []
+
+    def fake_phase(name, args, port, sharegpt, clock, measured):
+        seen.append(args.server_args)
+        return {**phase([], 1.0, 1.0), "skipped": []}
+
+    monkeypatch.setattr(e2e, "run_phase", fake_phase)
+    monkeypatch.setattr(e2e, "stop_servers_on_sigterm", lambda: None)
+    for k in e2e.HOST_ENV:
+        monkeypatch.setenv(k, "0")
+    common = ["--model", "/m", "--phases", "ours", "--prompts", "0"]
+    e2e.main(common + ["--out", str(tmp_path / "a"), "--workloads", "4096x512@16", "1024x256@128"])
+    e2e.main(common + ["--out", str(tmp_path / "b"), "--workloads", "4096x512@48",
+                       "--server-args", "--load-format dummy --cuda-graph-max-bs 8"])
+    assert seen == [e2e.SERVER_ARGS + " --cuda-graph-max-bs 128", "--load-format dummy --cuda-graph-max-bs 8"]
+    rec = json.loads((tmp_path / "a" / "fp8_mla_e2e.json").read_text())
+    assert rec["server_args"].endswith("--cuda-graph-max-bs 128")  # the record says what the servers ran with
