@@ -154,6 +154,13 @@ def minimal(**overrides) -> dict:
     return doc
 
 
+def test_config_graph_cap_at_or_above_every_concurrency_passes():
+    for args in (["--cuda-graph-max-bs", "16"], ["--cuda-graph-max-bs-decode=32"], ["--disable-cuda-graph"], []):
+        doc = minimal()
+        doc["serving"][0]["server_args"] = args
+        assert cfg.parse(doc).serving[0].server_args == args
+
+
 def test_config_defaults():
     c = cfg.parse(minimal())
     assert (c.repeats, c.threshold.rel, c.threshold.noise_k) == (3, 0.03, 3.0)
@@ -178,6 +185,10 @@ def test_config_defaults():
     (lambda d: d["serving"][0]["points"].append(dict(d["serving"][0]["points"][0])), "duplicate point ids"),
     (lambda d: d.update(threshold={"rel": -1}), "threshold.rel: expected a number >= 0"),
     (lambda d: d.update(kernel=[], serving=[]), "nothing to run"),
+    (lambda d: d["serving"][0].update(server_args=["--cuda-graph-max-bs", "8"]),
+     "serving[0] 'm/off': points at concurrency 16 exceed --cuda-graph-max-bs 8: they would decode without CUDA"),
+    (lambda d: d["serving"][0].update(server_args=["--cuda-graph-max-bs-decode=x"]),
+     "--cuda-graph-max-bs-decode needs an integer, got 'x'"),
 ])
 def test_config_errors_are_clear(mutate, message):
     doc = minimal()

@@ -173,10 +173,30 @@ def _serving(entry, where: str) -> ServingBench:
     points = _list(entry["points"], f"{where}: points")
     if not points:
         raise ConfigError(f"{where}: points is empty")
-    return ServingBench(name=name, model=_str(entry["model"], f"{where}: model"),
-                        server_args=[_str(a, f"{where}: server_args[{i}]") for i, a in enumerate(args)],
-                        env={k: _env_value(k, v, f"{where}: env") for k, v in env.items()},
-                        points=[_point(p, f"{where}: points[{i}]") for i, p in enumerate(points)])
+    bench = ServingBench(name=name, model=_str(entry["model"], f"{where}: model"),
+                         server_args=[_str(a, f"{where}: server_args[{i}]") for i, a in enumerate(args)],
+                         env={k: _env_value(k, v, f"{where}: env") for k, v in env.items()},
+                         points=[_point(p, f"{where}: points[{i}]") for i, p in enumerate(points)])
+    cap = _graph_cap(bench.server_args, where)
+    eager = sorted({p.concurrency for p in bench.points if cap is not None and p.concurrency > cap})
+    if eager:
+        raise ConfigError(f"{where}: points at concurrency {', '.join(map(str, eager))} exceed --cuda-graph-max-bs "
+                          f"{cap}: they would decode without CUDA graphs, mostly host time; raise the cap (or say "
+                          f"--disable-cuda-graph to measure eager decoding on purpose)")
+    return bench
+
+
+def _graph_cap(args: list[str], where: str) -> int | None:
+    """The largest decode batch the server's CUDA graphs cover, when server_args cap it (None: SGLang's own)."""
+    for i, a in enumerate(args):
+        flag, _, value = a.partition("=")
+        if flag in ("--cuda-graph-max-bs", "--cuda-graph-max-bs-decode"):
+            value = value or (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"{where}: {flag} needs an integer, got {value!r}") from None
+    return None
 
 
 def _entry(entry, where: str) -> tuple[dict, str]:
