@@ -648,8 +648,11 @@ def test_silent_rank_times_out_and_survivors_abort(tmp_path, mode):
     codes, out = run_world(tmp_path, "silent", mode)
     assert codes == [0] * WORLD
     check_aborted_survivors(out, range(3))
-    assert any("Timed out" in out[r]["status"].error or "not complete" in out[r]["status"].error
-               or "timeout" in out[r]["status"].error.lower() for r in range(3))
+    # the reason all adopt is the first one posted: a survivor's own timeout, or (seen once on a loaded host,
+    # 2026-12-02) the "Connection closed by peer" another survivor then saw when gloo tore down the timed-out
+    # rank's pairs; no process died here, so a closed connection is a consequence of some survivor's deadline
+    assert any(any(m in out[r]["status"].error.lower() for m in ("timed out", "not complete", "timeout",
+                                                                  "connection closed by peer")) for r in range(3))
     assert (out[3]["labels"] == 0).all()
     # the survivors gave up through the executor's own deadlines (FAULT_TIMEOUT_S per stage, watchdog 2x that),
     # counted from the migration's start in each worker: not through gloo's 60 s group timeout. (Measured in the
