@@ -97,6 +97,21 @@ def agreement(ids: list[list[int]], ref: list[list[int]]) -> dict:
             "identical": all(a == b for a, b in zip(ids, ref))}
 
 
+def expected_s(workload: str, measured: dict) -> float:
+    """Seconds a workload is expected to take: as an earlier phase measured it, else the guess."""
+    return measured.get(workload, GUESS_S.get(workload, 120.0))
+
+
+def phase_need_s(name: str, args, measured: dict) -> float:
+    """Seconds a phase needs to be worth starting: its server start, its greedy step and, if it benchmarks, its
+    cheapest workload. A server that can run none of them would only cost device time (session 26 started one,
+    65 s, and skipped its only workload)."""
+    need = measured.get("startup", GUESS_S["startup"]) + (measured.get("greedy", GUESS_S["greedy"]) if args.prompts else 0)
+    if PHASES[name][2] and args.workloads:
+        need += min(expected_s(w, measured) for w in args.workloads)
+    return need
+
+
 class Clock:
     def __init__(self, deadline_s: float):
         self.t0, self.deadline_s = time.time(), deadline_s
@@ -124,7 +139,7 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
         measured["greedy"] = time.time() - t1
         rec["benches"] = {}
         for i, w in enumerate(args.workloads if bench else []):
-            guess = measured.get(w, GUESS_S.get(w, 120.0))
+            guess = expected_s(w, measured)
             if clock.left() < guess:
                 rec["skipped"].append(f"{w}: {clock.left():.0f}s left < ~{guess:.0f}s expected")
                 print(f"deadline: {name} {rec['skipped'][-1]}", flush=True)
@@ -368,9 +383,9 @@ def main(argv=None) -> int:
                              f"({old.get('model')}) or fewer prompts ({len(ref)}) than this run's")
         args.phases = [p for p in args.phases if p != "triton"]
     for i, name in enumerate(args.phases):
-        need = measured.get("startup", GUESS_S["startup"]) + measured.get("greedy", GUESS_S["greedy"])
+        need = phase_need_s(name, args, measured)
         if (phases or errors) and clock.left() < need:  # the first phase always runs
-            skipped.append(f"phase {name}: {clock.left():.0f}s left < ~{need:.0f}s for startup + greedy")
+            skipped.append(f"phase {name}: {clock.left():.0f}s left < ~{need:.0f}s for startup, greedy and a workload")
             print(f"deadline: {skipped[-1]}", flush=True)
             continue
         try:

@@ -135,3 +135,26 @@ def test_servers_capture_decode_graphs_up_to_the_largest_concurrency(tmp_path, m
     assert seen == [e2e.SERVER_ARGS + " --cuda-graph-max-bs 128", "--load-format dummy --cuda-graph-max-bs 8"]
     rec = json.loads((tmp_path / "a" / "fp8_mla_e2e.json").read_text())
     assert rec["server_args"].endswith("--cuda-graph-max-bs 128")  # the record says what the servers ran with
+
+
+def test_a_later_phase_starts_only_if_a_workload_fits_after_its_server_start(tmp_path, monkeypatch):
+    """Session 26: with --prompts 0 the check was startup alone, so a FlashMLA server started (65 s of device time)
+    and then skipped its only workload. Now the cheapest workload's expected time counts too."""
+    started = []
+
+    def fake_phase(name, args, port, sharegpt, clock, measured):
+        started.append(name)
+        measured.update({"startup": 60.0, "greedy": 0.0, "4096x512@128": 110.0})
+        return {**phase([], 1.0, 1.0), "skipped": []}
+
+    monkeypatch.setattr(e2e, "run_phase", fake_phase)
+    monkeypatch.setattr(e2e, "stop_servers_on_sigterm", lambda: None)
+    # after the first phase 150 s are left: its measured startup (60 s) fits, startup + the workload (110 s) not
+    monkeypatch.setattr(e2e.Clock, "left", lambda self: 150.0 if started else 500.0)
+    for k in e2e.HOST_ENV:
+        monkeypatch.setenv(k, "0")
+    e2e.main(["--model", "/m", "--phases", "ours", "flashmla", "--prompts", "0", "--workloads", "4096x512@128",
+              "--out", str(tmp_path)])
+    assert started == ["ours"]
+    rec = json.loads((tmp_path / "fp8_mla_e2e.json").read_text())
+    assert rec["skipped"] == ["phase flashmla: 150s left < ~170s for startup, greedy and a workload"]
