@@ -10,6 +10,8 @@ design. The "Ablations" paragraph of the v2 .cu's header says exactly what each 
   NO_MERGE      the per-tile O rescale + add (P'V accumulates straight into O)
   EMPTY         the whole split kernel (what is left: the launch, the Q pre-pass, the combine kernel)
   A+B           several at once; ALL = every NO_* switch (the synchronization skeleton); ALL-X = all but X (X alone)
+  MLA_...       a design option (sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS, by its full -D name): results
+                unchanged, timed against the default like a variant; combines with the switches
 
 How to read the deltas. "saved" = default us - variant us: what that part costs when it is removed. A part that
 runs overlapped with other work saves ~0 when removed alone, although it is not free: remove its partner too (A+B),
@@ -73,24 +75,33 @@ def _switches() -> list[str]:
     return [a[len(PREFIX):] for a in importlib.import_module("sgl_kernel_ext.mla_decode_cuda").ABLATIONS]
 
 
-def parse_variant(spec: str, switches: list[str]) -> tuple[str, ...]:
-    """'NO_QK+NO_PV' -> the sorted -D names; ALL = every NO_* switch; '-X' takes X out again."""
-    terms = re.findall(r"([+-]?)([A-Za-z_]+)", spec)
+def _options() -> tuple[str, ...]:
+    import importlib
+    return importlib.import_module("sgl_kernel_ext.mla_decode_cuda").DESIGN_OPTIONS
+
+
+def parse_variant(spec: str, switches: list[str], options=()) -> tuple[str, ...]:
+    """'NO_QK+NO_PV' -> the sorted -D names; ALL = every NO_* switch; '-X' takes X out again; a name in `options`
+    (a design option's full -D name) is taken as it is."""
+    terms = re.findall(r"([+-]?)([A-Za-z_][A-Za-z0-9_]*)", spec)
     if not terms or "".join(s + n for s, n in terms) != spec.replace(" ", ""):
         raise ValueError(f"variant {spec!r}: want names joined by + or -, e.g. NO_QK+NO_PV or ALL-NO_LOAD")
     names: set[str] = set()
     for sign, name in terms:
         name = name.upper()
         if name == "ALL":
-            group = {s for s in switches if s.startswith("NO_")}
+            group = {PREFIX + s for s in switches if s.startswith("NO_")}
         elif name in switches:
+            group = {PREFIX + name}
+        elif name in options:
             group = {name}
         else:
-            raise ValueError(f"variant {spec!r}: unknown switch {name} (have {', '.join(switches)}, ALL)")
+            raise ValueError(f"variant {spec!r}: unknown switch {name} (have {', '.join(switches)}, ALL"
+                             f"{', ' + ', '.join(options) if options else ''})")
         names = names - group if sign == "-" else names | group
     if not names:
         raise ValueError(f"variant {spec!r} removes nothing (the default is always timed)")
-    return tuple(sorted(PREFIX + n for n in names))
+    return tuple(sorted(names))
 
 
 def parse_args(argv=None):
@@ -113,7 +124,7 @@ def parse_args(argv=None):
     try:
         args.variant_defines = {"default": ()}
         for spec in args.variants:
-            args.variant_defines[spec] = parse_variant(spec, switches)
+            args.variant_defines[spec] = parse_variant(spec, switches, _options())
     except ValueError as e:
         ap.error(str(e))
     return args

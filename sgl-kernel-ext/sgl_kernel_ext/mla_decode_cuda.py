@@ -20,7 +20,9 @@ included), and called through ctypes on torch's current stream, so it can be cap
 Ablation builds, for finding where the time goes (benchmark/kernels/mla_cuda_ablation.py): ``defines=`` of
 :func:`build`, :func:`available` and :func:`mla_decode_fp8_cuda` adds ``-D`` flags, e.g. ``("MLA_ABLATE_NO_PV",)``;
 :data:`ABLATIONS` lists the switches (the v2 ``.cu``'s header says what each removes). Their results are wrong by
-design. The defines are part of the library's cache key; the default ``()`` is the normal build.
+design. :data:`DESIGN_OPTIONS` are defines that keep the results bit-identical (a GPU test checks it) and change
+only how the kernel works, to be timed against the default before one replaces it. The defines are part of the
+library's cache key; the default ``()`` is the normal build.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from .mla_decode import (
 )
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
-           "VERSIONS", "ABLATIONS"]
+           "VERSIONS", "ABLATIONS", "DESIGN_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
@@ -61,6 +63,9 @@ _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
 # compile-time switches of both versions, each removing one part of the split kernel's work (results wrong)
 ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_PV", "MLA_ABLATE_NO_QK",
              "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
+# design options: -D macros that change how the kernels work, not what they compute (bit-identical results; the GPU
+# test checks it); timed against the default build by mla_cuda_ablation.py before one becomes the default
+DESIGN_OPTIONS = ("MLA_VT_STORE_SWIZZLE",)  # V^T stores without bank conflicts (csrc/mla_fp8_sm90_common.cuh)
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up
@@ -253,7 +258,8 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
                         softmax_scale: float, metadata: MLADecodeMetadata | None = None, causal: bool = True,
                         return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1, defines=()):
     """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`; `version` picks the split
-    kernel (1 or 2, see the module docstring), `defines` an ablation build of it (wrong results by design).
+    kernel (1 or 2, see the module docstring), `defines` an ablation build of it (wrong results by design) or a
+    design option (the same results).
 
     q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
     int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows);

@@ -1,7 +1,8 @@
 """The CUDA MLA decode kernels (version 1 and 2 of the split kernel) compile for sm_90a without a GPU: no spills,
 no stack frame, no wgmma serialization warning, FP8 wgmma (QGMMA) in the SASS with the expected shapes, and a
 library exporting only its entry points (so v1 and v2 loaded in one process share no symbol). The ablation builds
-(-DMLA_ABLATE_*) compile just as clean and remove exactly the wgmmas they name; the ablation script's arguments and
+(-DMLA_ABLATE_*) compile just as clean and remove exactly the wgmmas they name, the design options
+(DESIGN_OPTIONS) compile as clean and keep them all; the ablation script's arguments and
 report work without a GPU. Skipped (with the reason) where nvcc is missing."""
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ ablation = load_script("benchmark/kernels/mla_cuda_ablation.py")
 
 # every switch alone and every variant the ablation script times by default
 _SWITCHES = [a[len(ablation.PREFIX):] for a in cu.ABLATIONS]
-ABLATION_VARIANTS = list(dict.fromkeys(_SWITCHES + ablation.DEFAULT_VARIANTS))
+ABLATION_VARIANTS = list(dict.fromkeys(_SWITCHES + ablation.DEFAULT_VARIANTS)) + list(cu.DESIGN_OPTIONS)
 _QK_SHAPE = {1: "QGMMA.64x32x32.F32.E4M3.E4M3", 2: "QGMMA.64x64x32.F32.E4M3.E4M3"}
 _PV_SHAPE = "QGMMA.64x128x32.F32.E4M3.E4M3"
 
@@ -119,7 +120,7 @@ def ablation_builds(tmp_path_factory):
 
     def one(key):
         version, name = key
-        defines = ablation.parse_variant(name, _SWITCHES)
+        defines = ablation.parse_variant(name, _SWITCHES, cu.DESIGN_OPTIONS)
         out = tmp / f"v{version}_{'_'.join(defines)}.cubin"
         cmd = [nvcc, *flags, "-cubin", "-Xptxas", "-v", *(f"-D{d}" for d in defines), str(cu.source_path(version)),
                "-o", str(out)]
@@ -146,7 +147,7 @@ def test_ablation_build(ablation_builds, version, variant):
     assert "serialized" not in log, "ptxas serialized the wgmma pipeline:\n" + log
     if sass is None:
         pytest.skip("cuobjdump not found")
-    defines = ablation.parse_variant(variant, _SWITCHES)
+    defines = ablation.parse_variant(variant, _SWITCHES, cu.DESIGN_OPTIONS)
     base = EXPECTED_QGMMA[version]
     gone = lambda s: any(f"{ablation.PREFIX}{x}" in defines for x in (s, "EMPTY"))  # noqa: E731
     want = {_QK_SHAPE[version]: 0 if gone("NO_QK") else base[_QK_SHAPE[version]],
@@ -205,6 +206,10 @@ def test_ablation_args_and_points():
     assert args.variant_defines["ALL-NO_LOAD"] == tuple(d for d in all_no if d != "MLA_ABLATE_NO_LOAD")
     assert args.variant_defines["no_pv"] == ("MLA_ABLATE_NO_PV",)
     assert len(ablation.jobs_for(args)) == 2 * 1 * 4
+    opt = cu.DESIGN_OPTIONS[0]
+    args = ablation.parse_args(["--variants", opt, f"{opt}+NO_TRANSPOSE"])
+    assert args.variant_defines[opt] == (opt,)  # taken by its full -D name, combinable with the switches
+    assert args.variant_defines[f"{opt}+NO_TRANSPOSE"] == tuple(sorted((opt, "MLA_ABLATE_NO_TRANSPOSE")))
     for bad in (["--points", "64"], ["--points", "64x0"], ["--variants", "NO_SUCH"], ["--variants", "NO_PV-NO_PV"],
                 ["--variants", "NO_PV*NO_QK"], ["--versions", "3"]):
         with pytest.raises(SystemExit):

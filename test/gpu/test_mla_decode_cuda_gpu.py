@@ -302,3 +302,38 @@ def test_backend_auto_kernel_is_v1_below_16_and_v2_from_there():
         ref, _ = mla.mla_decode_reference(*args)
         assert rel(got, ref) <= 2e-2
     assert any(differ)  # the versions round differently (v2 merges per-owner softmax chains): the pick is visible
+
+
+@pytest.mark.parametrize("option", cu.DESIGN_OPTIONS)
+def test_design_options_are_bit_identical_to_the_default_build(option, version):
+    """A design option changes how the kernel moves bytes (e.g. which lane stores which V^T row), not the arithmetic:
+    over short (1-3 tiles), ragged, partial-tile and split sequences, 16 and 128 heads, q_len 1 and 2, and a CUDA-graph
+    replay, its output and lse equal the default build's bit for bit."""
+    ok, why = cu.available(version, (option,))
+    assert ok, f"v{version} with {option}: {why}"
+    cases = [([1, 64, 65, 130, 191], 128, 1, None), (lengths(6, 3000, 3), 128, 2, None),
+             (lengths(5, 2500, 4), 16, 1, 7), ([4096] * 3, 128, 1, 1), ([200, 7, 4000], 16, 2, 3)]
+    for i, (lens, heads, q_len, splits) in enumerate(cases):
+        d = mla.make_mla_inputs(lens, heads, q_len, 64, device="cuda", seed=40 + i, **DEEPSEEK_LIKE)
+        meta = mla.get_mla_decode_metadata(d["cache_seqlens"], heads, q_len)
+        if splits is not None:
+            meta = type(meta)(**{**meta.__dict__, "num_splits": splits})
+        args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"], meta)
+        a, la = cu.mla_decode_fp8_cuda(*args, return_lse=True, version=version)
+        b, lb = cu.mla_decode_fp8_cuda(*args, return_lse=True, version=version, defines=(option,))
+        torch.cuda.synchronize()
+        assert torch.isfinite(b.float()).all(), (option, i)
+        assert torch.equal(a, b) and torch.equal(la, lb), (option, i, rel(b, a))
+    d = mla.make_mla_inputs([3000, 100, 2048, 700], 128, 1, 64, device="cuda", seed=21, **DEEPSEEK_LIKE)
+    meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 128, 1, max_seqlen=4096)
+    args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"], meta)
+    out = torch.empty(4, 1, 128, 512, dtype=torch.bfloat16, device="cuda")
+    cu.mla_decode_fp8_cuda(*args, out=out, version=version, defines=(option,))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cu.mla_decode_fp8_cuda(*args, out=out, version=version, defines=(option,))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, cu.mla_decode_fp8_cuda(*args, version=version))

@@ -34,6 +34,15 @@
 #ifndef MLA_ABLATE_EMPTY
 #define MLA_ABLATE_EMPTY 0
 #endif
+// Design option (results bit-identical to the default build; mla_decode_cuda.DESIGN_OPTIONS): transpose_v's stores
+// without bank conflicts. The default's 8-byte stores take two wavefronts per half-warp phase (16 lanes write 8
+// distinct 8-byte bank slots twice; about 2.1 M of the 2.3 M bank conflicts ncu counted for v2 at batch 64 x 4k);
+// with the option, lanes with bit 1 set store channel c ^ 2 in place of c (their first-stage prmt selectors
+// swapped), which spreads each phase over all 16 slots: the same instructions, half the store wavefronts.
+// benchmark/kernels/vt_transpose_model.py checks both byte for byte and counts the wavefronts.
+#ifndef MLA_VT_STORE_SWIZZLE
+#define MLA_VT_STORE_SWIZZLE 0
+#endif
 
 namespace mla_fp8_common {
 
@@ -248,26 +257,31 @@ __device__ __forceinline__ void store_row(const Params& p, const float* o, int h
 
 // ---------------------------------------------------------------------------------------------------------------
 // V^T for one warp: 64 channels (K block kblk of the K tile = channels 64 kblk .. +63) x 64 tokens, written as
-// rows dloc0 .. dloc0+63 of a V^T buffer (channel rows x 64 token bytes, SW64). Loop unrolling is the caller's
-// (8x8 byte blocks, prmt with lane-dependent selectors: 2 wavefronts per 8-byte warp access). Tokens >= nvalid are
-// written as zeros (their cache bytes may be NaN and 0 x NaN poisons the MMA).
+// rows dloc0 .. dloc0+63 (dloc0 a multiple of 8) of a V^T buffer (channel rows x 64 token bytes, SW64). Loop
+// unrolling is the caller's (8x8 byte blocks, prmt with lane-dependent selectors; loads one wavefront per half-warp
+// phase, stores two, or one with MLA_VT_STORE_SWIZZLE). Tokens >= nvalid are written as zeros (their cache bytes
+// may be NaN and 0 x NaN poisons the MMA).
 // ---------------------------------------------------------------------------------------------------------------
 template <int REP_UNROLL>
 __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, int dloc0, int nvalid, int lane) {
   const int cg8 = lane & 7;
   const int xsw = (lane >> 3) & 1;  // this lane loads rows i ^ 1 (row-pair order swapped)
   const int zsw = lane & 1;         // this lane stores channels c ^ 1
-  const uint32_t sel_a = xsw ? 0x1504u : 0x5140u, sel_b = xsw ? 0x3726u : 0x7362u;
+  const int flip = MLA_VT_STORE_SWIZZLE ? lane & 2 : 0;  // ... and c ^ 2 (its first-stage selectors swapped)
+  const uint32_t sel_lo = xsw ? 0x1504u : 0x5140u, sel_hi = xsw ? 0x3726u : 0x7362u;
+  const uint32_t sel_a = flip ? sel_hi : sel_lo, sel_b = flip ? sel_lo : sel_hi;
   const uint32_t sel_c = zsw ? 0x7632u : 0x5410u, sel_d = zsw ? 0x5410u : 0x7632u;
 #pragma unroll REP_UNROLL
   for (int rep = 0; rep < 2; ++rep) {
     const int tg = xsw | (((lane >> 4) & 1) << 1) | ((((lane >> 2) & 1) ^ rep) << 2);  // token group
+    // token row k = i ^ xsw of group tg, channel bytes 8 cg8 .. +7 (SW64): as for the stores below, bits 4-8 of the
+    // offset are (i << 6 | (i >> 1) << 4) XOR this lane's, the other bits this lane's
+    const uint32_t lane_ld = (tg * 512 + (cg8 & 1) * 8) | (xsw << 6) | (((cg8 >> 1) & 3) << 4);
     uint32_t lo[8], hi[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int k = i ^ xsw;  // token row within the group held in slot i
-      const uint2 v = *reinterpret_cast<const uint2*>(ksrc + tg * 512 + k * 64 +
-                                                      ((((cg8 >> 1) ^ (k >> 1)) & 3) << 4) + (cg8 & 1) * 8);
+      const uint2 v = *reinterpret_cast<const uint2*>(ksrc + (lane_ld ^ ((i << 6) | ((i >> 1) << 4))));
       const bool ok = tg * 8 + k < nvalid;
       lo[i] = ok ? v.x : 0u;
       hi[i] = ok ? v.y : 0u;
@@ -277,12 +291,14 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
     transpose4(lo[4], lo[5], lo[6], lo[7], sel_a, sel_b, sel_c, sel_d, thi);
     transpose4(hi[0], hi[1], hi[2], hi[3], sel_a, sel_b, sel_c, sel_d, tlo + 4);
     transpose4(hi[4], hi[5], hi[6], hi[7], sel_a, sel_b, sel_c, sel_d, thi + 4);
+    // channel slot c goes to V^T row d = dloc0 + 8 cg8 + (c ^ z), token bytes 8 tg .. +7 (SW64). Bits 4-8 of that
+    // offset, (c ^ z) << 6 | ((tg >> 1) ^ ((c ^ z) >> 1)) << 4, are a constant of c XOR one of this lane's; the
+    // other bits are this lane's: one XOR per store (vt_transpose_model.py checks the identity)
+    const int z = zsw | flip;
+    const uint32_t lane_off = (((dloc0 >> 3) + cg8) * 512 + (tg & 1) * 8) | (z << 6) | ((((tg >> 1) ^ (z >> 1)) & 3) << 4);
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      const int d = dloc0 + cg8 * 8 + (c ^ zsw);  // row of the V^T half buffer
-      *reinterpret_cast<uint2*>(vdst + (d >> 3) * 512 + (d & 7) * 64 + ((((tg >> 1) ^ ((d & 7) >> 1)) & 3) << 4) +
-                                (tg & 1) * 8) = make_uint2(tlo[c], thi[c]);
-    }
+    for (int c = 0; c < 8; ++c)
+      *reinterpret_cast<uint2*>(vdst + (lane_off ^ ((c << 6) | ((c >> 1) << 4)))) = make_uint2(tlo[c], thi[c]);
   }
 }
 
