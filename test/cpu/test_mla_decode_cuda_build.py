@@ -248,3 +248,18 @@ def test_ablation_needs_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert ablation.main(["--points", "64x4096"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_descriptor_advance_equals_a_fresh_descriptor():
+    """csrc's desc_add(desc_sw64(a), n) == desc_sw64(a + n) (python mirrors of both): the kernels build one descriptor
+    per operand and advance it per wgmma, exact while a + n stays below 256 KB of shared memory (228 KB on sm_90)."""
+    def desc_sw64(a):
+        return ((a & 0x3FFFF) >> 4) | (1 << 16) | ((512 >> 4) << 32) | (2 << 62)
+
+    def desc_add(d, n):
+        return (d & 0xFFFFFFFF00000000) | ((d + (n >> 4)) & 0xFFFFFFFF)
+    smem = 228 * 1024
+    for a in range(0, smem, 1024 + 16):  # operand bases (the kernels' are 1 KB aligned; also off-alignment ones)
+        for n in (0, 32, 4096, 4096 + 32, 8 * 4096 + 32, 8 * 4608 + 32, 8192 + 32):
+            if a + n < smem:
+                assert desc_add(desc_sw64(a), n) == desc_sw64(a + n), (a, n)

@@ -86,6 +86,14 @@ __device__ __forceinline__ uint64_t desc_sw64(uint32_t saddr) {
          (static_cast<uint64_t>(512 >> 4) << 32) | (static_cast<uint64_t>(2) << 62);
 }
 
+// desc_sw64(saddr + bytes) from desc_sw64(saddr): the start address field (bits 0-13, address >> 4) plus bytes >> 4
+// in the low word. Exact while saddr + bytes < 256 KB (no carry out of the field; shared memory is at most 228 KB)
+// and bytes is a multiple of 16. ptxas cannot fold the mask of desc_sw64(base + constant) into a constant: each
+// wgmma cost 12 uniform instructions of descriptor arithmetic, this costs ~1.
+__device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(desc) + (bytes >> 4));
+}
+
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
@@ -307,15 +315,16 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
 // different scales. qa, ka: shared addresses of the Q block and of this warpgroup's token rows of the K tile.
 template <void (*MMA)(float*, uint64_t, uint64_t, int)>
 __device__ __forceinline__ void issue_qk(float* s_lat, float* s_rope, uint32_t qa, uint32_t ka, int kb_bytes) {
+  const uint64_t dq = desc_sw64(qa), dk = desc_sw64(ka);
   wgmma_fence();
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb)
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks)
-      MMA(s_lat, desc_sw64(qa + kb * kb_bytes + ks * 32), desc_sw64(ka + kb * kb_bytes + ks * 32), (kb | ks) != 0);
+      MMA(s_lat, desc_add(dq, kb * kb_bytes + ks * 32), desc_add(dk, kb * kb_bytes + ks * 32), (kb | ks) != 0);
 #pragma unroll
   for (int ks = 0; ks < 2; ++ks)
-    MMA(s_rope, desc_sw64(qa + 8 * kb_bytes + ks * 32), desc_sw64(ka + 8 * kb_bytes + ks * 32), ks != 0);
+    MMA(s_rope, desc_add(dq, 8 * kb_bytes + ks * 32), desc_add(dk, 8 * kb_bytes + ks * 32), ks != 0);
   wgmma_commit();
 }
 
@@ -325,10 +334,11 @@ __device__ __forceinline__ void issue_qk(float* s_lat, float* s_rope, uint32_t q
 // acc += P' V^T, O itself as the accumulator, no promotion.
 template <bool ACCUMULATE = false>
 __device__ __forceinline__ void pv_half(float* acc, uint32_t pa, uint32_t va) {
+  const uint64_t dp = desc_sw64(pa), dv = desc_sw64(va);
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < 2; ++ks)
-    wgmma_m64n128k32_e4m3(acc, desc_sw64(pa + ks * 32), desc_sw64(va + ks * 32), ACCUMULATE ? 1 : ks);
+    wgmma_m64n128k32_e4m3(acc, desc_add(dp, ks * 32), desc_add(dv, ks * 32), ACCUMULATE ? 1 : ks);
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs<64>(acc);
