@@ -106,7 +106,9 @@ def phase_need_s(name: str, args, measured: dict) -> float:
     """Seconds a phase needs to be worth starting: its server start, its greedy step and, if it benchmarks, its
     cheapest workload. A server that can run none of them would only cost device time (session 26 started one,
     65 s, and skipped its only workload)."""
-    need = measured.get("startup", GUESS_S["startup"]) + (measured.get("greedy", GUESS_S["greedy"]) if args.prompts else 0)
+    need = measured.get("startup", GUESS_S["startup"])
+    if args.prompts:
+        need += measured.get("greedy", GUESS_S["greedy"])
     if PHASES[name][2] and args.workloads:
         need += min(expected_s(w, measured) for w in args.workloads)
     return need

@@ -303,7 +303,8 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
     // offset, (c ^ z) << 6 | ((tg >> 1) ^ ((c ^ z) >> 1)) << 4, are a constant of c XOR one of this lane's; the
     // other bits are this lane's: one XOR per store (vt_transpose_model.py checks the identity)
     const int z = zsw | flip;
-    const uint32_t lane_off = (((dloc0 >> 3) + cg8) * 512 + (tg & 1) * 8) | (z << 6) | ((((tg >> 1) ^ (z >> 1)) & 3) << 4);
+    const uint32_t lane_off =
+        (((dloc0 >> 3) + cg8) * 512 + (tg & 1) * 8) | (z << 6) | ((((tg >> 1) ^ (z >> 1)) & 3) << 4);
 #pragma unroll
     for (int c = 0; c < 8; ++c)
       *reinterpret_cast<uint2*>(vdst + (lane_off ^ ((c << 6) | ((c >> 1) << 4)))) = make_uint2(tlo[c], thi[c]);
