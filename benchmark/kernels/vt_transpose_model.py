@@ -137,6 +137,24 @@ def shipped(src: np.ndarray, nvalid: int, swizzled_stores: bool = False) -> tupl
     return dst, stats
 
 
+def ldsm_lane_base(lane: int) -> int:
+    """-DMLA_VT_LDSM's ldmatrix row address of this lane (matrix j = lane // 8: tokens 2 i + (j & 1), i = lane % 8,
+    channel chunk 2 cb + (j >> 1)) for token chunk tb and channel half cb is (base + 1024 tb) ^ (cb << 5)."""
+    j, i = divmod(lane, 8)
+    return (i >> 2) * 512 + (2 * (i & 3) + (j & 1)) * 64 + (((j >> 1) ^ (i & 3)) << 4)
+
+
+def stsm_lane_base(lane: int, dloc0: int) -> tuple[int, int]:
+    """-DMLA_VT_LDSM's stmatrix row (stored row k = lane % 8 of matrix m = lane // 8) as (base, channel within the
+    block's 32-channel half): the address for token chunk tb and channel half cb is (base + 2048 cb) ^ (tb << 4)."""
+    m, k = divmod(lane, 8)
+    qq, e = divmod(k, 2)                  # column k of matrix m is held by the threads with t % 4 == qq
+    half = (m & 1) ^ (qq >> 1)            # lanes t % 4 >= 2 swapped their interleave selectors
+    d7 = 4 * (qq & 1) + 2 * half + e      # the channel's row within its 8-row group
+    base = ((dloc0 >> 3) + 2 * (m >> 1) + (qq >> 1)) * 512 + d7 * 64 + ((d7 >> 1) << 4)
+    return base, 16 * (m >> 1) + 4 * qq + 2 * half + e
+
+
 def ldsm_stsm(src: np.ndarray, nvalid: int, lane_selectors: bool = True) -> tuple[np.ndarray, dict]:
     """Candidate: per 16 tokens x 32 channels, one ldmatrix.x4 (even / odd tokens of two 16-byte channel chunks),
     four prmt (even and odd token bytes interleaved: b16 elements of token pairs), one stmatrix.x4.trans (the b16
@@ -151,6 +169,7 @@ def ldsm_stsm(src: np.ndarray, nvalid: int, lane_selectors: bool = True) -> tupl
             for lane in range(32):
                 j, i = divmod(lane, 8)
                 rows.append(sw64(16 * tb + 2 * i + (j & 1), 16 * (2 * cb + (j >> 1))))
+                assert rows[-1] == (ldsm_lane_base(lane) + 1024 * tb) ^ (cb << 5)  # the kernel's form
             stats["wavefronts_load"] += wavefronts([(a, 16) for a in rows])
             stats["ldsm_x4"] += 1
             regs = []
@@ -176,6 +195,9 @@ def ldsm_stsm(src: np.ndarray, nvalid: int, lane_selectors: bool = True) -> tupl
                 half = (m & 1) ^ (1 if lane_selectors and qq >= 2 else 0)
                 chan = 16 * (2 * cb + (m >> 1)) + 4 * qq + 2 * half + e
                 store_rows.append(sw64(chan, 16 * tb))
+                if lane_selectors:  # the kernel's form (dloc0 = 0)
+                    base, c32 = stsm_lane_base(lane, 0)
+                    assert c32 + 32 * cb == chan and store_rows[-1] == (base + 2048 * cb) ^ (tb << 4)
             stats["wavefronts_store"] += wavefronts([(a, 16) for a in store_rows])
             stats["stsm_x4"] += 1
             for m in range(4):

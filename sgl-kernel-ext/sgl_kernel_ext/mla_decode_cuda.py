@@ -65,7 +65,8 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
              "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
 # design options: -D macros that change how the kernels work, not what they compute (bit-identical results; the GPU
 # test checks it); timed against the default build by mla_cuda_ablation.py before one becomes the default
-DESIGN_OPTIONS = ("MLA_VT_STORE_SWIZZLE",)  # V^T stores without bank conflicts (csrc/mla_fp8_sm90_common.cuh)
+# (csrc/mla_fp8_sm90_common.cuh): V^T stores without bank conflicts; V^T by ldmatrix + stmatrix.trans
+DESIGN_OPTIONS = ("MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM")
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up

@@ -53,3 +53,17 @@ def test_the_kernels_xor_address_form_equals_the_sw64_formula(dloc0):
                     assert model.load_lane_offset(lane, rep) ^ model.unrolled_bits(i) == model.sw64(8 * tg + (i ^ xsw),
                                                                                                    8 * cg8)
                     assert lane_off ^ model.unrolled_bits(i) == model.sw64(dloc0 + 8 * cg8 + (i ^ z), 8 * tg)
+
+
+@pytest.mark.parametrize("dloc0", [0, 64, 192, 448])
+def test_the_ldsm_options_address_form_equals_the_sw64_formula(dloc0):
+    """-DMLA_VT_LDSM computes its ldmatrix / stmatrix row addresses as a lane base plus / XOR the unrolled (tb, cb)
+    terms; at the channel offsets the kernels pass, they are the rows the byte-exact model reads and writes."""
+    for lane in range(32):
+        j, i = divmod(lane, 8)
+        base, c32 = model.stsm_lane_base(lane, dloc0)
+        for tb in range(4):
+            for cb in range(2):
+                assert (model.ldsm_lane_base(lane) + 1024 * tb) ^ (cb << 5) == \
+                    model.sw64(16 * tb + 2 * i + (j & 1), 16 * (2 * cb + (j >> 1)))
+                assert (base + 2048 * cb) ^ (tb << 4) == model.sw64(dloc0 + 32 * cb + c32, 16 * tb)

@@ -43,6 +43,12 @@
 #ifndef MLA_VT_STORE_SWIZZLE
 #define MLA_VT_STORE_SWIZZLE 0
 #endif
+// Design option: transpose_v by ldmatrix.x4 + prmt + stmatrix.x4.trans (b16) instead of 8-byte loads and stores:
+// 80 instead of 128 instructions per lane and 64 x 64 block, conflict-free stores, but 2-way conflicted loads (an
+// ldmatrix phase reads tokens r and r + 8 of one SW64 chunk). vt_transpose_model.py checks it byte for byte.
+#ifndef MLA_VT_LDSM
+#define MLA_VT_LDSM 0
+#endif
 
 namespace mla_fp8_common {
 
@@ -137,6 +143,19 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
+}
+
+// 4 8x8 b16 matrices: lanes 8j..8j+7 give the 16-byte row addresses of matrix j; lane t gets word t % 4 of row t / 4
+__device__ __forceinline__ void ldsm_x4(uint32_t saddr, uint32_t* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr) : "memory");
+}
+
+// the transposes of 4 8x8 b16 matrices held as ldsm_x4 returns them: lane 8m + k gives the address of stored row k
+// of matrix m, which receives column k (b16) of the 8 rows
+__device__ __forceinline__ void stsm_x4_trans(uint32_t saddr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(saddr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
 // 4x4 byte transpose: x[i] byte j -> y[j] byte i. sa/sb (first stage) swap the rows of each input pair when the
@@ -272,6 +291,33 @@ __device__ __forceinline__ void store_row(const Params& p, const float* o, int h
 // ---------------------------------------------------------------------------------------------------------------
 template <int REP_UNROLL>
 __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, int dloc0, int nvalid, int lane) {
+  if constexpr (MLA_VT_LDSM) {
+    // per 16 tokens (tb) x 32 channels (cb): ldmatrix.x4 of even / odd tokens of two 16-byte channel chunks, prmt
+    // interleaves each lane's even and odd token bytes into b16 token pairs, stmatrix.trans writes each channel's 16
+    // tokens as one 16-byte V^T row. Lanes with t % 4 >= 2 swap the interleave selectors (their channels 4q+2, +3
+    // go to the even matrices), so that the 8 rows of each stored matrix are 8 distinct channels mod 8: conflict-free.
+    // Row addresses: lane base + / ^ the unrolled terms (vt_transpose_model.py: ldsm_lane_base, stsm_lane_base).
+    const int i = lane & 7, j = lane >> 3, q = lane & 3, pair = lane >> 2;
+    const uint32_t ld_base = smem_u32(ksrc) + (i >> 2) * 512 + (2 * (i & 3) + (j & 1)) * 64 + (((j >> 1) ^ (i & 3)) << 4);
+    const int qq = i >> 1, half = (j & 1) ^ (qq >> 1), d7 = 4 * (qq & 1) + 2 * half + (i & 1);
+    const uint32_t st_base =
+        smem_u32(vdst) + ((dloc0 >> 3) + 2 * (j >> 1) + (qq >> 1)) * 512 + d7 * 64 + ((d7 >> 1) << 4);
+    const uint32_t s_lo = q >= 2 ? 0x7362u : 0x5140u, s_hi = q >= 2 ? 0x5140u : 0x7362u;
+#pragma unroll
+    for (int tb = 0; tb < 4; ++tb) {
+      const bool ok_even = 16 * tb + 2 * pair < nvalid, ok_odd = 16 * tb + 2 * pair + 1 < nvalid;
+#pragma unroll
+      for (int cb = 0; cb < 2; ++cb) {
+        uint32_t r[4];
+        ldsm_x4((ld_base + 1024 * tb) ^ (cb << 5), r);
+        const uint32_t e0 = ok_even ? r[0] : 0u, o0 = ok_odd ? r[1] : 0u;
+        const uint32_t e1 = ok_even ? r[2] : 0u, o1 = ok_odd ? r[3] : 0u;
+        stsm_x4_trans((st_base + 2048 * cb) ^ (tb << 4), prmt(e0, o0, s_lo), prmt(e0, o0, s_hi), prmt(e1, o1, s_lo),
+                      prmt(e1, o1, s_hi));
+      }
+    }
+    return;
+  }
   const int cg8 = lane & 7;
   const int xsw = (lane >> 3) & 1;  // this lane loads rows i ^ 1 (row-pair order swapped)
   const int zsw = lane & 1;         // this lane stores channels c ^ 1
