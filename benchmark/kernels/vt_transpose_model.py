@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""The FP8 MLA kernels' V transpose, modelled on the CPU: today's `transpose_v` against a candidate built from
-`ldmatrix.x4` + `prmt` + `stmatrix.x4.trans` (b16), byte-exact and with shared-memory wavefronts counted.
+"""The FP8 MLA kernels' V transpose, modelled on the CPU: `transpose_v` as shipped and as its design options build
+it (`-DMLA_VT_STORE_SWIZZLE`; `-DMLA_VT_LDSM`: `ldmatrix.x4` + `prmt` + `stmatrix.x4.trans` (b16);
+`-DMLA_VT_LDSM_PAIRED`: the same with tokens l and l + 8 paired), byte-exact, shared-memory wavefronts counted.
 
 Why: FP8 wgmma on sm_90 has no transposed-B mode, so P'V needs Vᵀ (channels x tokens, K-major) while the cache
 holds V token-major. In the session-9 trace each math warpgroup of v2 spent 21-23% of its span transposing, and
-v2 is bound by CUDA-core instructions (92 M issued against FlashMLA BF16's 26 M). The candidate moves 16 bytes per
-lane per instruction instead of 8 and lets `stmatrix.trans` do the 2-byte half of the transpose, so it issues
-fewer instructions per tile; whether that wins on the GPU depends on the wavefronts it adds (below), which is
-what this model is for. Nothing here runs on a GPU or times anything.
+v2 is bound by CUDA-core instructions (92 M issued against FlashMLA BF16's 26 M). The ldmatrix form moves 16 bytes
+per lane per instruction instead of 8 and lets `stmatrix.trans` do the 2-byte half of the transpose, so it issues
+fewer instructions per tile; whether that wins on the GPU depends also on the wavefronts (below), which is what
+this model counts. Nothing here runs on a GPU or times anything.
 
 Model: one warp transposes one SW64 K block (64 tokens x 64 channel bytes, `sw64()` of
 `csrc/mla_fp8_sm90_common.cuh`) into a 64-channel x 64-token SW64 Vᵀ block. `prmt`, `ldmatrix` and `stmatrix`
@@ -137,10 +138,23 @@ def shipped(src: np.ndarray, nvalid: int, swizzled_stores: bool = False) -> tupl
     return dst, stats
 
 
-def ldsm_lane_base(lane: int) -> int:
-    """-DMLA_VT_LDSM's ldmatrix row address of this lane (matrix j = lane // 8: tokens 2 i + (j & 1), i = lane % 8,
-    channel chunk 2 cb + (j >> 1)) for token chunk tb and channel half cb is (base + 1024 tb) ^ (cb << 5)."""
+def pair_tokens(i: int, paired: bool) -> tuple[int, int]:
+    """The two tokens (within a 16-token chunk) of b16 pair i of P' and V^T: 2i, 2i + 1, or i, i + 8 (paired)."""
+    return (i, i + 8) if paired else (2 * i, 2 * i + 1)
+
+
+def pv_k_pos(l: int, paired: bool) -> int:
+    """The kernels' pv_k_pos: byte position of token l in its 16-token chunk of P' and V^T."""
+    return (2 * l if l < 8 else 2 * (l - 8) + 1) if paired else l
+
+
+def ldsm_lane_base(lane: int, paired: bool = False) -> int:
+    """-DMLA_VT_LDSM's ldmatrix row address of this lane (matrix j = lane // 8: token pair_tokens(i)[j & 1] of
+    pair i = lane % 8, channel chunk 2 cb + (j >> 1)) for token chunk tb and channel half cb: (base + 1024 tb) ^
+    (cb << 5). paired (-DMLA_VT_LDSM_PAIRED): the 8 rows of a phase are 8 consecutive tokens, conflict-free."""
     j, i = divmod(lane, 8)
+    if paired:
+        return (j & 1) * 512 + i * 64 + ((((j >> 1) ^ (i >> 1)) & 3) << 4)
     return (i >> 2) * 512 + (2 * (i & 3) + (j & 1)) * 64 + (((j >> 1) ^ (i & 3)) << 4)
 
 
@@ -155,12 +169,14 @@ def stsm_lane_base(lane: int, dloc0: int) -> tuple[int, int]:
     return base, 16 * (m >> 1) + 4 * qq + 2 * half + e
 
 
-def ldsm_stsm(src: np.ndarray, nvalid: int, lane_selectors: bool = True) -> tuple[np.ndarray, dict]:
-    """Candidate: per 16 tokens x 32 channels, one ldmatrix.x4 (even / odd tokens of two 16-byte channel chunks),
-    four prmt (even and odd token bytes interleaved: b16 elements of token pairs), one stmatrix.x4.trans (the b16
-    transpose puts each channel's 16 tokens in one 16-byte row of Vᵀ). lane_selectors: lanes with t % 4 >= 2 swap
-    the two interleave selectors (and the stores' channel rows with them), so that the 8 rows of each stored matrix
-    have 8 different channels mod 8: conflict-free stores under SW64."""
+def ldsm_stsm(src: np.ndarray, nvalid: int, lane_selectors: bool = True, paired: bool = False
+              ) -> tuple[np.ndarray, dict]:
+    """-DMLA_VT_LDSM (paired: -DMLA_VT_LDSM_PAIRED): per 16 tokens x 32 channels, one ldmatrix.x4 (the first /
+    second tokens of each pair, of two 16-byte channel chunks), four prmt (the pair's bytes interleaved: b16
+    elements), one stmatrix.x4.trans (the b16 transpose puts each channel's 16 tokens in one 16-byte row of Vᵀ).
+    lane_selectors: lanes with t % 4 >= 2 swap the two interleave selectors (and the stores' channel rows with
+    them), so that the 8 rows of each stored matrix have 8 different channels mod 8: conflict-free stores under
+    SW64."""
     dst = np.zeros(64 * 64, np.uint8)
     stats = {"ldsm_x4": 0, "stsm_x4": 0, "prmt": 0, "sel": 0, "wavefronts_load": 0, "wavefronts_store": 0}
     for tb in range(4):          # 16-token chunk of the tile
@@ -168,15 +184,15 @@ def ldsm_stsm(src: np.ndarray, nvalid: int, lane_selectors: bool = True) -> tupl
             rows = []            # ldmatrix row addresses: lane L -> matrix L // 8, row L % 8
             for lane in range(32):
                 j, i = divmod(lane, 8)
-                rows.append(sw64(16 * tb + 2 * i + (j & 1), 16 * (2 * cb + (j >> 1))))
-                assert rows[-1] == (ldsm_lane_base(lane) + 1024 * tb) ^ (cb << 5)  # the kernel's form
+                rows.append(sw64(16 * tb + pair_tokens(i, paired)[j & 1], 16 * (2 * cb + (j >> 1))))
+                assert rows[-1] == (ldsm_lane_base(lane, paired) + 1024 * tb) ^ (cb << 5)  # the kernel's form
             stats["wavefronts_load"] += wavefronts([(a, 16) for a in rows])
             stats["ldsm_x4"] += 1
             regs = []
             for t in range(32):  # register j of thread t: bytes 4 (t % 4) .. +3 of row t // 4 of matrix j
                 r = []
                 for j in range(4):
-                    tok = 16 * tb + 2 * (t // 4) + (j & 1)
+                    tok = 16 * tb + pair_tokens(t // 4, paired)[j & 1]
                     r.append(word(src, rows[8 * j + t // 4] + 4 * (t % 4)) if tok < nvalid else 0)
                 regs.append(r)
             stats["sel"] += 4
@@ -209,8 +225,10 @@ def ldsm_stsm(src: np.ndarray, nvalid: int, lane_selectors: bool = True) -> tupl
     return dst, stats
 
 
-def as_vt(dst: np.ndarray) -> np.ndarray:
-    return np.array([[dst[sw64(c, t)] for t in range(64)] for c in range(64)], np.uint8)
+def as_vt(dst: np.ndarray, paired: bool = False) -> np.ndarray:
+    """V^T [channel, token] from an SW64 buffer, tokens in their natural order (undoing pv_k_pos)."""
+    return np.array([[dst[sw64(c, 16 * (t // 16) + pv_k_pos(t % 16, paired))] for t in range(64)] for c in range(64)],
+                    np.uint8)
 
 
 def as_k(src: np.ndarray) -> np.ndarray:
@@ -226,11 +244,13 @@ def compare(seed: int = 0, nvalid_list=(64, 37, 1)) -> dict:
     for nvalid in nvalid_list:
         want = want_full.copy()
         want[:, nvalid:] = 0
-        for name, fn in (("shipped", shipped), ("shipped_swizzled_stores", lambda s, n: shipped(s, n, True)),
-                         ("ldsm_stsm", ldsm_stsm),
-                         ("ldsm_stsm_uniform_selectors", lambda s, n: ldsm_stsm(s, n, lane_selectors=False))):
+        for name, fn, paired in (
+                ("shipped", shipped, False), ("shipped_swizzled_stores", lambda s, n: shipped(s, n, True), False),
+                ("ldsm_stsm", ldsm_stsm, False),
+                ("ldsm_stsm_uniform_selectors", lambda s, n: ldsm_stsm(s, n, lane_selectors=False), False),
+                ("ldsm_stsm_paired", lambda s, n: ldsm_stsm(s, n, paired=True), True)):
             got, stats = fn(src, nvalid)
-            rec["exact"][f"{name}@{nvalid}"] = bool(np.array_equal(as_vt(got), want))
+            rec["exact"][f"{name}@{nvalid}"] = bool(np.array_equal(as_vt(got, paired), want))
             rec["per_warp_per_block"][name] = stats
     for s in rec["per_warp_per_block"].values():
         s["instructions_per_thread"] = sum(v for k, v in s.items() if not k.startswith("wavefronts"))

@@ -20,8 +20,9 @@ included), and called through ctypes on torch's current stream, so it can be cap
 Ablation builds, for finding where the time goes (benchmark/kernels/mla_cuda_ablation.py): ``defines=`` of
 :func:`build`, :func:`available` and :func:`mla_decode_fp8_cuda` adds ``-D`` flags, e.g. ``("MLA_ABLATE_NO_PV",)``;
 :data:`ABLATIONS` lists the switches (the v2 ``.cu``'s header says what each removes). Their results are wrong by
-design. :data:`DESIGN_OPTIONS` are defines that keep the results bit-identical (a GPU test checks it) and change
-only how the kernel works, to be timed against the default before one replaces it. The defines are part of the
+design. :data:`DESIGN_OPTIONS` are defines that change only how the kernel works: bit-identical results (a GPU test
+checks it), or for :data:`REORDERING_OPTIONS` the same sums in another order; timed against the default before
+one replaces it. The defines are part of the
 library's cache key; the default ``()`` is the normal build.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ from .mla_decode import (
 )
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
-           "VERSIONS", "ABLATIONS", "DESIGN_OPTIONS"]
+           "VERSIONS", "ABLATIONS", "DESIGN_OPTIONS", "REORDERING_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
@@ -65,8 +66,10 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
              "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
 # design options: -D macros that change how the kernels work, not what they compute (bit-identical results; the GPU
 # test checks it); timed against the default build by mla_cuda_ablation.py before one becomes the default
-# (csrc/mla_fp8_sm90_common.cuh): V^T stores without bank conflicts; V^T by ldmatrix + stmatrix.trans
-DESIGN_OPTIONS = ("MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM")
+# (csrc/mla_fp8_sm90_common.cuh): V^T stores without bank conflicts; V^T by ldmatrix + stmatrix.trans; the same with
+# tokens l and l + 8 paired in P' and V^T (conflict-free loads too; P'V sums in another k order: REORDERING_OPTIONS)
+DESIGN_OPTIONS = ("MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_VT_LDSM_PAIRED")
+REORDERING_OPTIONS = ("MLA_VT_LDSM_PAIRED",)  # close to the default build's results, not bit-identical
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up

@@ -67,3 +67,19 @@ def test_the_ldsm_options_address_form_equals_the_sw64_formula(dloc0):
                 assert (model.ldsm_lane_base(lane) + 1024 * tb) ^ (cb << 5) == \
                     model.sw64(16 * tb + 2 * i + (j & 1), 16 * (2 * cb + (j >> 1)))
                 assert (base + 2048 * cb) ^ (tb << 4) == model.sw64(dloc0 + 32 * cb + c32, 16 * tb)
+
+
+def test_paired_p_prime_stores_match_the_paired_v_transpose():
+    """-DMLA_VT_LDSM_PAIRED: the softmax stores the b16 of (token 16c + 2q4 + e, token + 8) at byte 16c +
+    pv_k_pos(2q4 + e) of its P' row (both kernels); each token's P' byte then sits at the k position where the
+    paired V^T put that token's V, and the 16 positions of a chunk are each written once."""
+    for c in range(4):
+        seen = set()
+        for q4 in range(4):
+            for e in range(2):
+                low, high = 16 * c + 2 * q4 + e, 16 * c + 8 + 2 * q4 + e
+                at = 16 * c + model.pv_k_pos(2 * q4 + e, True)
+                for byte, token in ((at, low), (at + 1, high)):
+                    assert byte == 16 * (token // 16) + model.pv_k_pos(token % 16, True)
+                    seen.add(byte)
+        assert seen == set(range(16 * c, 16 * c + 16))

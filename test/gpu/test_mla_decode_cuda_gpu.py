@@ -304,11 +304,20 @@ def test_backend_auto_kernel_is_v1_below_16_and_v2_from_there():
     assert any(differ)  # the versions round differently (v2 merges per-owner softmax chains): the pick is visible
 
 
+def _same_result(a, b, option):
+    """Bit for bit; a reordering option (P'V's k order permuted inside each 16-token chunk) within 2e-3 of the
+    default (FP8 MMA accumulates with limited precision, so the order shows in the last bits)."""
+    if option not in cu.REORDERING_OPTIONS:
+        return torch.equal(a, b)
+    return rel(b, a) <= 2e-3
+
+
 @pytest.mark.parametrize("option", cu.DESIGN_OPTIONS)
 def test_design_options_are_bit_identical_to_the_default_build(option, version):
     """A design option changes how the kernel moves bytes (e.g. which lane stores which V^T row), not the arithmetic:
     over short (1-3 tiles), ragged, partial-tile and split sequences, 16 and 128 heads, q_len 1 and 2, and a CUDA-graph
-    replay, its output and lse equal the default build's bit for bit."""
+    replay, its output and lse equal the default build's bit for bit (a reordering option's: within 2e-3, and within
+    the accuracy bound of the reference)."""
     ok, why = cu.available(version, (option,))
     assert ok, f"v{version} with {option}: {why}"
     cases = [([1, 64, 65, 130, 191], 128, 1, None), (lengths(6, 3000, 3), 128, 2, None),
@@ -323,7 +332,10 @@ def test_design_options_are_bit_identical_to_the_default_build(option, version):
         b, lb = cu.mla_decode_fp8_cuda(*args, return_lse=True, version=version, defines=(option,))
         torch.cuda.synchronize()
         assert torch.isfinite(b.float()).all(), (option, i)
-        assert torch.equal(a, b) and torch.equal(la, lb), (option, i, rel(b, a))
+        assert _same_result(a, b, option) and _same_result(la, lb, option), (option, i, rel(b, a), rel(lb, la))
+        if option in cu.REORDERING_OPTIONS:
+            ref, _ = mla.mla_decode_reference(*args[:5])
+            assert rel(b, ref) <= 2e-2, (option, i, rel(b, ref))
     d = mla.make_mla_inputs([3000, 100, 2048, 700], 128, 1, 64, device="cuda", seed=21, **DEEPSEEK_LIKE)
     meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 128, 1, max_seqlen=4096)
     args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"], meta)
@@ -336,4 +348,4 @@ def test_design_options_are_bit_identical_to_the_default_build(option, version):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, cu.mla_decode_fp8_cuda(*args, version=version))
+    assert _same_result(cu.mla_decode_fp8_cuda(*args, version=version), out, option)

@@ -256,17 +256,35 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
           f[i] = n < nvalid ? kl[i] * vs : 0.f;  // scales past the end may be NaN
         }
         float ls[2] = {0.f, 0.f};
+        if constexpr (MLA_VT_LDSM_PAIRED) {  // tokens 16c + 2q4 + e and + 8 share a b16 at 16c + pv_k_pos(2q4 + e)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+          for (int c = 0; c < 2; ++c)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int e = j * 4 + h * 2;
-            const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
-            ls[h] += p0 + p1;
-            const int r = r0 + 8 * h;
-            *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 8 * j + 2 * q4)) =
-                to_e4m3x2(p0 * f[2 * j], p1 * f[2 * j + 1]);
-          }
+            for (int h = 0; h < 2; ++h) {
+              const int ea = 2 * c * 4 + h * 2, eb = ea + 4;
+              const float pa0 = ex2(s_lat[ea] - m_use[h]), pa1 = ex2(s_lat[ea + 1] - m_use[h]);
+              const float pb0 = ex2(s_lat[eb] - m_use[h]), pb1 = ex2(s_lat[eb + 1] - m_use[h]);
+              ls[h] += pa0 + pa1;
+              ls[h] += pb0 + pb1;
+              const int r = r0 + 8 * h;
+              *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 16 * c + pv_k_pos(2 * q4))) =
+                  to_e4m3x2(pa0 * f[4 * c], pb0 * f[4 * c + 2]);
+              *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 16 * c + pv_k_pos(2 * q4 + 1))) =
+                  to_e4m3x2(pa1 * f[4 * c + 1], pb1 * f[4 * c + 3]);
+            }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int e = j * 4 + h * 2;
+              const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
+              ls[h] += p0 + p1;
+              const int r = r0 + 8 * h;
+              *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 8 * j + 2 * q4)) =
+                  to_e4m3x2(p0 * f[2 * j], p1 * f[2 * j + 1]);
+            }
+        }
         const float cr = cmax / c_new;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

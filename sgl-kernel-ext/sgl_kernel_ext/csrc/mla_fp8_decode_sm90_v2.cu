@@ -434,17 +434,39 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         // P = exp2(S - m_own); l from fp32 P; P' = P s_v / c_own * 448 (<= 448) packed as e4m3
         const float vs = 448.f / c_new;
         float ls[2] = {0.f, 0.f};
+        if constexpr (MLA_VT_LDSM_PAIRED) {  // pk[(c * 2 + h) * 2 + e]: tokens 16c + 2q4 + e and + 8 of row r0 + 8h
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int n = 8 * jj + 2 * q4;
-          const float2 kl = make_float2(ksc[n * 2], ksc[n * 2 + 2]);
-          const float f0 = n < nvalid ? kl.x * vs : 0.f, f1 = n + 1 < nvalid ? kl.y * vs : 0.f;  // scales may be NaN
+          for (int c = 0; c < 4; ++c) {
+            float f[4];  // [half of the chunk][e]
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int e = jj * 4 + h * 2;
-            const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
-            ls[h] += p0 + p1;
-            pk[jj * 2 + h] = to_e4m3x2(p0 * f0, p1 * f1);
+            for (int x = 0; x < 4; ++x) {
+              const int n = 16 * c + 8 * (x >> 1) + 2 * q4 + (x & 1);
+              f[x] = n < nvalid ? ksc[n * 2] * vs : 0.f;  // scales may be NaN
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int ea = 2 * c * 4 + h * 2, eb = ea + 4;
+              const float pa0 = ex2(s_lat[ea] - m_use[h]), pa1 = ex2(s_lat[ea + 1] - m_use[h]);
+              const float pb0 = ex2(s_lat[eb] - m_use[h]), pb1 = ex2(s_lat[eb + 1] - m_use[h]);
+              ls[h] += pa0 + pa1;
+              ls[h] += pb0 + pb1;
+              pk[(c * 2 + h) * 2] = to_e4m3x2(pa0 * f[0], pb0 * f[2]);
+              pk[(c * 2 + h) * 2 + 1] = to_e4m3x2(pa1 * f[1], pb1 * f[3]);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int n = 8 * jj + 2 * q4;
+            const float2 kl = make_float2(ksc[n * 2], ksc[n * 2 + 2]);
+            const float f0 = n < nvalid ? kl.x * vs : 0.f, f1 = n + 1 < nvalid ? kl.y * vs : 0.f;  // may be NaN
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int e = jj * 4 + h * 2;
+              const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
+              ls[h] += p0 + p1;
+              pk[jj * 2 + h] = to_e4m3x2(p0 * f0, p1 * f1);
+            }
           }
         }
 #pragma unroll
@@ -458,11 +480,19 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       const int pb = t_own & 1;  // == wg
       if (t_own >= 2) mbar_wait(bar_empty_p + 8 * pb, ((t_own - 2) >> 1) & 1);
       uint8_t* pt = smem + OFF_P + pb * P_BYTES;
+      if constexpr (MLA_VT_LDSM_PAIRED) {
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
+        for (int x = 0; x < 16; ++x)  // x = (c * 2 + h) * 2 + e: tokens 16c + 2q4 + e, + 8 at 16c + pv_k_pos(2q4 + e)
+          *reinterpret_cast<uint16_t*>(pt + sw64(r0 + 8 * ((x >> 1) & 1), 16 * (x >> 2) + pv_k_pos(2 * q4 + (x & 1)))) =
+              static_cast<uint16_t>(pk[x]);
+      } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          *reinterpret_cast<uint16_t*>(pt + sw64(r0 + 8 * h, 8 * jj + 2 * q4)) = static_cast<uint16_t>(pk[jj * 2 + h]);
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<uint16_t*>(pt + sw64(r0 + 8 * h, 8 * jj + 2 * q4)) =
+                static_cast<uint16_t>(pk[jj * 2 + h]);
+      }
       if (q4 == 0) {
         xm[pb * ROWS + r0] = m_own[0];
         xm[pb * ROWS + r0 + 8] = m_own[1];

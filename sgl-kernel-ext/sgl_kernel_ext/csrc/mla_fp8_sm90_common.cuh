@@ -49,6 +49,13 @@
 #ifndef MLA_VT_LDSM
 #define MLA_VT_LDSM 0
 #endif
+// Design option on top of it: each b16 of V^T (and of P') pairs tokens l and l + 8 of a 16-token chunk instead of
+// 2l and 2l + 1, so that an ldmatrix phase reads 8 consecutive tokens: conflict-free loads too. The k order inside
+// each chunk of P'V changes (P' is stored in the same order), so the sums run in another order: close to the
+// default build's results, not bit-identical (mla_decode_cuda.REORDERING_OPTIONS).
+#ifndef MLA_VT_LDSM_PAIRED
+#define MLA_VT_LDSM_PAIRED 0
+#endif
 
 namespace mla_fp8_common {
 
@@ -143,6 +150,12 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
+}
+
+// Byte position, inside the 16-byte chunk of its token, of token l (0..15) in P' and V^T: l by default; with
+// MLA_VT_LDSM_PAIRED tokens l and l + 8 (l < 8) form one b16 pair, at 2l and 2l + 1.
+__device__ __forceinline__ constexpr int pv_k_pos(int l) {
+  return MLA_VT_LDSM_PAIRED ? (l < 8 ? 2 * l : 2 * (l - 8) + 1) : l;
 }
 
 // 4 8x8 b16 matrices: lanes 8j..8j+7 give the 16-byte row addresses of matrix j; lane t gets word t % 4 of row t / 4
@@ -291,29 +304,34 @@ __device__ __forceinline__ void store_row(const Params& p, const float* o, int h
 // ---------------------------------------------------------------------------------------------------------------
 template <int REP_UNROLL>
 __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, int dloc0, int nvalid, int lane) {
-  if constexpr (MLA_VT_LDSM) {
-    // per 16 tokens (tb) x 32 channels (cb): ldmatrix.x4 of even / odd tokens of two 16-byte channel chunks, prmt
-    // interleaves each lane's even and odd token bytes into b16 token pairs, stmatrix.trans writes each channel's 16
-    // tokens as one 16-byte V^T row. Lanes with t % 4 >= 2 swap the interleave selectors (their channels 4q+2, +3
-    // go to the even matrices), so that the 8 rows of each stored matrix are 8 distinct channels mod 8: conflict-free.
-    // Row addresses: lane base + / ^ the unrolled terms (vt_transpose_model.py: ldsm_lane_base, stsm_lane_base).
+  if constexpr (MLA_VT_LDSM || MLA_VT_LDSM_PAIRED) {
+    // per 16 tokens (tb) x 32 channels (cb): ldmatrix.x4 of the first / second token of each pair (2i, 2i + 1; or
+    // i, i + 8 with MLA_VT_LDSM_PAIRED) of two 16-byte channel chunks, prmt interleaves each lane's two token bytes
+    // into b16 token pairs, stmatrix.trans writes each channel's 16 tokens as one 16-byte V^T row. Lanes with
+    // t % 4 >= 2 swap the interleave selectors (their channels 4q+2, +3 go to the even matrices), so that the 8 rows
+    // of each stored matrix are 8 distinct channels mod 8: conflict-free. Row addresses: lane base + / ^ the unrolled
+    // terms (vt_transpose_model.py: ldsm_lane_base, stsm_lane_base).
     const int i = lane & 7, j = lane >> 3, q = lane & 3, pair = lane >> 2;
-    const uint32_t ld_base = smem_u32(ksrc) + (i >> 2) * 512 + (2 * (i & 3) + (j & 1)) * 64 + (((j >> 1) ^ (i & 3)) << 4);
+    const uint32_t ld_base = smem_u32(ksrc) + (MLA_VT_LDSM_PAIRED
+        ? (j & 1) * 512 + i * 64 + ((((j >> 1) ^ (i >> 1)) & 3) << 4)
+        : (i >> 2) * 512 + (2 * (i & 3) + (j & 1)) * 64 + (((j >> 1) ^ (i & 3)) << 4));
+    const int tok_a = MLA_VT_LDSM_PAIRED ? pair : 2 * pair;  // this lane's pair: tokens tok_a, tok_b of the chunk
+    const int tok_b = MLA_VT_LDSM_PAIRED ? pair + 8 : 2 * pair + 1;
     const int qq = i >> 1, half = (j & 1) ^ (qq >> 1), d7 = 4 * (qq & 1) + 2 * half + (i & 1);
     const uint32_t st_base =
         smem_u32(vdst) + ((dloc0 >> 3) + 2 * (j >> 1) + (qq >> 1)) * 512 + d7 * 64 + ((d7 >> 1) << 4);
     const uint32_t s_lo = q >= 2 ? 0x7362u : 0x5140u, s_hi = q >= 2 ? 0x5140u : 0x7362u;
 #pragma unroll
     for (int tb = 0; tb < 4; ++tb) {
-      const bool ok_even = 16 * tb + 2 * pair < nvalid, ok_odd = 16 * tb + 2 * pair + 1 < nvalid;
+      const bool ok_a = 16 * tb + tok_a < nvalid, ok_b = 16 * tb + tok_b < nvalid;
 #pragma unroll
       for (int cb = 0; cb < 2; ++cb) {
         uint32_t r[4];
         ldsm_x4((ld_base + 1024 * tb) ^ (cb << 5), r);
-        const uint32_t e0 = ok_even ? r[0] : 0u, o0 = ok_odd ? r[1] : 0u;
-        const uint32_t e1 = ok_even ? r[2] : 0u, o1 = ok_odd ? r[3] : 0u;
-        stsm_x4_trans((st_base + 2048 * cb) ^ (tb << 4), prmt(e0, o0, s_lo), prmt(e0, o0, s_hi), prmt(e1, o1, s_lo),
-                      prmt(e1, o1, s_hi));
+        const uint32_t a0 = ok_a ? r[0] : 0u, b0 = ok_b ? r[1] : 0u;
+        const uint32_t a1 = ok_a ? r[2] : 0u, b1 = ok_b ? r[3] : 0u;
+        stsm_x4_trans((st_base + 2048 * cb) ^ (tb << 4), prmt(a0, b0, s_lo), prmt(a0, b0, s_hi), prmt(a1, b1, s_lo),
+                      prmt(a1, b1, s_hi));
       }
     }
     return;
