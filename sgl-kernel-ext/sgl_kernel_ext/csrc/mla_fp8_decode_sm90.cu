@@ -261,16 +261,11 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
           for (int c = 0; c < 2; ++c)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const int ea = 2 * c * 4 + h * 2, eb = ea + 4;
-              const float pa0 = ex2(s_lat[ea] - m_use[h]), pa1 = ex2(s_lat[ea + 1] - m_use[h]);
-              const float pb0 = ex2(s_lat[eb] - m_use[h]), pb1 = ex2(s_lat[eb + 1] - m_use[h]);
-              ls[h] += pa0 + pa1;
-              ls[h] += pb0 + pb1;
+              uint16_t pk2[2];
+              paired_p(s_lat, 2 * c * 4 + h * 2, m_use[h], f + 4 * c, ls[h], pk2);
               const int r = r0 + 8 * h;
-              *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 16 * c + pv_k_pos(2 * q4))) =
-                  to_e4m3x2(pa0 * f[4 * c], pb0 * f[4 * c + 2]);
-              *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 16 * c + pv_k_pos(2 * q4 + 1))) =
-                  to_e4m3x2(pa1 * f[4 * c + 1], pb1 * f[4 * c + 3]);
+              *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 16 * c + pv_k_pos(2 * q4))) = pk2[0];
+              *reinterpret_cast<uint16_t*>(pt + sw64(r, wg * 32 + 16 * c + pv_k_pos(2 * q4 + 1))) = pk2[1];
             }
         } else {
 #pragma unroll

@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
 
     if (has_own) {
       const int st = t_own % NST;
-      uint32_t pk[16];  // [jj][h]: e4m3 of columns 8jj + 2q4, +1 of row r0 + 8h
+      uint32_t pk[16];  // [jj][h]: e4m3 of columns 8jj + 2q4, +1 of row r0 + 8h (MLA_VT_LDSM_PAIRED: [c][h][e])
       if constexpr (MLA_ABLATE_NO_SOFTMAX) {  // ablation: P' = e4m3(S), no scale, mask, max, exp2, sum, V scale
         wgmma_wait<0>();
         MLA_TRACE(14);
@@ -445,13 +445,10 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const int ea = 2 * c * 4 + h * 2, eb = ea + 4;
-              const float pa0 = ex2(s_lat[ea] - m_use[h]), pa1 = ex2(s_lat[ea + 1] - m_use[h]);
-              const float pb0 = ex2(s_lat[eb] - m_use[h]), pb1 = ex2(s_lat[eb + 1] - m_use[h]);
-              ls[h] += pa0 + pa1;
-              ls[h] += pb0 + pb1;
-              pk[(c * 2 + h) * 2] = to_e4m3x2(pa0 * f[0], pb0 * f[2]);
-              pk[(c * 2 + h) * 2 + 1] = to_e4m3x2(pa1 * f[1], pb1 * f[3]);
+              uint16_t pk2[2];
+              paired_p(s_lat, 2 * c * 4 + h * 2, m_use[h], f, ls[h], pk2);
+              pk[(c * 2 + h) * 2] = pk2[0];
+              pk[(c * 2 + h) * 2 + 1] = pk2[1];
             }
           }
         } else {

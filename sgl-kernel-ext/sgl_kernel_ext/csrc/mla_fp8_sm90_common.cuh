@@ -158,6 +158,18 @@ __device__ __forceinline__ constexpr int pv_k_pos(int l) {
   return MLA_VT_LDSM_PAIRED ? (l < 8 ? 2 * l : 2 * (l - 8) + 1) : l;
 }
 
+// MLA_VT_LDSM_PAIRED's softmax step for one row and two 8-token groups of S (accumulator indices ea, ea + 1: tokens
+// 2q4, 2q4 + 1 of group a; ea + 4, ea + 5: the same of group b, 8 tokens later): P = exp2(S - m) added to ls in
+// the default's order, and the two P' b16 for bytes pv_k_pos(2q4) and pv_k_pos(2q4 + 1) of the chunk (a token with
+// its + 8 partner). f: the V-scale factors of (a, 2q4), (a, 2q4 + 1), (b, 2q4), (b, 2q4 + 1).
+__device__ __forceinline__ void paired_p(const float* s, int ea, float m, const float* f, float& ls, uint16_t* pk2) {
+  const float pa0 = ex2(s[ea] - m), pa1 = ex2(s[ea + 1] - m), pb0 = ex2(s[ea + 4] - m), pb1 = ex2(s[ea + 5] - m);
+  ls += pa0 + pa1;
+  ls += pb0 + pb1;
+  pk2[0] = to_e4m3x2(pa0 * f[0], pb0 * f[2]);
+  pk2[1] = to_e4m3x2(pa1 * f[1], pb1 * f[3]);
+}
+
 // 4 8x8 b16 matrices: lanes 8j..8j+7 give the 16-byte row addresses of matrix j; lane t gets word t % 4 of row t / 4
 __device__ __forceinline__ void ldsm_x4(uint32_t saddr, uint32_t* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
