@@ -16,6 +16,7 @@ none (METHOD.md: leave the clocks alone), imports the report and writes:
 
 usage (GPU host): python3 benchmark/kernels/profile_mla_decode.py --out DIR [--batch 64 --context 4096 --heads 128]
                   [--providers ours-cuda ours-cuda-v2 flashmla-bf16] [--plan cuda|ctx|graph] [--set full]
+                  [--defines MLA_VT_LDSM_PAIRED]   (ours built with a design option: its bank conflicts, say)
 """
 from __future__ import annotations
 
@@ -79,12 +80,23 @@ def parse_args(argv=None):
     ap.add_argument("--plan", choices=("cuda", "ctx", "graph"), default="cuda",
                     help="ours' split plan: for these lengths (cuda), for a 163840-token context as the backend's "
                          "graphs had it (ctx), or that grid with the run-time split count (graph)")
+    ap.add_argument("--defines", nargs="+", default=[], metavar="NAME",
+                    help="build ours with these -D macros: design options (mla_decode_cuda.DESIGN_OPTIONS) or "
+                         "ablation switches (ABLATIONS)")
     ap.add_argument("--set", default="full", help="ncu --set (full: every section; detailed/basic are quicker)")
     ap.add_argument("--ncu", default="ncu", help="the ncu executable")
     ap.add_argument("--timeout-s", type=float, default=420.0,
                     help="limit of each ncu call, seconds (default: %(default)s)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.defines:
+        import importlib
+        cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+        known = set(cu.DESIGN_OPTIONS) | set(cu.ABLATIONS)
+        bad = sorted(set(args.defines) - known)
+        if bad:
+            ap.error(f"--defines {' '.join(bad)}: not a design option or ablation switch ({', '.join(sorted(known))})")
+    return args
 
 
 # ------------------------------------------------------------------------------------------------ the child
@@ -102,7 +114,7 @@ def child(args) -> int:
         if p.startswith("ours-cuda"):
             cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
             version = 2 if p.endswith("v2") else 1
-            ok, why = cu.available(version)
+            ok, why = cu.available(version, tuple(args.defines))
             if not ok:
                 print(f"{p}: unavailable: {why}", flush=True)
                 continue
@@ -117,7 +129,7 @@ def child(args) -> int:
             print(f"{p}: plan {args.plan}, grid splits {meta.num_splits}, run-time "
                   f"{meta.splits_dev.item() if meta.splits_dev is not None else meta.num_splits}", flush=True)
             calls[p] = lambda cu=cu, meta=meta, version=version: cu.mla_decode_fp8_cuda(
-                q, kv, bt, sl, scale, meta, version=version)
+                q, kv, bt, sl, scale, meta, version=version, defines=tuple(args.defines))
         else:
             try:
                 from sgl_kernel.flash_mla import flash_mla_with_kvcache, get_mla_metadata
@@ -214,7 +226,8 @@ def parent(args) -> int:
            "--set", args.set, "--import-source", "no", "--metrics", ",".join(RAW_METRICS), "-f", "-o",
            str(rep.with_suffix("")), sys.executable, str(Path(__file__).resolve()), "--child",
            "--out", str(args.out), "--batch", str(args.batch), "--context", str(args.context),
-           "--heads", str(args.heads), "--q-len", str(args.q_len), "--plan", args.plan, "--providers", *args.providers]
+           "--heads", str(args.heads), "--q-len", str(args.q_len), "--plan", args.plan, "--providers", *args.providers,
+           *(["--defines", *args.defines] if args.defines else [])]
     print(" ".join(cmd), flush=True)
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
     (args.out / "ncu_console.log").write_text(run.stdout + run.stderr)
@@ -230,7 +243,7 @@ def parent(args) -> int:
     summary = summarize(rows)
     record = {**provenance.record(), "benchmark": "profile_mla_decode",
               "point": {"batch": args.batch, "context": args.context, "heads": args.heads, "q_len": args.q_len,
-                        "plan": args.plan, "providers": args.providers},
+                        "plan": args.plan, "providers": args.providers, "defines": args.defines},
               "ncu": {"command": " ".join(cmd), "set": args.set, "clock_control": "none"},
               "summary": summary, "details": rows, "raw_csv": raw.stdout[-200000:]}
     path = args.out / "profile_mla_decode.json"

@@ -28,3 +28,27 @@ def test_details_are_parsed_and_the_headline_kept_per_launch():
 def test_without_ncu_it_says_so(tmp_path, capsys):
     assert prof.main(["--out", str(tmp_path), "--ncu", "no-such-ncu-binary"]) == 2
     assert "Nsight Compute is needed" in capsys.readouterr().err
+
+
+def test_defines_reach_the_child_and_unknown_ones_are_refused(tmp_path, monkeypatch, capsys):
+    """--defines profiles ours built with a design option (e.g. its bank conflicts); a typo is an error, not a
+    default build profiled under the option's name."""
+    import pytest
+    args = prof.parse_args(["--out", str(tmp_path), "--defines", "MLA_VT_LDSM_PAIRED"])
+    assert args.defines == ["MLA_VT_LDSM_PAIRED"]
+    with pytest.raises(SystemExit):
+        prof.parse_args(["--out", str(tmp_path), "--defines", "MLA_VT_NO_SUCH"])
+    assert "not a design option" in capsys.readouterr().err
+    seen = {}
+
+    class Run:
+        returncode, stdout, stderr = 1, "", ""
+
+    def fake_run(cmd, **kw):
+        seen.setdefault("cmd", cmd)
+        return Run()
+    monkeypatch.setattr(prof, "find_ncu", lambda name: "/bin/true")
+    monkeypatch.setattr(prof.subprocess, "run", fake_run)
+    assert prof.main(["--out", str(tmp_path), "--defines", "MLA_VT_LDSM"]) == 1  # the fake ncu "failed"
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("--child"):][-2:] == ["--defines", "MLA_VT_LDSM"]
