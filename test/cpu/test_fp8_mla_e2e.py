@@ -158,3 +158,12 @@ def test_a_later_phase_starts_only_if_a_workload_fits_after_its_server_start(tmp
     assert started == ["ours"]
     rec = json.loads((tmp_path / "fp8_mla_e2e.json").read_text())
     assert rec["skipped"] == ["phase flashmla: 150s left < ~170s for startup, greedy and a workload"]
+
+
+def test_summary_keeps_the_itl_tail_where_the_record_has_it():
+    """P90/P99 ITL per phase in the summary (None for records made before they were kept)."""
+    ours, flash = phase([], 1403.1, 35.2), phase([], 1457.1, 32.3)
+    ours["benches"]["4096x512@16"].update(p90_itl_ms=40.8, p99_itl_ms=64.6)
+    t = e2e.summarize({"ours": ours, "flashmla": flash}, None)["throughput"]["4096x512@16"]
+    assert (t["ours"]["p90_itl_ms"], t["ours"]["p99_itl_ms"]) == (40.8, 64.6)
+    assert t["flashmla"]["p90_itl_ms"] is None and t["flashmla"]["median_itl_ms"] == 32.3
