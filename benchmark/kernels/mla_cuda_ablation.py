@@ -10,8 +10,8 @@ design. The "Ablations" paragraph of the v2 .cu's header says exactly what each 
   NO_MERGE      the per-tile O rescale + add (P'V accumulates straight into O)
   EMPTY         the whole split kernel (what is left: the launch, the Q pre-pass, the combine kernel)
   A+B           several at once; ALL = every NO_* switch (the synchronization skeleton); ALL-X = all but X (X alone)
-  MLA_...       a design option (sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS, by its full -D name): results
-                unchanged, timed against the default like a variant; combines with the switches
+  MLA_...       a design option (sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS, by its full -D name): the same
+                results (or sums reordered), timed against the default like a variant; combines with the switches
 
 How to read the deltas. "saved" = default us - variant us: what that part costs when it is removed. A part that
 runs overlapped with other work saves ~0 when removed alone, although it is not free: remove its partner too (A+B),

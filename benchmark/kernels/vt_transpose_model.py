@@ -66,8 +66,8 @@ def lane_fields(lane: int, rep: int) -> tuple[int, int, int, int]:
 
 
 def unrolled_bits(i: int) -> int:
-    """Bits 4-8 of an SW64 offset that depend on the unrolled index (token slot i of a load, channel slot i of a
-    store): the kernel XORs them into one per-lane offset."""
+    """The kernels' `sw64_unrolled_bits`: bits 4-8 of an SW64 offset that depend on the unrolled index (token slot i
+    of a load, channel slot i of a store), XORed into one per-lane offset."""
     return (i << 6) | ((i >> 1) << 4)
 
 
@@ -93,8 +93,7 @@ def transpose4(x: list[int], sa: int, sb: int, ta: int, tb: int) -> list[int]:
 
 def shipped(src: np.ndarray, nvalid: int, swizzled_stores: bool = False) -> tuple[np.ndarray, dict]:
     """`transpose_v` as written (one warp, dloc0 = 0; its XOR address form asserted equal to the SW64 formula):
-    2 reps x (8 LDS.64, 16 prmt x 2, 8 STS.64). Its stores
-    take two wavefronts per half-warp phase: the 16 lanes of a phase write 8 distinct 8-byte bank slots, twice.
+    2 reps x (8 LDS.64, 16 prmt x 2, 8 STS.64). Its stores take two wavefronts per half-warp phase: the 16 lanes of a phase write 8 distinct 8-byte bank slots, twice.
     swizzled_stores (-DMLA_VT_STORE_SWIZZLE): lanes with bit 1 set swap their first-stage selectors, so their
     transpose4 outputs come out as channels c ^ 2, and store them there: same instructions, one wavefront each."""
     dst = np.zeros(64 * 64, np.uint8)
@@ -120,7 +119,7 @@ def shipped(src: np.ndarray, nvalid: int, swizzled_stores: bool = False) -> tupl
         for lane in range(32):
             cg8, xsw, zsw, tg = lane_fields(lane, rep)
             lane_off, z = store_lane_offset(lane, rep, 0, swizzled_stores)
-            sa, sb = (0x1504, 0x3726) if xsw else (0x5140, 0x7362)
+            sa, sb = (0x1504, 0x3726) if xsw else (SEL_EVEN_ODD_LO, SEL_EVEN_ODD_HI)
             if z & 2:  # the option: first-stage selectors swapped, outputs come out as channels c ^ 2
                 sa, sb = sb, sa
             sc, sd = (0x7632, 0x5410) if zsw else (0x5410, 0x7632)
@@ -236,8 +235,9 @@ def as_k(src: np.ndarray) -> np.ndarray:
 
 
 def compare(seed: int = 0, nvalid_list=(64, 37, 1)) -> dict:
-    """Both forms on one random SW64 block at each valid-token count: exact against K^T (tokens past nvalid zero),
-    and their per-warp instruction and wavefront counts for one 64 x 64 block."""
+    """Every form (shipped, its options, and the ldmatrix form with uniform selectors for contrast) on one random SW64
+    block at each valid-token count: exact against K^T (tokens past nvalid zero), and their per-warp instruction and
+    wavefront counts for one 64 x 64 block."""
     src = np.random.default_rng(seed).integers(1, 256, size=64 * 64, dtype=np.uint8)  # never zero
     want_full = as_k(src).T
     rec: dict = {"exact": {}, "per_warp_per_block": {}}

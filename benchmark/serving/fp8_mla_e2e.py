@@ -168,8 +168,8 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
                 new_log = f.read()
             rec["benches"][w] = {**{k: r.get(k) for k in ("output_throughput", "input_throughput",
                                                            "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
-                                                           "median_ttft_ms",
-                                                           "p99_ttft_ms", "duration", "completed")},
+                                                           "median_ttft_ms", "p99_ttft_ms", "duration",
+                                                           "completed")},
                                  "decode_log": decode_throughput(new_log, min_running=max(1, int(0.9 * conc))),
                                  "prefill_log": prefill_tokens(new_log),
                                  "command": r.get("command")}

@@ -22,8 +22,7 @@ Ablation builds, for finding where the time goes (benchmark/kernels/mla_cuda_abl
 :data:`ABLATIONS` lists the switches (the v2 ``.cu``'s header says what each removes). Their results are wrong by
 design. :data:`DESIGN_OPTIONS` are defines that change only how the kernel works: bit-identical results (a GPU test
 checks it), or for :data:`REORDERING_OPTIONS` the same sums in another order; timed against the default before
-one replaces it. The defines are part of the
-library's cache key; the default ``()`` is the normal build.
+one replaces it. The defines are part of the library's cache key; the default ``()`` is the normal build.
 """
 from __future__ import annotations
 
@@ -64,9 +63,9 @@ _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
 # compile-time switches of both versions, each removing one part of the split kernel's work (results wrong)
 ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_PV", "MLA_ABLATE_NO_QK",
              "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
-# design options: -D macros that change how the kernels work, not what they compute (bit-identical results; the GPU
-# test checks it); timed against the default build by mla_cuda_ablation.py before one becomes the default
-# (csrc/mla_fp8_sm90_common.cuh): V^T stores without bank conflicts; V^T by ldmatrix + stmatrix.trans; the same with
+# design options: -D macros that change how the kernels work, not what they compute (bit-identical results, or the
+# same sums in another order for REORDERING_OPTIONS; the GPU test checks it); timed against the default build by
+# mla_cuda_ablation.py before one becomes the default (csrc/mla_fp8_sm90_common.cuh): V^T stores without bank conflicts; V^T by ldmatrix + stmatrix.trans; the same with
 # tokens l and l + 8 paired in P' and V^T (conflict-free loads too; P'V sums in another k order: REORDERING_OPTIONS)
 DESIGN_OPTIONS = ("MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_VT_LDSM_PAIRED")
 REORDERING_OPTIONS = ("MLA_VT_LDSM_PAIRED",)  # close to the default build's results, not bit-identical

@@ -307,12 +307,18 @@ __device__ __forceinline__ void store_row(const Params& p, const float* o, int h
   }
 }
 
+// Bits 4-8 of an SW64 offset that depend only on row & 7 = i when the lane's own row group and 16-byte chunk are
+// folded into a per-lane offset: (i << 6) | (i >> 1) << 4, XORed into it (transpose_v's unrolled loads and stores).
+__device__ __forceinline__ constexpr uint32_t sw64_unrolled_bits(int i) { return (i << 6) | ((i >> 1) << 4); }
+
 // ---------------------------------------------------------------------------------------------------------------
 // V^T for one warp: 64 channels (K block kblk of the K tile = channels 64 kblk .. +63) x 64 tokens, written as
 // rows dloc0 .. dloc0+63 (dloc0 a multiple of 8) of a V^T buffer (channel rows x 64 token bytes, SW64). Loop
 // unrolling is the caller's (8x8 byte blocks, prmt with lane-dependent selectors; loads one wavefront per half-warp
 // phase, stores two, or one with MLA_VT_STORE_SWIZZLE). Tokens >= nvalid are written as zeros (their cache bytes
-// may be NaN and 0 x NaN poisons the MMA).
+// may be NaN and 0 x NaN poisons the MMA). The ldmatrix forms (MLA_VT_LDSM*) XOR into the shared addresses
+// themselves, so they also need ksrc and vdst 64-byte aligned (the kernels' K blocks and V^T buffers are 4 KB
+// multiples from a 1 KB aligned base).
 // ---------------------------------------------------------------------------------------------------------------
 template <int REP_UNROLL>
 __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, int dloc0, int nvalid, int lane) {
@@ -359,13 +365,13 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
   for (int rep = 0; rep < 2; ++rep) {
     const int tg = xsw | (((lane >> 4) & 1) << 1) | ((((lane >> 2) & 1) ^ rep) << 2);  // token group
     // token row k = i ^ xsw of group tg, channel bytes 8 cg8 .. +7 (SW64): as for the stores below, bits 4-8 of the
-    // offset are (i << 6 | (i >> 1) << 4) XOR this lane's, the other bits this lane's
+    // offset are sw64_unrolled_bits(i) XOR this lane's, the other bits this lane's
     const uint32_t lane_ld = (tg * 512 + (cg8 & 1) * 8) | (xsw << 6) | (((cg8 >> 1) & 3) << 4);
     uint32_t lo[8], hi[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int k = i ^ xsw;  // token row within the group held in slot i
-      const uint2 v = *reinterpret_cast<const uint2*>(ksrc + (lane_ld ^ ((i << 6) | ((i >> 1) << 4))));
+      const uint2 v = *reinterpret_cast<const uint2*>(ksrc + (lane_ld ^ sw64_unrolled_bits(i)));
       const bool ok = tg * 8 + k < nvalid;
       lo[i] = ok ? v.x : 0u;
       hi[i] = ok ? v.y : 0u;
@@ -383,7 +389,7 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
         (((dloc0 >> 3) + cg8) * 512 + (tg & 1) * 8) | (z << 6) | ((((tg >> 1) ^ (z >> 1)) & 3) << 4);
 #pragma unroll
     for (int c = 0; c < 8; ++c)
-      *reinterpret_cast<uint2*>(vdst + (lane_off ^ ((c << 6) | ((c >> 1) << 4)))) = make_uint2(tlo[c], thi[c]);
+      *reinterpret_cast<uint2*>(vdst + (lane_off ^ sw64_unrolled_bits(c))) = make_uint2(tlo[c], thi[c]);
   }
 }
 
