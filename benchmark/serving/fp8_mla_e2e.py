@@ -17,7 +17,8 @@ prefill reads the cached KV; for ours that is the gather-and-dequantize path), t
 reference (matching prefix length and position-wise match rate; dummy weights make logits nearly flat, so
 even two BF16 backends drift apart: the flashmla BF16 row is the noise floor to read the FP8 rows against),
 then sglang.bench_serving workloads (random dataset, one wave: num-prompts = concurrency unless given), each
-with the decode-only throughput read from the server log lines of that workload. A server that dies ends its
+with the decode-only throughput read from the server log lines of that workload and its slow steps (bench_serving's
+per-request gaps grouped into server steps: when the ITL tail happens, see slow_steps). A server that dies ends its
 phase: the error that ended it (from its log) is recorded as server_died and the remaining workloads as skipped.
 
 --deadline-s: after the first phase, a phase starts only if its expected startup plus its greedy step fits; a
@@ -152,7 +153,7 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
             try:
                 r = srv.bench(out / f"bench-{w.replace('@', '-c')}.jsonl", num_prompts=args.num_prompts or conc,
                               input_len=inp, output_len=outp, concurrency=conc, dataset_path=str(sharegpt),
-                              timeout_s=max(60.0, clock.left()))
+                              timeout_s=max(60.0, clock.left()), extra=["--output-details"])
             except Exception as e:  # a failed workload is a result too; the next one may still run
                 rec["benches"][w] = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
                 died = srv.death()
@@ -171,7 +172,7 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
                                                            "median_ttft_ms", "p99_ttft_ms", "duration",
                                                            "completed")},
                                  "decode_log": decode_throughput(new_log, min_running=max(1, int(0.9 * conc))),
-                                 "prefill_log": prefill_tokens(new_log),
+                                 "prefill_log": prefill_tokens(new_log), "slow_steps": slow_steps(r),
                                  "command": r.get("command")}
             b = rec["benches"][w]
             print(f"  {name} {w}: {b['output_throughput']:.1f} tok/s out, median ITL {b['median_itl_ms']:.2f} ms, "
@@ -186,6 +187,42 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
     rec["kv_cache_log_lines"] = [ln for ln in text.splitlines() if any(m in ln for m in KV_MARKS)][:8]
     rec["wall_s"] = time.time() - t0
     return rec
+
+
+def slow_steps(record: dict, factor: float = 1.5, top: int = 8) -> dict:
+    """Where a workload's slow inter-token gaps happen, from bench_serving's --output-details (ttfts, itls).
+
+    Every request of a one-wave run is sent at about t = 0, so a token's arrival is its request's TTFT plus the
+    gaps before it; gaps that end together (within 2 ms) are one server step. Reports the steps whose median
+    gap is above `factor` x the run's median gap: how many, how many requests each held up, and when, against
+    the decode start (the last first token). A few whole-batch stalls and a spread of per-request gaps call for
+    different fixes (session 26: ours' P99 ITL at 1024x256 @128 was 1.8x FlashMLA's, against 1.09x at the median).
+    """
+    ttfts, itls = record.get("ttfts") or [], record.get("itls") or []
+    gaps = [(t0 + sum(g[:k + 1]), x) for t0, g in zip(ttfts, itls) if t0 for k, x in enumerate(g)]
+    if not gaps:
+        return {}
+    gaps.sort()
+    median = sorted(x for _, x in gaps)[len(gaps) // 2]
+    steps, cur = [], [gaps[0]]
+    for end, x in gaps[1:]:
+        if end - cur[-1][0] <= 0.002:
+            cur.append((end, x))
+        else:
+            steps.append(cur)
+            cur = [(end, x)]
+    steps.append(cur)
+    start = max(t for t in ttfts if t)
+    rows = []
+    for st in steps:
+        xs = sorted(x for _, x in st)
+        if xs[len(xs) // 2] > factor * median:
+            rows.append({"at_s": round(st[-1][0] - start, 3), "gap_ms": round(1e3 * xs[len(xs) // 2], 2),
+                         "requests": len(st)})
+    rows.sort(key=lambda r: -r["gap_ms"])
+    return {"median_gap_ms": round(1e3 * median, 3), "steps": len(steps), "factor": factor, "slow_steps": len(rows),
+            "slow_gaps_share": round(sum(r["requests"] for r in rows) / len(gaps), 4),
+            "slowest": sorted(rows[:top], key=lambda r: r["at_s"])}
 
 
 def kv_pool_full(phases: dict) -> dict:
@@ -220,6 +257,7 @@ def summarize(phases: dict, ref: list | None) -> dict:
                                               # the tail: session 26's 1024x256 @128 had ours' P90/P99 ITL at
                                               # 1.2x/1.8x FlashMLA's against 1.09x at the median
                                               "p90_itl_ms": b.get("p90_itl_ms"), "p99_itl_ms": b.get("p99_itl_ms"),
+                                              "slow_steps": (b.get("slow_steps") or {}).get("slow_steps"),
                                               "decode_only_tok_s": b["decode_log"].get("median_tok_s")}
     s["throughput"] = table
     def over(mine: str, key: str) -> dict:

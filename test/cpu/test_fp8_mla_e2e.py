@@ -167,3 +167,26 @@ def test_summary_keeps_the_itl_tail_where_the_record_has_it():
     t = e2e.summarize({"ours": ours, "flashmla": flash}, None)["throughput"]["4096x512@16"]
     assert (t["ours"]["p90_itl_ms"], t["ours"]["p99_itl_ms"]) == (40.8, 64.6)
     assert t["flashmla"]["p90_itl_ms"] is None and t["flashmla"]["median_itl_ms"] == 32.3
+
+
+def test_slow_steps_finds_whole_batch_stalls():
+    """Four requests decode in lockstep (10 ms steps after the last first token, at 0.60 s); the first step is
+    slow for the early requests (their gap holds the later ones' prefill), and one later step stalls all four
+    for 40 ms: two slow steps of four requests, at their times after the decode start."""
+    rng = __import__("random").Random(7)
+    ttfts = [0.50, 0.52, 0.55, 0.60]
+
+    def gaps(t0, stall_at=None):  # every request's tokens arrive at the same server steps
+        ends = [0.60 + 0.010 * (k + 1) + (0.030 if stall_at is not None and k >= stall_at else 0) for k in range(20)]
+        ends = [e + rng.uniform(0, 0.0005) for e in ends]
+        return [b - a for a, b in zip([t0] + ends, ends)]
+
+    steady = e2e.slow_steps({"ttfts": ttfts, "itls": [gaps(t) for t in ttfts]})
+    assert steady["steps"] == 20 and steady["median_gap_ms"] == pytest.approx(10, abs=0.6)
+    assert steady["slow_steps"] == 1 and steady["slowest"][0]["at_s"] == pytest.approx(0.010, abs=0.002)
+    stalled = e2e.slow_steps({"ttfts": ttfts, "itls": [gaps(t, stall_at=12) for t in ttfts]})
+    assert stalled["slow_steps"] == 2 and [r["requests"] for r in stalled["slowest"]] == [4, 4]
+    late = stalled["slowest"][1]
+    assert late["gap_ms"] == pytest.approx(40, abs=1) and late["at_s"] == pytest.approx(0.160, abs=0.002)
+    assert stalled["slow_gaps_share"] == pytest.approx(8 / 80)
+    assert e2e.slow_steps({"output_throughput": 1.0}) == {}  # a record without --output-details
