@@ -16,7 +16,7 @@ none (METHOD.md: leave the clocks alone), imports the report and writes:
 
 usage (GPU host): python3 benchmark/kernels/profile_mla_decode.py --out DIR [--batch 64 --context 4096 --heads 128]
                   [--providers ours-cuda ours-cuda-v2 flashmla-bf16] [--plan cuda|ctx|graph] [--set full]
-                  [--defines MLA_VT_LDSM_PAIRED]   (ours built with a design option: its bank conflicts, say)
+                  [--defines MLA_VT_PRMT]   (ours built with a design option: its bank conflicts, say)
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The FP8 MLA kernels' V transpose, modelled on the CPU: `transpose_v` as shipped and as its design options build
-it (`-DMLA_VT_STORE_SWIZZLE`; `-DMLA_VT_LDSM`: `ldmatrix.x4` + `prmt` + `stmatrix.x4.trans` (b16);
-`-DMLA_VT_LDSM_PAIRED`: the same with tokens l and l + 8 paired), byte-exact, shared-memory wavefronts counted.
+"""The FP8 MLA kernels' V transpose, modelled on the CPU: `transpose_v` in each form the kernels build (the prmt
+form, the default until session 26, now `-DMLA_VT_PRMT`; `-DMLA_VT_STORE_SWIZZLE`; `-DMLA_VT_LDSM`: `ldmatrix.x4`
++ `prmt` + `stmatrix.x4.trans` (b16); and the default since session 27, the same with tokens l and l + 8 paired),
+byte-exact, shared-memory wavefronts counted.
 
 Why: FP8 wgmma on sm_90 has no transposed-B mode, so P'V needs Vᵀ (channels x tokens, K-major) while the cache
 holds V token-major. In the session-9 trace each math warpgroup of v2 spent 21-23% of its span transposing, and
@@ -91,7 +92,7 @@ def transpose4(x: list[int], sa: int, sb: int, ta: int, tb: int) -> list[int]:
     return [prmt(t0, t2, ta), prmt(t0, t2, tb), prmt(t1, t3, ta), prmt(t1, t3, tb)]
 
 
-def shipped(src: np.ndarray, nvalid: int, swizzled_stores: bool = False) -> tuple[np.ndarray, dict]:
+def prmt_form(src: np.ndarray, nvalid: int, swizzled_stores: bool = False) -> tuple[np.ndarray, dict]:
     """`transpose_v` as written (one warp, dloc0 = 0; its XOR address form asserted equal to the SW64 formula):
     2 reps x (8 LDS.64, 16 prmt x 2, 8 STS.64). Its stores take two wavefronts per half-warp phase: the 16 lanes of a phase write 8 distinct 8-byte bank slots, twice.
     swizzled_stores (-DMLA_VT_STORE_SWIZZLE): lanes with bit 1 set swap their first-stage selectors, so their
@@ -150,7 +151,7 @@ def pv_k_pos(l: int, paired: bool) -> int:
 def ldsm_lane_base(lane: int, paired: bool = False) -> int:
     """-DMLA_VT_LDSM's ldmatrix row address of this lane (matrix j = lane // 8: token pair_tokens(i)[j & 1] of
     pair i = lane % 8, channel chunk 2 cb + (j >> 1)) for token chunk tb and channel half cb: (base + 1024 tb) ^
-    (cb << 5). paired (-DMLA_VT_LDSM_PAIRED): the 8 rows of a phase are 8 consecutive tokens, conflict-free."""
+    (cb << 5). paired (the default form): the 8 rows of a phase are 8 consecutive tokens, conflict-free."""
     j, i = divmod(lane, 8)
     if paired:
         return (j & 1) * 512 + i * 64 + ((((j >> 1) ^ (i >> 1)) & 3) << 4)
@@ -170,7 +171,7 @@ def stsm_lane_base(lane: int, dloc0: int) -> tuple[int, int]:
 
 def ldsm_stsm(src: np.ndarray, nvalid: int, lane_selectors: bool = True, paired: bool = False
               ) -> tuple[np.ndarray, dict]:
-    """-DMLA_VT_LDSM (paired: -DMLA_VT_LDSM_PAIRED): per 16 tokens x 32 channels, one ldmatrix.x4 (the first /
+    """-DMLA_VT_LDSM (paired: the default form): per 16 tokens x 32 channels, one ldmatrix.x4 (the first /
     second tokens of each pair, of two 16-byte channel chunks), four prmt (the pair's bytes interleaved: b16
     elements), one stmatrix.x4.trans (the b16 transpose puts each channel's 16 tokens in one 16-byte row of Vᵀ).
     lane_selectors: lanes with t % 4 >= 2 swap the two interleave selectors (and the stores' channel rows with
@@ -235,7 +236,7 @@ def as_k(src: np.ndarray) -> np.ndarray:
 
 
 def compare(seed: int = 0, nvalid_list=(64, 37, 1)) -> dict:
-    """Every form (shipped, its options, and the ldmatrix form with uniform selectors for contrast) on one random SW64
+    """Every form (prmt, its options, and the ldmatrix form with uniform selectors for contrast) on one random SW64
     block at each valid-token count: exact against K^T (tokens past nvalid zero), and their per-warp instruction and
     wavefront counts for one 64 x 64 block."""
     src = np.random.default_rng(seed).integers(1, 256, size=64 * 64, dtype=np.uint8)  # never zero
@@ -245,7 +246,7 @@ def compare(seed: int = 0, nvalid_list=(64, 37, 1)) -> dict:
         want = want_full.copy()
         want[:, nvalid:] = 0
         for name, fn, paired in (
-                ("shipped", shipped, False), ("shipped_swizzled_stores", lambda s, n: shipped(s, n, True), False),
+                ("prmt", prmt_form, False), ("prmt_swizzled_stores", lambda s, n: prmt_form(s, n, True), False),
                 ("ldsm_stsm", ldsm_stsm, False),
                 ("ldsm_stsm_uniform_selectors", lambda s, n: ldsm_stsm(s, n, lane_selectors=False), False),
                 ("ldsm_stsm_paired", lambda s, n: ldsm_stsm(s, n, paired=True), True)):

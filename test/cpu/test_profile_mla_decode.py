@@ -34,8 +34,8 @@ def test_defines_reach_the_child_and_unknown_ones_are_refused(tmp_path, monkeypa
     """--defines profiles ours built with a design option (e.g. its bank conflicts); a typo is an error, not a
     default build profiled under the option's name."""
     import pytest
-    args = prof.parse_args(["--out", str(tmp_path), "--defines", "MLA_VT_LDSM_PAIRED"])
-    assert args.defines == ["MLA_VT_LDSM_PAIRED"]
+    args = prof.parse_args(["--out", str(tmp_path), "--defines", "MLA_VT_PRMT"])
+    assert args.defines == ["MLA_VT_PRMT"]
     with pytest.raises(SystemExit):
         prof.parse_args(["--out", str(tmp_path), "--defines", "MLA_VT_NO_SUCH"])
     assert "not a design option" in capsys.readouterr().err

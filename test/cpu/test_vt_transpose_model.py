@@ -1,5 +1,6 @@
 """The V transpose of the CUDA MLA kernels, modelled byte for byte (benchmark/kernels/vt_transpose_model.py): the
-shipped transpose_v, its conflict-free-store option and the ldmatrix/stmatrix candidate all produce V^T exactly
+prmt transpose_v (the default until session 26), its conflict-free-store option and the ldmatrix/stmatrix forms
+(the paired one is the default since session 27) all produce V^T exactly
 (tokens past the end zero), and the bank-conflict counts the design option rests on hold."""
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ def test_every_form_is_exact(rec):
 
 
 def test_the_option_halves_the_store_wavefronts_with_the_same_instructions(rec):
-    """ncu counted 2.3 M bank conflicts in v2 at batch 64 x 4k; the shipped stores' 2-way conflicts are ~2.1 M."""
+    """ncu counted 2.3 M bank conflicts in v2 at batch 64 x 4k; the prmt stores' 2-way conflicts are ~2.1 M."""
     w = rec["per_warp_per_block"]
-    shipped, opt = w["shipped"], w["shipped_swizzled_stores"]
-    assert (shipped["wavefronts_load"], shipped["wavefronts_store"]) == (32, 64)
+    prmt, opt = w["prmt"], w["prmt_swizzled_stores"]
+    assert (prmt["wavefronts_load"], prmt["wavefronts_store"]) == (32, 64)
     assert (opt["wavefronts_load"], opt["wavefronts_store"]) == (32, 32)  # 16 instructions x 2 phases: no conflict
-    assert opt["instructions_per_thread"] == shipped["instructions_per_thread"] == 128
+    assert opt["instructions_per_thread"] == prmt["instructions_per_thread"] == 128
     cand = w["ldsm_stsm"]  # fewer instructions, but SW64 puts tokens r and r + 8 of one ldmatrix phase on one bank
     assert cand["instructions_per_thread"] == 80 and (cand["wavefronts_load"], cand["wavefronts_store"]) == (64, 32)
     assert w["ldsm_stsm_uniform_selectors"]["wavefronts_store"] == 64
@@ -70,7 +71,7 @@ def test_the_ldsm_options_address_form_equals_the_sw64_formula(dloc0):
 
 
 def test_paired_p_prime_stores_match_the_paired_v_transpose():
-    """-DMLA_VT_LDSM_PAIRED: the softmax stores the b16 of (token 16c + 2q4 + e, token + 8) at byte 16c +
+    """The default (paired) form: the softmax stores the b16 of (token 16c + 2q4 + e, token + 8) at byte 16c +
     pv_k_pos(2q4 + e) of its P' row (both kernels); each token's P' byte then sits at the k position where the
     paired V^T put that token's V, and the 16 positions of a chunk are each written once."""
     for c in range(4):

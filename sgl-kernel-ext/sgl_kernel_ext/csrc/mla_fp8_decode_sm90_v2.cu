@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
 
     if (has_own) {
       const int st = t_own % NST;
-      uint32_t pk[16];  // [jj][h]: e4m3 of columns 8jj + 2q4, +1 of row r0 + 8h (MLA_VT_LDSM_PAIRED: [c][h][e])
+      uint32_t pk[16];  // [jj][h]: e4m3 of columns 8jj + 2q4, +1 of row r0 + 8h (paired form: [c][h][e])
       if constexpr (MLA_ABLATE_NO_SOFTMAX) {  // ablation: P' = e4m3(S), no scale, mask, max, exp2, sum, V scale
         wgmma_wait<0>();
         MLA_TRACE(14);

@@ -34,28 +34,29 @@
 #ifndef MLA_ABLATE_EMPTY
 #define MLA_ABLATE_EMPTY 0
 #endif
-// Design option (results bit-identical to the default build; mla_decode_cuda.DESIGN_OPTIONS): transpose_v's stores
-// without bank conflicts. The default's 8-byte stores take two wavefronts per half-warp phase (16 lanes write 8
-// distinct 8-byte bank slots twice; about 2.1 M of the 2.3 M bank conflicts ncu counted for v2 at batch 64 x 4k);
-// with the option, lanes with bit 1 set store channel c ^ 2 in place of c (their first-stage prmt selectors
-// swapped), which spreads each phase over all 16 slots: the same instructions, half the store wavefronts.
-// benchmark/kernels/vt_transpose_model.py checks both byte for byte and counts the wavefronts.
+// How transpose_v builds V^T (and so the k order of P'V). The default since session 27: ldmatrix.x4 + prmt +
+// stmatrix.x4.trans (b16), each b16 of V^T (and of P') pairing tokens l and l + 8 of a 16-token chunk, so an
+// ldmatrix phase reads 8 consecutive tokens: 80 instructions per lane and 64 x 64 block, no bank conflicts
+// (measured 2-4% faster than MLA_VT_PRMT on the H200 at 16 x 4k, 64 x 4k and 128 x 16k, both versions:
+// benchmark/results/mla_decode/mla_vt_options_ablation_h200.json). Design options (mla_decode_cuda.DESIGN_OPTIONS),
+// the forms it replaced, all bit-identical to each other; their P'V sums run in the other k order (tokens 2l, 2l + 1
+// per b16), so they are close to the default's results, not bit-identical (REORDERING_OPTIONS):
+//   MLA_VT_PRMT           8-byte loads, prmt, 8-byte stores, the default until session 26 (128 instructions; stores
+//                         2-way conflicted: about 2.1 M of the 2.3 M bank conflicts ncu counted for v2 at 64 x 4k)
+//   MLA_VT_STORE_SWIZZLE  the same, lanes with bit 1 set storing channel c ^ 2 (first-stage selectors swapped):
+//                         conflict-free stores, the same instructions
+//   MLA_VT_LDSM           ldmatrix / stmatrix with tokens 2l, 2l + 1 paired: 80 instructions, loads 2-way conflicted
+// benchmark/kernels/vt_transpose_model.py checks every form byte for byte and counts its wavefronts.
 #ifndef MLA_VT_STORE_SWIZZLE
 #define MLA_VT_STORE_SWIZZLE 0
 #endif
-// Design option: transpose_v by ldmatrix.x4 + prmt + stmatrix.x4.trans (b16) instead of 8-byte loads and stores:
-// 80 instead of 128 instructions per lane and 64 x 64 block, conflict-free stores, but 2-way conflicted loads (an
-// ldmatrix phase reads tokens r and r + 8 of one SW64 chunk). vt_transpose_model.py checks it byte for byte.
+#ifndef MLA_VT_PRMT
+#define MLA_VT_PRMT MLA_VT_STORE_SWIZZLE
+#endif
 #ifndef MLA_VT_LDSM
 #define MLA_VT_LDSM 0
 #endif
-// Design option on top of it: each b16 of V^T (and of P') pairs tokens l and l + 8 of a 16-token chunk instead of
-// 2l and 2l + 1, so that an ldmatrix phase reads 8 consecutive tokens: conflict-free loads too. The k order inside
-// each chunk of P'V changes (P' is stored in the same order), so the sums run in another order: close to the
-// default build's results, not bit-identical (mla_decode_cuda.REORDERING_OPTIONS).
-#ifndef MLA_VT_LDSM_PAIRED
-#define MLA_VT_LDSM_PAIRED 0
-#endif
+#define MLA_VT_LDSM_PAIRED (!MLA_VT_PRMT && !MLA_VT_LDSM)  // the default form
 
 namespace mla_fp8_common {
 
@@ -152,13 +153,13 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return r;
 }
 
-// Byte position, inside the 16-byte chunk of its token, of token l (0..15) in P' and V^T: l by default; with
-// MLA_VT_LDSM_PAIRED tokens l and l + 8 (l < 8) form one b16 pair, at 2l and 2l + 1.
+// Byte position, inside the 16-byte chunk of its token, of token l (0..15) in P' and V^T: in the default (paired)
+// form tokens l and l + 8 (l < 8) form one b16 pair, at 2l and 2l + 1; l with the MLA_VT_PRMT / _LDSM options.
 __device__ __forceinline__ constexpr int pv_k_pos(int l) {
   return MLA_VT_LDSM_PAIRED ? (l < 8 ? 2 * l : 2 * (l - 8) + 1) : l;
 }
 
-// MLA_VT_LDSM_PAIRED's softmax step for one row and two 8-token groups of S (accumulator indices ea, ea + 1: tokens
+// The paired form's softmax step for one row and two 8-token groups of S (accumulator indices ea, ea + 1: tokens
 // 2q4, 2q4 + 1 of group a; ea + 4, ea + 5: the same of group b, 8 tokens later): P = exp2(S - m) added to ls in
 // the default's order, and the two P' b16 for bytes pv_k_pos(2q4) and pv_k_pos(2q4 + 1) of the chunk (a token with
 // its + 8 partner). f: the V-scale factors of (a, 2q4), (a, 2q4 + 1), (b, 2q4), (b, 2q4 + 1).
@@ -313,18 +314,17 @@ __device__ __forceinline__ constexpr uint32_t sw64_unrolled_bits(int i) { return
 
 // ---------------------------------------------------------------------------------------------------------------
 // V^T for one warp: 64 channels (K block kblk of the K tile = channels 64 kblk .. +63) x 64 tokens, written as
-// rows dloc0 .. dloc0+63 (dloc0 a multiple of 8) of a V^T buffer (channel rows x 64 token bytes, SW64). Loop
-// unrolling is the caller's (8x8 byte blocks, prmt with lane-dependent selectors; loads one wavefront per half-warp
-// phase, stores two, or one with MLA_VT_STORE_SWIZZLE). Tokens >= nvalid are written as zeros (their cache bytes
-// may be NaN and 0 x NaN poisons the MMA). The ldmatrix forms (MLA_VT_LDSM*) XOR into the shared addresses
-// themselves, so they also need ksrc and vdst 64-byte aligned (the kernels' K blocks and V^T buffers are 4 KB
+// rows dloc0 .. dloc0+63 (dloc0 a multiple of 8) of a V^T buffer (channel rows x 64 token bytes, SW64), in the
+// form the macros above select. Loop unrolling is the caller's. Tokens >= nvalid are written as zeros (their cache
+// bytes may be NaN and 0 x NaN poisons the MMA). The ldmatrix forms (the default, MLA_VT_LDSM) XOR into the shared
+// addresses themselves, so they also need ksrc and vdst 64-byte aligned (the kernels' K blocks and V^T buffers are 4 KB
 // multiples from a 1 KB aligned base).
 // ---------------------------------------------------------------------------------------------------------------
 template <int REP_UNROLL>
 __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, int dloc0, int nvalid, int lane) {
-  if constexpr (MLA_VT_LDSM || MLA_VT_LDSM_PAIRED) {
+  if constexpr (!MLA_VT_PRMT) {
     // per 16 tokens (tb) x 32 channels (cb): ldmatrix.x4 of the first / second token of each pair (2i, 2i + 1; or
-    // i, i + 8 with MLA_VT_LDSM_PAIRED) of two 16-byte channel chunks, prmt interleaves each lane's two token bytes
+    // i, i + 8 in the paired form) of two 16-byte channel chunks, prmt interleaves each lane's two token bytes
     // into b16 token pairs, stmatrix.trans writes each channel's 16 tokens as one 16-byte V^T row. Lanes with
     // t % 4 >= 2 swap the interleave selectors (their channels 4q+2, +3 go to the even matrices), so that the 8 rows
     // of each stored matrix are 8 distinct channels mod 8: conflict-free. Row addresses: lane base + / ^ the unrolled
