@@ -353,9 +353,10 @@ def test_design_options_match_the_default_build(option, version):
 
 def test_replaced_transposes_agree_bit_for_bit(version):
     """The design options are the V^T forms the default replaced; they share one k order of P'V (tokens 2l, 2l + 1
-    per b16), so their outputs and lse are bit-identical to each other, while the default's (tokens l, l + 8) differ
-    from them in the last bits."""
-    d = mla.make_mla_inputs([1, 64, 130, 3000], 128, 2, 64, device="cuda", seed=61, **DEEPSEEK_LIKE)
+    per b16), so their outputs and lse are bit-identical to each other; the default's order (tokens l, l + 8) is
+    only held to 2e-3 of them. (On the H200, session 27, it was bit-identical on this input too: the permutation
+    stays inside one k-32 wgmma.)"""
+    d = mla.make_mla_inputs([2, 65, 130, 3000], 128, 2, 64, device="cuda", seed=61, **DEEPSEEK_LIKE)
     meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 128, 2)
     args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"], meta)
     first, *rest = [cu.mla_decode_fp8_cuda(*args, return_lse=True, version=version, defines=(o,))
@@ -364,5 +365,4 @@ def test_replaced_transposes_agree_bit_for_bit(version):
     torch.cuda.synchronize()
     for option, (b, lb) in zip(cu.DESIGN_OPTIONS[1:], rest):
         assert torch.equal(first[0], b) and torch.equal(first[1], lb), option
-    assert not torch.equal(first[0], default[0])  # the orders differ, so the test above compares something
-    assert rel(default[0], first[0]) <= 2e-3
+    assert rel(default[0], first[0]) <= 2e-3 and rel(default[1], first[1]) <= 2e-3
