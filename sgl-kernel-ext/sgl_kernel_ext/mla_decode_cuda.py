@@ -69,8 +69,9 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # (ldmatrix + stmatrix.trans, tokens l and l + 8 paired in P' and V^T) won that timing in session 27; these are the
 # forms it replaced: 8-byte loads + prmt + 8-byte stores (the earlier default), the same with conflict-free stores,
 # and ldmatrix with tokens 2l, 2l + 1 paired. All three sum P'V in the other k order: close to the default's results
-DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM")
-REORDERING_OPTIONS = DESIGN_OPTIONS  # close to the default build's results, not bit-identical
+# MLA_TMA_LOAD (version 2; v1 ignores it): the loader fetches K tiles by TMA boxes instead of cp.async: bit-identical
+DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_TMA_LOAD")
+REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up
@@ -147,9 +148,10 @@ def build(verbose: bool = True, version: int = 1, defines=()) -> Path:
 
 
 # mla_fp8_decode_sm90's C signature (csrc/mla_fp8_sm90_common.cuh, MLA_FP8_DEFINE_ENTRY_POINTS), for ctypes:
-# 10 pointers (q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp), 13 strides, batch, heads, q_len,
-# num_splits, the run-time split count pointer (nullable), causal, qk_scale, stream
-LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 13 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+# 10 pointers (q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp), 13 strides, the cache's page count (the
+# MLA_TMA_LOAD build's tensor map), batch, heads, q_len, num_splits, the run-time split count pointer (nullable),
+# causal, qk_scale, stream
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 14 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
                    + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p])
 
 
@@ -164,7 +166,7 @@ def launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens, direct_o
     return (_ptr(q8), _ptr(qs), _ptr(kv_data), _ptr(kv_scales), _ptr(block_table), _ptr(cache_seqlens),
             _ptr(direct_out) if direct else 0, _ptr(lse) if direct else 0, _ptr(op), _ptr(lp),
             kv_data.stride(0), kv_scales.stride(0), block_table.stride(0),
-            *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp,
+            *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp, kv_data.shape[0],
             B, H, q_len, metadata.num_splits, 0 if direct else _ptr(metadata.splits_dev),
             int(bool(causal)), float(softmax_scale) * LOG2E, stream)
 

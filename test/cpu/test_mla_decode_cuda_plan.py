@@ -61,7 +61,8 @@ def test_launch_args_follow_the_c_signature_and_pass_the_split_count_pointer():
     src = (cu.source_path(1).parent / "mla_fp8_sm90_common.cuh").read_text()
     sig = re.search(r"MLA_FP8_EXPORT int mla_fp8_decode_sm90\((.*?)\)\s*\{", src, re.S).group(1)
     params = [p.replace("\\", " ").split()[-1] for p in sig.split(",")]
-    assert len(params) == len(cu.LAUNCH_ARGTYPES) and params[27] == "splits" and params[26] == "num_splits"
+    assert len(params) == len(cu.LAUNCH_ARGTYPES) and params[28] == "splits" and params[27] == "num_splits"
+    assert params[23] == "kv_pages"  # the MLA_TMA_LOAD build's tensor map needs the cache's extent
 
     B, T, H = 2, 1, 16
     kv = torch.zeros(3, 64, 576, dtype=torch.uint8)
@@ -78,7 +79,7 @@ def test_launch_args_follow_the_c_signature_and_pass_the_split_count_pointer():
         args = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, *split_ops, m, True, 0.1, 0)
         assert len(args) == len(cu.LAUNCH_ARGTYPES)
         assert all(isinstance(a, kinds[t]) for a, t in zip(args, cu.LAUNCH_ARGTYPES))
-        assert args[27] == want and args[5] == sl.data_ptr() and args[23:27] == (B, H, T, 3)
+        assert args[28] == want and args[5] == sl.data_ptr() and args[23:28] == (3, B, H, T, 3)
         assert (args[6] == 0) == (split_ops[0] is not None)  # bf16 out only on the direct path
 
 

@@ -352,7 +352,7 @@ def test_design_options_match_the_default_build(option, version):
 
 
 def test_replaced_transposes_agree_bit_for_bit(version):
-    """The design options are the V^T forms the default replaced; they share one k order of P'V (tokens 2l, 2l + 1
+    """The reordering options are the V^T forms the default replaced; they share one k order of P'V (tokens 2l, 2l + 1
     per b16), so their outputs and lse are bit-identical to each other; the default's order (tokens l, l + 8) is
     only held to 2e-3 of them. (On the H200, session 27, it was bit-identical on this input too: the permutation
     stays inside one k-32 wgmma.)"""
@@ -360,9 +360,9 @@ def test_replaced_transposes_agree_bit_for_bit(version):
     meta = mla.get_mla_decode_metadata(d["cache_seqlens"], 128, 2)
     args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"], meta)
     first, *rest = [cu.mla_decode_fp8_cuda(*args, return_lse=True, version=version, defines=(o,))
-                    for o in cu.DESIGN_OPTIONS]
+                    for o in cu.REORDERING_OPTIONS]
     default = cu.mla_decode_fp8_cuda(*args, return_lse=True, version=version)
     torch.cuda.synchronize()
-    for option, (b, lb) in zip(cu.DESIGN_OPTIONS[1:], rest):
+    for option, (b, lb) in zip(cu.REORDERING_OPTIONS[1:], rest):
         assert torch.equal(first[0], b) and torch.equal(first[1], lb), option
     assert rel(default[0], first[0]) <= 2e-3 and rel(default[1], first[1]) <= 2e-3

@@ -30,9 +30,10 @@
 //   V^T needs no cross-WG synchronization (a 128-thread named barrier per WG). The transposes run before the
 //   QK^T wgmmas: with the 64 S registers in flight on top of O's 128, ptxas spilled the transpose's registers.
 // - Loader WG: K tiles (+ scales, + Q with tile 0) by cp.async 16 B into the SW64 layout (v1's addressing), 3
-//   stages, completion signalled with cp.async.mbarrier.arrive.noinc (no blocking wait in the loader). Not TMA:
-//   a tensor map needs the driver API on the host and the SW64 box layout would be the same; cp.async is v1's
-//   proven path and the loader is off the critical path (2304 16-byte copies per tile over 128 threads).
+//   stages, completion signalled with cp.async.mbarrier.arrive.noinc (no blocking wait in the loader): v1's proven
+//   path, 2304 16-byte copies per tile over 128 threads. Design option MLA_TMA_LOAD (session 27, not yet timed):
+//   one loader thread issues 9 TMA boxes (64 tokens x 64 bytes, SWIZZLE_64B = the SW64 layout) and one bulk copy
+//   of the scales per tile against full_k's transaction count (the host encodes the tensor map per launch).
 // - Synchronization (no CTA-wide barrier after the mbarrier init; parity of use u of a buffer = u & 1):
 //     full_k[s]  (count 128, loader .noinc arrives)  -> waited by both math WGs (QK^T, V^T, scales)
 //     empty_k[s] (count 256, each math thread once per tile after its last read of the stage) -> waited by loader
@@ -169,6 +170,26 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+#if MLA_TMA_LOAD
+// arrive once on `bar` and expect `bytes` more bytes of asynchronous copies before its phase completes
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// one SW64 K block of a tile: bytes 64 kb .. 64 kb + 63 of the 64 tokens of `page`, by TMA (completes on bar)
+__device__ __forceinline__ void tma_kv_block(uint32_t dst, const CUtensorMap* map, int kb, int page, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(64 * kb), "r"(0), "r"(page), "r"(bar)
+      : "memory");
+}
+// `bytes` contiguous bytes (multiple of 16, both addresses 16-byte aligned) by the bulk copy engine
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+#endif
+
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
@@ -198,7 +219,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   const uint32_t bar_empty_p = bar_full_p + 16;           // [2]   count 256: both math WGs (PV done, m/c read)
   if (tid == 0) {
     for (int s = 0; s < NST; ++s) {
-      mbar_init(bar_full_k + 8 * s, 128);
+      mbar_init(bar_full_k + 8 * s, MLA_TMA_LOAD ? 1 : 128);  // TMA: one arrival plus the copies' bytes
       mbar_init(bar_empty_k + 8 * s, 256);
     }
     for (int s = 0; s < 2; ++s) {
@@ -216,6 +237,36 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     setmaxnreg_dec<LOADER_REGS>();
     const int ptid = tid - 256;
     const int* bt_row = p.block_table + static_cast<long long>(b) * p.bt_stride;
+#if MLA_TMA_LOAD
+    if (ntiles > 0) {  // Q by cp.async over the warpgroup, landed before thread 0's tile-0 arrival releases it
+#pragma unroll 2
+      for (int i = 0; i < 18; ++i) load_q_chunk(p, sbase + OFF_Q, b, rb, ROWS, KB_BYTES, i * 128 + ptid);
+      cp_async_wait_all();
+      named_barrier(4, 128);
+    }
+    if (ptid == 0) {
+#pragma unroll 1
+      for (int t = 0; t < ntiles; ++t) {
+        const int st = t % NST;
+        const uint32_t full = bar_full_k + 8 * st;
+        MLA_TRACE(2);
+        if (t >= NST) mbar_wait(bar_empty_k + 8 * st, ((t / NST) - 1) & 1);  // tile t - NST released by both WGs
+        MLA_TRACE(3);
+        if (MLA_ABLATE_NO_LOAD && t >= NST) {  // ablation: the stages keep tiles 0 .. NST-1
+          mbar_arrive(full);
+          continue;
+        }
+        const int page = bt_row[(start + t * PAGE) / PAGE];
+        const uint32_t dst = sbase + OFF_K + st * TILE_BYTES;
+        mbar_arrive_expect_tx(full, TILE_BYTES + KS_BYTES);
+#pragma unroll
+        for (int kb = 0; kb < DQK / 64; ++kb) tma_kv_block(dst + kb * KB_BYTES, &p.kv_map, kb, page, full);
+        bulk_copy(sbase + OFF_KS + st * KS_BYTES, p.kvs + static_cast<long long>(page) * p.kvs_page_stride, KS_BYTES,
+                  full);
+        MLA_TRACE(4);
+      }
+    }
+#else
 #pragma unroll 1
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % NST;
@@ -245,6 +296,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       cp_async_mbar_arrive(bar_full_k + 8 * st);
       MLA_TRACE(4);
     }
+#endif
     cp_async_wait_all();
     MLA_TRACE(5);
     MLA_TRACE_END;
