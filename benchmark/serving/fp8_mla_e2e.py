@@ -40,6 +40,7 @@ import os
 import random
 import shlex
 import time
+from itertools import accumulate
 from pathlib import Path
 
 from sglang_h20 import provenance
@@ -199,7 +200,7 @@ def slow_steps(record: dict, factor: float = 1.5, top: int = 8) -> dict:
     different fixes (session 26: ours' P99 ITL at 1024x256 @128 was 1.8x FlashMLA's, against 1.09x at the median).
     """
     ttfts, itls = record.get("ttfts") or [], record.get("itls") or []
-    gaps = [(t0 + sum(g[:k + 1]), x) for t0, g in zip(ttfts, itls) if t0 for k, x in enumerate(g)]
+    gaps = [(t0 + done, x) for t0, g in zip(ttfts, itls) if t0 for done, x in zip(accumulate(g), g)]
     if not gaps:
         return {}
     gaps.sort()
@@ -215,10 +216,9 @@ def slow_steps(record: dict, factor: float = 1.5, top: int = 8) -> dict:
     start = max(t for t in ttfts if t)
     rows = []
     for st in steps:
-        xs = sorted(x for _, x in st)
-        if xs[len(xs) // 2] > factor * median:
-            rows.append({"at_s": round(st[-1][0] - start, 3), "gap_ms": round(1e3 * xs[len(xs) // 2], 2),
-                         "requests": len(st)})
+        mid = sorted(x for _, x in st)[len(st) // 2]
+        if mid > factor * median:
+            rows.append({"at_s": round(st[-1][0] - start, 3), "gap_ms": round(1e3 * mid, 2), "requests": len(st)})
     rows.sort(key=lambda r: -r["gap_ms"])
     return {"median_gap_ms": round(1e3 * median, 3), "steps": len(steps), "factor": factor, "slow_steps": len(rows),
             "slow_gaps_share": round(sum(r["requests"] for r in rows) / len(gaps), 4),
