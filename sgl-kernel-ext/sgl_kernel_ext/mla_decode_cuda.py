@@ -68,9 +68,9 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # mla_cuda_ablation.py before one becomes the default (csrc/mla_fp8_sm90_common.cuh). The first three are the V^T
 # forms the default (ldmatrix + stmatrix.trans, tokens l and l + 8 paired in P' and V^T) replaced in session 27:
 # 8-byte loads + prmt + 8-byte stores (the earlier default), the same with conflict-free stores, and ldmatrix with
-# tokens 2l, 2l + 1 paired; they sum P'V in the other k order. MLA_TMA_LOAD (version 2; v1 ignores it): the loader
-# fetches K tiles by TMA boxes instead of cp.async, the same bytes in the same places.
-DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_TMA_LOAD")
+# tokens 2l, 2l + 1 paired; they sum P'V in the other k order. MLA_CP_ASYNC_LOAD (version 2; v1 always loads so):
+# the loader warpgroup fetches K tiles by 16-byte cp.async, the loader TMA boxes replaced in session 28.
+DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
@@ -148,8 +148,8 @@ def build(verbose: bool = True, version: int = 1, defines=()) -> Path:
 
 
 # mla_fp8_decode_sm90's C signature (csrc/mla_fp8_sm90_common.cuh, MLA_FP8_DEFINE_ENTRY_POINTS), for ctypes:
-# 10 pointers (q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp), 13 strides, the cache's page count (the
-# MLA_TMA_LOAD build's tensor map), batch, heads, q_len, num_splits, the run-time split count pointer (nullable),
+# 10 pointers (q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp), 13 strides, the cache's page count (v2's
+# TMA tensor map), batch, heads, q_len, num_splits, the run-time split count pointer (nullable),
 # causal, qk_scale, stream
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 14 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
                    + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p])

@@ -62,7 +62,7 @@ def test_launch_args_follow_the_c_signature_and_pass_the_split_count_pointer():
     sig = re.search(r"MLA_FP8_EXPORT int mla_fp8_decode_sm90\((.*?)\)\s*\{", src, re.S).group(1)
     params = [p.replace("\\", " ").split()[-1] for p in sig.split(",")]
     assert len(params) == len(cu.LAUNCH_ARGTYPES) and params[28] == "splits" and params[27] == "num_splits"
-    assert params[23] == "kv_pages"  # the MLA_TMA_LOAD build's tensor map needs the cache's extent
+    assert params[23] == "kv_pages"  # v2's TMA tensor map needs the cache's extent
 
     B, T, H = 2, 1, 16
     kv = torch.zeros(3, 64, 576, dtype=torch.uint8)

@@ -48,11 +48,11 @@
 // default, results wrong by design): see the "Ablations" paragraph of mla_fp8_decode_sm90_v2.cu. Here NO_LOAD issues
 // no cp.async after the first NST tiles (the commit groups stay), NO_SOFTMAX keeps the row-max exchange's store and
 // pair barrier, and NO_MERGE drops the per-tile FFMA (the rescale factors belong to the softmax).
-// MLA_TMA_LOAD is version 2's design option (its loader warpgroup); this version has no loader to replace
-#ifdef MLA_TMA_LOAD
-#undef MLA_TMA_LOAD
+// Its loads are cp.async by every thread: version 2's TMA loader belongs to its loader warpgroup, which v1 has not
+#ifdef MLA_CP_ASYNC_LOAD
+#undef MLA_CP_ASYNC_LOAD
 #endif
-#define MLA_TMA_LOAD 0
+#define MLA_CP_ASYNC_LOAD 1
 #include "mla_fp8_sm90_common.cuh"
 
 namespace mla_fp8_sm90 {

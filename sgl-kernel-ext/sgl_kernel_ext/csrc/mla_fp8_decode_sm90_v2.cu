@@ -29,13 +29,13 @@
 // - Each WG transposes only the 256 V channels it multiplies (V^T private per WG, double buffered by tile & 1), so
 //   V^T needs no cross-WG synchronization (a 128-thread named barrier per WG). The transposes run before the
 //   QK^T wgmmas: with the 64 S registers in flight on top of O's 128, ptxas spilled the transpose's registers.
-// - Loader WG: K tiles (+ scales, + Q with tile 0) by cp.async 16 B into the SW64 layout (v1's addressing), 3
-//   stages, completion signalled with cp.async.mbarrier.arrive.noinc (no blocking wait in the loader): v1's proven
-//   path, 2304 16-byte copies per tile over 128 threads. Design option MLA_TMA_LOAD (session 27, not yet timed):
-//   one loader thread issues 9 TMA boxes (64 tokens x 64 bytes, SWIZZLE_64B = the SW64 layout) and one bulk copy
-//   of the scales per tile against full_k's transaction count (the host encodes the tensor map per launch).
+// - Loader WG: Q by cp.async over its 128 threads (landed before tile 0 is released), then one thread issues each K
+//   tile as 9 TMA boxes (64 tokens x 64 bytes, SWIZZLE_64B = the SW64 layout) and one bulk copy of its scales
+//   against full_k's transaction count, 3 stages (the host encodes the cache's tensor map per launch). Design
+//   option MLA_CP_ASYNC_LOAD keeps the first loader: 2304 16-byte cp.async per tile over the 128 threads into the
+//   same layout, signalled with cp.async.mbarrier.arrive.noinc (full_k count 128); 5.7-9% slower (2026-12-02).
 // - Synchronization (no CTA-wide barrier after the mbarrier init; parity of use u of a buffer = u & 1):
-//     full_k[s]  (count 128, loader .noinc arrives)  -> waited by both math WGs (QK^T, V^T, scales)
+//     full_k[s]  (count 1 + the tile's bytes: TMA; cp.async: 128 .noinc arrives) -> waited by both math WGs
 //     empty_k[s] (count 256, each math thread once per tile after its last read of the stage) -> waited by loader
 //     full_p[b]  (count 128, owner threads after P', m, c stores + fence.proxy.async) -> waited by both WGs
 //     empty_p[b] (count 256, both WGs after their P'V wgmmas of the tile completed) -> waited by the owner of t+2
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   if (!split_range(p, b, sp, PAGE, seqlen, start, end)) return;  // uniform over the CTA
   const int ntiles = end > start ? cdiv(end - start, PAGE) : 0;
 
-  const uint32_t bar_full_k = sbase + OFF_BAR;            // [NST] count 128: loader threads (cp.async .noinc)
+  const uint32_t bar_full_k = sbase + OFF_BAR;            // [NST] count 1 + bytes (TMA) or 128 (cp.async .noinc)
   const uint32_t bar_empty_k = bar_full_k + 8 * NST;      // [NST] count 256: both math WGs (QK^T, V^T, scales read)
   const uint32_t bar_full_p = bar_empty_k + 8 * NST;      // [2]   count 128: the owner WG (P', m, c written)
   const uint32_t bar_empty_p = bar_full_p + 16;           // [2]   count 256: both math WGs (PV done, m/c read)

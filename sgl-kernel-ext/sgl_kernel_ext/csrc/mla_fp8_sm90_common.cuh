@@ -59,14 +59,16 @@
 #endif
 #define MLA_VT_LDSM_PAIRED (!MLA_VT_PRMT && !MLA_VT_LDSM)  // the default form
 
-// Design option, version 2 only (v1 builds ignore it): the loader warpgroup fetches each K tile with 9 TMA box
-// copies (64 tokens x 64 bytes, SWIZZLE_64B: the same bytes at the same places as sw64) and its scales with one
-// bulk copy, issued by one thread and counted by the mbarrier's transaction bytes, instead of 2304 + 32 cp.async
-// of 16 bytes over 128 threads. The results are bit-identical. Why: the cp.async path alone runs at ~2.2 TB/s
-// (ablation ALL-NO_LOAD, 80.7 us of v2's 185 at 64 x 4k), and removing the loads saves 10-12% (NO_LOAD).
-#ifndef MLA_TMA_LOAD
-#define MLA_TMA_LOAD 0
+// K tile loads, version 2 (v1 has no loader warpgroup and forces MLA_CP_ASYNC_LOAD): by default one loader thread
+// fetches each K tile with 9 TMA box copies (64 tokens x 64 bytes, SWIZZLE_64B: the same bytes at the same places
+// as sw64) and its scales with one bulk copy, counted by the mbarrier's transaction bytes. Design option
+// MLA_CP_ASYNC_LOAD keeps the earlier loader: 2304 + 32 cp.async of 16 bytes over the 128 loader threads. The
+// results are bit-identical. Why TMA (H200, 2026-12-02, mla_decode/mla_tma_load_ablation_h200.json): the cp.async
+// loader cost 5.7-9.0% of v2's time (64 x 4k: 171.0 us against 156.2 with TMA and 154.8 with no loads at all).
+#ifndef MLA_CP_ASYNC_LOAD
+#define MLA_CP_ASYNC_LOAD 0
 #endif
+#define MLA_TMA_LOAD (!MLA_CP_ASYNC_LOAD)
 
 namespace mla_fp8_common {
 
