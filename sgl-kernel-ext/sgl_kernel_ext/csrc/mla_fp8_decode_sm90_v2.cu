@@ -2,8 +2,9 @@
 //
 // Same inputs, outputs, KV format, launcher signature and arithmetic as version 1 (mla_fp8_decode_sm90.cu: read its
 // header for the SW64 layout, the V transpose, the V-scale folding and the per-tile promotion); only the schedule
-// differs. Status (H200, 2026-11-30): 90/90 GPU tests of both versions pass; it is only 1.00-1.10x v1 (0.52-0.73x
-// FlashMLA BF16 at 128 heads, batch >= 16), far from the cycle model below: see benchmark/kernels/mla_cuda_ablation.py.
+// differs. Status (H200, 2026-12-02, with the paired V^T transpose and the TMA loader): 109/109 GPU tests of both
+// versions pass; 1.03-1.23x v1, 0.75-0.88x FlashMLA BF16 at 128 heads, batch >= 16, context >= 4k: still far from the
+// cycle model below (benchmark/kernels/mla_cuda_ablation.py says where the time goes).
 //
 // Why v2. v1 (235 us at batch 64 x 4k x 128 heads, FlashMLA BF16 127 us) runs its two warpgroups (WG) in lockstep:
 // per tile both WGs do QK^T (each 32 tokens, m64n32k32: smem-bound), exchange row maxima, softmax, two CTA-wide
@@ -570,10 +571,14 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     }
   }
   named_barrier(1, 256);  // both math WGs (the loader does not take part)
+  // the row block index through an opaque move: ptxas otherwise hoists the 64-bit output row offsets above the tile
+  // loop, where the NO_MERGE ablation build (TMA loader) had to spill them
+  int rb_late = rb;
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(rb_late));
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 8 * h;
-    const int gr = rb * ROWS + r;
+    const int gr = rb_late * ROWS + r;
     if (gr >= p.num_rows) continue;
     const float m_use = M[h] == -INFINITY ? 0.f : M[h];
     const float lt = xl[r] * ex2(xmf[r] - m_use) + xl[ROWS + r] * ex2(xmf[ROWS + r] - m_use);
