@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     MLA_TRACE(18);
     fence_proxy_async();
     float alpha[2], beta[2];
-    if constexpr (!MLA_ABLATE_NO_MERGE) {
+    if constexpr (!MLA_ABLATE_NO_MERGE && !MLA_LAZY_RESCALE) {
       const float ci = xc[pb];  // >= 1e-30
       const float c_new = fmaxf(C, ci);
       const float rc = 1.f / c_new;
@@ -354,6 +354,27 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         M[h] = m_new;
       }
       C = c_new;
+    }
+    if constexpr (!MLA_ABLATE_NO_MERGE && MLA_LAZY_RESCALE) {  // O's reference moves only on a large step
+      const float ci = xc[pb];  // >= 1e-30; C = 0 before the first tile, so that one always moves it
+      const float c_new = ci > C * MLA_LAZY_SCALE_STEP ? ci : C;
+      const float rc = 1.f / c_new;
+      bool moved = c_new != C;  // uniform: every thread reads the same ci and holds the same C
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float mi = xm[pb * ROWS + r0 + 8 * h];
+        const float m_new = mi > M[h] + MLA_LAZY_MAX_STEP ? mi : M[h];  // M = -inf: any finite mi moves it
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        moved |= m_new != M[h];
+        alpha[h] = ex2(M[h] - m_use) * (C * rc);  // used only when some row of this warp moved
+        beta[h] = ex2(mi - m_use) * (ci * rc);    // <= 2^8 * 256; mi = -inf -> 0
+        M[h] = m_new;
+      }
+      C = c_new;
+      if (__any_sync(0xffffffffu, moved)) {  // rare after the first tiles: rescale O to the new reference
+#pragma unroll
+        for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
+      }
     }
     const uint32_t pa = sbase + OFF_P + pb * P_BYTES;
     const uint32_t vt = sbase + OFF_VT + (wg * 2 + (t & 1)) * VTH_BYTES;
@@ -370,10 +391,17 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           float* oj = o + half * 64 + j * 4;
-          oj[0] = fmaf(oj[0], alpha[0], acc[j * 4 + 0] * beta[0]);
-          oj[1] = fmaf(oj[1], alpha[0], acc[j * 4 + 1] * beta[0]);
-          oj[2] = fmaf(oj[2], alpha[1], acc[j * 4 + 2] * beta[1]);
-          oj[3] = fmaf(oj[3], alpha[1], acc[j * 4 + 3] * beta[1]);
+          if constexpr (MLA_LAZY_RESCALE) {  // O already at the tile's reference: one FFMA per element
+            oj[0] = fmaf(acc[j * 4 + 0], beta[0], oj[0]);
+            oj[1] = fmaf(acc[j * 4 + 1], beta[0], oj[1]);
+            oj[2] = fmaf(acc[j * 4 + 2], beta[1], oj[2]);
+            oj[3] = fmaf(acc[j * 4 + 3], beta[1], oj[3]);
+          } else {
+            oj[0] = fmaf(oj[0], alpha[0], acc[j * 4 + 0] * beta[0]);
+            oj[1] = fmaf(oj[1], alpha[0], acc[j * 4 + 1] * beta[0]);
+            oj[2] = fmaf(oj[2], alpha[1], acc[j * 4 + 2] * beta[1]);
+            oj[3] = fmaf(oj[3], alpha[1], acc[j * 4 + 3] * beta[1]);
+          }
         }
       }
     }
