@@ -70,11 +70,12 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # 8-byte loads + prmt + 8-byte stores (the earlier default), the same with conflict-free stores, and ldmatrix with
 # tokens 2l, 2l + 1 paired; they sum P'V in the other k order. MLA_CP_ASYNC_LOAD (version 2; v1 always loads so):
 # the loader warpgroup fetches K tiles by 16-byte cp.async, the loader TMA boxes replaced in session 28.
-# MLA_LAZY_RESCALE (version 2): O is rescaled only when a tile's maxima run far above its reference, else merged
-# with one FFMA per element; the same arithmetic up to fp32 rounding.
-DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_LAZY_RESCALE")
+# MLA_EAGER_RESCALE (version 2): O rescaled to the running maxima on every tile, the merge that lazy rescaling (O
+# rescaled only when a tile's maxima run far above its reference) replaced in session 28; the same arithmetic up to
+# fp32 rounding.
+DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
-ROUNDING_OPTIONS = ("MLA_LAZY_RESCALE",)  # likewise close: fp32 rounding differs from the default's
+ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE",)  # likewise close: fp32 rounding differs from the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up

@@ -20,9 +20,11 @@
 //   V-scale max c_w over its own tiles only), so the owner of tile t never waits for tile t-1's max (no serial
 //   softmax chain across WGs). A consumer merges any tile into O with the owner's (m_t, c_t):
 //       M' = max(M, m_t), C' = max(C, c_t),  O = O * 2^(M - M') C / C' + (P'V) * 2^(m_t - M') c_t / C'
-//   (O in units of C/448 relative to 2^(. - M)); one extra FMUL per accumulator element against v1. The row sum l
-//   stays per owner chain and is merged once at the end: l = l_0 2^(m_0 - M) + l_1 2^(m_1 - M), M = max(m_0, m_1)
-//   (both WGs end with the same M and C: max is exact and order-free).
+//   (O in units of C/448 relative to 2^(. - M)). Lazily (the default since session 28, mla_fp8_sm90_common.cuh): M'
+//   and C' stay M and C unless m_t > M + 8 or c_t > 256 C, so the merge is mostly one FFMA per element of O,
+//   O += (P'V) 2^(m_t - M) c_t / C. The row sum l stays per owner chain and is merged once at the end, by each WG
+//   against its own reference M: l = l_0 2^(m_0 - M) + l_1 2^(m_1 - M) (eagerly, both WGs end with M = max(m_0, m_1);
+//   lazily their references may differ, and each WG's O and l share its own).
 // - Per round j, WG0: V^T(2j-1, 2j) -> QK^T(2j) -> softmax -> publish -> P'V(2j) -> P'V(2j-1);
 //                 WG1: V^T(2j, 2j+1) -> QK^T(2j+1) -> softmax -> publish -> P'V(2j+1) -> P'V(2j).
 //   WG1 starts after WG0 published P'(0) (a one-time skew of QK + softmax, about half a round), so one WG's

@@ -70,16 +70,19 @@
 #endif
 #define MLA_TMA_LOAD (!MLA_CP_ASYNC_LOAD)
 
-// Design option, version 2 only (v1 ignores it): lazy rescaling of O in the per-tile merge. By default every merge
-// rescales O to the new running maxima, O = O * alpha + acc * beta (an FMUL and an FFMA per element of O, 256 per
-// thread per tile: half the FP32 instructions of a v2 round). MLA_LAZY_RESCALE keeps O's reference (M, C) until a
-// tile's row max exceeds it by more than 2^8 or its V-scale max by more than 256x, so almost every merge is
-// O = fma(acc, beta, O) (beta up to 2^16: fp32 has the range) and O is rescaled, warp by warp, only when the
-// reference moves. The arithmetic is the same up to fp32 rounding (ROUNDING_OPTIONS): each WG ends with its own
-// reference, which its own epilogue uses, so the two WGs need not agree on it.
-#ifndef MLA_LAZY_RESCALE
-#define MLA_LAZY_RESCALE 0
+// The per-tile merge of version 2 (v1 has its own and ignores this): lazy rescaling of O, the default since session
+// 28. O keeps its reference (M, C) until a tile's row max exceeds it by more than 2^8 or its V-scale max by more
+// than 256x, so almost every merge is O = fma(acc, beta, O) (beta up to 2^16: fp32 has the range), and O is
+// rescaled, warp by warp, only when the reference moves. Each WG ends with its own reference, which its own epilogue
+// uses, so the two WGs need not agree on it. Design option MLA_EAGER_RESCALE keeps the earlier merge, which rescaled
+// O to the new running maxima on every tile, O = O * alpha + acc * beta (an FMUL and an FFMA per element of O: 256
+// per thread per tile, half the FP32 instructions of a round); the same arithmetic up to fp32 rounding
+// (ROUNDING_OPTIONS). Measured as an option on the H200 (2026-12-02, mla_decode/mla_lazy_rescale_ablation_h200.json):
+// lazy 3.7-4.9% faster (64 x 4k 155.4 -> 147.8 us, 128 x 16k 1093.7 -> 1044.0, 16 x 4k 57.4 -> 55.2).
+#ifndef MLA_EAGER_RESCALE
+#define MLA_EAGER_RESCALE 0
 #endif
+#define MLA_LAZY_RESCALE (!MLA_EAGER_RESCALE)
 constexpr float MLA_LAZY_MAX_STEP = 8.f;      // log2 units: a row max may run this far above O's reference
 constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many times above O's reference
 
