@@ -79,6 +79,17 @@
 // per thread per tile, half the FP32 instructions of a round); the same arithmetic up to fp32 rounding
 // (ROUNDING_OPTIONS). Measured as an option on the H200 (2026-12-02, mla_decode/mla_lazy_rescale_ablation_h200.json):
 // lazy 3.7-4.9% faster (64 x 4k 155.4 -> 147.8 us, 128 x 16k 1093.7 -> 1044.0, 16 x 4k 57.4 -> 55.2).
+// Design option, version 2 only (v1 ignores it): MLA_FUSED_Q quantizes Q inside the split kernel. Without it a
+// Triton pre-pass (mla_decode._quant_rows_kernel) writes FP8 Q and its two scales per row and the loader copies
+// them; the pre-pass is a launch of its own and ~7 us at 64 x 4k (ablation EMPTY, session 9). With it the caller
+// passes the bf16 Q rows ([B * q_len * heads, 576], contiguous) in place of q8, no qs, and the two math warpgroups
+// quantize their block's 64 rows into shared memory while the loader's first K tiles are in flight: four threads
+// per row, the same arithmetic as the pre-pass (row maxima of |x| over the latent and rope parts, scale = max /
+// 448 by div.full.f32, x / scale by div.full.f32, clamp to +-448, cvt.rn.satfinite.e4m3x2), so the results are
+// bit-identical. Each KV split of a row block quantizes its rows again (they are read from L2).
+#ifndef MLA_FUSED_Q
+#define MLA_FUSED_Q 0
+#endif
 #ifndef MLA_EAGER_RESCALE
 #define MLA_EAGER_RESCALE 0
 #endif
@@ -266,15 +277,19 @@ __device__ __forceinline__ bool split_range(const Params& p, int b, int sp, int 
 
 // Row constants of this thread's two accumulator rows (r0, r0 + 8 of row block rb): the Q scales times the
 // softmax scale, and the causal token limit (a row sees positions < lim; rows past q_len x heads see none).
+// cta_qs: the block's own (latent, rope) scale pairs by row within it (v2's MLA_FUSED_Q: shared memory), else
+// nullptr: the Q pre-pass's, p.qs.
 __device__ __forceinline__ void row_setup(const Params& p, int b, int rb, int rows_per_cta, int r0, int seqlen,
-                                          int end, float* sq_lat, float* sq_rope, int* lim) {
+                                          int end, float* sq_lat, float* sq_rope, int* lim,
+                                          const float* cta_qs = nullptr) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int gr = rb * rows_per_cta + r0 + 8 * h;
     if (gr < p.num_rows) {
-      const long long qi = (static_cast<long long>(b) * p.num_rows + gr) * 2;
-      sq_lat[h] = p.qs[qi] * p.qk_scale;
-      sq_rope[h] = p.qs[qi + 1] * p.qk_scale;
+      const float* qs = cta_qs != nullptr ? cta_qs + (r0 + 8 * h) * 2
+                                          : p.qs + (static_cast<long long>(b) * p.num_rows + gr) * 2;
+      sq_lat[h] = qs[0] * p.qk_scale;
+      sq_rope[h] = qs[1] * p.qk_scale;
       const int t = gr / p.num_heads;
       const int row_end = p.causal ? seqlen - p.q_len + 1 + t : seqlen;
       lim[h] = min(row_end, end);
