@@ -20,6 +20,8 @@ reason, never silently dropped):
   ours-cuda[-v2]-graph  what the backend captures now: the same grid, the split count for the actual lengths
                      read from the device at run time (metadata.splits_dev, mla_decode.set_splits); the CTAs
                      past it return at once.
+  sweep:<p>[sN]      with --cuda-splits N ...: ours-cuda[-v2] with its split count forced to N (outside the targets;
+                     the record's split_sweep sets the plan's pick against the fastest count per point).
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
                      (1152 B/token), metadata get_mla_metadata(seqlens, q_len*H, 1) outside the timed region.
   flashmla-fp8       the same entry with FP8 q and cache as SGLang's flashmla backend calls it: per-tensor
@@ -72,6 +74,7 @@ PAGE = 64
 PROVIDER_NAMES = ["ours", *(f"ours-cuda{v}{k}" for v in ("", "-v2") for k in ("", "-tplan", "-ctx", "-graph")),
                   "flashmla-bf16", "flashmla-fp8", "sglang-triton", "sglang-triton-fp8"]
 DEFAULT_PROVIDERS = ["ours", "ours-cuda", "flashmla-bf16", "flashmla-fp8", "sglang-triton", "sglang-triton-fp8"]
+SWEEP_PREFIX = "sweep:"  # --cuda-splits rows: not "ours" for the targets (a better count is the plan's job)
 H20_FP8_FLOPS, H20_BF16_FLOPS, H20_HBM_BPS = 296e12, 148e12, 4.0e12
 L2_BYTES_FALLBACK = 60 * 2**20
 
@@ -104,7 +107,13 @@ def parse_args(argv=None):
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep (ms)")
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="stop starting points after this many seconds (0: none); the record says which were left")
+    ap.add_argument("--cuda-splits", type=int, nargs="+", default=[], metavar="N",
+                    help="also time each ours-cuda[-v2] provider (own plan) with the split count forced to each N, "
+                         "as rows 'sweep:<provider>[sN]' outside the targets; the record's split_sweep compares "
+                         "the plan's pick with the fastest count per point (calibrates SPLIT_COST_TILES)")
     a = ap.parse_args(argv)
+    if any(not 1 <= n <= 64 for n in a.cuda_splits):
+        ap.error("--cuda-splits: counts must be 1..64 (the plans' own cap)")
     unknown = [p for p in a.providers if p not in PROVIDER_NAMES]
     if unknown:  # checked here, before the GPU's ceilings are measured
         ap.error(f"--providers: unknown {', '.join(unknown)}; choose from {', '.join(PROVIDER_NAMES)}")
@@ -194,10 +203,11 @@ def _decode_calls(torch, sets, metas, decode):
     return [call(i) for i in range(len(sets))], (lambda: outs[0])
 
 
-def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_context=163840):
+def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_context=163840, splits=None):
     """The CUDA split kernel (`version` 1 or 2), timed exactly like "ours" (metadata outside, Q pre-pass inside),
     with its own split plan, the Triton kernel's ("triton"), or the backend's CUDA-graph plans for a model of
-    server_context tokens: static ("ctx", before 2026-11-30) or with the run-time split count ("graph")."""
+    server_context tokens: static ("ctx", before 2026-11-30) or with the run-time split count ("graph").
+    splits: the own plan with its split count replaced (a --cuda-splits sweep row)."""
     try:
         import importlib
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
@@ -217,8 +227,14 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_co
             metas[i], table = mla.graph_metadata(plan, cu.splits_lut, B, H, T, bound, PAGE, "cuda")
             if metas[i].splits_dev is not None:
                 mla.set_splits(metas[i].splits_dev, table, s["cache_seqlens"], PAGE)
+    planned = metas[0].num_splits
+    if splits is not None:
+        import dataclasses
+        metas = [dataclasses.replace(m, num_splits=splits) for m in metas]
     info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
             "kernel_version": version, "plan": plan_kind}
+    if splits is not None:
+        info["planned_splits"] = planned
     if metas[0].splits_dev is not None:
         info["run_time_splits"] = int(metas[0].splits_dev.item())
     return _decode_calls(torch, sets, metas, functools.partial(cu.mla_decode_fp8_cuda, version=version)) + (info,)
@@ -421,9 +437,31 @@ def issue_targets(rows) -> dict:
     return {"per_point": per_point, "checks": checks, "summary": [c["line"] for c in checks.values()]}
 
 
+def split_sweep(rows) -> list:
+    """Per point and ours-cuda provider: the plan's split count and time against the fastest of the forced
+    counts ('sweep:' rows) and the plan's own row."""
+    by_key: dict = {}
+    for r in rows:
+        name = r["provider"]
+        base = name[len(SWEEP_PREFIX):].split("[", 1)[0] if name.startswith(SWEEP_PREFIX) else name
+        by_key.setdefault((r["batch"], r["context"], r["heads"], r["q_len"], base), []).append(r)
+    out = []
+    for (b, c, h, t, base), rs in sorted(by_key.items()):
+        planned = next((r for r in rs if r["provider"] == base), None)
+        if planned is None or len(rs) < 2:
+            continue
+        best = min(rs, key=lambda r: r["latency_us"])
+        out.append({"batch": b, "context": c, "heads": h, "q_len": t, "provider": base,
+                    "planned_splits": planned["num_splits"], "planned_us": planned["latency_us"],
+                    "best_splits": best["num_splits"], "best_us": best["latency_us"],
+                    "us_by_splits": {str(r["num_splits"]): r["latency_us"] for r in rs}})
+    return out
+
+
 def plot(rows, ceilings, path: Path):
     from sglang_h20.plotting import pyplot
     plt = pyplot()
+    rows = [r for r in rows if not r["provider"].startswith(SWEEP_PREFIX)]  # the sweep is in split_sweep
 
     fig, ax = plt.subplots(figsize=(8, 6))
     xs = [r["flops"] / r["bytes"] for r in rows]
@@ -486,6 +524,9 @@ def main(argv=None) -> int:
             providers.append((p, lambda sets, ctx, p=p, kind=kind: make_ours_cuda(
                 torch, mla, sets, ctx, version=2 if "v2" in p else 1, plan_kind=kind,
                 server_context=args.server_context)))
+            for n in (args.cuda_splits if kind == "cuda" else []):
+                providers.append((f"{SWEEP_PREFIX}{p}[s{n}]", lambda sets, ctx, p=p, n=n: make_ours_cuda(
+                    torch, mla, sets, ctx, version=2 if "v2" in p else 1, splits=n)))
         elif p == "flashmla-bf16":
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
         elif p == "flashmla-fp8":
@@ -510,6 +551,12 @@ def main(argv=None) -> int:
               "ceilings": ceilings, "points": rows, "unavailable": unavailable,
               "kv_bytes_per_token": {"ours": mla.KV_BYTES_PER_TOKEN, "flashmla-fp8": 576, "bf16": 1152},
               "points_left_unrun": [list(p) for p in left], "targets": issue_targets(rows)}
+    if args.cuda_splits:
+        result["split_sweep"] = split_sweep(rows)
+        for r in result["split_sweep"]:
+            print(f"split sweep B={r['batch']} ctx={r['context']} H={r['heads']} T={r['q_len']} {r['provider']}: "
+                  f"planned {r['planned_splits']} ({r['planned_us']:.1f} us), fastest {r['best_splits']} "
+                  f"({r['best_us']:.1f} us, {r['planned_us'] / r['best_us']:.3f}x)")
     for line in result["targets"]["summary"]:
         print(line)
     if rep:

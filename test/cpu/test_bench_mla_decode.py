@@ -1,5 +1,6 @@
 """bench_mla_decode's target check: the best of our providers per point against FlashMLA BF16 (on the issue's
 128-head, batch >= 16, context >= 4k points only), the fastest upstream FP8 path and the roofline."""
+import pytest
 from repo_scripts import load_script
 
 bench = load_script("benchmark/kernels/bench_mla_decode.py")
@@ -34,3 +35,22 @@ def test_fp8_triton_provider_is_listed_and_parsed():
     assert "sglang-triton-fp8" in bench.PROVIDER_NAMES and "sglang-triton-fp8" in bench.DEFAULT_PROVIDERS
     args = bench.parse_args(["--providers", "ours-cuda", "sglang-triton-fp8", "--deadline-s", "30"])
     assert args.providers == ["ours-cuda", "sglang-triton-fp8"] and args.deadline_s == 30
+
+
+def test_split_sweep_rows_stay_out_of_the_targets_and_compare_with_the_plan():
+    plan = dict(row("ours-cuda-v2", 1, 16384, 128, 40.0), num_splits=64)
+    rows = [plan, dict(row("sweep:ours-cuda-v2[s16]", 1, 16384, 128, 30.0), num_splits=16),
+            dict(row("sweep:ours-cuda-v2[s64]", 1, 16384, 128, 41.0), num_splits=64),
+            row("flashmla-bf16", 1, 16384, 128, 45.0),
+            # a point without sweep rows is not in the sweep
+            dict(row("ours-cuda-v2", 64, 4096, 128, 150.0), num_splits=1)]
+    t = bench.issue_targets(rows)
+    p = next(p for p in t["per_point"] if p["batch"] == 1)
+    assert p["best_ours"] == "ours-cuda-v2" and p["ours_us"] == 40.0  # the 30 us sweep row is not "ours"
+    (sw,) = bench.split_sweep(rows)
+    assert (sw["planned_splits"], sw["planned_us"], sw["best_splits"], sw["best_us"]) == (64, 40.0, 16, 30.0)
+    assert sw["us_by_splits"]["16"] == 30.0 and sw["provider"] == "ours-cuda-v2"
+    assert bench.parse_args(["--cuda-splits", "8", "16"]).cuda_splits == [8, 16]
+    for bad in ("0", "65"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--cuda-splits", bad])
