@@ -21,8 +21,8 @@ Ablation builds, for finding where the time goes (benchmark/kernels/mla_cuda_abl
 :func:`build`, :func:`available` and :func:`mla_decode_fp8_cuda` adds ``-D`` flags, e.g. ``("MLA_ABLATE_NO_PV",)``;
 :data:`ABLATIONS` lists the switches (the v2 ``.cu``'s header says what each removes). Their results are wrong by
 design. :data:`DESIGN_OPTIONS` are defines that change only how the kernel works: bit-identical results (a GPU test
-checks it), or for :data:`REORDERING_OPTIONS` the same sums in another order; timed against the default before
-one replaces it. The defines are part of the library's cache key; the default ``()`` is the normal build.
+checks it), or for :data:`REORDERING_OPTIONS` the same sums in another order and for :data:`ROUNDING_OPTIONS` other
+fp32 roundings; timed against the default before one replaces it. The defines are part of the library's cache key; the default ``()`` is the normal build.
 """
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
 ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_PV", "MLA_ABLATE_NO_QK",
              "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
 # design options: -D macros that change how the kernels work, not what they compute (bit-identical results, or the
-# same sums in another order for REORDERING_OPTIONS; the GPU test checks it), timed against the default build by
+# same sums in another order for REORDERING_OPTIONS, other fp32 roundings for ROUNDING_OPTIONS; the GPU test checks
+# it), timed against the default build by
 # mla_cuda_ablation.py before one becomes the default (csrc/mla_fp8_sm90_common.cuh). The first three are the V^T
 # forms the default (ldmatrix + stmatrix.trans, tokens l and l + 8 paired in P' and V^T) replaced in session 27:
 # 8-byte loads + prmt + 8-byte stores (the earlier default), the same with conflict-free stores, and ldmatrix with
