@@ -65,8 +65,8 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
              "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
 # design options: -D macros that change how the kernels work, not what they compute (bit-identical results, or the
 # same sums in another order for REORDERING_OPTIONS, other fp32 roundings for ROUNDING_OPTIONS; the GPU test checks
-# it), timed against the default build by
-# mla_cuda_ablation.py before one becomes the default (csrc/mla_fp8_sm90_common.cuh). The first three are the V^T
+# it), timed against the default build by mla_cuda_ablation.py before one becomes the default
+# (csrc/mla_fp8_sm90_common.cuh). The first three are the V^T
 # forms the default (ldmatrix + stmatrix.trans, tokens l and l + 8 paired in P' and V^T) replaced in session 27:
 # 8-byte loads + prmt + 8-byte stores (the earlier default), the same with conflict-free stores, and ldmatrix with
 # tokens 2l, 2l + 1 paired; they sum P'V in the other k order. MLA_CP_ASYNC_LOAD (version 2; v1 always loads so):
