@@ -73,7 +73,9 @@ REPRESENTATIVE = (64, 4096, 128, 1)
 PAGE = 64
 PROVIDER_NAMES = ["ours", *(f"ours-cuda{v}{k}" for v in ("", "-v2") for k in ("", "-tplan", "-ctx", "-graph")),
                   "flashmla-bf16", "flashmla-fp8", "sglang-triton", "sglang-triton-fp8"]
-DEFAULT_PROVIDERS = ["ours", "ours-cuda", "flashmla-bf16", "flashmla-fp8", "sglang-triton", "sglang-triton-fp8"]
+# ours-cuda-v2 too: the backend's kernel from batch 16 (a default grid without it took v1 as "best of ours")
+DEFAULT_PROVIDERS = ["ours", "ours-cuda", "ours-cuda-v2", "flashmla-bf16", "flashmla-fp8", "sglang-triton",
+                     "sglang-triton-fp8"]
 SWEEP_PREFIX = "sweep:"  # --cuda-splits rows: not "ours" for the targets (a better count is the plan's job)
 H20_FP8_FLOPS, H20_BF16_FLOPS, H20_HBM_BPS = 296e12, 148e12, 4.0e12
 L2_BYTES_FALLBACK = 60 * 2**20

@@ -33,6 +33,7 @@ def test_targets_take_the_best_of_ours_and_the_fastest_upstream_fp8():
 
 def test_fp8_triton_provider_is_listed_and_parsed():
     assert "sglang-triton-fp8" in bench.PROVIDER_NAMES and "sglang-triton-fp8" in bench.DEFAULT_PROVIDERS
+    assert "ours-cuda-v2" in bench.DEFAULT_PROVIDERS  # the backend's kernel from batch 16
     args = bench.parse_args(["--providers", "ours-cuda", "sglang-triton-fp8", "--deadline-s", "30"])
     assert args.providers == ["ours-cuda", "sglang-triton-fp8"] and args.deadline_s == 30
 
