@@ -22,7 +22,8 @@ Ablation builds, for finding where the time goes (benchmark/kernels/mla_cuda_abl
 :data:`ABLATIONS` lists the switches (the v2 ``.cu``'s header says what each removes). Their results are wrong by
 design. :data:`DESIGN_OPTIONS` are defines that change only how the kernel works: bit-identical results (a GPU test
 checks it), or for :data:`REORDERING_OPTIONS` the same sums in another order and for :data:`ROUNDING_OPTIONS` other
-fp32 roundings; timed against the default before one replaces it. The defines are part of the library's cache key; the default ``()`` is the normal build.
+fp32 roundings; timed against the default before one replaces it. The defines are part of the library's cache key;
+the default ``()`` is the normal build.
 """
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # design options: -D macros that change how the kernels work, not what they compute (bit-identical results, or the
 # same sums in another order for REORDERING_OPTIONS, other fp32 roundings for ROUNDING_OPTIONS; the GPU test checks
 # it), timed against the default build by mla_cuda_ablation.py before one becomes the default
-# (csrc/mla_fp8_sm90_common.cuh). The first three are the V^T
-# forms the default (ldmatrix + stmatrix.trans, tokens l and l + 8 paired in P' and V^T) replaced in session 27:
+# (csrc/mla_fp8_sm90_common.cuh). The first three are the V^T forms the default (ldmatrix + stmatrix.trans, tokens
+# l and l + 8 paired in P' and V^T) replaced in session 27:
 # 8-byte loads + prmt + 8-byte stores (the earlier default), the same with conflict-free stores, and ldmatrix with
 # tokens 2l, 2l + 1 paired; they sum P'V in the other k order. MLA_CP_ASYNC_LOAD (version 2; v1 always loads so):
 # the loader warpgroup fetches K tiles by 16-byte cp.async, the loader TMA boxes replaced in session 28.

@@ -207,25 +207,28 @@ __device__ __forceinline__ float div_full(float a, float b) {  // what Triton em
   asm("div.full.f32 %0, %1, %2;\n" : "=f"(d) : "f"(a), "f"(b));
   return d;
 }
+// the two bf16 of a 32-bit word as fp32: (the one at the lower address, the other)
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
 // e4m3 of x / s for the 8 bf16 in w (clamped to +-448, round to nearest even), packed little-endian into 2 words
 __device__ __forceinline__ uint2 quantize8(uint4 w, float s) {
   const uint32_t in[4] = {w.x, w.y, w.z, w.w};
   uint32_t h[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const float lo = fminf(fmaxf(div_full(__uint_as_float(in[k] << 16), s), -448.f), 448.f);
-    const float hi = fminf(fmaxf(div_full(__uint_as_float(in[k] & 0xffff0000u), s), -448.f), 448.f);
-    unsigned short q;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(q) : "f"(hi), "f"(lo));  // first operand: upper byte
-    h[k] = q;
+    const float2 x = bf16x2_to_float2(in[k]);
+    h[k] = to_e4m3x2(fminf(fmaxf(div_full(x.x, s), -448.f), 448.f), fminf(fmaxf(div_full(x.y, s), -448.f), 448.f));
   }
   return make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
 }
 __device__ __forceinline__ float amax8(uint4 w, float m) {
   const uint32_t in[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-  for (int k = 0; k < 4; ++k)
-    m = fmaxf(m, fmaxf(fabsf(__uint_as_float(in[k] << 16)), fabsf(__uint_as_float(in[k] & 0xffff0000u))));
+  for (int k = 0; k < 4; ++k) {
+    const float2 x = bf16x2_to_float2(in[k]);
+    m = fmaxf(m, fmaxf(fabsf(x.x), fabsf(x.y)));
+  }
   return m;
 }
 // MLA_FUSED_Q: math thread i (0..255) quantizes part j = i & 3 of row r = i >> 2 of this block (lanes 4r .. 4r + 3
@@ -421,38 +424,25 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     MLA_TRACE(18);
     fence_proxy_async();
     float alpha[2], beta[2];
-    if constexpr (!MLA_ABLATE_NO_MERGE && !MLA_LAZY_RESCALE) {
-      const float ci = xc[pb];  // >= 1e-30
-      const float c_new = fmaxf(C, ci);
-      const float rc = 1.f / c_new;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float mi = xm[pb * ROWS + r0 + 8 * h];
-        const float m_new = fmaxf(M[h], mi);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[h] = ex2(M[h] - m_use) * (C * rc);   // M = -inf -> 0 (O is 0 then)
-        beta[h] = ex2(mi - m_use) * (ci * rc);     // mi = -inf -> 0 (P' of the tile is 0 then)
-        M[h] = m_new;
-      }
-      C = c_new;
-    }
-    if constexpr (!MLA_ABLATE_NO_MERGE && MLA_LAZY_RESCALE) {  // O's reference moves only on a large step
+    if constexpr (!MLA_ABLATE_NO_MERGE) {
+      // O's new reference: the running maxima (eager), or the old one unless the tile's maxima run far past it (lazy)
       const float ci = xc[pb];  // >= 1e-30; C = 0 before the first tile, so that one always moves it
-      const float c_new = ci > C * MLA_LAZY_SCALE_STEP ? ci : C;
+      const float c_new = MLA_LAZY_RESCALE ? (ci > C * MLA_LAZY_SCALE_STEP ? ci : C) : fmaxf(C, ci);
       const float rc = 1.f / c_new;
       bool moved = c_new != C;  // uniform: every thread reads the same ci and holds the same C
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float mi = xm[pb * ROWS + r0 + 8 * h];
-        const float m_new = mi > M[h] + MLA_LAZY_MAX_STEP ? mi : M[h];  // M = -inf: any finite mi moves it
+        const float m_new = MLA_LAZY_RESCALE ? (mi > M[h] + MLA_LAZY_MAX_STEP ? mi : M[h])  // M = -inf: mi moves it
+                                             : fmaxf(M[h], mi);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
         moved |= m_new != M[h];
-        alpha[h] = ex2(M[h] - m_use) * (C * rc);  // used only when some row of this warp moved
-        beta[h] = ex2(mi - m_use) * (ci * rc);    // <= 2^8 * 256; mi = -inf -> 0
+        alpha[h] = ex2(M[h] - m_use) * (C * rc);  // M = -inf -> 0 (O is 0 then); lazily used only on a move
+        beta[h] = ex2(mi - m_use) * (ci * rc);    // mi = -inf -> 0; lazily up to 2^8 * 256
         M[h] = m_new;
       }
       C = c_new;
-      if (__any_sync(0xffffffffu, moved)) {  // rare after the first tiles: rescale O to the new reference
+      if (MLA_LAZY_RESCALE && __any_sync(0xffffffffu, moved)) {  // rare after the first tiles: O to the new reference
 #pragma unroll
         for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
       }

@@ -79,6 +79,13 @@
 // per thread per tile, half the FP32 instructions of a round); the same arithmetic up to fp32 rounding
 // (ROUNDING_OPTIONS). Measured as an option on the H200 (2026-12-02, mla_decode/mla_lazy_rescale_ablation_h200.json):
 // lazy 3.7-4.9% faster (64 x 4k 155.4 -> 147.8 us, 128 x 16k 1093.7 -> 1044.0, 16 x 4k 57.4 -> 55.2).
+#ifndef MLA_EAGER_RESCALE
+#define MLA_EAGER_RESCALE 0
+#endif
+#define MLA_LAZY_RESCALE (!MLA_EAGER_RESCALE)
+constexpr float MLA_LAZY_MAX_STEP = 8.f;      // log2 units: a row max may run this far above O's reference
+constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many times above O's reference
+
 // Design option, version 2 only (v1 ignores it): MLA_FUSED_Q quantizes Q inside the split kernel. Without it a
 // Triton pre-pass (mla_decode._quant_rows_kernel) writes FP8 Q and its two scales per row and the loader copies
 // them; the pre-pass is a launch of its own and ~7 us at 64 x 4k (ablation EMPTY, session 9). With it the caller
@@ -90,12 +97,6 @@
 #ifndef MLA_FUSED_Q
 #define MLA_FUSED_Q 0
 #endif
-#ifndef MLA_EAGER_RESCALE
-#define MLA_EAGER_RESCALE 0
-#endif
-#define MLA_LAZY_RESCALE (!MLA_EAGER_RESCALE)
-constexpr float MLA_LAZY_MAX_STEP = 8.f;      // log2 units: a row max may run this far above O's reference
-constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many times above O's reference
 
 namespace mla_fp8_common {
 
