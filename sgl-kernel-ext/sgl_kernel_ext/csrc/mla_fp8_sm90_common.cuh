@@ -88,7 +88,8 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 
 // Design option, version 2 only (v1 ignores it): MLA_FUSED_Q quantizes Q inside the split kernel. Without it a
 // Triton pre-pass (mla_decode._quant_rows_kernel) writes FP8 Q and its two scales per row and the loader copies
-// them; the pre-pass is a launch of its own and ~7 us at 64 x 4k (ablation EMPTY, session 9). With it the caller
+// them; the pre-pass is a launch of its own (the EMPTY ablation, launch + pre-pass, took 10.8 us at 64 x 4k in
+// session 9; the pre-pass's own share was not separated). With it the caller
 // passes the bf16 Q rows ([B * q_len * heads, 576], contiguous) in place of q8, no qs, and the two math warpgroups
 // quantize their block's 64 rows into shared memory while the loader's first K tiles are in flight: four threads
 // per row, the same arithmetic as the pre-pass (row maxima of |x| over the latent and rope parts, scale = max /
