@@ -12,6 +12,8 @@ reason, never silently dropped):
                      on first use (outside the timed region); "unavailable" with the reason when it cannot run.
   ours-cuda-v2       the same with version 2 of the split kernel (csrc/mla_fp8_decode_sm90_v2.cu: warp-specialized
                      seesaw, a loader warpgroup and two math warpgroups owning alternate KV tiles).
+  ours-cuda-v3       version 3 (csrc/mla_fp8_decode_sm90_v3.cu: tokens on wgmma's M side, V^T as a register
+                     operand), for at most 32 query rows (heads x q_len): "unavailable" at the points with more.
   ours-cuda[-v2]-tplan  the same kernel with the Triton kernel's plan (2 waves' worth of programs; what the
                      session-6 runs used), for the plans side by side.
   ours-cuda[-v2]-ctx the plan the h20_fp8_mla backend captured in its CUDA graphs until 2026-11-30: the grid and
@@ -71,11 +73,12 @@ QLENS = [1, 2]
 QUICK_POINTS = [(1, 4096, 128, 1), (64, 4096, 128, 1), (64, 4096, 128, 2), (64, 4096, 16, 1)]
 REPRESENTATIVE = (64, 4096, 128, 1)
 PAGE = 64
-PROVIDER_NAMES = ["ours", *(f"ours-cuda{v}{k}" for v in ("", "-v2") for k in ("", "-tplan", "-ctx", "-graph")),
+PROVIDER_NAMES = ["ours",
+                  *(f"ours-cuda{v}{k}" for v in ("", "-v2", "-v3") for k in ("", "-tplan", "-ctx", "-graph")),
                   "flashmla-bf16", "flashmla-fp8", "sglang-triton", "sglang-triton-fp8"]
 # ours-cuda-v2 too: the backend's kernel from batch 16 (a default grid without it took v1 as "best of ours")
-DEFAULT_PROVIDERS = ["ours", "ours-cuda", "ours-cuda-v2", "flashmla-bf16", "flashmla-fp8", "sglang-triton",
-                     "sglang-triton-fp8"]
+DEFAULT_PROVIDERS = ["ours", "ours-cuda", "ours-cuda-v2", "ours-cuda-v3", "flashmla-bf16", "flashmla-fp8",
+                     "sglang-triton", "sglang-triton-fp8"]
 SWEEP_PREFIX = "sweep:"  # --cuda-splits rows: not "ours" for the targets (a better count is the plan's job)
 H20_FP8_FLOPS, H20_BF16_FLOPS, H20_HBM_BPS = 296e12, 148e12, 4.0e12
 L2_BYTES_FALLBACK = 60 * 2**20
@@ -205,8 +208,13 @@ def _decode_calls(torch, sets, metas, decode):
     return [call(i) for i in range(len(sets))], (lambda: outs[0])
 
 
+def cuda_version(provider: str) -> int:
+    """The split-kernel version of an ours-cuda[-vN][-plan] provider name."""
+    return next((v for v in (2, 3) if f"-v{v}" in provider), 1)
+
+
 def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_context=163840, splits=None):
-    """The CUDA split kernel (`version` 1 or 2), timed exactly like "ours" (metadata outside, Q pre-pass inside),
+    """The CUDA split kernel (`version` 1, 2 or 3), timed exactly like "ours" (metadata outside, Q pre-pass inside),
     with its own split plan, the Triton kernel's ("triton"), or the backend's CUDA-graph plans for a model of
     server_context tokens: static ("ctx", before 2026-11-30) or with the run-time split count ("graph").
     splits: the own plan with its split count replaced (a --cuda-splits sweep row)."""
@@ -218,6 +226,8 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_co
     ok, why = cu.available(version)
     if not ok:
         raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
+    if version == 3 and sets[0]["q"].shape[1] * sets[0]["q"].shape[2] > cu.V3_MAX_ROWS:
+        raise Unavailable(f"version 3 takes at most {cu.V3_MAX_ROWS} query rows (heads x q_len)")
     import functools
 
     plan = mla.get_mla_decode_metadata if plan_kind == "triton" else cu.get_mla_decode_metadata
@@ -524,11 +534,11 @@ def main(argv=None) -> int:
         elif p.startswith("ours-cuda"):  # one of PROVIDER_NAMES' (parse_args checked)
             kind = {"tplan": "triton", "ctx": "ctx", "graph": "graph"}.get(p.rsplit("-", 1)[-1], "cuda")
             providers.append((p, lambda sets, ctx, p=p, kind=kind: make_ours_cuda(
-                torch, mla, sets, ctx, version=2 if "v2" in p else 1, plan_kind=kind,
+                torch, mla, sets, ctx, version=cuda_version(p), plan_kind=kind,
                 server_context=args.server_context)))
             for n in (args.cuda_splits if kind == "cuda" else []):
                 providers.append((f"{SWEEP_PREFIX}{p}[s{n}]", lambda sets, ctx, p=p, n=n: make_ours_cuda(
-                    torch, mla, sets, ctx, version=2 if "v2" in p else 1, splits=n)))
+                    torch, mla, sets, ctx, version=cuda_version(p), splits=n)))
         elif p == "flashmla-bf16":
             providers.append((p, lambda sets, ctx: make_flashmla(torch, sets, fp8=False)))
         elif p == "flashmla-fp8":

@@ -12,6 +12,10 @@ Two versions of the split kernel, same launcher signature and results (``version
   QK^T + softmax (independent softmax chains merged per tile) while a loader warpgroup streams K tiles, so one
   warpgroup's softmax overlaps the other's tensor-core work (v1 leaves the tensor cores idle for most of each tile).
   Exists because v1 runs at 0.47-0.66x FlashMLA BF16; measured on the H200 (2026-11-30) it is only 1.00-1.10x v1.
+- 3: ``mla_fp8_decode_sm90_v3.cu``, for at most :data:`V3_MAX_ROWS` query rows (16 heads x q_len 1-2): the KV
+  tile's 64 tokens on wgmma's M side and the query rows on N (m64n16/n32), V^T as a register operand built by
+  ldmatrix.trans, so a 16-head step does 16 rows' tensor work instead of 64 and no V transpose passes through
+  shared memory. More rows raise ValueError (versions 1 and 2 take any count).
 
 The ``.cu`` is compiled on first use with nvcc into a shared library (no torch headers: a few seconds) cached
 under ``~/.cache/sglang_h20/`` keyed by a hash of the source, the shared header and the flags (``-D`` defines
@@ -47,7 +51,7 @@ from .mla_decode import (
 )
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
-           "VERSIONS", "ABLATIONS", "DESIGN_OPTIONS", "REORDERING_OPTIONS", "ROUNDING_OPTIONS"]
+           "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "ABLATIONS", "DESIGN_OPTIONS", "REORDERING_OPTIONS", "ROUNDING_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
@@ -58,9 +62,12 @@ NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-sh
               "-fPIC,-fvisibility=hidden")  # hidden: the versions' libraries, loaded side by side, share no symbol
 ENTRY_POINTS = ("mla_fp8_decode_sm90", "mla_fp8_decode_sm90_error_string", "mla_fp8_decode_sm90_smem_bytes")
 
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
+GENERAL_VERSIONS = (1, 2)  # any row count; also the versions with the -DMLA_ABLATE_* switches and DESIGN_OPTIONS
+V3_MAX_ROWS = 32  # version 3's query rows (heads x q_len) per sequence: its wgmma N is 16 or 32
 _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
-            2: ("SGLANG_H20_MLA_CU_V2", "mla_fp8_decode_sm90_v2.cu")}
+            2: ("SGLANG_H20_MLA_CU_V2", "mla_fp8_decode_sm90_v2.cu"),
+            3: ("SGLANG_H20_MLA_CU_V3", "mla_fp8_decode_sm90_v3.cu")}
 # compile-time switches of both versions, each removing one part of the split kernel's work (results wrong)
 ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_PV", "MLA_ABLATE_NO_QK",
              "MLA_ABLATE_NO_LOAD", "MLA_ABLATE_NO_MERGE", "MLA_ABLATE_EMPTY")
@@ -103,8 +110,8 @@ def _check_defines(defines) -> tuple[str, ...]:
 
 
 def source_path(version: int = 1) -> Path:
-    """The kernel source: env SGLANG_H20_MLA_CU (version 1) / SGLANG_H20_MLA_CU_V2 (version 2), else the
-    package's csrc/ (installed with it as package data)."""
+    """The kernel source: env SGLANG_H20_MLA_CU (version 1) / SGLANG_H20_MLA_CU_V2 / _V3, else the package's
+    csrc/ (installed with it as package data)."""
     env_name, fname = _SOURCES[_check_version(version)]
     env = os.environ.get(env_name)
     if env:
@@ -273,7 +280,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
                         softmax_scale: float, metadata: MLADecodeMetadata | None = None, causal: bool = True,
                         return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1, defines=()):
     """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`; `version` picks the split
-    kernel (1 or 2, see the module docstring), `defines` an ablation build of it (wrong results by design) or a
+    kernel (1, 2 or 3, see the module docstring; 3 takes at most V3_MAX_ROWS rows), `defines` an ablation build of it (wrong results by design) or a
     design option (the same results; with MLA_FUSED_Q a q of another dtype is rounded to bf16 first).
 
     q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
@@ -286,6 +293,9 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     kv_data, kv_scales = _cache_views(*kv_cache)
     B, q_len, H, D = q.shape
     assert D == HEAD_DIM_QK, f"q last dim must be {HEAD_DIM_QK}, got {D}"
+    if version == 3 and q_len * H > V3_MAX_ROWS:
+        raise ValueError(f"MLA CUDA kernel v3 takes at most {V3_MAX_ROWS} query rows (heads x q_len), got "
+                         f"{H} x {q_len}; use version 1 or 2")
     assert kv_data.shape[1] == PAGE_SIZE, f"the CUDA kernel needs page size {PAGE_SIZE}, got {kv_data.shape[1]}"
     assert kv_data.stride(2) == 1 and kv_data.stride(1) == HEAD_DIM_QK and kv_data.stride(0) % 16 == 0, \
         "kv_fp8 pages must hold 64 contiguous 576-byte tokens"

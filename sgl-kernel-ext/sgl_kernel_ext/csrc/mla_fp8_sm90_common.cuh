@@ -576,20 +576,22 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
 // The entry points each version defines with its kernel (ctypes looks these names up); the only symbols the
 // library exports (it is built with -fvisibility=hidden, so two versions loaded in one process share nothing).
 #define MLA_FP8_EXPORT extern "C" __attribute__((visibility("default")))
+// The launch entry point's parameters (mla_decode_cuda.LAUNCH_ARGTYPES) and the same names as arguments of launch()
+#define MLA_FP8_ENTRY_PARAMS                                                                                       \
+  const void *q8, const void *qs, const void *kv, const void *kvs, const void *block_table, const void *seqlens,   \
+      void *out, void *lse, void *op, void *lp, long long kv_page_stride, long long kvs_page_stride,               \
+      long long bt_stride, long long out_sb, long long out_st, long long out_sh, long long lse_sb, long long lse_st, \
+      long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr, long long kv_pages,     \
+      int batch, int num_heads, int q_len, int num_splits, const void *splits, int causal, float qk_scale,         \
+      void *stream
+#define MLA_FP8_ENTRY_ARGS                                                                                         \
+  q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp, kv_page_stride, kvs_page_stride, bt_stride, out_sb,     \
+      out_st, out_sh, lse_sb, lse_st, op_sb, op_sr, op_ss, lp_sb, lp_sr, kv_pages, batch, num_heads, q_len,        \
+      num_splits, splits, causal, qk_scale, stream
 #define MLA_FP8_DEFINE_ENTRY_POINTS(KERNEL, THREADS_, SMEM_BYTES_, ROWS_)                                           \
   static bool mla_fp8_attr_done[128] = {};                                                                         \
-  MLA_FP8_EXPORT int mla_fp8_decode_sm90(                                                                              \
-      const void* q8, const void* qs, const void* kv, const void* kvs, const void* block_table,                    \
-      const void* seqlens, void* out, void* lse, void* op, void* lp, long long kv_page_stride,                     \
-      long long kvs_page_stride, long long bt_stride, long long out_sb, long long out_st, long long out_sh,         \
-      long long lse_sb, long long lse_st, long long op_sb, long long op_sr, long long op_ss, long long lp_sb,      \
-      long long lp_sr, long long kv_pages, int batch, int num_heads, int q_len, int num_splits, const void* splits, \
-      int causal, float qk_scale, void* stream) {                                                                  \
-    return mla_fp8_common::launch(KERNEL, mla_fp8_attr_done, THREADS_, SMEM_BYTES_, ROWS_, q8, qs, kv, kvs, block_table, seqlens,     \
-                                  out, lse, op, lp, kv_page_stride, kvs_page_stride, bt_stride, out_sb, out_st,    \
-                                  out_sh, lse_sb, lse_st, op_sb, op_sr, op_ss, lp_sb, lp_sr, kv_pages, batch,      \
-                                  num_heads,                                                                       \
-                                  q_len, num_splits, splits, causal, qk_scale, stream);                            \
+  MLA_FP8_EXPORT int mla_fp8_decode_sm90(MLA_FP8_ENTRY_PARAMS) {                                                   \
+    return mla_fp8_common::launch(KERNEL, mla_fp8_attr_done, THREADS_, SMEM_BYTES_, ROWS_, MLA_FP8_ENTRY_ARGS);   \
   }                                                                                                                \
   MLA_FP8_EXPORT const char* mla_fp8_decode_sm90_error_string(int err) {                                              \
     return cudaGetErrorString(static_cast<cudaError_t>(err));                                                      \
