@@ -82,9 +82,10 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # MLA_EAGER_RESCALE (version 2): O rescaled to the running maxima on every tile, the merge that lazy rescaling (O
 # rescaled only when a tile's maxima run far above its reference) replaced in session 28; the same arithmetic up to
 # fp32 rounding.
-# MLA_FUSED_Q (version 2): the split kernel quantizes Q itself (bf16 rows in, no Triton pre-pass launch).
+# MLA_PREPASS_Q (version 2): Q quantized by the Triton pre-pass (a launch of its own), which the split kernel's own
+# quantization (bf16 rows in) replaced in session 29.
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
-                  "MLA_FUSED_Q")
+                  "MLA_PREPASS_Q")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
 ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE",)  # likewise close: fp32 rounding differs from the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
@@ -281,7 +282,8 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
                         return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1, defines=()):
     """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`; `version` picks the split
     kernel (1, 2 or 3, see the module docstring; 3 takes at most V3_MAX_ROWS rows), `defines` an ablation build of it (wrong results by design) or a
-    design option (the same results; with MLA_FUSED_Q a q of another dtype is rounded to bf16 first).
+    design option (the same results). Version 2 quantizes Q itself (a q of another dtype is rounded to bf16 first)
+    unless built with MLA_PREPASS_Q; versions 1 and 3 get it from the Triton pre-pass.
 
     q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
     int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows);
@@ -328,7 +330,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
             op.fill_(float("nan"))
             lp.fill_(float("nan"))
 
-    if version == 2 and "MLA_FUSED_Q" in defines:  # the kernel quantizes the bf16 rows itself
+    if version == 2 and "MLA_PREPASS_Q" not in defines:  # the kernel quantizes the bf16 rows itself
         q8, qs = q.to(torch.bfloat16).reshape(-1, HEAD_DIM_QK).contiguous(), None
     else:
         q8, qs = _quantize_q(q)

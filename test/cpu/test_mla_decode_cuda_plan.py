@@ -59,8 +59,10 @@ def test_launch_args_follow_the_c_signature_and_pass_the_split_count_pointer():
     import re
 
     src = (cu.source_path(1).parent / "mla_fp8_sm90_common.cuh").read_text()
-    sig = re.search(r"MLA_FP8_EXPORT int mla_fp8_decode_sm90\((.*?)\)\s*\{", src, re.S).group(1)
-    params = [p.replace("\\", " ").split()[-1] for p in sig.split(",")]
+    sig = re.search(r"#define MLA_FP8_ENTRY_PARAMS(.*?)\n#define", src, re.S).group(1)
+    params = [p.replace("\\", " ").replace("*", " ").split()[-1] for p in sig.split(",")]
+    args = re.search(r"#define MLA_FP8_ENTRY_ARGS(.*?)\n#define", src, re.S).group(1)
+    assert [a.replace("\\", " ").strip() for a in args.split(",")] == params  # launch() gets them in this order
     assert len(params) == len(cu.LAUNCH_ARGTYPES) and params[28] == "splits" and params[27] == "num_splits"
     assert params[23] == "kv_pages"  # v2's TMA tensor map needs the cache's extent
 

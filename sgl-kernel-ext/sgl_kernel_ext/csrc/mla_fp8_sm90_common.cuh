@@ -86,18 +86,20 @@
 constexpr float MLA_LAZY_MAX_STEP = 8.f;      // log2 units: a row max may run this far above O's reference
 constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many times above O's reference
 
-// Design option, version 2 only (v1 ignores it): MLA_FUSED_Q quantizes Q inside the split kernel. Without it a
-// Triton pre-pass (mla_decode._quant_rows_kernel) writes FP8 Q and its two scales per row and the loader copies
-// them; the pre-pass is a launch of its own (the EMPTY ablation, launch + pre-pass, took 10.8 us at 64 x 4k in
-// session 9; the pre-pass's own share was not separated). With it the caller
+// Version 2 quantizes Q inside the split kernel (MLA_FUSED_Q, the default since session 29; v1 ignores it): the caller
 // passes the bf16 Q rows ([B * q_len * heads, 576], contiguous) in place of q8, no qs, and the two math warpgroups
 // quantize their block's 64 rows into shared memory while the loader's first K tiles are in flight: four threads
-// per row, the same arithmetic as the pre-pass (row maxima of |x| over the latent and rope parts, scale = max /
-// 448 by div.full.f32, x / scale by div.full.f32, clamp to +-448, cvt.rn.satfinite.e4m3x2), so the results are
-// bit-identical. Each KV split of a row block quantizes its rows again (they are read from L2).
-#ifndef MLA_FUSED_Q
-#define MLA_FUSED_Q 0
+// per row, the same arithmetic as the Triton pre-pass (mla_decode._quant_rows_kernel: row maxima of |x| over the
+// latent and rope parts, scale = max / 448 by div.full.f32, x / scale by div.full.f32, clamp to +-448,
+// cvt.rn.satfinite.e4m3x2), so the results are bit-identical. Each KV split of a row block quantizes its rows again
+// (from L2). Design option MLA_PREPASS_Q keeps the pre-pass (a launch of its own that writes FP8 Q and two scales
+// per row, which the loader copies). Measured as an option (H100, 2026-12-02, mla_decode/mla_fused_q_ablation_h100.json,
+// 128 heads): fused 1.4-4.0% faster at batch 16-128 (64 x 4k 151.4 -> 145.3 us), 2.9% slower at batch 1 x 4k (32
+// splits each quantizing the rows again: 26.2 -> 26.9 us), where the backend runs version 1.
+#ifndef MLA_PREPASS_Q
+#define MLA_PREPASS_Q 0
 #endif
+#define MLA_FUSED_Q (!MLA_PREPASS_Q)
 
 namespace mla_fp8_common {
 
