@@ -63,6 +63,14 @@ def test_single_lengths(length):
               ref_bound=2.5e-2)
 
 
+@pytest.mark.parametrize("lens", [[16384], [16384] * 8, [20000, 16384, 9001, 70]], ids=["1x16k", "8x16k", "ragged"])
+def test_long_sequences_one_split(lens):
+    """Hundreds of tiles per CTA, where the two math warpgroups drift apart: the first build (one stage ring shared
+    by both, each waiting only for its own tiles' phases) hung here (H100, B=128 x 16k), the short tests passed."""
+    o, lse, ref, ref_lse, exact, _, _ = run_case(lens, 16, 1, seed=len(lens), num_splits=1, version=3)
+    check(o, lse, ref, ref_lse, exact, f"v3 long {lens[:3]} one split")
+
+
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_matches_emulation(q_len):
     """The kernel's own arithmetic in torch (test_mla_decode_cuda_gpu.emulate, one split): the same bound as

@@ -23,7 +23,7 @@
 //     t at byte kpos(t) of its row (kpos_of below); P'V sums the same products in another order.
 //
 // Schedule: 384 threads, WG0 and WG1 math (setmaxnreg 232), WG2 a loader (40): Q by cp.async, then one thread
-// issues each K tile as 9 TMA boxes + its scales by one bulk copy (as version 2), NST = 5 stages. The two math WGs
+// issues each K tile as 9 TMA boxes + its scales by one bulk copy (as version 2), 2 stages per math WG. The two math WGs
 // own alternate tiles t % 2 == wg and process each one completely (QK^T, softmax, P', P'V, merge) with their own
 // softmax chain and O; they never wait for each other until the epilogue, which merges WG1's (O, M, C, l) into
 // WG0's through shared memory (the K stages, free by then). Per tile and WG: full_k wait -> 18 QK^T wgmmas ->
@@ -39,11 +39,11 @@
 // 2*64*16*576/8192 = 144 + PV 128 = 272 clk; shared memory: K tile read by QK^T 36 KB + Q 9 KB + V by ldmatrix
 // 32 KB + P' 8 x 1 KB + TMA landing 37 KB = 122 KB = ~950 clk; HBM at 4.8 TB/s (H200) / 132 SMs: 36.9 KB in ~1000
 // clk at 1.8 GHz. So the tile should be bound by the bytes, not by the math as in versions 1 and 2, if the two
-// WGs and 3 stages in flight hide the latencies. Expected: the KV stream rate, ~1.3-1.5x FlashMLA FP8 at batch >= 64
+// WGs and a stage landing per WG hide the latencies. Expected: the KV stream rate, ~1.3-1.5x FlashMLA FP8 at batch >= 64
 // (it runs 2.8 TB/s there); not measured.
 //
 // Registers (ptxas, sm_90a): see NOTES.md; math O 8 x N/2 + accumulator batch + A fragments.
-// Shared memory: K 5 x 36864 + Q N x 576 + P' 2 x N x 64 + scales 5 x 512 + column exchange + 10 mbarriers.
+// Shared memory: K 4 x 36864 + Q N x 576 + P' 2 x N x 64 + scales 4 x 512 + column exchange + 8 mbarriers.
 #include "mla_fp8_sm90_common.cuh"
 
 #if !MLA_TMA_LOAD
@@ -62,7 +62,8 @@ using namespace mla_fp8_common;
 
 constexpr int PAGE = 64;         // tokens per page = per KV tile = wgmma M
 constexpr int DQK = 576;
-constexpr int NST = 5;           // K tile stages: one per math WG in use, three in flight
+constexpr int NSW = 2;           // K tile stages per math WG (one in use, one landing)
+constexpr int NST = 2 * NSW;     // K tile stages
 constexpr int THREADS = 384;     // WG0, WG1: math; WG2: loader
 constexpr int MATH_REGS = 232;
 constexpr int LOADER_REGS = 40;
@@ -76,7 +77,7 @@ template <int N>
 struct Layout {
   static constexpr int Q_KB = N * 64;                        // one SW64 K block of the Q rows
   static constexpr int OFF_K = 0;                            // [NST] K tiles; the epilogue's O exchange after
-  static constexpr int OFF_Q = OFF_K + NST * TILE_BYTES;     // 184320
+  static constexpr int OFF_Q = OFF_K + NST * TILE_BYTES;     // 147456
   static constexpr int OFF_P = OFF_Q + N * DQK;              // [WG] N x 64 P' (SW64)
   static constexpr int OFF_KS = OFF_P + 2 * N * PAGE;        // [NST] scales
   static constexpr int OFF_XMAX = OFF_KS + NST * KS_BYTES;   // float [WG][N][4 warps] column maxima
@@ -184,6 +185,13 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 template <int R>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R)); }
 
+// K stage of tile t and which use of it this is: each math WG has its own NSW stages, so that a stage's phases are
+// waited for by one WG in order. (One ring shared by both WGs, each waiting only for its own tiles' phases, let a
+// WG that ran ahead wait for the parity of a phase two uses ahead while the other WG's tile in between had not landed
+// yet: the parity matched the stale phase. On the H100 that hung at 256 tiles per CTA: session 29's first run.)
+__device__ __forceinline__ int stage_of(int t) { return (t & 1) + 2 * ((t >> 1) % NSW); }
+__device__ __forceinline__ int use_of(int t) { return (t >> 1) / NSW; }
+
 // P' byte of tile token t (0..63): the k position the A fragments give it (tokens 2q, 2q + 1, 2q + 8, 2q + 9 of a
 // 16-token group at k = 4q .. 4q + 3)
 __device__ __forceinline__ constexpr int kpos_of(int t) {
@@ -289,9 +297,9 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
       const int* bt_row = p.block_table + static_cast<long long>(b) * p.bt_stride;
 #pragma unroll 1
       for (int t = 0; t < ntiles; ++t) {
-        const int st = t % NST;
+        const int st = stage_of(t), use = use_of(t);
         const uint32_t full = bar_full_k + 8 * st;
-        if (t >= NST) mbar_wait(bar_empty_k + 8 * st, ((t / NST) - 1) & 1);  // tile t - NST released
+        if (use > 0) mbar_wait(bar_empty_k + 8 * st, (use - 1) & 1);  // its previous tile released by the owner
         const int page = bt_row[(start + t * PAGE) / PAGE];
         const uint32_t dst = sbase + L::OFF_K + st * TILE_BYTES;
         mbar_arrive_expect_tx(full, TILE_BYTES + KS_BYTES);
@@ -353,8 +361,8 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
 
 #pragma unroll 1
   for (int t = wg; t < ntiles; t += 2) {
-    const int st = t % NST;
-    mbar_wait(bar_full_k + 8 * st, (t / NST) & 1);
+    const int st = stage_of(t);
+    mbar_wait(bar_full_k + 8 * st, use_of(t) & 1);
     const uint32_t kt = sbase + L::OFF_K + st * TILE_BYTES;
 
     // ---- S^T = K Q^T: 512 latent channels into s_lat, 64 rope channels into s_rope ----
