@@ -113,10 +113,11 @@ SWITCHES: tuple[Switch, ...] = (
            "takes effect only when SGLANG_H20_MHA_MLA_POLICY is not 'upstream' (that installs the hook)"),
     Switch("fp8_mla", _parse_bool, "off",
            "FP8 MLA decode: FP8 KV cache with FP8 QK^T and PV on Hopper tensor cores"),
-    Switch("fp8_mla_kernel", _choice("auto", "cuda", "cuda-v2", "triton"), "auto",
+    Switch("fp8_mla_kernel", _choice("auto", "cuda", "cuda-v2", "cuda-v3", "triton"), "auto",
            "decode kernel of the h20_fp8_mla backend: 'auto' = the CUDA split kernel where it builds (sm_90 + "
-           "nvcc; version 1 below batch 16, version 2 from there: 0.99-1.10x version 1 on the H200), else the "
-           "Triton one; 'cuda' / 'cuda-v2' = one CUDA version; 'triton' = the Triton kernel (A/B runs)"),
+           "nvcc; version 3 for <= 32 query rows (16 heads x q_len <= 2), else version 1 below batch 16 and "
+           "version 2 from there), else the Triton one; 'cuda' / 'cuda-v2' / 'cuda-v3' = one CUDA version; "
+           "'triton' = the Triton kernel (A/B runs)"),
     Switch("swapab", _parse_bool, "off",
            "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert"),
     Switch("sbo", _parse_bool, "off",

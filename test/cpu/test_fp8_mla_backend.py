@@ -609,19 +609,23 @@ def test_gpu_decode_and_mla_prefill_with_real_kernels():
     check_mla_extend(b2, b2.backend(), prefix=[150, 0, 89], new=[50, 64, 1], lyr=layer(0, heads=128))
 
 
-def test_auto_decode_kernel_picks_the_version_by_batch(monkeypatch):
-    """'auto' calls version 1 below V2_FROM_BATCH sequences and version 2 from there, passing every argument on."""
+def test_auto_decode_kernel_picks_the_version_by_shape(monkeypatch):
+    """'auto' calls version 3 for at most V3_MAX_ROWS query rows, else version 1 below V2_FROM_BATCH sequences and
+    version 2 from there, passing every argument on; without v3 the row count does not matter."""
     cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
     calls = []
     monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
     monkeypatch.setattr(cu, "mla_decode_fp8_cuda", lambda q, *a, version=1, **k: calls.append((q.shape[0], version,
                                                                                               a, k)) or version)
     fn = fb.decode_kernel("auto").fn
-    for batch in (1, fb.V2_FROM_BATCH - 1, fb.V2_FROM_BATCH, 128):
-        assert fn(torch.empty(batch, 1, 128, 576), "kv", "bt", "lens", 0.1, "plan", out="o") == (
-            2 if batch >= fb.V2_FROM_BATCH else 1)
-    assert [c[:2] for c in calls] == [(1, 1), (15, 1), (16, 2), (128, 2)]
+    cases = [(1, 1, 128, 1), (fb.V2_FROM_BATCH - 1, 1, 128, 1), (fb.V2_FROM_BATCH, 1, 128, 2), (128, 2, 128, 2),
+             (1, 1, 16, 3), (128, 2, 16, 3), (128, 3, 16, 2), (64, 1, 32, 3), (64, 1, 33, 2)]
+    for batch, q_len, heads, want in cases:
+        assert fn(torch.empty(batch, q_len, heads, 576), "kv", "bt", "lens", 0.1, "plan", out="o") == want
     assert all(c[2] == ("kv", "bt", "lens", 0.1, "plan") and c[3] == {"out": "o"} for c in calls)
+    monkeypatch.setattr(cu, "available", lambda version=1: (version != 3, "" if version != 3 else "v3 failed"))
+    k = fb.decode_kernel("auto")
+    assert k.fn(torch.empty(1, 1, 16, 576), "kv", "bt", "lens", 0.1, "plan") == 1 and "v3 unavailable: v3 failed" in k.what
 
 
 def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
@@ -639,14 +643,16 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     fn, plan, lut, what = fb.decode_kernel("cuda")
     assert fn is cu.mla_decode_fp8_cuda and plan is cu.get_mla_decode_metadata and what.startswith("CUDA (")
     assert lut is cu.splits_lut
-    fn, plan, lut, what = fb.decode_kernel()  # auto: both versions, by batch
-    assert plan is cu.get_mla_decode_metadata and what.startswith("CUDA v1 below batch 16, v2 from there")
+    fn, plan, lut, what = fb.decode_kernel()  # auto: the versions, by shape
+    assert plan is cu.get_mla_decode_metadata and what.startswith("CUDA v1 below batch 16, v2 from there, v3 for")
     monkeypatch.setattr(cu, "available", lambda version=1: (version == 1, "" if version == 1 else "v2 failed\nx"))
     fn, plan, lut, what = fb.decode_kernel()  # auto without v2: v1, and why
     assert fn is cu.mla_decode_fp8_cuda and "v2 unavailable: v2 failed" in what and "x" not in what.split(": ")[-1]
     monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
     fn, plan, lut, what = fb.decode_kernel("cuda-v2")
     assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2} and what.startswith("CUDA v2")
+    fn, plan, lut, what = fb.decode_kernel("cuda-v3")
+    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 3} and what.startswith("CUDA v3")
     monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL", "triton")  # the switch, read when no choice is passed
     fn, plan, lut, what = fb.decode_kernel()
     assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata and "=triton" in what

@@ -82,12 +82,18 @@ class DecodeKernel(NamedTuple):
 # 'auto' runs version 2 from this many sequences per call, version 1 below: in the full grid (H200,
 # benchmark/results/mla_decode/mla_decode_full_grid_h200.json) v2 ran at 0.99-1.10x v1's speed at batch >= 16
 # (1.03-1.10x at 64 and 128) and 0.95-1.04x at batch 1. Under CUDA graphs each captured batch size keeps its version.
+# Calls of at most mla_decode_cuda.V3_MAX_ROWS query rows (16 heads x q_len <= 2: TP8 layouts) run version 3 at
+# every batch: in the H100 grid of session 29 (mla_decode_full_grid_v3_h100.json, 16 heads) it was the fastest of
+# the three at 16 of 24 points and within 3.5% of the fastest at the others, 1.13-1.14x v2 at batch 128 x 16k.
 V2_FROM_BATCH = 16
 
 
-def _by_batch(v1: Callable, v2: Callable, from_batch: int) -> Callable:
-    """One decode function over both kernel versions (same arguments and results), picked by q's batch."""
+def _by_shape(v1: Callable, v2: Callable, v3: Callable | None, from_batch: int, max_rows: int) -> Callable:
+    """One decode function over the kernel versions (same arguments and results): v3 for calls of at most
+    max_rows query rows (when given), else v1 / v2 by q's batch."""
     def decode(q, *args, **kwargs):
+        if v3 is not None and q.shape[1] * q.shape[2] <= max_rows:
+            return v3(q, *args, **kwargs)
         return (v2 if q.shape[0] >= from_batch else v1)(q, *args, **kwargs)
     return decode
 
@@ -98,11 +104,11 @@ def _first_line(why: str) -> str:
 
 def decode_kernel(choice: str | None = None) -> DecodeKernel:
     """(decode function, its split planner, its split table, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`;
-    default: the environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV; 0.66-0.77x FlashMLA BF16 at 128
-    heads on the H200, the Triton one 0.25-0.99x) with its own plan (whole waves of one CTA per SM) where it builds
-    and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the reason. 'auto': version 1 below
-    V2_FROM_BATCH sequences, version 2 from there (v1 alone when v2 cannot run, with why); 'cuda' / 'cuda-v2': one
-    version. Same arguments and format for all; the choice is logged once per process."""
+    default: the environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV) with its own plan (whole waves of
+    one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the
+    reason. 'auto': version 3 for calls of at most 32 query rows, else version 1 below V2_FROM_BATCH sequences and
+    version 2 from there (what cannot run is left out, with why); 'cuda' / 'cuda-v2' / 'cuda-v3': one version
+    (v3 refuses calls of more rows). Same arguments and format for all; the choice is logged once per process."""
     import functools
 
     if choice is None:
@@ -111,7 +117,7 @@ def decode_kernel(choice: str | None = None) -> DecodeKernel:
     if choice == "triton":
         return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
                             "Triton (SGLANG_H20_FP8_MLA_KERNEL=triton)")
-    version = 2 if choice == "cuda-v2" else 1
+    version = {"cuda-v2": 2, "cuda-v3": 3}.get(choice, 1)
     try:
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
         ok, why = cu.available(version)
@@ -120,18 +126,23 @@ def decode_kernel(choice: str | None = None) -> DecodeKernel:
     if not ok:
         return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
                             f"Triton (CUDA kernel unavailable: {_first_line(why)})")
-    v2 = functools.partial(cu.mla_decode_fp8_cuda, version=2)
     kinds = "(sm_90a, FP8 QK and PV)"
-    if version == 2:
-        return DecodeKernel(v2, cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA v2 {kinds}")
-    if choice == "auto":
-        ok2, why2 = cu.available(2)
-        if ok2:
-            return DecodeKernel(_by_batch(cu.mla_decode_fp8_cuda, v2, V2_FROM_BATCH), cu.get_mla_decode_metadata,
-                                cu.splits_lut, f"CUDA v1 below batch {V2_FROM_BATCH}, v2 from there {kinds}")
-        return DecodeKernel(cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, cu.splits_lut,
-                            f"CUDA {kinds}; v2 unavailable: {_first_line(why2)}")
-    return DecodeKernel(cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}")
+    if version > 1:
+        return DecodeKernel(functools.partial(cu.mla_decode_fp8_cuda, version=version), cu.get_mla_decode_metadata,
+                            cu.splits_lut, f"CUDA v{version} {kinds}")
+    if choice != "auto":
+        return DecodeKernel(cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}")
+    (ok2, why2), (ok3, why3) = cu.available(2), cu.available(3)
+    v2 = functools.partial(cu.mla_decode_fp8_cuda, version=2) if ok2 else cu.mla_decode_fp8_cuda
+    v3 = functools.partial(cu.mla_decode_fp8_cuda, version=3) if ok3 else None
+    what = f"CUDA v1 below batch {V2_FROM_BATCH}, v2 from there" if ok2 else "CUDA v1"
+    what += f", v3 for <= {cu.V3_MAX_ROWS} query rows" if ok3 else ""
+    what += f" {kinds}"
+    what += "" if ok2 else f"; v2 unavailable: {_first_line(why2)}"
+    what += "" if ok3 else f"; v3 unavailable: {_first_line(why3)}"
+    fn = _by_shape(cu.mla_decode_fp8_cuda, v2, v3, V2_FROM_BATCH, cu.V3_MAX_ROWS) if ok2 or ok3 \
+        else cu.mla_decode_fp8_cuda
+    return DecodeKernel(fn, cu.get_mla_decode_metadata, cu.splits_lut, what)
 
 
 # ------------------------------------------------------------------------------------------------------------
