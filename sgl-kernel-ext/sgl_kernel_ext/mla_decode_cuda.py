@@ -282,8 +282,8 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
                         return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1, defines=()):
     """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`; `version` picks the split
     kernel (1, 2 or 3, see the module docstring; 3 takes at most V3_MAX_ROWS rows), `defines` an ablation build of it (wrong results by design) or a
-    design option (the same results). Version 2 quantizes Q itself (a q of another dtype is rounded to bf16 first)
-    unless built with MLA_PREPASS_Q; versions 1 and 3 get it from the Triton pre-pass.
+    design option (the same results). Versions 2 and 3 quantize Q themselves (a q of another dtype is rounded to bf16
+    first) unless built with MLA_PREPASS_Q; version 1 gets it from the Triton pre-pass.
 
     q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
     int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows);
@@ -330,7 +330,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
             op.fill_(float("nan"))
             lp.fill_(float("nan"))
 
-    if version == 2 and "MLA_PREPASS_Q" not in defines:  # the kernel quantizes the bf16 rows itself
+    if version in (2, 3) and "MLA_PREPASS_Q" not in defines:  # the kernel quantizes the bf16 rows itself
         q8, qs = q.to(torch.bfloat16).reshape(-1, HEAD_DIM_QK).contiguous(), None
     else:
         q8, qs = _quantize_q(q)

@@ -169,3 +169,19 @@ def test_more_rows_are_refused():
     with pytest.raises(ValueError, match="at most 32 query rows"):
         cu.mla_decode_fp8_cuda(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"],
                                version=3)
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_fused_q_matches_the_prepass_build(q_len):
+    """Version 3 quantizes Q in the kernel with the pre-pass's arithmetic: bit-identical to the MLA_PREPASS_Q build
+    (Triton pre-pass + the loader's copy), one split and several."""
+    ok, why = cu.available(3, ("MLA_PREPASS_Q",))
+    assert ok, why
+    d = mla.make_mla_inputs([1, 65, 3000, 700, 4097], 16, q_len, 64, device="cuda", seed=17 + q_len, **DEEPSEEK_LIKE)
+    args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"])
+    for splits in (1, 3):
+        meta = dataclasses.replace(cu.get_mla_decode_metadata(d["cache_seqlens"], 16, q_len), num_splits=splits)
+        a, la = cu.mla_decode_fp8_cuda(*args, meta, return_lse=True, version=3)
+        b, lb = cu.mla_decode_fp8_cuda(*args, meta, return_lse=True, version=3, defines=("MLA_PREPASS_Q",))
+        torch.cuda.synchronize()
+        assert torch.equal(a, b) and torch.equal(la, lb), splits

@@ -1,7 +1,8 @@
 // FP8 MLA decode for DeepSeek-V3 on Hopper (sm_90a), version 3: tokens on the MMA's M side, for few query rows.
 //
-// Same inputs, outputs, KV format (576 FP8 bytes + (latent, rope) fp32 scales per token), launcher signature, Q
-// pre-pass, split plan and combine as versions 1 and 2; for at most 32 query rows per sequence (16 heads x q_len 1
+// Same inputs, outputs, KV format (576 FP8 bytes + (latent, rope) fp32 scales per token), launcher signature, split
+// plan and combine as versions 1 and 2, and Q quantized in the kernel as version 2 does (bf16 rows in; design option
+// MLA_PREPASS_Q: the Triton pre-pass); for at most 32 query rows per sequence (16 heads x q_len 1
 // or 2: TP8 layouts of DeepSeek-V3). Built in session 29, not yet run on a GPU.
 //
 // Why. Versions 1 and 2 put query rows on wgmma's M side, which is 64 wide: at 16 heads, 16 of a CTA's 64 rows are
@@ -84,7 +85,8 @@ struct Layout {
   static constexpr int OFF_XCOL = OFF_XMAX + 2 * N * 4 * 4;  // float4 [WG][N] query-row constants
   static constexpr int OFF_XL = OFF_XCOL + 2 * N * 16;       // float [WG][4 warps][N] row sums (epilogue)
   static constexpr int OFF_XW = OFF_XL + 2 * 4 * N * 4;      // float [N] M, [N] l of WG1, [4] C (epilogue)
-  static constexpr int OFF_BAR = OFF_XW + (2 * N + 4) * 4;   // mbarriers full_k[NST], empty_k[NST]
+  static constexpr int OFF_QS = OFF_XW + (2 * N + 4) * 4;    // MLA_FUSED_Q: float [N][2] the block's Q scales
+  static constexpr int OFF_BAR = OFF_QS + N * 2 * 4;         // mbarriers full_k[NST], empty_k[NST]
   static constexpr int SMEM_USED = OFF_BAR + 8 * 2 * NST;
   static constexpr int SMEM_BYTES = SMEM_USED + 1024;        // 1 KB alignment slack
   static_assert(SMEM_BYTES <= 232448, "over the sm_90 shared memory per block");
@@ -288,7 +290,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
     // ============================================== loader ==============================================
     setmaxnreg_dec<LOADER_REGS>();
     const int ptid = tid - 256;
-    if (ntiles > 0) {  // Q by cp.async over the warpgroup, landed before thread 0's first arrival
+    if (!MLA_FUSED_Q && ntiles > 0) {  // Q by cp.async over the warpgroup, landed before thread 0's first arrival
       for (int i = ptid; i < N * 36; i += 128) load_q_chunk(p, sbase + L::OFF_Q, b, rb, N, L::Q_KB, i);
       asm volatile("cp.async.wait_all;\n" ::: "memory");
       named_barrier(4, 128);
@@ -318,6 +320,13 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
   const int g = lane >> 2, q = lane & 3;
   const int wt = tid & 127;
 
+  float* cta_qs = reinterpret_cast<float*>(smem + L::OFF_QS);  // MLA_FUSED_Q: the block's Q scales
+  if constexpr (MLA_FUSED_Q) {
+    // Q quantized here (the pre-pass's arithmetic: bit-identical), 4 threads per row, while the first tiles land
+    if (tid < 4 * N) quantize_q_rows(p, sbase + L::OFF_Q, cta_qs, b, rb, N, L::Q_KB, tid);
+    fence_proxy_async();    // Q written by ordinary stores, read by both WGs' wgmmas through the async proxy
+    named_barrier(1, 256);  // both math WGs: every row of Q and its scales written
+  }
   // per query row n of the block (row rb N + n), in shared memory (read per tile: registers are short at N = 32):
   // its Q scales x the softmax scale and its causal token limit (a row sees positions < lim; none past num_rows)
   float4* xcol = reinterpret_cast<float4*>(smem + L::OFF_XCOL) + wg * N;
@@ -325,7 +334,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
     const int gr = rb * N + wt;
     float4 v = make_float4(0.f, 0.f, __int_as_float(-2147483647), 0.f);
     if (gr < p.num_rows) {
-      const float* qs = p.qs + (static_cast<long long>(b) * p.num_rows + gr) * 2;
+      const float* qs = MLA_FUSED_Q ? cta_qs + wt * 2 : p.qs + (static_cast<long long>(b) * p.num_rows + gr) * 2;
       const int t = gr / p.num_heads;
       v = make_float4(qs[0] * p.qk_scale, qs[1] * p.qk_scale,
                       __int_as_float(min(p.causal ? seqlen - p.q_len + 1 + t : seqlen, end)), 0.f);

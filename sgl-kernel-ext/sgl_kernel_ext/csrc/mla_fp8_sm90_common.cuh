@@ -335,6 +335,78 @@ __device__ __forceinline__ void load_q_chunk(const Params& p, uint32_t q_smem, i
              p.q8 + (static_cast<long long>(b) * p.num_rows + (ok ? gr : 0)) * 576 + c * 16, ok ? 16 : 0);
 }
 
+__device__ __forceinline__ float div_full(float a, float b) {  // what Triton emits for an fp32 '/' (the pre-pass's)
+  float d;
+  asm("div.full.f32 %0, %1, %2;\n" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+// the two bf16 of a 32-bit word as fp32: (the one at the lower address, the other)
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+// e4m3 of x / s for the 8 bf16 in w (clamped to +-448, round to nearest even), packed little-endian into 2 words
+__device__ __forceinline__ uint2 quantize8(uint4 w, float s) {
+  const uint32_t in[4] = {w.x, w.y, w.z, w.w};
+  uint32_t h[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 x = bf16x2_to_float2(in[k]);
+    h[k] = to_e4m3x2(fminf(fmaxf(div_full(x.x, s), -448.f), 448.f), fminf(fmaxf(div_full(x.y, s), -448.f), 448.f));
+  }
+  return make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+}
+__device__ __forceinline__ float amax8(uint4 w, float m) {
+  const uint32_t in[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 x = bf16x2_to_float2(in[k]);
+    m = fmaxf(m, fmaxf(fabsf(x.x), fabsf(x.y)));
+  }
+  return m;
+}
+// MLA_FUSED_Q: thread i (0 .. 4 rows_per_cta - 1) quantizes part j = i & 3 of row r = i >> 2 of this block (lanes
+// 4r .. 4r + 3 of one warp hold one row): latent channels 128 j .. 128 j + 127 and rope channels 512 + 16 j .. 512 +
+// 16 j + 15, read as bf16 from p.q8 (the caller's Q rows), written as FP8 into the SW64 Q blocks (kb_bytes apart),
+// and the row's scales to qs (by part 0). Rows past the last query row are zeros with scale 1, as the cp.async
+// path's zero fill.
+__device__ __forceinline__ void quantize_q_rows(const Params& p, uint32_t q_smem, float* qs, int b, int rb,
+                                                int rows_per_cta, int kb_bytes, int i) {
+  const int r = i >> 2, j = i & 3;
+  const int gr = rb * rows_per_cta + r;
+  const bool ok = gr < p.num_rows;
+  const uint4* src = reinterpret_cast<const uint4*>(p.q8 + (static_cast<long long>(b) * p.num_rows + gr) * 1152);
+  uint4 lat[16], rope[2];
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int k = 0; k < 16; ++k) lat[k] = ok ? __ldg(src + 16 * j + k) : zero;  // 8 bf16 = 16 bytes per uint4
+#pragma unroll
+  for (int k = 0; k < 2; ++k) rope[k] = ok ? __ldg(src + 64 + 2 * j + k) : zero;
+  float am_l = 0.f, am_r = 0.f;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) am_l = amax8(lat[k], am_l);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) am_r = amax8(rope[k], am_r);
+  am_l = fmaxf(am_l, __shfl_xor_sync(0xffffffffu, am_l, 1));
+  am_l = fmaxf(am_l, __shfl_xor_sync(0xffffffffu, am_l, 2));
+  am_r = fmaxf(am_r, __shfl_xor_sync(0xffffffffu, am_r, 1));
+  am_r = fmaxf(am_r, __shfl_xor_sync(0xffffffffu, am_r, 2));
+  const float s_l = am_l > 0.f ? div_full(am_l, 448.f) : 1.f;
+  const float s_r = am_r > 0.f ? div_full(am_r, 448.f) : 1.f;
+#pragma unroll
+  for (int k = 0; k < 9; ++k) {  // 16-byte FP8 chunk c of the row: channels 16 c .. 16 c + 15
+    const int c = k < 8 ? 8 * j + k : 32 + j;
+    const uint2 a = k < 8 ? quantize8(lat[2 * k], s_l) : quantize8(rope[0], s_r);
+    const uint2 d = k < 8 ? quantize8(lat[2 * k + 1], s_l) : quantize8(rope[1], s_r);
+    const uint32_t dst = q_smem + (c >> 2) * kb_bytes + sw64(r, (c & 3) * 16);
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a.x), "r"(a.y), "r"(d.x), "r"(d.y)
+                 : "memory");
+  }
+  if (j == 0) {
+    qs[2 * r] = s_l;
+    qs[2 * r + 1] = s_r;
+  }
+}
+
 // Write one accumulator row half (h: row r0 + 8h) of this warpgroup's 256 output channels, O * inv, and its lse:
 // bf16 out when there is one split, else the fp32 partial and lse in the layout _mla_fp8_combine_kernel reads.
 // has = false (the row saw no token) writes zeros and lse = -inf.
