@@ -3,7 +3,8 @@
 // Same inputs, outputs, KV format (576 FP8 bytes + (latent, rope) fp32 scales per token), launcher signature, split
 // plan and combine as versions 1 and 2, and Q quantized in the kernel as version 2 does (bf16 rows in; design option
 // MLA_PREPASS_Q: the Triton pre-pass); for at most 32 query rows per sequence (16 heads x q_len 1
-// or 2: TP8 layouts of DeepSeek-V3). Built in session 29, not yet run on a GPU.
+// or 2: TP8 layouts of DeepSeek-V3). Status (H100, session 29): 39/39 GPU tests; 1.0-1.16x FlashMLA FP8 at batch >= 64
+// (0.85-1.16x over the 16-head grid), up to 1.14x version 2 (sgl-kernel-ext/NOTES.md).
 //
 // Why. Versions 1 and 2 put query rows on wgmma's M side, which is 64 wide: at 16 heads, 16 of a CTA's 64 rows are
 // live and every tile costs the work of 64 (measured: 0.76-0.95x FlashMLA FP8 at 16 heads, batch >= 64, while the
@@ -40,8 +41,9 @@
 // 2*64*16*576/8192 = 144 + PV 128 = 272 clk; shared memory: K tile read by QK^T 36 KB + Q 9 KB + V by ldmatrix
 // 32 KB + P' 8 x 1 KB + TMA landing 37 KB = 122 KB = ~950 clk; HBM at 4.8 TB/s (H200) / 132 SMs: 36.9 KB in ~1000
 // clk at 1.8 GHz. So the tile should be bound by the bytes, not by the math as in versions 1 and 2, if the two
-// WGs and a stage landing per WG hide the latencies. Expected: the KV stream rate, ~1.3-1.5x FlashMLA FP8 at batch >= 64
-// (it runs 2.8 TB/s there); not measured.
+// WGs and a stage landing per WG hide the latencies. Expected: the KV stream rate, ~1.3-1.5x FlashMLA FP8 at batch
+// >= 64. Measured on the H100: 0.93-0.94 of the copy roofline at batch 128 x 16k, but FlashMLA FP8 is at 0.84-0.87
+// there, so 1.04-1.16x it, not 1.3-1.5x.
 //
 // Registers (ptxas, sm_90a): see NOTES.md; math O 8 x N/2 + accumulator batch + A fragments.
 // Shared memory: K 4 x 36864 + Q N x 576 + P' 2 x N x 64 + scales 4 x 512 + column exchange + 8 mbarriers.
@@ -51,10 +53,12 @@
 #error "version 3 loads K tiles by TMA only (MLA_CP_ASYNC_LOAD is a version 2 option)"
 #endif
 
-// 64-channel blocks per P'V batch at N = 16 (all 8: one wgmma wait per tile; 4: two, fewer registers). At N = 32
-// the batch is 2 (4 spilled).
+// 64-channel blocks per P'V batch (one wgmma wait each): all 8 at N = 16; 2 at N = 32 (4 spilled 736 bytes)
 #ifndef MLA_V3_PV_BATCH16
 #define MLA_V3_PV_BATCH16 8
+#endif
+#ifndef MLA_V3_PV_BATCH32
+#define MLA_V3_PV_BATCH32 2
 #endif
 
 namespace mla_fp8_sm90_v3 {
@@ -261,7 +265,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
   using L = Layout<N>;
   constexpr int NC = N / 4;    // query-row columns per lane
   constexpr int OREG = N / 2;  // accumulator registers of one m64nN
-  constexpr int MB = N == 16 ? MLA_V3_PV_BATCH16 : 2;  // 64-channel blocks per P'V batch
+  constexpr int MB = N == 16 ? MLA_V3_PV_BATCH16 : MLA_V3_PV_BATCH32;  // 64-channel blocks per P'V batch
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t sbase;
   uint8_t* smem = aligned_smem(smem_raw, sbase);
