@@ -132,7 +132,10 @@ def test_servers_capture_decode_graphs_up_to_the_largest_concurrency(tmp_path, m
     e2e.main(common + ["--out", str(tmp_path / "a"), "--workloads", "4096x512@16", "1024x256@128"])
     e2e.main(common + ["--out", str(tmp_path / "b"), "--workloads", "4096x512@48",
                        "--server-args", "--load-format dummy --cuda-graph-max-bs 8"])
-    assert seen == [e2e.SERVER_ARGS + " --cuda-graph-max-bs 128", "--load-format dummy --cuda-graph-max-bs 8"]
+    e2e.main(common + ["--out", str(tmp_path / "c"), "--workloads", "1024x256@128", "--mem-fraction-static", "0.88"])
+    assert seen == [e2e.SERVER_ARGS + " --cuda-graph-max-bs 128", "--load-format dummy --cuda-graph-max-bs 8",
+                    e2e.SERVER_ARGS.replace("0.6", "0.88").replace(" --mem-fraction-static 0.88", "")
+                    + " --cuda-graph-max-bs 128 --mem-fraction-static 0.88"]
     rec = json.loads((tmp_path / "a" / "fp8_mla_e2e.json").read_text())
     assert rec["server_args"].endswith("--cuda-graph-max-bs 128")  # the record says what the servers ran with
 
