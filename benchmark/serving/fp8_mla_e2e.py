@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shlex
 import time
 from itertools import accumulate
@@ -49,7 +48,7 @@ from sglang_h20.cliargs import read_json
 from sglang_h20.models import random_words
 from sglang_h20.nightly.serving import (
     Server, decode_throughput, graphs_up_to, output_ids, prefill_tokens, stop_servers_on_sigterm, tail,
-    write_sharegpt,
+    with_mem_fraction, write_sharegpt,
 )
 
 SERVER_ARGS = ("--load-format dummy --sampling-backend pytorch --moe-runner-backend triton --fp8-gemm-backend triton "
@@ -382,8 +381,8 @@ def main(argv=None) -> int:
                     help="flags of every phase's server, one string; without a CUDA-graph flag in it, "
                          "--cuda-graph-max-bs <the largest workload concurrency> is added (default: %(default)s)")
     ap.add_argument("--mem-fraction-static", type=float, default=None, metavar="F",
-                    help="replace the server flags' --mem-fraction-static (0.6 suits the H200's 141 GB; the "
-                         "dsv3-ep16-slice weights need more than 0.74 of an 80 GB H100)")
+                    help="replace the server flags' --mem-fraction-static (default: theirs on a GPU of >= 100 GiB, "
+                         "else 0.88: the dsv3-ep16-slice weights need more than 0.74 of an 80 GB H100)")
     ap.add_argument("--prompts", type=int, default=4,
                     help="greedy prompts per phase, each sent twice; 0 skips the greedy step, e.g. when a call has "
                          "room for two phases of a long workload only (default: %(default)s)")
@@ -414,9 +413,7 @@ def main(argv=None) -> int:
         ap.error("--server-env takes KEY=VALUE words")
     args.server_env = dict(kv.split("=", 1) for kv in args.server_env)
     args.server_args = graphs_up_to(args.server_args, max(parse_workload(w)[2] for w in args.workloads))
-    if args.mem_fraction_static is not None:
-        flags = re.sub(r"\s*--mem-fraction-static[ =]\S+", "", args.server_args)
-        args.server_args = f"{flags} --mem-fraction-static {args.mem_fraction_static}"
+    args.server_args = with_mem_fraction(args.server_args, args.mem_fraction_static)
     for k, v in HOST_ENV.items():
         os.environ.setdefault(k, v)
     stop_servers_on_sigterm()

@@ -36,7 +36,7 @@ from plugin_parity import HOOKS_APPLIED, PLUGIN_MARK  # same directory
 
 from sglang_h20 import provenance
 from sglang_h20.gputime import graph_median_us
-from sglang_h20.nightly.serving import Server, graphs_up_to, write_sharegpt
+from sglang_h20.nightly.serving import Server, graphs_up_to, with_mem_fraction, write_sharegpt
 
 SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-backend pytorch "
                "--moe-runner-backend triton --fp8-gemm-backend triton --grammar-backend none "
@@ -214,7 +214,7 @@ def main() -> int:
     ap.add_argument("--layer-only", type=Path, help=argparse.SUPPRESS)  # child mode: write layer JSON here
     ap.add_argument("--result", type=Path, help="results JSON (default OUT/swapab_e2e.json)")
     args = ap.parse_args()
-    args.server_args = graphs_up_to(args.server_args, max(args.concurrency))
+    args.server_args = with_mem_fraction(graphs_up_to(args.server_args, max(args.concurrency)))  # H100: 0.88
     if not (Path(args.model) / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there (make one with scripts/make_model.py)")
     args.out.mkdir(parents=True, exist_ok=True)

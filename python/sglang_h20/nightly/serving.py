@@ -295,6 +295,26 @@ def graphs_up_to(server_args: str, concurrency: int) -> str:
     return f"{server_args} --cuda-graph-max-bs {concurrency}"
 
 
+SMALL_GPU_MEM_FRACTION = 0.88  # below LARGE_GPU_BYTES: an 80 GB H100 (dsv3-ep16-slice's weights take 0.74 of it)
+LARGE_GPU_BYTES = 100 * 2**30   # the H200s (141 GB) most records used, where the scripts' 0.6 was set
+
+
+def with_mem_fraction(server_args: str, fraction: float | None = None) -> str:
+    """`server_args` with their --mem-fraction-static replaced by `fraction`; None: keep theirs on a GPU of at least
+    100 GiB, else SMALL_GPU_MEM_FRACTION (an H100's server refused the scripts' 0.6 on dsv3-ep16-slice: "Loaded
+    weights leave no GPU memory for the KV cache", session 29). Without a visible GPU, None keeps them as they are."""
+    if fraction is None:
+        try:
+            import torch
+            if not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory >= LARGE_GPU_BYTES:
+                return server_args
+        except Exception:  # no torch / no driver here: the server will say what it needs
+            return server_args
+        fraction = SMALL_GPU_MEM_FRACTION
+    flags = re.sub(r"\s*--mem-fraction-static[ =]\S+", "", server_args)
+    return f"{flags} --mem-fraction-static {fraction}".strip()
+
+
 def write_sharegpt(path: Path, n: int = 400, seed: int = 0) -> Path:
     """bench_serving's random dataset samples from a ShareGPT file; the host has none, so write one.
 
