@@ -304,6 +304,77 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t saddr, uint32_t* r) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr) : "memory");
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// mbarrier, TMA and setmaxnreg helpers of the warp-specialized versions (2 and 3; shared::cta, no clusters)
+// ---------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// arrive (release.cta): this thread's earlier shared-memory accesses happen before the phase completes
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// wait (acquire.cta) until the phase with parity `parity` has completed. A synchronization bug would hang the GPU
+// (and the test run): after 2^28 polls (seconds; a legitimate wait is microseconds) the kernel traps instead, so
+// the launch fails with an error. -DMLA_V2_NO_WAIT_TRAP removes the counter. (The counter lives in the PTX: a C++
+// loop around __trap() made ptxas spill 600 bytes.)
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#ifdef MLA_V2_NO_WAIT_TRAP
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "MBAR_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra MBAR_WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#else
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .u32 n;\n"
+      "mov.u32 n, 0;\n"
+      "MBAR_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@p bra MBAR_DONE;\n"
+      "add.u32 n, n, 1;\n"
+      "setp.ne.u32 p, n, 268435456;\n"
+      "@p bra MBAR_WAIT;\n"
+      "trap;\n"
+      "MBAR_DONE:\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// arrive on `bar` once all of this thread's earlier cp.async copies have landed (count pre-set in the init: .noinc)
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+#if MLA_TMA_LOAD
+// arrive once on `bar` and expect `bytes` more bytes of asynchronous copies before its phase completes
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// one SW64 K block of a tile: bytes 64 kb .. 64 kb + 63 of the 64 tokens of `page`, by TMA (completes on bar)
+__device__ __forceinline__ void tma_kv_block(uint32_t dst, const CUtensorMap* map, int kb, int page, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(64 * kb), "r"(0), "r"(page), "r"(bar)
+      : "memory");
+}
+// `bytes` contiguous bytes (multiple of 16, both addresses 16-byte aligned) by the bulk copy engine
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+#endif
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
 // ---- pieces of the kernels' bodies that both versions share ----------------------------------------------------
 
 // The dynamic shared memory aligned to 1024 B (the swizzled wgmma operands need it); sbase: its shared address.
