@@ -23,8 +23,10 @@ if not _ok:
     pytest.skip(f"CUDA MLA kernel v3 unavailable: {_why}", allow_module_level=True)
 
 # the same inputs, metrics, bounds, and the autouse fixture that NaN-poisons the split partials
-from test_mla_decode_cuda_gpu import _poison_workspace, check, emulate, run_case  # noqa: E402, F401
+from test_mla_decode_cuda_gpu import _poison_workspace, check, emulate, run_case  # noqa: E402
 from test_mla_decode_fp8_gpu import DEEPSEEK_LIKE, lengths, rel, row_rel  # noqa: E402
+
+FIXTURES = (_poison_workspace,)  # pytest finds the imported autouse fixture by its name in this module
 
 
 GRID = [(16, t, b, s) for t in (1, 2) for b in (1, 3, 64) for s in (1, None)]
