@@ -3,7 +3,7 @@
 // Same inputs, outputs, KV format (576 FP8 bytes + (latent, rope) fp32 scales per token), launcher signature, split
 // plan and combine as versions 1 and 2, and Q quantized in the kernel as version 2 does (bf16 rows in; design option
 // MLA_PREPASS_Q: the Triton pre-pass); for at most 32 query rows per sequence (16 heads x q_len 1
-// or 2: TP8 layouts of DeepSeek-V3). Status (H100, session 29): 39/39 GPU tests; 1.0-1.16x FlashMLA FP8 at batch >= 64
+// or 2: TP8 layouts of DeepSeek-V3). Status (H100, session 29): 39/39 GPU tests; 0.98-1.16x FlashMLA FP8 at batch >= 64
 // (0.85-1.16x over the 16-head grid), up to 1.14x version 2 (sgl-kernel-ext/NOTES.md).
 //
 // Why. Versions 1 and 2 put query rows on wgmma's M side, which is 64 wide: at 16 heads, 16 of a CTA's 64 rows are
@@ -43,7 +43,7 @@
 // clk at 1.8 GHz. So the tile should be bound by the bytes, not by the math as in versions 1 and 2, if the two
 // WGs and a stage landing per WG hide the latencies. Expected: the KV stream rate, ~1.3-1.5x FlashMLA FP8 at batch
 // >= 64. Measured on the H100: 0.93-0.94 of the copy roofline at batch 128 x 16k, but FlashMLA FP8 is at 0.84-0.87
-// there, so 1.04-1.16x it, not 1.3-1.5x.
+// there, so 1.07-1.09x it (0.98-1.16x at batch >= 64 overall), not 1.3-1.5x.
 //
 // Registers (ptxas, sm_90a): see NOTES.md; math O 8 x N/2 + accumulator batch + A fragments.
 // Shared memory: K 4 x 36864 + Q N x 576 + P' 2 x N x 64 + scales 4 x 512 + column exchange + 8 mbarriers.
@@ -99,7 +99,7 @@ struct Layout {
   static_assert(128 * 8 * (N / 2) * 4 <= NST * TILE_BYTES, "the epilogue's O exchange fits the K stages");
 };
 
-// ---- wgmma m64nNk32 e4m3 (N = 16, 32): A and B from shared memory (QK^T), A from registers (P'V) ----------------
+// ---- wgmma m64nNk32 e4m3 (N = 16, 32), A and B from shared memory (QK^T; P'V's register-A form is wgmma_rs) -------
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float* d, uint64_t da, uint64_t db, int scale_d) {
   if constexpr (N == 16) {
@@ -119,7 +119,6 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t da, uint64_t db, int
         : "l"(da), "l"(db), "r"(scale_d));
   }
 }
-
 
 // K stage of tile t and which use of it this is: each math WG has its own NSW stages, so that a stage's phases are
 // waited for by one WG in order. (One ring shared by both WGs, each waiting only for its own tiles' phases, let a
