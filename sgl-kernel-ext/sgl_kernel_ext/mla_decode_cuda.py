@@ -4,7 +4,7 @@ Same interface and result as :func:`sgl_kernel_ext.mla_decode.mla_decode_fp8`; o
 (``sgl_kernel_ext/csrc/mla_fp8_decode_sm90.cu``, design in its header comment). The Q pre-pass, the launch plan
 (:func:`get_mla_decode_metadata`) and the split-KV combine kernel are the Triton ones from ``mla_decode``.
 
-Two versions of the split kernel, same launcher signature and results (``version=`` of :func:`build`,
+Three versions of the split kernel, same launcher signature and results (``version=`` of :func:`build`,
 :func:`available`, :func:`mla_decode_fp8_cuda`):
 
 - 1 (default): ``mla_fp8_decode_sm90.cu``, two warpgroups in lockstep (measured on the H200, 45 GPU tests).
@@ -51,7 +51,8 @@ from .mla_decode import (
 )
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
-           "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "ABLATIONS", "DESIGN_OPTIONS", "REORDERING_OPTIONS", "ROUNDING_OPTIONS"]
+           "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "ABLATIONS", "DESIGN_OPTIONS", "REORDERING_OPTIONS",
+           "ROUNDING_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
