@@ -100,6 +100,13 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #define MLA_PREPASS_Q 0
 #endif
 #define MLA_FUSED_Q (!MLA_PREPASS_Q)
+// Design option, version 1 only (session 29, not yet measured): MLA_V1_FUSED_Q, the same in-kernel quantization for
+// version 1 (its 256 threads quantize the block's 64 rows right after issuing the first tiles' loads). Why: the
+// backend runs version 1 below 16 sequences, where the pre-pass's launch is a larger share (batch 1 x 4k at 128
+// heads: ~26 us in all, FlashMLA FP8 ~20 us).
+#ifndef MLA_V1_FUSED_Q
+#define MLA_V1_FUSED_Q 0
+#endif
 
 // Design option, version 2 only: MLA_PV_REG_A computes P'V as O^T = V^T P'^T with V^T as wgmma's register A operand,
 // built per lane from the K tile by ldmatrix.trans + prmt (version 3's form, here at 64 rows: m64n64k32 per 64 of
