@@ -122,23 +122,31 @@ def simulate(ntiles, seed, mutation=None, reg_a=False):
                 yield
         assert sorted(merged) == list(range(ntiles)), f"WG{w} merged {merged}"
 
-    agents = [loader(), math(0), math(1)]
-    alive = [True] * 3
+    def land():  # a thread's copies complete in order; the .noinc arrive follows them
+        st, t = inflight.pop(0)
+        kstage[st] = t
+        full_k[st].arrive(128)
+
+    schedule(rng, [loader(), math(0), math(1)], lambda: bool(inflight), land,
+             f"ntiles {ntiles}, seed {seed}, mutation {mutation}")
+
+
+def schedule(rng, agents, landing, land, what, land_weight=1):
+    """Run the agents (generators; each next() is one step) and the copies' landings (land() while landing()) in a
+    random order until all are done; a schedule that cannot finish is a deadlock."""
+    alive = [True] * len(agents)
     for _ in range(200000):
-        if not (any(alive) or inflight):
+        if not (any(alive) or landing()):
             return
-        choices = [i for i in range(3) if alive[i]] + (["land"] if inflight else [])
-        c = rng.choice(choices)
-        if c == "land":  # a thread's copies complete in order; the .noinc arrive follows them
-            st, t = inflight.pop(0)
-            kstage[st] = t
-            full_k[st].arrive(128)
+        c = rng.choice([i for i in range(len(agents)) if alive[i]] + (["land"] * land_weight if landing() else []))
+        if c == "land":
+            land()
             continue
         try:
             next(agents[c])
         except StopIteration:
             alive[c] = False
-    raise AssertionError(f"deadlock (ntiles {ntiles}, seed {seed}, mutation {mutation})")
+    raise AssertionError(f"deadlock ({what})")
 
 
 @pytest.mark.parametrize("reg_a", [False, True], ids=["default", "MLA_PV_REG_A"])

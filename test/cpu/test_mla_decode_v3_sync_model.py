@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from test_mla_decode_v2_sync_model import Bar
+from test_mla_decode_v2_sync_model import Bar, schedule
 
 NSW = 2  # the kernel's stages per math WG
 
@@ -73,23 +73,13 @@ def simulate(ntiles, seed, mutation=None):
             empty_k[st].arrive(128)
             yield
 
-    agents = [loader(), math(0), math(1)]
-    alive = [True] * 3
-    for _ in range(200000):
-        if not (any(alive) or inflight):
-            return
-        choices = [i for i in range(3) if alive[i]] + (["land"] * 2 if inflight else [])
-        c = rng.choice(choices)
-        if c == "land":  # copies complete in any order across stages
-            st, t = inflight.pop(rng.randrange(len(inflight)))
-            kstage[st] = t
-            full_k[st].arrive(1)
-            continue
-        try:
-            next(agents[c])
-        except StopIteration:
-            alive[c] = False
-    raise AssertionError(f"deadlock (ntiles {ntiles}, seed {seed}, mutation {mutation})")
+    def land():  # copies complete in any order across stages
+        st, t = inflight.pop(rng.randrange(len(inflight)))
+        kstage[st] = t
+        full_k[st].arrive(1)
+
+    schedule(rng, [loader(), math(0), math(1)], lambda: bool(inflight), land,
+             f"ntiles {ntiles}, seed {seed}, mutation {mutation}", land_weight=2)
 
 
 @pytest.mark.parametrize("ntiles", list(range(0, 10)) + [17, 64, 256])
