@@ -350,9 +350,6 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   // MLA_PV_REG_A: P'V of tile t as O^T += V^T P'^T, V^T's fragments from the tile's K stage (ldmatrix.trans + prmt
   // into P''s paired token order), m64n64k32 per 64 of this WG's channels, merged lazily per row; then both the P'
   // buffer and the K stage are released by this WG
-#ifndef MLA_PV_REG_A_PREFETCH
-#define MLA_PV_REG_A_PREFETCH 1
-#endif
   const uint32_t v_lane = (lane >> 3) * 512 + (lane & 7) * 64 + ((((wq ^ ((lane & 7) >> 1)) & 3)) << 4);
   auto pv_tile_rega = [&](int t) {
     const int pb = t & 1, st = t % NST;
@@ -390,35 +387,31 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     const int nvalid = min(end - (start + t * PAGE), PAGE);
     const uint32_t kv = sbase + OFF_K + st * TILE_BYTES + wg * 4 * KB_BYTES + v_lane;
     const uint64_t dp = desc_sw64(sbase + OFF_P + pb * P_BYTES);
-    auto fragments = [&](int mb, uint32_t (*a)[4]) {  // channels 256 wg + 64 mb .., both k-steps
+    // channels 256 wg + 64 mb .., both k-steps, in P''s paired order: tokens 2q, 2q + 8, 2q + 1, 2q + 9. The masks of
+    // a partial tile (one per sequence) are made per k-step: kept live across the tile they cost ptxas 12 more
+    // spilled bytes
+    auto fragments = [&](int mb, uint32_t (*a)[4]) {
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
-        uint32_t r[4];
-        ldsm_x4_trans(kv + mb * KB_BYTES + ks * 2048, r);
-        if (nvalid < PAGE) {  // tokens past the end: zero bytes (their cache bytes may be NaN)
-#pragma unroll
-          for (int jm = 0; jm < 4; ++jm) {
-            const int tk = 32 * ks + 8 * jm + 2 * q4;
-            r[jm] &= (tk < nvalid ? 0x0000ffffu : 0u) | (tk + 1 < nvalid ? 0xffff0000u : 0u);
-          }
+        if (nvalid < PAGE) {
+          uint32_t keep[2][4];
+          vt_keep_masks(q4, nvalid, keep);
+          vt_fragment<0x6240u, 0x7351u, true>(kv + mb * KB_BYTES + ks * 2048, keep[ks], a[ks]);
+        } else {
+          vt_fragment<0x6240u, 0x7351u, false>(kv + mb * KB_BYTES + ks * 2048, nullptr, a[ks]);
         }
-        a[ks][0] = prmt(r[0], r[1], 0x6240u);  // channel 2g: tokens 2q, 2q + 8, 2q + 1, 2q + 9 (P''s paired order)
-        a[ks][1] = prmt(r[0], r[1], 0x7351u);  // channel 2g + 1
-        a[ks][2] = prmt(r[2], r[3], 0x6240u);  // tokens + 16
-        a[ks][3] = prmt(r[2], r[3], 0x7351u);
       }
     };
-    uint32_t a[MLA_PV_REG_A_PREFETCH ? 2 : 1][2][4];
+    uint32_t a[2][2][4];  // this block's fragments and the next one's, built while this block's wgmmas run
     fragments(0, a[0]);
 #pragma unroll
     for (int mb = 0; mb < 4; ++mb) {
       float acc[32];
-      if (!MLA_PV_REG_A_PREFETCH && mb > 0) fragments(mb, a[0]);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < 2; ++ks) wgmma_rs<64>(acc, a[MLA_PV_REG_A_PREFETCH ? mb & 1 : 0][ks], desc_add(dp, ks * 32), ks);
+      for (int ks = 0; ks < 2; ++ks) wgmma_rs<64>(acc, a[mb & 1][ks], desc_add(dp, ks * 32), ks);
       wgmma_commit();
-      if (MLA_PV_REG_A_PREFETCH && mb < 3) fragments(mb + 1, a[(mb + 1) & 1]);  // next block's while these run
+      if (mb < 3) fragments(mb + 1, a[(mb + 1) & 1]);
       wgmma_wait<0>();
       fence_regs<32>(acc);
 #pragma unroll
@@ -634,6 +627,14 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   // loop, where the NO_MERGE ablation build (TMA loader) had to spill them
   int rb_late = rb;
   asm volatile("mov.b32 %0, %0;\n" : "+r"(rb_late));
+  // a row's merged sum against this WG's O reference m_ref: whether it saw a token, O's output factor, its lse
+  auto row_result = [&](int r, float m_ref, bool& has, float& inv, float& lse) {
+    const float m_use = m_ref == -INFINITY ? 0.f : m_ref;
+    const float lt = xl[r] * ex2(xmf[r] - m_use) + xl[ROWS + r] * ex2(xmf[ROWS + r] - m_use);
+    has = lt > 0.f;
+    inv = has ? C / (448.f * lt) : 0.f;
+    lse = has ? (m_ref + __log2f(lt)) * 0.6931471805599453f : -INFINITY;
+  };
   if constexpr (MLA_PV_REG_A) {  // O^T: this lane's 16 rows x channel pairs 256 wg + 64 mb + 16 wq + 2 g, + 1
     const int g = lane >> 2;
 #pragma unroll
@@ -641,11 +642,9 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       const int n = 8 * (k >> 1) + 2 * q4 + (k & 1), e0 = (k >> 1) * 4 + (k & 1);
       const int gr = rb_late * ROWS + n;
       if (gr >= p.num_rows) continue;
-      const float m_use = MT[k] == -INFINITY ? 0.f : MT[k];
-      const float lt = xl[n] * ex2(xmf[n] - m_use) + xl[ROWS + n] * ex2(xmf[ROWS + n] - m_use);
-      const bool has = lt > 0.f;
-      const float inv = has ? C / (448.f * lt) : 0.f;
-      const float lse = has ? (MT[k] + __log2f(lt)) * 0.6931471805599453f : -INFINITY;
+      bool has;
+      float inv, lse;
+      row_result(n, MT[k], has, inv, lse);
       const bool lse_writer = wg == 0 && wq == 0 && g == 0;
       if (p.num_splits == 1) {
         const int t = gr / p.num_heads, hd = gr % p.num_heads;
@@ -665,17 +664,15 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     }
   } else {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r0 + 8 * h;
-    const int gr = rb_late * ROWS + r;
-    if (gr >= p.num_rows) continue;
-    const float m_use = M[h] == -INFINITY ? 0.f : M[h];
-    const float lt = xl[r] * ex2(xmf[r] - m_use) + xl[ROWS + r] * ex2(xmf[ROWS + r] - m_use);
-    const bool has = lt > 0.f;
-    const float inv = has ? C / (448.f * lt) : 0.f;
-    const float lse = has ? (M[h] + __log2f(lt)) * 0.6931471805599453f : -INFINITY;
-    store_row(p, o, h, b, gr, sp, wg, q4, has, inv, lse);
-  }
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      const int gr = rb_late * ROWS + r;
+      if (gr >= p.num_rows) continue;
+      bool has;
+      float inv, lse;
+      row_result(r, M[h], has, inv, lse);
+      store_row(p, o, h, b, gr, sp, wg, q4, has, inv, lse);
+    }
   }
   MLA_TRACE(31);
   MLA_TRACE_END;

@@ -143,34 +143,16 @@ template <int N, int MB, bool MASK>
 __device__ __forceinline__ void pv_tile(float* o, const float* beta, uint32_t v_lane, uint64_t dp, int q,
                                         int nvalid) {
   constexpr int OREG = N / 2;
-  uint32_t keep[2][4];  // [ks][matrix j]: the bytes of tokens 32 ks + 8 j + 2q, + 1 that lie before nvalid
-  if constexpr (MASK) {
-#pragma unroll
-    for (int ks = 0; ks < 2; ++ks)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int t = 32 * ks + 8 * j + 2 * q;
-        keep[ks][j] = (t < nvalid ? 0x0000ffffu : 0u) | (t + 1 < nvalid ? 0xffff0000u : 0u);
-      }
-  }
+  uint32_t keep[2][4];  // [ks][matrix j]
+  if constexpr (MASK) vt_keep_masks(q, nvalid, keep);
 #pragma unroll
   for (int mb0 = 0; mb0 < 8; mb0 += MB) {
     uint32_t a[MB][2][4];
 #pragma unroll
     for (int i = 0; i < MB; ++i)
 #pragma unroll
-      for (int ks = 0; ks < 2; ++ks) {
-        uint32_t r[4];
-        ldsm_x4_trans(v_lane + (mb0 + i) * KB_BYTES + ks * 2048, r);
-        if constexpr (MASK) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) r[j] &= keep[ks][j];
-        }
-        a[i][ks][0] = prmt(r[0], r[1], 0x6420u);  // channel 2g:     tokens 2q, 2q+1, 2q+8, 2q+9
-        a[i][ks][1] = prmt(r[0], r[1], 0x7531u);  // channel 2g + 1
-        a[i][ks][2] = prmt(r[2], r[3], 0x6420u);  // the same for tokens + 16
-        a[i][ks][3] = prmt(r[2], r[3], 0x7531u);
-      }
+      for (int ks = 0; ks < 2; ++ks)  // k order: tokens 2q, 2q + 1, 2q + 8, 2q + 9 (kpos_of)
+        vt_fragment<0x6420u, 0x7531u, MASK>(v_lane + (mb0 + i) * KB_BYTES + ks * 2048, keep[ks], a[i][ks]);
     float acc[MB * OREG];
     wgmma_fence();  // the A registers were just written by ordinary instructions
 #pragma unroll

@@ -311,6 +311,36 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t saddr, uint32_t* r) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr) : "memory");
 }
 
+// Register-A P'V (version 3, version 2's MLA_PV_REG_A): the per-lane masks of a partial tile, keep[ks][j] = the bytes
+// of tokens 32 ks + 8 j + 2q and + 1 (q = lane % 4) that lie before nvalid (past it the cache bytes may be NaN)
+__device__ __forceinline__ void vt_keep_masks(int q, int nvalid, uint32_t (*keep)[4]) {
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int t = 32 * ks + 8 * j + 2 * q;
+      keep[ks][j] = (t < nvalid ? 0x0000ffffu : 0u) | (t + 1 < nvalid ? 0xffff0000u : 0u);
+    }
+}
+
+// ... and one k-step of this lane's V^T A fragment (channels 16 w + 2g, + 1 of a 64-channel block x 32 tokens):
+// one ldmatrix.x4.trans at its row address saddr (matrices of tokens +0, +8, +16, +24), masked with keep (MASK: a
+// partial tile), and 4 prmt that put tokens 2q, 2q + 1 (first matrix of a pair) and 2q + 8, 2q + 9 (second) of each
+// 16 at A's k positions 4q .. 4q + 3 in the order SEL_LO / SEL_HI give (test_mla_register_a_fragments.py)
+template <uint32_t SEL_LO, uint32_t SEL_HI, bool MASK>
+__device__ __forceinline__ void vt_fragment(uint32_t saddr, const uint32_t* keep, uint32_t* a) {
+  uint32_t r[4];
+  ldsm_x4_trans(saddr, r);
+  if constexpr (MASK) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r[j] &= keep[j];
+  }
+  a[0] = prmt(r[0], r[1], SEL_LO);  // channel 2g
+  a[1] = prmt(r[0], r[1], SEL_HI);  // channel 2g + 1
+  a[2] = prmt(r[2], r[3], SEL_LO);  // the same for tokens + 16
+  a[3] = prmt(r[2], r[3], SEL_HI);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // mbarrier, TMA and setmaxnreg helpers of the warp-specialized versions (2 and 3; shared::cta, no clusters)
 // ---------------------------------------------------------------------------------------------------------------
