@@ -22,7 +22,7 @@ reason, never silently dropped):
   ours-cuda[-v2]-graph  what the backend captures now: the same grid, the split count for the actual lengths
                      read from the device at run time (metadata.splits_dev, mla_decode.set_splits); the CTAs
                      past it return at once.
-  sweep:<p>[sN]      with --cuda-splits N ...: ours-cuda[-v2] with its split count forced to N (outside the targets;
+  sweep:<p>[sN]      with --cuda-splits N ...: ours-cuda[-vN] with its split count forced to N (outside the targets;
                      the record's split_sweep sets the plan's pick against the fastest count per point).
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
                      (1152 B/token), metadata get_mla_metadata(seqlens, q_len*H, 1) outside the timed region.
@@ -113,7 +113,7 @@ def parse_args(argv=None):
     ap.add_argument("--deadline-s", type=float, default=0,
                     help="stop starting points after this many seconds (0: none); the record says which were left")
     ap.add_argument("--cuda-splits", type=int, nargs="+", default=[], metavar="N",
-                    help="also time each ours-cuda[-v2] provider (own plan) with the split count forced to each N, "
+                    help="also time each ours-cuda[-vN] provider (own plan) with the split count forced to each N, "
                          "as rows 'sweep:<provider>[sN]' outside the targets; the record's split_sweep compares "
                          "the plan's pick with the fastest count per point (calibrates SPLIT_COST_TILES)")
     a = ap.parse_args(argv)
@@ -214,7 +214,7 @@ def cuda_version(provider: str) -> int:
 
 
 def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_context=163840, splits=None):
-    """The CUDA split kernel (`version` 1, 2 or 3), timed exactly like "ours" (metadata outside, Q pre-pass inside),
+    """The CUDA split kernel (`version` 1, 2 or 3), timed exactly like "ours" (metadata outside, Q quantization inside),
     with its own split plan, the Triton kernel's ("triton"), or the backend's CUDA-graph plans for a model of
     server_context tokens: static ("ctx", before 2026-11-30) or with the run-time split count ("graph").
     splits: the own plan with its split count replaced (a --cuda-splits sweep row)."""
