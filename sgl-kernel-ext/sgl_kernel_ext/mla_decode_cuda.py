@@ -85,13 +85,10 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # fp32 rounding.
 # MLA_PREPASS_Q (version 2): Q quantized by the Triton pre-pass (a launch of its own), which the split kernel's own
 # quantization (bf16 rows in) replaced in session 29.
-# MLA_PV_REG_A (version 2, session 29, not yet measured): P'V as O^T = V^T P'^T with V^T as the register A operand
-# (version 3's form), no V^T through shared memory.
-# MLA_V1_FUSED_Q (version 1, session 29, not yet measured): version 1 quantizes Q itself too.
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
-                  "MLA_PREPASS_Q", "MLA_PV_REG_A", "MLA_V1_FUSED_Q")
+                  "MLA_PREPASS_Q")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
-ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE", "MLA_PV_REG_A")  # likewise close: fp32 rounding differs from the default's
+ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE",)  # likewise close: fp32 rounding differs from the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up
@@ -287,8 +284,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`; `version` picks the split
     kernel (1, 2 or 3, see the module docstring; 3 takes at most V3_MAX_ROWS rows), `defines` an ablation build of it (wrong results by design) or a
     design option (the same results). Versions 2 and 3 quantize Q themselves (a q of another dtype is rounded to bf16
-    first) unless built with MLA_PREPASS_Q; version 1 gets it from the Triton pre-pass (unless built with
-    MLA_V1_FUSED_Q).
+    first) unless built with MLA_PREPASS_Q; version 1 gets it from the Triton pre-pass.
 
     q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
     int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows);
@@ -335,8 +331,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
             op.fill_(float("nan"))
             lp.fill_(float("nan"))
 
-    if (version in (2, 3) and "MLA_PREPASS_Q" not in defines) or (version == 1 and "MLA_V1_FUSED_Q" in defines):
-        # the kernel quantizes the bf16 rows itself
+    if version in (2, 3) and "MLA_PREPASS_Q" not in defines:  # the kernel quantizes the bf16 rows itself
         q8, qs = q.to(torch.bfloat16).reshape(-1, HEAD_DIM_QK).contiguous(), None
     else:
         q8, qs = _quantize_q(q)

@@ -7,8 +7,6 @@ random later times, and every buffer tagged with the tile it holds. Checked over
 no deadlock, every read sees the tile it expects and is never overwritten while in flight (K stages, V^T halves,
 P'), the parity waits never alias (a barrier 2 phases ahead or still 1 behind), and each WG merges every tile
 once. test_mutations_are_caught: removing any one wait or miscounting an arrival is detected.
-reg_a=True models design option MLA_PV_REG_A: no V^T buffers, 4 K stages, and each WG releases a K stage only after
-its P'V of that tile has read V from it (both the own tile and the other WG's).
 Keep it in step with the kernel (the round structure in its math loop, the loader loop).
 """
 from __future__ import annotations
@@ -29,10 +27,10 @@ class Bar:
             self.pending = self.count
 
 
-def simulate(ntiles, seed, mutation=None, reg_a=False):
+def simulate(ntiles, seed, mutation=None):
     rng = random.Random(seed)
     m = mutation or ""
-    NST = 4 if reg_a else 3
+    NST = 3
     full_k = [Bar(128) for _ in range(NST)]
     empty_k = [Bar(128 if m == "empty_k_count" else 256) for _ in range(NST)]
     full_p = [Bar(128) for _ in range(2)]
@@ -74,14 +72,12 @@ def simulate(ntiles, seed, mutation=None, reg_a=False):
                 st = t % NST
                 while not ready(full_k[st], (t // NST) & 1, t // NST):
                     yield
-                assert kstage[st] == t, f"WG{w} waited for tile {t}, the stage holds {kstage[st]}"
-                if reg_a:  # no transpose: P'V reads V from the K stage itself
-                    continue
+                assert kstage[st] == t, f"WG{w} transposes tile {t}, the stage holds {kstage[st]}"
                 assert not readers.get(("v", w, t & 1)), "V^T rewritten while read"
                 yield
                 assert kstage[st] == t, "K stage overwritten during the transpose"
                 vt[(w, t & 1)] = t
-            if has_oth and m != "early_oth_release" and not reg_a:
+            if has_oth and m != "early_oth_release":
                 empty_k[t_oth % NST].arrive(128)
                 yield
             if has_own:
@@ -90,8 +86,7 @@ def simulate(ntiles, seed, mutation=None, reg_a=False):
                 yield  # QK^T wgmmas in flight
                 assert kstage[st] == t_own, "K stage overwritten during QK^T"
                 readers[("k", st)].discard(w)
-                if not reg_a:
-                    empty_k[st].arrive(128)
+                empty_k[st].arrive(128)
                 yield
                 pb = t_own & 1
                 if t_own >= 2 and m != "no_empty_p_wait":
@@ -107,18 +102,14 @@ def simulate(ntiles, seed, mutation=None, reg_a=False):
                     while not ready(full_p[pb], (t >> 1) & 1, t >> 1):
                         yield
                 readers.setdefault(("p", pb), set()).add(w)
-                v_key = ("k", t % NST) if reg_a else ("v", w, t & 1)  # where this P'V reads V from
-                readers.setdefault(v_key, set()).add(w)
-                v_holds = (lambda: kstage[t % NST] == t) if reg_a else (lambda: vt[(w, t & 1)] == t)
-                assert pbuf[pb] == t and v_holds(), f"WG{w} P'V of tile {t}: stale P' or V"
+                readers.setdefault(("v", w, t & 1), set()).add(w)
+                assert pbuf[pb] == t and vt[(w, t & 1)] == t, f"WG{w} P'V of tile {t}: stale P' or V^T"
                 yield  # PV wgmmas in flight
-                assert pbuf[pb] == t and v_holds(), "P' or V overwritten during P'V"
+                assert pbuf[pb] == t and vt[(w, t & 1)] == t, "P' or V^T overwritten during P'V"
                 readers[("p", pb)].discard(w)
-                readers[v_key].discard(w)
+                readers[("v", w, t & 1)].discard(w)
                 merged.append(t)
                 empty_p[pb].arrive(128)
-                if reg_a:
-                    empty_k[t % NST].arrive(128)  # the last ldmatrix of this tile's V is done
                 yield
         assert sorted(merged) == list(range(ntiles)), f"WG{w} merged {merged}"
 
@@ -149,23 +140,19 @@ def schedule(rng, agents, landing, land, what, land_weight=1):
     raise AssertionError(f"deadlock ({what})")
 
 
-@pytest.mark.parametrize("reg_a", [False, True], ids=["default", "MLA_PV_REG_A"])
 @pytest.mark.parametrize("ntiles", list(range(0, 10)) + [17, 64])
-def test_protocol(ntiles, reg_a):
+def test_protocol(ntiles):
     for seed in range(150):
-        simulate(ntiles, seed, reg_a=reg_a)
+        simulate(ntiles, seed)
 
 
-@pytest.mark.parametrize("reg_a", [False, True], ids=["default", "MLA_PV_REG_A"])
 @pytest.mark.parametrize("mutation", ["empty_k_count", "no_empty_k_wait", "no_empty_p_wait", "no_full_p_wait",
                                       "early_oth_release"])
-def test_mutations_are_caught(mutation, reg_a):
-    if reg_a and mutation == "early_oth_release":
-        pytest.skip("MLA_PV_REG_A has no early release of the other tile")
+def test_mutations_are_caught(mutation):
     with pytest.raises(AssertionError):
         for ntiles in (5, 8, 17):
             for seed in range(100):
-                simulate(ntiles, seed, mutation, reg_a=reg_a)
+                simulate(ntiles, seed, mutation)
 
 
 def test_skew_is_only_performance():

@@ -1,10 +1,10 @@
-"""The register A operand of P'V (version 3, and version 2's MLA_PV_REG_A), modelled byte for byte on the CPU.
+"""The register A operand of version 3's P'V, modelled byte for byte on the CPU.
 
 Each lane builds its FP8 wgmma A fragment of V^T from one ldmatrix.x4.trans of the SW64 K tile and four prmt. This
 checks, for every warp, lane, 64-channel block and k-step, that fragment register a[i] byte b holds V[token][channel]
 for the A row (g, or g + 8 for a[1] / a[3]) and k (4q + b, + 16 for a[2] / a[3]) that the PTX fragment layout
 assigns to it, under the kernels' relabellings: A row g / g + 8 of warp w is channel 16w + 2g / + 1 of the block,
-and k is the P' byte position of its token (v3: kpos_of; MLA_PV_REG_A: P''s paired order, pv_k_pos). A wrong
+and k is the P' byte position of its token (kpos_of). A wrong
 selector, lane address or position map fails here, not on a GPU. The partial-tile masks zero exactly the tokens past
 the end. The fragment layout itself (rows g / g + 8, k 4q .. 4q + 3 and + 16) was confirmed on the GPU by v3's
 tests (outputs equal to version 2's within 1.4e-5, session 29).
@@ -30,7 +30,7 @@ def smem_tile(rng):
 
 
 def v_lane_offset(lane, w):
-    """The kernels' per-lane ldmatrix row address in a K block (v3's v_off, v2's v_lane): row 8j + i of a 32-token
+    """The kernel's per-lane ldmatrix row address in a K block (v3's v_off): row 8j + i of a 32-token
     step, the 16-byte chunk of channels 16w .. 16w + 15."""
     j, i = divmod(lane, 8)
     return j * 512 + i * 64 + (((w ^ (i >> 1)) & 3) << 4)
@@ -55,20 +55,14 @@ def kpos_v3(t):  # the v3 kernel's kpos_of
     return (t & ~15) + 4 * ((t & 7) >> 1) + (t & 1) + 2 * ((t >> 3) & 1)
 
 
-def kpos_paired(t):  # P''s paired order (pv_k_pos within each 16-token chunk)
-    return (t & ~15) + vt.pv_k_pos(t & 15, True)
+SEL_LO, SEL_HI = 0x6420, 0x7531  # v3's prmt selectors (vt_fragment's template arguments)
 
 
-FORMS = {"v3": ((0x6420, 0x7531), kpos_v3), "v2_reg_a": ((0x6240, 0x7351), kpos_paired)}
-
-
-@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("nvalid", [64, 37, 1])
-def test_fragments_hold_the_relabelled_v_transpose(form, nvalid):
-    (sel_lo, sel_hi), kpos = FORMS[form]
+def test_fragments_hold_the_relabelled_v_transpose(nvalid):
     rng = np.random.default_rng(7)
     kv, buf = smem_tile(rng)
-    token_at = {kpos(t): t for t in range(64)}
+    token_at = {kpos_v3(t): t for t in range(64)}
     assert sorted(token_at) == list(range(64))  # a permutation of the tile's positions
     for w in range(4):
         for mb in range(8):
@@ -81,8 +75,8 @@ def test_fragments_hold_the_relabelled_v_transpose(form, nvalid):
                     for j in range(4):  # the partial-tile mask of the kernels
                         tk = 32 * ks + 8 * j + 2 * q
                         r[j] &= (0x0000FFFF if tk < nvalid else 0) | (0xFFFF0000 if tk + 1 < nvalid else 0)
-                    a = [vt.prmt(r[0], r[1], sel_lo), vt.prmt(r[0], r[1], sel_hi),
-                         vt.prmt(r[2], r[3], sel_lo), vt.prmt(r[2], r[3], sel_hi)]
+                    a = [vt.prmt(r[0], r[1], SEL_LO), vt.prmt(r[0], r[1], SEL_HI),
+                         vt.prmt(r[2], r[3], SEL_LO), vt.prmt(r[2], r[3], SEL_HI)]
                     for i in range(4):
                         chan = 64 * mb + 16 * w + 2 * g + (i & 1)  # A row g (a0, a2) or g + 8 (a1, a3)
                         for byte in range(4):
@@ -90,7 +84,7 @@ def test_fragments_hold_the_relabelled_v_transpose(form, nvalid):
                             tok = token_at[k]
                             want = kv[tok, chan] if tok < nvalid else 0
                             got = (a[i] >> (8 * byte)) & 0xFF
-                            assert got == want, (form, w, mb, ks, lane, i, byte, tok, chan)
+                            assert got == want, (w, mb, ks, lane, i, byte, tok, chan)
 
 
 def test_v3_lane_tokens_and_their_p_positions():

@@ -77,9 +77,8 @@ constexpr int KS_BYTES = PAGE * 2 * 4;            // 512
 constexpr int OFF_KS = OFF_P + 2 * P_BYTES;       // 221184
 constexpr int OFF_MAX = OFF_KS + NST * KS_BYTES;  // 222720: float [2][64]
 constexpr int OFF_SUM = OFF_MAX + 2 * ROWS * 4;   // 223232: float [2][64]
-constexpr int OFF_QS = OFF_SUM + 2 * ROWS * 4;    // 223744: MLA_V1_FUSED_Q: float [64][2] the block's Q scales
-constexpr int SMEM_USED = OFF_QS + (MLA_V1_FUSED_Q ? 2 * ROWS * 4 : 0);  // 223744 (+512)
-constexpr int SMEM_BYTES = SMEM_USED + 1024;      // 224768 (+512)
+constexpr int SMEM_USED = OFF_SUM + 2 * ROWS * 4; // 223744
+constexpr int SMEM_BYTES = SMEM_USED + 1024;      // 224768
 static_assert(SMEM_BYTES <= 232448, "over the sm_90 shared memory per block");
 static_assert(OFF_K % 1024 == 0 && OFF_VT % 1024 == 0 && OFF_P % 1024 == 0 && OFF_KS % 16 == 0, "alignment");
 
@@ -114,7 +113,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
   const int ntiles = end > start ? cdiv(end - start, PAGE) : 0;
 
   // ---- loads: Q (with tile 0's group), K tiles + scales (cp.async, one commit group per tile) ----
-  if (!MLA_V1_FUSED_Q && ntiles > 0) {
+  if (ntiles > 0) {
 #pragma unroll
     for (int i = 0; i < 9; ++i) load_q_chunk(p, sbase + OFF_Q, b, rb, ROWS, KB_BYTES, i * THREADS + tid);
   }
@@ -144,15 +143,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
   const int r0 = warp * 16 + (lane >> 2);
   float sq_lat[2], sq_rope[2];
   int lim[2];  // absolute token limit: row sees positions < lim
-  if constexpr (MLA_V1_FUSED_Q) {  // Q quantized here while the first tiles land (the pre-pass's arithmetic)
-    float* cta_qs = reinterpret_cast<float*>(smem + OFF_QS);
-    quantize_q_rows(p, sbase + OFF_Q, cta_qs, b, rb, ROWS, KB_BYTES, tid);
-    fence_proxy_async();  // Q written by ordinary stores, read by the wgmmas through the async proxy
-    __syncthreads();
-    row_setup(p, b, rb, ROWS, r0, seqlen, end, sq_lat, sq_rope, lim, cta_qs);
-  } else {
-    row_setup(p, b, rb, ROWS, r0, seqlen, end, sq_lat, sq_rope, lim);
-  }
+  row_setup(p, b, rb, ROWS, r0, seqlen, end, sq_lat, sq_rope, lim);
 
   // transpose roles: warp w of WG g moves latent channels 256g + 64w .. +63 (K block 4g + w), 8x8 byte blocks
   // (8 channels cg8 x 8 tokens tg); lane bits chosen so that a warp's 8-byte loads and stores hit each bank

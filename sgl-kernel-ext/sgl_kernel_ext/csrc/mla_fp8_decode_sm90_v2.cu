@@ -93,7 +93,7 @@ using namespace mla_fp8_common;
 constexpr int PAGE = 64;            // tokens per page = per KV tile
 constexpr int DQK = 576;
 constexpr int ROWS = 64;            // query rows per CTA
-constexpr int NST = MLA_PV_REG_A ? 4 : 3;  // K tile stages (MLA_PV_REG_A: no V^T buffers, one more stage)
+constexpr int NST = 3;                     // K tile stages
 constexpr int THREADS = 384;        // WG0, WG1: math; WG2: loader
 constexpr int MATH_REGS = 232;      // setmaxnreg: 2 x 232 + 40 = 504 = 3 x 168 (the launch allocation)
 constexpr int LOADER_REGS = 40;
@@ -105,7 +105,7 @@ constexpr int KS_BYTES = PAGE * 2 * 4;            // 512
 constexpr int OFF_Q = 0;
 constexpr int OFF_K = OFF_Q + ROWS * DQK;         // 36864
 constexpr int OFF_VT = OFF_K + NST * TILE_BYTES;  // 147456: [WG][tile & 1] 4 x 16384
-constexpr int OFF_P = OFF_VT + (MLA_PV_REG_A ? 0 : 4 * VTH_BYTES);  // 212992: [tile & 1] 2 x 4096
+constexpr int OFF_P = OFF_VT + 4 * VTH_BYTES;  // 212992: [tile & 1] 2 x 4096
 constexpr int OFF_KS = OFF_P + 2 * P_BYTES;       // 221184: [NST] 512
 constexpr int OFF_XM = OFF_KS + NST * KS_BYTES;   // 222720: float [2][64] owner's m with each P'
 constexpr int OFF_XC = OFF_XM + 2 * ROWS * 4;     // 223232: float [2] owner's c with each P' (16 B)
@@ -119,9 +119,6 @@ static_assert(SMEM_BYTES <= 232448, "over the sm_90 shared memory per block");
 static_assert(OFF_K % 1024 == 0 && OFF_VT % 1024 == 0 && OFF_P % 1024 == 0 && OFF_KS % 16 == 0 &&
                   OFF_BAR % 8 == 0, "alignment");
 static_assert(2 * MATH_REGS + LOADER_REGS <= 3 * 168, "setmaxnreg budget");
-static_assert(!MLA_PV_REG_A || (MLA_LAZY_RESCALE && !MLA_ABLATE_NO_TRANSPOSE && !MLA_ABLATE_NO_PV &&
-                                !MLA_ABLATE_NO_MERGE && !MLA_ABLATE_NO_SOFTMAX && !MLA_ABLATE_NO_QK),
-              "MLA_PV_REG_A: lazy merge only, no ablation switch");
 
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float* d, uint64_t da, uint64_t db, int scale_d) {
   asm volatile(
@@ -267,11 +264,6 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float M[2] = {-INFINITY, -INFINITY};
   float C = 0.f;
-  // MLA_PV_REG_A: O^T, o[mb * 32 + j * 4 + h * 2 + e] = O[row 8j + 2 q4 + e][channel 256 wg + 64 mb + 16 wq + 2 g + h]
-  // (g = lane / 4), so a lane holds 16 rows, each with its own lazy reference MT[2j + e] (M above is then unused)
-  float MT[MLA_PV_REG_A ? 16 : 1];
-#pragma unroll
-  for (int k = 0; k < (MLA_PV_REG_A ? 16 : 1); ++k) MT[k] = -INFINITY;
   // the owner chain (this WG's own tiles only): running row max m_own (P of an own tile is exp2(S - m_own)),
   // partial row sum l_own relative to m_own (this thread's columns), running max V scale c_own (P' = P s_v / c_own 448)
   float m_own[2] = {-INFINITY, -INFINITY}, l_own[2] = {0.f, 0.f};
@@ -347,81 +339,6 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     MLA_TRACE(19);
   };
 
-  // MLA_PV_REG_A: P'V of tile t as O^T += V^T P'^T, V^T's fragments from the tile's K stage (ldmatrix.trans + prmt
-  // into P''s paired token order), m64n64k32 per 64 of this WG's channels, merged lazily per row; then both the P'
-  // buffer and the K stage are released by this WG
-  const uint32_t v_lane = (lane >> 3) * 512 + (lane & 7) * 64 + ((((wq ^ ((lane & 7) >> 1)) & 3)) << 4);
-  auto pv_tile_rega = [&](int t) {
-    const int pb = t & 1, st = t % NST;
-    MLA_TRACE(17);
-    mbar_wait(bar_full_p + 8 * pb, (t >> 1) & 1);
-    MLA_TRACE(18);
-    fence_proxy_async();
-    float beta[16];
-    {
-      const float* xmt = xm + pb * ROWS + 2 * q4;  // row 8j + 2 q4 + e at xmt[8j + e] = xmt[4 (k >> 1) * 2 + (k & 1)]
-      const float ci = xc[pb];
-      const float c_new = ci > C * MLA_LAZY_SCALE_STEP ? ci : C;
-      const float rc = 1.f / c_new;
-      bool moved = c_new != C;
-#pragma unroll
-      for (int k = 0; k < 16; ++k) moved |= xmt[8 * (k >> 1) + (k & 1)] > MT[k] + MLA_LAZY_MAX_STEP;
-      if (__any_sync(0xffffffffu, moved)) {  // rare after the first tiles: O to the new references, row by row
-#pragma unroll
-        for (int k = 0; k < 16; ++k) {
-          const float mi = xmt[8 * (k >> 1) + (k & 1)];
-          const float m_new = mi > MT[k] + MLA_LAZY_MAX_STEP ? mi : MT[k];
-          const float alpha = ex2(MT[k] - (m_new == -INFINITY ? 0.f : m_new)) * (C * rc);
-          MT[k] = m_new;
-#pragma unroll
-          for (int mb = 0; mb < 4; ++mb)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) o[mb * 32 + (k >> 1) * 4 + h * 2 + (k & 1)] *= alpha;
-        }
-      }
-      C = c_new;
-#pragma unroll
-      for (int k = 0; k < 16; ++k)
-        beta[k] = ex2(xmt[8 * (k >> 1) + (k & 1)] - (MT[k] == -INFINITY ? 0.f : MT[k])) * (ci * rc);
-    }
-    const int nvalid = min(end - (start + t * PAGE), PAGE);
-    const uint32_t kv = sbase + OFF_K + st * TILE_BYTES + wg * 4 * KB_BYTES + v_lane;
-    const uint64_t dp = desc_sw64(sbase + OFF_P + pb * P_BYTES);
-    // channels 256 wg + 64 mb .., both k-steps, in P''s paired order: tokens 2q, 2q + 8, 2q + 1, 2q + 9. The masks of
-    // a partial tile (one per sequence) are made per k-step: kept live across the tile they cost ptxas 12 more
-    // spilled bytes
-    auto fragments = [&](int mb, uint32_t (*a)[4]) {
-#pragma unroll
-      for (int ks = 0; ks < 2; ++ks) {
-        if (nvalid < PAGE) {
-          uint32_t keep[2][4];
-          vt_keep_masks(q4, nvalid, keep);
-          vt_fragment<0x6240u, 0x7351u, true>(kv + mb * KB_BYTES + ks * 2048, keep[ks], a[ks]);
-        } else {
-          vt_fragment<0x6240u, 0x7351u, false>(kv + mb * KB_BYTES + ks * 2048, nullptr, a[ks]);
-        }
-      }
-    };
-    uint32_t a[2][2][4];  // this block's fragments and the next one's, built while this block's wgmmas run
-    fragments(0, a[0]);
-#pragma unroll
-    for (int mb = 0; mb < 4; ++mb) {
-      float acc[32];
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 2; ++ks) wgmma_rs<64>(acc, a[mb & 1][ks], desc_add(dp, ks * 32), ks);
-      wgmma_commit();
-      if (mb < 3) fragments(mb + 1, a[(mb + 1) & 1]);
-      wgmma_wait<0>();
-      fence_regs<32>(acc);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) o[mb * 32 + i] = fmaf(acc[i], beta[2 * (i >> 2) + (i & 1)], o[mb * 32 + i]);
-    }
-    mbar_arrive(bar_empty_p + 8 * pb);  // this thread's wgmmas completed and its m/c reads are done
-    mbar_arrive(bar_empty_k + 8 * st);  // ... and its reads of the K stage
-    MLA_TRACE(19);
-  };
-
   if (wg == 1 && ntiles > 0) mbar_wait(bar_full_p, 0);  // start half a period behind WG0 (seesaw skew; no data)
 
   const int nrounds = ntiles / 2 + 1;
@@ -433,7 +350,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
 
     // every warp of this WG is past last round's P'V wgmmas (they read the V^T buffers rewritten below)
     MLA_TRACE(10);
-    if constexpr (!MLA_PV_REG_A) named_barrier(wg_bar, 128);
+    named_barrier(wg_bar, 128);
     MLA_TRACE(11);
 
     // ---- V^T of this WG's 256 channels for both tiles of the round (before the QK^T wgmmas: their 64 accumulator
@@ -442,7 +359,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       const int st = t_oth % NST;
       mbar_wait(bar_full_k + 8 * st, (t_oth / NST) & 1);
       MLA_TRACE(20);
-      if constexpr (!MLA_ABLATE_NO_TRANSPOSE && !MLA_PV_REG_A)  // ablation: the P'V wgmmas read stale V^T
+      if constexpr (!MLA_ABLATE_NO_TRANSPOSE)  // ablation: the P'V wgmmas read stale V^T
         transpose_v<1>(smem + OFF_K + st * TILE_BYTES + kblk * KB_BYTES,
                        smem + OFF_VT + (wg * 2 + (t_oth & 1)) * VTH_BYTES, vt_dloc,
                        min(end - (start + t_oth * PAGE), PAGE), lane);
@@ -450,17 +367,15 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     if (has_own) {
       mbar_wait(bar_full_k + 8 * (t_own % NST), (t_own / NST) & 1);
       MLA_TRACE(20);
-      if constexpr (!MLA_ABLATE_NO_TRANSPOSE && !MLA_PV_REG_A)
+      if constexpr (!MLA_ABLATE_NO_TRANSPOSE)
         transpose_v<1>(smem + OFF_K + (t_own % NST) * TILE_BYTES + kblk * KB_BYTES,
                        smem + OFF_VT + (wg * 2 + (t_own & 1)) * VTH_BYTES, vt_dloc,
                        min(end - (start + t_own * PAGE), PAGE), lane);
     }
-    if constexpr (!MLA_PV_REG_A) {
-      fence_proxy_async();         // V^T written by ordinary stores; wgmma reads it through the async proxy
-      named_barrier(wg_bar, 128);  // ... complete for the whole WG
-    }
+    fence_proxy_async();         // V^T written by ordinary stores; wgmma reads it through the async proxy
+    named_barrier(wg_bar, 128);  // ... complete for the whole WG
     MLA_TRACE(12);
-    if (!MLA_PV_REG_A && has_oth) mbar_arrive(bar_empty_k + 8 * (t_oth % NST));  // done with the other tile's stage
+    if (has_oth) mbar_arrive(bar_empty_k + 8 * (t_oth % NST));  // done with the other tile's stage
 
     float s_lat[32], s_rope[32];
     if (has_own) {
@@ -566,8 +481,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         for (int h = 0; h < 2; ++h) l_own[h] = l_own[h] * alpha_own[h] + ls[h];
         c_own = c_new;
       }
-      if constexpr (!MLA_PV_REG_A)
-        mbar_arrive(bar_empty_k + 8 * st);  // QK^T wgmmas completed, scales read: the K stage may be refilled
+      mbar_arrive(bar_empty_k + 8 * st);  // QK^T wgmmas completed, scales read: the K stage may be refilled
       MLA_TRACE(15);
 
       // publish P', m_own, c_own in buffer t & 1 once both WGs are done with tile t - 2 there
@@ -596,17 +510,9 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
       mbar_arrive(bar_full_p + 8 * pb);
       MLA_TRACE(16);
 
-      if constexpr (MLA_PV_REG_A)
-        pv_tile_rega(t_own);
-      else
-        pv_tile(t_own);
+      pv_tile(t_own);
     }
-    if (has_oth) {
-      if constexpr (MLA_PV_REG_A)
-        pv_tile_rega(t_oth);
-      else
-        pv_tile(t_oth);
-    }
+    if (has_oth) pv_tile(t_oth);
   }
 
   // ---- epilogue: l = l_0 2^(m_0 - M) + l_1 2^(m_1 - M) (the two owner chains), O / l, lse ----
@@ -635,44 +541,15 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     inv = has ? C / (448.f * lt) : 0.f;
     lse = has ? (m_ref + __log2f(lt)) * 0.6931471805599453f : -INFINITY;
   };
-  if constexpr (MLA_PV_REG_A) {  // O^T: this lane's 16 rows x channel pairs 256 wg + 64 mb + 16 wq + 2 g, + 1
-    const int g = lane >> 2;
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      const int n = 8 * (k >> 1) + 2 * q4 + (k & 1), e0 = (k >> 1) * 4 + (k & 1);
-      const int gr = rb_late * ROWS + n;
-      if (gr >= p.num_rows) continue;
-      bool has;
-      float inv, lse;
-      row_result(n, MT[k], has, inv, lse);
-      const bool lse_writer = wg == 0 && wq == 0 && g == 0;
-      if (p.num_splits == 1) {
-        const int t = gr / p.num_heads, hd = gr % p.num_heads;
-        __nv_bfloat16* orow = p.out + b * p.out_sb + t * p.out_st + hd * p.out_sh + wg * 256 + 16 * wq + 2 * g;
-#pragma unroll
-        for (int mb = 0; mb < 4; ++mb)
-          *reinterpret_cast<__nv_bfloat162*>(orow + 64 * mb) =
-              __floats2bfloat162_rn(o[mb * 32 + e0] * inv, o[mb * 32 + e0 + 2] * inv);
-        if (lse_writer) p.lse[b * p.lse_sb + t * p.lse_st + hd] = lse;
-      } else {
-        float* orow = p.op + b * p.op_sb + gr * p.op_sr + sp * p.op_ss + wg * 256 + 16 * wq + 2 * g;
-#pragma unroll
-        for (int mb = 0; mb < 4; ++mb)
-          *reinterpret_cast<float2*>(orow + 64 * mb) = make_float2(o[mb * 32 + e0] * inv, o[mb * 32 + e0 + 2] * inv);
-        if (lse_writer) p.lp[b * p.lp_sb + gr * p.lp_sr + sp] = lse;
-      }
-    }
-  } else {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
-      const int gr = rb_late * ROWS + r;
-      if (gr >= p.num_rows) continue;
-      bool has;
-      float inv, lse;
-      row_result(r, M[h], has, inv, lse);
-      store_row(p, o, h, b, gr, sp, wg, q4, has, inv, lse);
-    }
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    const int gr = rb_late * ROWS + r;
+    if (gr >= p.num_rows) continue;
+    bool has;
+    float inv, lse;
+    row_result(r, M[h], has, inv, lse);
+    store_row(p, o, h, b, gr, sp, wg, q4, has, inv, lse);
   }
   MLA_TRACE(31);
   MLA_TRACE_END;

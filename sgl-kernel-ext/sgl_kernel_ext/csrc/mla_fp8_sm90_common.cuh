@@ -100,25 +100,6 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #define MLA_PREPASS_Q 0
 #endif
 #define MLA_FUSED_Q (!MLA_PREPASS_Q)
-// Design option, version 1 only (session 29, not yet measured): MLA_V1_FUSED_Q, the same in-kernel quantization for
-// version 1 (its 256 threads quantize the block's 64 rows right after issuing the first tiles' loads). Why: the
-// backend runs version 1 below 16 sequences, where the pre-pass's launch is a larger share (batch 1 x 4k at 128
-// heads: ~26 us in all, FlashMLA FP8 ~20 us).
-#ifndef MLA_V1_FUSED_Q
-#define MLA_V1_FUSED_Q 0
-#endif
-
-// Design option, version 2 only: MLA_PV_REG_A computes P'V as O^T = V^T P'^T with V^T as wgmma's register A operand,
-// built per lane from the K tile by ldmatrix.trans + prmt (version 3's form, here at 64 rows: m64n64k32 per 64 of
-// the WG's 256 channels), instead of transposing V into shared memory (V^T buffers, their named barriers and the
-// wgmmas' V^T reads: 14-22% of v2's time in the session-21 ablation). The prmt selectors put tokens in P''s paired
-// order (pv_k_pos), so P' is unchanged; O is held transposed (a lane's 16 query rows x 2 channels per 64-channel
-// block) with a lazy reference per row; the K stages live until both WGs' P'V of a tile, so there are 4 (the V^T
-// buffers' 64 KB pay for the 4th). Lazy merge only; the ablation switches do not apply. The same products summed
-// in the MMA's other orientation: close to the default's results, not bit-identical (REORDERING_OPTIONS).
-#ifndef MLA_PV_REG_A
-#define MLA_PV_REG_A 0
-#endif
 
 namespace mla_fp8_common {
 
@@ -270,7 +251,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uin
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
-// wgmma m64nNk32 e4m3 (N = 16, 32, 64) with A from registers: a[0..3], this lane's fragment (rows g, g + 8 of its
+// wgmma m64nNk32 e4m3 (N = 16, 32) with A from registers: a[0..3], this lane's fragment (rows g, g + 8 of its
 // warp's 16 x k 4q .. 4q + 3, then the same for k + 16), B from shared memory (K-major)
 template <int N>
 __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t db, int scale_d) {
@@ -281,25 +262,14 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t d
         "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-  } else if constexpr (N == 32) {
+  } else {
+    static_assert(N == 32);
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-  } else {
-    static_assert(N == 64);
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-        "%23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
   }
 }
@@ -311,8 +281,8 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t saddr, uint32_t* r) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr) : "memory");
 }
 
-// Register-A P'V (version 3, version 2's MLA_PV_REG_A): the per-lane masks of a partial tile, keep[ks][j] = the bytes
-// of tokens 32 ks + 8 j + 2q and + 1 (q = lane % 4) that lie before nvalid (past it the cache bytes may be NaN)
+// Register-A P'V (version 3): the per-lane masks of a partial tile, keep[ks][j] = the bytes of tokens 32 ks + 8 j + 2q
+// and + 1 (q = lane % 4) that lie before nvalid (past it the cache bytes may be NaN)
 __device__ __forceinline__ void vt_keep_masks(int q, int nvalid, uint32_t (*keep)[4]) {
 #pragma unroll
   for (int ks = 0; ks < 2; ++ks)
