@@ -28,5 +28,8 @@ with Server(model, args, out / "server.log") as s:
     again = [output_ids(r) for r in s.generate_batch(texts, max_new_tokens=32)]
 res["ids"], res["ids_repeat"] = first, again
 res["repeat_equal"] = [a == b for a, b in zip(first, again)]
+# which decode kernel served (the backend logs its pick once per process; SGLANG_H20_FP8_MLA_KERNEL forces one)
+res["decode_kernel_lines"] = [ln.strip() for ln in (out / "server.log").read_text(errors="replace").splitlines()
+                              if "decode kernel" in ln]
 (out / "smoke.json").write_text(json.dumps(res, indent=1))
-print(json.dumps({k: res[k] for k in ("startup_s", "repeat_equal")}), [len(x) for x in first])
+print(json.dumps({k: res[k] for k in ("startup_s", "repeat_equal", "decode_kernel_lines")}), [len(x) for x in first])

@@ -33,7 +33,8 @@
 #   (migration) benchmark/eplb/migration_step_time.py: decode step time during an expert re-placement
 #   ${MIGRATION_ARGS}, e.g. MIGRATION_ARGS="--world 2": experts move between 2 GPUs (NCCL, one process per
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
-#   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on dsv3-4l
+#   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on SMOKE_MODEL (default
+#     dsv3-4l; e.g. SMOKE_MODEL=dsv3-tp8-4l MAKE_MODELS=dsv3-tp8-4l: 16 heads, kernel version 3)
 #   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min), bench_sbo.py --layer-only
 #     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32) -> $OUT/sbo_layer_shared.json
 #     (+ .png), then swapab_e2e.py --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair) at
@@ -82,7 +83,8 @@ if [ -z "${NO_SETUP:-}" ]; then  # scripts/gpu_parallel.sh sets up once, then ru
   export PYTHONPATH=/tmp/site:/tmp/dg
   python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/site . > "$OUT/install.log" 2>&1 \
     || { say "FAIL: install sglang-h20"; cat "$OUT/install.log"; exit 2; }
-  python3 scripts/make_model.py /tmp/models > /dev/null || { say "FAIL: make_model"; exit 2; }
+  python3 scripts/make_model.py /tmp/models --models dsv3-4l dsv3-ep16-slice ${MAKE_MODELS:-} > /dev/null \
+    || { say "FAIL: make_model"; exit 2; }
   # the bundle ships no bytecode (build_devkit.sh strips __pycache__): compile it once on all cores here, so no
   # server process compiles sglang/transformers on its first import (a suspect for the slow first start; timed)
   tc=$(date +%s); python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1
@@ -248,8 +250,8 @@ if [[ " $STEPS " == *" sbo "* ]]; then  # single-batch overlap: tests, the layer
   fi
 fi
 if [[ " $STEPS " == *" fp8smoke "* ]] && [ "$(left)" -gt 120 ]; then
-  say "h20_fp8_mla smoke on dsv3-4l"
-  timeout $(( $(left) - 20 )) python3 scripts/fp8_mla_smoke.py /tmp/models/dsv3-4l "$OUT/fp8_smoke" 2>&1 | tail -5
+  say "h20_fp8_mla smoke on ${SMOKE_MODEL:-dsv3-4l}"
+  timeout $(( $(left) - 20 )) python3 scripts/fp8_mla_smoke.py /tmp/models/${SMOKE_MODEL:-dsv3-4l} "$OUT/fp8_smoke" 2>&1 | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; grep -A20 Traceback "$OUT/fp8_smoke/server.log" | tail -25; }
 fi
 if [[ " $STEPS " == *" fp8mla "* ]] && [ "$(left)" -gt 120 ]; then

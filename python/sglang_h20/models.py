@@ -44,6 +44,10 @@ MODELS = {
     # attention-heavy calibration model (python -m sglang_h20 calibrate mha-mla): 8 real MLA layers,
     # dense MLPs shrunk to 256 so that prefill time is attention plus a fixed per-request overhead
     "dsv3-attn8": {"num_hidden_layers": 8, "first_k_dense_replace": 8, "intermediate_size": 256},
+    # one GPU's attention share under TP 8 (16 of the 128 heads), on dsv3-4l's layers: the h20_fp8_mla backend's
+    # decode then runs the 16-head kernel (CUDA version 3), which the 128-head standard models never reach
+    "dsv3-tp8-4l": {"num_hidden_layers": 4, "first_k_dense_replace": 1, "num_attention_heads": 16,
+                    "num_key_value_heads": 16},
 }
 STANDARD = ("dsv3-4l", "dsv3-ep16-slice")
 
@@ -96,7 +100,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_root", type=Path, help="folder that receives one sub-folder per model")
     ap.add_argument("--models", nargs="+", default=list(STANDARD), choices=sorted(MODELS),
-                    help="models to write (default: %(default)s; dsv3-attn8 is calibrate's attention-heavy model)")
+                    help="models to write (default: %(default)s; dsv3-attn8 is calibrate's attention-heavy model, "
+                         "dsv3-tp8-4l dsv3-4l with 16 heads)")
     a = ap.parse_args()
     if a.out_root.exists() and not a.out_root.is_dir():
         ap.error(f"out_root {a.out_root} is a file, not a folder")
