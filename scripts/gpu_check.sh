@@ -39,6 +39,9 @@
 #     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32) -> $OUT/sbo_layer_shared.json
 #     (+ .png), then swapab_e2e.py --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair) at
 #     SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e starts only with more than 300 s left)
+#   (decodeprof) benchmark/serving/decode_profile.py: torch-profiler kernels of steady decode steps per attention
+#     backend (DECODEPROF_MODEL, default dsv3-ep16-slice; DECODEPROF_ARGS, e.g. "--arms ours flashmla-fp8 --batch 32")
+#     -> $OUT/decode_profile.json (the traces stay on the host)
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
 #   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
 #   5. JIT caches back to $OUT/jitcache.tar.xz (carry it next time as .devkit/jitcache.tar.xz); when $OUT holds
@@ -267,6 +270,14 @@ if [[ " $STEPS " == *" observe "* ]] && [ "$(left)" -gt 150 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || { rc=1; tail -30 /tmp/observe/server.log; }
   cp /tmp/observe/observe_overhead.json "$OUT/" 2>/dev/null
   (cd /tmp/observe && tar -cJf "$OUT/observe_logs.tar.xz" server.log dump control ./*.log 2>/dev/null)
+fi
+if [[ " $STEPS " == *" decodeprof "* ]] && [ "$(left)" -gt 150 ]; then  # traces stay here: only the summary returns
+  say "decode-step profile per attention backend on ${DECODEPROF_MODEL:-dsv3-ep16-slice} ${DECODEPROF_ARGS:-}"
+  timeout $(( $(left) - 20 )) python3 benchmark/serving/decode_profile.py --model /tmp/models/${DECODEPROF_MODEL:-dsv3-ep16-slice} \
+    --out /tmp/decode_profile ${DECODEPROF_ARGS:-} 2>&1 | tee "$OUT/decode_profile.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  cp /tmp/decode_profile/decode_profile.json "$OUT/" 2>/dev/null
+  (cd /tmp/decode_profile && tar -cJf "$OUT/decode_profile_logs.tar.xz" ./*/server.log 2>/dev/null)
 fi
 if [[ " $STEPS " == *" migration "* ]] && [ "$(left)" -gt 90 ]; then
   say "EPLB migration step time (deadline $(( $(left) - 40 ))s)"

@@ -18,13 +18,10 @@ usage: prefill_profile.py --model DIR --out DIR [--length 1024] [--cached-fracti
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import shlex
 import statistics
-import time
-from collections import defaultdict
 from pathlib import Path
 
 from sglang_h20 import provenance
@@ -32,41 +29,7 @@ from sglang_h20.models import random_words
 from sglang_h20.nightly.serving import Server
 
 from prefix_ttft import NO_PREFILL_GRAPH, timed  # the same one-server setup and client timing
-TOP = 15
-
-
-def load_trace(path: Path) -> list[dict]:
-    """The traceEvents of one Chrome trace file (.json or .json.gz)."""
-    raw = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
-    return json.loads(raw).get("traceEvents", [])
-
-
-def summarize(events: list[dict], requests: int) -> dict:
-    """Kernel and CPU-op totals (ms) of a trace, per prefill; the top names of each."""
-    kernels, cpu_ops = defaultdict(float), defaultdict(float)
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        cat = str(e.get("cat", "")).lower()
-        if cat == "kernel":
-            kernels[e.get("name", "?")] += e["dur"] / 1e3
-        elif cat in ("cpu_op", "user_annotation"):
-            cpu_ops[e.get("name", "?")] += e["dur"] / 1e3
-    per = max(1, requests)
-
-    def top(d):
-        return [{"name": k[:160], "ms_per_prefill": v / per} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:TOP]]
-
-    return {"gpu_kernel_ms_per_prefill": sum(kernels.values()) / per, "kernels": top(kernels),
-            "cpu_ops": top(cpu_ops), "_kernel_totals": {k: v / per for k, v in kernels.items()}}
-
-
-def compare(a: dict, b: dict) -> list[dict]:
-    """Kernels by |b - a| per prefill, largest first (names present in either arm)."""
-    ka, kb = a["_kernel_totals"], b["_kernel_totals"]
-    rows = [{"name": n[:160], "a_ms": ka.get(n, 0.0), "b_ms": kb.get(n, 0.0), "diff_ms": kb.get(n, 0.0) - ka.get(n, 0.0)}
-            for n in set(ka) | set(kb)]
-    return sorted(rows, key=lambda r: -abs(r["diff_ms"]))[:TOP]
+from trace_summary import compare, load_trace, summarize, wait_for_traces
 
 
 def profile_arm(srv: Server, ctl: Path, arm: str, out: Path, prefix: str, new: int, requests: int,
@@ -81,17 +44,10 @@ def profile_arm(srv: Server, ctl: Path, arm: str, out: Path, prefix: str, new: i
     wall = [timed(lambda: srv.generate_batch([(prefix + " " + random_words(rng, new)).strip()], max_new_tokens=1))
             for _ in range(requests)]
     srv.post("/stop_profile")
-    deadline = time.time() + 120
-    files: list[Path] = []
-    while time.time() < deadline:  # the scheduler writes the trace after stop returns
-        files = sorted(p for p in out.rglob("*") if p.name.endswith((".json", ".json.gz")))
-        if files and all(p.stat().st_size > 0 for p in files):
-            time.sleep(2)
-            break
-        time.sleep(1)
+    files = wait_for_traces(out)  # the scheduler writes the trace after stop returns
     events = [e for p in files for e in load_trace(p)]
     return {"wall_ms": wall, "median_wall_ms": statistics.median(wall), "trace_files": [str(p) for p in files],
-            **summarize(events, requests)}
+            **summarize(events, requests, unit="prefill")}
 
 
 def main() -> int:

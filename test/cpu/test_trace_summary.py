@@ -1,0 +1,116 @@
+"""The serving profilers' trace summary (trace_summary.py, used by prefill_profile.py and decode_profile.py):
+per-unit kernel totals, launches, top lists and the difference between arms, on a synthetic Chrome trace (the
+format torch.profiler writes); decode_profile.py's control flow against a fake server."""
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from repo_scripts import load_script
+
+ts = load_script("benchmark/serving/trace_summary.py")
+decode = load_script("benchmark/serving/decode_profile.py")
+
+
+def _trace(path: Path, kernels: dict[str, float], cpu: dict[str, float]) -> Path:
+    ev = [{"ph": "X", "cat": "kernel", "name": n, "ts": 10.0 * i, "dur": us} for i, (n, us) in enumerate(kernels.items())]
+    ev += [{"ph": "X", "cat": "cpu_op", "name": n, "ts": 0, "dur": us} for n, us in cpu.items()]
+    ev += [{"ph": "i", "cat": "kernel", "name": "instant, no duration"}, {"ph": "X", "cat": "gpu_memcpy",
+                                                                          "name": "Memcpy HtoD", "dur": 9e9}]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    return path
+
+
+def test_summary_is_per_unit_and_the_difference_finds_the_extra_kernel(tmp_path):
+    mla = ts.summarize(ts.load_trace(_trace(tmp_path / "mla.json.gz", {"mla_paged": 4000.0, "gemm": 2000.0},
+                                            {"aten::bmm": 300.0})), 2)
+    mha = ts.summarize(ts.load_trace(_trace(tmp_path / "mha.json.gz", {"ragged_prefill": 1000.0, "gemm": 2000.0,
+                                                                       "fp8_gemm_kv_b": 6000.0},
+                                            {"plan": 1600.0})), 2)
+    assert mla["gpu_kernel_ms_per_prefill"] == pytest.approx(3.0)  # (4 + 2) ms over 2 prefills; memcpy not a kernel
+    assert mha["gpu_kernel_ms_per_prefill"] == pytest.approx(4.5)
+    assert mha["kernel_launches_per_prefill"] == pytest.approx(1.5)
+    assert mha["kernels"][0] == {"name": "fp8_gemm_kv_b", "ms_per_prefill": pytest.approx(3.0),
+                                 "launches_per_prefill": 0.5}
+    assert mha["cpu_ops"] == [{"name": "plan", "ms_per_prefill": pytest.approx(0.8)}]
+    diff = ts.compare(mla, mha)
+    assert [r["name"] for r in diff[:2]] == ["fp8_gemm_kv_b", "mla_paged"]
+    assert diff[0]["diff_ms"] == pytest.approx(3.0) and diff[1]["diff_ms"] == pytest.approx(-2.0)
+    assert {r["name"]: r["diff_ms"] for r in diff}["gemm"] == 0.0
+
+
+def test_step_unit_and_kernel_span(tmp_path):
+    ev = ts.load_trace(_trace(tmp_path / "d.json.gz", {"a": 5.0, "b": 5.0, "c": 5.0}, {}))  # at 0, 10, 20 us
+    s = ts.summarize(ev, 4, unit="step")
+    assert s["gpu_kernel_ms_per_step"] == pytest.approx(15e-3 / 4)
+    assert s["kernels"][0]["launches_per_step"] == 0.25
+    assert decode.kernel_span_ms(ev) == pytest.approx(25e-3)  # first start 0 to last end 25 us: 10 us of gaps
+    assert decode.kernel_span_ms([]) == 0.0
+
+
+def test_wait_for_traces_matches_the_stage(tmp_path):
+    (tmp_path / "x-TP-0-EXTEND.trace.json.gz").write_bytes(b"1")
+    assert ts.wait_for_traces(tmp_path, timeout_s=0.5, match="DECODE") == []
+    (tmp_path / "x-TP-0-DECODE.trace.json.gz").write_bytes(b"1")
+    assert [p.name for p in ts.wait_for_traces(tmp_path, timeout_s=5, match="DECODE")] == ["x-TP-0-DECODE.trace.json.gz"]
+
+
+def test_all_decoding_reads_the_decode_lines():
+    line = ("[2026-12-02 23:02:26] Decode batch, #running-req: {n}, #token: 34816, token usage: 0.00, cuda graph: True, "
+            "gen throughput (token/s): 387.06, #queue-req: 0\n")
+    assert not decode.all_decoding("Prefill batch, #new-seq: 8\n" + line.format(n=31), 32)
+    assert decode.all_decoding(line.format(n=31) + line.format(n=32), 32)
+
+
+class FakeServer:
+    """Writes decode lines while a batch generates and a DECODE trace when profiling starts, as SGLang does."""
+    posts: list = []
+
+    def __init__(self, model, args, log, env=None, port=0, ready_timeout_s=0):
+        self.log, self.start_s = Path(log), 1.0
+
+    def __enter__(self):
+        self.log.write_text("")
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def generate_batch(self, texts, max_new_tokens=1):
+        if len(texts) > 1:
+            with open(self.log, "a") as f:
+                f.write(f"Decode batch, #running-req: {len(texts)}, cuda graph: True, gen throughput (token/s): 9.0\n")
+            self.done.wait(10)
+        return [{}] * len(texts)
+
+    def post(self, path, body=None):
+        FakeServer.posts.append((path, body))
+        out = Path(body["output_dir"])
+        _trace(out / f"{body['profile_id']}-TP-0-DECODE.trace.json.gz", {"mla": 40.0, "store": 20.0}, {})
+        self.done.set()
+        return "ok"
+
+
+def test_profile_arm_profiles_decode_steps_once_all_requests_decode(tmp_path, monkeypatch):
+    FakeServer.done = threading.Event()
+    monkeypatch.setattr(decode, "Server", FakeServer)
+    args = decode.argparse.Namespace(model="m", out=tmp_path, batch=4, input_len=8, output_len=100, steps=2,
+                                     server_args="--load-format dummy", wait_s=20, ready_timeout_s=5)
+    rec = decode.profile_arm("ours", args, port=1)
+    path, body = FakeServer.posts[-1]
+    assert path == "/start_profile" and body["num_steps"] == 2 and body["profile_by_stage"]
+    assert body["profile_stages"] == ["decode"]
+    assert rec["gpu_kernel_ms_per_step"] == pytest.approx(0.03)  # 60 us over 2 steps
+    assert rec["gpu_span_ms_per_step"] == pytest.approx(0.02)  # 0 to 40 us (the second kernel inside the first)
+    assert rec["kernels"][0]["name"] == "mla"
+
+
+def test_cli_refuses_too_few_output_tokens(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        decode.main(["--model", "m", "--out", str(tmp_path), "--steps", "20", "--output-len", "40"])
+    assert "too short" in capsys.readouterr().err
