@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("out_root", type=Path, help="folder that receives one sub-folder per model")
     ap.add_argument("--models", nargs="+", default=list(STANDARD), choices=sorted(MODELS),
                     help="models to write (default: %(default)s; dsv3-attn8 is calibrate's attention-heavy model, "
-                         "dsv3-tp8-4l dsv3-4l with 16 heads)")
+                         "dsv3-tp8-4l is dsv3-4l with 16 heads)")
     a = ap.parse_args()
     if a.out_root.exists() and not a.out_root.is_dir():
         ap.error(f"out_root {a.out_root} is a file, not a folder")
