@@ -120,6 +120,66 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t da, uint64_t db, int
   }
 }
 
+// wgmma m64nNk32 e4m3 (N = 16, 32) with A from registers: a[0..3], this lane's fragment (rows g, g + 8 of its
+// warp's 16 x k 4q .. 4q + 3, then the same for k + 16), B from shared memory (K-major)
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t db, int scale_d) {
+  if constexpr (N == 16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  } else {
+    static_assert(N == 32);
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+  }
+}
+
+// 4 8x8 b16 matrices, transposed: lane 8j + i gives the address of row i of matrix j; lane t receives, of matrix j,
+// b16 column t / 4 of rows 2 (t % 4) and 2 (t % 4) + 1
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t saddr, uint32_t* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(saddr) : "memory");
+}
+
+// Register-A P'V: the per-lane masks of a partial tile, keep[ks][j] = the bytes of tokens 32 ks + 8 j + 2q
+// and + 1 (q = lane % 4) that lie before nvalid (past it the cache bytes may be NaN)
+__device__ __forceinline__ void vt_keep_masks(int q, int nvalid, uint32_t (*keep)[4]) {
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int t = 32 * ks + 8 * j + 2 * q;
+      keep[ks][j] = (t < nvalid ? 0x0000ffffu : 0u) | (t + 1 < nvalid ? 0xffff0000u : 0u);
+    }
+}
+
+// ... and one k-step of this lane's V^T A fragment (channels 16 w + 2g, + 1 of a 64-channel block x 32 tokens):
+// one ldmatrix.x4.trans at its row address saddr (matrices of tokens +0, +8, +16, +24), masked with keep (MASK: a
+// partial tile), and 4 prmt that put tokens 2q, 2q + 1 (first matrix of a pair) and 2q + 8, 2q + 9 (second) of each
+// 16 at A's k positions 4q .. 4q + 3 in the order SEL_LO / SEL_HI give (test_mla_register_a_fragments.py)
+template <uint32_t SEL_LO, uint32_t SEL_HI, bool MASK>
+__device__ __forceinline__ void vt_fragment(uint32_t saddr, const uint32_t* keep, uint32_t* a) {
+  uint32_t r[4];
+  ldsm_x4_trans(saddr, r);
+  if constexpr (MASK) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r[j] &= keep[j];
+  }
+  a[0] = prmt(r[0], r[1], SEL_LO);  // channel 2g
+  a[1] = prmt(r[0], r[1], SEL_HI);  // channel 2g + 1
+  a[2] = prmt(r[2], r[3], SEL_LO);  // the same for tokens + 16
+  a[3] = prmt(r[2], r[3], SEL_HI);
+}
+
 // K stage of tile t and which use of it this is: each math WG has its own NSW stages, so that a stage's phases are
 // waited for by one WG in order. (One ring shared by both WGs, each waiting only for its own tiles' phases, let a
 // WG that ran ahead wait for the parity of a phase two uses ahead while the other WG's tile in between had not landed
