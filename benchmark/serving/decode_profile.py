@@ -90,6 +90,23 @@ def profile_arm(name: str, args, port: int) -> dict:
     return rec
 
 
+def write_record(args, arms: dict) -> dict:
+    """Write OUT/decode_profile.json for the arms profiled so far (kernel differences against the first arm) and
+    return those differences."""
+    base = args.arms[0]
+    diffs = {}
+    if base in arms and "error" not in arms[base]:
+        for name in args.arms[1:]:
+            if name in arms and "error" not in arms[name]:
+                diffs[f"{name}_minus_{base}"] = compare(arms[base], arms[name])
+    kept = {n: {k: v for k, v in a.items() if k != "_kernel_totals"} for n, a in arms.items()}
+    rec = {**provenance.record(), "benchmark": "decode_profile", "model": args.model, "server_args": args.server_args,
+           "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len, "steps": args.steps,
+           "arms": kept, "kernel_differences": diffs, "arms_planned": list(args.arms)}
+    (args.out / "decode_profile.json").write_text(json.dumps(rec, indent=1))
+    return diffs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,27 +139,16 @@ def main(argv=None) -> int:
         os.environ.setdefault(k, v)
     stop_servers_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
-    arms = {}
+    arms: dict = {}
     for i, name in enumerate(args.arms):
         arms[name] = profile_arm(name, args, port=32400 + 10 * i)
         a = arms[name]
         if "error" in a:
             print(f"  {name}: {a['error']}", flush=True)
-            continue
-        print(f"  {name}: {a['gpu_kernel_ms_per_step']:.3f} ms of kernels per step over a {a['gpu_span_ms_per_step']:.3f}"
-              f" ms span, {a['kernel_launches_per_step']:.0f} launches", flush=True)
-    base = args.arms[0]
-    diffs = {}
-    if "error" not in arms[base]:
-        for name in args.arms[1:]:
-            if "error" not in arms[name]:
-                diffs[f"{name}_minus_{base}"] = compare(arms[base], arms[name])
-    for a in arms.values():
-        a.pop("_kernel_totals", None)
-    rec = {**provenance.record(), "benchmark": "decode_profile", "model": args.model, "server_args": args.server_args,
-           "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len, "steps": args.steps,
-           "arms": arms, "kernel_differences": diffs}
-    (args.out / "decode_profile.json").write_text(json.dumps(rec, indent=1))
+        else:
+            print(f"  {name}: {a['gpu_kernel_ms_per_step']:.3f} ms of kernels per step over a "
+                  f"{a['gpu_span_ms_per_step']:.3f} ms span, {a['kernel_launches_per_step']:.0f} launches", flush=True)
+        diffs = write_record(args, arms)  # after every arm: a deadline that stops the script keeps the arms done
     for key, rows in diffs.items():
         print(f"{key}, per decode step (largest kernel differences):", flush=True)
         for r in rows[:10]:

@@ -114,3 +114,24 @@ def test_cli_refuses_too_few_output_tokens(tmp_path, capsys):
     with pytest.raises(SystemExit):
         decode.main(["--model", "m", "--out", str(tmp_path), "--steps", "20", "--output-len", "40"])
     assert "too short" in capsys.readouterr().err
+
+
+def test_record_is_written_after_every_arm(tmp_path, monkeypatch):
+    """A deadline that kills the script during the second arm keeps the first arm's record."""
+    FakeServer.done = threading.Event()
+    monkeypatch.setattr(decode, "Server", FakeServer)
+    real = decode.profile_arm
+
+    def arm(name, args, port):
+        if name != "ours":
+            raise KeyboardInterrupt  # what the step's timeout amounts to
+        return real(name, args, port)
+    monkeypatch.setattr(decode, "profile_arm", arm)
+    monkeypatch.setattr(decode, "stop_servers_on_sigterm", lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        decode.main(["--model", "m", "--out", str(tmp_path), "--arms", "ours", "flashmla", "--batch", "2",
+                     "--steps", "2", "--output-len", "16", "--server-args", "--load-format dummy"])
+    rec = json.loads((tmp_path / "decode_profile.json").read_text())
+    assert list(rec["arms"]) == ["ours"] and rec["arms_planned"] == ["ours", "flashmla"]
+    assert rec["arms"]["ours"]["gpu_kernel_ms_per_step"] == pytest.approx(0.03)
+    assert rec["kernel_differences"] == {}
