@@ -5,11 +5,15 @@ Phases (each a fresh `python -m sglang.launch_server` with the same --server-arg
   triton         --attention-backend triton (BF16 KV): the greedy reference only, no benchmark
   ours           --attention-backend h20_fp8_mla (this plugin; FP8 latent + per-token scales)
   ours-v2        the same with version 2 of the CUDA split kernel (SGLANG_H20_FP8_MLA_KERNEL=cuda-v2)
+  ours-triton    the same with the Triton decode kernel (SGLANG_H20_FP8_MLA_KERNEL=triton): the backend's own
+                 cost apart from the CUDA kernels
   ours-se        ours with the MHA/MLA policy on (SGLANG_H20_MHA_MLA_POLICY=se): prefill chunks that continue a
                  request (a cached prefix under upstream's 8192-token threshold) then take MHA where the GPU's cost
                  table says so, instead of absorbed MLA on SGLang's Triton extend kernel
   flashmla       --attention-backend flashmla (BF16 KV)
   flashmla-fp8   --attention-backend flashmla --kv-cache-dtype fp8_e4m3
+  flashmla-fp8-plugin  the same with this plugin loaded (every feature at its default, so FP8 MLA off): what
+                 loading the plugin alone costs a server
 Upstream phases run with SGLANG_PLUGINS=__none__ (plain SGLang).
 
 Per phase: greedy ids of a few prompts (each sent twice: the second time its prefix is in the radix cache, so
@@ -63,8 +67,10 @@ PHASES = {  # name: (extra server flags, extra env, run benchmarks)
     "ours-se": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_MHA_MLA_POLICY": "se"}, True),
     "flashmla": (["--attention-backend", "flashmla"], UPSTREAM, True),
     "flashmla-fp8": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], UPSTREAM, True),
+    "ours-triton": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_KERNEL": "triton"}, True),
+    "flashmla-fp8-plugin": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], {}, True),
 }
-OPT_IN = ("ours-v2", "ours-se")
+OPT_IN = ("ours-v2", "ours-se", "ours-triton", "flashmla-fp8-plugin")
 WORKLOADS = ["4096x512@16", "4096x512@48", "1024x256@128", "4096x512@128"]  # in x out @ concurrency, by priority:
 # the decode-heavy 1024x256@128 before the long 4096x512@128 (prefill-bound at 128; it also killed both FP8 servers
 # on the H200, 2026-11-30, so it goes last)
@@ -277,6 +283,11 @@ def summarize(phases: dict, ref: list | None) -> dict:
         lines = phases[mine].get("plugin_log_lines", [])  # did that server really run our backend?
         s[f"{mine}_backend_selected"] = any("fp8_mla: attention backend h20_fp8_mla" in ln for ln in lines)
         s[f"{mine}_fallback_lines"] = [ln for ln in lines if "fall" in ln or "upstream" in ln]
+    # the same FlashMLA FP8 server with and without the plugin loaded: what loading it alone costs
+    s["plugin_loaded_over"] = {w: {k: v["flashmla-fp8-plugin"][k] / v["flashmla-fp8"][k]
+                                   for k in ("output_tok_s", "decode_only_tok_s", "median_itl_ms")
+                                   if v["flashmla-fp8-plugin"][k] and v["flashmla-fp8"][k]}
+                               for w, v in table.items() if "flashmla-fp8-plugin" in v and "flashmla-fp8" in v}
     return s
 
 

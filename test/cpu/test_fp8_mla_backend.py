@@ -427,13 +427,17 @@ def test_decode_writes_the_new_token_and_matches_fp32():
 
 
 def test_cuda_graph_metadata_lives_in_static_buffers():
-    b = Batch([40, 100], heads=16, seed=2)
+    """Capture: out_graph points the metadata at the static buffers and plans the grid; in_graph (recorded in the
+    graph) fills them from the graph's static inputs. Replay: the runner copies the step's inputs into those inputs,
+    out_graph does no per-step work, and the recorded in_graph refreshes lengths, pages and split count."""
+    b = Batch([41, 400], heads=16, seed=2)  # the lengths of the second step; the first step's are shorter
     lyr = layer(0)
+    b.lens = [40, 100]
     for r, n in enumerate(b.lens):
         b.store(lyr, r, 0, n)
     be = b.backend()
     be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
-    fbatch = decode_batch(b)
+    fbatch = decode_batch(b)  # its tensors stand for the graph runner's static input buffers
     be.init_forward_metadata_out_graph(fbatch, in_capture=True)
     captured = be.decode
     assert captured.block_table.data_ptr() == be._graph_block_table.data_ptr()
@@ -443,20 +447,28 @@ def test_cuda_graph_metadata_lives_in_static_buffers():
     bound = mla.get_mla_decode_metadata(torch.ones(2), 16, 1, max_seqlen=512)
     assert bound.num_splits == 4 and captured.plan.num_splits == 4
     assert captured.plan == dataclasses.replace(bound, splits_dev=captured.plan.splits_dev)
+    be.init_forward_metadata_in_graph(fbatch)  # recorded in the graph at capture
     lut = mla.splits_lut(16, 1, 2, 512, PAGE)
     assert captured.plan.splits_dev.item() == lut[2].item() == 1  # 100 tokens: 2 pages, no split pays
-    b.lens = [41, 101]  # the next step: one more token each
-    for r, n in enumerate(b.lens):
-        b.latent[r] = torch.cat([b.latent[r], deepseek_latent(1, b.gen, b.mu)])
-    fbatch = decode_batch(b)
+    assert captured.cache_seqlens.tolist() == [40, 100]
+    pages = b.req_to_token[:2, ::PAGE] // PAGE
+    assert torch.equal(captured.block_table, pages.int())
+
+    b.lens = [41, 400]  # the next step: one more token, and a second sequence long enough to split
+    b.store(lyr, 0, 40, 41)
+    b.store(lyr, 1, 100, 400)
+    step = decode_batch(b)
+    fbatch.seq_lens.copy_(step.seq_lens)  # what the runner does before a replay
     be.init_forward_metadata_out_graph(fbatch)
     assert be.decode.plan is captured.plan
+    assert be.decode.cache_seqlens.tolist() == [40, 100]  # out_graph alone refreshes nothing: no host work
+    be.init_forward_metadata_in_graph(fbatch)  # what the replay runs
     assert be.decode.block_table.data_ptr() == captured.block_table.data_ptr()
-    assert be.decode.cache_seqlens.tolist() == [41, 101]
-    assert be.decode.plan.splits_dev.item() == lut[2].item()  # refreshed before every replay
+    assert be.decode.cache_seqlens.tolist() == [41, 400]
+    assert be.decode.plan.splits_dev.item() == lut[7].item() > 1  # refreshed by every replay
     q = torch.randn(2, 16, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
     k = torch.cat([b.latent[r][n - 1:n] for r, n in enumerate(b.lens)])
-    out = be.forward_decode(q, k, k[..., :512], lyr, fbatch)
+    out = be.forward_decode(q, k, k[..., :512], lyr, step)
     check_decode(b, out, q, lyr)
     assert be.get_cuda_graph_seq_len_fill_value() == 1
 
@@ -607,6 +619,60 @@ def test_gpu_decode_and_mla_prefill_with_real_kernels():
     check_decode(b, be.forward(q, k, k[..., :512], lyr, fbatch), q, lyr)
     b2 = Batch([200, 64, 90], heads=128, seed=6, context=1024, pages=40)
     check_mla_extend(b2, b2.backend(), prefix=[150, 0, 89], new=[50, 64, 1], lyr=layer(0, heads=128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_decode_graph_replays_refresh_the_metadata_in_the_graph(heads):
+    """What SGLang's decode graph runner does, with a real CUDA graph: out_graph before capture; in_graph and the
+    decode recorded; before each replay the step's inputs copied into the graph's static inputs. Every replay must
+    match the fp32 reference at its own lengths (pages, split count and the new token's slot included)."""
+    final = [70, 900, 2]
+    b = Batch(final, heads=heads, seed=7, context=1024, pages=40)
+    full = list(b.latent)
+    lyr = layer(0, heads=heads)
+    be = b.backend()
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+
+    def step_inputs(lens, first):
+        b.lens = list(lens)
+        b.latent = [full[r][:n] for r, n in enumerate(lens)]
+        for r, n in enumerate(lens):  # what earlier steps wrote; the step itself writes token n - 1
+            if n - 1 > first[r]:
+                b.store(lyr, r, first[r], n - 1)
+        q = torch.randn(len(lens), heads, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
+        k = torch.cat([full[r][n - 1:n] for r, n in enumerate(lens)])
+        return decode_batch(b), q, k
+
+    fbatch, q, k = step_inputs([50, 500, 1], [0, 0, 0])  # fbatch, q, k: the graph's static inputs from here on
+    be.init_forward_metadata_out_graph(fbatch, in_capture=True)
+
+    def run():
+        be.init_forward_metadata_in_graph(fbatch)
+        return be.forward_decode(q, k, k[..., :512], lyr, fbatch)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # warm-up outside the graph, as the runner does
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    check_decode(b, out, q, lyr)
+    splits_first = be.decode.plan.splits_dev.item() if be.decode.plan.splits_dev is not None else None
+
+    nxt, q2, k2 = step_inputs(final, [49, 499, 0])
+    for static, now in ((fbatch.seq_lens, nxt.seq_lens), (fbatch.out_cache_loc, nxt.out_cache_loc), (q, q2), (k, k2)):
+        static.copy_(now)
+    be.init_forward_metadata_out_graph(fbatch)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_decode(b, out, q, lyr)
+    if splits_first is not None:  # 900 tokens want at least the splits of 500
+        assert be.decode.plan.splits_dev.item() >= splits_first
 
 
 def test_auto_decode_kernel_picks_the_version_by_shape(monkeypatch):

@@ -104,6 +104,18 @@ def test_phases_without_greedy_ids_still_compare_throughput():
     assert e2e.prompts(0) == []
 
 
+def test_summary_separates_the_plugin_from_the_backend():
+    """flashmla-fp8-plugin (the plugin loaded, FP8 MLA off) against flashmla-fp8 (no plugin): what loading it costs;
+    ours-triton compares like ours."""
+    s = e2e.summarize({"ours-triton": phase([], 300.0, 30.0), "flashmla-fp8": phase([], 500.0, 20.0),
+                       "flashmla-fp8-plugin": phase([], 450.0, 25.0)}, None)
+    ratios = s["plugin_loaded_over"]["4096x512@16"]
+    assert ratios["output_tok_s"] == pytest.approx(0.9) and ratios["median_itl_ms"] == pytest.approx(1.25)
+    assert s["ours-triton_over"]["4096x512@16"]["flashmla-fp8"] == pytest.approx(0.6)
+    assert e2e.summarize({"ours": phase([], 1.0, 1.0)}, None)["plugin_loaded_over"] == {}
+    assert {"ours-triton", "flashmla-fp8-plugin"} <= set(e2e.OPT_IN)  # one more server start each: asked for
+
+
 def test_summary_flags_a_phase_whose_kv_pool_held_fewer_requests_than_the_concurrency():
     """FlashMLA BF16 at 4096x512 @128 (2026-12-02): 87 decoding, 41 queued; FP8 pools held all 128."""
     bf16, fp8 = phase([], 379.0, 148.9), phase([], 437.0, 151.7)

@@ -20,10 +20,11 @@ new tokens.
 Decode: block tables from req_to_token (page 64), as upstream flashmla builds them, and the decode kernel
 (`decode_kernel`: the CUDA one where it builds on sm_90, else mla_decode_fp8, the Triton one). The
 split plan is computed in init_forward_metadata from a known max length (no device sync); under CUDA graphs
-the block table and lengths live in static buffers refreshed before each replay; each captured batch size
-keeps the grid planned at capture for the model's context length, and before each replay the split count the
-kernels use is set on the device from the replay's longest sequence (mla_decode.set_splits: the same plan,
-tabulated per length at capture; the programs past it return at once).
+the block table and lengths live in static buffers that ops recorded in the graph itself refresh at every
+replay (init_forward_metadata_in_graph: no host work per step); each captured batch size keeps the grid planned
+at capture for the model's context length, and at each replay the split count the kernels use is set on the
+device from the replay's longest sequence (mla_decode.set_splits: the same plan, tabulated per length at
+capture; the programs past it return at once).
 
 Prefill: DeepSeek's dispatch is upstream's (`_handle_attention_backend`, so the mha_mla policy applies):
 * MHA (chunked-prefix form): SGLang's FlashInfer MLA backend's ragged and chunked-prefix MHA, exactly what
@@ -502,24 +503,31 @@ class FP8MLABackend(AttentionBackend):
         self._graph_plans = {}
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """Before capture and before every replay: refresh the static block table and lengths, and the split count
-        the replay's lengths call for. The graph bakes a grid planned for the context length (its most splits);
-        without the run-time count every replay of short sequences wrote and combined fp32 partials for dozens of
-        splits (batch 16 at 4.3k tokens: 33 splits where 4 are best, ~96 MB of partials per layer)."""
+        """Outside the graph, before capture and before every replay: point the decode metadata at the static
+        buffers and, once per batch size, plan the grid for the context length (its most splits). The per-step
+        refresh is init_forward_metadata_in_graph, recorded in the graph: a replay costs the host nothing here."""
         if not forward_batch.forward_mode.is_decode_or_idle():
             raise NotImplementedError(f"{NAME}: only decode is captured (prefill runs eagerly)")
         bs = forward_batch.batch_size
-        seqlens = self._graph_seqlens[:bs]
-        seqlens.copy_(forward_batch.seq_lens[:bs])
-        block_table = self._block_table(forward_batch.req_pool_indices[:bs], self._graph_block_table.shape[1],
-                                        out=self._graph_block_table[:bs])
-        if bs not in self._graph_plans:  # the grid for the context length; the split count per replay
+        if bs not in self._graph_plans:
             self._graph_plans[bs] = self.mla.graph_metadata(self._plan_fn, self._splits_lut, bs, self.num_heads, 1,
                                                             self.max_context_len, self.page_size, self.device)
-        plan, lut = self._graph_plans[bs]
-        if plan.splits_dev is not None:
-            self.mla.set_splits(plan.splits_dev, lut, seqlens, self.page_size)
-        self.decode = DecodeMeta(block_table, seqlens, plan)
+        self.decode = DecodeMeta(self._graph_block_table[:bs], self._graph_seqlens[:bs], self._graph_plans[bs][0])
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Recorded in the decode graph and replayed with it: the step's lengths and block table copied from the
+        graph's static inputs, and the split count those lengths call for (the grid stays the capture's). Without
+        the run-time count every replay of short sequences wrote and combined fp32 partials for dozens of splits
+        (batch 16 at 4.3k tokens: 33 splits where 4 are best, ~96 MB of partials per layer)."""
+        if not forward_batch.forward_mode.is_decode_or_idle():
+            return
+        bs = forward_batch.batch_size
+        m = self.decode
+        m.cache_seqlens.copy_(forward_batch.seq_lens[:bs])
+        self._block_table(forward_batch.req_pool_indices[:bs], m.block_table.shape[1], out=m.block_table)
+        lut = self._graph_plans[bs][1]
+        if m.plan.splits_dev is not None:
+            self.mla.set_splits(m.plan.splits_dev, lut, m.cache_seqlens, self.page_size)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1
