@@ -22,6 +22,8 @@ reason, never silently dropped):
   ours-cuda[-v2]-graph  what the backend captures now: the same grid, the split count for the actual lengths
                      read from the device at run time (metadata.splits_dev, mla_decode.set_splits); the CTAs
                      past it return at once.
+  ours-cuda-v3-fc[-graph]  version 3 built with its design option MLA_V3_FUSED_COMBINE: the split CTAs merge their
+                     partials themselves where the whole grid is resident (batch x splits <= SMs), no combine kernel
   sweep:<p>[sN]      with --cuda-splits N ...: ours-cuda[-vN] with its split count forced to N (outside the targets;
                      the record's split_sweep sets the plan's pick against the fastest count per point).
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
@@ -75,6 +77,7 @@ REPRESENTATIVE = (64, 4096, 128, 1)
 PAGE = 64
 PROVIDER_NAMES = ["ours",
                   *(f"ours-cuda{v}{k}" for v in ("", "-v2", "-v3") for k in ("", "-tplan", "-ctx", "-graph")),
+                  "ours-cuda-v3-fc", "ours-cuda-v3-fc-graph",
                   "flashmla-bf16", "flashmla-fp8", "sglang-triton", "sglang-triton-fp8"]
 # ours-cuda-v2 too: the backend's kernel from batch 16 (a default grid without it took v1 as "best of ours")
 DEFAULT_PROVIDERS = ["ours", "ours-cuda", "ours-cuda-v2", "ours-cuda-v3", "flashmla-bf16", "flashmla-fp8",
@@ -208,12 +211,18 @@ def _decode_calls(torch, sets, metas, decode):
     return [call(i) for i in range(len(sets))], (lambda: outs[0])
 
 
+def cu_design_options(provider: str) -> tuple[str, ...]:
+    """The -D design options of an ours-cuda provider name: "-fc" is version 3's MLA_V3_FUSED_COMBINE."""
+    return ("MLA_V3_FUSED_COMBINE",) if "-fc" in provider else ()
+
+
 def cuda_version(provider: str) -> int:
     """The split-kernel version of an ours-cuda[-vN][-plan] provider name."""
     return next((v for v in (2, 3) if f"-v{v}" in provider), 1)
 
 
-def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_context=163840, splits=None):
+def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_context=163840, splits=None,
+                   defines=()):
     """The CUDA split kernel (`version` 1, 2 or 3), timed exactly like "ours" (metadata outside, Q quantization inside),
     with its own split plan, the Triton kernel's ("triton"), or the backend's CUDA-graph plans for a model of
     server_context tokens: static ("ctx", before 2026-11-30) or with the run-time split count ("graph").
@@ -223,7 +232,7 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_co
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
     except Exception as e:
         raise Unavailable(f"sgl_kernel_ext.mla_decode_cuda does not import ({type(e).__name__}: {e})")
-    ok, why = cu.available(version)
+    ok, why = cu.available(version, defines)
     if not ok:
         raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
     if version == 3 and sets[0]["q"].shape[1] * sets[0]["q"].shape[2] > cu.V3_MAX_ROWS:
@@ -244,12 +253,13 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_co
         import dataclasses
         metas = [dataclasses.replace(m, num_splits=splits) for m in metas]
     info = {"bytes_per_token": mla.KV_BYTES_PER_TOKEN, "precision": "fp8", "num_splits": metas[0].num_splits,
-            "kernel_version": version, "plan": plan_kind}
+            "kernel_version": version, "plan": plan_kind, "defines": list(defines)}
     if splits is not None:
         info["planned_splits"] = planned
     if metas[0].splits_dev is not None:
         info["run_time_splits"] = int(metas[0].splits_dev.item())
-    return _decode_calls(torch, sets, metas, functools.partial(cu.mla_decode_fp8_cuda, version=version)) + (info,)
+    return _decode_calls(torch, sets, metas, functools.partial(cu.mla_decode_fp8_cuda, version=version,
+                                                               defines=defines)) + (info,)
 
 
 def make_flashmla(torch, sets, fp8: bool):
@@ -533,9 +543,10 @@ def main(argv=None) -> int:
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
         elif p.startswith("ours-cuda"):  # one of PROVIDER_NAMES' (parse_args checked)
             kind = {"tplan": "triton", "ctx": "ctx", "graph": "graph"}.get(p.rsplit("-", 1)[-1], "cuda")
-            providers.append((p, lambda sets, ctx, p=p, kind=kind: make_ours_cuda(
+            defines = cu_design_options(p)
+            providers.append((p, lambda sets, ctx, p=p, kind=kind, defines=defines: make_ours_cuda(
                 torch, mla, sets, ctx, version=cuda_version(p), plan_kind=kind,
-                server_context=args.server_context)))
+                server_context=args.server_context, defines=defines)))
             for n in (args.cuda_splits if kind == "cuda" else []):
                 providers.append((f"{SWEEP_PREFIX}{p}[s{n}]", lambda sets, ctx, p=p, n=n: make_ours_cuda(
                     torch, mla, sets, ctx, version=cuda_version(p), splits=n)))

@@ -183,3 +183,65 @@ def test_fused_q_matches_the_prepass_build(q_len):
         b, lb = cu.mla_decode_fp8_cuda(*args, meta, return_lse=True, version=3, defines=("MLA_PREPASS_Q",))
         torch.cuda.synchronize()
         assert torch.equal(a, b) and torch.equal(la, lb), splits
+
+
+FUSED = cu.V3_DESIGN_OPTIONS  # ("MLA_V3_FUSED_COMBINE",)
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_fused_combine_matches_the_combine_kernel(q_len):
+    """MLA_V3_FUSED_COMBINE: the split CTAs merge their partials themselves (counters per sequence). Against the
+    default build (Triton combine) on the same inputs: the same sums in another order; against the reference as
+    every other case. Sequences of 1 token (q_len 2: a row that sees nothing), lengths off the page and the split,
+    2 to 64 splits, and back-to-back launches of other lengths (the counters must be left at zero each time)."""
+    ok, why = cu.available(3, FUSED)
+    assert ok, why
+    for lens, splits in (([4097], 64), ([1], 4), ([130, 1, 4000], 7), ([4097, 3000], 33), ([65], 2)):
+        d = mla.make_mla_inputs(lens, 16, q_len, 64, device="cuda", seed=len(lens) + splits + q_len, **DEEPSEEK_LIKE)
+        args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"])
+        meta = dataclasses.replace(cu.get_mla_decode_metadata(d["cache_seqlens"], 16, q_len), num_splits=splits)
+        assert cu.fused_combine_ok(len(lens), splits, torch.cuda.get_device_properties(0).multi_processor_count)
+        out = torch.full((len(lens), q_len, 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        a, la = cu.mla_decode_fp8_cuda(*args, meta, return_lse=True, out=out, version=3, defines=FUSED)
+        b, lb = cu.mla_decode_fp8_cuda(*args, meta, return_lse=True, version=3)
+        torch.cuda.synchronize()
+        tag = f"fused lens={lens} splits={splits} q_len={q_len}"
+        assert torch.equal(torch.isfinite(la), torch.isfinite(lb)), tag
+        assert rel(a, b) <= 2e-3 and (la - lb).nan_to_num(0.0).abs().max().item() <= 1e-4, (tag, rel(a, b))
+        ref, ref_lse = mla.mla_decode_reference(*args)
+        exact, _ = mla.mla_decode_exact(d["q"], d["latent_cache"], *args[2:])
+        check(a, la, ref, ref_lse, exact, tag)
+        assert not cu._counters[a.device].any(), f"{tag}: counters left non-zero"
+
+
+def test_fused_combine_in_a_graph_with_run_time_splits():
+    """The backend's CUDA-graph case at batch 1-2: the grid planned for a long bound, the split count set on the
+    device per replay; each replay equal to the default build's launch with that count, up to the summation order."""
+    ok, why = cu.available(3, FUSED)
+    assert ok, why
+    lens = [3000, 100]
+    d = mla.make_mla_inputs(lens, 16, 1, 64, device="cuda", seed=41, **DEEPSEEK_LIKE)
+    q, kv, bt, sl = d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"].clone()
+    meta, lut = mla.graph_metadata(cu.get_mla_decode_metadata, cu.splits_lut, len(lens), 16, 1, 163840, 64, "cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert meta.num_splits > 1 and cu.fused_combine_ok(2, meta.num_splits, sms)  # else the launch would not fuse
+    out = torch.empty(2, 1, 16, 512, dtype=torch.bfloat16, device="cuda")
+    mla.set_splits(meta.splits_dev, lut, sl, 64)
+    cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=3, defines=FUSED)  # build, warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=3, defines=FUSED)
+    grid = dataclasses.replace(meta, splits_dev=None)
+    for step in ([3000, 100], [2999, 1], [64, 64], [3000, 2048]):
+        sl.copy_(torch.tensor(step, dtype=torch.int32))
+        mla.set_splits(meta.splits_dev, lut, sl, 64)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = int(lut[-(-max(step) // 64)])
+        static = cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], dataclasses.replace(grid, num_splits=want),
+                                        version=3)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out.float()).all() and rel(out, static) <= 2e-3, (step, want, rel(out, static))
+        assert not cu._counters[out.device].any(), step

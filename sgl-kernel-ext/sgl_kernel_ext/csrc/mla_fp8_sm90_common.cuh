@@ -127,6 +127,10 @@ struct Params {
 #if MLA_TMA_LOAD
   CUtensorMap kv_map;  // the cache as [pages][64 tokens][576 bytes], boxes of 64 tokens x 64 bytes, SWIZZLE_64B
 #endif
+  // nullable: int32 [2 x batch x row blocks] zeros (arrive, depart per sequence and row block), left zero by every
+  // launch; set only for a launch whose CTAs are all resident at once, by version 3 built with
+  // MLA_V3_FUSED_COMBINE, whose split CTAs then merge their partials themselves (no combine kernel)
+  int* counters;
 };
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -667,7 +671,7 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
                   long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr,
                   long long kv_pages, int batch,
                   int num_heads, int q_len, int num_splits, const void* splits, int causal, float qk_scale,
-                  void* stream) {
+                  void* counters, void* stream) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -705,6 +709,7 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
   p.num_splits = num_splits;
   p.causal = causal ? 1 : 0;
   p.qk_scale = qk_scale;
+  p.counters = static_cast<int*>(counters);
 #if MLA_TMA_LOAD
   err = encode_kv_map(&p.kv_map, kv, kv_pages, kv_page_stride);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -728,11 +733,11 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
       long long bt_stride, long long out_sb, long long out_st, long long out_sh, long long lse_sb, long long lse_st, \
       long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr, long long kv_pages,     \
       int batch, int num_heads, int q_len, int num_splits, const void *splits, int causal, float qk_scale,         \
-      void *stream
+      void *counters, void *stream
 #define MLA_FP8_ENTRY_ARGS                                                                                         \
   q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp, kv_page_stride, kvs_page_stride, bt_stride, out_sb,     \
       out_st, out_sh, lse_sb, lse_st, op_sb, op_sr, op_ss, lp_sb, lp_sr, kv_pages, batch, num_heads, q_len,        \
-      num_splits, splits, causal, qk_scale, stream
+      num_splits, splits, causal, qk_scale, counters, stream
 #define MLA_FP8_DEFINE_ENTRY_POINTS(KERNEL, THREADS_, SMEM_BYTES_, ROWS_)                                           \
   static bool mla_fp8_attr_done[128] = {};                                                                         \
   MLA_FP8_EXPORT int mla_fp8_decode_sm90(MLA_FP8_ENTRY_PARAMS) {                                                   \
