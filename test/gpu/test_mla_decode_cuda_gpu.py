@@ -80,6 +80,18 @@ def check(o, lse, ref, ref_lse, exact, tag, *, exact_bound=3e-2, ref_bound=2e-2)
     assert lse_err <= 2e-2
 
 
+def replay_at(graph, out, sl, meta, lut, step) -> int:
+    """One replay of a captured decode at the lengths `step` (copied into the captured lengths `sl`), the split count
+    set on the device from the table `lut` as the backend does, `out` NaN-filled first so that an element left
+    unwritten shows. Returns the table's split count for these lengths."""
+    sl.copy_(torch.tensor(step, dtype=torch.int32))
+    mla.set_splits(meta.splits_dev, lut, sl, 64)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return int(lut[-(-max(step) // 64)])
+
+
 GRID = [(h, t, b, s) for h in (16, 128) for t in (1, 2) for b in (1, 3, 64) for s in (1, None)]
 
 
@@ -225,12 +237,7 @@ def test_run_time_split_count(version):
     with torch.cuda.graph(graph):
         cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=version)
     for step in ([3000, 100, 2048, 700], [2999, 1, 1500, 64], [64, 64, 64, 64]):  # within the cached lengths
-        sl.copy_(torch.tensor(step, dtype=torch.int32))
-        mla.set_splits(meta.splits_dev, lut, sl, 64)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = int(lut[-(-max(step) // 64)])
+        want = replay_at(graph, out, sl, meta, lut, step)
         assert meta.splits_dev.item() == want
         for forced in (want, min(want + 3, grid.num_splits)):  # the table's count, and another one the grid holds
             meta.splits_dev.fill_(forced)

@@ -23,7 +23,7 @@ if not _ok:
     pytest.skip(f"CUDA MLA kernel v3 unavailable: {_why}", allow_module_level=True)
 
 # the same inputs, metrics, bounds, and the autouse fixture that NaN-poisons the split partials
-from test_mla_decode_cuda_gpu import _poison_workspace, check, emulate, run_case  # noqa: E402
+from test_mla_decode_cuda_gpu import _poison_workspace, check, emulate, replay_at, run_case  # noqa: E402
 from test_mla_decode_fp8_gpu import DEEPSEEK_LIKE, lengths, rel, row_rel  # noqa: E402
 
 FIXTURES = (_poison_workspace,)  # pytest finds the imported autouse fixture by its name in this module
@@ -117,12 +117,7 @@ def test_cuda_graph_replay_with_run_time_splits():
     with torch.cuda.graph(graph):
         cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=3)
     for step in ([3000, 100, 2048, 700], [2999, 1, 1500, 64], [64, 64, 64, 64]):
-        sl.copy_(torch.tensor(step, dtype=torch.int32))
-        mla.set_splits(meta.splits_dev, lut, sl, 64)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = int(lut[-(-max(step) // 64)])
+        want = replay_at(graph, out, sl, meta, lut, step)
         static = cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"],
                                         dataclasses.replace(grid, num_splits=want), version=3)
         torch.cuda.synchronize()
@@ -234,12 +229,7 @@ def test_fused_combine_in_a_graph_with_run_time_splits():
         cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=3, defines=FUSED)
     grid = dataclasses.replace(meta, splits_dev=None)
     for step in ([3000, 100], [2999, 1], [64, 64], [3000, 2048]):
-        sl.copy_(torch.tensor(step, dtype=torch.int32))
-        mla.set_splits(meta.splits_dev, lut, sl, 64)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = int(lut[-(-max(step) // 64)])
+        want = replay_at(graph, out, sl, meta, lut, step)
         static = cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], dataclasses.replace(grid, num_splits=want),
                                         version=3)
         torch.cuda.synchronize()
