@@ -85,8 +85,10 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # fp32 rounding.
 # MLA_PREPASS_Q (version 2): Q quantized by the Triton pre-pass (a launch of its own), which the split kernel's own
 # quantization (bf16 rows in) replaced in session 29.
+# MLA_SPLIT_Q (versions 2 and 3; session 31, not yet run on a GPU): Q may come as two tensors, the 512 latent and the
+# 64 rope channels (mla_decode_fp8_cuda's q_rope=), read at their own strides: no joined copy of Q.
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
-                  "MLA_PREPASS_Q")
+                  "MLA_PREPASS_Q", "MLA_SPLIT_Q")
 # version 3's own design option (session 31, not yet timed on a GPU): MLA_V3_FUSED_COMBINE, the split CTAs merge their
 # partials themselves (a counter per sequence, see the .cu) instead of the Triton combine kernel, wherever the
 # launcher finds the whole grid resident at once (fused_combine_ok); the same sums as the combine in another order
@@ -174,15 +176,17 @@ def build(verbose: bool = True, version: int = 1, defines=()) -> Path:
 # TMA tensor map), batch, heads, q_len, num_splits, the run-time split count pointer (nullable),
 # causal, qk_scale, stream
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 14 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
-                   + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
+                   + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_longlong] * 4
+                   + [ctypes.c_void_p])
 
 
 def launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens, direct_out, lse, op, lp, metadata, causal,
-                softmax_scale, stream, counters=None) -> tuple:
+                softmax_scale, stream, counters=None, split_q=None) -> tuple:
     """mla_fp8_decode_sm90's arguments, in LAUNCH_ARGTYPES order (op/lp None: one split, bf16 out written
     directly). The split-count pointer is null unless metadata.splits_dev is set and the launch splits. counters
     (a split launch of a MLA_V3_FUSED_COMBINE build, see fused_combine_ok): the kernel merges the splits itself and
-    writes out and lse too."""
+    writes out and lse too. split_q (an MLA_SPLIT_Q build, see split_q_strides): (q_rope, the latent part's byte
+    strides by sequence and head, the rope part's); q8 is then the latent part."""
     direct = op is None
     sop = (0, 0, 0) if direct else (op.stride(0), op.stride(1), op.stride(2))
     slp = (0, 0) if direct else (lp.stride(0), lp.stride(1))
@@ -193,7 +197,26 @@ def launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens, direct_o
             kv_data.stride(0), kv_scales.stride(0), block_table.stride(0),
             *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp, kv_data.shape[0],
             B, H, q_len, metadata.num_splits, 0 if direct else _ptr(metadata.splits_dev),
-            int(bool(causal)), float(softmax_scale) * LOG2E, 0 if direct else _ptr(counters), stream)
+            int(bool(causal)), float(softmax_scale) * LOG2E, 0 if direct else _ptr(counters),
+            *((_ptr(split_q[0]), *split_q[1:]) if split_q is not None else (0, 0, 0, 0, 0)), stream)
+
+
+def split_q_strides(q: torch.Tensor, q_rope: torch.Tensor, version: int, defines) -> tuple | None:
+    """(q_rope, latent sequence/head byte strides, rope ones) when an MLA_SPLIT_Q build of version 2 or 3 can read the
+    two parts of Q where they are (q [B, 1, H, 512], q_rope [B, 1, H, 64], bf16, channels contiguous, every row
+    16-byte aligned: the kernel loads 16 bytes at a time); None when the caller must join them."""
+    if (version not in (2, 3) or "MLA_SPLIT_Q" not in defines or "MLA_PREPASS_Q" in defines or q.shape[1] != 1
+            or q.dtype != torch.bfloat16 or q_rope.dtype != torch.bfloat16):
+        return None
+    strides = []
+    for t in (q, q_rope):
+        if t.stride(3) != 1 or t.data_ptr() % 16:
+            return None
+        sb, sh = t.stride(0) * 2, t.stride(2) * 2  # bytes
+        if sb % 16 or sh % 16:
+            return None
+        strides += [sb, sh]
+    return (q_rope, *strides)
 
 
 def fused_combine_ok(batch: int, num_splits: int, num_sm: int) -> bool:
@@ -309,7 +332,8 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                         softmax_scale: float, metadata: MLADecodeMetadata | None = None, causal: bool = True,
-                        return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1, defines=()):
+                        return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1, defines=(),
+                        q_rope: torch.Tensor | None = None):
     """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`; `version` picks the split
     kernel (1, 2 or 3, see the module docstring; 3 takes at most V3_MAX_ROWS rows), `defines` an ablation build of it (wrong results by design) or a
     design option (the same results). Versions 2 and 3 quantize Q themselves (a q of another dtype is rounded to bf16
@@ -319,11 +343,21 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows);
     without metadata, this module's get_mla_decode_metadata plans.
     Returns out [B, q_len, H, 512] (q's dtype; bf16 written by the kernel) and, with return_lse, lse [B, q_len, H].
+    q_rope [B, q_len, H, 64]: Q in two parts, q then holding the 512 latent channels (SGLang's q_nope_out, q_pe);
+    an MLA_SPLIT_Q build of version 2 or 3 reads them where they are (split_q_strides), any other joins them.
     """
     _check_version(version)
     defines = _check_defines(defines)
+    split_q = None
+    if q_rope is not None:
+        assert q.shape[-1] == KV_LORA_RANK and q_rope.shape[:-1] == q.shape[:-1] and q_rope.shape[-1] == HEAD_DIM_QK - \
+            KV_LORA_RANK, f"q {tuple(q.shape)} / q_rope {tuple(q_rope.shape)}: want [..., 512] and [..., 64]"
+        split_q = split_q_strides(q, q_rope, version, defines)
+        if split_q is None:
+            q = torch.cat([q, q_rope.to(q.dtype)], dim=-1)
     kv_data, kv_scales = _cache_views(*kv_cache)
     B, q_len, H, D = q.shape
+    D = HEAD_DIM_QK if split_q is not None else D
     assert D == HEAD_DIM_QK, f"q last dim must be {HEAD_DIM_QK}, got {D}"
     if version == 3 and q_len * H > V3_MAX_ROWS:
         raise ValueError(f"MLA CUDA kernel v3 takes at most {V3_MAX_ROWS} query rows (heads x q_len), got "
@@ -360,7 +394,9 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
             op.fill_(float("nan"))
             lp.fill_(float("nan"))
 
-    if version in (2, 3) and "MLA_PREPASS_Q" not in defines:  # the kernel quantizes the bf16 rows itself
+    if split_q is not None:  # the kernel reads both parts where they are
+        q8, qs = q, None
+    elif version in (2, 3) and "MLA_PREPASS_Q" not in defines:  # the kernel quantizes the bf16 rows itself
         q8, qs = q.to(torch.bfloat16).reshape(-1, HEAD_DIM_QK).contiguous(), None
     else:
         q8, qs = _quantize_q(q)
@@ -373,7 +409,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     with torch.cuda.device(q.device):
         err = lib.mla_fp8_decode_sm90(*launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens,
                                                    direct_out, lse, op, lp, metadata, causal, softmax_scale, stream,
-                                                   counters))
+                                                   counters, split_q))
     if err != 0:
         msg = lib.mla_fp8_decode_sm90_error_string(err).decode()
         raise RuntimeError(f"mla_fp8_decode_sm90 launch failed: {msg} (cudaError {err})")

@@ -394,7 +394,7 @@ def test_fp8_mla_decode_kernel_without_nvcc_is_the_triton_one_with_one_line(plug
                              req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(2, 512, dtype=torch.int32)),
                              token_to_kv_pool=SimpleNamespace(page_size=64))
     for probe, why in ((None, "no CUDA device" if not torch.cuda.is_available() else None),
-                       (lambda version=1: (False, "build/load failed: nvcc not found"), "nvcc not found")):
+                       (lambda version=1, defines=(): (False, "build/load failed: nvcc not found"), "nvcc not found")):
         if probe is not None:
             monkeypatch.setattr(cu, "available", probe)
         elif why is None:

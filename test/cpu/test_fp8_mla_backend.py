@@ -503,8 +503,9 @@ def extend_batch(b, prefix, new):
                            extend_seq_lens_cpu=list(new), out_cache_loc=out_loc)
 
 
-def check_mla_extend(b, be, prefix, new, lyr):
-    """Prefix cached; the backend stores the new tokens and attends over FP8 prefix + bf16 new tokens."""
+def check_mla_extend(b, be, prefix, new, lyr, parts=False):
+    """Prefix cached; the backend stores the new tokens and attends over FP8 prefix + bf16 new tokens. parts: Q and
+    K handed as SGLang's (latent, rope) parts, as to a backend on its absorb-core list."""
     for r, p in enumerate(prefix):
         b.store(lyr, r, 0, p)
     fbatch = extend_batch(b, prefix, new)
@@ -512,7 +513,11 @@ def check_mla_extend(b, be, prefix, new, lyr):
     T = sum(new)
     q = torch.randn(T, b.heads, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
     k = torch.cat([b.latent[r][p:p + e] for r, (p, e) in enumerate(zip(prefix, new))])
-    out = be.forward(q, k, k[..., :512], lyr, fbatch).view(T, b.heads, 512)
+    if parts:
+        out = be.forward(q[..., :512], k[..., :512], k[..., :512], lyr, fbatch, q_rope=q[..., 512:],
+                         k_rope=k[..., 512:]).view(T, b.heads, 512)
+    else:
+        out = be.forward(q, k, k[..., :512], lyr, fbatch).view(T, b.heads, 512)
     q0 = 0
     for r, (p, e) in enumerate(zip(prefix, new)):
         pre = b.pool.dequantize_tokens(lyr.layer_id, b.slots(r, 0, p), torch.bfloat16)[:, 0]
@@ -533,6 +538,8 @@ def test_mla_prefill_reads_the_dequantized_prefix(monkeypatch):
         monkeypatch.setattr(ext, "extend_attention_fwd", extend_reference_kernel)
     b = Batch([75, 40, 9], heads=16, seed=3)
     check_mla_extend(b, b.backend(), prefix=[70, 0, 4], new=[5, 40, 5], lyr=layer(1))
+    b = Batch([75, 40, 9], heads=16, seed=8)
+    check_mla_extend(b, b.backend(), prefix=[70, 0, 4], new=[5, 40, 5], lyr=layer(1), parts=True)
 
 
 class FakePrefill:
@@ -675,21 +682,45 @@ def test_gpu_decode_graph_replays_refresh_the_metadata_in_the_graph(heads):
         assert be.decode.plan.splits_dev.item() >= splits_first
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,batch", [(16, 3), (128, 16)])
+def test_gpu_decode_reads_q_parts_in_place(heads, batch, monkeypatch):
+    """SGLANG_H20_FP8_MLA_SPLIT_Q on a GPU: versions 3 (16 heads) and 2 (128 heads, batch 16) read SGLang's strided
+    Q parts in place; the result equals the joined call's bit for bit and the fp32 reference within the bounds."""
+    monkeypatch.setenv("SGLANG_H20_FP8_MLA_SPLIT_Q", "on")
+    b = Batch([90 + 7 * r for r in range(batch)], heads=heads, seed=9, max_reqs=batch, context=256, pages=4 * batch)
+    lyr = layer(0, heads=heads)
+    for r, n in enumerate(b.lens):
+        b.store(lyr, r, 0, n - 1)
+    be = b.backend()
+    assert be.takes_q_rope
+    fbatch = decode_batch(b)
+    be.init_forward_metadata(fbatch)
+    q = torch.randn(batch, heads, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
+    k = torch.cat([b.latent[r][n - 1:n] for r, n in enumerate(b.lens)])
+    q_nope = q[..., :512].transpose(0, 1).contiguous().transpose(0, 1)  # the absorbed bmm's layout
+    out = be.forward_decode(q_nope, k[..., :512], k[..., :512], lyr, fbatch, q_rope=q[..., 512:], k_rope=k[..., 512:])
+    joined = be.forward_decode(q, k, k[..., :512], lyr, fbatch)
+    torch.cuda.synchronize()
+    assert torch.equal(out, joined)
+    check_decode(b, out, q, lyr)
+
+
 def test_auto_decode_kernel_picks_the_version_by_shape(monkeypatch):
     """'auto' calls version 3 for at most V3_MAX_ROWS query rows, else version 1 below V2_FROM_BATCH sequences and
     version 2 from there, passing every argument on; without v3 the row count does not matter."""
     cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
     calls = []
-    monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
-    monkeypatch.setattr(cu, "mla_decode_fp8_cuda", lambda q, *a, version=1, **k: calls.append((q.shape[0], version,
-                                                                                              a, k)) or version)
+    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (True, ""))
+    monkeypatch.setattr(cu, "mla_decode_fp8_cuda", lambda q, *a, version=1, defines=(), **k: calls.append(
+        (q.shape[0], version, a, k)) or version)
     fn = fb.decode_kernel("auto").fn
     cases = [(1, 1, 128, 1), (fb.V2_FROM_BATCH - 1, 1, 128, 1), (fb.V2_FROM_BATCH, 1, 128, 2), (128, 2, 128, 2),
              (1, 1, 16, 3), (128, 2, 16, 3), (128, 3, 16, 2), (64, 1, 32, 3), (64, 1, 33, 2)]
     for batch, q_len, heads, want in cases:
         assert fn(torch.empty(batch, q_len, heads, 576), "kv", "bt", "lens", 0.1, "plan", out="o") == want
     assert all(c[2] == ("kv", "bt", "lens", 0.1, "plan") and c[3] == {"out": "o"} for c in calls)
-    monkeypatch.setattr(cu, "available", lambda version=1: (version != 3, "" if version != 3 else "v3 failed"))
+    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (version != 3, "" if version != 3 else "v3 failed"))
     k = fb.decode_kernel("auto")
     assert k.fn(torch.empty(1, 1, 16, 576), "kv", "bt", "lens", 0.1, "plan") == 1 and "v3 unavailable: v3 failed" in k.what
 
@@ -698,27 +729,107 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     """The CUDA kernel where it can run, else the Triton one, with why (here: no CUDA device, or a failed build)."""
     mla = importlib.import_module("sgl_kernel_ext.mla_decode")
     cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-    fn, plan, lut, what = fb.decode_kernel()
+    fn, plan, lut, what, _ = fb.decode_kernel()
     if not torch.cuda.is_available():
         assert fn is mla.mla_decode_fp8 and what.startswith("Triton") and "no CUDA device" in what
-    monkeypatch.setattr(cu, "available", lambda version=1: (False, "build/load failed: nvcc not found\nmore"))
-    fn, plan, lut, what = fb.decode_kernel()
+    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (False, "build/load failed: nvcc not found\nmore"))
+    fn, plan, lut, what, _ = fb.decode_kernel()
     assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata and lut is mla.splits_lut
     assert "nvcc not found" in what and "more" not in what
-    monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
-    fn, plan, lut, what = fb.decode_kernel("cuda")
+    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (True, ""))
+    fn, plan, lut, what, _ = fb.decode_kernel("cuda")
     assert fn is cu.mla_decode_fp8_cuda and plan is cu.get_mla_decode_metadata and what.startswith("CUDA (")
     assert lut is cu.splits_lut
-    fn, plan, lut, what = fb.decode_kernel()  # auto: the versions, by shape
+    fn, plan, lut, what, _ = fb.decode_kernel()  # auto: the versions, by shape
     assert plan is cu.get_mla_decode_metadata and what.startswith("CUDA v1 below batch 16, v2 from there, v3 for")
-    monkeypatch.setattr(cu, "available", lambda version=1: (version == 1, "" if version == 1 else "v2 failed\nx"))
-    fn, plan, lut, what = fb.decode_kernel()  # auto without v2: v1, and why
+    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (version == 1, "" if version == 1 else "v2 failed\nx"))
+    fn, plan, lut, what, _ = fb.decode_kernel()  # auto without v2: v1, and why
     assert fn is cu.mla_decode_fp8_cuda and "v2 unavailable: v2 failed" in what and "x" not in what.split(": ")[-1]
-    monkeypatch.setattr(cu, "available", lambda version=1: (True, ""))
-    fn, plan, lut, what = fb.decode_kernel("cuda-v2")
-    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2} and what.startswith("CUDA v2")
-    fn, plan, lut, what = fb.decode_kernel("cuda-v3")
-    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 3} and what.startswith("CUDA v3")
+    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (True, ""))
+    fn, plan, lut, what, _ = fb.decode_kernel("cuda-v2")
+    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2, "defines": ()}
+    assert what.startswith("CUDA v2")
+    fn, plan, lut, what, _ = fb.decode_kernel("cuda-v3")
+    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 3, "defines": ()}
+    assert what.startswith("CUDA v3")
     monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL", "triton")  # the switch, read when no choice is passed
-    fn, plan, lut, what = fb.decode_kernel()
+    fn, plan, lut, what, _ = fb.decode_kernel()
     assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata and "=triton" in what
+
+
+# ---- Q as SGLang's (latent, rope) parts (SGLANG_H20_FP8_MLA_SPLIT_Q) -------------------------------------------------
+
+def test_split_q_builds_versions_2_and_3_with_the_option(monkeypatch):
+    cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+    asked = []
+    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): asked.append((version, defines)) or (True, ""))
+    k = fb.decode_kernel("cuda-v2", split_q=True)
+    assert k.fn.keywords == {"version": 2, "defines": ("MLA_SPLIT_Q",)} and k.takes_q_rope and "two parts" in k.what
+    assert fb.decode_kernel("cuda", split_q=True).fn is cu.mla_decode_fp8_cuda  # v1 joins the parts itself
+    assert fb.decode_kernel("cuda-v3", split_q=False).fn.keywords["defines"] == ()
+    assert not fb.decode_kernel("triton", split_q=True).takes_q_rope  # the Triton kernel reads one tensor
+    assert (2, ("MLA_SPLIT_Q",)) in asked and (3, ()) in asked
+    monkeypatch.setenv("SGLANG_H20_FP8_MLA_SPLIT_Q", "on")  # the switch, read when no choice is passed
+    assert fb.decode_kernel("auto").takes_q_rope and (3, ("MLA_SPLIT_Q",)) in asked
+
+
+def test_decode_takes_q_and_k_as_parts():
+    """What SGLang's absorbed attention passes a backend on its absorb-core list: q [B, H, 512] with q_rope, k [B,
+    1, 512] with k_rope. The parts are stored and attended to exactly as the joined tensors (Triton kernel: joined
+    by the backend; prefill: test_mla_prefill_reads_the_dequantized_prefix)."""
+    b = Batch([40, 100], heads=16, seed=4)
+    lyr = layer(0)
+    for r, n in enumerate(b.lens):
+        b.store(lyr, r, 0, n - 1)
+    be = b.backend()
+    assert not be.takes_q_rope  # CPU: the Triton kernel
+    fbatch = decode_batch(b)
+    be.init_forward_metadata(fbatch)
+    q = torch.randn(2, 16, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
+    k = torch.cat([b.latent[r][n - 1:n] for r, n in enumerate(b.lens)])
+    q_nope = q[..., :512].transpose(0, 1).contiguous().transpose(0, 1)  # strided like the absorbed bmm's output
+    out = be.forward_decode(q_nope, k[..., :512], k[..., :512], lyr, fbatch, q_rope=q[..., 512:], k_rope=k[..., 512:])
+    check_decode(b, out, q, lyr)
+    joined = be.forward_decode(q, k, k[..., :512], lyr, fbatch)
+    assert torch.equal(out, joined)
+
+
+def test_decode_passes_the_parts_to_a_kernel_that_takes_them():
+    b = Batch([70], heads=16, seed=5)
+    be = b.backend()
+    be.init_forward_metadata(decode_batch(b))
+    seen = {}
+    be._decode_fp8 = lambda q, *a, **kw: seen.update(q=q, **kw) or torch.zeros(1, 1, 16, 512)
+    be.takes_q_rope = True
+    q = torch.randn(1, 16, 512).to(DEVICE)
+    be.forward_decode(q, None, None, layer(0), decode_batch(b), save_kv_cache=False, q_rope=torch.ones(1, 16, 64))
+    assert seen["q"].shape == (1, 1, 16, 512) and seen["q_rope"].shape == (1, 1, 16, 64)
+
+
+def test_take_q_in_parts_joins_sglangs_absorb_core_list(monkeypatch):
+    """The list DeepSeek's absorbed attention checks exists in the installed sglang; joining it is idempotent and only
+    happens when the switch is on (create_backend)."""
+    utils = importlib.import_module("sglang.srt.models.deepseek_common.utils")
+    names = utils.FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
+    monkeypatch.setattr(utils, "FORWARD_ABSORB_CORE_ATTENTION_BACKENDS", list(names))
+    assert "(latent, rope) parts" in fb.take_q_in_parts() and fb.take_q_in_parts()
+    assert utils.FORWARD_ABSORB_CORE_ATTENTION_BACKENDS.count(fb.NAME) == 1 and fb.NAME not in names
+    src = inspect.getsource(importlib.import_module("sglang.srt.models.deepseek_common.attention_forward_methods"
+                                                    ".forward_mla"))
+    assert "q_rope=q_pe" in src and "FORWARD_ABSORB_CORE_ATTENTION_BACKENDS" in src  # the contract relied on
+    monkeypatch.setattr(fb, "ABSORB_CORE_LIST", "sglang.srt.no_such_module.LIST")
+    assert fb.take_q_in_parts().startswith("Q stays joined")
+
+
+def test_split_q_strides_only_where_the_kernel_can_read_the_parts():
+    cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+    q = torch.randn(16, 3, 512, dtype=torch.bfloat16).transpose(0, 1).unsqueeze(1)  # [3, 1, 16, 512], head-major
+    rope = torch.randn(3, 16, 192, dtype=torch.bfloat16)[..., 128:].unsqueeze(1)  # q_pe split off SGLang's q
+    got = cu.split_q_strides(q, rope, 2, ("MLA_SPLIT_Q",))
+    assert got is not None and got[0] is rope and got[1:] == (1024, 3 * 1024, 16 * 192 * 2, 192 * 2)
+    assert cu.split_q_strides(q, rope, 1, ("MLA_SPLIT_Q",)) is None  # v1: its pre-pass reads one row
+    assert cu.split_q_strides(q, rope, 3, ()) is None  # a build without the option
+    assert cu.split_q_strides(q, rope, 2, ("MLA_SPLIT_Q", "MLA_PREPASS_Q")) is None
+    assert cu.split_q_strides(q.float(), rope, 2, ("MLA_SPLIT_Q",)) is None
+    odd = torch.randn(3, 1, 16, 200, dtype=torch.bfloat16)[..., 4:68]  # rows not 16-byte aligned
+    assert cu.split_q_strides(q, odd, 2, ("MLA_SPLIT_Q",)) is None

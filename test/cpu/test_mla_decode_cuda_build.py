@@ -267,16 +267,17 @@ def test_descriptor_advance_equals_a_fresh_descriptor():
                 assert desc_add(desc_sw64(a), n) == desc_sw64(a + n), (a, n)
 
 
-def test_v3_fused_combine_builds_clean():
-    """Version 3's design option MLA_V3_FUSED_COMBINE (the splits merged in the kernel): no spill, no stack frame,
-    the same wgmmas as the default build, and the counter atomics (arrive, depart) only in the option's build."""
+def test_v3_design_options_build_clean():
+    """Version 3 with its design option MLA_V3_FUSED_COMBINE (the splits merged in the kernel) and with MLA_SPLIT_Q (Q
+    read as two parts): no spill, no stack frame, the same wgmmas as the default build; the counter atomics (arrive,
+    depart) only in the fused-combine build."""
     nvcc, tool = cu._find_nvcc(), _cuobjdump()
     if nvcc is None or tool is None:
         pytest.skip("nvcc or cuobjdump not found")
     flags = [f for f in cu.NVCC_FLAGS if f.startswith(("-gencode", "-O", "-std"))]
     sass = {}
-    for defines in ((), cu.V3_DESIGN_OPTIONS):
-        out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mla_v3_{os.getpid()}_{len(defines)}.cubin"
+    for defines in ((), cu.V3_DESIGN_OPTIONS, ("MLA_SPLIT_Q",)):
+        out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mla_v3_{os.getpid()}_{'_'.join(defines) or 'default'}.cubin"
         res = subprocess.run([nvcc, *flags, "-cubin", "-Xptxas", "-v", *(f"-D{d}" for d in defines),
                               str(cu.source_path(3)), "-o", str(out)], capture_output=True, text=True, timeout=300)
         log = res.stdout + res.stderr
@@ -284,7 +285,7 @@ def test_v3_fused_combine_builds_clean():
         assert log.count("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads") >= 2, log
         sass[defines] = subprocess.run([tool, "-sass", str(out)], capture_output=True, text=True, timeout=120).stdout
         out.unlink()
-    fused = sass[cu.V3_DESIGN_OPTIONS]
-    for shape, n in EXPECTED_QGMMA[3].items():
-        assert fused.count(shape) == n == sass[()].count(shape), shape
-    assert len(re.findall(r"ATOM\.E\.ADD", fused)) >= 4 and not re.search(r"\bATOM\b", sass[()])
+        for shape, n in EXPECTED_QGMMA[3].items():
+            assert sass[defines].count(shape) == n, (defines, shape)
+    assert len(re.findall(r"ATOM\.E\.ADD", sass[cu.V3_DESIGN_OPTIONS])) >= 4
+    assert not re.search(r"\bATOM\b", sass[()]) and not re.search(r"\bATOM\b", sass[("MLA_SPLIT_Q",)])

@@ -89,6 +89,12 @@ def test_launch_args_follow_the_c_signature_and_pass_the_split_count_pointer():
     assert args[31] == counters.data_ptr() and args[6] == out.data_ptr() and args[7] == lse.data_ptr()  # fused:
     # the kernel writes out and lse itself
     assert cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, meta, True, 0.1, 0, counters)[31] == 0
+    assert params[32:37] == ["q_rope", "q_sb", "q_sh", "qr_sb", "qr_sh"] and params[-1] == "stream"
+    rope = torch.zeros(B, 1, H, 64, dtype=torch.bfloat16)
+    args = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, meta, True, 0.1, 7, None,
+                          (rope, 1024, 64, 2048, 128))
+    assert args[32:37] == (rope.data_ptr(), 1024, 64, 2048, 128) and args[-1] == 7
+    assert cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, meta, True, 0.1, 7)[32:37] == (0,) * 5
 
 
 def test_fused_combine_only_where_the_whole_grid_is_resident(monkeypatch):

@@ -15,6 +15,7 @@ running max V scale, P' rounded to e4m3) must agree to <= 8e-3 (measured 2-4e-3 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 
@@ -221,8 +222,6 @@ def test_run_time_split_count(version):
     """metadata.splits_dev: a graph's grid planned for a long bound, replayed at short lengths, cuts sequences
     into the device count (set_splits from the lengths, clamped to the grid's): the same bits as an eager launch
     planned with that count; the count is refreshed between replays without a host sync."""
-    import dataclasses
-
     lens = [3000, 100, 2048, 700]
     d = mla.make_mla_inputs(lens, 128, 1, 64, device="cuda", seed=23, **DEEPSEEK_LIKE)
     q, kv, bt, sl = d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"].clone()
@@ -408,3 +407,29 @@ def test_replaced_transposes_agree_bit_for_bit(version):
     for option, (b, lb) in zip(cu.REORDERING_OPTIONS[1:], rest):
         assert torch.equal(first[0], b) and torch.equal(first[1], lb), option
     assert rel(default[0], first[0]) <= 2e-3 and rel(default[1], first[1]) <= 2e-3
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_split_q_reads_the_parts_where_they_are(version):
+    """MLA_SPLIT_Q: Q as SGLang hands it to a backend on its absorb-core list, the latent part strided by head (the
+    absorbed bmm's transposed output) and the rope part split off the projection's rows: bit-identical to the joined
+    rows, one split and several."""
+    heads = 16 if version == 3 else 128
+    ok, why = cu.available(version, ("MLA_SPLIT_Q",))
+    assert ok, why
+    d = mla.make_mla_inputs([1, 65, 3000, 700], heads, 1, 64, device="cuda", seed=29 + version, **DEEPSEEK_LIKE)
+    q = d["q"]  # [B, 1, H, 576]
+    B = q.shape[0]
+    nope = q[:, 0, :, :512].transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(1)  # [B, 1, H, 512], head-major
+    proj = torch.zeros(B, heads, 192, dtype=q.dtype, device="cuda")
+    proj[..., 128:] = q[:, 0, :, 512:]
+    rope = proj[..., 128:].unsqueeze(1)  # [B, 1, H, 64] at a 384-byte row stride
+    assert cu.split_q_strides(nope, rope, version, ("MLA_SPLIT_Q",)) is not None
+    args = (d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"])
+    for splits in (1, 3):
+        meta = dataclasses.replace(cu.get_mla_decode_metadata(d["cache_seqlens"], heads, 1), num_splits=splits)
+        a, la = cu.mla_decode_fp8_cuda(nope, *args, meta, return_lse=True, version=version, defines=("MLA_SPLIT_Q",),
+                                       q_rope=rope)
+        b, lb = cu.mla_decode_fp8_cuda(q, *args, meta, return_lse=True, version=version)
+        torch.cuda.synchronize()
+        assert torch.equal(a, b) and torch.equal(la, lb), (version, splits)

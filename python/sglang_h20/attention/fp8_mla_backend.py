@@ -78,6 +78,7 @@ class DecodeKernel(NamedTuple):
     plan: Callable      # its get_mla_decode_metadata
     splits_lut: Callable  # its split count for every length (CUDA graphs: mla_decode.set_splits at each replay)
     what: str
+    takes_q_rope: bool = False  # fn accepts q_rope= (Q as latent and rope parts): the CUDA entry does
 
 
 # 'auto' runs version 2 from this many sequences per call, version 1 below: in the full grid (H200,
@@ -103,7 +104,7 @@ def _first_line(why: str) -> str:
     return why.splitlines()[0][:160] if why else "?"
 
 
-def decode_kernel(choice: str | None = None) -> DecodeKernel:
+def decode_kernel(choice: str | None = None, split_q: bool | None = None) -> DecodeKernel:
     """(decode function, its split planner, its split table, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`;
     default: the environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV) with its own plan (whole waves of
     one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the
@@ -112,8 +113,11 @@ def decode_kernel(choice: str | None = None) -> DecodeKernel:
     (v3 refuses calls of more rows). Same arguments and format for all; the choice is logged once per process."""
     import functools
 
+    settings = Settings.from_env() if choice is None or split_q is None else None
     if choice is None:
-        choice = Settings.from_env()["fp8_mla_kernel"]
+        choice = settings["fp8_mla_kernel"]
+    if split_q is None:  # SGLANG_H20_FP8_MLA_SPLIT_Q: versions 2 and 3 built to read Q's two parts where they are
+        split_q = settings["fp8_mla_split_q"]
     mla = _kernel()
     if choice == "triton":
         return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
@@ -121,21 +125,25 @@ def decode_kernel(choice: str | None = None) -> DecodeKernel:
     version = {"cuda-v2": 2, "cuda-v3": 3}.get(choice, 1)
     try:
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-        ok, why = cu.available(version)
+        ok, why = cu.available(version, _split_q_defines(version, split_q))
     except Exception as e:  # an import error must not take the Triton path down with it
         ok, why = False, f"{type(e).__name__}: {e}"
     if not ok:
         return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
                             f"Triton (CUDA kernel unavailable: {_first_line(why)})")
-    kinds = "(sm_90a, FP8 QK and PV)"
+    kinds = "(sm_90a, FP8 QK and PV" + (", Q read as two parts by v2/v3)" if split_q else ")")
+
+    def version_fn(v):
+        return functools.partial(cu.mla_decode_fp8_cuda, version=v, defines=_split_q_defines(v, split_q))
     if version > 1:
-        return DecodeKernel(functools.partial(cu.mla_decode_fp8_cuda, version=version), cu.get_mla_decode_metadata,
-                            cu.splits_lut, f"CUDA v{version} {kinds}")
+        return DecodeKernel(version_fn(version), cu.get_mla_decode_metadata, cu.splits_lut,
+                            f"CUDA v{version} {kinds}", True)
     if choice != "auto":
-        return DecodeKernel(cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}")
-    (ok2, why2), (ok3, why3) = cu.available(2), cu.available(3)
-    v2 = functools.partial(cu.mla_decode_fp8_cuda, version=2) if ok2 else cu.mla_decode_fp8_cuda
-    v3 = functools.partial(cu.mla_decode_fp8_cuda, version=3) if ok3 else None
+        return DecodeKernel(cu.mla_decode_fp8_cuda, cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}",
+                            True)
+    (ok2, why2), (ok3, why3) = (cu.available(v, _split_q_defines(v, split_q)) for v in (2, 3))
+    v2 = version_fn(2) if ok2 else cu.mla_decode_fp8_cuda
+    v3 = version_fn(3) if ok3 else None
     what = f"CUDA v1 below batch {V2_FROM_BATCH}, v2 from there" if ok2 else "CUDA v1"
     what += f", v3 for <= {cu.V3_MAX_ROWS} query rows" if ok3 else ""
     what += f" {kinds}"
@@ -143,7 +151,13 @@ def decode_kernel(choice: str | None = None) -> DecodeKernel:
     what += "" if ok3 else f"; v3 unavailable: {_first_line(why3)}"
     fn = _by_shape(cu.mla_decode_fp8_cuda, v2, v3, V2_FROM_BATCH, cu.V3_MAX_ROWS) if ok2 or ok3 \
         else cu.mla_decode_fp8_cuda
-    return DecodeKernel(fn, cu.get_mla_decode_metadata, cu.splits_lut, what)
+    return DecodeKernel(fn, cu.get_mla_decode_metadata, cu.splits_lut, what, True)
+
+
+def _split_q_defines(version: int, split_q: bool) -> tuple[str, ...]:
+    """The CUDA build of `version` the backend runs: with split Q, versions 2 and 3 read the latent and rope parts
+    of Q where SGLang left them (design option MLA_SPLIT_Q); version 1 joins them (its Q pre-pass reads one row)."""
+    return ("MLA_SPLIT_Q",) if split_q and version in (2, 3) else ()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -339,7 +353,39 @@ def create_backend(runner):
     if problem:
         log.warning("fp8_mla: %s: backend %s falls back to SGLang's triton backend", problem, NAME)
         return ATTENTION_BACKENDS["triton"](runner)
-    return FP8MLABackend(runner)
+    backend = FP8MLABackend(runner)
+    if backend.takes_q_rope and Settings.from_env()["fp8_mla_split_q"]:
+        log.info("%s: %s", NAME, take_q_in_parts())
+    return backend
+
+
+ABSORB_CORE_LIST = "sglang.srt.models.deepseek_common.utils.FORWARD_ABSORB_CORE_ATTENTION_BACKENDS"
+
+
+def take_q_in_parts() -> str:
+    """Put NAME on SGLang's list of the backends to which DeepSeek's absorbed attention hands Q and K as (latent,
+    rope) parts (attn_mqa(q_nope_out, k_nope, k_nope, q_rope=q_pe, k_rope=k_pe)) instead of joining Q with torch.cat
+    for them (~16 us per layer at batch 48 x 128 heads). Returns what happened, for the log line."""
+    module, _, attr = ABSORB_CORE_LIST.rpartition(".")
+    try:
+        names = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        return f"Q stays joined: {ABSORB_CORE_LIST} not found ({type(e).__name__})"
+    if not isinstance(names, list):
+        return f"Q stays joined: {ABSORB_CORE_LIST} is a {type(names).__name__}, not a list"
+    if NAME not in names:
+        names.append(NAME)
+    return "Q taken as SGLang's (latent, rope) parts, read in place by the kernel (SGLANG_H20_FP8_MLA_SPLIT_Q)"
+
+
+def _join_parts(q, k, q_rope, k_rope, heads: int):
+    """Q [tokens, heads, 576] and K [tokens, 1, 576] from SGLang's (latent, rope) parts, for the paths that read one
+    tensor; a part that is None leaves its tensor as it came."""
+    if q_rope is not None:
+        q = torch.cat([q.reshape(-1, heads, KV_LORA_RANK), q_rope.reshape(-1, heads, ROPE_DIM).to(q.dtype)], -1)
+    if k_rope is not None and k is not None:
+        k = torch.cat([k.reshape(-1, 1, KV_LORA_RANK), k_rope.reshape(-1, 1, ROPE_DIM).to(k.dtype)], -1)
+    return q, k
 
 
 def _active_backend():
@@ -413,7 +459,7 @@ class FP8MLABackend(AttentionBackend):
         super().__init__()
         self.mla = _kernel()
         assert (self.mla.KV_LORA_RANK, self.mla.HEAD_DIM_QK) == (KV_LORA_RANK, HEAD_DIM_QK)
-        self._decode_fp8, self._plan_fn, self._splits_lut, what = decode_kernel()
+        self._decode_fp8, self._plan_fn, self._splits_lut, what, self.takes_q_rope = decode_kernel()
         log.info("%s: decode kernel %s", NAME, what)
         mc = model_runner.model_config
         if num_heads is None:
@@ -534,21 +580,37 @@ class FP8MLABackend(AttentionBackend):
 
     # ---- forward -------------------------------------------------------------------------------------------
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None, k_rope=None,
+                       **kwargs):
+        """q [B, heads, 576], or its latent part [B, heads, 512] with q_rope [B, heads, 64] (and K likewise) when
+        SGLang hands the parts (take_q_in_parts)."""
         if k is not None and save_kv_cache:
-            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+            if k_rope is not None:
+                self.token_to_kv_pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
+            else:
+                self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
         m = self.decode
         heads = layer.tp_q_head_num
-        q = q.view(m.cache_seqlens.shape[0], 1, heads, HEAD_DIM_QK)
+        bs = m.cache_seqlens.shape[0]
+        parts = {}
+        if q_rope is not None and self.takes_q_rope:  # the kernel reads both parts where they are
+            q = q.reshape(bs, 1, heads, KV_LORA_RANK)
+            parts["q_rope"] = q_rope.reshape(bs, 1, heads, ROPE_DIM)
+        else:
+            q = _join_parts(q, None, q_rope, None, heads)[0].view(bs, 1, heads, HEAD_DIM_QK)
         o = self._decode_fp8(q, self.token_to_kv_pool.kv_cache(layer.layer_id), m.block_table, m.cache_seqlens,
-                             layer.scaling, m.plan)
+                             layer.scaling, m.plan, **parts)
         return o.view(-1, heads * KV_LORA_RANK)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None, k_rope=None,
+                       **kwargs):
         mode = forward_batch.forward_mode
         if mode.is_target_verify() or mode.is_draft_extend_v2():
             raise NotImplementedError(f"{NAME}: speculative decoding is not supported (refused at startup)")
         if layer.head_dim == HEAD_DIM_QK and layer.tp_k_head_num == 1:
+            if q_rope is not None or k_rope is not None:  # SGLang's parts (take_q_in_parts): one tensor each here
+                q, k = _join_parts(q, k, q_rope, k_rope, layer.tp_q_head_num)
+                v = None if k is None else k[..., :KV_LORA_RANK]
             return self._forward_extend_mla(q, k, v, layer, forward_batch, save_kv_cache)
         if self.prefill is None:
             raise RuntimeError(f"{NAME}: MHA prefill reached the backend without the FlashInfer prefill")

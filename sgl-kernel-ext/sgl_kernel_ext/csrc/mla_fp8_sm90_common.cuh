@@ -100,6 +100,14 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #define MLA_PREPASS_Q 0
 #endif
 #define MLA_FUSED_Q (!MLA_PREPASS_Q)
+// Design option MLA_SPLIT_Q (versions 2 and 3, with MLA_FUSED_Q; session 31, not yet run on a GPU): with p.q_rope
+// set, the kernel reads a query row's 512 latent channels from p.q8 and its 64 rope channels from p.q_rope, each at
+// its own (sequence, head) byte strides, instead of one 1152-byte row: SGLang hands backends in its
+// FORWARD_ABSORB_CORE_ATTENTION_BACKENDS list the two parts separately, so the torch.cat it does for the others (1.1
+// ms of a 33.9 ms dsv3-ep16-slice step at batch 48 x 4k) is not needed. q_len 1 only (row = head).
+#ifndef MLA_SPLIT_Q
+#define MLA_SPLIT_Q 0
+#endif
 
 namespace mla_fp8_common {
 
@@ -131,6 +139,9 @@ struct Params {
   // launch; set only for a launch whose CTAs are all resident at once, by version 3 built with
   // MLA_V3_FUSED_COMBINE, whose split CTAs then merge their partials themselves (no combine kernel)
   int* counters;
+  // MLA_SPLIT_Q: nullable rope part of the bf16 Q rows, and both parts' byte strides by sequence and head
+  const uint8_t* q_rope;
+  long long q_sb, q_sh, qr_sb, qr_sh;
 };
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -449,13 +460,22 @@ __device__ __forceinline__ void quantize_q_rows(const Params& p, uint32_t q_smem
   const int r = i >> 2, j = i & 3;
   const int gr = rb * rows_per_cta + r;
   const bool ok = gr < p.num_rows;
+#if MLA_SPLIT_Q
+  const uint4* src = reinterpret_cast<const uint4*>(
+      p.q_rope ? p.q8 + b * p.q_sb + (ok ? gr : 0) * p.q_sh
+               : p.q8 + (static_cast<long long>(b) * p.num_rows + gr) * 1152);
+  const uint4* rsrc = p.q_rope ? reinterpret_cast<const uint4*>(p.q_rope + b * p.qr_sb + (ok ? gr : 0) * p.qr_sh)
+                               : src + 64;
+#else
   const uint4* src = reinterpret_cast<const uint4*>(p.q8 + (static_cast<long long>(b) * p.num_rows + gr) * 1152);
+  const uint4* rsrc = src + 64;
+#endif
   uint4 lat[16], rope[2];
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int k = 0; k < 16; ++k) lat[k] = ok ? __ldg(src + 16 * j + k) : zero;  // 8 bf16 = 16 bytes per uint4
 #pragma unroll
-  for (int k = 0; k < 2; ++k) rope[k] = ok ? __ldg(src + 64 + 2 * j + k) : zero;
+  for (int k = 0; k < 2; ++k) rope[k] = ok ? __ldg(rsrc + 2 * j + k) : zero;
   float am_l = 0.f, am_r = 0.f;
 #pragma unroll
   for (int k = 0; k < 16; ++k) am_l = amax8(lat[k], am_l);
@@ -671,7 +691,8 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
                   long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr,
                   long long kv_pages, int batch,
                   int num_heads, int q_len, int num_splits, const void* splits, int causal, float qk_scale,
-                  void* counters, void* stream) {
+                  void* counters, const void* q_rope, long long q_sb, long long q_sh, long long qr_sb,
+                  long long qr_sh, void* stream) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -710,6 +731,8 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
   p.causal = causal ? 1 : 0;
   p.qk_scale = qk_scale;
   p.counters = static_cast<int*>(counters);
+  p.q_rope = static_cast<const uint8_t*>(q_rope);
+  p.q_sb = q_sb; p.q_sh = q_sh; p.qr_sb = qr_sb; p.qr_sh = qr_sh;
 #if MLA_TMA_LOAD
   err = encode_kv_map(&p.kv_map, kv, kv_pages, kv_page_stride);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -733,11 +756,12 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
       long long bt_stride, long long out_sb, long long out_st, long long out_sh, long long lse_sb, long long lse_st, \
       long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr, long long kv_pages,     \
       int batch, int num_heads, int q_len, int num_splits, const void *splits, int causal, float qk_scale,         \
-      void *counters, void *stream
+      void *counters, const void *q_rope, long long q_sb, long long q_sh, long long qr_sb, long long qr_sh,         \
+      void *stream
 #define MLA_FP8_ENTRY_ARGS                                                                                         \
   q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp, kv_page_stride, kvs_page_stride, bt_stride, out_sb,     \
       out_st, out_sh, lse_sb, lse_st, op_sb, op_sr, op_ss, lp_sb, lp_sr, kv_pages, batch, num_heads, q_len,        \
-      num_splits, splits, causal, qk_scale, counters, stream
+      num_splits, splits, causal, qk_scale, counters, q_rope, q_sb, q_sh, qr_sb, qr_sh, stream
 #define MLA_FP8_DEFINE_ENTRY_POINTS(KERNEL, THREADS_, SMEM_BYTES_, ROWS_)                                           \
   static bool mla_fp8_attr_done[128] = {};                                                                         \
   MLA_FP8_EXPORT int mla_fp8_decode_sm90(MLA_FP8_ENTRY_PARAMS) {                                                   \
