@@ -244,8 +244,8 @@ constexpr int FUSED_MAX_SPLITS = 64;  // the plan's largest split count; the lau
 
 // Splits holding tokens of a sequence of seqlen (the combine kernel's n_used): the CTAs past them returned at once.
 __device__ __forceinline__ int used_splits(const Params& p, int seqlen) {
-  const int splits = p.splits ? min(max(*p.splits, 1), p.num_splits) : p.num_splits;
-  const int split_len = cdiv(cdiv(seqlen, splits), PAGE) * PAGE;
+  int splits;
+  const int split_len = split_length(p, seqlen, PAGE, splits);
   return split_len > 0 ? min(cdiv(seqlen, split_len), splits) : 0;
 }
 

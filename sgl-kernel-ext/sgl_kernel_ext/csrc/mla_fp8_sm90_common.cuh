@@ -347,6 +347,14 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* smem_raw, uint32_t& sb
   return smem_raw + pad;
 }
 
+// The run's split count (p.splits, a graph's run-time count capped at the grid's, else the grid's) and each split's
+// token count for a sequence of seqlen, rounded up to whole pages: the one cut shared by split_range, version 3's
+// fused merge and _mla_fp8_combine_kernel (BLOCK_N = page).
+__device__ __forceinline__ int split_length(const Params& p, int seqlen, int page, int& splits) {
+  splits = p.splits ? min(max(*p.splits, 1), p.num_splits) : p.num_splits;
+  return cdiv(cdiv(seqlen, splits), page) * page;
+}
+
 // This CTA's token range [start, end) of sequence b for split sp, cut as _mla_fp8_combine_kernel does with
 // BLOCK_N = page (split lengths rounded up to whole pages). False: the split holds no token (the combine kernel
 // reads only splits that do). With p.splits (a CUDA graph replayed at lengths its capture did not know) the
@@ -357,8 +365,8 @@ __device__ __forceinline__ bool split_range(const Params& p, int b, int sp, int 
   start = 0;
   end = seqlen;
   if (p.num_splits > 1) {
-    const int splits = p.splits ? min(max(*p.splits, 1), p.num_splits) : p.num_splits;
-    const int split_len = cdiv(cdiv(seqlen, splits), page) * page;
+    int splits;
+    const int split_len = split_length(p, seqlen, page, splits);
     start = sp * split_len;
     end = min(start + split_len, seqlen);
   }
