@@ -64,3 +64,42 @@ def test_fused_combine_providers_build_version_3_with_the_option():
     assert bench.cuda_version("ours-cuda-v3-fc") == 3 and bench.cu_design_options("ours-cuda-v3-graph") == ()
     from sgl_kernel_ext import mla_decode_cuda as cu
     assert bench.cu_design_options("ours-cuda-v3-fc") == cu.V3_DESIGN_OPTIONS  # the bench names the kernel's option
+
+
+CEIL = {"fp8_flops": 1.2e15, "bf16_flops": 0.6e15, "copy_bytes_per_s": 4.3e12}
+
+
+def test_h20_model_stretches_only_the_tensor_time():
+    """FLOPs 60e9: 50 us at the FP8 rate, 100 us at BF16. Ours at 150 us (FP8): 100 us of CUDA-core work kept
+    serial (pessimistic) or hidden; FlashMLA BF16 at 120 us: 100 us of tensor time, its rest hidden."""
+    k = bench.H20_TENSOR_SLOWDOWN
+    assert 3.9 < k < 4.0  # per-SM spec ratio, H200 FP8 1979 TF on 132 SMs against H20 296 TF on 78
+    ours = dict(row("ours-cuda-v2", 64, 4096, 128, 150.0), flops=60e9, bytes=1e6, precision="fp8")
+    fl16 = dict(row("flashmla-bf16", 64, 4096, 128, 120.0), flops=60e9, bytes=1e6, precision="bf16")
+    fl8 = dict(fl16, provider="flashmla-fp8", precision="fp8")  # FP8 KV, BF16 arithmetic
+    assert bench.h20_scaled_us(ours, CEIL, hidden=False) == pytest.approx(100 + 50 * k)
+    assert bench.h20_scaled_us(ours, CEIL, hidden=True) == pytest.approx(50 * k)
+    assert bench.h20_scaled_us(fl16, CEIL, hidden=True) == pytest.approx(100 * k)
+    assert bench.h20_scaled_us(fl8, CEIL, hidden=True) == bench.h20_scaled_us(fl16, CEIL, hidden=True)
+    slow_hbm = dict(ours, bytes=4e9)  # 1000 us at 4.0 TB/s: the H20's bandwidth floors the model
+    assert bench.h20_scaled_us(slow_hbm, CEIL, hidden=True) == pytest.approx(1000.0)
+    t = bench.issue_targets([ours, fl16], CEIL)
+    p = t["per_point"][0]
+    assert p["h20_modelled_vs_flashmla_bf16"] == pytest.approx(100 * k / (100 + 50 * k))
+    assert p["h20_modelled_vs_flashmla_bf16_if_hidden"] == pytest.approx(2.0)
+    c = t["checks"]["h20_modelled_vs_flashmla_bf16_h128_b16_ctx4k"]
+    assert (c["points"], c["met"]) == (1, 0) and "MODELLED" in c["line"] and "2.00-2.00" in c["line"]
+    assert "h20_modelled_vs_flashmla_bf16_h128_b16_ctx4k" not in bench.issue_targets([ours, fl16])["checks"]
+
+
+def test_retarget_recomputes_a_record_without_a_gpu(tmp_path, capsys):
+    import json
+    ours = dict(row("ours-cuda-v2", 64, 4096, 128, 150.0), flops=60e9, bytes=1e6, precision="fp8")
+    fl16 = dict(row("flashmla-bf16", 64, 4096, 128, 120.0), flops=60e9, bytes=1e6, precision="bf16")
+    src = tmp_path / "old.json"
+    src.write_text(json.dumps({"points": [ours, fl16], "ceilings": CEIL, "targets": {"stale": True}}))
+    out = tmp_path / "new.json"
+    assert bench.main(["--retarget", str(src), "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert "stale" not in rec["targets"] and rec["points"] == [ours, fl16] and rec["retargeted"]["from"] == str(src)
+    assert "MODELLED" in capsys.readouterr().out
