@@ -22,8 +22,6 @@ reason, never silently dropped):
   ours-cuda[-v2]-graph  what the backend captures now: the same grid, the split count for the actual lengths
                      read from the device at run time (metadata.splits_dev, mla_decode.set_splits); the CTAs
                      past it return at once.
-  ours-cuda-v3-fc[-graph]  version 3 built with its design option MLA_V3_FUSED_COMBINE: the split CTAs merge their
-                     partials themselves where the whole grid is resident (batch x splits <= SMs), no combine kernel
   sweep:<p>[sN]      with --cuda-splits N ...: ours-cuda[-vN] with its split count forced to N (outside the targets;
                      the record's split_sweep sets the plan's pick against the fastest count per point).
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
@@ -79,7 +77,6 @@ REPRESENTATIVE = (64, 4096, 128, 1)
 PAGE = 64
 PROVIDER_NAMES = ["ours",
                   *(f"ours-cuda{v}{k}" for v in ("", "-v2", "-v3") for k in ("", "-tplan", "-ctx", "-graph")),
-                  "ours-cuda-v3-fc", "ours-cuda-v3-fc-graph",
                   "flashmla-bf16", "flashmla-fp8", "sglang-triton", "sglang-triton-fp8"]
 # ours-cuda-v2 too: the backend's kernel from batch 16 (a default grid without it took v1 as "best of ours")
 DEFAULT_PROVIDERS = ["ours", "ours-cuda", "ours-cuda-v2", "ours-cuda-v3", "flashmla-bf16", "flashmla-fp8",
@@ -217,11 +214,6 @@ def _decode_calls(torch, sets, metas, decode):
         return lambda: decode(s["q"], s["kv_cache"], s["block_table"], s["cache_seqlens"], s["softmax_scale"],
                               metas[i], out=outs[i])
     return [call(i) for i in range(len(sets))], (lambda: outs[0])
-
-
-def cu_design_options(provider: str) -> tuple[str, ...]:
-    """The -D design options of an ours-cuda provider name: "-fc" is version 3's MLA_V3_FUSED_COMBINE."""
-    return ("MLA_V3_FUSED_COMBINE",) if "-fc" in provider else ()
 
 
 def cuda_version(provider: str) -> int:
@@ -595,10 +587,8 @@ def main(argv=None) -> int:
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
         elif p.startswith("ours-cuda"):  # one of PROVIDER_NAMES' (parse_args checked)
             kind = {"tplan": "triton", "ctx": "ctx", "graph": "graph"}.get(p.rsplit("-", 1)[-1], "cuda")
-            defines = cu_design_options(p)
-            providers.append((p, lambda sets, ctx, p=p, kind=kind, defines=defines: make_ours_cuda(
-                torch, mla, sets, ctx, version=cuda_version(p), plan_kind=kind,
-                server_context=args.server_context, defines=defines)))
+            providers.append((p, lambda sets, ctx, p=p, kind=kind: make_ours_cuda(
+                torch, mla, sets, ctx, version=cuda_version(p), plan_kind=kind, server_context=args.server_context)))
             for n in (args.cuda_splits if kind == "cuda" else []):
                 providers.append((f"{SWEEP_PREFIX}{p}[s{n}]", lambda sets, ctx, p=p, n=n: make_ours_cuda(
                     torch, mla, sets, ctx, version=cuda_version(p), splits=n)))

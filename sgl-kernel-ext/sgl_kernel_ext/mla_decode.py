@@ -191,12 +191,13 @@ def _round_bf16(x, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(X, LOC, OUT, OUTS, N, stride_xn, stride_on, stride_sn, PAGE_SIZE: tl.constexpr,
+def _quant_rows_kernel(X, XR, LOC, OUT, OUTS, N, stride_xn, stride_xrn, stride_on, stride_sn, PAGE_SIZE: tl.constexpr,
                        stride_op, stride_ot, stride_sp, stride_st, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
                        INTERPRET: tl.constexpr):
-    """Rows BLOCK_N i .. of X [N, 576] -> FP8 + (latent, rope) scales; written at row i, or at paged slot LOC[i]
-    (PAGED). Several rows per program: one row per program left the decode's Q pre-pass launch-bound (8 us for
-    the 8192 rows of batch 64 x 128 heads on the H200, 1.7 TB/s)."""
+    """Rows BLOCK_N i .. of (latent X [N, 512], rope XR [N, 64]) -> FP8 + (latent, rope) scales; written at row i,
+    or at paged slot LOC[i] (PAGED). The two parts may be one [N, 576] row (XR = X + 512) or SGLang's two tensors,
+    which then need no join. Several rows per program: one row per program left the decode's Q pre-pass
+    launch-bound (8 us for the 8192 rows of batch 64 x 128 heads on the H200, 1.7 TB/s)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < N
     if PAGED:
@@ -207,17 +208,16 @@ def _quant_rows_kernel(X, LOC, OUT, OUTS, N, stride_xn, stride_on, stride_sn, PA
         o_base = OUT + rows.to(tl.int64) * stride_on
         s_base = OUTS + rows.to(tl.int64) * stride_sn
     offs_l = tl.arange(0, 512)[None, :]
-    offs_r = 512 + tl.arange(0, 64)[None, :]
-    x_row = (X + rows.to(tl.int64) * stride_xn)[:, None]
-    xl = tl.load(x_row + offs_l, mask=ok[:, None], other=0.0).to(tl.float32)
-    xr = tl.load(x_row + offs_r, mask=ok[:, None], other=0.0).to(tl.float32)
+    offs_r = tl.arange(0, 64)[None, :]
+    xl = tl.load((X + rows.to(tl.int64) * stride_xn)[:, None] + offs_l, mask=ok[:, None], other=0.0).to(tl.float32)
+    xr = tl.load((XR + rows.to(tl.int64) * stride_xrn)[:, None] + offs_r, mask=ok[:, None], other=0.0).to(tl.float32)
     am_l = tl.max(tl.abs(xl), axis=1)
     am_r = tl.max(tl.abs(xr), axis=1)
     s_l = tl.where(am_l > 0, am_l / 448.0, 1.0)
     s_r = tl.where(am_r > 0, am_r / 448.0, 1.0)
     tl.store(o_base[:, None] + offs_l, _to_fp8(tl.clamp(xl / s_l[:, None], -448.0, 448.0), INTERPRET),
              mask=ok[:, None])
-    tl.store(o_base[:, None] + offs_r, _to_fp8(tl.clamp(xr / s_r[:, None], -448.0, 448.0), INTERPRET),
+    tl.store(o_base[:, None] + 512 + offs_r, _to_fp8(tl.clamp(xr / s_r[:, None], -448.0, 448.0), INTERPRET),
              mask=ok[:, None])
     tl.store(s_base, s_l, mask=ok)
     tl.store(s_base + 1, s_r, mask=ok)
@@ -226,17 +226,23 @@ def _quant_rows_kernel(X, LOC, OUT, OUTS, N, stride_xn, stride_on, stride_sn, PA
 QUANT_ROWS_PER_PROGRAM = 4  # rows of 576 per program of _quant_rows_kernel (4 warps)
 
 
-def store_kv_fp8(kv_fp8: torch.Tensor, kv_scales: torch.Tensor, loc: torch.Tensor, latent: torch.Tensor) -> None:
+def store_kv_fp8(kv_fp8: torch.Tensor, kv_scales: torch.Tensor, loc: torch.Tensor, latent: torch.Tensor,
+                 rope: torch.Tensor | None = None) -> None:
     """The store path (one Triton launch): quantize latent [N, 576] per :func:`quantize_kv_fp8` and write it
-    into the paged cache at flat slots loc [N] (slot = page * page_size + offset within the page)."""
+    into the paged cache at flat slots loc [N] (slot = page * page_size + offset within the page). With rope
+    [N, 64], latent is the [N, 512] part and the two are read where they are (SGLang's MLA writes: no torch.cat)."""
     data, scales = _cache_views(kv_fp8, kv_scales)
     n = latent.shape[0]
     if n == 0:
         return
-    assert latent.shape[-1] == HEAD_DIM_QK and latent.stride(-1) == 1
+    if rope is None:
+        assert latent.shape[-1] == HEAD_DIM_QK and latent.stride(-1) == 1
+        rope = latent[:, KV_LORA_RANK:]
+    assert latent.shape[-1] in (KV_LORA_RANK, HEAD_DIM_QK) and rope.shape == (n, ROPE_DIM), (latent.shape, rope.shape)
+    assert latent.stride(-1) == 1 and rope.stride(-1) == 1 and rope.dtype == latent.dtype
     assert data.stride(-1) == 1 and scales.stride(-1) == 1
     _quant_rows_kernel[(triton.cdiv(n, QUANT_ROWS_PER_PROGRAM),)](
-        latent, loc, data, scales, n, latent.stride(0), 0, 0, data.shape[1],
+        latent, rope, loc, data, scales, n, latent.stride(0), rope.stride(0), 0, 0, data.shape[1],
         data.stride(0), data.stride(1), scales.stride(0), scales.stride(1),
         PAGED=True, BLOCK_N=QUANT_ROWS_PER_PROGRAM, INTERPRET=_INTERPRETED, num_warps=4)
 
@@ -249,7 +255,7 @@ def _quantize_q(q: torch.Tensor):
     qs = torch.empty((n, NUM_KV_SCALES), dtype=torch.float32, device=q.device)
     if n:
         _quant_rows_kernel[(triton.cdiv(n, QUANT_ROWS_PER_PROGRAM),)](
-            x, x, q8, qs, n, x.stride(0), q8.stride(0), qs.stride(0), 1, 0, 0, 0, 0,
+            x, x[:, KV_LORA_RANK:], x, q8, qs, n, x.stride(0), x.stride(0), q8.stride(0), qs.stride(0), 1, 0, 0, 0, 0,
             PAGED=False, BLOCK_N=QUANT_ROWS_PER_PROGRAM, INTERPRET=_INTERPRETED, num_warps=4)
     return q8, qs
 

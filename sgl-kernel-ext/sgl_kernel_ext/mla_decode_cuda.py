@@ -52,7 +52,7 @@ from .mla_decode import (
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
            "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "ABLATIONS", "DESIGN_OPTIONS", "REORDERING_OPTIONS",
-           "ROUNDING_OPTIONS", "V3_DESIGN_OPTIONS"]
+           "ROUNDING_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
@@ -85,15 +85,11 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # fp32 rounding.
 # MLA_PREPASS_Q (version 2): Q quantized by the Triton pre-pass (a launch of its own), which the split kernel's own
 # quantization (bf16 rows in) replaced in session 29.
-# MLA_SPLIT_Q (versions 2 and 3; session 31, not yet run on a GPU): Q may come as two tensors, the 512 latent and the
-# 64 rope channels (mla_decode_fp8_cuda's q_rope=), read at their own strides: no joined copy of Q.
+# MLA_SPLIT_Q (versions 2 and 3; session 31, measured and made the backend's default in session 32): Q may come as two
+# tensors, the 512 latent and the 64 rope channels (mla_decode_fp8_cuda's q_rope=), read at their own strides: no
+# joined copy of Q.
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
                   "MLA_PREPASS_Q", "MLA_SPLIT_Q")
-# version 3's own design option (session 31, not yet timed on a GPU): MLA_V3_FUSED_COMBINE, the split CTAs merge their
-# partials themselves (a counter per sequence, see the .cu) instead of the Triton combine kernel, wherever the
-# launcher finds the whole grid resident at once (fused_combine_ok); the same sums as the combine in another order
-V3_DESIGN_OPTIONS = ("MLA_V3_FUSED_COMBINE",)
-FUSED_COMBINE_MAX_SPLITS = 64  # the .cu's FUSED_MAX_SPLITS: its per-row weights in shared memory
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
 ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE",)  # likewise close: fp32 rounding differs from the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
@@ -174,30 +170,27 @@ def build(verbose: bool = True, version: int = 1, defines=()) -> Path:
 # mla_fp8_decode_sm90's C signature (csrc/mla_fp8_sm90_common.cuh, MLA_FP8_DEFINE_ENTRY_POINTS), for ctypes:
 # 10 pointers (q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp), 13 strides, the cache's page count (v2's
 # TMA tensor map), batch, heads, q_len, num_splits, the run-time split count pointer (nullable),
-# causal, qk_scale, stream
+# causal, qk_scale, Q's rope part (nullable) and the two parts' strides, stream
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 14 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
-                   + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_longlong] * 4
-                   + [ctypes.c_void_p])
+                   + [ctypes.c_int, ctypes.c_float, ctypes.c_void_p] + [ctypes.c_longlong] * 4 + [ctypes.c_void_p])
 
 
 def launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens, direct_out, lse, op, lp, metadata, causal,
-                softmax_scale, stream, counters=None, split_q=None) -> tuple:
+                softmax_scale, stream, split_q=None) -> tuple:
     """mla_fp8_decode_sm90's arguments, in LAUNCH_ARGTYPES order (op/lp None: one split, bf16 out written
-    directly). The split-count pointer is null unless metadata.splits_dev is set and the launch splits. counters
-    (a split launch of a MLA_V3_FUSED_COMBINE build, see fused_combine_ok): the kernel merges the splits itself and
-    writes out and lse too. split_q (an MLA_SPLIT_Q build, see split_q_strides): (q_rope, the latent part's byte
-    strides by sequence and head, the rope part's); q8 is then the latent part."""
+    directly). The split-count pointer is null unless metadata.splits_dev is set and the launch splits. split_q (an
+    MLA_SPLIT_Q build, see split_q_strides): (q_rope, the latent part's byte strides by sequence and head, the rope
+    part's); q8 is then the latent part."""
     direct = op is None
     sop = (0, 0, 0) if direct else (op.stride(0), op.stride(1), op.stride(2))
     slp = (0, 0) if direct else (lp.stride(0), lp.stride(1))
     B, q_len, H, _ = direct_out.shape
-    writes_out = direct or counters is not None
     return (_ptr(q8), _ptr(qs), _ptr(kv_data), _ptr(kv_scales), _ptr(block_table), _ptr(cache_seqlens),
-            _ptr(direct_out) if writes_out else 0, _ptr(lse) if writes_out else 0, _ptr(op), _ptr(lp),
+            _ptr(direct_out) if direct else 0, _ptr(lse) if direct else 0, _ptr(op), _ptr(lp),
             kv_data.stride(0), kv_scales.stride(0), block_table.stride(0),
             *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp, kv_data.shape[0],
             B, H, q_len, metadata.num_splits, 0 if direct else _ptr(metadata.splits_dev),
-            int(bool(causal)), float(softmax_scale) * LOG2E, 0 if direct else _ptr(counters),
+            int(bool(causal)), float(softmax_scale) * LOG2E,
             *((_ptr(split_q[0]), *split_q[1:]) if split_q is not None else (0, 0, 0, 0, 0)), stream)
 
 
@@ -217,27 +210,6 @@ def split_q_strides(q: torch.Tensor, q_rope: torch.Tensor, version: int, defines
             return None
         strides += [sb, sh]
     return (q_rope, *strides)
-
-
-def fused_combine_ok(batch: int, num_splits: int, num_sm: int) -> bool:
-    """Whether a version-3 split launch may merge its splits in the kernel (MLA_V3_FUSED_COMBINE): a CTA waits for
-    the other splits of its sequence, so every CTA of the grid (one row block x num_splits x batch, one CTA per SM)
-    must be resident at once, and the per-row weights fit FUSED_COMBINE_MAX_SPLITS."""
-    return 1 < num_splits <= FUSED_COMBINE_MAX_SPLITS and batch * num_splits <= num_sm * CTAS_PER_SM
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _combine_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """int32 zeros for the fused combine's (arrive, depart) pairs, one buffer per device that every launch leaves at
-    zero; grown outside graph capture only (None: the launch combines with the Triton kernel instead)."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _counters[device] = torch.zeros(max(n, 2 * 1024), dtype=torch.int32, device=device)
-    return buf
 
 
 def _load(version: int = 1, defines=()):
@@ -400,20 +372,16 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
         q8, qs = q.to(torch.bfloat16).reshape(-1, HEAD_DIM_QK).contiguous(), None
     else:
         q8, qs = _quantize_q(q)
-    counters = None
-    if (not direct and version == 3 and "MLA_V3_FUSED_COMBINE" in defines
-            and fused_combine_ok(B, S, torch.cuda.get_device_properties(q.device).multi_processor_count)):
-        counters = _combine_counters(q.device, 2 * B)  # version 3: one row block per sequence
     lib = _load(version, defines)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.mla_fp8_decode_sm90(*launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens,
                                                    direct_out, lse, op, lp, metadata, causal, softmax_scale, stream,
-                                                   counters, split_q))
+                                                   split_q))
     if err != 0:
         msg = lib.mla_fp8_decode_sm90_error_string(err).decode()
         raise RuntimeError(f"mla_fp8_decode_sm90 launch failed: {msg} (cudaError {err})")
-    if direct or counters is not None:
+    if direct:
         if direct_out is not out:
             out.copy_(direct_out)
     else:

@@ -57,15 +57,6 @@ def test_split_sweep_rows_stay_out_of_the_targets_and_compare_with_the_plan():
             bench.parse_args(["--cuda-splits", bad])
 
 
-def test_fused_combine_providers_build_version_3_with_the_option():
-    assert {"ours-cuda-v3-fc", "ours-cuda-v3-fc-graph"} <= set(bench.PROVIDER_NAMES)
-    assert bench.parse_args(["--providers", "ours-cuda-v3-fc-graph"]).providers == ["ours-cuda-v3-fc-graph"]
-    assert bench.cu_design_options("ours-cuda-v3-fc-graph") == ("MLA_V3_FUSED_COMBINE",)
-    assert bench.cuda_version("ours-cuda-v3-fc") == 3 and bench.cu_design_options("ours-cuda-v3-graph") == ()
-    from sgl_kernel_ext import mla_decode_cuda as cu
-    assert bench.cu_design_options("ours-cuda-v3-fc") == cu.V3_DESIGN_OPTIONS  # the bench names the kernel's option
-
-
 CEIL = {"fp8_flops": 1.2e15, "bf16_flops": 0.6e15, "copy_bytes_per_s": 4.3e12}
 
 

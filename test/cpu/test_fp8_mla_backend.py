@@ -747,10 +747,10 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     assert fn is cu.mla_decode_fp8_cuda and "v2 unavailable: v2 failed" in what and "x" not in what.split(": ")[-1]
     monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (True, ""))
     fn, plan, lut, what, _ = fb.decode_kernel("cuda-v2")
-    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2, "defines": ()}
+    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2, "defines": ("MLA_SPLIT_Q",)}  # Q in parts: the default
     assert what.startswith("CUDA v2")
     fn, plan, lut, what, _ = fb.decode_kernel("cuda-v3")
-    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 3, "defines": ()}
+    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 3, "defines": ("MLA_SPLIT_Q",)}
     assert what.startswith("CUDA v3")
     monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL", "triton")  # the switch, read when no choice is passed
     fn, plan, lut, what, _ = fb.decode_kernel()
@@ -769,8 +769,12 @@ def test_split_q_builds_versions_2_and_3_with_the_option(monkeypatch):
     assert fb.decode_kernel("cuda-v3", split_q=False).fn.keywords["defines"] == ()
     assert not fb.decode_kernel("triton", split_q=True).takes_q_rope  # the Triton kernel reads one tensor
     assert (2, ("MLA_SPLIT_Q",)) in asked and (3, ()) in asked
-    monkeypatch.setenv("SGLANG_H20_FP8_MLA_SPLIT_Q", "on")  # the switch, read when no choice is passed
+    monkeypatch.delenv("SGLANG_H20_FP8_MLA_SPLIT_Q", raising=False)  # on by default since measured (session 32)
     assert fb.decode_kernel("auto").takes_q_rope and (3, ("MLA_SPLIT_Q",)) in asked
+    monkeypatch.setenv("SGLANG_H20_FP8_MLA_SPLIT_Q", "off")  # the switch, read when no choice is passed
+    asked.clear()
+    assert "two parts" not in fb.decode_kernel("auto").what and {(2, ()), (3, ())} <= set(asked)
+    assert not any(d for _, d in asked)
 
 
 def test_decode_takes_q_and_k_as_parts():

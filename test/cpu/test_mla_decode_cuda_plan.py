@@ -83,36 +83,12 @@ def test_launch_args_follow_the_c_signature_and_pass_the_split_count_pointer():
         assert all(isinstance(a, kinds[t]) for a, t in zip(args, cu.LAUNCH_ARGTYPES))
         assert args[28] == want and args[5] == sl.data_ptr() and args[23:28] == (3, B, H, T, 3)
         assert (args[6] == 0) == (split_ops[0] is not None)  # bf16 out only on the direct path
-        assert params[31] == "counters" and args[31] == 0  # no fused combine unless asked
-    counters = torch.zeros(2 * B, dtype=torch.int32)
-    args = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, op, lp, meta, True, 0.1, 0, counters)
-    assert args[31] == counters.data_ptr() and args[6] == out.data_ptr() and args[7] == lse.data_ptr()  # fused:
-    # the kernel writes out and lse itself
-    assert cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, meta, True, 0.1, 0, counters)[31] == 0
-    assert params[32:37] == ["q_rope", "q_sb", "q_sh", "qr_sb", "qr_sh"] and params[-1] == "stream"
+    assert params[31:36] == ["q_rope", "q_sb", "q_sh", "qr_sb", "qr_sh"] and params[-1] == "stream"
     rope = torch.zeros(B, 1, H, 64, dtype=torch.bfloat16)
-    args = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, meta, True, 0.1, 7, None,
+    args = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, meta, True, 0.1, 7,
                           (rope, 1024, 64, 2048, 128))
-    assert args[32:37] == (rope.data_ptr(), 1024, 64, 2048, 128) and args[-1] == 7
-    assert cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, meta, True, 0.1, 7)[32:37] == (0,) * 5
-
-
-def test_fused_combine_only_where_the_whole_grid_is_resident(monkeypatch):
-    """MLA_V3_FUSED_COMBINE: a CTA waits for the other splits of its sequence, so the launcher fuses only a grid of
-    at most one CTA per SM (and at most 64 splits, the kernel's per-row weights); the counters buffer is reused,
-    grown outside graph capture only."""
-    assert cu.fused_combine_ok(1, 8, 132) and cu.fused_combine_ok(2, 64, 132) and cu.fused_combine_ok(4, 33, 132)
-    assert not cu.fused_combine_ok(1, 1, 132)  # one split: nothing to merge
-    assert not cu.fused_combine_ok(3, 64, 132)  # 192 CTAs on 132 SMs: some wait for a slot the waiters hold
-    assert not cu.fused_combine_ok(1, 65, 132)
-    monkeypatch.setattr(cu, "_counters", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    dev = torch.device("cpu")
-    first = cu._combine_counters(dev, 8)
-    assert first.numel() >= 8 and not first.any() and cu._combine_counters(dev, 16) is first
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert cu._combine_counters(dev, 10 ** 6) is None  # would allocate inside a capture: the combine kernel instead
-    assert cu._combine_counters(dev, 8) is first
+    assert args[31:36] == (rope.data_ptr(), 1024, 64, 2048, 128) and args[-1] == 7
+    assert cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, meta, True, 0.1, 7)[31:36] == (0,) * 5
 
 
 @pytest.mark.parametrize("planner", ["cuda", "triton"])

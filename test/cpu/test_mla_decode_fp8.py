@@ -161,6 +161,27 @@ def test_store_kv_fp8_writes_only_its_slots(page_size):
     assert rel(mla.dequantize_kv_fp8(data.view(-1, 576)[loc], scales.view(-1, 2)[loc]), latent.float()) <= 0.03
 
 
+def test_store_kv_fp8_reads_the_two_parts_where_they_are():
+    """SGLang's MLA writes hand the latent and rope parts as two strided views (of kv_a's output and the rope
+    buffer); storing them must give the bytes and scales of storing their join, without the join."""
+    g = torch.Generator().manual_seed(12)
+    n, page_size, pages = 7, 16, 3
+    wide = (torch.randn(n, 700, generator=g) * torch.linspace(0.05, 30.0, 700)).bfloat16().to(DEVICE)
+    nope = wide[:, 3:515]  # row stride 700: a view, not a copy
+    rope = (torch.randn(n, 1, 128, generator=g) * 7).bfloat16().to(DEVICE)[:, 0, 10:74]
+    assert nope.stride(0) == 700 and rope.stride(0) == 128
+    loc = torch.randperm(pages * page_size, generator=g)[:n].to(DEVICE)
+    got = torch.zeros(pages, page_size, 576, dtype=torch.uint8, device=DEVICE), torch.zeros(pages, page_size, 2,
+                                                                                          device=DEVICE)
+    want = got[0].clone(), got[1].clone()
+    mla.store_kv_fp8(*got, loc, nope, rope)
+    mla.store_kv_fp8(*want, loc, torch.cat([nope, rope], -1))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].view(-1, 2)[loc].gt(0).all()  # the slots were written, with non-zero scales
+    with pytest.raises(AssertionError):
+        mla.store_kv_fp8(*got, loc, nope, rope[:, :32])
+
+
 # --- metadata -----------------------------------------------------------------------------------------------------
 
 def test_metadata_split_counts():

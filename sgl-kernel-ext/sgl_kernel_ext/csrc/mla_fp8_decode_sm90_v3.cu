@@ -60,15 +60,6 @@
 #ifndef MLA_V3_PV_BATCH32
 #define MLA_V3_PV_BATCH32 2
 #endif
-// Design option MLA_V3_FUSED_COMBINE: with p.counters set (the launcher does so only when every CTA of the grid is
-// resident at once), the split CTAs of a (sequence, row block) merge their partials themselves instead of the
-// Triton combine kernel: each writes its partial, arrives on a counter, waits until all the sequence's used splits
-// have arrived, then merges one slice of the 512 channels of every row (and the CTA of split 0 the lse). Why: at
-// batch 1 the combine launch and its own ramp are a fixed ~2-3 us of a 15-28 us call (session 30: version 3 at
-// 0.84-0.97x FlashMLA FP8 at batch 1, the only 16-head points below it at q_len 1).
-#ifndef MLA_V3_FUSED_COMBINE
-#define MLA_V3_FUSED_COMBINE 0
-#endif
 
 namespace mla_fp8_sm90_v3 {
 
@@ -240,103 +231,6 @@ __device__ __forceinline__ void pv_tile(float* o, const float* beta, uint32_t v_
   }
 }
 
-constexpr int FUSED_MAX_SPLITS = 64;  // the plan's largest split count; the launcher fuses only up to it
-
-// Splits holding tokens of a sequence of seqlen (the combine kernel's n_used): the CTAs past them returned at once.
-__device__ __forceinline__ int used_splits(const Params& p, int seqlen) {
-  int splits;
-  const int split_len = split_length(p, seqlen, PAGE, splits);
-  return split_len > 0 ? min(cdiv(seqlen, split_len), splits) : 0;
-}
-
-// MLA_V3_FUSED_COMBINE, run by WG0 (128 threads, wt) of split sp after it wrote its partial: the arrive/wait on the
-// (sequence, row block) counter pair, the merge of channels [c0, c1) of the block's rows over the n_used partials
-// (weights exp(lse_s - max) / sum in shared memory `scratch`: [N][FUSED_MAX_SPLITS] + [N]), and the counters left
-// at zero for the next launch by the last CTA to leave.
-template <int N>
-__device__ __noinline__ void fused_combine(const Params& p, int b, int rb, int sp, int seqlen, float* scratch, int wt) {
-  static_assert((FUSED_MAX_SPLITS + 1) * 4 <= DQK, "the merge's scratch fits the block's Q buffer (N x 576 bytes)");
-  const int n_used = used_splits(p, seqlen);
-  int* arrive = p.counters + 2 * (static_cast<long long>(b) * gridDim.x + rb);
-  int* depart = arrive + 1;
-  __threadfence();  // this thread's partial stores, before the arrival below
-  named_barrier(2, 128);
-  if (wt == 0) {
-    atomicAdd(arrive, 1);
-    long long polls = 0;
-    while (*reinterpret_cast<volatile int*>(arrive) < n_used)
-      if (++polls > (1ll << 28)) __trap();  // a CTA that never arrives: fail the launch, do not hang
-    __threadfence();
-  }
-  named_barrier(2, 128);
-  const int rows = min(N, p.num_rows - rb * N);
-  float* w = scratch;                          // [N][FUSED_MAX_SPLITS]
-  float* lse_row = scratch + N * FUSED_MAX_SPLITS;  // [N]
-  for (int i = wt; i < rows * n_used; i += 128) {
-    const int n = i / n_used, s = i - n * n_used;
-    w[n * FUSED_MAX_SPLITS + s] = __ldcg(p.lp + b * p.lp_sb + (rb * N + n) * p.lp_sr + s);
-  }
-  named_barrier(2, 128);
-  if (wt < rows) {
-    float* wr = w + wt * FUSED_MAX_SPLITS;
-    float m = -INFINITY;
-    for (int s = 0; s < n_used; ++s) m = fmaxf(m, wr[s]);
-    float sum = 0.f;
-    for (int s = 0; s < n_used; ++s) {
-      const float e = m == -INFINITY ? 0.f : __expf(wr[s] - m);
-      wr[s] = e;
-      sum += e;
-    }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int s = 0; s < n_used; ++s) wr[s] *= inv;
-    lse_row[wt] = sum > 0.f ? m + __logf(sum) : -INFINITY;
-  }
-  named_barrier(2, 128);
-  const int chunk = (cdiv(512, n_used) + 7) & ~7;  // channels per split, a multiple of 8
-  const int c0 = sp * chunk, c1 = min(512, c0 + chunk);
-  const int quads = c1 > c0 ? (c1 - c0) / 4 : 0;
-  for (int i = wt; i < rows * quads; i += 128) {
-    const int n = i / quads, c = c0 + 4 * (i - n * quads);
-    const int gr = rb * N + n;
-    const float* src = p.op + b * p.op_sb + gr * p.op_sr + c;
-    const float* wr = w + n * FUSED_MAX_SPLITS;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < n_used; ++s) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + s * p.op_ss));
-      acc.x += wr[s] * v.x;
-      acc.y += wr[s] * v.y;
-      acc.z += wr[s] * v.z;
-      acc.w += wr[s] * v.w;
-    }
-    const int t = gr / p.num_heads, hd = gr % p.num_heads;
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(p.out + b * p.out_sb + t * p.out_st + hd * p.out_sh + c);
-    o[0] = __floats2bfloat162_rn(acc.x, acc.y);
-    o[1] = __floats2bfloat162_rn(acc.z, acc.w);
-  }
-  if (sp == 0 && wt < rows) {
-    const int gr = rb * N + wt;
-    p.lse[b * p.lse_sb + (gr / p.num_heads) * p.lse_st + gr % p.num_heads] = lse_row[wt];
-  }
-  named_barrier(2, 128);  // every partial read: only then may the last CTA out reset the counters
-  if (wt == 0 && atomicAdd(depart, 1) == n_used - 1) {
-    *arrive = 0;  // every CTA of the block has left its wait (a CTA departs only after it)
-    *depart = 0;
-  }
-}
-
-// MLA_V3_FUSED_COMBINE: a sequence with no token (no split holds one, so every CTA returned at once): split 0's CTA
-// writes its rows as the combine would (zeros, lse -inf).
-template <int N>
-__device__ __noinline__ void empty_rows(const Params& p, int b, int rb) {
-  const int rows = min(N, p.num_rows - rb * N);
-  for (int i = threadIdx.x; i < rows * 256; i += blockDim.x) {
-    const int gr = rb * N + i / 256, c = 2 * (i % 256);
-    *reinterpret_cast<__nv_bfloat162*>(p.out + b * p.out_sb + (gr / p.num_heads) * p.out_st +
-                                       (gr % p.num_heads) * p.out_sh + c) = __floats2bfloat162_rn(0.f, 0.f);
-    if (c == 0) p.lse[b * p.lse_sb + (gr / p.num_heads) * p.lse_st + gr % p.num_heads] = -INFINITY;
-  }
-}
-
 template <int N>
 __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __grid_constant__ Params p) {
   using L = Layout<N>;
@@ -353,10 +247,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
   const int rb = blockIdx.x, sp = blockIdx.y, b = blockIdx.z;
 
   int seqlen, start, end;
-  if (!split_range(p, b, sp, PAGE, seqlen, start, end)) {  // uniform over the CTA
-    if (MLA_V3_FUSED_COMBINE && p.counters && sp == 0 && seqlen <= 0) empty_rows<N>(p, b, rb);
-    return;
-  }
+  if (!split_range(p, b, sp, PAGE, seqlen, start, end)) return;  // uniform over the CTA
   const int ntiles = end > start ? cdiv(end - start, PAGE) : 0;
 
   const uint32_t bar_full_k = sbase + L::OFF_BAR;        // [NST] count 1 + the tile's bytes (TMA)
@@ -649,8 +540,6 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
       if (w == 0 && g == 0) p.lp[b * p.lp_sb + gr * p.lp_sr + sp] = lse[c];
     }
   }
-  if (MLA_V3_FUSED_COMBINE && p.num_splits > 1 && p.counters)  // the Q buffer is free by now: the merge's scratch
-    fused_combine<N>(p, b, rb, sp, seqlen, reinterpret_cast<float*>(smem + L::OFF_Q), wt);
 }
 
 }  // namespace mla_fp8_sm90_v3

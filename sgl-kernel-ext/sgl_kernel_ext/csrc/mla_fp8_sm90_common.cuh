@@ -100,7 +100,7 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #define MLA_PREPASS_Q 0
 #endif
 #define MLA_FUSED_Q (!MLA_PREPASS_Q)
-// Design option MLA_SPLIT_Q (versions 2 and 3, with MLA_FUSED_Q; session 31, not yet run on a GPU): with p.q_rope
+// Design option MLA_SPLIT_Q (versions 2 and 3, with MLA_FUSED_Q; session 31, the backend's default since 32): with p.q_rope
 // set, the kernel reads a query row's 512 latent channels from p.q8 and its 64 rope channels from p.q_rope, each at
 // its own (sequence, head) byte strides, instead of one 1152-byte row: SGLang hands backends in its
 // FORWARD_ABSORB_CORE_ATTENTION_BACKENDS list the two parts separately, so the torch.cat it does for the others (1.1
@@ -135,10 +135,6 @@ struct Params {
 #if MLA_TMA_LOAD
   CUtensorMap kv_map;  // the cache as [pages][64 tokens][576 bytes], boxes of 64 tokens x 64 bytes, SWIZZLE_64B
 #endif
-  // nullable: int32 [2 x batch x row blocks] zeros (arrive, depart per sequence and row block), left zero by every
-  // launch; set only for a launch whose CTAs are all resident at once, by version 3 built with
-  // MLA_V3_FUSED_COMBINE, whose split CTAs then merge their partials themselves (no combine kernel)
-  int* counters;
   // MLA_SPLIT_Q: nullable rope part of the bf16 Q rows, and both parts' byte strides by sequence and head
   const uint8_t* q_rope;
   long long q_sb, q_sh, qr_sb, qr_sh;
@@ -347,14 +343,6 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* smem_raw, uint32_t& sb
   return smem_raw + pad;
 }
 
-// The run's split count (p.splits, a graph's run-time count capped at the grid's, else the grid's) and each split's
-// token count for a sequence of seqlen, rounded up to whole pages: the one cut shared by split_range, version 3's
-// fused merge and _mla_fp8_combine_kernel (BLOCK_N = page).
-__device__ __forceinline__ int split_length(const Params& p, int seqlen, int page, int& splits) {
-  splits = p.splits ? min(max(*p.splits, 1), p.num_splits) : p.num_splits;
-  return cdiv(cdiv(seqlen, splits), page) * page;
-}
-
 // This CTA's token range [start, end) of sequence b for split sp, cut as _mla_fp8_combine_kernel does with
 // BLOCK_N = page (split lengths rounded up to whole pages). False: the split holds no token (the combine kernel
 // reads only splits that do). With p.splits (a CUDA graph replayed at lengths its capture did not know) the
@@ -365,8 +353,8 @@ __device__ __forceinline__ bool split_range(const Params& p, int b, int sp, int 
   start = 0;
   end = seqlen;
   if (p.num_splits > 1) {
-    int splits;
-    const int split_len = split_length(p, seqlen, page, splits);
+    const int splits = p.splits ? min(max(*p.splits, 1), p.num_splits) : p.num_splits;
+    const int split_len = cdiv(cdiv(seqlen, splits), page) * page;
     start = sp * split_len;
     end = min(start + split_len, seqlen);
   }
@@ -699,7 +687,7 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
                   long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr,
                   long long kv_pages, int batch,
                   int num_heads, int q_len, int num_splits, const void* splits, int causal, float qk_scale,
-                  void* counters, const void* q_rope, long long q_sb, long long q_sh, long long qr_sb,
+                  const void* q_rope, long long q_sb, long long q_sh, long long qr_sb,
                   long long qr_sh, void* stream) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -738,7 +726,6 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
   p.num_splits = num_splits;
   p.causal = causal ? 1 : 0;
   p.qk_scale = qk_scale;
-  p.counters = static_cast<int*>(counters);
   p.q_rope = static_cast<const uint8_t*>(q_rope);
   p.q_sb = q_sb; p.q_sh = q_sh; p.qr_sb = qr_sb; p.qr_sh = qr_sh;
 #if MLA_TMA_LOAD
@@ -764,12 +751,12 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
       long long bt_stride, long long out_sb, long long out_st, long long out_sh, long long lse_sb, long long lse_st, \
       long long op_sb, long long op_sr, long long op_ss, long long lp_sb, long long lp_sr, long long kv_pages,     \
       int batch, int num_heads, int q_len, int num_splits, const void *splits, int causal, float qk_scale,         \
-      void *counters, const void *q_rope, long long q_sb, long long q_sh, long long qr_sb, long long qr_sh,         \
+      const void *q_rope, long long q_sb, long long q_sh, long long qr_sb, long long qr_sh,         \
       void *stream
 #define MLA_FP8_ENTRY_ARGS                                                                                         \
   q8, qs, kv, kvs, block_table, seqlens, out, lse, op, lp, kv_page_stride, kvs_page_stride, bt_stride, out_sb,     \
       out_st, out_sh, lse_sb, lse_st, op_sb, op_sr, op_ss, lp_sb, lp_sr, kv_pages, batch, num_heads, q_len,        \
-      num_splits, splits, causal, qk_scale, counters, q_rope, q_sb, q_sh, qr_sb, qr_sh, stream
+      num_splits, splits, causal, qk_scale, q_rope, q_sb, q_sh, qr_sb, qr_sh, stream
 #define MLA_FP8_DEFINE_ENTRY_POINTS(KERNEL, THREADS_, SMEM_BYTES_, ROWS_)                                           \
   static bool mla_fp8_attr_done[128] = {};                                                                         \
   MLA_FP8_EXPORT int mla_fp8_decode_sm90(MLA_FP8_ENTRY_PARAMS) {                                                   \
