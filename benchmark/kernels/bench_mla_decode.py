@@ -22,6 +22,8 @@ reason, never silently dropped):
   ours-cuda[-v2]-graph  what the backend captures now: the same grid, the split count for the actual lengths
                      read from the device at run time (metadata.splits_dev, mla_decode.set_splits); the CTAs
                      past it return at once.
+  <p>+<OPTION>       with --cuda-options OPTION ...: each ours-cuda provider also built with that design option
+                     (sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS), same plan: an A/B row beside the default build.
   sweep:<p>[sN]      with --cuda-splits N ...: ours-cuda[-vN] with its split count forced to N (outside the targets;
                      the record's split_sweep sets the plan's pick against the fastest count per point).
   flashmla-bf16      sgl_kernel.flash_mla.flash_mla_with_kvcache on the bf16 cache [blocks, 64, 1, 576]
@@ -121,10 +123,19 @@ def parse_args(argv=None):
                     help="also time each ours-cuda[-vN] provider (own plan) with the split count forced to each N, "
                          "as rows 'sweep:<provider>[sN]' outside the targets; the record's split_sweep compares "
                          "the plan's pick with the fastest count per point (calibrates SPLIT_COST_TILES)")
+    ap.add_argument("--cuda-options", nargs="+", default=[], metavar="OPTION",
+                    help="also time each ours-cuda provider built with each of these design options (e.g. "
+                         "MLA_RUNTIME_DIRECT with ours-cuda-v2-graph), as rows '<provider>+<OPTION>'")
     ap.add_argument("--retarget", type=Path, metavar="RECORD",
                     help="no GPU: recompute an earlier record's targets (this script's current checks, the H20 model "
                          "included) from its points and ceilings, print them, and write the record to --json")
     a = ap.parse_args(argv)
+    if a.cuda_options:
+        import importlib
+        known = importlib.import_module("sgl_kernel_ext.mla_decode_cuda").DESIGN_OPTIONS
+        bad = [o for o in a.cuda_options if o not in known]
+        if bad:
+            ap.error(f"--cuda-options: unknown {', '.join(bad)}; choose from {', '.join(known)}")
     if any(not 1 <= n <= 64 for n in a.cuda_splits):
         ap.error("--cuda-splits: counts must be 1..64 (the plans' own cap)")
     unknown = [p for p in a.providers if p not in PROVIDER_NAMES]
@@ -587,8 +598,10 @@ def main(argv=None) -> int:
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
         elif p.startswith("ours-cuda"):  # one of PROVIDER_NAMES' (parse_args checked)
             kind = {"tplan": "triton", "ctx": "ctx", "graph": "graph"}.get(p.rsplit("-", 1)[-1], "cuda")
-            providers.append((p, lambda sets, ctx, p=p, kind=kind: make_ours_cuda(
-                torch, mla, sets, ctx, version=cuda_version(p), plan_kind=kind, server_context=args.server_context)))
+            for opts in ((), *((o,) for o in args.cuda_options)):
+                providers.append(("+".join((p, *opts)), lambda sets, ctx, p=p, kind=kind, opts=opts: make_ours_cuda(
+                    torch, mla, sets, ctx, version=cuda_version(p), plan_kind=kind, server_context=args.server_context,
+                    defines=opts)))
             for n in (args.cuda_splits if kind == "cuda" else []):
                 providers.append((f"{SWEEP_PREFIX}{p}[s{n}]", lambda sets, ctx, p=p, n=n: make_ours_cuda(
                     torch, mla, sets, ctx, version=cuda_version(p), splits=n)))

@@ -94,3 +94,10 @@ def test_retarget_recomputes_a_record_without_a_gpu(tmp_path, capsys):
     rec = json.loads(out.read_text())
     assert "stale" not in rec["targets"] and rec["points"] == [ours, fl16] and rec["retargeted"]["from"] == str(src)
     assert "MODELLED" in capsys.readouterr().out
+
+
+def test_cuda_options_are_checked_against_the_kernels_design_options():
+    args = bench.parse_args(["--providers", "ours-cuda-v2-graph", "--cuda-options", "MLA_RUNTIME_DIRECT"])
+    assert args.cuda_options == ["MLA_RUNTIME_DIRECT"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cuda-options", "MLA_NOT_AN_OPTION"])

@@ -359,6 +359,55 @@ def test_run_time_split_count_matches_the_same_static_plan():
             assert torch.equal(o_dyn, o_static) and torch.equal(l_dyn, l_static), want
 
 
+def test_combine_skip_one_leaves_out_alone_at_one_run_time_split():
+    """combine_partials(skip_one=True), the CUDA kernels' MLA_RUNTIME_DIRECT partner: at a run-time split count of 1
+    the split kernel wrote out and lse, so the combine must write neither (sentinels stay); above 1 it merges exactly
+    as without the flag (the same bits)."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(31)
+    B, rows, S, heads = 2, 4, 3, 4
+    op = torch.randn(B, rows, S, 512, generator=g).to(DEVICE)
+    lp = torch.randn(B, rows, S, generator=g).to(DEVICE)
+    sl = torch.tensor([300, 200], dtype=torch.int32, device=DEVICE)
+    grid = mla.get_mla_decode_metadata(sl, heads, 1, num_sm=8, block_n=64, min_split_tokens=64)
+    grid = dataclasses.replace(grid, num_splits=S)
+    for count in (1, 2, 3):
+        meta = dataclasses.replace(grid, splits_dev=torch.tensor([count], dtype=torch.int32, device=DEVICE))
+        outs = []
+        for skip in (False, True):
+            out = torch.full((B, 1, heads, 512), 7.0, dtype=torch.bfloat16, device=DEVICE)
+            lse = torch.full((B, 1, heads), 7.0, device=DEVICE)
+            mla.combine_partials(op, lp, sl, out, lse, meta, 64, skip_one=skip)
+            outs.append((out, lse))
+        (o0, l0), (o1, l1) = outs
+        if count == 1:
+            assert (o1 == 7.0).all() and (l1 == 7.0).all() and not (o0 == 7.0).all()
+        else:
+            assert torch.equal(o0, o1) and torch.equal(l0, l1) and not (o1 == 7.0).any(), count
+
+
+def test_runtime_direct_passes_out_to_the_split_launch():
+    """mla_decode_cuda.launch_args(runtime_direct=True): a split launch (partials) that also gets out and lse, which
+    an MLA_RUNTIME_DIRECT build writes when the run-time split count is 1; without it only unsplit launches do."""
+    import dataclasses
+    from sgl_kernel_ext import mla_decode_cuda as cu
+
+    B, H = 2, 16
+    kv, kvs = torch.zeros(3, 64, 576, dtype=torch.uint8), torch.zeros(3, 64, 2)
+    bt, sl = torch.zeros(B, 3, dtype=torch.int32), torch.tensor([70, 130], dtype=torch.int32)
+    out, lse = torch.zeros(B, 1, H, 512, dtype=torch.bfloat16), torch.zeros(B, 1, H)
+    q8, qs = torch.zeros(B * H, 576, dtype=torch.uint8), torch.zeros(B * H, 2)
+    op, lp = torch.zeros(B, H, 3, 512), torch.zeros(B, H, 3)
+    meta = dataclasses.replace(cu.get_mla_decode_metadata(sl, H, 1, 132, max_seqlen=4096), num_splits=3,
+                               splits_dev=torch.ones(1, dtype=torch.int32))
+    plain = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, op, lp, meta, True, 0.1, 0)
+    rd = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, op, lp, meta, True, 0.1, 0, None, True)
+    assert plain[6] == plain[7] == 0 and (rd[6], rd[7]) == (out.data_ptr(), lse.data_ptr())
+    assert rd[8:] == plain[8:] and rd[8] == op.data_ptr() and rd[28] == meta.splits_dev.data_ptr()
+    assert "MLA_RUNTIME_DIRECT" in cu.DESIGN_OPTIONS
+
+
 def test_splits_lut_is_the_plan_at_every_length_and_set_splits_indexes_it():
     from sgl_kernel_ext import mla_decode_cuda as cu
 

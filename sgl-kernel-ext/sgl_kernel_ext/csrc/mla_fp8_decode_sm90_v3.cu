@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
     if (gr >= p.num_rows) continue;
     const int j = c >> 1, e = c & 1;
     const int t = gr / p.num_heads, hd = gr % p.num_heads;
-    if (p.num_splits == 1) {
+    if (writes_out(p)) {
       __nv_bfloat16* orow = p.out + b * p.out_sb + t * p.out_st + hd * p.out_sh + 16 * w + 2 * g;
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb) {

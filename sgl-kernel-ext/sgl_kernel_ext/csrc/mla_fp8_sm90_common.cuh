@@ -108,6 +108,16 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #ifndef MLA_SPLIT_Q
 #define MLA_SPLIT_Q 0
 #endif
+// Design option MLA_RUNTIME_DIRECT (all versions; session 32, not yet run on a GPU): a CUDA graph's grid is planned
+// for the longest context (several splits), and each replay sets the split count for its lengths (p.splits); where
+// that count is 1, the launch still wrote fp32 partials and the Triton combine merged one split. With the option and
+// p.out set (the launcher passes it only when the graph's output is the kernel's own bf16 out), split 0 then writes
+// bf16 out and lse as an unsplit launch does and the combine returns at once (mla_decode.combine_partials(...,
+// skip_one=True)). E.g. batch 128 x 128 heads at 1k-16k (grid 2 splits, run-time 1): 33.5 MB of partials written and
+// read again per layer, and a launch, are saved.
+#ifndef MLA_RUNTIME_DIRECT
+#define MLA_RUNTIME_DIRECT 0
+#endif
 
 namespace mla_fp8_common {
 
@@ -343,6 +353,11 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* smem_raw, uint32_t& sb
   return smem_raw + pad;
 }
 
+// Whether this launch writes bf16 out and lse itself: one split in the grid, or (MLA_RUNTIME_DIRECT) one at run time.
+__device__ __forceinline__ bool writes_out(const Params& p) {
+  return p.num_splits == 1 || (MLA_RUNTIME_DIRECT && p.splits != nullptr && p.out != nullptr && *p.splits <= 1);
+}
+
 // This CTA's token range [start, end) of sequence b for split sp, cut as _mla_fp8_combine_kernel does with
 // BLOCK_N = page (split lengths rounded up to whole pages). False: the split holds no token (the combine kernel
 // reads only splits that do). With p.splits (a CUDA graph replayed at lengths its capture did not know) the
@@ -358,7 +373,11 @@ __device__ __forceinline__ bool split_range(const Params& p, int b, int sp, int 
     start = sp * split_len;
     end = min(start + split_len, seqlen);
   }
+#if MLA_RUNTIME_DIRECT
+  return start < end || (sp == 0 && writes_out(p));  // an empty sequence's rows are still written (zeros, -inf)
+#else
   return start < end || p.num_splits == 1;
+#endif
 }
 
 // Row constants of this thread's two accumulator rows (r0, r0 + 8 of row block rb): the Q scales times the
@@ -503,7 +522,7 @@ __device__ __forceinline__ void quantize_q_rows(const Params& p, uint32_t q_smem
 // has = false (the row saw no token) writes zeros and lse = -inf.
 __device__ __forceinline__ void store_row(const Params& p, const float* o, int h, int b, int gr, int sp, int wg,
                                           int q4, bool has, float inv, float lse) {
-  if (p.num_splits == 1) {
+  if (writes_out(p)) {
     const int t = gr / p.num_heads, hd = gr % p.num_heads;
     __nv_bfloat16* orow = p.out + b * p.out_sb + t * p.out_st + hd * p.out_sh + wg * 256 + 2 * q4;
 #pragma unroll
