@@ -123,6 +123,10 @@ SWITCHES: tuple[Switch, ...] = (
            "them into for it: CUDA kernel versions 2 and 3 read both parts where they are (design option "
            "MLA_SPLIT_Q); on the H200 a dsv3-ep16-slice decode step at batch 48 x 4k took 28.35 against 29.45 ms of "
            "GPU span; 'off' for A/B runs"),
+    Switch("fp8_mla_runtime_direct", _parse_bool, "off",
+           "the h20_fp8_mla backend's CUDA kernels built with MLA_RUNTIME_DIRECT: a decode-graph replay whose run-time "
+           "split count is 1 (every batch-128 replay at 128 heads) writes bf16 out in the split kernel and skips the "
+           "combine, instead of fp32 partials of one split merged again; not yet measured on a GPU, hence off"),
     Switch("swapab", _parse_bool, "off",
            "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert"),
     Switch("sbo", _parse_bool, "off",

@@ -777,6 +777,25 @@ def test_split_q_builds_versions_2_and_3_with_the_option(monkeypatch):
     assert not any(d for _, d in asked)
 
 
+def test_runtime_direct_builds_every_version_with_the_option(monkeypatch):
+    """SGLANG_H20_FP8_MLA_RUNTIME_DIRECT (off by default): each CUDA version the backend may run, v1 included, is
+    built with MLA_RUNTIME_DIRECT (next to MLA_SPLIT_Q for v2/v3), and the log line says so."""
+    cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+    asked = []
+    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): asked.append((version, defines)) or (True, ""))
+    k = fb.decode_kernel("auto", split_q=True, runtime_direct=True)
+    assert {(1, ("MLA_RUNTIME_DIRECT",)), (2, ("MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT")),
+            (3, ("MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT"))} <= set(asked) and "written directly" in k.what
+    v1 = fb.decode_kernel("cuda", split_q=False, runtime_direct=True).fn
+    assert v1.keywords == {"version": 1, "defines": ("MLA_RUNTIME_DIRECT",)}
+    monkeypatch.delenv("SGLANG_H20_FP8_MLA_RUNTIME_DIRECT", raising=False)
+    asked.clear()
+    assert "written directly" not in fb.decode_kernel("auto").what
+    assert not any("MLA_RUNTIME_DIRECT" in d for _, d in asked)  # off unless asked
+    monkeypatch.setenv("SGLANG_H20_FP8_MLA_RUNTIME_DIRECT", "on")
+    assert "written directly" in fb.decode_kernel("auto").what
+
+
 def test_decode_takes_q_and_k_as_parts():
     """What SGLang's absorbed attention passes a backend on its absorb-core list: q [B, H, 512] with q_rope, k [B,
     1, 512] with k_rope. The parts are stored and attended to exactly as the joined tensors (Triton kernel: joined
