@@ -518,12 +518,12 @@ def _mla_fp8_combine_kernel(
         s = 0
         while s < n_used:
             w = tl.exp(tl.load(LP + b * stride_lpb + r * stride_lpr + s) - m_use)
-            acc += w * tl.load(o_row + s * stride_ops + offs_d)
+            acc += w * tl.load(o_row + s * stride_ops + offs_d).to(tl.float32)
             s += 1
     else:
         for s in range(0, n_used):
             w = tl.exp(tl.load(LP + b * stride_lpb + r * stride_lpr + s) - m_use)
-            acc += w * tl.load(o_row + s * stride_ops + offs_d)
+            acc += w * tl.load(o_row + s * stride_ops + offs_d).to(tl.float32)
     has = w_sum > 0
     out = acc * tl.where(has, 1.0 / tl.where(has, w_sum, 1.0), 0.0)
     out = _round_bf16(out, ROUND_BF16)
@@ -570,8 +570,8 @@ def splits_pointer(metadata: MLADecodeMetadata, like: torch.Tensor) -> torch.Ten
 
 def combine_partials(op, lp, cache_seqlens, out, lse, metadata: MLADecodeMetadata, block_n: int,
                      round_bf16: bool = False, skip_one: bool = False) -> None:
-    """Merge the split kernels' fp32 partials op [B, rows, S, 512] / lse lp [B, rows, S] into out and lse
-    (the Triton and the CUDA split kernels write the same partial format). skip_one: where the run-time split count
+    """Merge the split kernels' partials op [B, rows, S, 512] (fp32, or bf16 from MLA_BF16_PARTIALS builds) / lse lp
+    [B, rows, S] (fp32) into out and lse (the Triton and the CUDA split kernels write the same partial format). skip_one: where the run-time split count
     (metadata.splits_dev) is 1, leave out and lse alone (the CUDA kernels' MLA_RUNTIME_DIRECT wrote them)."""
     B, rows, S = lp.shape
     H = out.shape[2]

@@ -90,10 +90,12 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # joined copy of Q.
 # MLA_RUNTIME_DIRECT (all versions; session 32, not yet run on a GPU): a graph replay whose run-time split count is
 # 1 writes bf16 out and lse in the split kernel, and the combine leaves them (no fp32 partials of one split).
+# MLA_BF16_PARTIALS (all versions; session 32, not yet run on a GPU): split launches write bf16 partial rows (half the
+# bytes the combine reads); one more rounding, so a ROUNDING_OPTION.
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
-                  "MLA_PREPASS_Q", "MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT")
+                  "MLA_PREPASS_Q", "MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT", "MLA_BF16_PARTIALS")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
-ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE",)  # likewise close: fp32 rounding differs from the default's
+ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE", "MLA_BF16_PARTIALS")  # likewise close: fp32 rounding differs from the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up
@@ -364,7 +366,8 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     _triton_mla.splits_pointer(metadata, cache_seqlens)  # splits_dev, if set: int32 [1] on q's device
     op = lp = None
     if not direct:
-        op = torch.empty((B, rows, S, KV_LORA_RANK), dtype=torch.float32, device=q.device)
+        op = torch.empty((B, rows, S, KV_LORA_RANK), device=q.device,  # the combine reads either dtype
+                         dtype=torch.bfloat16 if "MLA_BF16_PARTIALS" in defines else torch.float32)
         lp = torch.empty((B, rows, S), dtype=torch.float32, device=q.device)
         if _POISON_WORKSPACE:
             op.fill_(float("nan"))

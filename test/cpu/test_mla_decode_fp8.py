@@ -387,6 +387,29 @@ def test_combine_skip_one_leaves_out_alone_at_one_run_time_split():
             assert torch.equal(o0, o1) and torch.equal(l0, l1) and not (o1 == 7.0).any(), count
 
 
+def test_combine_reads_bf16_partials():
+    """MLA_BF16_PARTIALS builds hand the combine bf16 partial rows (lse stays fp32): the same merge as of the fp32
+    rows they were rounded from, within that rounding (2^-8 relative per element), and exactly the merge of the
+    rounded rows."""
+    g = torch.Generator().manual_seed(33)
+    B, rows, S, heads = 2, 4, 3, 4
+    op = torch.randn(B, rows, S, 512, generator=g).to(DEVICE)
+    lp = (torch.randn(B, rows, S, generator=g) * 3).to(DEVICE)
+    sl = torch.tensor([300, 200], dtype=torch.int32, device=DEVICE)
+    meta = mla.get_mla_decode_metadata(sl, heads, 1, num_sm=8, block_n=64, min_split_tokens=64)
+    import dataclasses
+    meta = dataclasses.replace(meta, num_splits=S)
+    res = {}
+    for name, part in (("fp32", op), ("bf16", op.bfloat16()), ("rounded", op.bfloat16().float())):
+        out = torch.empty(B, 1, heads, 512, dtype=torch.float32, device=DEVICE)
+        lse = torch.empty(B, 1, heads, device=DEVICE)
+        mla.combine_partials(part, lp, sl, out, lse, meta, 64)
+        res[name] = out, lse
+    assert torch.equal(res["bf16"][0], res["rounded"][0]) and torch.equal(res["bf16"][1], res["fp32"][1])
+    err = (res["bf16"][0] - res["fp32"][0]).abs().max().item()
+    assert 0 < err <= 2.0 ** -8 * op.abs().max().item()
+
+
 def test_runtime_direct_passes_out_to_the_split_launch():
     """mla_decode_cuda.launch_args(runtime_direct=True): a split launch (partials) that also gets out and lse, which
     an MLA_RUNTIME_DIRECT build writes when the run-time split count is 1; without it only unsplit launches do."""

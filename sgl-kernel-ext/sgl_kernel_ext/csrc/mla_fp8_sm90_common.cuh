@@ -118,6 +118,23 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #ifndef MLA_RUNTIME_DIRECT
 #define MLA_RUNTIME_DIRECT 0
 #endif
+// Design option MLA_BF16_PARTIALS (all versions; session 32, not yet run on a GPU): split launches write their
+// normalized partial O rows as bf16 instead of fp32 (lse stays fp32), halving the bytes written by the split kernel
+// and read by the combine (batch 48 x 128 heads x 4 splits: 50 -> 25 MB per layer). The combine reads either; each
+// partial is rounded once more (2^-9 relative), well under the FP8 format's error.
+#ifndef MLA_BF16_PARTIALS
+#define MLA_BF16_PARTIALS 0
+#endif
+// The partial row type: p.op is declared float*, and the bf16 build reads it as bf16 with the same element strides.
+#if MLA_BF16_PARTIALS
+typedef __nv_bfloat16 partial_t;
+typedef __nv_bfloat162 partial2_t;
+__device__ __forceinline__ partial2_t make_partial2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+#else
+typedef float partial_t;
+typedef float2 partial2_t;
+__device__ __forceinline__ partial2_t make_partial2(float a, float b) { return make_float2(a, b); }
+#endif
 
 namespace mla_fp8_common {
 
@@ -531,11 +548,12 @@ __device__ __forceinline__ void store_row(const Params& p, const float* o, int h
           __floats2bfloat162_rn(has ? o[j * 4 + h * 2] * inv : 0.f, has ? o[j * 4 + h * 2 + 1] * inv : 0.f);
     if (wg == 0 && q4 == 0) p.lse[b * p.lse_sb + t * p.lse_st + hd] = lse;
   } else {
-    float* orow = p.op + b * p.op_sb + gr * p.op_sr + sp * p.op_ss + wg * 256 + 2 * q4;
+    partial_t* orow =
+        reinterpret_cast<partial_t*>(p.op) + b * p.op_sb + gr * p.op_sr + sp * p.op_ss + wg * 256 + 2 * q4;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
-      *reinterpret_cast<float2*>(orow + 8 * j) =
-          make_float2(has ? o[j * 4 + h * 2] * inv : 0.f, has ? o[j * 4 + h * 2 + 1] * inv : 0.f);
+      *reinterpret_cast<partial2_t*>(orow + 8 * j) =
+          make_partial2(has ? o[j * 4 + h * 2] * inv : 0.f, has ? o[j * 4 + h * 2 + 1] * inv : 0.f);
     if (wg == 0 && q4 == 0) p.lp[b * p.lp_sb + gr * p.lp_sr + sp] = lse;
   }
 }
