@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from typing import Callable, Mapping
 
 from sglang_h20 import cliargs
@@ -65,6 +66,18 @@ def _path(text: str) -> str:
 
 
 _path.metavar = "PATH"
+
+
+def _design_options(text: str) -> tuple[str, ...]:
+    """A list of the CUDA MLA kernels' -D design options (comma or space separated; 'none' or empty: none)."""
+    names = [t for t in text.replace(",", " ").split() if t.lower() != "none"]
+    bad = [n for n in names if not re.fullmatch(r"MLA_[A-Z0-9_]+", n)]
+    if bad:
+        raise SettingError(f"expected design options like MLA_RUNTIME_DIRECT, got {', '.join(bad)}")
+    return tuple(dict.fromkeys(names))
+
+
+_design_options.metavar = "MLA_OPTION[,...]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +136,11 @@ SWITCHES: tuple[Switch, ...] = (
            "them into for it: CUDA kernel versions 2 and 3 read both parts where they are (design option "
            "MLA_SPLIT_Q); on the H200 a dsv3-ep16-slice decode step at batch 48 x 4k took 28.35 against 29.45 ms of "
            "GPU span; 'off' for A/B runs"),
-    Switch("fp8_mla_runtime_direct", _parse_bool, "off",
-           "the h20_fp8_mla backend's CUDA kernels built with MLA_RUNTIME_DIRECT: a decode-graph replay whose run-time "
-           "split count is 1 (every batch-128 replay at 128 heads) writes bf16 out in the split kernel and skips the "
-           "combine, instead of fp32 partials of one split merged again; not yet measured on a GPU, hence off"),
+    Switch("fp8_mla_kernel_options", _design_options, "none",
+           "A/B runs: extra design options every CUDA kernel version of the h20_fp8_mla backend is built with "
+           "(sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS), e.g. MLA_RUNTIME_DIRECT (a decode-graph replay of one "
+           "run-time split writes bf16 out itself, no combine) or MLA_BF16_PARTIALS (bf16 partials for the "
+           "combine); unknown ones make the backend fall back to Triton with the build's error"),
     Switch("swapab", _parse_bool, "off",
            "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert"),
     Switch("sbo", _parse_bool, "off",

@@ -777,23 +777,28 @@ def test_split_q_builds_versions_2_and_3_with_the_option(monkeypatch):
     assert not any(d for _, d in asked)
 
 
-def test_runtime_direct_builds_every_version_with_the_option(monkeypatch):
-    """SGLANG_H20_FP8_MLA_RUNTIME_DIRECT (off by default): each CUDA version the backend may run, v1 included, is
-    built with MLA_RUNTIME_DIRECT (next to MLA_SPLIT_Q for v2/v3), and the log line says so."""
+def test_kernel_options_build_every_version_with_them(monkeypatch):
+    """SGLANG_H20_FP8_MLA_KERNEL_OPTIONS (none by default): each CUDA version the backend may run, v1 included, is
+    built with the listed design options (next to MLA_SPLIT_Q for v2/v3), and the log line names them."""
     cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
     asked = []
     monkeypatch.setattr(cu, "available", lambda version=1, defines=(): asked.append((version, defines)) or (True, ""))
-    k = fb.decode_kernel("auto", split_q=True, runtime_direct=True)
+    k = fb.decode_kernel("auto", split_q=True, options=("MLA_RUNTIME_DIRECT",))
     assert {(1, ("MLA_RUNTIME_DIRECT",)), (2, ("MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT")),
-            (3, ("MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT"))} <= set(asked) and "written directly" in k.what
-    v1 = fb.decode_kernel("cuda", split_q=False, runtime_direct=True).fn
-    assert v1.keywords == {"version": 1, "defines": ("MLA_RUNTIME_DIRECT",)}
-    monkeypatch.delenv("SGLANG_H20_FP8_MLA_RUNTIME_DIRECT", raising=False)
+            (3, ("MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT"))} <= set(asked) and "MLA_RUNTIME_DIRECT" in k.what
+    v1 = fb.decode_kernel("cuda", split_q=False, options=("MLA_BF16_PARTIALS",)).fn
+    assert v1.keywords == {"version": 1, "defines": ("MLA_BF16_PARTIALS",)}
+    monkeypatch.delenv("SGLANG_H20_FP8_MLA_KERNEL_OPTIONS", raising=False)
     asked.clear()
-    assert "written directly" not in fb.decode_kernel("auto").what
-    assert not any("MLA_RUNTIME_DIRECT" in d for _, d in asked)  # off unless asked
-    monkeypatch.setenv("SGLANG_H20_FP8_MLA_RUNTIME_DIRECT", "on")
-    assert "written directly" in fb.decode_kernel("auto").what
+    assert "RUNTIME" not in fb.decode_kernel("auto").what
+    assert not any("MLA_RUNTIME_DIRECT" in d for _, d in asked)  # none unless asked
+    monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL_OPTIONS", "MLA_RUNTIME_DIRECT,MLA_BF16_PARTIALS")
+    what = fb.decode_kernel("auto").what
+    assert "MLA_RUNTIME_DIRECT" in what and "MLA_BF16_PARTIALS" in what
+    from sglang_h20.settings import SettingError, _design_options
+    assert _design_options("none") == () and _design_options("MLA_A, MLA_B MLA_A") == ("MLA_A", "MLA_B")
+    with pytest.raises(SettingError):
+        _design_options("-DMLA_A")
 
 
 def test_decode_takes_q_and_k_as_parts():

@@ -105,7 +105,7 @@ def _first_line(why: str) -> str:
 
 
 def decode_kernel(choice: str | None = None, split_q: bool | None = None,
-                  runtime_direct: bool | None = None) -> DecodeKernel:
+                  options: tuple[str, ...] | None = None) -> DecodeKernel:
     """(decode function, its split planner, its split table, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`;
     default: the environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV) with its own plan (whole waves of
     one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the
@@ -114,13 +114,13 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
     (v3 refuses calls of more rows). Same arguments and format for all; the choice is logged once per process."""
     import functools
 
-    settings = Settings.from_env() if None in (choice, split_q, runtime_direct) else None
+    settings = Settings.from_env() if None in (choice, split_q, options) else None
     if choice is None:
         choice = settings["fp8_mla_kernel"]
     if split_q is None:  # SGLANG_H20_FP8_MLA_SPLIT_Q: versions 2 and 3 built to read Q's two parts where they are
         split_q = settings["fp8_mla_split_q"]
-    if runtime_direct is None:  # SGLANG_H20_FP8_MLA_RUNTIME_DIRECT: graph replays of one split write out themselves
-        runtime_direct = settings["fp8_mla_runtime_direct"]
+    if options is None:  # SGLANG_H20_FP8_MLA_KERNEL_OPTIONS: design options for A/B runs
+        options = settings["fp8_mla_kernel_options"]
     mla = _kernel()
     if choice == "triton":
         return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
@@ -128,17 +128,17 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
     version = {"cuda-v2": 2, "cuda-v3": 3}.get(choice, 1)
     try:
         cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-        ok, why = cu.available(version, _kernel_defines(version, split_q, runtime_direct))
+        ok, why = cu.available(version, _kernel_defines(version, split_q, options))
     except Exception as e:  # an import error must not take the Triton path down with it
         ok, why = False, f"{type(e).__name__}: {e}"
     if not ok:
         return DecodeKernel(mla.mla_decode_fp8, mla.get_mla_decode_metadata, mla.splits_lut,
                             f"Triton (CUDA kernel unavailable: {_first_line(why)})")
     kinds = ("(sm_90a, FP8 QK and PV" + (", Q read as two parts by v2/v3" if split_q else "")
-             + (", one run-time split written directly" if runtime_direct else "") + ")")
+             + "".join(f", {o}" for o in options) + ")")
 
     def version_fn(v):
-        defines = _kernel_defines(v, split_q, runtime_direct)
+        defines = _kernel_defines(v, split_q, options)
         return functools.partial(cu.mla_decode_fp8_cuda, version=v, defines=defines) if v > 1 or defines \
             else cu.mla_decode_fp8_cuda
     if version > 1:
@@ -146,7 +146,7 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
                             f"CUDA v{version} {kinds}", True)
     if choice != "auto":
         return DecodeKernel(version_fn(1), cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}", True)
-    (ok2, why2), (ok3, why3) = (cu.available(v, _kernel_defines(v, split_q, runtime_direct)) for v in (2, 3))
+    (ok2, why2), (ok3, why3) = (cu.available(v, _kernel_defines(v, split_q, options)) for v in (2, 3))
     v1 = version_fn(1)
     v2 = version_fn(2) if ok2 else v1
     v3 = version_fn(3) if ok3 else None
@@ -159,12 +159,11 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
     return DecodeKernel(fn, cu.get_mla_decode_metadata, cu.splits_lut, what, True)
 
 
-def _kernel_defines(version: int, split_q: bool, runtime_direct: bool = False) -> tuple[str, ...]:
+def _kernel_defines(version: int, split_q: bool, options: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The CUDA build of `version` the backend runs: with split Q, versions 2 and 3 read the latent and rope parts
     of Q where SGLang left them (design option MLA_SPLIT_Q); version 1 joins them (its Q pre-pass reads one row).
-    With runtime_direct, every version writes out itself when a graph replay's split count is 1 (MLA_RUNTIME_DIRECT)."""
-    return (("MLA_SPLIT_Q",) if split_q and version in (2, 3) else ()) + (("MLA_RUNTIME_DIRECT",) if runtime_direct
-                                                                            else ())
+    options (SGLANG_H20_FP8_MLA_KERNEL_OPTIONS): more design options, for every version."""
+    return (("MLA_SPLIT_Q",) if split_q and version in (2, 3) else ()) + tuple(o for o in options if o != "MLA_SPLIT_Q")
 
 
 # ------------------------------------------------------------------------------------------------------------
