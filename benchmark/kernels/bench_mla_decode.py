@@ -550,11 +550,13 @@ def plot(rows, ceilings, path: Path):
 
 
 def retarget(record: Path, out: Path | None) -> int:
-    """--retarget: an earlier run's targets under the current checks; the points themselves stay as measured."""
-    result = json.loads(record.read_text())
-    result["targets"] = issue_targets(result["points"], result["ceilings"])
-    result["retargeted"] = {"from": str(record), "by": "bench_mla_decode.py --retarget (no new measurement)",
-                            "date": time.strftime("%Y-%m-%d")}
+    """--retarget: an earlier run's targets under the current checks. The record written holds the source's
+    provenance and ceilings and the new targets; the points stay in the source file, as measured."""
+    src = json.loads(record.read_text())
+    result = {"retargeted": {"from": str(record), "by": "bench_mla_decode.py --retarget (no new measurement)",
+                             "date": time.strftime("%Y-%m-%d")},
+              "provenance": src.get("provenance"), "ceilings": src["ceilings"],
+              "targets": issue_targets(src["points"], src["ceilings"])}
     for line in result["targets"]["summary"]:
         print(line)
     if out:
