@@ -571,8 +571,9 @@ def splits_pointer(metadata: MLADecodeMetadata, like: torch.Tensor) -> torch.Ten
 def combine_partials(op, lp, cache_seqlens, out, lse, metadata: MLADecodeMetadata, block_n: int,
                      round_bf16: bool = False, skip_one: bool = False) -> None:
     """Merge the split kernels' partials op [B, rows, S, 512] (fp32, or bf16 from MLA_BF16_PARTIALS builds) / lse lp
-    [B, rows, S] (fp32) into out and lse (the Triton and the CUDA split kernels write the same partial format). skip_one: where the run-time split count
-    (metadata.splits_dev) is 1, leave out and lse alone (the CUDA kernels' MLA_RUNTIME_DIRECT wrote them)."""
+    [B, rows, S] (fp32) into out and lse (the Triton and the CUDA split kernels write the same partial format).
+    skip_one: where the run-time split count (metadata.splits_dev) is 1, leave out and lse alone (the CUDA kernels'
+    MLA_RUNTIME_DIRECT wrote them)."""
     B, rows, S = lp.shape
     H = out.shape[2]
     _mla_fp8_combine_kernel[(rows, B)](

@@ -95,7 +95,7 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
                   "MLA_PREPASS_Q", "MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT", "MLA_BF16_PARTIALS")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
-ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE", "MLA_BF16_PARTIALS")  # likewise close: fp32 rounding differs from the default's
+ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE", "MLA_BF16_PARTIALS")  # likewise close: other roundings than the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up

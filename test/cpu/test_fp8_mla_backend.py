@@ -747,7 +747,7 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     assert fn is cu.mla_decode_fp8_cuda and "v2 unavailable: v2 failed" in what and "x" not in what.split(": ")[-1]
     monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (True, ""))
     fn, plan, lut, what, _ = fb.decode_kernel("cuda-v2")
-    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2, "defines": ("MLA_SPLIT_Q",)}  # Q in parts: the default
+    assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2, "defines": ("MLA_SPLIT_Q",)}  # default
     assert what.startswith("CUDA v2")
     fn, plan, lut, what, _ = fb.decode_kernel("cuda-v3")
     assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 3, "defines": ("MLA_SPLIT_Q",)}

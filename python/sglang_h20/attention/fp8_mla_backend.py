@@ -163,7 +163,8 @@ def _kernel_defines(version: int, split_q: bool, options: tuple[str, ...] = ()) 
     """The CUDA build of `version` the backend runs: with split Q, versions 2 and 3 read the latent and rope parts
     of Q where SGLang left them (design option MLA_SPLIT_Q); version 1 joins them (its Q pre-pass reads one row).
     options (SGLANG_H20_FP8_MLA_KERNEL_OPTIONS): more design options, for every version."""
-    return (("MLA_SPLIT_Q",) if split_q and version in (2, 3) else ()) + tuple(o for o in options if o != "MLA_SPLIT_Q")
+    split = ("MLA_SPLIT_Q",) if split_q and version in (2, 3) else ()
+    return split + tuple(o for o in options if o != "MLA_SPLIT_Q")
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -100,9 +100,9 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #define MLA_PREPASS_Q 0
 #endif
 #define MLA_FUSED_Q (!MLA_PREPASS_Q)
-// Design option MLA_SPLIT_Q (versions 2 and 3, with MLA_FUSED_Q; session 31, the backend's default since 32): with p.q_rope
-// set, the kernel reads a query row's 512 latent channels from p.q8 and its 64 rope channels from p.q_rope, each at
-// its own (sequence, head) byte strides, instead of one 1152-byte row: SGLang hands backends in its
+// Design option MLA_SPLIT_Q (versions 2 and 3, with MLA_FUSED_Q; session 31, the backend's default since 32): with
+// p.q_rope set, the kernel reads a query row's 512 latent channels from p.q8 and its 64 rope channels from p.q_rope,
+// each at its own (sequence, head) byte strides, instead of one 1152-byte row: SGLang hands backends in its
 // FORWARD_ABSORB_CORE_ATTENTION_BACKENDS list the two parts separately, so the torch.cat it does for the others (1.1
 // ms of a 33.9 ms dsv3-ep16-slice step at batch 48 x 4k) is not needed. q_len 1 only (row = head).
 #ifndef MLA_SPLIT_Q
