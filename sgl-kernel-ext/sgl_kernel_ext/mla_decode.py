@@ -500,7 +500,7 @@ def _mla_fp8_combine_kernel(
     num_splits = _run_splits(SPLITS, num_splits, DYN_SPLITS)
     split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     n_used = tl.minimum(tl.cdiv(seqlen, tl.maximum(split_len, 1)), num_splits)  # splits the partial kernel wrote
-    keep = True  # SKIP_ONE: at one split the split kernel wrote out and lse itself: read and write nothing
+    keep = None  # SKIP_ONE: at one split the split kernel wrote out and lse itself: read and write nothing
     if SKIP_ONE:
         keep = num_splits > 1
         n_used = tl.where(keep, n_used, 0)
@@ -527,8 +527,7 @@ def _mla_fp8_combine_kernel(
     has = w_sum > 0
     out = acc * tl.where(has, 1.0 / tl.where(has, w_sum, 1.0), 0.0)
     out = _round_bf16(out, ROUND_BF16)
-    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
-             mask=(offs_d < DV) & keep)
+    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=keep)
     tl.store(LSE + b * stride_lb + t * stride_lt + h, tl.where(has, m_use + tl.log(tl.where(has, w_sum, 1.0)),
                                                                    float("-inf")), mask=keep)
 
