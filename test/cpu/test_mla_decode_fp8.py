@@ -359,19 +359,28 @@ def test_run_time_split_count_matches_the_same_static_plan():
             assert torch.equal(o_dyn, o_static) and torch.equal(l_dyn, l_static), want
 
 
+def _split_partials(seed: int, lse_scale: float = 1.0):
+    """Random split partials for combine_partials: op [2, 4 rows, 3 splits, 512], lp, lengths, and a plan of 3
+    splits for 4 heads (the combine's inputs without a split kernel)."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(seed)
+    B, rows, S, heads = 2, 4, 3, 4
+    op = torch.randn(B, rows, S, 512, generator=g).to(DEVICE)
+    lp = (torch.randn(B, rows, S, generator=g) * lse_scale).to(DEVICE)
+    sl = torch.tensor([300, 200], dtype=torch.int32, device=DEVICE)
+    grid = mla.get_mla_decode_metadata(sl, heads, 1, num_sm=8, block_n=64, min_split_tokens=64)
+    return op, lp, sl, dataclasses.replace(grid, num_splits=S)
+
+
 def test_combine_skip_one_leaves_out_alone_at_one_run_time_split():
     """combine_partials(skip_one=True), the CUDA kernels' MLA_RUNTIME_DIRECT partner: at a run-time split count of 1
     the split kernel wrote out and lse, so the combine must write neither (sentinels stay); above 1 it merges exactly
     as without the flag (the same bits)."""
     import dataclasses
 
-    g = torch.Generator().manual_seed(31)
-    B, rows, S, heads = 2, 4, 3, 4
-    op = torch.randn(B, rows, S, 512, generator=g).to(DEVICE)
-    lp = torch.randn(B, rows, S, generator=g).to(DEVICE)
-    sl = torch.tensor([300, 200], dtype=torch.int32, device=DEVICE)
-    grid = mla.get_mla_decode_metadata(sl, heads, 1, num_sm=8, block_n=64, min_split_tokens=64)
-    grid = dataclasses.replace(grid, num_splits=S)
+    op, lp, sl, grid = _split_partials(31)
+    B, heads = 2, 4
     for count in (1, 2, 3):
         meta = dataclasses.replace(grid, splits_dev=torch.tensor([count], dtype=torch.int32, device=DEVICE))
         outs = []
@@ -391,14 +400,8 @@ def test_combine_reads_bf16_partials():
     """MLA_BF16_PARTIALS builds hand the combine bf16 partial rows (lse stays fp32): the same merge as of the fp32
     rows they were rounded from, within that rounding (2^-8 relative per element), and exactly the merge of the
     rounded rows."""
-    g = torch.Generator().manual_seed(33)
-    B, rows, S, heads = 2, 4, 3, 4
-    op = torch.randn(B, rows, S, 512, generator=g).to(DEVICE)
-    lp = (torch.randn(B, rows, S, generator=g) * 3).to(DEVICE)
-    sl = torch.tensor([300, 200], dtype=torch.int32, device=DEVICE)
-    meta = mla.get_mla_decode_metadata(sl, heads, 1, num_sm=8, block_n=64, min_split_tokens=64)
-    import dataclasses
-    meta = dataclasses.replace(meta, num_splits=S)
+    op, lp, sl, meta = _split_partials(33, lse_scale=3.0)
+    B, heads = 2, 4
     res = {}
     for name, part in (("fp32", op), ("bf16", op.bfloat16()), ("rounded", op.bfloat16().float())):
         out = torch.empty(B, 1, heads, 512, dtype=torch.float32, device=DEVICE)
