@@ -434,14 +434,18 @@ def run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, un
 def h20_scaled_us(row, ceilings, hidden: bool) -> float:
     """A provider's time on an H20, modelled from its time on this GPU (label it so): only the tensor-core part
     stretches, by H20_TENSOR_SLOWDOWN. That part is the point's FLOPs at this run's measured matmul rate of the
-    precision the kernel multiplies in (FP8 for our kernels; BF16 for FlashMLA, whose FP8-KV path converts to BF16,
-    and for SGLang's Triton decode). hidden=False: the rest of the time runs beside none of it (what the ablations
+    precision the kernel multiplies in (FP8 for our CUDA kernels; FP8 QK^T and 16-bit PV for our Triton kernel's
+    pv_16bit configs; BF16 for FlashMLA, whose FP8-KV path converts to BF16, and for SGLang's Triton decode). hidden=False: the rest of the time runs beside none of it (what the ablations
     showed for our kernels; pessimistic); hidden=True: the rest hides under the tensor time (FlashMLA BF16 runs at
     96% of the BF16 matmul rate; optimistic). Never below the KV bytes at the H20's 4.0 TB/s. Meaningful where
     every SM is busy (batch >= 16); the SM count then cancels in a ratio of two such times."""
     fp8 = row["provider"].startswith("ours") and row.get("precision") == "fp8"
     t = row["latency_us"] * 1e-6
-    t_tc = min(t, row["flops"] / ceilings["fp8_flops" if fp8 else "bf16_flops"])
+    if fp8 and row.get("pv_16bit"):  # QK^T (576 of the 1088 channels' FLOPs) in FP8, PV (512) at the 16-bit rate
+        t_tc = row["flops"] * (576 / ceilings["fp8_flops"] + 512 / ceilings["bf16_flops"]) / 1088
+    else:
+        t_tc = row["flops"] / ceilings["fp8_flops" if fp8 else "bf16_flops"]
+    t_tc = min(t, t_tc)
     scaled = max(t, H20_TENSOR_SLOWDOWN * t_tc) if hidden else t + (H20_TENSOR_SLOWDOWN - 1) * t_tc
     return 1e6 * max(scaled, row["bytes"] / H20_HBM_BPS)
 

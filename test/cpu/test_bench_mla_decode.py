@@ -72,6 +72,9 @@ def test_h20_model_stretches_only_the_tensor_time():
     assert bench.h20_scaled_us(ours, CEIL, hidden=True) == pytest.approx(50 * k)
     assert bench.h20_scaled_us(fl16, CEIL, hidden=True) == pytest.approx(100 * k)
     assert bench.h20_scaled_us(fl8, CEIL, hidden=True) == bench.h20_scaled_us(fl16, CEIL, hidden=True)
+    triton_ours = dict(ours, provider="ours", pv_16bit=True)  # QK^T 60e9 * 576/1088 at FP8, PV at BF16
+    t_tc = 60e9 * (576 / 1.2e15 + 512 / 0.6e15) / 1088 * 1e6
+    assert bench.h20_scaled_us(triton_ours, CEIL, hidden=True) == pytest.approx(t_tc * k)
     slow_hbm = dict(ours, bytes=4e9)  # 1000 us at 4.0 TB/s: the H20's bandwidth floors the model
     assert bench.h20_scaled_us(slow_hbm, CEIL, hidden=True) == pytest.approx(1000.0)
     t = bench.issue_targets([ours, fl16], CEIL)
