@@ -20,8 +20,10 @@ Providers (each timed on the same quantized inputs; one that cannot run is recor
                                runs outside the timed region.
 Points: shapes gate_up (N=4096, K=7168) and down (N=7168, K=2048) × experts {8,16,32,256} × tokens per
 expert {1,2,4,8,16,24,32,64,128,256}, each uniform, plus an "uneven" draw with the same total (Zipf-like
-expert popularity, some experts empty). Dense small-M linears (fp8_gemm_nt vs deep_gemm.fp8_gemm_nt):
-N×K = 24576×1536, 7168×16384, 2112×7168 at M {1..256}.
+expert popularity, some experts empty). Dense small-M linears (fp8_gemm_nt vs deep_gemm.fp8_gemm_nt and
+SGLang's w8a8_block_fp8_matmul_triton, the GEMM of its --fp8-gemm-backend triton linear, with its shipped
+per-GPU configs): N×K = 24576×1536, 7168×16384, 2112×7168, 4096×7168, 7168×2048 (DENSE_SHAPES) at M {1..256};
+with --tune ours also sweeps DENSE_TUNE (tiles × k-slices) per point.
 
 Per point: µs (median of triton.testing.do_bench, L2 flushed before each run, the call captured in a
 CUDA graph where possible so that launch overhead is excluded), weight bytes read per µs (TB/s; weights
@@ -41,11 +43,11 @@ PNG goes next to it (--png to move it). --quick runs a small subset (about a min
 Table for the swapAB integration (sglang_h20.moe.swapab, grouped_gemm_fp8.load_table): --tune also
 writes the table of this run (grouped_gemm_fp8.table_from_result) to --table-out, by default this
 user's cache, ~/.cache/sglang_h20/grouped_gemm_<gpu>.json, which the loader reads before the shipped
-one. --table-from RESULTS.json only converts an earlier run's results (no GPU needed).
+one. --table-from RESULTS.json [MORE.json] only converts earlier runs' results (no GPU needed).
 
 usage: bench_grouped_gemm.py [--quick] [--json OUT] [--png OUT] [--shapes gate_up down dense]
                              [--groups 8 32] [--tokens 1 8 32] [--tune] [--table-out FILE]
-       bench_grouped_gemm.py --table-from RESULTS.json --table-out FILE
+       bench_grouped_gemm.py --table-from RESULTS.json [MORE.json] --table-out FILE
 """
 from __future__ import annotations
 
@@ -73,7 +75,10 @@ from sglang_h20.cliargs import read_json  # noqa: E402
 from sglang_h20.gputime import graph_median_us  # noqa: E402
 
 MOE_SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
-DENSE_SHAPES = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "qkv_a": (2112, 7168)}
+# the FP8 linears of a DeepSeek-V3 MoE layer at decode, one GPU with all 128 heads (DP attention / dsv3-ep16-slice):
+# fused q_a + kv_a (1536 + 576 rows), q_b, o_proj, and the shared expert's gate_up / down
+DENSE_SHAPES = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "qkv_a": (2112, 7168),
+                "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048)}
 GROUPS = [8, 16, 32, 256]
 TOKENS = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256]
 PROVIDERS = ("ours-swapab", "ours-normal", "deepgemm", "sglang-triton", "sglang-triton-swapab")
@@ -136,6 +141,9 @@ def parse_args(argv=None):
     ap.add_argument("--shapes", nargs="+", default=["gate_up", "down", "dense"],
                     choices=[*MOE_SHAPES, "dense"],
                     help="gate_up / down: the MoE GEMMs; dense: the small-M dense linears (default: all)")
+    ap.add_argument("--dense-shapes", nargs="+", choices=sorted(DENSE_SHAPES), default=list(DENSE_SHAPES),
+                    help="which dense linears (default: all)")
+    ap.add_argument("--dense-m", nargs="+", type=int, help=f"dense rows M (default {DENSE_M})")
     ap.add_argument("--groups", nargs="+", type=int, help=f"experts per GPU (default {GROUPS})")
     ap.add_argument("--tokens", nargs="+", type=int, help=f"tokens per expert (default {TOKENS})")
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS), metavar="PROVIDER",
@@ -155,7 +163,8 @@ def parse_args(argv=None):
                          "reading that much can reach, launch and ramp included): per point size_matched_read_tbs")
     ap.add_argument("--table-out", type=Path,
                     help="write the integration table here (with --tune: default ~/.cache/sglang_h20/...)")
-    ap.add_argument("--table-from", type=Path, help="build the table from this results JSON and exit")
+    ap.add_argument("--table-from", type=Path, nargs="+",
+                    help="build the table from these results JSONs (e.g. a MoE run and a dense run) and exit")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per point (ms)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the inputs and the uneven draw (default: %(default)s)")
     ap.add_argument("--deadline-s", type=float, default=None,
@@ -352,6 +361,29 @@ def deepgemm_dense(a, a_s, b, b_s):
     return (lambda: fn(lhs, rhs, out)), out
 
 
+def sglang_triton_dense(a, a_s, b, b_s):
+    """SGLang's Triton block-FP8 GEMM of its --fp8-gemm-backend triton linear (w8a8_block_fp8_matmul_triton, its
+    per-GPU config files): (call, result getter, the config it picked, as far as the module exposes it)."""
+    try:
+        from sglang.kernels.ops.quantization import fp8_kernel as fk
+    except Exception as e:
+        raise Unavailable(f"sglang fp8_kernel import failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    m, n = a.shape[0], b.shape[0]
+    got = {}
+
+    def call():
+        got["out"] = fk.w8a8_block_fp8_matmul_triton(a, b, a_s, b_s, [128, 128], output_dtype=torch.bfloat16)
+
+    cfg = {"shipped_config": False}  # no config file for (N, K, this GPU): upstream's default tiles
+    try:
+        table = fk.get_w8a8_block_fp8_configs(n, a.shape[1], 128, 128) or {}
+        if table:
+            cfg = {**table[min(table, key=lambda x: abs(int(x) - m))], "shipped_config": True}
+    except Exception:
+        pass
+    return call, (lambda: got["out"]), cfg
+
+
 def sglang_triton(a, a_s, b, b_s, counts, swap_ab: bool):
     """SGLang's Triton fused-MoE GEMM on the contiguous rows (top_k = 1: row r goes to its expert)."""
     try:
@@ -516,38 +548,83 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
     return results
 
 
-def dense_points(args, shape, m, gen, unavailable):
+DENSE_TUNE = {"swapab": [{"BLOCK_N": bn, "programs_per_sm": pp} for bn in (64, 128) for pp in (1, 2)],
+              "normal": [{"BLOCK_N": 128, "programs_per_sm": 1}]}
+
+
+def dense_split_ks(kb: int, auto: int) -> list[int]:
+    """k-slice counts --tune tries for K/128 = kb blocks: the automatic one, half and twice it (divisors of kb
+    that leave >= 4 blocks per slice)."""
+    return sorted({d for d in (auto // 2, auto, auto * 2) if d >= 1 and kb % d == 0 and kb // d >= 4} | {auto})
+
+
+def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
+    """Every provider at one dense linear; with --tune, ours over DENSE_TUNE × dense_split_ks."""
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     n, k = DENSE_SHAPES[shape]
     b, b_s = make_weights(1, n, k, gen)
     b, b_s = b[0], b_s[0]
     a, a_s = make_acts((m, k), gen)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     base = {"kind": "dense", "shape": shape, "n": n, "k": k, "groups": 1, "tokens_per_group": m,
             "distribution": "dense", "counts": [m]}
+
+    def record(provider, us, out, config, tiles, extra=None):
+        p = {**base, "provider": provider, "layout": "dense", "config": config,
+             "rel_err": rel_err(out, a, a_s, b, b_s), **metrics(us, [m], n, k, tiles), **(extra or {})}
+        results.append(p)
+        print(f"dense {shape:14s} m={m:4d} {provider:14s} {us:8.1f} us {p['weight_tbs']:.2f} TB/s "
+              f"err {p['rel_err']:.1e}", flush=True)
+
     for variant in ("swapab", "normal"):
         if f"ours-{variant}" not in args.providers:
             continue
+        _, auto_cfg, auto_k = gg.plan_fp8_gemm_nt(m, n, k, variant, num_sms=sms)
+        configs = [None]
+        if args.tune:
+            for over in DENSE_TUNE[variant]:
+                _, cfg, sk = gg.plan_fp8_gemm_nt(m, n, k, variant, config=over, num_sms=sms)
+                configs += [{**over, "split_k": d} for d in dense_split_ks(k // 128, sk)]
+        best, trials = None, []
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        us = bench_us(lambda: gg.fp8_gemm_nt(a, a_s, b, b_s, out=out, variant=variant), args.rep_ms)
-        _, cfg, split_k = gg.plan_fp8_gemm_nt(m, n, k, variant,
-                                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
-        p = {**base, "provider": f"ours-{variant}", "layout": "dense", "config": {**cfg, "split_k": split_k},
-             "rel_err": rel_err(out, a, a_s, b, b_s), **metrics(us, [m], n, k, (cfg["BLOCK_T"], cfg["BLOCK_N"]))}
-        results.append(p)
-        print(f"dense {shape:7s} m={m:4d} ours-{variant:8s} {us:8.1f} us {p['weight_tbs']:.2f} TB/s", flush=True)
+        for over in configs:
+            if best is not None and time_up():
+                print(f"  ours-{variant} dense: deadline, tuned {len(trials)} of {len(configs)} configs",
+                      file=sys.stderr)
+                break
+            try:
+                us = bench_us(lambda: gg.fp8_gemm_nt(a, a_s, b, b_s, out=out, variant=variant, config=over),
+                              args.rep_ms)
+            except Exception as e:
+                print(f"  ours-{variant} dense config {over}: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            _, cfg, sk = gg.plan_fp8_gemm_nt(m, n, k, variant, config=over, num_sms=sms)
+            trials.append({"config": over, "us": round(us, 3)})
+            if best is None or us < best[0]:
+                best = (us, {**cfg, "split_k": sk}, out.clone())
+        if best is None:
+            unavailable[f"ours-{variant}-dense"] = "every config failed (see stderr)"
+            continue
+        us, cfg, res = best
+        record(f"ours-{variant}", us, res, cfg, (cfg["BLOCK_T"], cfg["BLOCK_N"]),
+               {"configs_tried": len(trials), "trials": trials} if args.tune else None)
     if "deepgemm" in args.providers:
         try:
             fn, out = deepgemm_dense(a, a_s, b, b_s)
             us = bench_us(fn, args.rep_ms)
             bm = 64 if m <= 64 else 128
-            p = {**base, "provider": "deepgemm", "layout": "dense", "config": {"assumed_block_m": bm},
-                 "rel_err": rel_err(out, a, a_s, b, b_s), **metrics(us, [m], n, k, (bm, 128))}
-            results.append(p)
-            print(f"dense {shape:7s} m={m:4d} deepgemm        {us:8.1f} us {p['weight_tbs']:.2f} TB/s", flush=True)
+            record("deepgemm", us, out, {"assumed_block_m": bm}, (bm, 128))
         except Exception as e:
             unavailable["deepgemm-dense"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if "sglang-triton" in args.providers:
+        try:
+            fn, out, cfg = sglang_triton_dense(a, a_s, b, b_s)
+            us = bench_us(fn, args.rep_ms)
+            record("sglang-triton", us, out(), cfg, (cfg.get("BLOCK_SIZE_M", 64), cfg.get("BLOCK_SIZE_N", 128)))
+        except Exception as e:
+            unavailable["sglang-triton-dense"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return results
 
 
@@ -634,11 +711,21 @@ def read_results(path: Path) -> dict:
     return result
 
 
+def merged_results(paths: list[Path]) -> dict:
+    """One results object from several runs: the first's record, every run's points, and each file's provenance
+    under "merged_from" (the table's source says where each entry was measured)."""
+    results = [read_results(p) for p in paths]
+    if len(results) == 1:
+        return results[0]
+    return {**results[0], "points": [pt for r in results for pt in r["points"]],
+            "merged_from": [{"file": str(p), "provenance": r.get("provenance")} for p, r in zip(paths, results)]}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.table_from:
-        write_table(read_results(args.table_from), args.table_out or Path("grouped_gemm_table.json"),
-                    str(args.table_from))
+        write_table(merged_results(args.table_from), args.table_out or Path("grouped_gemm_table.json"),
+                    " ".join(map(str, args.table_from)))
         return 0
 
     if not torch.cuda.is_available():
@@ -647,7 +734,7 @@ def main(argv=None) -> int:
     groups = args.groups or (QUICK["groups"] if args.quick else GROUPS)
     tokens = args.tokens or (QUICK["tokens"] if args.quick else TOKENS)
     uneven_tokens = [] if args.no_uneven else (QUICK["uneven_tokens"] if args.quick else tokens)
-    dense_m = QUICK["dense_m"] if args.quick else DENSE_M
+    dense_m = args.dense_m or (QUICK["dense_m"] if args.quick else DENSE_M)
     if REPRESENTATIVE["groups"] not in groups or REPRESENTATIVE["tokens_per_group"] not in tokens:
         print("note: the representative point (gate_up, 32 experts x 8 tokens) is outside this sweep; "
               "latency_us / tflops will come from the first ours-swapab point", file=sys.stderr)
@@ -693,10 +780,10 @@ def main(argv=None) -> int:
         annotate_size_matched(points, peak, args.rep_ms)
         checkpoint()
     if "dense" in args.shapes:
-        for shape in DENSE_SHAPES:
-            for m in dense_m:
+        for m in dense_m:  # shapes innermost: a deadline cuts the largest M of every shape alike
+            for shape in args.dense_shapes:
                 if in_time(f"{shape} m{m}"):
-                    points += dense_points(args, shape, m, gen, unavailable)
+                    points += dense_points(args, shape, m, gen, unavailable, time_up)
                     checkpoint()
     if skipped:
         print(f"deadline {args.deadline_s:.0f}s: {len(skipped)} points not started (first: {skipped[0]})",

@@ -11,7 +11,9 @@ Phases
           the relative difference of the outputs; and what the table in force would choose there.
   arms    one server per arm, sequential: 'off' (SGLANG_H20_SWAPAB=off), 'on' (=on with the table
           the plugin finds on this GPU, or --table FILE), 'forced' (=on with a table naming ours for
-          this model's shapes at every decode size: measures our path itself), 'sbo' (SGLANG_H20_SBO=on,
+          this model's shapes at every decode size: measures our path itself), 'moe-only' (='on' with the
+          table's dense-linear entries dropped: on minus moe-only is what the dense linears gave),
+          'sbo' (SGLANG_H20_SBO=on,
           swapab off: single-batch overlap, issue 8, on the same workload). Per arm: one warm-up
           (Triton JIT of eager batch sizes), then bench_serving at each --concurrency: output tok/s,
           median ITL, TTFT; the server's sglang-h20 log lines, incl. the batch sizes swapab served.
@@ -65,6 +67,22 @@ def forced_table(path: Path, shapes: dict) -> Path:
                for layout in ("contiguous", "masked")]
     path.write_text(json.dumps({"gpu": "forced (swapab_e2e.py)", "measured": False, "date": None,
                                 "entries": entries}, indent=1))
+    return path
+
+
+def without_dense(table: Path | None, out: Path) -> Path:
+    """The 'on' arm's table (--table, else the one the plugin finds for GPU 0) without its dense-linear entries."""
+    if table is None:
+        from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+        table = gg.find_table(gg._gpu_name())
+        if table is None:
+            raise SystemExit("swapab_e2e: arm moe-only needs a table (--table, or one the plugin finds)")
+    data = json.loads(Path(table).read_text())
+    data["entries"] = [e for e in data["entries"] if e.get("layout") != "dense"]
+    data["derived"] = f"{table} without its dense-linear entries (swapab_e2e.py arm moe-only)"
+    path = out / "moe_only_table.json"
+    path.write_text(json.dumps(data, indent=1))
     return path
 
 
@@ -162,7 +180,8 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
     return {"arm": name, "env": env, "server_start_s": start_s, "wall_s": time.time() - t0,
             "levels": results, "plugin_log_lines": mine,
             "hooks_applied": [m.group(0) for ln in mine for m in [HOOKS_APPLIED.search(ln)] if m],
-            "swapab_ours_lines": [ln for ln in mine if "swapab: MoE" in ln and "-> ours" in ln]}
+            "swapab_ours_lines": [ln for ln in mine if "swapab: MoE" in ln and "-> ours" in ln],
+            "dense_ours_lines": [ln for ln in mine if "dense linear M=" in ln and "-> ours" in ln]}
 
 
 def arm_labels(names: list[str]) -> list[str]:
@@ -194,7 +213,7 @@ def main() -> int:
                     help="model folder (scripts/make_model.py's; default: %(default)s)")
     ap.add_argument("--out", type=Path, required=True,
                     help="output folder: server logs, benches, layer.json, results JSON")
-    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "forced", "sbo"],
+    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "forced", "moe-only", "sbo"],
                     help="servers to run, in order; a repeated arm runs again as NAME#2 and pairs with off#2 "
                          "(module doc; default: %(default)s)")
     ap.add_argument("--table", type=Path, help="table file for the 'on' arm (default: the one the plugin finds)")
@@ -239,6 +258,8 @@ def main() -> int:
     envs = {"off": {"SGLANG_H20_SWAPAB": "off"},
             "on": {"SGLANG_H20_SWAPAB": "on", **({TABLE_ENV: str(args.table.resolve())} if args.table else {})},
             "forced": {"SGLANG_H20_SWAPAB": "on", TABLE_ENV: str(forced)},
+            "moe-only": {"SGLANG_H20_SWAPAB": "on", TABLE_ENV: str(without_dense(args.table, args.out))}
+            if "moe-only" in args.arms else {},
             "sbo": {"SGLANG_H20_SWAPAB": "off", "SGLANG_H20_SBO": "on"}}
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
     result = args.result or args.out / "swapab_e2e.json"
@@ -266,7 +287,9 @@ def main() -> int:
         levels = [c for c in levels if c in arm["levels"]]  # the next arm pairs with these
     record = save(arms)
     print(json.dumps({"vs_off": record["vs_off"],
-                      "batch sizes served by ours": {a["arm"]: len(a["swapab_ours_lines"]) for a in arms}}, indent=1))
+                      "batch sizes served by ours": {a["arm"]: len(a["swapab_ours_lines"]) for a in arms},
+                      "dense linear shapes served by ours": {a["arm"]: len(a["dense_ours_lines"]) for a in arms}},
+                     indent=1))
     return 0
 
 

@@ -953,7 +953,7 @@ def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, gro
 # Building a table from a benchmark run (benchmark/kernels/bench_grouped_gemm.py)
 # ---------------------------------------------------------------------------------------------
 UPSTREAM_PROVIDERS = ("deepgemm", "sglang-triton", "sglang-triton-swapab")  # what SGLang itself runs
-TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat", "tma", "ws")
+TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat", "tma", "ws", "split_k")
 
 
 def table_entries(points: list[dict]) -> list[dict]:
@@ -963,18 +963,20 @@ def table_entries(points: list[dict]) -> list[dict]:
     of UPSTREAM_PROVIDERS measured in that layout); "best" is the fastest (upstream on a tie).
     Where an uneven draw (same total, Zipf-like expert popularity) was measured at the same key,
     ours must win there too, else "best" is "upstream": real routing is uneven. A key without an
-    upstream time has no entry (no claim without the comparison).
+    upstream time has no entry (no claim without the comparison). Dense points (layout "dense", one
+    group, the attention / shared-expert linears) have one draw, counted as the uniform one.
     """
     slots: dict = {}
     for p in points:
-        if p.get("kind") != "moe":
+        if p.get("kind") not in ("moe", "dense"):
             continue
         name = {"ours-swapab": "swapab", "ours-normal": "normal"}.get(p["provider"])
         if name is None and p["provider"] not in UPSTREAM_PROVIDERS:
             continue
         name = name or "upstream"
         key = (p["n"], p["k"], p["groups"], p["tokens_per_group"], p["layout"])
-        d = slots.setdefault(key, {}).setdefault(p["distribution"], {"us": {}, "config": {}, "by": {}})
+        draw = "uniform" if p["distribution"] == "dense" else p["distribution"]  # a dense GEMM has one draw
+        d = slots.setdefault(key, {}).setdefault(draw, {"us": {}, "config": {}, "by": {}})
         if name == "upstream":
             d["by"][p["provider"]] = p["us"]
         if name not in d["us"] or p["us"] < d["us"][name]:
@@ -1004,7 +1006,8 @@ def table_from_result(result: dict, results_file: str | None = None, command: st
     return {
         "gpu": prov.get("gpu"), "measured": True, "date": prov.get("date"),
         "source": {"benchmark_command": prov.get("command"), "results_file": results_file,
-                   "table_command": command, "quick": result.get("quick")},
+                   "table_command": command, "quick": result.get("quick"),
+                   **({"merged_from": result["merged_from"]} if result.get("merged_from") else {})},
         "rule": "best = fastest of ours-swapab / ours-normal / upstream (fastest of "
                 + ", ".join(UPSTREAM_PROVIDERS) + " in that layout) on the uniform draw; ours must also "
                 "win the uneven draw where one was measured",
@@ -1392,6 +1395,8 @@ def plan_fp8_gemm_nt(m: int, n: int, k: int, variant: str = "auto", config: dict
                      split_k: int | None = None, num_sms: int = 132) -> tuple[str, dict, int]:
     """(variant, tile config, split_k) that fp8_gemm_nt uses for this shape (benchmarks record it)."""
     variant, cfg = _resolve(variant, config, m, n, k, 1, num_sms, "dense")
+    if split_k is None:
+        split_k = cfg.get("split_k")  # a tuned table entry's k-slices
     if split_k is None:
         tiles = triton.cdiv(m, cfg["BLOCK_T"]) * triton.cdiv(n, cfg["BLOCK_N"])
         split_k = _pick_split_k(tiles, k // SCALE_BLOCK, num_sms * cfg.get("programs_per_sm", 1))

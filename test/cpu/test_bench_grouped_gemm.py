@@ -74,3 +74,11 @@ def test_table_from_an_unreadable_file_exits_with_one_line(tmp_path):
     (tmp_path / "empty.json").write_text('{"points": []}')
     with pytest.raises(SystemExit, match="no measured points"):
         bench.main(["--table-from", str(tmp_path / "empty.json"), "--table-out", str(tmp_path / "t.json")])
+
+
+def test_dense_split_k_candidates_divide_k_and_keep_four_blocks():
+    assert bench.dense_split_ks(56, 8) == [4, 8]  # qkv_a K=7168: auto 8, 16 does not divide 56
+    assert bench.dense_split_ks(12, 3) == [1, 3]  # q_b K=1536: 6 would leave 2 blocks per slice
+    assert bench.dense_split_ks(128, 1) == [1, 2]
+    for kb, auto in ((16, 2), (128, 16), (56, 7)):
+        assert all(kb % d == 0 and kb // d >= 4 for d in bench.dense_split_ks(kb, auto))

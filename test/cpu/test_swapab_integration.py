@@ -36,7 +36,7 @@ from sgl_kernel_ext import grouped_gemm_fp8 as gg  # noqa: E402
 from sgl_kernel_ext.quant import (  # noqa: E402
     dequant_per_block, dequant_per_token_group, per_block_quant_fp8, per_token_group_quant_fp8,
 )
-from sglang_h20 import compat  # noqa: E402
+from sglang_h20 import compat, dense_linear  # noqa: E402
 from sglang_h20.features import FEATURES, decide  # noqa: E402
 from sglang_h20.moe import swapab  # noqa: E402
 from sglang_h20.settings import Settings  # noqa: E402
@@ -100,22 +100,15 @@ def use_table(monkeypatch, path):
 @pytest.fixture(scope="module")
 def upstream():
     """Upstream's Triton MoE module, runnable on CPU (see the module docstring for each stand-in)."""
-    import numpy as np
-    import triton.runtime.interpreter as interp
+    from interpreter_compat import allow_scalar_index
 
     fm = importlib.import_module(swapab.TRITON_MOE_MODULE)
     fmk = importlib.import_module(swapab.QUANT_KERNELS_MODULE)
-    original_patch = interp._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope):
-        original_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
     config = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
               "num_warps": 4, "num_stages": 2}
     exec_stub = types.SimpleNamespace(moe=types.SimpleNamespace(enable_fused_moe_sum_all_reduce=False))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interp, "_patch_lang_tensor", patch_lang_tensor)
+        allow_scalar_index(mp)
         mp.setattr(fm, "moe_align_block_size", align_reference)
         mp.setattr(fm, "try_get_optimal_moe_config", lambda *a, **k: (dict(config), (None, None)))
         mp.setattr(fm, "get_exec", lambda: exec_stub)
@@ -242,7 +235,9 @@ def test_hooks_need_a_table_for_this_gpu(monkeypatch, tmp_path, caplog):
     assert not caplog.records
     use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries()))
     hooks = swapab.hooks(Settings.from_env({}))
-    assert [(h.target, h.kind) for h in hooks] == [(swapab.TRITON_MOE, "around"), (swapab.DEEPEP_MASKED, "around")]
+    assert [(h.target, h.kind) for h in hooks] == [(swapab.TRITON_MOE, "around"), (swapab.DEEPEP_MASKED, "around"),
+                                                   (dense_linear.TRITON_LINEAR, "around"),
+                                                   (dense_linear.DEEPGEMM_LINEAR, "around")]
     assert not caplog.records
     swapab.enabled(Settings.from_env({}))
     assert len(caplog.records) == 1 and "t.json" in caplog.records[0].getMessage()

@@ -26,10 +26,11 @@ Table (sgl_kernel_ext.grouped_gemm_fp8.load_table): this user's re-tune
 ~/.cache/sglang_h20/grouped_gemm_<gpu>.json first, else the shipped
 python/sglang_h20/tables/grouped_gemm_<gpu>.json. Re-tune on your GPU with one command:
     python benchmark/kernels/bench_grouped_gemm.py --tune [--groups <experts per GPU> ...]
+3. The dense block-FP8 linears (attention projections, shared expert) of either --fp8-gemm-backend triton or
+   deep_gemm: sglang_h20.dense_linear, by the same table's 'dense' entries.
 No table for this GPU: no hooks at all, and the feature's one log line says so. A call we cannot serve (dtype,
 quant config, block shape, activation...) goes upstream; each such reason is logged once.
-Not hooked: the non-fused MoE runner path (LoRA, SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1) and the dense
-FP8 linears (fp8_utils), whose measured table has no entries yet.
+Not hooked: the non-fused MoE runner path (LoRA, SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from sglang_h20 import dense_linear
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
 from sglang_h20.settings import Settings
@@ -61,6 +63,7 @@ def reset() -> None:
     _note.clear()
     plan_moe.cache_clear()
     _masked_choice.cache_clear()
+    dense_linear.reset(_gpu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +296,8 @@ def hooks(settings: Settings) -> list[Hook]:
         raise Unsupported(f"there is no grouped-GEMM table for {_gpu} (looked for {gg.user_table_path(_gpu)}, "
                           f"{gg.table_path(_gpu)}; measure one with: python benchmark/kernels/bench_grouped_gemm.py "
                           f"--tune), so every MoE GEMM stays upstream")
-    return [Hook(TRITON_MOE, fused_experts_hook, "around"), Hook(DEEPEP_MASKED, masked_gemm_hook, "around")]
+    return [Hook(TRITON_MOE, fused_experts_hook, "around"), Hook(DEEPEP_MASKED, masked_gemm_hook, "around"),
+            *dense_linear.hooks()]
 
 
 def enabled(settings: Settings) -> None:
@@ -302,6 +306,7 @@ def enabled(settings: Settings) -> None:
 
     table = gg.load_table(_gpu)
     wins = sum(e["best"] != "upstream" for e in table["entries"])
+    dense, dense_wins = dense_linear.dense_entries(table)
     other = "" if table.get("gpu") == _gpu else f" (measured on {table.get('gpu')}, running on {_gpu})"
-    log.info("swapab: table %s%s, %s, %d entries, ours fastest at %d; ours only where it says so",
-             table["path"], other, table.get("date"), len(table["entries"]), wins)
+    log.info("swapab: table %s%s, %s, %d entries (%d dense linears), ours fastest at %d (%d dense); ours only where "
+             "it says so", table["path"], other, table.get("date"), len(table["entries"]), dense, wins, dense_wins)

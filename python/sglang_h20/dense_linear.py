@@ -1,0 +1,109 @@
+"""Our dense FP8 GEMM under SGLang's block-FP8 linears, only where this GPU's table says it wins.
+
+Part of the swapAB switch (SGLANG_H20_SWAPAB=on): the attention projections (fused q_a/kv_a, q_b, o_proj) and
+the shared expert's gate_up / down of DeepSeek-V3 are block-FP8 linears that run once per layer per decode step
+with M = batch rows. Upstream runs them through `--fp8-gemm-backend`'s function, chosen once per layer at model
+load (fp8_utils.dispatch_w8a8_block_fp8_linear looks the function up by name, so the hook is what it picks):
+  triton     triton_w8a8_block_fp8_linear: per-token-group quant + w8a8_block_fp8_matmul_triton
+  deep_gemm  deepgemm_w8a8_block_fp8_linear_with_fallback: per-token-group quant + DeepGEMM fp8_gemm_nt
+Both hooks decide per call from host-known sizes only (CUDA-graph safe): M = rows, (N, K) = the weight; the
+table's 'dense' entries (benchmark/kernels/bench_grouped_gemm.py --shapes dense --tune, timed against DeepGEMM
+and SGLang's Triton GEMM) must name a variant of ours at the nearest measured M, else upstream runs unchanged.
+Ours: upstream's own quant kernel (row-major 1x128 scales), then sgl_kernel_ext.grouped_gemm_fp8.fp8_gemm_nt
+with the table's tiles and k-slices. Calls we cannot serve (pre-quantized input, bias, UE8M0 or other scale
+formats, non-bf16) stay upstream; each reason is logged once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from sglang_h20.features import Hook
+from sglang_h20.logonce import OnceLog
+
+FP8_UTILS = "sglang.srt.layers.quantization.fp8_utils"
+TRITON_LINEAR = FP8_UTILS + ".triton_w8a8_block_fp8_linear"
+DEEPGEMM_LINEAR = FP8_UTILS + ".deepgemm_w8a8_block_fp8_linear_with_fallback"
+QUANT_MODULE = "sglang.kernels.ops.quantization.fp8_kernel"
+FP8 = torch.float8_e4m3fn
+
+log = logging.getLogger("sglang_h20.dense_linear")
+_note = OnceLog(log, "dense linear: upstream for ")
+_gpu: str | None = None  # set by hooks(); None: the table loader asks torch
+
+
+def reset(gpu_name: str | None = None) -> None:
+    """Forget cached decisions and logged reasons; `gpu_name` names the table to use."""
+    global _gpu
+    _gpu = gpu_name
+    _note.clear()
+    _choice.cache_clear()
+
+
+@functools.lru_cache(maxsize=4096)
+def _choice(m: int, n: int, k: int, gpu_name: str | None):
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    choice = gg.table_choice(m, n, k, 1, "dense", gpu_name)
+    (log.debug if choice.best == "upstream" else log.info)(
+        "dense linear M=%d N=%d K=%d -> %s (%s)", m, n, k, "upstream" if choice.best == "upstream" else
+        f"ours ({choice.best})", choice.why)
+    return choice
+
+
+def unsupported(input, weight, block_size, weight_scale, input_scale, bias) -> str | None:
+    """Why ours cannot serve this linear call (None: it can). Host-side attribute checks only."""
+    if input_scale is not None:
+        return "linears with a pre-quantized input"
+    if bias is not None:
+        return "linears with a bias"
+    if list(block_size) != [128, 128]:
+        return f"block shape {list(block_size)} (ours: [128, 128])"
+    if input.dtype != torch.bfloat16 or weight.dtype != FP8 or weight.dim() != 2 or not weight.is_contiguous():
+        return f"linears of {input.dtype} x {weight.dtype} (ours: bf16 x contiguous e4m3 [N, K])"
+    n, k = weight.shape
+    if k % 128 or input.shape[-1] != k:
+        return f"linears with K={k} (ours: a multiple of 128)"
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (-(-n // 128), k // 128):
+        return f"weight scales {weight_scale.dtype} {tuple(weight_scale.shape)} (ours: fp32 128x128 blocks)"
+    return None
+
+
+def dense_linear(input, weight, weight_scale, choice) -> torch.Tensor:
+    """out[..., N] = input[..., K] @ weight[N, K]^T in bf16: upstream's 1x128 quant, then our GEMM."""
+    import importlib
+
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    k = weight.shape[1]
+    x = input.reshape(-1, k).contiguous()  # upstream's quant asserts it (a no-op for the usual rows)
+    q, scale = importlib.import_module(QUANT_MODULE).per_token_group_quant_fp8(x, 128, column_major_scales=False)
+    out = gg.fp8_gemm_nt(q, scale, weight, weight_scale, variant=choice.best, config=choice.config)
+    return out.view(*input.shape[:-1], weight.shape[0])
+
+
+def linear_hook(original, input, weight, block_size, weight_scale, input_scale=None, bias=None):
+    """AROUND either backend's block-FP8 linear (same parameters): ours where the table says so."""
+    why = unsupported(input, weight, block_size, weight_scale, input_scale, bias)
+    if why is None:
+        m = input.numel() // max(input.shape[-1], 1)
+        if m > 0:
+            choice = _choice(m, weight.shape[0], weight.shape[1], _gpu)
+            if choice.best != "upstream":
+                return dense_linear(input, weight, weight_scale, choice)
+    else:
+        _note(why)
+    return original(input, weight, block_size, weight_scale, input_scale, bias)
+
+
+def hooks() -> list[Hook]:
+    """Both backends' linears (the table decides per shape; a GPU without 'dense' entries keeps upstream)."""
+    return [Hook(TRITON_LINEAR, linear_hook, "around"), Hook(DEEPGEMM_LINEAR, linear_hook, "around")]
+
+
+def dense_entries(table: dict) -> tuple[int, int]:
+    """(dense entries, those where ours is fastest) of a grouped-GEMM table."""
+    dense = [e for e in table.get("entries", []) if e.get("layout") == "dense"]
+    return len(dense), sum(e["best"] != "upstream" for e in dense)
