@@ -8,7 +8,9 @@ load (fp8_utils.dispatch_w8a8_block_fp8_linear looks the function up by name, so
   deep_gemm  deepgemm_w8a8_block_fp8_linear_with_fallback: per-token-group quant + DeepGEMM fp8_gemm_nt
 Both hooks decide per call from host-known sizes only (CUDA-graph safe): M = rows, (N, K) = the weight; the
 table's 'dense' entries (benchmark/kernels/bench_grouped_gemm.py --shapes dense --tune, timed against DeepGEMM
-and SGLang's Triton GEMM) must name a variant of ours at the nearest measured M, else upstream runs unchanged.
+and SGLang's Triton GEMM) must show a variant of ours faster than the kernel that hook replaces (UPSTREAM_OF:
+the Triton GEMM under the triton backend, DeepGEMM under deep_gemm) at the nearest measured M, else upstream runs
+unchanged.
 Ours: upstream's own quant kernel (row-major 1x128 scales), then sgl_kernel_ext.grouped_gemm_fp8.fp8_gemm_nt
 with the table's tiles and k-slices. Calls we cannot serve (pre-quantized input, bias, UE8M0 or other scale
 formats, non-bf16) stay upstream; each reason is logged once.
@@ -27,6 +29,7 @@ FP8_UTILS = "sglang.srt.layers.quantization.fp8_utils"
 TRITON_LINEAR = FP8_UTILS + ".triton_w8a8_block_fp8_linear"
 DEEPGEMM_LINEAR = FP8_UTILS + ".deepgemm_w8a8_block_fp8_linear_with_fallback"
 QUANT_MODULE = "sglang.kernels.ops.quantization.fp8_kernel"
+UPSTREAM_OF = {TRITON_LINEAR: "sglang-triton", DEEPGEMM_LINEAR: "deepgemm"}  # the table's provider names
 FP8 = torch.float8_e4m3fn
 
 log = logging.getLogger("sglang_h20.dense_linear")
@@ -43,13 +46,13 @@ def reset(gpu_name: str | None = None) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _choice(m: int, n: int, k: int, gpu_name: str | None):
+def _choice(m: int, n: int, k: int, gpu_name: str | None, against: str):
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
-    choice = gg.table_choice(m, n, k, 1, "dense", gpu_name)
+    choice = gg.table_choice(m, n, k, 1, "dense", gpu_name, against)
     (log.debug if choice.best == "upstream" else log.info)(
-        "dense linear M=%d N=%d K=%d -> %s (%s)", m, n, k, "upstream" if choice.best == "upstream" else
-        f"ours ({choice.best})", choice.why)
+        "dense linear M=%d N=%d K=%d -> %s vs %s (%s)", m, n, k, "upstream" if choice.best == "upstream" else
+        f"ours ({choice.best})", against, choice.why)
     return choice
 
 
@@ -84,13 +87,12 @@ def dense_linear(input, weight, weight_scale, choice) -> torch.Tensor:
     return out.view(*input.shape[:-1], weight.shape[0])
 
 
-def linear_hook(original, input, weight, block_size, weight_scale, input_scale=None, bias=None):
-    """AROUND either backend's block-FP8 linear (same parameters): ours where the table says so."""
+def _around(against: str, original, input, weight, block_size, weight_scale, input_scale, bias):
     why = unsupported(input, weight, block_size, weight_scale, input_scale, bias)
     if why is None:
         m = input.numel() // max(input.shape[-1], 1)
         if m > 0:
-            choice = _choice(m, weight.shape[0], weight.shape[1], _gpu)
+            choice = _choice(m, weight.shape[0], weight.shape[1], _gpu, against)
             if choice.best != "upstream":
                 return dense_linear(input, weight, weight_scale, choice)
     else:
@@ -98,12 +100,26 @@ def linear_hook(original, input, weight, block_size, weight_scale, input_scale=N
     return original(input, weight, block_size, weight_scale, input_scale, bias)
 
 
+def triton_linear_hook(original, input, weight, block_size, weight_scale, input_scale=None, bias=None):
+    """AROUND triton_w8a8_block_fp8_linear (same parameters): ours where the table has it beat the Triton GEMM."""
+    return _around(UPSTREAM_OF[TRITON_LINEAR], original, input, weight, block_size, weight_scale, input_scale, bias)
+
+
+def deepgemm_linear_hook(original, input, weight, block_size, weight_scale, input_scale=None, bias=None):
+    """AROUND deepgemm_w8a8_block_fp8_linear_with_fallback (same parameters): ours where the table has it beat
+    DeepGEMM's GEMM."""
+    return _around(UPSTREAM_OF[DEEPGEMM_LINEAR], original, input, weight, block_size, weight_scale, input_scale,
+                   bias)
+
+
 def hooks() -> list[Hook]:
     """Both backends' linears (the table decides per shape; a GPU without 'dense' entries keeps upstream)."""
-    return [Hook(TRITON_LINEAR, linear_hook, "around"), Hook(DEEPGEMM_LINEAR, linear_hook, "around")]
+    return [Hook(TRITON_LINEAR, triton_linear_hook, "around"), Hook(DEEPGEMM_LINEAR, deepgemm_linear_hook, "around")]
 
 
-def dense_entries(table: dict) -> tuple[int, int]:
-    """(dense entries, those where ours is fastest) of a grouped-GEMM table."""
+def dense_entries(table: dict) -> tuple[int, dict]:
+    """(dense entries, {upstream provider: entries where ours beats it}) of a grouped-GEMM table."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
     dense = [e for e in table.get("entries", []) if e.get("layout") == "dense"]
-    return len(dense), sum(e["best"] != "upstream" for e in dense)
+    return len(dense), {p: sum(gg.entry_best(e, p) != "upstream" for e in dense) for p in UPSTREAM_OF.values()}

@@ -891,8 +891,24 @@ def _nearest(values, x: float) -> tuple[list, float]:
     return sorted(v for v in dist if dist[v] - best < 1e-9), best
 
 
+def entry_best(entry: dict, against: str | None = None) -> str:
+    """An entry's winner; `against` names the one upstream kernel the caller would otherwise run (e.g.
+    'sglang-triton' under --fp8-gemm-backend triton): ours must beat that kernel's measured time, not the
+    fastest upstream one (which that server does not run). Without that provider's time: the entry's "best"."""
+    upstream_us = (entry.get("upstream_us_by_provider") or {}).get(against) if against else None
+    if upstream_us is None:
+        return entry["best"]
+    times = {v: t for v, t in (entry.get("us") or {}).items() if v in VARIANTS}
+    times["upstream"] = upstream_us
+    best = min(times, key=lambda v: (times[v], v != "upstream"))  # a tie is upstream's
+    uneven = entry.get("us_uneven") or {}
+    if best != "upstream" and "upstream" in uneven and uneven.get(best, math.inf) >= uneven["upstream"]:
+        best = "upstream"  # the uneven draw's upstream is the fastest provider: a conservative check
+    return best
+
+
 def table_choice(m: float, n: int, k: int, groups: float, layout: str,
-                 gpu_name: str | None = None) -> TableChoice:
+                 gpu_name: str | None = None, against: str | None = None) -> TableChoice:
     """Ours or upstream for one GEMM shape, from the measured table only; upstream whenever unsure.
 
     Stricter than `choose_variant` (which serves direct callers of 'auto'), because here a wrong
@@ -900,6 +916,7 @@ def table_choice(m: float, n: int, k: int, groups: float, layout: str,
     token count(s) nearest to `m` (both neighbours on a tie, e.g. 16 groups between 8 and 32); ours
     only if every one of those entries names the same variant of ours. Upstream when there is no
     table, no entry for (n, k, layout), or the nearest measured point is over 2x away in groups or m.
+    `against`: the upstream provider this caller replaces (`entry_best`); None: the fastest upstream.
     """
     gpu = gpu_name if gpu_name is not None else _gpu_name()
     table = load_table(gpu)
@@ -916,7 +933,7 @@ def table_choice(m: float, n: int, k: int, groups: float, layout: str,
     if dm > 1:
         return TableChoice("upstream", None, f"m={m:.3g}: nearest measured {near_m} is over 2x away")
     same = [e for e in same if e["m"] in near_m]
-    bests = {e["best"] for e in same}
+    bests = {entry_best(e, against) for e in same}
     where = f"groups {near_g}, m {near_m}"
     if len(bests) != 1 or "upstream" in bests:
         return TableChoice("upstream", None, f"{where}: measured best {sorted(bests)}")

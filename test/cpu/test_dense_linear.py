@@ -73,11 +73,12 @@ def rel(a, b):
 
 
 def test_hook_targets_resolve_and_take_upstreams_parameters():
-    for target in (dense_linear.TRITON_LINEAR, dense_linear.DEEPGEMM_LINEAR):
+    for target, hook in ((dense_linear.TRITON_LINEAR, dense_linear.triton_linear_hook),
+                         (dense_linear.DEEPGEMM_LINEAR, dense_linear.deepgemm_linear_hook)):
         assert compat.check_target(target) == (True, target)
         module, _, name = target.rpartition(".")
         up = inspect.signature(getattr(importlib.import_module(module), name)).parameters
-        ours = list(inspect.signature(dense_linear.linear_hook).parameters.values())[1:]  # after `original`
+        ours = list(inspect.signature(hook).parameters.values())[1:]  # after `original`
         assert [(p.name, p.default) for p in ours] == [(p.name, p.default) for p in up.values()], target
     # upstream's dispatcher looks the backends up by these names when a layer is built
     src = inspect.getsource(importlib.import_module(dense_linear.FP8_UTILS)._dispatch_explicit_backend)
@@ -97,7 +98,7 @@ def test_ours_where_the_table_says_matches_float64(m, three_d, table, exact_upst
     x, w, w_s = make(m, m)
     inp = x.view(1, m, K) if three_d else x
     calls = []
-    out = dense_linear.linear_hook(recording_original(calls), inp, w, [128, 128], w_s)
+    out = dense_linear.triton_linear_hook(recording_original(calls), inp, w, [128, 128], w_s)
     assert calls == [] and out.dtype == torch.bfloat16 and out.shape == (*inp.shape[:-1], N)
     q, s = exact_quant(x, 128)
     ref = dequant_per_token_group(q, s).double() @ dequant_per_block(w, w_s).double().T
@@ -115,7 +116,7 @@ def test_ours_matches_upstreams_triton_gemm(table, exact_upstream_quant, monkeyp
     allow_scalar_index(monkeypatch)
     table()
     x, w, w_s = make(11, 4)
-    ours = dense_linear.linear_hook(recording_original([]), x, w, [128, 128], w_s)
+    ours = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
     q, s = exact_quant(x, 128)
     up = fk.w8a8_block_fp8_matmul_triton(q, w, s, w_s, [128, 128], output_dtype=torch.bfloat16)
     assert rel(ours, up.float()) <= REL
@@ -135,7 +136,7 @@ def test_falls_back_unchanged_and_logs_each_reason_once(table, caplog):
              dict(args=(x, w, [128, 128], w_s), kw=dict(bias=bias))]  # the first reason again: not re-logged
     for case in cases:
         calls = []
-        assert dense_linear.linear_hook(recording_original(calls), *case["args"], **case["kw"]) == "upstream"
+        assert dense_linear.triton_linear_hook(recording_original(calls), *case["args"], **case["kw"]) == "upstream"
         (args, kw), = calls
         assert all(a is b for a, b in zip(args, case["args"]))
         assert kw == {} and args[4:] == (case["kw"].get("input_scale"), case["kw"].get("bias"))
@@ -147,18 +148,33 @@ def test_upstream_where_the_table_says_or_has_no_dense_entry(table):
     for kw in (dict(best="upstream"), dict(n=2 * N), dict(ms=(64, 128))):  # measured upstream / other N / m far
         table(**kw)
         calls = []
-        assert dense_linear.linear_hook(recording_original(calls), x, w, [128, 128], w_s) == "upstream"
+        assert dense_linear.triton_linear_hook(recording_original(calls), x, w, [128, 128], w_s) == "upstream"
         assert len(calls) == 1
     table()
     calls = []
     empty = torch.empty(0, K, dtype=torch.bfloat16)
-    assert dense_linear.linear_hook(recording_original(calls), empty, w, [128, 128], w_s) == "upstream"
+    assert dense_linear.triton_linear_hook(recording_original(calls), empty, w, [128, 128], w_s) == "upstream"
 
 
-def test_dense_entries_counts_the_table():
-    t = {"entries": [{"layout": "dense", "best": "swapab"}, {"layout": "dense", "best": "upstream"},
-                     {"layout": "masked", "best": "swapab"}]}
-    assert dense_linear.dense_entries(t) == (2, 1)
+def test_each_backend_hook_weighs_ours_against_the_kernel_it_replaces(monkeypatch, tmp_path):
+    """DeepGEMM fastest (8 us), ours 10, SGLang's Triton GEMM 20: the triton backend's hook runs ours, the deep_gemm
+    backend's keeps DeepGEMM; an entry without the provider's time falls back to its overall "best"."""
+    entry = {"n": N, "k": K, "groups": 1, "layout": "dense", "best": "upstream", "us": {"swapab": 10, "upstream": 8},
+             "upstream_us_by_provider": {"deepgemm": 8, "sglang-triton": 20}}
+    tables = {"both": [{**entry, "m": m} for m in (1, 2, 4)],
+              "no triton time": [{**entry, "m": m, "upstream_us_by_provider": {"deepgemm": 8}} for m in (1, 2, 4)]}
+    x, w, w_s = make(5, 2)
+    for name, entries in tables.items():
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps({"gpu": "test", "entries": entries}))
+        monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(path))
+        swapab.reset()
+        for hook, ours in ((dense_linear.triton_linear_hook, name == "both"), (dense_linear.deepgemm_linear_hook, False)):
+            calls = []
+            out = hook(recording_original(calls), x, w, [128, 128], w_s)
+            assert (len(calls) == 0) == ours and (out == "upstream") != ours, (name, hook.__name__)
+    t = {"entries": [entry, {**entry, "us": {"swapab": 30}}, {"layout": "masked", "best": "swapab"}]}
+    assert dense_linear.dense_entries(t) == (2, {"sglang-triton": 1, "deepgemm": 0})
 
 
 def test_table_entries_from_dense_points_keep_the_k_slices():
@@ -209,7 +225,7 @@ def test_gpu_dsv3_linears_match_upstream_and_replay_from_a_cuda_graph(name, m, m
     w, w_s = per_block_quant_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.02)
     x = (torch.randn(m, k, device="cuda", generator=g) * 3).to(torch.bfloat16)
     calls = []
-    ours = dense_linear.linear_hook(recording_original(calls), x, w, [128, 128], w_s)
+    ours = dense_linear.triton_linear_hook(recording_original(calls), x, w, [128, 128], w_s)
     assert calls == [] and torch.isfinite(ours).all()
     q, s = exact_quant(x.float(), 128)
     ref = dequant_per_token_group(q, s).double() @ dequant_per_block(w, w_s).double().T
@@ -222,12 +238,12 @@ def test_gpu_dsv3_linears_match_upstream_and_replay_from_a_cuda_graph(name, m, m
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        dense_linear.linear_hook(recording_original(calls), xs, w, [128, 128], w_s)
+        dense_linear.triton_linear_hook(recording_original(calls), xs, w, [128, 128], w_s)
         with torch.cuda.graph(graph, stream=stream):
-            out_graph = dense_linear.linear_hook(recording_original(calls), xs, w, [128, 128], w_s)
+            out_graph = dense_linear.triton_linear_hook(recording_original(calls), xs, w, [128, 128], w_s)
     torch.cuda.current_stream().wait_stream(stream)
     xs.copy_((torch.randn(m, k, device="cuda", generator=g) * 3).to(torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
-    eager = dense_linear.linear_hook(recording_original(calls), xs, w, [128, 128], w_s)
+    eager = dense_linear.triton_linear_hook(recording_original(calls), xs, w, [128, 128], w_s)
     assert calls == [] and rel(out_graph, eager.float()) <= 1e-3

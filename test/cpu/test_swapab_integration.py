@@ -44,7 +44,8 @@ from sglang_h20.settings import Settings  # noqa: E402
 E, H, INTER = 4, 256, 256
 REL_UPSTREAM, REL_EXACT, REL_GEMM = 2.5e-2, 4e-2, 1e-2
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHIPPED_RESULTS = os.path.join(REPO, "benchmark", "results", "swapab", "grouped_gemm_full_h200.json")
+SHIPPED_RESULTS = os.path.join(REPO, "benchmark", "results", "swapab", "grouped_gemm_full_h200.json")  # MoE
+SHIPPED_DENSE_RESULTS = os.path.join(REPO, "benchmark", "results", "swapab", "grouped_gemm_dense_h200.json")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +239,7 @@ def test_hooks_need_a_table_for_this_gpu(monkeypatch, tmp_path, caplog):
     assert [(h.target, h.kind) for h in hooks] == [(swapab.TRITON_MOE, "around"), (swapab.DEEPEP_MASKED, "around"),
                                                    (dense_linear.TRITON_LINEAR, "around"),
                                                    (dense_linear.DEEPGEMM_LINEAR, "around")]
+    assert [h.fn for h in hooks[2:]] == [dense_linear.triton_linear_hook, dense_linear.deepgemm_linear_hook]
     assert not caplog.records
     swapab.enabled(Settings.from_env({}))
     assert len(caplog.records) == 1 and "t.json" in caplog.records[0].getMessage()
@@ -506,12 +508,19 @@ def test_user_retune_comes_before_the_shipped_table(monkeypatch, tmp_path):
 def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
     table = gg.load_table("NVIDIA H200")
-    results = json.load(open(SHIPPED_RESULTS))
-    assert table["gpu"] == results["provenance"]["gpu"] == "NVIDIA H200" and table["measured"] is True
-    assert table["date"] == results["provenance"]["date"]
+    results, dense = json.load(open(SHIPPED_RESULTS)), json.load(open(SHIPPED_DENSE_RESULTS))
+    assert table["gpu"] == results["provenance"]["gpu"] == dense["provenance"]["gpu"] == "NVIDIA H200"
+    assert table["measured"] is True and table["date"] == results["provenance"]["date"]
     assert table["source"]["benchmark_command"] == results["provenance"]["command"]
     assert "--table-from" in table["source"]["table_command"]
-    assert table["entries"] == gg.table_entries(results["points"])  # rebuilt from the recorded points
+    assert [m["provenance"] for m in table["source"]["merged_from"]] == [results["provenance"], dense["provenance"]]
+    # rebuilt from the recorded points of both runs
+    assert table["entries"] == gg.table_entries(results["points"] + dense["points"])
+    dc = lambda m, n, k, against: gg.table_choice(m, n, k, 1, "dense", "NVIDIA H200", against).best  # noqa: E731
+    assert dc(16, 2112, 7168, None) == "swapab"  # q_a+kv_a: 13.6 us vs DeepGEMM 15.0, Triton 38.9
+    assert dc(64, 7168, 16384, None) == "upstream"  # o_proj: DeepGEMM 44.1 vs ours 49.4 ...
+    assert dc(64, 7168, 16384, "sglang-triton") == "swapab"  # ... but the Triton GEMM takes 71.2
+    assert dc(64, 7168, 16384, "deepgemm") == "upstream"
     tc = lambda m, n, k, g, layout: gg.table_choice(m, n, k, g, layout, "NVIDIA H200").best  # noqa: E731
     assert tc(1, 4096, 7168, 32, "masked") == "swapab"  # 224.8 us vs 248.5 (uneven 107.0 vs 116.2)
     assert tc(128, 4096, 7168, 32, "masked") == "upstream"  # 356.1 (normal) vs 276.8

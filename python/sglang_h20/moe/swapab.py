@@ -308,5 +308,6 @@ def enabled(settings: Settings) -> None:
     wins = sum(e["best"] != "upstream" for e in table["entries"])
     dense, dense_wins = dense_linear.dense_entries(table)
     other = "" if table.get("gpu") == _gpu else f" (measured on {table.get('gpu')}, running on {_gpu})"
-    log.info("swapab: table %s%s, %s, %d entries (%d dense linears), ours fastest at %d (%d dense); ours only where "
-             "it says so", table["path"], other, table.get("date"), len(table["entries"]), dense, wins, dense_wins)
+    log.info("swapab: table %s%s, %s, %d entries (%d dense linears), ours fastest at %d; dense linears: ours faster "
+             "than %s; ours only where it says so", table["path"], other, table.get("date"), len(table["entries"]),
+             dense, wins, ", ".join(f"{p} at {n}" for p, n in dense_wins.items()))
