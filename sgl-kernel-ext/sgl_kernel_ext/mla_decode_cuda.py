@@ -88,10 +88,11 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # MLA_SPLIT_Q (versions 2 and 3; session 31, measured and made the backend's default in session 32): Q may come as two
 # tensors, the 512 latent and the 64 rope channels (mla_decode_fp8_cuda's q_rope=), read at their own strides: no
 # joined copy of Q.
-# MLA_RUNTIME_DIRECT (all versions; session 32, not yet run on a GPU): a graph replay whose run-time split count is
-# 1 writes bf16 out and lse in the split kernel, and the combine leaves them (no fp32 partials of one split).
-# MLA_BF16_PARTIALS (all versions; session 32, not yet run on a GPU): split launches write bf16 partial rows (half the
-# bytes the combine reads); one more rounding, so a ROUNDING_OPTION.
+# MLA_RUNTIME_DIRECT (all versions; session 32): a graph replay whose run-time split count is 1 writes bf16 out and
+# lse in the split kernel, and the combine leaves them (no fp32 partials of one split). H200, session 33: 0.975-1.00x
+# the default build, so off.
+# MLA_BF16_PARTIALS (all versions; session 32): split launches write bf16 partial rows (half the bytes the combine
+# reads); one more rounding, so a ROUNDING_OPTION. H200, session 33: 0.955-0.99x the default build, so off.
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
                   "MLA_PREPASS_Q", "MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT", "MLA_BF16_PARTIALS")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical

@@ -108,20 +108,21 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #ifndef MLA_SPLIT_Q
 #define MLA_SPLIT_Q 0
 #endif
-// Design option MLA_RUNTIME_DIRECT (all versions; session 32, not yet run on a GPU): a CUDA graph's grid is planned
-// for the longest context (several splits), and each replay sets the split count for its lengths (p.splits); where
-// that count is 1, the launch still wrote fp32 partials and the Triton combine merged one split. With the option and
-// p.out set (the launcher passes it only when the graph's output is the kernel's own bf16 out), split 0 then writes
-// bf16 out and lse as an unsplit launch does and the combine returns at once (mla_decode.combine_partials(...,
-// skip_one=True)). E.g. batch 128 x 128 heads at 1k-16k (grid 2 splits, run-time 1): 33.5 MB of partials written and
-// read again per layer, and a launch, are saved.
+// Design option MLA_RUNTIME_DIRECT (all versions; session 32; on the H200 in session 33 0.975-1.00x the default
+// build, so off): a CUDA graph's grid is planned for the longest context (several splits), and each replay sets the
+// split count for its lengths (p.splits); where that count is 1, the launch still wrote fp32 partials and the Triton
+// combine merged one split. With the option and p.out set (the launcher passes it only when the graph's output is
+// the kernel's own bf16 out), split 0 then writes bf16 out and lse as an unsplit launch does and the combine returns
+// at once (mla_decode.combine_partials(..., skip_one=True)). E.g. batch 128 x 128 heads at 1k-16k (grid 2 splits,
+// run-time 1): 33.5 MB of partials written and read again per layer, and a launch, are saved.
 #ifndef MLA_RUNTIME_DIRECT
 #define MLA_RUNTIME_DIRECT 0
 #endif
-// Design option MLA_BF16_PARTIALS (all versions; session 32, not yet run on a GPU): split launches write their
-// normalized partial O rows as bf16 instead of fp32 (lse stays fp32), halving the bytes written by the split kernel
-// and read by the combine (batch 48 x 128 heads x 4 splits: 50 -> 25 MB per layer). The combine reads either; each
-// partial is rounded once more (2^-9 relative), well under the FP8 format's error.
+// Design option MLA_BF16_PARTIALS (all versions; session 32; on the H200 in session 33 0.955-0.99x the default
+// build, so off): split launches write their normalized partial O rows as bf16 instead of fp32 (lse stays fp32),
+// halving the bytes written by the split kernel and read by the combine (batch 48 x 128 heads x 4 splits: 50 -> 25
+// MB per layer). The combine reads either; each partial is rounded once more (2^-9 relative), well under the FP8
+// format's error.
 #ifndef MLA_BF16_PARTIALS
 #define MLA_BF16_PARTIALS 0
 #endif
