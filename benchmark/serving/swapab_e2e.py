@@ -21,7 +21,8 @@ The deadline splits what is left after the layer phase between the arms; later a
 concurrency levels the first one finished, so every number has its pair.
 
 usage: swapab_e2e.py --out DIR [--model /tmp/models/dsv3-ep16-slice] [--deadline-s 360]
-                     [--arms off on forced sbo] [--table FILE] [--concurrency 16 48 128] [--no-layer]
+                     [--arms off on forced moe-only sbo] [--table FILE] [--concurrency 16 48 128] [--no-layer]
+                     [--fp8-gemm-backend triton|deep_gemm]
 """
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-back
 BASE_ENV = {"SGL_KERNEL_FLASHINFER": "0", "SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK": "1",
             "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
 TABLE_ENV = "SGLANG_H20_GEMM_TABLE"
+
+
+def backend_setup(server_args: str, fp8_gemm_backend: str) -> tuple[str, dict]:
+    """(server flags, env) for SGLang's dense block-FP8 linears on `fp8_gemm_backend`: 'triton' (its Triton GEMM,
+    DeepGEMM's JIT off) or 'deep_gemm' (DeepGEMM's fp8_gemm_nt, the JIT on: what SGLang picks by default on Hopper
+    when DeepGEMM is installed). The flag in `server_args` is replaced, or added."""
+    flags = shlex.split(server_args)
+    if "--fp8-gemm-backend" in flags:
+        i = flags.index("--fp8-gemm-backend")
+        del flags[i:i + 2]
+    flags += ["--fp8-gemm-backend", fp8_gemm_backend]
+    return shlex.join(flags), {**BASE_ENV, "SGLANG_ENABLE_JIT_DEEPGEMM": "1" if fp8_gemm_backend == "deep_gemm" else "0"}
 LAYER_TOKENS = [1, 4, 8, 16, 32, 64]
 DECODE_M = [1, 2, 4, 8, 16, 32, 64]  # with the 2x rule: ours up to 128 tokens per expert
 
@@ -159,7 +172,7 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
     out.mkdir(parents=True, exist_ok=True)
     log = out / "server.log"
     results = {}
-    with Server(args.model, shlex.split(args.server_args), log, env={**BASE_ENV, **env}, port=port) as srv:
+    with Server(args.model, shlex.split(args.server_args), log, env={**args.base_env, **env}, port=port) as srv:
         start_s = srv.start_s
         top = max(levels)
         srv.bench(out / "warmup.jsonl", num_prompts=top, input_len=args.input_len, output_len=16,
@@ -226,6 +239,9 @@ def main() -> int:
     ap.add_argument("--server-args", default=SERVER_ARGS,
                     help="flags of every server, one string; without a CUDA-graph flag in it, "
                          "--cuda-graph-max-bs <the largest --concurrency> is added (default: %(default)s)")
+    ap.add_argument("--fp8-gemm-backend", choices=["triton", "deep_gemm"], default="triton",
+                    help="SGLang's dense FP8 linears in every server: its Triton GEMM, or DeepGEMM with the JIT on "
+                         "(the dense-linear hook then weighs ours against DeepGEMM; default: %(default)s)")
     ap.add_argument("--deadline-s", type=float, default=360,
                     help="seconds for the whole run, split between the layer phase and the arms "
                          "(default: %(default)s)")
@@ -234,6 +250,7 @@ def main() -> int:
     ap.add_argument("--result", type=Path, help="results JSON (default OUT/swapab_e2e.json)")
     args = ap.parse_args()
     args.server_args = with_mem_fraction(graphs_up_to(args.server_args, max(args.concurrency)))  # H100: 0.88
+    args.server_args, args.base_env = backend_setup(args.server_args, args.fp8_gemm_backend)
     if not (Path(args.model) / "config.json").is_file():
         ap.error(f"--model {args.model}: no config.json there (make one with scripts/make_model.py)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -251,7 +268,8 @@ def main() -> int:
         path = args.out / "layer.json"
         cmd = [sys.executable, __file__, "--model", args.model, "--out", str(args.out), "--layer-only", str(path)]
         try:
-            rc = subprocess.run(cmd, env={**os.environ, **BASE_ENV}, timeout=max(60, args.deadline_s / 3)).returncode
+            rc = subprocess.run(cmd, env={**os.environ, **args.base_env},
+                                timeout=max(60, args.deadline_s / 3)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         layer = json.loads(path.read_text()) if rc == 0 and path.exists() else {"error": f"layer phase rc={rc}"}
@@ -267,7 +285,7 @@ def main() -> int:
     def save(arms) -> dict:
         """The record of the arms run so far, written after each (a run stopped from outside keeps them)."""
         record = {**provenance.record(), "benchmark": "swapab_e2e", "model": args.model, "model_shapes": shapes,
-                  "server_args": args.server_args, "env": BASE_ENV,
+                  "server_args": args.server_args, "env": args.base_env, "fp8_gemm_backend": args.fp8_gemm_backend,
                   "table_on_arm": str(args.table or "plugin default"),
                   "workload": {k: getattr(args, k) for k in ("concurrency", "input_len", "output_len", "waves",
                                                               "min_prompts")},

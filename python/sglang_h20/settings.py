@@ -142,7 +142,9 @@ SWITCHES: tuple[Switch, ...] = (
            "run-time split writes bf16 out itself, no combine) or MLA_BF16_PARTIALS (bf16 partials for the "
            "combine); unknown ones make the backend fall back to Triton with the build's error"),
     Switch("swapab", _parse_bool, "off",
-           "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert"),
+           "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert, and our dense FP8 GEMM under "
+           "SGLang's block-FP8 linears (attention projections, shared expert); each only where this GPU's table has "
+           "ours faster than the kernel it replaces"),
     Switch("sbo", _parse_bool, "off",
            "single-batch overlap on SM90: MoE combine with the down GEMM, shared experts with dispatch; on one "
            "GPU our MoE path serves decode calls of up to 8 tokens per expert (measured faster than upstream's "

@@ -1021,7 +1021,9 @@ def table_from_result(result: dict, results_file: str | None = None, command: st
     """A table (`load_table` format) from one bench_grouped_gemm results object, with its provenance."""
     prov = result.get("provenance") or {}
     return {
-        "gpu": prov.get("gpu"), "measured": True, "date": prov.get("date"),
+        "gpu": prov.get("gpu"), "measured": True,
+        "date": max([prov.get("date") or ""] + [(m.get("provenance") or {}).get("date") or ""
+                                                 for m in result.get("merged_from", [])]) or None,  # the latest run's
         "source": {"benchmark_command": prov.get("command"), "results_file": results_file,
                    "table_command": command, "quick": result.get("quick"),
                    **({"merged_from": result["merged_from"]} if result.get("merged_from") else {})},

@@ -18,3 +18,21 @@ def test_repeated_arms_are_labelled_and_paired():
     assert ratios["sbo#2"]["32"] == {"output_throughput_ratio": 1.2, "median_itl_ratio": 0.75}  # off#2, not off
     assert ratios["forced#3"]["32"]["output_throughput_ratio"] == 2.0  # no off#3: the first off
     assert set(ratios) == {"sbo", "sbo#2", "forced#3"}
+
+
+def test_fp8_gemm_backend_replaces_the_flag_and_sets_deepgemms_jit(tmp_path):
+    flags, env = e2e.backend_setup(e2e.SERVER_ARGS, "deep_gemm")
+    assert flags.count("--fp8-gemm-backend") == 1 and "--fp8-gemm-backend deep_gemm" in flags
+    assert env["SGLANG_ENABLE_JIT_DEEPGEMM"] == "1" and env["SGL_KERNEL_FLASHINFER"] == "0"
+    flags, env = e2e.backend_setup("--load-format dummy", "triton")
+    assert flags == "--load-format dummy --fp8-gemm-backend triton" and env["SGLANG_ENABLE_JIT_DEEPGEMM"] == "0"
+
+
+def test_moe_only_table_drops_the_dense_entries(tmp_path):
+    import json
+
+    src = tmp_path / "t.json"
+    src.write_text(json.dumps({"gpu": "x", "entries": [{"layout": "dense", "m": 1}, {"layout": "masked", "m": 2},
+                                                       {"m": 3}]}))
+    out = json.loads(e2e.without_dense(src, tmp_path).read_text())
+    assert [e["m"] for e in out["entries"]] == [2, 3] and "without its dense-linear entries" in out["derived"]
