@@ -548,8 +548,11 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
     return results
 
 
-DENSE_TUNE = {"swapab": [{"BLOCK_N": bn, "programs_per_sm": pp} for bn in (64, 128) for pp in (1, 2)],
-              "normal": [{"BLOCK_N": 128, "programs_per_sm": 1}]}
+# session 33's run swept BLOCK_N x programs per SM (stages 4) for swapab and the default normal tiles; DeepGEMM stayed
+# ahead from M 64 (grouped_gemm_dense_h200.json), so deeper pipelines and the normal variant's token tile are in too
+DENSE_TUNE = {"swapab": [{"BLOCK_N": bn, "programs_per_sm": pp, "num_stages": st}
+                         for bn in (64, 128) for pp in (1, 2) for st in (4, 6)],
+              "normal": [{"BLOCK_N": 128, "BLOCK_T": bt, "programs_per_sm": 1} for bt in (64, 128)]}
 
 
 def dense_split_ks(kb: int, auto: int) -> list[int]:
