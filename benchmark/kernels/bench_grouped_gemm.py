@@ -550,6 +550,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
 
 # session 33's run swept BLOCK_N x programs per SM (stages 4) for swapab and the default normal tiles; DeepGEMM stayed
 # ahead from M 64 (grouped_gemm_dense_h200.json), so deeper pipelines and the normal variant's token tile are in too
+# (+ the best config's k-slices summed by the last slice instead of a reduce kernel, config serial_reduce)
 DENSE_TUNE = {"swapab": [{"BLOCK_N": bn, "programs_per_sm": pp, "num_stages": st}
                          for bn in (64, 128) for pp in (1, 2) for st in (4, 6)],
               "normal": [{"BLOCK_N": 128, "BLOCK_T": bt, "programs_per_sm": 1} for bt in (64, 128)]}
@@ -584,7 +585,6 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
     for variant in ("swapab", "normal"):
         if f"ours-{variant}" not in args.providers:
             continue
-        _, auto_cfg, auto_k = gg.plan_fp8_gemm_nt(m, n, k, variant, num_sms=sms)
         configs = [None]
         if args.tune:
             for over in DENSE_TUNE[variant]:
@@ -592,7 +592,10 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
                 configs += [{**over, "split_k": d} for d in dense_split_ks(k // 128, sk)]
         best, trials = None, []
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        for over in configs:
+        tried = 0
+        while tried < len(configs):
+            over = configs[tried]
+            tried += 1
             if best is not None and time_up():
                 print(f"  ours-{variant} dense: deadline, tuned {len(trials)} of {len(configs)} configs",
                       file=sys.stderr)
@@ -607,6 +610,8 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
             trials.append({"config": over, "us": round(us, 3)})
             if best is None or us < best[0]:
                 best = (us, {**cfg, "split_k": sk}, out.clone())
+            if args.tune and tried == len(configs) and best[1]["split_k"] > 1 and not best[1].get("serial_reduce"):
+                configs.append({**{kk: best[1][kk] for kk in gg.TILE_KEYS if kk in best[1]}, "serial_reduce": True})
         if best is None:
             unavailable[f"ours-{variant}-dense"] = "every config failed (see stderr)"
             continue

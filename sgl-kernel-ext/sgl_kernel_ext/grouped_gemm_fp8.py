@@ -36,7 +36,11 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     in fp32 (b_scale is one scalar per step when BLOCK_N <= 128, a per-column vector for 256).
     Out-of-range tokens / weight rows load as 0 (and scale 0), stores are masked.
   * SPLIT_K > 1 (dense small-M GEMMs with too few tiles to fill the GPU): each k-slice writes fp32
-    partials to a workspace, `_splitk_reduce_kernel` sums them into bf16 for valid rows only.
+    partials to a workspace, `_splitk_reduce_kernel` sums them into bf16 for valid rows only. Config
+    "serial_reduce" (session 33, not yet measured): no reduce kernel; after its partial store (CTA barrier)
+    each k-slice counts itself on the output tile with acq_rel, and the one that completes the count sums
+    the slices in the same order (bit-equal), stores bf16 and zeroes the counter: one launch less per
+    GEMM, the sum done while other tiles still stream (per-stream counters, `_fixup_counters`).
   * signal (masked / contiguous, SPLIT_K = 1; single-batch overlap, `sgl_kernel_ext.sbo`): after a
     tile's store, a CTA barrier, then one atomic +1 with release semantics on signal[g, token tile],
     so a consumer that reads ceil(N / BLOCK_N) there with acquire sees every row of that token tile.
@@ -335,6 +339,7 @@ def _fp8_grouped_gemm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
     COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True, COMBINE_DEFER: tl.constexpr = False,
     COMBINE_TAIL: tl.constexpr = False, NUM_TOKENS=0, MAX_SPIN=0, INTERPRET: tl.constexpr = False,
+    fix_ptr=None, SERIAL_REDUCE: tl.constexpr = False,
 ):
     KB_PER_SPLIT: tl.constexpr = K // 128 // SPLIT_K
 
@@ -390,8 +395,20 @@ def _fp8_grouped_gemm_kernel(
                                   sem="release")
             else:
                 w_rows = g64 * MAX_M + rows  # flat output row (MAX_M = 0 unless masked)
-                w_ptrs = ws_ptr + ks * stride_ws_split + w_rows[:, None] * stride_ws_row + offs_n[None, :]
-                tl.store(w_ptrs, res, mask=o_mask)
+                w_ptrs = ws_ptr + w_rows[:, None] * stride_ws_row + offs_n[None, :]
+                tl.store(w_ptrs + ks * stride_ws_split, res, mask=o_mask)
+                if SERIAL_REDUCE:  # the k-slice that completes this output tile sums them all (no reduce kernel)
+                    tl.debug_barrier()  # the whole CTA's partial stores precede the release below
+                    cnt = fix_ptr + tiles_before // SPLIT_K + rest
+                    arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
+                    if arrived == SPLIT_K - 1:
+                        tl.debug_barrier()  # every thread's loads below follow the acquire
+                        acc = tl.full([BLOCK_T, BLOCK_N], 0.0, tl.float32)
+                        for s in range(SPLIT_K):  # the reduce kernel's order: bit-equal results
+                            acc += tl.load(w_ptrs + s * stride_ws_split, mask=o_mask, other=0.0, cache_modifier=".cg")
+                        o_ptrs = out_ptr + g64 * stride_og + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+                        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+                        tl.atomic_xchg(cnt, 0, sem="relaxed")  # ready for the next launch on this stream
             tile += NUM_PROGRAMS
         tiles_before += group_tiles
     if COMBINE_TAIL:
@@ -970,7 +987,8 @@ def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, gro
 # Building a table from a benchmark run (benchmark/kernels/bench_grouped_gemm.py)
 # ---------------------------------------------------------------------------------------------
 UPSTREAM_PROVIDERS = ("deepgemm", "sglang-triton", "sglang-triton-swapab")  # what SGLang itself runs
-TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat", "tma", "ws", "split_k")
+TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat", "tma", "ws", "split_k",
+             "serial_reduce")
 
 
 def table_entries(points: list[dict]) -> list[dict]:
@@ -1141,6 +1159,27 @@ def _tma_descriptors(a3: torch.Tensor, b: torch.Tensor, block_t: int, block_n: i
             TensorDescriptor.from_tensor(views[1], [block_n, SCALE_BLOCK]))
 
 
+FIXUP_TILES = 1 << 16  # output tiles one serial-reduce launch may have (split-K runs have a few hundred)
+_fixup_buffers: dict = {}  # (device, stream) -> int32 counters, all zero between launches; never freed (graphs)
+
+
+def _fixup_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """This stream's per-output-tile arrival counters for a serial-reduce split-K launch (config "serial_reduce"),
+    or None (then the reduce kernel runs): more tiles than FIXUP_TILES, or a first use inside a CUDA-graph capture,
+    where a new buffer would come from the graph's pool. One buffer per stream: launches on one stream run in order
+    and each leaves its counters at zero; launches on two streams at once never share one."""
+    if tiles > FIXUP_TILES:
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _fixup_buffers.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _fixup_buffers[key] = torch.zeros(FIXUP_TILES, dtype=torch.int32, device=device)
+    return buf
+
+
 def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, m_dense=0,
             max_m=0, upper_tiles_t, variant, cfg, split_k, signal=None, num_sms=None,
             combine: EpilogueCombine | None = None):
@@ -1159,12 +1198,15 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     upper = max(1, upper_tiles_t * triton.cdiv(n, bn) * split_k)
     num_programs = min(upper, num_sms * cfg.get("programs_per_sm", 1))
     dummy = indptr if indptr is not None else masked_m if masked_m is not None else b_scale
+    fix = None
     if split_k > 1:
         if not out.is_contiguous():
             raise ValueError("split_k > 1 needs a contiguous out")
         rows_flat = out.numel() // n
         ws = torch.empty(split_k, rows_flat, n, dtype=torch.float32, device=a.device)
         ws_strides = (ws.stride(0), ws.stride(1))
+        if cfg.get("serial_reduce") and signal is None and combine is None:
+            fix = _fixup_counters(a.device, upper // split_k)
     else:
         ws, ws_strides = out, (0, 0)
     if signal is not None:
@@ -1244,11 +1286,12 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     kw = dict(G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
               HAS_SIGNAL=signal is not None, **combine_kw, COMBINE_TAIL=tail,
               NUM_TOKENS=combine.out.shape[0] if tail else 0, MAX_SPIN=TAIL_MAX_SPIN, INTERPRET=_interpreting(),
+              **({"fix_ptr": fix, "SERIAL_REDUCE": True} if fix is not None else {}),
               num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     if tail and not _interpreting():  # the tail's wait needs every program resident at once
         num_programs = pos[11] = min(num_programs, _resident_programs(_fp8_grouped_gemm_kernel, pos, kw, a.device))
     _fp8_grouped_gemm_kernel[(num_programs,)](*pos, **kw)
-    if split_k > 1:
+    if split_k > 1 and fix is None:
         block = 256
         _splitk_reduce_kernel[(rows_flat, triton.cdiv(n, block))](
             ws, out, indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,

@@ -116,6 +116,44 @@ def test_dense_shapes(mods, shape):
             check(out, ref, f"dense {shape} m={m} {variant}")
 
 
+@pytest.mark.parametrize("shape", list(DENSE_SHAPES))
+def test_serial_reduce_equals_the_reduce_kernel_under_stress_and_graphs(mods, shape):
+    """Config serial_reduce (the last k-slice sums the tile): bit-equal to the reduce kernel's output for 200 fresh
+    inputs in a row at M in {1, 37} and 2-8 k-slices (a lost or early arrival shows as a mismatch or NaN), then in a
+    CUDA graph replayed on new inputs (counters left at zero by every launch)."""
+    gg, quant = mods
+    n, k = DENSE_SHAPES[shape]
+    b, b_s = quantized_weights(quant, 1, n, k, seed=n + 1)
+    b, b_s = b[0], b_s[0]
+    kb = k // 128
+    for m in (1, 37):
+        for split_k in sorted({d for d in (2, 4, 8) if kb % d == 0 and kb // d >= 2}):
+            cfg = {"BLOCK_N": 64, "serial_reduce": True}
+            for i in range(200 if split_k == 2 else 40):
+                a, a_s = quantized_acts(quant, (m, k), seed=1000 * split_k + i)
+                two = gg.fp8_gemm_nt(a, a_s, b, b_s, variant="swapab", split_k=split_k, config={"BLOCK_N": 64})
+                one = gg.fp8_gemm_nt(a, a_s, b, b_s, variant="swapab", split_k=split_k, config=cfg)
+                assert torch.equal(one.view(torch.int16), two.view(torch.int16)), (shape, m, split_k, i)
+            a, a_s = quantized_acts(quant, (m, k), seed=7)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(stream):
+                gg.fp8_gemm_nt(a, a_s, b, b_s, out=out, variant="swapab", split_k=split_k, config=cfg)
+                with torch.cuda.graph(graph, stream=stream):
+                    gg.fp8_gemm_nt(a, a_s, b, b_s, out=out, variant="swapab", split_k=split_k, config=cfg)
+            torch.cuda.current_stream().wait_stream(stream)
+            for seed in (8, 9, 10):
+                a2, a2_s = quantized_acts(quant, (m, k), seed=seed)
+                a.copy_(a2), a_s.copy_(a2_s)
+                graph.replay()
+                torch.cuda.synchronize()
+                ref = gg.fp8_gemm_nt(a, a_s, b, b_s, variant="swapab", split_k=split_k, config={"BLOCK_N": 64})
+                assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), (shape, m, split_k, "graph", seed)
+    assert all(int(buf.count_nonzero()) == 0 for buf in gg._fixup_buffers.values())
+
+
 def test_silu_mul_quant(mods):
     gg, quant = mods
     for rows in (1, 37, 256):
