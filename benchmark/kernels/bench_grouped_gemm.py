@@ -649,6 +649,7 @@ def write_table(result: dict, out: Path, results_file: str | None) -> None:
     table = gg.table_from_result(result, results_file, " ".join(["python", *sys.argv]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
+    gg.forget_tables()
     wins = sum(e["best"] != "upstream" for e in table["entries"])
     print(f"wrote {out}: {len(table['entries'])} entries, ours best at {wins} ({table['gpu']})")
 

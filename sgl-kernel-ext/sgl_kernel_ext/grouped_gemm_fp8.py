@@ -118,6 +118,7 @@ import importlib.util
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -804,14 +805,45 @@ def user_table_path(gpu_name: str) -> Path:
     return Path(root) / "sglang_h20" / f"grouped_gemm_{_gpu_key(gpu_name)}.json"
 
 
-def find_table(gpu_name: str) -> Path | None:
-    """The table file in force: the override if set (even if missing), else this user's re-tune,
-    else the shipped one; None if none exists."""
-    if os.environ.get("SGLANG_H20_GEMM_TABLE"):
+TABLE_RECHECK_S = 1.0  # how long a found table file (and its mtime) is trusted before the files are looked at again
+_found: dict = {}  # (gpu, override, cache root) -> (monotonic time, path or None, mtime)
+
+
+def forget_tables() -> None:
+    """Look at the table files again on the next call (after writing one, or in tests)."""
+    _found.clear()
+    _lookup_cached.cache_clear()
+
+
+def _find(gpu_name: str) -> tuple[Path | None, float]:
+    """(file in force, its mtime), from a cache of TABLE_RECHECK_S: each GEMM call of a server asks, and two
+    stat calls per call cost more host time than the launch (~50-140 us with the lookup)."""
+    key = (gpu_name, os.environ.get("SGLANG_H20_GEMM_TABLE"), os.environ.get("XDG_CACHE_HOME"),
+           os.environ.get("HOME"))
+    hit = _found.get(key)
+    now = time.monotonic()
+    if hit is not None and now - hit[0] < TABLE_RECHECK_S:
+        return hit[1], hit[2]
+    if key[1]:
         candidates = [table_path(gpu_name)]
     else:
         candidates = [user_table_path(gpu_name), table_path(gpu_name)]
-    return next((p for p in candidates if p.exists()), None)
+    path, mtime = None, 0.0
+    for p in candidates:
+        try:
+            mtime = p.stat().st_mtime
+        except OSError:
+            continue
+        path = p
+        break
+    _found[key] = (now, path, mtime)
+    return path, mtime
+
+
+def find_table(gpu_name: str) -> Path | None:
+    """The table file in force: the override if set (even if missing), else this user's re-tune,
+    else the shipped one; None if none exists (looked at again at most every TABLE_RECHECK_S)."""
+    return _find(gpu_name)[0]
 
 
 @functools.lru_cache(maxsize=16)
@@ -847,16 +879,22 @@ def load_table(gpu_name: str) -> dict | None:
       python benchmark/kernels/bench_grouped_gemm.py --tune       -> user_table_path(<this GPU>)
       python benchmark/kernels/bench_grouped_gemm.py --table-from RESULTS.json --table-out FILE
     """
-    path = find_table(gpu_name)
+    path, mtime = _find(gpu_name)
     if path is None:
         return None
-    return _load_table_cached(str(path), path.stat().st_mtime)
+    return _load_table_cached(str(path), mtime)
 
 
 def _lookup(m: int, n: int, k: int, groups: int, gpu_name: str, layout: str | None) -> dict | None:
-    table = load_table(gpu_name)
-    if table is None:
+    path, mtime = _find(gpu_name)
+    if path is None:
         return None
+    return _lookup_cached(str(path), mtime, m, n, k, groups, layout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup_cached(path: str, mtime: float, m: int, n: int, k: int, groups: int, layout: str | None) -> dict | None:
+    table = _load_table_cached(path, mtime)
     same = [e for e in table["entries"] if e["n"] == n and e["k"] == k
             and (layout is None or e.get("layout") in (None, layout))]
     if not same:

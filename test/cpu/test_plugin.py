@@ -241,7 +241,7 @@ def test_doctor_names_the_tables_and_kernel_of_this_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 140.0))
     text = "\n".join(doctor.tables_and_kernels())
     assert "mha_mla_h200.json, measured on NVIDIA H200" in text and "calibrate mha-mla" in text
-    assert "grouped_gemm_h200.json, measured on NVIDIA H200 (2026-11-30)" in text and "--tune" in text
+    assert "grouped_gemm_h200.json, measured on NVIDIA H200 (2026-12-03)" in text and "--tune" in text  # its latest run
     assert "FP8 MLA decode" in text
     monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA B200", (10, 0), 180.0))
     text = "\n".join(doctor.tables_and_kernels())

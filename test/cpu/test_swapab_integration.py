@@ -501,6 +501,12 @@ def test_user_retune_comes_before_the_shipped_table(monkeypatch, tmp_path):
     assert user == tmp_path / "cache" / "sglang_h20" / "grouped_gemm_h200.json"
     user.parent.mkdir(parents=True)
     write_table(user, tiny_entries(), gpu="NVIDIA H200")
+    # a process looks at the files again after TABLE_RECHECK_S (each GEMM call asks), or at once when told to
+    assert gg.find_table("NVIDIA H200") == gg.table_path("NVIDIA H200")
+    monkeypatch.setattr(gg, "TABLE_RECHECK_S", 0.0)
+    assert gg.find_table("NVIDIA H200") == user
+    monkeypatch.setattr(gg, "TABLE_RECHECK_S", 60.0)
+    gg.forget_tables()
     assert gg.find_table("NVIDIA H200") == user and gg.load_table("NVIDIA H200")["path"] == str(user)
     assert gg.find_table("NVIDIA H20") is None and gg.load_table("NVIDIA H20") is None  # nothing shipped for H20
 

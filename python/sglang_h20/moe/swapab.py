@@ -60,6 +60,9 @@ _note = OnceLog(log, "swapab: upstream for ")  # each reason for going upstream,
 
 def reset() -> None:
     """Forget cached decisions and logged reasons (tests, or after writing a new table)."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    gg.forget_tables()
     _note.clear()
     plan_moe.cache_clear()
     _masked_choice.cache_clear()
