@@ -84,6 +84,7 @@ import triton.language as tl
 
 from sgl_kernel_ext import grouped_gemm_fp8 as gg
 from sgl_kernel_ext import sbo
+from sgl_kernel_ext.hostmath import cdiv
 from sgl_kernel_ext.quant import _interpreting
 from sgl_kernel_ext.sbo import MoeLayout
 
@@ -106,7 +107,7 @@ def ep_buffers(world: int, capacity: int, hidden: int, device, partial_dtype=tor
     if partial_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"partial_dtype must be float32 or bfloat16, got {partial_dtype}")
     return EpBuffers(torch.zeros(world, capacity, hidden, dtype=partial_dtype, device=device),
-                     torch.zeros(capacity, triton.cdiv(hidden, COUNT_BLOCK_N), dtype=torch.int32, device=device),
+                     torch.zeros(capacity, cdiv(hidden, COUNT_BLOCK_N), dtype=torch.int32, device=device),
                      torch.zeros(1, dtype=torch.int32, device=device))
 
 
@@ -337,7 +338,7 @@ def symmetric_ep_buffers(world: int, capacity: int, hidden: int, group, device,
     import torch.distributed._symmetric_memory as symm_mem
 
     recv = symm_mem.empty(world, capacity, hidden, dtype=partial_dtype, device=device).zero_()
-    arrivals = symm_mem.empty(capacity, triton.cdiv(hidden, COUNT_BLOCK_N), dtype=torch.int32, device=device).zero_()
+    arrivals = symm_mem.empty(capacity, cdiv(hidden, COUNT_BLOCK_N), dtype=torch.int32, device=device).zero_()
     handles = tuple(symm_mem.rendezvous(t, group) for t in (recv, arrivals))
     if handles[0].world_size != world:
         raise ValueError(f"group has {handles[0].world_size} ranks, world is {world}")
@@ -393,24 +394,24 @@ def ep_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tensor
         p = t * k
         lay = "masked" if layout.masked else "contiguous"
         sms = gg._device_sms(q)
-        m_hint = expected_m if expected_m is not None else max(1, triton.cdiv(p, max(1, g_experts)))
+        m_hint = expected_m if expected_m is not None else max(1, cdiv(p, max(1, g_experts)))
         variant, cfg = gg.resolve_config(variant, config, m_hint, hdim, inter, g_experts, lay, sms)
         cfg = {**cfg, "BLOCK_N": COUNT_BLOCK_N}  # the owners' count grid
         bt, bn = cfg["BLOCK_T"], cfg["BLOCK_N"]
         if y is None:
             shape = (g_experts, layout.max_m, hdim) if layout.masked else (q.shape[0], hdim)
             y = torch.empty(shape, dtype=torch.bfloat16, device=dev)
-        n_tiles = triton.cdiv(hdim, bn)
+        n_tiles = cdiv(hdim, bn)
         lcnt = torch.zeros(t, n_tiles, dtype=torch.int32, device=dev)
         if layout.masked:
             q3, s3, y3 = q, q_scale, y
-            upper_t = g_experts * triton.cdiv(layout.max_m, bt)
+            upper_t = g_experts * cdiv(layout.max_m, bt)
             gstr = (q3.stride(0), s3.stride(0), y3.stride(0))
         else:
             q3, s3, y3 = q.unsqueeze(0), q_scale.unsqueeze(0), y.unsqueeze(0)
             upper_t = q.shape[0] // bt + min(g_experts, q.shape[0])
             gstr = (0, 0, 0)
-        empty_items = triton.cdiv(t, bt)
+        empty_items = cdiv(t, bt)
         num_programs = max(1, min(upper_t * n_tiles + empty_items, sms * cfg.get("programs_per_sm", 1)))
         ip = layout.m_indptr if layout.m_indptr is not None else layout.masked_m
         flat = bool(cfg.get("flat"))  # the flattened, pipelined walk (grouped_gemm_fp8 config "flat"; "tma")
@@ -445,11 +446,11 @@ def ep_finish(own: EpBuffers, out: torch.Tensor, *, world: int, max_spin: int = 
     cap = own.recv.shape[1]
     if own.recv.shape != (world, cap, hdim) or t > cap or out.stride(1) != 1 or out.dtype != torch.bfloat16:
         raise ValueError(f"out bf16 [{t}, {hdim}] does not fit recv {tuple(own.recv.shape)} (world {world})")
-    if own.arrivals.shape != (cap, triton.cdiv(hdim, COUNT_BLOCK_N)):
-        raise ValueError(f"arrivals {tuple(own.arrivals.shape)} should be [{cap}, {triton.cdiv(hdim, COUNT_BLOCK_N)}]")
+    if own.arrivals.shape != (cap, cdiv(hdim, COUNT_BLOCK_N)):
+        raise ValueError(f"arrivals {tuple(own.arrivals.shape)} should be [{cap}, {cdiv(hdim, COUNT_BLOCK_N)}]")
     if t == 0:
         return out
-    grid = (triton.cdiv(t, FINISH_BLOCK_T), triton.cdiv(hdim, COUNT_BLOCK_N))
+    grid = (cdiv(t, FINISH_BLOCK_T), cdiv(hdim, COUNT_BLOCK_N))
     _ep_finish_kernel[grid](own.recv, own.arrivals, out, own.status, t, cap, hdim, max_spin, out.stride(0),
                             WORLD=world, BLOCK_T=FINISH_BLOCK_T, BLOCK_N=COUNT_BLOCK_N,
                             SLEEP_NS=0 if _interpreting() else int(spin_sleep_ns), num_warps=4)

@@ -131,6 +131,7 @@ try:  # host-side TMA descriptors (triton >= 3.3); config "tma" falls back to po
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
+from sgl_kernel_ext.hostmath import cdiv
 from sgl_kernel_ext.quant import _interpreting, dequant_per_block, dequant_per_token_group
 
 FP8 = torch.float8_e4m3fn
@@ -764,7 +765,7 @@ def heuristic_config(variant: str, m: int, n: int, k: int, groups: int, num_sms:
     """
     if variant == "swapab":
         bt = 16 if m <= 16 else 32 if m <= 32 else 64
-        tiles128 = groups * triton.cdiv(max(m, 1), bt) * triton.cdiv(n, 128)
+        tiles128 = groups * cdiv(max(m, 1), bt) * cdiv(n, 128)
         bn = 128 if tiles128 >= num_sms else 64
         return {"BLOCK_N": bn, "BLOCK_T": bt, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2}
     if variant == "normal":
@@ -806,7 +807,7 @@ def user_table_path(gpu_name: str) -> Path:
 
 
 TABLE_RECHECK_S = 1.0  # how long a found table file (and its mtime) is trusted before the files are looked at again
-_found: dict = {}  # (gpu, override, cache root) -> (monotonic time, path or None, mtime)
+_found: dict = {}  # (gpu, SGLANG_H20_GEMM_TABLE) -> (monotonic time, path or None, mtime)
 
 
 def forget_tables() -> None:
@@ -816,18 +817,15 @@ def forget_tables() -> None:
 
 
 def _find(gpu_name: str) -> tuple[Path | None, float]:
-    """(file in force, its mtime), from a cache of TABLE_RECHECK_S: each GEMM call of a server asks, and two
-    stat calls per call cost more host time than the launch (~50-140 us with the lookup)."""
-    key = (gpu_name, os.environ.get("SGLANG_H20_GEMM_TABLE"), os.environ.get("XDG_CACHE_HOME"),
-           os.environ.get("HOME"))
-    hit = _found.get(key)
+    """(file in force, its mtime), from a cache of TABLE_RECHECK_S: each GEMM call of a server asks, and the
+    environment reads and two stat calls per call cost more host time than the launch (~140 us with the lookup,
+    here). A new SGLANG_H20_GEMM_TABLE counts at once; a new cache root (XDG_CACHE_HOME, HOME) with the files."""
     now = time.monotonic()
+    override = os.environ.get("SGLANG_H20_GEMM_TABLE")
+    hit = _found.get((gpu_name, override))
     if hit is not None and now - hit[0] < TABLE_RECHECK_S:
         return hit[1], hit[2]
-    if key[1]:
-        candidates = [table_path(gpu_name)]
-    else:
-        candidates = [user_table_path(gpu_name), table_path(gpu_name)]
+    candidates = [table_path(gpu_name)] if override else [user_table_path(gpu_name), table_path(gpu_name)]
     path, mtime = None, 0.0
     for p in candidates:
         try:
@@ -836,7 +834,7 @@ def _find(gpu_name: str) -> tuple[Path | None, float]:
             continue
         path = p
         break
-    _found[key] = (now, path, mtime)
+    _found[(gpu_name, override)] = (now, path, mtime)
     return path, mtime
 
 
@@ -1103,7 +1101,7 @@ def _check_operands(a, a_scale, b, b_scale, rows_dims: int):
         raise ValueError(f"K must match and be a multiple of {SCALE_BLOCK}: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if tuple(a_scale.shape) != (*a.shape[:rows_dims], k // SCALE_BLOCK):
         raise ValueError(f"a_scale {tuple(a_scale.shape)} does not match a {tuple(a.shape)} (1x128 groups)")
-    want = (*b.shape[:-2], triton.cdiv(b.shape[-2], SCALE_BLOCK), k // SCALE_BLOCK)
+    want = (*b.shape[:-2], cdiv(b.shape[-2], SCALE_BLOCK), k // SCALE_BLOCK)
     if tuple(b_scale.shape) != want:
         raise ValueError(f"b_scale {tuple(b_scale.shape)} should be {want} (128x128 blocks)")
 
@@ -1128,7 +1126,7 @@ def _check_combine(c: EpilogueCombine, n: int, block_n: int, split_k: int, signa
     if c.tail and c.defer:
         raise ValueError("combine: tail and defer are two forms, pick one")
     t = c.out.shape[0]
-    tiles = triton.cdiv(n, block_n)
+    tiles = cdiv(n, block_n)
     if c.top_k < 1 or c.weights.numel() != t * c.top_k:
         raise ValueError(f"combine: weights has {c.weights.numel()} entries, want tokens {t} x top_k {c.top_k}")
     if c.out.shape != (t, n) or c.out.stride(1) != 1:
@@ -1233,7 +1231,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     group_strides = layout == LAYOUT_MASKED
     sa_g = (a3.stride(0), s3.stride(0), o3.stride(0)) if group_strides else (0, 0, 0)
     num_sms = _device_sms(a) if num_sms is None else num_sms
-    upper = max(1, upper_tiles_t * triton.cdiv(n, bn) * split_k)
+    upper = max(1, upper_tiles_t * cdiv(n, bn) * split_k)
     num_programs = min(upper, num_sms * cfg.get("programs_per_sm", 1))
     dummy = indptr if indptr is not None else masked_m if masked_m is not None else b_scale
     fix = None
@@ -1261,7 +1259,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         cmb = (dummy, dummy, dummy, dummy, dummy, 1.0, 0)
     defer = combine is not None and combine.defer
     tail = combine is not None and combine.tail
-    dfr_cap = triton.cdiv(upper, num_programs) * bt if defer else 0  # a program's tiles x rows, at most
+    dfr_cap = cdiv(upper, num_programs) * bt if defer else 0  # a program's tiles x rows, at most
     dfr = torch.empty(num_programs * dfr_cap, dtype=torch.int32, device=a.device) if defer else dummy
     combine_kw = dict(COMBINE_TOPK=combine.top_k if combine is not None else 0,
                       COMBINE_GATHER=combine is None or not combine.counts_only, COMBINE_DEFER=defer)
@@ -1272,7 +1270,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             raise ValueError("config ws_split: Triton 3.6's warp-specialized loop never completed on the H200 in 5 of "
                              "6 cases (benchmark/results/swapab/probe_ws_walk*_h200.json); set SGLANG_H20_WS_SPLIT=1 "
                              "to run it anyway (probe_ws_walk.py does, each case under a timeout)")
-        t_max = triton.cdiv(max_m if layout == LAYOUT_MASKED else a3.shape[1], bt)  # a group's token tiles, at most
+        t_max = cdiv(max_m if layout == LAYOUT_MASKED else a3.shape[1], bt)  # a group's token tiles, at most
         upper_t = max(1, min(upper_tiles_t, groups * t_max))
         buf = torch.empty(3 * upper_t + 1, dtype=torch.int32, device=a.device)
         tile_map, count = buf[:-1], buf[-1:]
@@ -1331,7 +1329,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     _fp8_grouped_gemm_kernel[(num_programs,)](*pos, **kw)
     if split_k > 1 and fix is None:
         block = 256
-        _splitk_reduce_kernel[(rows_flat, triton.cdiv(n, block))](
+        _splitk_reduce_kernel[(rows_flat, cdiv(n, block))](
             ws, out, indptr if indptr is not None else dummy, masked_m if masked_m is not None else dummy,
             n, max(max_m, 1), ws.stride(0), ws.stride(1), n,
             G=groups, LAYOUT=layout, SPLIT_K=split_k, BLOCK=block, num_warps=4,
@@ -1362,7 +1360,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: 
         out = torch.empty(m_total, n, dtype=torch.bfloat16, device=a.device)
     if m_total == 0 or groups == 0:
         return out
-    m_hint = triton.cdiv(m_total, groups)
+    m_hint = cdiv(m_total, groups)
     variant, cfg = _resolve(variant, config, m_hint, n, k, groups, _device_sms(a), "contiguous")
     # sum_g ceil(m_g / BT) <= M_total / BT + (number of non-empty groups)
     upper_t = m_total // cfg["BLOCK_T"] + min(groups, m_total)
@@ -1406,7 +1404,7 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
         return out
     m_hint = expected_m if expected_m is not None else max_m
     variant, cfg = _resolve(variant, config, m_hint, n, k, groups, _device_sms(a), "masked")
-    upper_t = groups * triton.cdiv(max_m, cfg["BLOCK_T"])
+    upper_t = groups * cdiv(max_m, cfg["BLOCK_T"])
     return _launch(LAYOUT_MASKED, a, a_scale, b, b_scale, out, masked_m=masked_m, max_m=max_m,
                    upper_tiles_t=upper_t, variant=variant, cfg=cfg, split_k=split_k, signal=signal,
                    num_sms=num_sms, combine=combine)
@@ -1429,7 +1427,7 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
         return out
     variant, cfg, split_k = plan_fp8_gemm_nt(m, n, k, variant, config, split_k, _device_sms(a))
     return _launch(LAYOUT_DENSE, a, a_scale, b.unsqueeze(0), b_scale.unsqueeze(0), out, m_dense=m,
-                   upper_tiles_t=triton.cdiv(m, cfg["BLOCK_T"]), variant=variant, cfg=cfg, split_k=split_k)
+                   upper_tiles_t=cdiv(m, cfg["BLOCK_T"]), variant=variant, cfg=cfg, split_k=split_k)
 
 
 def m_grouped_fp8_gemm_nt_aligned(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
@@ -1466,7 +1464,7 @@ def m_grouped_fp8_gemm_nt_aligned(a: torch.Tensor, a_scale: torch.Tensor, b: tor
         return out
     cfg = {**heuristic_config(variant, block_t, n, k, groups), **(config or {}), "BLOCK_T": block_t}
     bn = cfg["BLOCK_N"]
-    upper = triton.cdiv(sorted_token_ids.numel(), block_t) * triton.cdiv(n, bn)
+    upper = cdiv(sorted_token_ids.numel(), block_t) * cdiv(n, bn)
     num_programs = max(1, min(upper, _device_sms(a) * cfg.get("programs_per_sm", 1)))
     _fp8_moe_aligned_kernel[(num_programs,)](
         a, a_scale, b, b_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -1498,7 +1496,7 @@ def plan_fp8_gemm_nt(m: int, n: int, k: int, variant: str = "auto", config: dict
     if split_k is None:
         split_k = cfg.get("split_k")  # a tuned table entry's k-slices
     if split_k is None:
-        tiles = triton.cdiv(m, cfg["BLOCK_T"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        tiles = cdiv(m, cfg["BLOCK_T"]) * cdiv(n, cfg["BLOCK_N"])
         split_k = _pick_split_k(tiles, k // SCALE_BLOCK, num_sms * cfg.get("programs_per_sm", 1))
     return variant, cfg, split_k
 

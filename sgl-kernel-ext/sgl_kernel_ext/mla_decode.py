@@ -93,6 +93,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel_ext.hostmath import cdiv
+
 __all__ = [
     "FP8_MAX", "KV_LORA_RANK", "ROPE_DIM", "HEAD_DIM_QK", "NUM_KV_SCALES", "KV_BYTES_PER_TOKEN",
     "MLADecodeMetadata", "get_mla_decode_metadata", "mla_decode_fp8",
@@ -241,7 +243,7 @@ def store_kv_fp8(kv_fp8: torch.Tensor, kv_scales: torch.Tensor, loc: torch.Tenso
     assert latent.shape[-1] in (KV_LORA_RANK, HEAD_DIM_QK) and rope.shape == (n, ROPE_DIM), (latent.shape, rope.shape)
     assert latent.stride(-1) == 1 and rope.stride(-1) == 1 and rope.dtype == latent.dtype
     assert data.stride(-1) == 1 and scales.stride(-1) == 1
-    _quant_rows_kernel[(triton.cdiv(n, QUANT_ROWS_PER_PROGRAM),)](
+    _quant_rows_kernel[(cdiv(n, QUANT_ROWS_PER_PROGRAM),)](
         latent, rope, loc, data, scales, n, latent.stride(0), rope.stride(0), 0, 0, data.shape[1],
         data.stride(0), data.stride(1), scales.stride(0), scales.stride(1),
         PAGED=True, BLOCK_N=QUANT_ROWS_PER_PROGRAM, INTERPRET=_INTERPRETED, num_warps=4)
@@ -254,7 +256,7 @@ def _quantize_q(q: torch.Tensor):
     q8 = torch.empty((n, HEAD_DIM_QK), dtype=FP8_DTYPE, device=q.device)
     qs = torch.empty((n, NUM_KV_SCALES), dtype=torch.float32, device=q.device)
     if n:
-        _quant_rows_kernel[(triton.cdiv(n, QUANT_ROWS_PER_PROGRAM),)](
+        _quant_rows_kernel[(cdiv(n, QUANT_ROWS_PER_PROGRAM),)](
             x, x[:, KV_LORA_RANK:], x, q8, qs, n, x.stride(0), x.stride(0), q8.stride(0), qs.stride(0), 1, 0, 0, 0, 0,
             PAGED=False, BLOCK_N=QUANT_ROWS_PER_PROGRAM, INTERPRET=_INTERPRETED, num_warps=4)
     return q8, qs
@@ -329,13 +331,13 @@ def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: 
     rows = num_heads * q_len
     num_sm = num_sm or _default_num_sm()
     batch = cache_seqlens.numel()
-    row_blocks = triton.cdiv(rows, block_h)
+    row_blocks = cdiv(rows, block_h)
     if max_seqlen is None:
         max_seqlen = int(cache_seqlens.max().item()) if batch else 1
     max_seqlen = max(int(max_seqlen), 1)
-    useful = triton.cdiv(max_seqlen, max(min_split_tokens, block_n))
+    useful = cdiv(max_seqlen, max(min_split_tokens, block_n))
     programs = max(batch * row_blocks * (KV_LORA_RANK // block_v), 1)
-    want = triton.cdiv(int(math.ceil(waves * num_sm)), programs)
+    want = cdiv(int(math.ceil(waves * num_sm)), programs)
     num_splits = max(1, min(want, useful, max_splits))
     return MLADecodeMetadata(num_splits=num_splits, block_h=block_h, block_n=block_n, block_v=block_v,
                              num_warps=num_warps, num_stages=num_stages, num_row_blocks=row_blocks, num_sm=num_sm,
@@ -592,7 +594,7 @@ def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: in
     indexes it at each replay."""
     lens = torch.ones(max(batch, 1), dtype=torch.int32)
     lut = [get_mla_decode_metadata(lens, num_heads, q_len, num_sm, max_seqlen=max(t, 1) * page, **plan_kw).num_splits
-           for t in range(triton.cdiv(max(int(max_seqlen), 1), page) + 1)]
+           for t in range(cdiv(max(int(max_seqlen), 1), page) + 1)]
     return torch.tensor(lut, dtype=torch.int32, device=device or "cpu")
 
 
@@ -652,7 +654,7 @@ def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_s
     assert cache_seqlens.numel() == B
     block_table, cache_seqlens, metadata, out, lse = decode_args(q, block_table, cache_seqlens, metadata, out)
     rows = q_len * H
-    assert metadata.num_row_blocks == triton.cdiv(rows, metadata.block_h), "metadata is for another heads x q_len"
+    assert metadata.num_row_blocks == cdiv(rows, metadata.block_h), "metadata is for another heads x q_len"
     assert page_size % metadata.block_n == 0, f"block_n {metadata.block_n} must divide the page size {page_size}"
     S = metadata.num_splits
     if B == 0:
@@ -768,7 +770,7 @@ def make_mla_inputs(cache_seqlens, num_heads: int, q_len: int = 1, page_size: in
     seqlens = [int(x) for x in (cache_seqlens.tolist() if torch.is_tensor(cache_seqlens) else cache_seqlens)]
     B = len(seqlens)
     g = torch.Generator(device=device).manual_seed(seed)
-    pages_per = [triton.cdiv(max(n, 1), page_size) for n in seqlens]
+    pages_per = [cdiv(max(n, 1), page_size) for n in seqlens]
     max_pages = max(pages_per) if B else 1
     num_pages = sum(pages_per) + extra_pages + 1  # + the poison page
     dev = torch.device(device)

@@ -43,9 +43,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-import triton
 
 from . import mla_decode as _triton_mla
+from .hostmath import cdiv
 from .mla_decode import (
     HEAD_DIM_QK, KV_LORA_RANK, LOG2E, NUM_KV_SCALES, MLADecodeMetadata, _cache_views, _quantize_q, decode_args,
 )
@@ -279,7 +279,7 @@ def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: 
         max_seqlen = int(cache_seqlens.max().item()) if cache_seqlens.numel() else 1
     base = _triton_mla.get_mla_decode_metadata(cache_seqlens, num_heads, q_len, num_sm, max_seqlen=max_seqlen,
                                                block_h=ROWS_PER_CTA, block_n=PAGE_SIZE)
-    tiles = triton.cdiv(max(int(max_seqlen), 1), PAGE_SIZE)
+    tiles = cdiv(max(int(max_seqlen), 1), PAGE_SIZE)
     programs = max(cache_seqlens.numel() * base.num_row_blocks, 1)
     top = max(1, min(max_splits, tiles // MIN_SPLIT_TILES))
     best = min(range(1, top + 1), key=lambda s: (split_cost(programs, tiles, s, base.num_sm), s))
@@ -297,7 +297,7 @@ def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: in
                                                num_sm, max_seqlen=PAGE_SIZE, block_h=ROWS_PER_CTA,
                                                block_n=PAGE_SIZE)
     programs = max(batch * base.num_row_blocks, 1)
-    tiles = torch.arange(triton.cdiv(max(int(max_seqlen), 1), PAGE_SIZE) + 1, dtype=torch.int64).clamp_(min=1)
+    tiles = torch.arange(cdiv(max(int(max_seqlen), 1), PAGE_SIZE) + 1, dtype=torch.int64).clamp_(min=1)
     splits = torch.arange(1, max_splits + 1, dtype=torch.int64)
     cost = split_cost(programs, tiles[:, None], splits[None, :], base.num_sm)
     top = (tiles // MIN_SPLIT_TILES).clamp_(1, max_splits)

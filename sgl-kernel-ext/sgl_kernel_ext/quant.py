@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel_ext.hostmath import cdiv
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448.0
 EPS = 1e-10
@@ -55,7 +57,7 @@ def per_block_quant_fp8(w: torch.Tensor, block: int = 128, eps: float = EPS,
     Edge blocks (N or K not a multiple of `block`) take the amax of their real elements only.
     """
     *lead, n, k = w.shape
-    nb, kb = triton.cdiv(n, block), triton.cdiv(k, block)
+    nb, kb = cdiv(n, block), cdiv(k, block)
     wp = torch.zeros(*lead, nb * block, kb * block, dtype=torch.float32, device=w.device)
     wp[..., :n, :k] = w.float()
     wb = wp.reshape(*lead, nb, block, kb, block)
@@ -172,7 +174,7 @@ def silu_mul_quant_fp8(x: torch.Tensor, group: int = 128, masked_m: torch.Tensor
     if rows == 0 or ngroups == 0:
         return q, s
     gpp = min(triton.next_power_of_2(groups_per_program), triton.next_power_of_2(inter // group))
-    grid = (rows, triton.cdiv(inter // group, gpp), ngroups)
+    grid = (rows, cdiv(inter // group, gpp), ngroups)
     _silu_mul_quant_kernel[grid](
         x3, q3, s3, masked_m if masked_m is not None else x3,
         *x3.stride(), *q3.stride(), *s3.stride(),

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel_ext import grouped_gemm_fp8 as gg
+from sgl_kernel_ext.hostmath import cdiv
 from sgl_kernel_ext.quant import EPS, FP8, _interpreting, _max_combine, _round_to_e4m3_grid
 
 DEFAULT_MAX_SPIN = 1 << 20  # polls of one unit's counts before giving up (~0.5-1 s; a real down GEMM takes < 1 ms)
@@ -246,7 +247,7 @@ def quant_dispatch(x: torch.Tensor, layout: MoeLayout, group: int = 128,
     if t and p:
         xs = x.contiguous()
         gpp = min(triton.next_power_of_2(groups_per_program), triton.next_power_of_2(h // group))
-        _quant_dispatch_kernel[(t, triton.cdiv(h // group, gpp))](
+        _quant_dispatch_kernel[(t, cdiv(h // group, gpp))](
             xs, q, sc, layout.row_of_pair, h, EPS, TOPK=layout.top_k, GROUP=group, GROUPS_PER_PROG=gpp,
             EXACT_ROUND=_interpreting(), num_warps=4)
     if layout.masked:
@@ -385,7 +386,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 def _chunks(h: int, block_h: int) -> tuple[int, int]:
     """(BLOCK_H, number of H-chunks) the kernel uses for hidden size h."""
     bh = min(block_h, triton.next_power_of_2(h))
-    return bh, triton.cdiv(h, bh)
+    return bh, cdiv(h, bh)
 
 
 class Workspace(NamedTuple):
@@ -404,7 +405,7 @@ def workspace(layout: MoeLayout, num_tokens: int, hidden: int, block_t: int, dev
     """The combine's accumulator, counts, signals and status in one int32 buffer (acc first: 16-byte aligned
     for vector atomics). zero=False leaves zeroing to the caller (`moe_down_and_combine` splits it over
     its two streams)."""
-    tiles = triton.cdiv(layout.max_m, block_t)
+    tiles = cdiv(layout.max_m, block_t)
     n_acc, n_cnt, n_sig = num_tokens * hidden, num_tokens * _chunks(hidden, block_h)[1], layout.num_experts * tiles
     buf = (torch.zeros if zero else torch.empty)(n_acc + n_cnt + n_sig + 1, dtype=torch.int32, device=device)
     return Workspace(buf[:n_acc].view(torch.float32).view(num_tokens, hidden),
@@ -446,11 +447,11 @@ def combine(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Tensor, out:
         raise ValueError(f"acc must be contiguous fp32 [{t}, {h}], got {acc.dtype} {tuple(acc.shape)}")
     if counters.shape != (t, nc) or counters.dtype != torch.int32 or not counters.is_contiguous():
         raise ValueError(f"counters must be contiguous int32 [{t}, {nc}], got {counters.dtype} {tuple(counters.shape)}")
-    sig_stride = triton.cdiv(layout.max_m, block_t)
+    sig_stride = cdiv(layout.max_m, block_t)
     if signal is not None and tuple(signal.shape) != (layout.num_experts, sig_stride):
         raise ValueError(f"signal {tuple(signal.shape)} should be [{layout.num_experts}, {sig_stride}]")
     p = t * k
-    units = triton.cdiv(p, block_r) * nc
+    units = cdiv(p, block_r) * nc
     if num_programs is None:
         num_programs = _num_sms(dev) * 2
     num_programs = max(1, min(num_programs, units))
@@ -504,7 +505,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     if num_tokens == 0:
         return out
     p = num_tokens * layout.top_k
-    m_hint = expected_m if expected_m is not None else max(1, triton.cdiv(p, min(e, p)))
+    m_hint = expected_m if expected_m is not None else max(1, cdiv(p, min(e, p)))
     lay = "masked" if layout.masked else "contiguous"
     sms = _num_sms(q.device)
     variant, cfg = gg.resolve_config(variant, config, m_hint, hdim, inter, e, lay, sms)
@@ -513,7 +514,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
         shape = (e, layout.max_m, hdim) if layout.masked else (p, hdim)
         y = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
     if fused:
-        shape = (gg.TAIL_COUNTERS,) if tail else (num_tokens, triton.cdiv(hdim, bn))
+        shape = (gg.TAIL_COUNTERS,) if tail else (num_tokens, cdiv(hdim, bn))
         counters = torch.zeros(shape, dtype=torch.int32, device=q.device)
         cmb = gg.EpilogueCombine(layout.pair_of_row, layout.row_of_pair, topk_weights.reshape(-1), counters, out,
                                  layout.top_k, weight_scale, counts_only, defer, tail)
@@ -547,7 +548,7 @@ def moe_down_and_combine(q: torch.Tensor, q_scale: torch.Tensor, w2: torch.Tenso
     gemm(ws.signal, None if colocate else sms - budget)  # first, so it never waits behind a spinning consumer
     with torch.cuda.stream(side):
         ws.combine_part.zero_()  # acc + counts, beside the GEMM's first tiles
-        combine(y, layout, topk_weights, out, signal=ws.signal, expect=triton.cdiv(hdim, bn),
+        combine(y, layout, topk_weights, out, signal=ws.signal, expect=cdiv(hdim, bn),
                 num_programs=budget, spin_sleep_ns=spin_sleep_ns, **common)
     main.wait_stream(side)
     return out

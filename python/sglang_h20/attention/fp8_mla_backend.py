@@ -44,7 +44,7 @@ import os
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
-import triton
+from sgl_kernel_ext.hostmath import cdiv
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_h20.features import Hook
@@ -521,7 +521,7 @@ class FP8MLABackend(AttentionBackend):
             cpu = forward_batch.seq_lens_cpu
             max_len = int(cpu[:bs].max()) if cpu is not None else self.max_context_len
             seqlens = forward_batch.seq_lens[:bs].to(torch.int32)
-            block_table = self._block_table(forward_batch.req_pool_indices[:bs], triton.cdiv(max_len, self.page_size))
+            block_table = self._block_table(forward_batch.req_pool_indices[:bs], cdiv(max_len, self.page_size))
             self.decode = DecodeMeta(block_table, seqlens, self._plan(seqlens, max_len))
         elif mode.is_target_verify() or mode.is_draft_extend_v2():
             raise NotImplementedError(f"{NAME}: speculative decoding is not supported (refused at startup)")
@@ -550,7 +550,7 @@ class FP8MLABackend(AttentionBackend):
     # ---- CUDA graphs (decode) ------------------------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        pages = triton.cdiv(self.max_context_len, self.page_size)
+        pages = cdiv(self.max_context_len, self.page_size)
         self._graph_block_table = torch.zeros((max_bs, pages), dtype=torch.int32, device=self.device)
         self._graph_seqlens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_plans = {}
