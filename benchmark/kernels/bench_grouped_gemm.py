@@ -144,6 +144,8 @@ def parse_args(argv=None):
     ap.add_argument("--dense-shapes", nargs="+", choices=sorted(DENSE_SHAPES), default=list(DENSE_SHAPES),
                     help="which dense linears (default: all)")
     ap.add_argument("--dense-m", nargs="+", type=int, help=f"dense rows M (default {DENSE_M})")
+    ap.add_argument("--precompile-workers", type=int, default=0, metavar="N",
+                    help="compile the dense sweep's kernels in N processes before timing (0: as they come)")
     ap.add_argument("--groups", nargs="+", type=int, help=f"experts per GPU (default {GROUPS})")
     ap.add_argument("--tokens", nargs="+", type=int, help=f"tokens per expert (default {TOKENS})")
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS), metavar="PROVIDER",
@@ -562,6 +564,57 @@ def dense_split_ks(kb: int, auto: int) -> list[int]:
     return sorted({d for d in (auto // 2, auto, auto * 2) if d >= 1 and kb % d == 0 and kb // d >= 4} | {auto})
 
 
+def dense_configs(variant: str, m: int, n: int, k: int, tune: bool, sms: int) -> list[dict | None]:
+    """What one dense point times for `variant`: the default (None), and with `tune` DENSE_TUNE × dense_split_ks."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    configs = [None]
+    if tune:
+        for over in DENSE_TUNE[variant]:
+            _, _, sk = gg.plan_fp8_gemm_nt(m, n, k, variant, config=over, num_sms=sms)
+            configs += [{**over, "split_k": d} for d in dense_split_ks(k // 128, sk)]
+    return configs
+
+
+def _compile_dense(jobs: list[tuple]) -> list[str]:
+    """Worker process: run each (shape, m, variant, config) once on junk operands of the real shapes, so that
+    Triton's on-disk cache holds every kernel the timing process will ask for. Returns the failures."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    failed = []
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter (tests)
+    for shape, m, variant, cfg in jobs:
+        try:
+            n, k = DENSE_SHAPES[shape]
+            a = torch.zeros(m, k, device=dev).to(torch.float8_e4m3fn)
+            b = torch.zeros(n, k, device=dev).to(torch.float8_e4m3fn)
+            gg.fp8_gemm_nt(a, torch.ones(m, k // 128, device=dev), b, torch.ones(-(-n // 128), k // 128, device=dev),
+                           variant=variant, config=cfg)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # the timing process meets it again and reports it there
+            failed.append(f"{shape} m={m} {variant} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+    return failed
+
+
+def precompile_dense(args, points: list[tuple[str, int]], workers: int) -> None:
+    """Compile every dense kernel of the sweep in `workers` processes first (the Triton cache is shared on disk):
+    a --tune sweep compiles ~100+ kernels of ~1-2 s each, which one process would do one after the other."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    jobs = [(shape, m, variant, cfg) for m, shape in points for variant in ("swapab", "normal")
+            if f"ours-{variant}" in args.providers
+            for cfg in dense_configs(variant, m, *DENSE_SHAPES[shape], args.tune, sms)]
+    t0 = time.monotonic()
+    chunks = [jobs[i::workers] for i in range(workers)]
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        failed = [f for part in ex.map(_compile_dense, chunks) for f in part]
+    print(f"precompiled {len(jobs)} dense kernels in {workers} processes: {time.monotonic() - t0:.0f} s"
+          f"{f', {len(failed)} failed (first: {failed[0]})' if failed else ''}", flush=True)
+
+
 def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
     """Every provider at one dense linear; with --tune, ours over DENSE_TUNE × dense_split_ks."""
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
@@ -585,11 +638,7 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
     for variant in ("swapab", "normal"):
         if f"ours-{variant}" not in args.providers:
             continue
-        configs = [None]
-        if args.tune:
-            for over in DENSE_TUNE[variant]:
-                _, cfg, sk = gg.plan_fp8_gemm_nt(m, n, k, variant, config=over, num_sms=sms)
-                configs += [{**over, "split_k": d} for d in dense_split_ks(k // 128, sk)]
+        configs = dense_configs(variant, m, n, k, args.tune, sms)
         best, trials = None, []
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         tried = 0
@@ -789,6 +838,9 @@ def main(argv=None) -> int:
         annotate_size_matched(points, peak, args.rep_ms)
         checkpoint()
     if "dense" in args.shapes:
+        if args.precompile_workers > 0:
+            precompile_dense(args, [(m, shape) for m in dense_m for shape in args.dense_shapes],
+                             args.precompile_workers)
         for m in dense_m:  # shapes innermost: a deadline cuts the largest M of every shape alike
             for shape in args.dense_shapes:
                 if in_time(f"{shape} m{m}"):

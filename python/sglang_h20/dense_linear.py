@@ -18,6 +18,7 @@ formats, non-bf16) stay upstream; each reason is logged once.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 import torch
@@ -76,8 +77,6 @@ def unsupported(input, weight, block_size, weight_scale, input_scale, bias) -> s
 
 def dense_linear(input, weight, weight_scale, choice) -> torch.Tensor:
     """out[..., N] = input[..., K] @ weight[N, K]^T in bf16: upstream's 1x128 quant, then our GEMM."""
-    import importlib
-
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     k = weight.shape[1]

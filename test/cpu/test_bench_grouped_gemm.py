@@ -82,3 +82,15 @@ def test_dense_split_k_candidates_divide_k_and_keep_four_blocks():
     assert bench.dense_split_ks(128, 1) == [1, 2]
     for kb, auto in ((16, 2), (128, 16), (56, 7)):
         assert all(kb % d == 0 and kb // d >= 4 for d in bench.dense_split_ks(kb, auto))
+
+
+def test_dense_configs_and_the_precompile_worker(monkeypatch):
+    """The configs one dense point times (default first; --tune adds the grid x k-slices, each valid), and the
+    precompile worker: runs each job once, reports a failing config instead of raising."""
+    assert bench.dense_configs("swapab", 8, 2112, 7168, False, 132) == [None]
+    tuned = bench.dense_configs("swapab", 8, 2112, 7168, True, 132)
+    assert tuned[0] is None and len(tuned) > len(bench.DENSE_TUNE["swapab"])
+    assert all(56 % c["split_k"] == 0 for c in tuned[1:])
+    monkeypatch.setitem(bench.DENSE_SHAPES, "tiny", (128, 256))
+    failed = bench._compile_dense([("tiny", 2, "swapab", None), ("tiny", 2, "swapab", {"BLOCK_N": 96})])
+    assert len(failed) == 1 and "BLOCK_N" in failed[0] and "tiny m=2 swapab" in failed[0]
