@@ -58,7 +58,10 @@ def backend_setup(server_args: str, fp8_gemm_backend: str) -> tuple[str, dict]:
         i = flags.index("--fp8-gemm-backend")
         del flags[i:i + 2]
     flags += ["--fp8-gemm-backend", fp8_gemm_backend]
-    return shlex.join(flags), {**BASE_ENV, "SGLANG_ENABLE_JIT_DEEPGEMM": "1" if fp8_gemm_backend == "deep_gemm" else "0"}
+    jit = "1" if fp8_gemm_backend == "deep_gemm" else "0"
+    return shlex.join(flags), {**BASE_ENV, "SGLANG_ENABLE_JIT_DEEPGEMM": jit}
+
+
 LAYER_TOKENS = [1, 4, 8, 16, 32, 64]
 DECODE_M = [1, 2, 4, 8, 16, 32, 64]  # with the 2x rule: ours up to 128 tokens per expert
 

@@ -952,11 +952,16 @@ def entry_best(entry: dict, against: str | None = None) -> str:
     if upstream_us is None:
         return entry["best"]
     times = {v: t for v, t in (entry.get("us") or {}).items() if v in VARIANTS}
-    times["upstream"] = upstream_us
-    best = min(times, key=lambda v: (times[v], v != "upstream"))  # a tie is upstream's
-    uneven = entry.get("us_uneven") or {}
-    if best != "upstream" and "upstream" in uneven and uneven.get(best, math.inf) >= uneven["upstream"]:
-        best = "upstream"  # the uneven draw's upstream is the fastest provider: a conservative check
+    # the uneven draw's "upstream" is its fastest provider: a conservative check for `against`
+    return _fastest({**times, "upstream": upstream_us}, entry.get("us_uneven"))
+
+
+def _fastest(us: dict, uneven: dict | None) -> str:
+    """'swapab' | 'normal' | 'upstream': the fastest in `us` (a tie is upstream's); ours only if it is also faster
+    than upstream on the uneven draw, where one was measured."""
+    best = min(us, key=lambda v: (us[v], v != "upstream"))
+    if best != "upstream" and uneven and "upstream" in uneven and uneven.get(best, math.inf) >= uneven["upstream"]:
+        return "upstream"
     return best
 
 
@@ -1059,10 +1064,7 @@ def table_entries(points: list[dict]) -> list[dict]:
         uni, uneven = slot.get("uniform"), slot.get("uneven")
         if uni is None or "upstream" not in uni["us"]:
             continue
-        best = min(uni["us"], key=lambda v: (uni["us"][v], v != "upstream"))  # a tie is upstream's
-        if best != "upstream" and uneven and "upstream" in uneven["us"]:
-            if uneven["us"].get(best, math.inf) >= uneven["us"]["upstream"]:
-                best = "upstream"
+        best = _fastest(uni["us"], uneven and uneven["us"])
         e = {"n": n, "k": k, "groups": groups, "m": m, "layout": layout, "best": best, "us": uni["us"],
              "upstream_us_by_provider": uni["by"], "config": uni["config"]}
         if uneven:

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 from sgl_kernel_ext.quant import dequant_per_block, dequant_per_token_group, per_block_quant_fp8  # noqa: E402
 from sgl_kernel_ext.quant import per_token_group_quant_fp8 as exact_quant  # noqa: E402
-from sglang_h20 import compat, dense_linear  # noqa: E402
+from sglang_h20 import dense_linear  # noqa: E402
 from sglang_h20.moe import swapab  # noqa: E402
 from sglang_h20.settings import Settings  # noqa: E402
 
@@ -73,13 +73,11 @@ def rel(a, b):
 
 
 def test_hook_targets_resolve_and_take_upstreams_parameters():
+    from hook_checks import assert_hook_takes_upstreams_parameters
+
     for target, hook in ((dense_linear.TRITON_LINEAR, dense_linear.triton_linear_hook),
                          (dense_linear.DEEPGEMM_LINEAR, dense_linear.deepgemm_linear_hook)):
-        assert compat.check_target(target) == (True, target)
-        module, _, name = target.rpartition(".")
-        up = inspect.signature(getattr(importlib.import_module(module), name)).parameters
-        ours = list(inspect.signature(hook).parameters.values())[1:]  # after `original`
-        assert [(p.name, p.default) for p in ours] == [(p.name, p.default) for p in up.values()], target
+        assert_hook_takes_upstreams_parameters(target, hook)
     # upstream's dispatcher looks the backends up by these names when a layer is built
     src = inspect.getsource(importlib.import_module(dense_linear.FP8_UTILS)._dispatch_explicit_backend)
     assert "return triton_w8a8_block_fp8_linear" in src
