@@ -576,6 +576,17 @@ def dense_configs(variant: str, m: int, n: int, k: int, tune: bool, sms: int) ->
     return configs
 
 
+def with_serial_reduce_retry(configs: list, best_config):
+    """`configs`, then once: the best one's tiles with serial_reduce, when that best (best_config(), read only after
+    `configs` ran) splits K without it. Once, not until it wins: a losing retry must not be retried."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    yield from configs
+    best = best_config()
+    if best is not None and best["split_k"] > 1 and not best.get("serial_reduce"):
+        yield {**{key: best[key] for key in gg.TILE_KEYS if key in best}, "serial_reduce": True}
+
+
 def _compile_dense(jobs: list[tuple]) -> list[str]:
     """Worker process: run each (shape, m, variant, config) once on junk operands of the real shapes, so that
     Triton's on-disk cache holds every kernel the timing process will ask for. Returns the failures."""
@@ -641,10 +652,8 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
         configs = dense_configs(variant, m, n, k, args.tune, sms)
         best, trials = None, []
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        tried = 0
-        while tried < len(configs):
-            over = configs[tried]
-            tried += 1
+        order = with_serial_reduce_retry(configs, lambda: best and best[1]) if args.tune else configs
+        for over in order:
             if best is not None and time_up():
                 print(f"  ours-{variant} dense: deadline, tuned {len(trials)} of {len(configs)} configs",
                       file=sys.stderr)
@@ -659,8 +668,6 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
             trials.append({"config": over, "us": round(us, 3)})
             if best is None or us < best[0]:
                 best = (us, {**cfg, "split_k": sk}, out.clone())
-            if args.tune and tried == len(configs) and best[1]["split_k"] > 1 and not best[1].get("serial_reduce"):
-                configs.append({**{kk: best[1][kk] for kk in gg.TILE_KEYS if kk in best[1]}, "serial_reduce": True})
         if best is None:
             unavailable[f"ours-{variant}-dense"] = "every config failed (see stderr)"
             continue

@@ -94,3 +94,18 @@ def test_dense_configs_and_the_precompile_worker(monkeypatch):
     monkeypatch.setitem(bench.DENSE_SHAPES, "tiny", (128, 256))
     failed = bench._compile_dense([("tiny", 2, "swapab", None), ("tiny", 2, "swapab", {"BLOCK_N": 96})])
     assert len(failed) == 1 and "BLOCK_N" in failed[0] and "tiny m=2 swapab" in failed[0]
+
+
+def test_the_serial_reduce_retry_comes_once_and_only_after_a_split_k_best():
+    """The retry is read lazily after the grid, and a losing retry ends the sweep (it once looped to the deadline)."""
+    grid = [None, {"BLOCK_N": 64, "split_k": 4}]
+    best = {"BLOCK_N": 64, "BLOCK_T": 32, "split_k": 4, "serial_reduce": False, "num_stages": 4}
+    state = {"best": None}
+    order = bench.with_serial_reduce_retry(grid, lambda: state["best"])
+    assert [next(order), next(order)] == grid
+    state["best"] = best  # what the timing loop found meanwhile
+    retry = list(order)
+    assert retry == [{**best, "serial_reduce": True}]
+    assert list(bench.with_serial_reduce_retry(grid, lambda: {**best, "split_k": 1})) == grid
+    assert list(bench.with_serial_reduce_retry(grid, lambda: {**best, "serial_reduce": True})) == grid
+    assert list(bench.with_serial_reduce_retry(grid, lambda: None)) == grid
