@@ -45,11 +45,18 @@ Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_
   layer_ours_tail_grid  that with the gate_up GEMM on one program per tile (programs_per_sm 32: the hardware
                       places its tiles, as upstream's grid does, instead of a static stride over 2 per SM)
   layer_ours_tail_sq  layer_ours_tail with fused_quant=False: SGLang's quant, then the rows placed (before 2026-12-01)
-  X+shared_beside     (--shared; X = layer_upstream, layer_ours_tail, layer_ours_tail_grid) the shared
-                      expert (SGLang's block-FP8 Triton linears) on a side stream beside X, as upstream's
-                      forward_normal_dual_stream runs in the decode CUDA graphs: a persistent grid whose programs
-                      must all be resident meets SMs taken by it
-  X+shared_serial     the shared expert, then X, on one stream
+  X+F_beside          (--shared; X = layer_upstream, layer_ours_tail, layer_ours_tail_grid) the shared
+                      expert in form F on a side stream beside X, as upstream's forward_normal_dual_stream runs in
+                      the decode CUDA graphs: a persistent grid whose programs must all be resident meets SMs taken
+                      by it. F = shared (SGLang's block-FP8 Triton linears: the switch off), ours_shared (our quant
+                      and dense GEMMs: what the swapAB switch serves), ours_shared[C] (those GEMMs on C SMs' worth of
+                      programs, --shared-sms: the rest stays free for X)
+  X+F_serial          the shared expert, then X, on one stream (X = layer_upstream, layer_ours_serial,
+                      layer_ours_tail; uncapped F)
+  F_alone, layer_combine_alone  the shared expert alone; the combine alone (top-k weighted sum of finished rows)
+  hidden_pct          per ours X+F_beside: the share of (combine + shared expert) time hidden,
+                      100 * (layer_ours_serial+F_serial - X+F_beside) / (layer_combine_alone + F_alone)
+                      (the issue's target: >= 80%)
 (upstream needs SGLang's global server args: --model PATH gives a config dir, else a dummy attempt;
 a failure is recorded under "unavailable", never dropped silently).
 
@@ -76,7 +83,6 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
 
 BATCHES = [8, 16, 32, 56, 64]
 BUDGETS = [4, 8, 16]
-SHARED_ARMS = ("layer_upstream", "layer_ours_tail", "layer_ours_tail_grid")  # --shared
 H, I, TOPK, SHARED_I = 7168, 2048, 8, 2048
 
 
@@ -98,7 +104,10 @@ def parse_args(argv):
     ap.add_argument("--layer-only", action="store_true", help="only the whole-layer comparison (no kernel arms)")
     ap.add_argument("--shared", action="store_true",
                     help="layer arms with the shared expert beside (side stream, as upstream's decode graphs run it) "
-                         "and before the routed experts (+shared_beside, +shared_serial)")
+                         "and before the routed experts, on SGLang's linears and on ours; the combine alone; the share "
+                         "of (combine + shared expert) hidden")
+    ap.add_argument("--shared-sms", type=int, nargs="+", default=[16, 32], metavar="C",
+                    help="with --shared: also our shared expert capped at C SMs' worth of programs (default: %(default)s)")
     return ap.parse_args(argv)
 
 
@@ -133,15 +142,8 @@ def main(argv=None) -> int:
     e = args.experts
     g = torch.Generator(device=dev).manual_seed(0)
     w2q, w2s = quant_weights(torch, e, H, I, g)
-    sh1q, sh1s = quant.per_block_quant_fp8(torch.randn(2 * SHARED_I, H, device=dev, generator=g) * 0.02, 128)
-    sh2q, sh2s = quant.per_block_quant_fp8(torch.randn(H, SHARED_I, device=dev, generator=g) * 0.02, 128)
+    shared_expert = our_shared_expert(shared_weights(torch, g))
     shared_stream = torch.cuda.Stream()
-
-    def shared_expert(x):
-        a, s = quant.per_token_group_quant_fp8(x, 128)
-        h = gg.fp8_gemm_nt(a, s, sh1q, sh1s)
-        q, qs = quant.silu_mul_quant_fp8(h)
-        return gg.fp8_gemm_nt(q, qs, sh2q, sh2s)
 
     points, summary = [], {}
     for t in ([] if args.layer_only else args.batches):
@@ -337,7 +339,11 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(1)
     w1, w1s = quant_weights(torch, e, 2 * I, H, g)
     w2, w2s = quant_weights(torch, e, H, I, g)
-    shared = upstream_shared_expert(torch, g) if args.shared else None
+    shared = None
+    if args.shared:
+        weights = shared_weights(torch, g)
+        shared = {"shared": upstream_shared_expert(weights), "ours_shared": our_shared_expert(weights),
+                  **{f"ours_shared[{c}]": our_shared_expert(weights, c) for c in args.shared_sms}}
     rows = []
     for t in args.batches:
         x0 = torch.randn(t, H, device="cuda", generator=g).to(torch.bfloat16)
@@ -369,6 +375,9 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
             arms["layer_upstream"] = up
         if args.shared:
             arms.update(shared_arms(torch, arms, x0, shared))
+            layout, y = sbo.build_layout(ids, e), torch.randn(t * TOPK, H, device="cuda", generator=g).to(torch.bfloat16)
+            combined = torch.empty_like(x0)
+            arms["layer_combine_alone"] = lambda: sbo.combine(y, layout, w, combined, weight_scale=2.5)
         row = {"batch": t, "experts": e}
         outs = {}
         for name, fn in arms.items():
@@ -393,23 +402,33 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
             a, b = outs["layer_ours_overlap"].float(), outs["layer_upstream"].float()
             row["rel_diff_vs_upstream"] = float((a - b).norm() / b.norm())
         up_beside = row.get("layer_upstream+shared_beside_us")
-        for name in SHARED_ARMS[1:]:
+        for name in BESIDE_ARMS[1:]:
             if up_beside and row.get(f"{name}+shared_beside_us"):  # what the decode graphs run: upstream / ours
                 row[f"{name[len('layer_'):]}_beside_vs_upstream"] = up_beside / row[f"{name}+shared_beside_us"]
+        if args.shared:
+            row["hidden_pct"] = hidden_shares(row)
+            print(f"layer batch {t}: share of (combine + shared expert) hidden, %: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in row["hidden_pct"].items()), flush=True)
         print("layer", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         rows.append(row)
     return rows
 
 
-def upstream_shared_expert(torch, g):
-    """DeepSeek-V3's shared expert as the server runs it with --fp8-gemm-backend triton: SGLang's block-FP8 linear
-    (its quant + w8a8 Triton matmul) for gate_up 7168 -> 4096 and down 2048 -> 7168, SiLU * up between."""
-    from sglang.srt.layers.quantization.fp8_utils import triton_w8a8_block_fp8_linear
-
+def shared_weights(torch, g):
+    """DeepSeek-V3's shared expert, FP8 with 128x128 block scales: (gate_up [4096, 7168], down [7168, 2048])."""
     from sgl_kernel_ext import quant
 
-    w13, s13 = quant.per_block_quant_fp8(torch.randn(2 * SHARED_I, H, device="cuda", generator=g) * 0.02, 128)
-    w2, s2 = quant.per_block_quant_fp8(torch.randn(H, SHARED_I, device="cuda", generator=g) * 0.02, 128)
+    return (quant.per_block_quant_fp8(torch.randn(2 * SHARED_I, H, device="cuda", generator=g) * 0.02, 128),
+            quant.per_block_quant_fp8(torch.randn(H, SHARED_I, device="cuda", generator=g) * 0.02, 128))
+
+
+def upstream_shared_expert(weights):
+    """The shared expert as the server runs it with --fp8-gemm-backend triton and the swapAB switch off: SGLang's
+    block-FP8 linear (its quant + w8a8 Triton matmul) for gate_up and down, SiLU * up between."""
+    import torch
+    from sglang.srt.layers.quantization.fp8_utils import triton_w8a8_block_fp8_linear
+
+    (w13, s13), (w2, s2) = weights
 
     def forward(x):
         h = triton_w8a8_block_fp8_linear(x, w13, [128, 128], s13)
@@ -418,29 +437,71 @@ def upstream_shared_expert(torch, g):
     return forward
 
 
-def shared_arms(torch, arms, x0, shared) -> dict:
-    """Each of layer_upstream, layer_ours_tail and layer_ours_tail_grid with the shared expert:
-    '+shared_beside' on a side stream forked before the routed experts and joined before the add (what upstream's
-    forward_normal_dual_stream captures in the decode CUDA graphs), '+shared_serial' before them on one stream."""
+def our_shared_expert(weights, num_sms: int | None = None):
+    """The shared expert on our kernels (quant, dense fp8_gemm_nt with the table's tiles, SiLU * up fused with the
+    second quant), as the swapAB switch serves its linears; num_sms caps both GEMMs' persistent grids, so beside the
+    routed experts it takes that many SMs' worth of programs and leaves the rest to them."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import quant
+
+    (w13, s13), (w2, s2) = weights
+
+    def forward(x):
+        a, a_s = quant.per_token_group_quant_fp8(x, 128)
+        q, q_s = quant.silu_mul_quant_fp8(gg.fp8_gemm_nt(a, a_s, w13, s13, num_sms=num_sms))
+        return gg.fp8_gemm_nt(q, q_s, w2, s2, num_sms=num_sms)
+    return forward
+
+
+BESIDE_ARMS = ("layer_upstream", "layer_ours_tail", "layer_ours_tail_grid")  # routed arms the shared expert runs beside
+SERIAL_ARMS = ("layer_upstream", "layer_ours_serial", "layer_ours_tail")  # ... and before, on one stream
+
+
+def shared_arms(torch, arms, x0, shared: dict) -> dict:
+    """The routed arms with each form of the shared expert (shared: SGLang's linears; ours_shared: our dense GEMMs;
+    ours_shared[c]: on c SMs' worth of programs): '<arm>+<form>_beside' on a side stream forked before the routed
+    experts and joined before the add (what upstream's forward_normal_dual_stream captures in the decode CUDA
+    graphs), '<arm>+<form>_serial' (uncapped forms only) before them on one stream, '<form>_alone' by itself."""
     side = torch.cuda.Stream()
     out = {}
-    for name in SHARED_ARMS:
-        if name not in arms:
-            continue
-        routed = arms[name]
+    for form, expert in shared.items():
+        out[form + "_alone"] = lambda expert=expert: expert(x0)
+        for name in BESIDE_ARMS:
+            if name not in arms:
+                continue
 
-        def beside(routed=routed):
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
-            y = routed()
-            with torch.cuda.stream(side):
-                sh = shared(x0)
-            main.wait_stream(side)
-            return y + sh
+            def beside(routed=arms[name], expert=expert):
+                main = torch.cuda.current_stream()
+                side.wait_stream(main)
+                y = routed()
+                with torch.cuda.stream(side):
+                    sh = expert(x0)
+                main.wait_stream(side)
+                return y + sh
 
-        out[name + "+shared_beside"] = beside
-        out[name + "+shared_serial"] = lambda routed=routed: shared(x0) + routed()
+            out[f"{name}+{form}_beside"] = beside
+        for name in SERIAL_ARMS if "[" not in form else ():
+            if name in arms:
+                out[f"{name}+{form}_serial"] = lambda routed=arms[name], expert=expert: expert(x0) + routed()
     return out
+
+
+def hidden_shares(row: dict) -> dict:
+    """The issue's measure of one GPU's overlap, per '<arm>+<form>_beside' of ours: the share of (combine + shared
+    expert) time hidden, 100 * (nothing overlapped - arm) / (combine alone + shared alone), where nothing overlapped
+    = layer_ours_serial+<form>_serial (shared expert, GEMMs, combine after the down GEMM, one stream) and a capped
+    form is weighed against its uncapped one's time alone."""
+    shares = {}
+    combine = row.get("layer_combine_alone_us")
+    for key, us in row.items():
+        if not (key.startswith("layer_ours_") and key.endswith("_beside_us")) or combine is None:
+            continue
+        form = key[:-len("_beside_us")].split("+", 1)[1]
+        base = form.split("[")[0]
+        serial, alone = row.get(f"layer_ours_serial+{base}_serial_us"), row.get(f"{base}_alone_us")
+        if serial and alone:
+            shares[key[:-len("_us")]] = 100 * (serial - us) / (combine + alone)
+    return shares
 
 
 def plot(summary, budgets, png: Path):

@@ -1414,11 +1414,13 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
 
 def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                 out: torch.Tensor | None = None, variant: str = "auto", config: dict | None = None,
-                split_k: int | None = None) -> torch.Tensor:
+                split_k: int | None = None, num_sms: int | None = None) -> torch.Tensor:
     """Dense out[M, N] = A[M, K] @ B[N, K]^T (bf16), the same kernel with one group.
 
     a_scale [M, K/128], b_scale [ceil(N/128), K/128]. split_k None: automatic (k-slices when the
-    output tiles alone would leave SMs idle, e.g. M = 1..64 with N = 2112).
+    output tiles alone would leave SMs idle, e.g. M = 1..64 with N = 2112). num_sms: the persistent grid
+    spans this many SMs' worth of programs instead of all, so that a kernel beside it (the routed experts beside
+    the shared expert) keeps the rest; the automatic split_k is picked for that grid.
     """
     _check_operands(a, a_scale, b, b_scale, 1)
     m, k = a.shape
@@ -1427,9 +1429,10 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m == 0:
         return out
-    variant, cfg, split_k = plan_fp8_gemm_nt(m, n, k, variant, config, split_k, _device_sms(a))
+    sms = _device_sms(a) if num_sms is None else max(1, min(int(num_sms), _device_sms(a)))
+    variant, cfg, split_k = plan_fp8_gemm_nt(m, n, k, variant, config, split_k, sms)
     return _launch(LAYOUT_DENSE, a, a_scale, b.unsqueeze(0), b_scale.unsqueeze(0), out, m_dense=m,
-                   upper_tiles_t=cdiv(m, cfg["BLOCK_T"]), variant=variant, cfg=cfg, split_k=split_k)
+                   upper_tiles_t=cdiv(m, cfg["BLOCK_T"]), variant=variant, cfg=cfg, split_k=split_k, num_sms=sms)
 
 
 def m_grouped_fp8_gemm_nt_aligned(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,

@@ -296,6 +296,27 @@ def test_fp8_gemm_nt(m, n, split_k, variant):
     assert fresh.dtype == torch.bfloat16 and fresh.shape == (m, n)
 
 
+def test_fp8_gemm_nt_on_fewer_sms(monkeypatch):
+    """num_sms caps the persistent grid (the shared expert beside the routed experts): the launch gets the cap,
+    the automatic k-slices are picked for it, the bits with a fixed split_k equal the full grid's."""
+    m, n, k = 5, 192, 1024
+    a, a_s = activations((m, k), seed=41)
+    b, b_s = per_block_quant_fp8(torch.randn(n, k, generator=gen(42)) * 0.05)
+    seen = []
+    launch = gg._launch
+    monkeypatch.setattr(gg, "_launch", lambda *args, **kw: seen.append(kw["num_sms"]) or launch(*args, **kw))
+    full = gg.fp8_gemm_nt(a, a_s, b, b_s, variant="swapab", split_k=2)
+    for cap in (1, 3, 999):
+        capped = gg.fp8_gemm_nt(a, a_s, b, b_s, variant="swapab", split_k=2, num_sms=cap)
+        assert torch.equal(capped, full), cap
+    auto = gg.fp8_gemm_nt(a, a_s, b, b_s, variant="swapab", config={"BLOCK_N": 64}, num_sms=1)
+    check_rows(auto, gg.grouped_gemm_reference(a, a_s, b, b_s), "dense on one SM")
+    assert seen == [4, 1, 3, 4, 1]  # the interpreter's 4 SMs; a cap above them is no cap
+    # 3 output tiles of 64 columns: 4 SMs' worth of programs want k-slices, one SM's do not
+    assert gg.plan_fp8_gemm_nt(m, n, k, "swapab", {"BLOCK_N": 64}, num_sms=4)[2] == 2
+    assert gg.plan_fp8_gemm_nt(m, n, k, "swapab", {"BLOCK_N": 64}, num_sms=1)[2] == 1
+
+
 def test_column_major_activation_scales():
     """DeepGEMM keeps activation scales MN-major; strides are honoured."""
     a, a_s = activations((20, 256), seed=21)
