@@ -13,10 +13,13 @@ the Triton GEMM under the triton backend, DeepGEMM under deep_gemm) at the neare
 unchanged.
 Ours: upstream's own quant kernel (row-major 1x128 scales), then sgl_kernel_ext.grouped_gemm_fp8.fp8_gemm_nt
 with the table's tiles and k-slices. Calls we cannot serve (pre-quantized input, bias, UE8M0 or other scale
-formats, non-bf16) stay upstream; each reason is logged once.
+formats, non-bf16) stay upstream; each reason is logged once. Inside `sm_budget(n)` our GEMMs span n SMs' worth
+of programs (sglang_h20.moe.sbo caps the shared expert beside the routed experts with it).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import logging
@@ -36,6 +39,18 @@ FP8 = torch.float8_e4m3fn
 log = logging.getLogger("sglang_h20.dense_linear")
 _note = OnceLog(log, "dense linear: upstream for ")
 _gpu: str | None = None  # set by hooks(); None: the table loader asks torch
+_sm_budget: contextvars.ContextVar[int | None] = contextvars.ContextVar("sglang_h20_dense_sm_budget", default=None)
+
+
+@contextlib.contextmanager
+def sm_budget(num_sms: int | None):
+    """Our dense GEMMs issued inside span num_sms SMs' worth of programs (None: every SM). Read when a kernel is
+    launched, so a CUDA graph captured inside keeps the smaller grid."""
+    token = _sm_budget.set(num_sms)
+    try:
+        yield
+    finally:
+        _sm_budget.reset(token)
 
 
 def reset(gpu_name: str | None = None) -> None:
@@ -82,7 +97,8 @@ def dense_linear(input, weight, weight_scale, choice) -> torch.Tensor:
     k = weight.shape[1]
     x = input.reshape(-1, k).contiguous()  # upstream's quant asserts it (a no-op for the usual rows)
     q, scale = importlib.import_module(QUANT_MODULE).per_token_group_quant_fp8(x, 128, column_major_scales=False)
-    out = gg.fp8_gemm_nt(q, scale, weight, weight_scale, variant=choice.best, config=choice.config)
+    out = gg.fp8_gemm_nt(q, scale, weight, weight_scale, variant=choice.best, config=choice.config,
+                         num_sms=_sm_budget.get())
     return out.view(*input.shape[:-1], weight.shape[0])
 
 

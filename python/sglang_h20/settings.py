@@ -149,6 +149,10 @@ SWITCHES: tuple[Switch, ...] = (
            "single-batch overlap on SM90: MoE combine with the down GEMM, shared experts with dispatch; on one "
            "GPU our MoE path serves decode calls of up to 8 tokens per expert (measured faster than upstream's "
            "there), larger ones stay upstream's"),
+    Switch("sbo_shared_sms", _non_negative_int, "0",
+           "with sbo and swapab on: the shared expert, where it runs beside the routed experts on the layer's side "
+           "stream, takes our dense GEMMs on this many SMs' worth of programs, leaving the rest to the routed "
+           "experts' persistent grid (0 = every SM, as upstream); an A/B knob until measured end to end"),
     Switch("eplb", _choice("off", "affinity"), "off",
            "expert placement: 'affinity' = co-activation-aware EPLB with asynchronous migration"),
     Switch("eplb_async", _parse_bool, "off",

@@ -191,6 +191,23 @@ def test_table_entries_from_dense_points_keep_the_k_slices():
     assert entries[64]["best"] == "upstream"
 
 
+def test_sm_budget_reaches_our_gemm_and_ends_with_its_block(table, exact_upstream_quant, monkeypatch):
+    """Inside sm_budget(n) our GEMM gets num_sms=n (the shared expert beside the routed ones), outside it none; the
+    result is the same GEMM's."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    table(config={"BLOCK_N": 64, "split_k": 2})
+    seen, gemm = [], gg.fp8_gemm_nt
+    monkeypatch.setattr(gg, "fp8_gemm_nt", lambda *a, **kw: seen.append(kw.get("num_sms")) or gemm(*a, **kw))
+    x, w, w_s = make(5, 3)
+    free = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
+    with dense_linear.sm_budget(1):
+        capped = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
+    after = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
+    assert seen == [None, 1, None]
+    assert torch.equal(capped, free) and torch.equal(after, free)  # same k-slices: the same bits on fewer programs
+
+
 def test_a_tabled_split_k_is_what_fp8_gemm_nt_runs():
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 

@@ -509,9 +509,43 @@ def test_hooks_only_on_sm90(monkeypatch, caplog):
         targets = [h.target for h in plugin_sbo.hooks(Settings.from_env({"SGLANG_H20_SBO": "on"}))]
         assert not caplog.records  # the cost warning waits until the feature is on ...
         plugin_sbo.enabled(Settings.from_env({"SGLANG_H20_SBO": "on"}))
-    assert targets == list(plugin_sbo.ALL_TARGETS)
+    assert targets == [t for t in plugin_sbo.ALL_TARGETS if t != plugin_sbo.SHARED_EXPERTS]  # no cap asked
     warned = [r for r in caplog.records if "hides 46-58% of the combine" in r.message]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING  # on SM90 the measured cost is said once
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_h20.sbo"):
+        targets = [h.target for h in plugin_sbo.hooks(Settings.from_env({"SGLANG_H20_SBO": "on",
+                                                                         "SGLANG_H20_SBO_SHARED_SMS": "16"}))]
+    assert targets == list(plugin_sbo.ALL_TARGETS)
+    assert [r.levelno for r in caplog.records if "caps our dense GEMMs only" in r.message] == [logging.WARNING]
+    caplog.clear()
+    plugin_sbo.hooks(Settings.from_env({"SGLANG_H20_SBO": "on", "SGLANG_H20_SBO_SHARED_SMS": "16",
+                                        "SGLANG_H20_SWAPAB": "on"}))
+    assert not caplog.records  # with swapab on the cap has our GEMMs to act on
+
+
+def test_shared_experts_take_the_sm_budget_only_on_the_alt_stream(monkeypatch):
+    """Hook 5: the shared experts' dense GEMMs are capped where they run beside the routed experts (the current
+    stream is the layer's alt stream), nowhere else."""
+    from sglang_h20 import dense_linear
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    monkeypatch.setattr(plugin_sbo, "_shared_sms", 24)
+    alt, main = object(), object()
+    current = [main]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current[0])
+    moe = types.SimpleNamespace(alt_stream=alt)
+    x = types.SimpleNamespace(is_cuda=True)
+
+    def original(self, hidden_states, *args, **kwargs):
+        return dense_linear._sm_budget.get(), args, kwargs
+
+    assert plugin_sbo.shared_experts_hook(original, moe, x, "alloc", pre_quant_input=None) == \
+        (None, ("alloc",), {"pre_quant_input": None})  # main stream: not beside anything
+    current[0] = alt
+    assert plugin_sbo.shared_experts_hook(original, moe, x)[0] == 24
+    assert dense_linear._sm_budget.get() is None  # the cap ends with the call
+    assert plugin_sbo.shared_experts_hook(original, types.SimpleNamespace(alt_stream=None), x)[0] is None
 
 
 def test_init_hook_lifts_the_sm90_refusal(monkeypatch):

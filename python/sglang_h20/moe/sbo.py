@@ -25,6 +25,11 @@ other GPU the feature stays off with one log line, so upstream's own SBO applies
    same sum. Under CUDA-graph capture upstream already takes `forward_normal_dual_stream` (the same
    overlap), and its DeepEP path already forks shared experts when SBO is off: this hook covers the
    eager forward_normal (prefill, non-graph decode).
+5. SHARED_EXPERTS (around `DeepseekV2MoE._forward_shared_experts`, only with SGLANG_H20_SBO_SHARED_SMS=n > 0):
+   when the shared experts run on the layer's alt stream, beside the routed ones (upstream's dual-stream decode
+   graphs, or hook 4), our dense GEMMs under their linears (the swapAB switch's) span n SMs' worth of programs
+   (`dense_linear.sm_budget`), so they leave the rest to the routed experts' persistent grid; elsewhere, and for
+   SGLang's own linears, nothing changes.
 Every decline reason is logged once.
 """
 from __future__ import annotations
@@ -42,6 +47,7 @@ COMBINE_DOWN_FLAG = ("sglang.srt.batch_overlap.single_batch_overlap.SboFlags."
                      "enable_combine_down_gemm_two_stream_overlap")
 TRITON_MOE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.fused_experts"
 SHARED_FORWARD = "sglang.srt.models.deepseek_v2.DeepseekV2MoE.forward_normal"
+SHARED_EXPERTS = "sglang.srt.models.deepseek_v2.DeepseekV2MoE._forward_shared_experts"
 MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys nothing
 # Above this many (token, expert) pairs per expert upstream's path is faster, so calls go there. Whole MoE layer on
 # the H200, 16 experts, each with the shared expert beside it on a side stream as the decode graphs run it
@@ -56,6 +62,7 @@ MAX_PAIRS_PER_EXPERT = 8
 
 log = logging.getLogger("sglang_h20.sbo")
 _note = OnceLog(log, "sbo: upstream for ")  # each reason for going upstream, once per process
+_shared_sms = 0  # SGLANG_H20_SBO_SHARED_SMS, set by hooks()
 
 
 def _sm90() -> bool:
@@ -264,11 +271,23 @@ def forward_normal_hook(original, self, hidden_states, gemm_output_zero_allocato
     return routed.add_(shared)
 
 
+def shared_experts_hook(original, self, hidden_states, *args, **kwargs):
+    """AROUND DeepseekV2MoE._forward_shared_experts: beside the routed experts (on the layer's alt stream), our
+    dense GEMMs on _shared_sms SMs' worth of programs."""
+    alt = getattr(self, "alt_stream", None)
+    if alt is None or not hidden_states.is_cuda or torch.cuda.current_stream() != alt:
+        return original(self, hidden_states, *args, **kwargs)
+    from sglang_h20 import dense_linear
+
+    with dense_linear.sm_budget(_shared_sms):
+        return original(self, hidden_states, *args, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Feature entry
 # ---------------------------------------------------------------------------------------------
 def hooks(settings: Settings) -> list[Hook]:
-    """All four hooks on SM90; none elsewhere (Unsupported: the feature's one log line; upstream's SBO applies)."""
+    """The four hooks (five with SGLANG_H20_SBO_SHARED_SMS) on SM90; none elsewhere (Unsupported: the feature's one log line; upstream's SBO applies)."""
     from sglang_h20 import compat
     from sglang_h20.features import Unsupported
 
@@ -276,11 +295,17 @@ def hooks(settings: Settings) -> list[Hook]:
     if g is None or g.capability[0] != 9:
         raise Unsupported(f"{g.label if g else 'no GPU'} is not SM90 (upstream's own SBO, "
                           f"--enable-single-batch-overlap, applies there)")
+    global _shared_sms
     _note.clear()
+    _shared_sms = int(settings["sbo_shared_sms"])
+    capped = [Hook(SHARED_EXPERTS, shared_experts_hook, "around")] if _shared_sms > 0 else []
+    if capped and not settings["swapab"]:
+        log.warning("sbo: SGLANG_H20_SBO_SHARED_SMS=%d caps our dense GEMMs only; with the swapAB switch off the "
+                    "shared experts run SGLang's linears, uncapped", _shared_sms)
     return [Hook(INIT_MOE_CONFIG, init_moe_config_hook, "around"),
             Hook(COMBINE_DOWN_FLAG, combine_down_flag_hook, "around"),
             Hook(TRITON_MOE, fused_experts_hook, "around"),
-            Hook(SHARED_FORWARD, forward_normal_hook, "around")]
+            Hook(SHARED_FORWARD, forward_normal_hook, "around"), *capped]
 
 
 def enabled(settings: Settings) -> None:
@@ -295,4 +320,4 @@ def enabled(settings: Settings) -> None:
                 "sbo_e2e_cap8_c32_c56_h200.json)", MAX_PAIRS_PER_EXPERT)
 
 
-ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD)
+ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD, SHARED_EXPERTS)
