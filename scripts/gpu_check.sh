@@ -35,9 +35,10 @@
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on SMOKE_MODEL (default
 #     dsv3-4l; e.g. SMOKE_MODEL=dsv3-tp8-4l MAKE_MODELS=dsv3-tp8-4l: 16 heads, kernel version 3)
-#   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min), bench_sbo.py --layer-only
-#     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32) -> $OUT/sbo_layer_shared.json
-#     (+ .png), then swapab_e2e.py --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair) at
+#   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min; SBO_TESTS=0: none), bench_sbo.py --layer-only
+#     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32; our shared expert also capped at
+#     SBO_SHARED_SMS, default 16 32) -> $OUT/sbo_layer_shared.json (+ .png), then swapab_e2e.py --arms SBO_ARMS
+#     (default off sbo; "off sbo off sbo" repeats the pair; sbo+on+cap caps at SBO_E2E_SHARED_SMS, default 32) at
 #     SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e starts only with more than 300 s left)
 #   (decodeprof) benchmark/serving/decode_profile.py: torch-profiler kernels of steady decode steps per attention
 #     backend (DECODEPROF_MODEL, default dsv3-ep16-slice; DECODEPROF_ARGS, e.g. "--arms ours flashmla-fp8 --batch 32")
@@ -237,17 +238,22 @@ if [[ " $STEPS " == *" swapab "* ]] && [ "$(left)" -gt 120 ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" sbo "* ]]; then  # single-batch overlap: tests, the layer beside the shared expert, e2e
-  say "SBO GPU tests"
-  python3 -m pytest -m gpu test/gpu/test_sbo_gpu.py -q -p no:cacheprovider ${SBO_K:+-k "$SBO_K"} 2>&1 \
-    | tee "$OUT/sbo_gpu_tests.log" | tail -3
-  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-  say "bench_sbo --layer-only --shared (batches ${SBO_BATCHES:-8 16 32})"
+  if [ "${SBO_TESTS:-1}" != 0 ]; then
+    say "SBO GPU tests"
+    python3 -m pytest -m gpu test/gpu/test_sbo_gpu.py -q -p no:cacheprovider ${SBO_K:+-k "$SBO_K"} 2>&1 \
+      | tee "$OUT/sbo_gpu_tests.log" | tail -3
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  fi
+  say "bench_sbo --layer-only --shared (batches ${SBO_BATCHES:-8 16 32}, shared expert capped at ${SBO_SHARED_SMS:-16 32} SMs)"
   python3 benchmark/kernels/bench_sbo.py --layer-only --shared --experts 16 --batches ${SBO_BATCHES:-8 16 32} \
+    --shared-sms ${SBO_SHARED_SMS:-16 32} \
     --model /tmp/models/dsv3-ep16-slice --json "$OUT/sbo_layer_shared.json" > "$OUT/sbo_layer_shared.log" 2>&1 \
     || { rc=1; tail -20 "$OUT/sbo_layer_shared.log"; }
+  grep "share of (combine" "$OUT/sbo_layer_shared.log"
   if [ "$(left)" -gt 300 ]; then
     python3 benchmark/serving/swapab_e2e.py --model /tmp/models/dsv3-ep16-slice --out /tmp/sbo_e2e \
       --deadline-s $(( $(left) - 40 )) --arms ${SBO_ARMS:-off sbo} --concurrency ${SBO_CONC:-16 32} --waves 3 --no-layer \
+      --shared-sms ${SBO_E2E_SHARED_SMS:-32} \
       2>&1 | tee "$OUT/sbo_e2e.log" | grep -E "tok/s|ratio"
     cp /tmp/sbo_e2e/swapab_e2e.json "$OUT/sbo_e2e.json" 2>/dev/null || rc=1
   fi

@@ -14,14 +14,17 @@ Phases
           this model's shapes at every decode size: measures our path itself), 'moe-only' (='on' with the
           table's dense-linear entries dropped: on minus moe-only is what the dense linears gave),
           'sbo' (SGLANG_H20_SBO=on,
-          swapab off: single-batch overlap, issue 8, on the same workload). Per arm: one warm-up
+          swapab off: single-batch overlap, issue 8, on the same workload), 'sbo+on' (SBO and swapAB on: the
+          shared experts beside the routed ones on our dense GEMMs), 'sbo+on+cap' (that with those GEMMs on
+          --shared-sms SMs' worth of programs, SGLANG_H20_SBO_SHARED_SMS). Per arm: one warm-up
           (Triton JIT of eager batch sizes), then bench_serving at each --concurrency: output tok/s,
           median ITL, TTFT; the server's sglang-h20 log lines, incl. the batch sizes swapab served.
 The deadline splits what is left after the layer phase between the arms; later arms run only the
 concurrency levels the first one finished, so every number has its pair.
 
 usage: swapab_e2e.py --out DIR [--model /tmp/models/dsv3-ep16-slice] [--deadline-s 360]
-                     [--arms off on forced moe-only sbo] [--table FILE] [--concurrency 16 48 128] [--no-layer]
+                     [--arms off on forced moe-only sbo sbo+on sbo+on+cap] [--table FILE] [--concurrency 16 48 128]
+                     [--no-layer] [--shared-sms 32]
                      [--fp8-gemm-backend triton|deep_gemm]
 """
 from __future__ import annotations
@@ -47,6 +50,7 @@ SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-back
 BASE_ENV = {"SGL_KERNEL_FLASHINFER": "0", "SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK": "1",
             "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
 TABLE_ENV = "SGLANG_H20_GEMM_TABLE"
+ARMS = ("off", "on", "forced", "moe-only", "sbo", "sbo+on", "sbo+on+cap")  # --arms (module doc)
 
 
 def backend_setup(server_args: str, fp8_gemm_backend: str) -> tuple[str, dict]:
@@ -229,10 +233,12 @@ def main() -> int:
                     help="model folder (scripts/make_model.py's; default: %(default)s)")
     ap.add_argument("--out", type=Path, required=True,
                     help="output folder: server logs, benches, layer.json, results JSON")
-    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=["off", "on", "forced", "moe-only", "sbo"],
+    ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=list(ARMS),
                     help="servers to run, in order; a repeated arm runs again as NAME#2 and pairs with off#2 "
                          "(module doc; default: %(default)s)")
     ap.add_argument("--table", type=Path, help="table file for the 'on' arm (default: the one the plugin finds)")
+    ap.add_argument("--shared-sms", type=int, default=32,
+                    help="arm sbo+on+cap: SMs' worth of programs for the shared experts' GEMMs (default: %(default)s)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 48, 128],
                     help="bench_serving concurrency levels per arm (default: %(default)s)")
     ap.add_argument("--input-len", type=int, default=256, help="input tokens per request (default: %(default)s)")
@@ -282,6 +288,9 @@ def main() -> int:
             "moe-only": {"SGLANG_H20_SWAPAB": "on", TABLE_ENV: str(without_dense(args.table, args.out))}
             if "moe-only" in args.arms else {},
             "sbo": {"SGLANG_H20_SWAPAB": "off", "SGLANG_H20_SBO": "on"}}
+    envs["sbo+on"] = {**envs["on"], "SGLANG_H20_SBO": "on"}
+    envs["sbo+on+cap"] = {**envs["sbo+on"], "SGLANG_H20_SBO_SHARED_SMS": str(args.shared_sms)}
+    assert set(envs) == set(ARMS)
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
     result = args.result or args.out / "swapab_e2e.json"
 
