@@ -262,3 +262,39 @@ def test_gpu_dsv3_linears_match_upstream_and_replay_from_a_cuda_graph(name, m, m
     torch.cuda.synchronize()
     eager = dense_linear.triton_linear_hook(recording_original(calls), xs, w, [128, 128], w_s)
     assert calls == [] and rel(out_graph, eager.float()) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["shared_gate_up", "shared_down"])
+def test_gpu_shared_expert_linears_on_an_sm_budget(name, monkeypatch, tmp_path):
+    """The shared expert's linears inside sm_budget (SGLANG_H20_SBO_SHARED_SMS), eager and captured beside a busy
+    stream: bit-equal to the full grid with the same k-slices, within 1e-2 of float64, at 16 and 32 rows."""
+    n, k = DSV3_LINEARS[name]
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(write_table(tmp_path / "t.json", n=n, k=k, ms=(16, 32),
+                                                                config={"split_k": 2})))
+    swapab.reset()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w, w_s = per_block_quant_fp8(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    for m in (16, 32):
+        x = (torch.randn(m, k, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        full = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
+        q, s = exact_quant(x.float(), 128)
+        ref = dequant_per_token_group(q, s).double() @ dequant_per_block(w, w_s).double().T
+        for sms in (1, 16, 32):
+            with dense_linear.sm_budget(sms):
+                capped = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
+            assert torch.equal(capped, full), (m, sms)
+        assert rel(full, ref) <= REL
+        side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), dense_linear.sm_budget(16):
+            dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
+            with torch.cuda.graph(graph, stream=side):
+                out = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
+        busy = torch.randn(4096, 4096, device="cuda", generator=g)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph.replay()
+        busy @ busy  # the main stream busy while the replay runs on the side stream
+        torch.cuda.synchronize()
+        assert torch.equal(out, full), m
