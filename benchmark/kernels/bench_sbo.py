@@ -29,7 +29,8 @@ so launch overhead is out; a point whose capture fails is timed eagerly and says
   flat_*              gemm_alone, serial, fused and fused_counts_only again on the flat walk with TMA operands
                       (config flat + tma: one flattened, pipelined tile loop, so the next tiles' loads are in flight
                       while a tile counts): does the per-tile counting still cost more than the combine there?
-  shared_alone        the shared expert (FP8 gate_up 7168 -> 4096, SiLU*up, down 2048 -> 7168; our dense GEMMs)
+  shared_alone        the shared expert (FP8 gate_up 7168 -> 4096, SiLU*up, down 2048 -> 7168) on the swapAB
+                      switch's linears (our dense GEMM where the table has it faster than SGLang's Triton GEMM)
   serial+shared       shared expert, then serial down+combine, then the add (one stream)
   overlap+shared[b]   shared expert on a third stream beside overlap[b], joined before the add
 Every overlapped output is compared with the serial one and its error flag checked. The combine sums
@@ -48,9 +49,9 @@ Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_
   X+F_beside          (--shared; X = layer_upstream, layer_ours_tail, layer_ours_tail_grid) the shared
                       expert in form F on a side stream beside X, as upstream's forward_normal_dual_stream runs in
                       the decode CUDA graphs: a persistent grid whose programs must all be resident meets SMs taken
-                      by it. F = shared (SGLang's block-FP8 Triton linears: the switch off), ours_shared (our quant
-                      and dense GEMMs: what the swapAB switch serves), ours_shared[C] (those GEMMs on C SMs' worth of
-                      programs, --shared-sms: the rest stays free for X)
+                      by it. F = shared (SGLang's block-FP8 Triton linears: the switch off), ours_shared (the swapAB
+                      switch's hook around them: our dense GEMM where its table says), ours_shared[C] (those GEMMs on
+                      C SMs' worth of programs, --shared-sms: SGLANG_H20_SBO_SHARED_SMS)
   X+F_serial          the shared expert, then X, on one stream (X = layer_upstream, layer_ours_serial,
                       layer_ours_tail; uncapped F)
   F_alone, layer_combine_alone  the shared expert alone; the combine alone (top-k weighted sum of finished rows)
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     e = args.experts
     g = torch.Generator(device=dev).manual_seed(0)
     w2q, w2s = quant_weights(torch, e, H, I, g)
-    shared_expert = our_shared_expert(shared_weights(torch, g))
+    ours_shared = shared_expert(shared_weights(torch, g), ours=True)
     shared_stream = torch.cuda.Stream()
 
     points, summary = [], {}
@@ -184,10 +185,10 @@ def main(argv=None) -> int:
         s = {"gemm_alone": add("gemm_alone", gemm())}
         s["combine_alone"] = add("combine_alone", lambda: sbo.combine(y, lay, w, out, block_t=cfg["BLOCK_T"]))
         s["serial"] = add("serial", serial)
-        s["shared_alone"] = add("shared_alone", lambda: shared_expert(x))
+        s["shared_alone"] = add("shared_alone", lambda: ours_shared(x))
 
         def serial_shared():
-            sh = shared_expert(x)
+            sh = ours_shared(x)
             serial()
             out.add_(sh)
 
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
                 main = torch.cuda.current_stream()
                 shared_stream.wait_stream(main)
                 with torch.cuda.stream(shared_stream):
-                    sh = shared_expert(x)
+                    sh = ours_shared(x)
                 step()
                 main.wait_stream(shared_stream)
                 out.add_(sh)
@@ -342,8 +343,8 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
     shared = None
     if args.shared:
         weights = shared_weights(torch, g)
-        shared = {"shared": upstream_shared_expert(weights), "ours_shared": our_shared_expert(weights),
-                  **{f"ours_shared[{c}]": our_shared_expert(weights, c) for c in args.shared_sms}}
+        shared = {"shared": shared_expert(weights, ours=False), "ours_shared": shared_expert(weights, ours=True),
+                  **{f"ours_shared[{c}]": shared_expert(weights, True, c) for c in args.shared_sms}}
     rows = []
     for t in args.batches:
         x0 = torch.randn(t, H, device="cuda", generator=g).to(torch.bfloat16)
@@ -422,34 +423,25 @@ def shared_weights(torch, g):
             quant.per_block_quant_fp8(torch.randn(H, SHARED_I, device="cuda", generator=g) * 0.02, 128))
 
 
-def upstream_shared_expert(weights):
-    """The shared expert as the server runs it with --fp8-gemm-backend triton and the swapAB switch off: SGLang's
-    block-FP8 linear (its quant + w8a8 Triton matmul) for gate_up and down, SiLU * up between."""
-    import torch
+def shared_expert(weights, ours: bool, num_sms: int | None = None):
+    """DeepSeek-V3's shared expert as the server runs it under --fp8-gemm-backend triton: gate_up, SGLang's
+    SiLU * up kernel, down; each linear SGLang's block-FP8 Triton linear (its quant + w8a8 Triton GEMM: the swapAB
+    switch off) or, with `ours`, the swapAB switch's hook around it (sglang_h20.dense_linear: upstream's quant and our
+    dense GEMM where the table has it faster), inside dense_linear.sm_budget(num_sms) (SGLANG_H20_SBO_SHARED_SMS)."""
+    import functools
+
+    from sglang.srt.layers.activation import silu_and_mul
     from sglang.srt.layers.quantization.fp8_utils import triton_w8a8_block_fp8_linear
 
-    (w13, s13), (w2, s2) = weights
-
-    def forward(x):
-        h = triton_w8a8_block_fp8_linear(x, w13, [128, 128], s13)
-        act = (torch.nn.functional.silu(h[:, :SHARED_I].float()) * h[:, SHARED_I:].float()).to(x.dtype)
-        return triton_w8a8_block_fp8_linear(act, w2, [128, 128], s2)
-    return forward
-
-
-def our_shared_expert(weights, num_sms: int | None = None):
-    """The shared expert on our kernels (quant, dense fp8_gemm_nt with the table's tiles, SiLU * up fused with the
-    second quant), as the swapAB switch serves its linears; num_sms caps both GEMMs' persistent grids, so beside the
-    routed experts it takes that many SMs' worth of programs and leaves the rest to them."""
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
-    from sgl_kernel_ext import quant
+    from sglang_h20 import dense_linear
 
     (w13, s13), (w2, s2) = weights
+    linear = functools.partial(dense_linear.triton_linear_hook, triton_w8a8_block_fp8_linear) if ours \
+        else triton_w8a8_block_fp8_linear
 
     def forward(x):
-        a, a_s = quant.per_token_group_quant_fp8(x, 128)
-        q, q_s = quant.silu_mul_quant_fp8(gg.fp8_gemm_nt(a, a_s, w13, s13, num_sms=num_sms))
-        return gg.fp8_gemm_nt(q, q_s, w2, s2, num_sms=num_sms)
+        with dense_linear.sm_budget(num_sms):
+            return linear(silu_and_mul(linear(x, w13, [128, 128], s13)), w2, [128, 128], s2)
     return forward
 
 
