@@ -50,8 +50,9 @@ Whole MoE layer (the plugin's hook path vs upstream, same inputs, top-8, routed_
                       expert in form F on a side stream beside X, as upstream's forward_normal_dual_stream runs in
                       the decode CUDA graphs: a persistent grid whose programs must all be resident meets SMs taken
                       by it. F = shared (SGLang's block-FP8 Triton linears: the switch off), ours_shared (the swapAB
-                      switch's hook around them: our dense GEMM where its table says), ours_shared[C] (those GEMMs on
-                      C SMs' worth of programs, --shared-sms: SGLANG_H20_SBO_SHARED_SMS)
+                      switch's hook around them: our dense GEMM where its table says), ours_shared[C] (those GEMMs as C
+                      programs of <= 3 stages, small enough to share SMs with X's persistent grid, --shared-sms:
+                      SGLANG_H20_SBO_SHARED_SMS)
   X+F_serial          the shared expert, then X, on one stream (X = layer_upstream, layer_ours_serial,
                       layer_ours_tail; uncapped F)
   F_alone, layer_combine_alone  the shared expert alone; the combine alone (top-k weighted sum of finished rows)
@@ -107,8 +108,9 @@ def parse_args(argv):
                     help="layer arms with the shared expert beside (side stream, as upstream's decode graphs run it) "
                          "and before the routed experts, on SGLang's linears and on ours; the combine alone; the share "
                          "of (combine + shared expert) hidden")
-    ap.add_argument("--shared-sms", type=int, nargs="+", default=[16, 32], metavar="C",
-                    help="with --shared: also our shared expert capped at C SMs' worth of programs (default: %(default)s)")
+    ap.add_argument("--shared-sms", type=int, nargs="+", default=[16, 32, 132], metavar="C",
+                    help="with --shared: also our shared expert as C programs of at most 3 stages, the way "
+                         "SGLANG_H20_SBO_SHARED_SMS=C runs it beside the routed experts (default: %(default)s)")
     return ap.parse_args(argv)
 
 
@@ -451,7 +453,7 @@ SERIAL_ARMS = ("layer_upstream", "layer_ours_serial", "layer_ours_tail")  # ... 
 
 def shared_arms(torch, arms, x0, shared: dict) -> dict:
     """The routed arms with each form of the shared expert (shared: SGLang's linears; ours_shared: our dense GEMMs;
-    ours_shared[c]: on c SMs' worth of programs): '<arm>+<form>_beside' on a side stream forked before the routed
+    ours_shared[c]: c programs of slim tiles): '<arm>+<form>_beside' on a side stream forked before the routed
     experts and joined before the add (what upstream's forward_normal_dual_stream captures in the decode CUDA
     graphs), '<arm>+<form>_serial' (uncapped forms only) before them on one stream, '<form>_alone' by itself."""
     side = torch.cuda.Stream()

@@ -16,7 +16,7 @@ Phases
           'sbo' (SGLANG_H20_SBO=on,
           swapab off: single-batch overlap, issue 8, on the same workload), 'sbo+on' (SBO and swapAB on: the
           shared experts beside the routed ones on our dense GEMMs), 'sbo+on+cap' (that with those GEMMs on
-          --shared-sms SMs' worth of programs, SGLANG_H20_SBO_SHARED_SMS). Per arm: one warm-up
+          --shared-sms programs of slim tiles, SGLANG_H20_SBO_SHARED_SMS). Per arm: one warm-up
           (Triton JIT of eager batch sizes), then bench_serving at each --concurrency: output tok/s,
           median ITL, TTFT; the server's sglang-h20 log lines, incl. the batch sizes swapab served.
 The deadline splits what is left after the layer phase between the arms; later arms run only the
@@ -238,7 +238,7 @@ def main() -> int:
                          "(module doc; default: %(default)s)")
     ap.add_argument("--table", type=Path, help="table file for the 'on' arm (default: the one the plugin finds)")
     ap.add_argument("--shared-sms", type=int, default=32,
-                    help="arm sbo+on+cap: SMs' worth of programs for the shared experts' GEMMs (default: %(default)s)")
+                    help="arm sbo+on+cap: programs of the shared experts' GEMMs (slim tiles, SGLANG_H20_SBO_SHARED_SMS) (default: %(default)s)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 48, 128],
                     help="bench_serving concurrency levels per arm (default: %(default)s)")
     ap.add_argument("--input-len", type=int, default=256, help="input tokens per request (default: %(default)s)")

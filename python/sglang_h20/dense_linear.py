@@ -13,8 +13,9 @@ the Triton GEMM under the triton backend, DeepGEMM under deep_gemm) at the neare
 unchanged.
 Ours: upstream's own quant kernel (row-major 1x128 scales), then sgl_kernel_ext.grouped_gemm_fp8.fp8_gemm_nt
 with the table's tiles and k-slices. Calls we cannot serve (pre-quantized input, bias, UE8M0 or other scale
-formats, non-bf16) stay upstream; each reason is logged once. Inside `sm_budget(n)` our GEMMs span n SMs' worth
-of programs (sglang_h20.moe.sbo caps the shared expert beside the routed experts with it).
+formats, non-bf16) stay upstream; each reason is logged once. Inside `sm_budget(n)` our GEMMs run beside another
+kernel (sglang_h20.moe.sbo: the shared expert beside the routed experts): n programs of at most BESIDE_STAGES
+pipeline stages, so they fit on SMs that already hold that kernel's programs (`beside_config`).
 """
 from __future__ import annotations
 
@@ -42,10 +43,25 @@ _gpu: str | None = None  # set by hooks(); None: the table loader asks torch
 _sm_budget: contextvars.ContextVar[int | None] = contextvars.ContextVar("sglang_h20_dense_sm_budget", default=None)
 
 
+# Beside the routed experts' persistent grid: its swapAB programs (BLOCK_N 128, 4 stages) take 72 KB of shared memory
+# each, two per SM, and its combine tail needs every one of them resident. The table's shared-expert tiles (6 stages,
+# 108 KB for gate_up; compile_report.py) do not fit next to two of them in an SM's 227 KB; 3 stages (54 KB) do.
+BESIDE_STAGES = 3
+
+
+def beside_config(config: dict | None) -> dict:
+    """A table config made to run beside another kernel: one program per budgeted SM, at most BESIDE_STAGES stages
+    (the same tiles and k-slices, so the same result bits)."""
+    config = dict(config or {})
+    config["num_stages"] = min(config.get("num_stages", BESIDE_STAGES), BESIDE_STAGES)
+    config["programs_per_sm"] = 1
+    return config
+
+
 @contextlib.contextmanager
 def sm_budget(num_sms: int | None):
-    """Our dense GEMMs issued inside span num_sms SMs' worth of programs (None: every SM). Read when a kernel is
-    launched, so a CUDA graph captured inside keeps the smaller grid."""
+    """Our dense GEMMs issued inside run beside another kernel: num_sms programs of `beside_config` tiles (None: as
+    the table says, on every SM). Read when a kernel is launched, so a CUDA graph captured inside keeps it."""
     token = _sm_budget.set(num_sms)
     try:
         yield
@@ -97,8 +113,9 @@ def dense_linear(input, weight, weight_scale, choice) -> torch.Tensor:
     k = weight.shape[1]
     x = input.reshape(-1, k).contiguous()  # upstream's quant asserts it (a no-op for the usual rows)
     q, scale = importlib.import_module(QUANT_MODULE).per_token_group_quant_fp8(x, 128, column_major_scales=False)
-    out = gg.fp8_gemm_nt(q, scale, weight, weight_scale, variant=choice.best, config=choice.config,
-                         num_sms=_sm_budget.get())
+    budget = _sm_budget.get()
+    config = choice.config if budget is None else beside_config(choice.config)
+    out = gg.fp8_gemm_nt(q, scale, weight, weight_scale, variant=choice.best, config=config, num_sms=budget)
     return out.view(*input.shape[:-1], weight.shape[0])
 
 

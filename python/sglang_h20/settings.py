@@ -151,8 +151,9 @@ SWITCHES: tuple[Switch, ...] = (
            "there), larger ones stay upstream's"),
     Switch("sbo_shared_sms", _non_negative_int, "0",
            "with sbo and swapab on: the shared expert, where it runs beside the routed experts on the layer's side "
-           "stream, takes our dense GEMMs on this many SMs' worth of programs, leaving the rest to the routed "
-           "experts' persistent grid (0 = every SM, as upstream); an A/B knob until measured end to end"),
+           "stream, takes our dense GEMMs as this many programs of at most 3 pipeline stages, so they fit on SMs "
+           "that hold the routed experts' persistent grid (0 = the table's tiles on every SM, as without it); an A/B "
+           "knob until measured end to end"),
     Switch("eplb", _choice("off", "affinity"), "off",
            "expert placement: 'affinity' = co-activation-aware EPLB with asynchronous migration"),
     Switch("eplb_async", _parse_bool, "off",

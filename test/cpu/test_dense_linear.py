@@ -197,15 +197,21 @@ def test_sm_budget_reaches_our_gemm_and_ends_with_its_block(table, exact_upstrea
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     table(config={"BLOCK_N": 64, "split_k": 2})
-    seen, gemm = [], gg.fp8_gemm_nt
-    monkeypatch.setattr(gg, "fp8_gemm_nt", lambda *a, **kw: seen.append(kw.get("num_sms")) or gemm(*a, **kw))
+    seen, configs, gemm = [], [], gg.fp8_gemm_nt
+    monkeypatch.setattr(gg, "fp8_gemm_nt", lambda *a, **kw: seen.append(kw.get("num_sms")) or
+                        configs.append(kw.get("config")) or gemm(*a, **kw))
     x, w, w_s = make(5, 3)
     free = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
     with dense_linear.sm_budget(1):
         capped = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
     after = dense_linear.triton_linear_hook(recording_original([]), x, w, [128, 128], w_s)
     assert seen == [None, 1, None]
+    assert configs[0] == configs[2] == {"BLOCK_N": 64, "split_k": 2}  # the table's
+    assert configs[1] == {"BLOCK_N": 64, "split_k": 2, "num_stages": 3, "programs_per_sm": 1}  # slimmed to fit beside
     assert torch.equal(capped, free) and torch.equal(after, free)  # same k-slices: the same bits on fewer programs
+    assert dense_linear.beside_config({"num_stages": 6, "programs_per_sm": 2, "split_k": 7}) == \
+        {"num_stages": 3, "programs_per_sm": 1, "split_k": 7}
+    assert dense_linear.beside_config({"num_stages": 2})["num_stages"] == 2  # never deeper than asked
 
 
 def test_a_tabled_split_k_is_what_fp8_gemm_nt_runs():

@@ -27,9 +27,9 @@ other GPU the feature stays off with one log line, so upstream's own SBO applies
    eager forward_normal (prefill, non-graph decode).
 5. SHARED_EXPERTS (around `DeepseekV2MoE._forward_shared_experts`, only with SGLANG_H20_SBO_SHARED_SMS=n > 0):
    when the shared experts run on the layer's alt stream, beside the routed ones (upstream's dual-stream decode
-   graphs, or hook 4), our dense GEMMs under their linears (the swapAB switch's) span n SMs' worth of programs
-   (`dense_linear.sm_budget`), so they leave the rest to the routed experts' persistent grid; elsewhere, and for
-   SGLang's own linears, nothing changes.
+   graphs, or hook 4), our dense GEMMs under their linears (the swapAB switch's) run as n programs of at most 3
+   stages (`dense_linear.sm_budget`), small enough to share SMs with the routed experts' persistent grid, whose
+   combine tail needs all its programs resident; elsewhere, and for SGLang's own linears, nothing changes.
 Every decline reason is logged once.
 """
 from __future__ import annotations
@@ -273,7 +273,7 @@ def forward_normal_hook(original, self, hidden_states, gemm_output_zero_allocato
 
 def shared_experts_hook(original, self, hidden_states, *args, **kwargs):
     """AROUND DeepseekV2MoE._forward_shared_experts: beside the routed experts (on the layer's alt stream), our
-    dense GEMMs on _shared_sms SMs' worth of programs."""
+    dense GEMMs as _shared_sms programs of slim tiles (dense_linear.sm_budget)."""
     alt = getattr(self, "alt_stream", None)
     if alt is None or not hidden_states.is_cuda or torch.cuda.current_stream() != alt:
         return original(self, hidden_states, *args, **kwargs)
