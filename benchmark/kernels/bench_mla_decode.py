@@ -13,7 +13,8 @@ reason, never silently dropped):
   ours-cuda-v2       the same with version 2 of the split kernel (csrc/mla_fp8_decode_sm90_v2.cu: warp-specialized
                      seesaw, a loader warpgroup and two math warpgroups owning alternate KV tiles).
   ours-cuda-v3       version 3 (csrc/mla_fp8_decode_sm90_v3.cu: tokens on wgmma's M side, V^T as a register
-                     operand), for at most 32 query rows (heads x q_len): "unavailable" at the points with more.
+                     operand), built for <= 32 query rows (heads x q_len); more run as blocks of 32 rows (128
+                     heads: 4 CTAs per sequence and split), planned for those blocks (mla_decode_cuda.cta_rows).
   ours-cuda[-v2]-tplan  the same kernel with the Triton kernel's plan (2 waves' worth of programs; what the
                      session-6 runs used), for the plans side by side.
   ours-cuda[-v2]-ctx the plan the h20_fp8_mla backend captured in its CUDA graphs until 2026-11-30: the grid and
@@ -246,17 +247,18 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_co
     ok, why = cu.available(version, defines)
     if not ok:
         raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
-    if version == 3 and sets[0]["q"].shape[1] * sets[0]["q"].shape[2] > cu.V3_MAX_ROWS:
-        raise Unavailable(f"version 3 takes at most {cu.V3_MAX_ROWS} query rows (heads x q_len)")
     import functools
 
-    plan = mla.get_mla_decode_metadata if plan_kind == "triton" else cu.get_mla_decode_metadata
+    rows = cu.cta_rows(version, sets[0]["q"].shape[1] * sets[0]["q"].shape[2])  # version 3 above 32 rows: blocks of 32
+    plan = mla.get_mla_decode_metadata if plan_kind == "triton" else functools.partial(cu.get_mla_decode_metadata,
+                                                                                        rows_per_cta=rows)
     bound = server_context if plan_kind in ("ctx", "graph") else ctx
     metas = [plan(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=bound) for s in sets]
     if plan_kind == "graph":  # as the backend captures it: the grid for the bound, the count for these lengths
         for i, s in enumerate(sets):
             B, T, H, _ = s["q"].shape
-            metas[i], table = mla.graph_metadata(plan, cu.splits_lut, B, H, T, bound, PAGE, "cuda")
+            metas[i], table = mla.graph_metadata(plan, functools.partial(cu.splits_lut, rows_per_cta=rows), B, H, T,
+                                                 bound, PAGE, "cuda")
             if metas[i].splits_dev is not None:
                 mla.set_splits(metas[i].splits_dev, table, s["cache_seqlens"], PAGE)
     planned = metas[0].num_splits

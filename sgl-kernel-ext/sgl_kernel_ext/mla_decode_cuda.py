@@ -12,10 +12,11 @@ Three versions of the split kernel, same launcher signature and results (``versi
   QK^T + softmax (independent softmax chains merged per tile) while a loader warpgroup streams K tiles, so one
   warpgroup's softmax overlaps the other's tensor-core work (v1 leaves the tensor cores idle for most of each tile).
   Exists because v1 runs at 0.47-0.66x FlashMLA BF16; measured on the H200 (2026-11-30) it is only 1.00-1.10x v1.
-- 3: ``mla_fp8_decode_sm90_v3.cu``, for at most :data:`V3_MAX_ROWS` query rows (16 heads x q_len 1-2): the KV
-  tile's 64 tokens on wgmma's M side and the query rows on N (m64n16/n32), V^T as a register operand built by
-  ldmatrix.trans, so a 16-head step does 16 rows' tensor work instead of 64 and no V transpose passes through
-  shared memory. More rows raise ValueError (versions 1 and 2 take any count).
+- 3: ``mla_fp8_decode_sm90_v3.cu``, built for few query rows (16 heads x q_len 1-2): the KV tile's 64 tokens on
+  wgmma's M side and the query rows on N (m64n16/n32), V^T as a register operand built by ldmatrix.trans, so a
+  16-head step does 16 rows' tensor work instead of 64 and no V transpose passes through shared memory. More rows
+  run as blocks of 32 (:func:`cta_rows`; 128 heads: 4 CTAs per sequence and split, each streaming the same K
+  tiles); the backend's 'auto' runs it up to :data:`V3_MAX_ROWS` rows, where it was measured.
 
 The ``.cu`` is compiled on first use with nvcc into a shared library (no torch headers: a few seconds) cached
 under ``~/.cache/sglang_h20/`` keyed by a hash of the source, the shared header and the flags (``-D`` defines
@@ -51,7 +52,7 @@ from .mla_decode import (
 )
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
-           "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "ABLATIONS", "DESIGN_OPTIONS", "REORDERING_OPTIONS",
+           "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "cta_rows", "ABLATIONS", "DESIGN_OPTIONS", "REORDERING_OPTIONS",
            "ROUNDING_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
@@ -65,7 +66,7 @@ ENTRY_POINTS = ("mla_fp8_decode_sm90", "mla_fp8_decode_sm90_error_string", "mla_
 
 VERSIONS = (1, 2, 3)
 GENERAL_VERSIONS = (1, 2)  # any row count; also the versions with the -DMLA_ABLATE_* switches and DESIGN_OPTIONS
-V3_MAX_ROWS = 32  # version 3's query rows (heads x q_len) per sequence: its wgmma N is 16 or 32
+V3_MAX_ROWS = 32  # the backend's 'auto' runs version 3 up to this many query rows (heads x q_len): one CTA of N 16 or 32
 _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
             2: ("SGLANG_H20_MLA_CU_V2", "mla_fp8_decode_sm90_v2.cu"),
             3: ("SGLANG_H20_MLA_CU_V3", "mla_fp8_decode_sm90_v3.cu")}
@@ -259,6 +260,14 @@ def available(version: int = 1, defines=()) -> tuple[bool, str]:
     return True, ""
 
 
+def cta_rows(version: int, rows: int) -> int:
+    """Query rows per CTA of a split kernel for a call of `rows` rows per sequence: 64 (versions 1 and 2); version 3:
+    16 up to 16 rows, else 32 (its wgmma N)."""
+    if version == 3:
+        return 16 if rows <= 16 else 32
+    return ROWS_PER_CTA
+
+
 def split_cost(programs, tiles, splits, num_sm: int):
     """Modelled time of one launch in KV-tile units: waves of CTAs (one per SM) x tiles per CTA, plus a split's
     fixed cost. The wave count is what the Triton kernel's plan (2 waves' worth of programs) gets wrong for a
@@ -270,24 +279,27 @@ def split_cost(programs, tiles, splits, num_sm: int):
 
 
 def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: int = 1, num_sm: int | None = None,
-                            *, max_seqlen: int | None = None, max_splits: int = 64) -> MLADecodeMetadata:
+                            *, max_seqlen: int | None = None, max_splits: int = 64,
+                            rows_per_cta: int = ROWS_PER_CTA) -> MLADecodeMetadata:
     """The CUDA kernels' launch plan (FlashMLA's name for it): the split count minimizing split_cost over
     1 .. max_splits, splits of at least MIN_SPLIT_TILES tiles, ties to fewer splits. E.g. 132 SMs, 128 heads,
     4k tokens: batch 64 -> 1 split (Triton's plan: 3), batch 16 -> 4 (Triton's: 9). max_seqlen: as in
-    mla_decode.get_mla_decode_metadata (pass it on a hot path: no device sync)."""
+    mla_decode.get_mla_decode_metadata (pass it on a hot path: no device sync). rows_per_cta: the kernel's
+    (cta_rows), which sets the CTAs per sequence and split."""
     if max_seqlen is None:  # read once (a device sync), for the base plan too
         max_seqlen = int(cache_seqlens.max().item()) if cache_seqlens.numel() else 1
     base = _triton_mla.get_mla_decode_metadata(cache_seqlens, num_heads, q_len, num_sm, max_seqlen=max_seqlen,
                                                block_h=ROWS_PER_CTA, block_n=PAGE_SIZE)
     tiles = cdiv(max(int(max_seqlen), 1), PAGE_SIZE)
-    programs = max(cache_seqlens.numel() * base.num_row_blocks, 1)
+    programs = max(cache_seqlens.numel() * cdiv(num_heads * q_len, rows_per_cta), 1)
     top = max(1, min(max_splits, tiles // MIN_SPLIT_TILES))
     best = min(range(1, top + 1), key=lambda s: (split_cost(programs, tiles, s, base.num_sm), s))
     return dataclasses.replace(base, num_splits=best)
 
 
 def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: int = PAGE_SIZE,
-               num_sm: int | None = None, device=None, max_splits: int = 64) -> torch.Tensor:
+               num_sm: int | None = None, device=None, max_splits: int = 64,
+               rows_per_cta: int = ROWS_PER_CTA) -> torch.Tensor:
     """get_mla_decode_metadata's split count for every longest length up to max_seqlen, in steps of a page:
     int32 [cdiv(max_seqlen, 64) + 1], entry t for a longest sequence of t pages (entry 0 = entry 1); the same
     cost model evaluated for all lengths and split counts at once (a CUDA graph's batch size gets one table at
@@ -296,7 +308,7 @@ def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: in
     base = _triton_mla.get_mla_decode_metadata(torch.ones(max(batch, 1), dtype=torch.int32), num_heads, q_len,
                                                num_sm, max_seqlen=PAGE_SIZE, block_h=ROWS_PER_CTA,
                                                block_n=PAGE_SIZE)
-    programs = max(batch * base.num_row_blocks, 1)
+    programs = max(batch * cdiv(num_heads * q_len, rows_per_cta), 1)
     tiles = torch.arange(cdiv(max(int(max_seqlen), 1), PAGE_SIZE) + 1, dtype=torch.int64).clamp_(min=1)
     splits = torch.arange(1, max_splits + 1, dtype=torch.int64)
     cost = split_cost(programs, tiles[:, None], splits[None, :], base.num_sm)
@@ -314,13 +326,13 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
                         return_lse: bool = False, out: torch.Tensor | None = None, version: int = 1, defines=(),
                         q_rope: torch.Tensor | None = None):
     """MLA decode over the FP8 paged cache (page size 64), as :func:`mla_decode_fp8`; `version` picks the split
-    kernel (1, 2 or 3, see the module docstring; 3 takes at most V3_MAX_ROWS rows), `defines` an ablation build of it (wrong results by design) or a
+    kernel (1, 2 or 3, see the module docstring), `defines` an ablation build of it (wrong results by design) or a
     design option (the same results). Versions 2 and 3 quantize Q themselves (a q of another dtype is rounded to bf16
     first) unless built with MLA_PREPASS_Q; version 1 gets it from the Triton pre-pass.
 
     q [B, q_len, H, 576], kv_cache = (kv_fp8 [P, 64, 576], kv_scales [P, 64, 2] fp32), block_table [B, max_pages]
-    int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are always 64 rows);
-    without metadata, this module's get_mla_decode_metadata plans.
+    int32, cache_seqlens [B] int32. Uses metadata.num_splits (the kernel's own row blocks are cta_rows(version,
+    rows)); without metadata, this module's get_mla_decode_metadata plans for them.
     Returns out [B, q_len, H, 512] (q's dtype; bf16 written by the kernel) and, with return_lse, lse [B, q_len, H].
     q_rope [B, q_len, H, 64]: Q in two parts, q then holding the 512 latent channels (SGLang's q_nope_out, q_pe);
     an MLA_SPLIT_Q build of version 2 or 3 reads them where they are (split_q_strides), any other joins them.
@@ -338,9 +350,6 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     B, q_len, H, D = q.shape
     D = HEAD_DIM_QK if split_q is not None else D
     assert D == HEAD_DIM_QK, f"q last dim must be {HEAD_DIM_QK}, got {D}"
-    if version == 3 and q_len * H > V3_MAX_ROWS:
-        raise ValueError(f"MLA CUDA kernel v3 takes at most {V3_MAX_ROWS} query rows (heads x q_len), got "
-                         f"{H} x {q_len}; use version 1 or 2")
     assert kv_data.shape[1] == PAGE_SIZE, f"the CUDA kernel needs page size {PAGE_SIZE}, got {kv_data.shape[1]}"
     assert kv_data.stride(2) == 1 and kv_data.stride(1) == HEAD_DIM_QK and kv_data.stride(0) % 16 == 0, \
         "kv_fp8 pages must hold 64 contiguous 576-byte tokens"
@@ -350,7 +359,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     assert q.is_cuda and kv_data.device == q.device
     assert block_table.dim() == 2 and block_table.shape[0] >= B and cache_seqlens.numel() == B
     if metadata is None:
-        metadata = get_mla_decode_metadata(cache_seqlens, H, q_len)
+        metadata = get_mla_decode_metadata(cache_seqlens, H, q_len, rows_per_cta=cta_rows(version, q_len * H))
     block_table, cache_seqlens, metadata, out, lse = decode_args(q, block_table, cache_seqlens, metadata, out)
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()

@@ -749,9 +749,11 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     fn, plan, lut, what, _ = fb.decode_kernel("cuda-v2")
     assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2, "defines": ("MLA_SPLIT_Q",)}  # default
     assert what.startswith("CUDA v2")
+    assert plan.func is cu.get_mla_decode_metadata and plan.keywords == {"rows_per_cta": 64}
     fn, plan, lut, what, _ = fb.decode_kernel("cuda-v3")
     assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 3, "defines": ("MLA_SPLIT_Q",)}
     assert what.startswith("CUDA v3")
+    assert plan.keywords == lut.keywords == {"rows_per_cta": 32}  # 128 heads: 4 CTAs per sequence and split
     monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL", "triton")  # the switch, read when no choice is passed
     fn, plan, lut, what, _ = fb.decode_kernel()
     assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata and "=triton" in what

@@ -108,3 +108,18 @@ def test_graph_grid_holds_at_most_max_waves(planner, batch):
     assert (meta.splits_dev is not None) == (meta.num_splits > 1) == (table is not None)
     if planner == "cuda" and batch in (16, 128):  # the grids the H200 run measured as costly: 33 and 17 splits
         assert full.num_splits > meta.num_splits
+
+
+def test_version_3_row_blocks_are_planned_as_such():
+    """Version 3 runs 32-row CTAs (cta_rows): 128 heads are 4 CTAs per sequence and split, so its plan equals the
+    64-row plan of twice the rows, in the lookup table as in the planner; up to 32 rows one CTA either way."""
+    assert [cu.cta_rows(3, r) for r in (1, 16, 17, 32, 128)] == [16, 16, 32, 32, 32]
+    assert cu.cta_rows(1, 128) == cu.cta_rows(2, 16) == cu.ROWS_PER_CTA
+    lens = torch.full((16,), 4096, dtype=torch.int32)
+    v3 = cu.get_mla_decode_metadata(lens, 128, 1, 132, max_seqlen=4096, rows_per_cta=32).num_splits
+    assert v3 == cu.get_mla_decode_metadata(lens, 256, 1, 132, max_seqlen=4096).num_splits == 2  # 64 CTAs x 2
+    assert v3 < splits(16, 4096, 128)  # 32 CTAs of 64 rows: 4 splits
+    lut = cu.splits_lut(128, 1, 16, 4096, rows_per_cta=32)
+    assert int(lut[-1]) == v3 and torch.equal(lut, cu.splits_lut(256, 1, 16, 4096))
+    assert splits(16, 4096, 16) == cu.get_mla_decode_metadata(lens, 16, 2, 132, max_seqlen=4096,
+                                                              rows_per_cta=32).num_splits

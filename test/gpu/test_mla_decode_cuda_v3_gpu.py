@@ -1,5 +1,5 @@
-"""Version 3 of the CUDA FP8 MLA split kernel (tokens on wgmma's M side, V^T as a register operand; at most 32 query
-rows) on a Hopper GPU: the same inputs, metrics and bounds as test_mla_decode_cuda_gpu.py, at the row counts it takes
+"""Version 3 of the CUDA FP8 MLA split kernel (tokens on wgmma's M side, V^T as a register operand; built for <= 32
+query rows, more in blocks of 32) on a Hopper GPU: the same inputs, metrics and bounds as test_mla_decode_cuda_gpu.py, at the row counts it takes
 (16 heads x q_len 1 and 2, 8 heads x q_len 1 and 3: padded columns), plus agreement with version 2 on the same
 inputs and CUDA-graph replay with the run-time split count."""
 from __future__ import annotations
@@ -157,11 +157,22 @@ def test_tiles_far_below_the_row_max(gap_log2):
         check(o, lse, ref, ref_lse, exact, f"v3 sink gap 2^{gap_log2} splits={splits}", exact_bound=1e-1)
 
 
-def test_more_rows_are_refused():
-    d = mla.make_mla_inputs([100], 16, 3, 64, device="cuda", seed=1, **DEEPSEEK_LIKE)
-    with pytest.raises(ValueError, match="at most 32 query rows"):
-        cu.mla_decode_fp8_cuda(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"],
-                               version=3)
+ROW_BLOCKS = [(128, 1, 3, 1), (128, 1, 3, 4), (128, 2, 2, 3), (16, 3, 3, 2), (40, 1, 2, 1), (64, 1, 64, None)]
+
+
+@pytest.mark.parametrize("heads,q_len,batch,splits", ROW_BLOCKS,
+                         ids=[f"H{h}_T{t}_B{b}_S{s or 'auto'}" for h, t, b, s in ROW_BLOCKS])
+def test_more_rows_run_as_blocks_of_32(heads, q_len, batch, splits):
+    """Above 32 rows version 3 runs ceil(rows / 32) CTAs per sequence and split (session 34): 128 heads (4 blocks),
+    q_len 2 (8), 48 rows (a half block), 40 heads (a block of 8 live rows); the same bounds as version 2, and the
+    same output as version 2 within 2e-2."""
+    lens = lengths(batch, 4097 if batch < 64 else 1000, seed=batch + heads + q_len)
+    o, lse, ref, ref_lse, exact, meta, d = run_case(lens, heads, q_len, seed=heads + q_len, num_splits=splits,
+                                                    version=3)
+    check(o, lse, ref, ref_lse, exact, f"v3 row blocks H={heads} q_len={q_len} B={batch} splits={meta.num_splits}")
+    o2 = cu.mla_decode_fp8_cuda(d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"],
+                                meta, version=2)
+    assert rel(o, o2) <= 2e-2, rel(o, o2)
 
 
 @pytest.mark.parametrize("q_len", [1, 2])

@@ -111,7 +111,8 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
     one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the
     reason. 'auto': version 3 for calls of at most 32 query rows, else version 1 below V2_FROM_BATCH sequences and
     version 2 from there (what cannot run is left out, with why); 'cuda' / 'cuda-v2' / 'cuda-v3': one version
-    (v3 refuses calls of more rows). Same arguments and format for all; the choice is logged once per process."""
+    (v3 runs more rows as CTAs of 32, planned for them). Same arguments and format for all; the choice is logged once
+    per process."""
     import functools
 
     settings = Settings.from_env() if None in (choice, split_q, options) else None
@@ -142,8 +143,9 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
         return functools.partial(cu.mla_decode_fp8_cuda, version=v, defines=defines) if v > 1 or defines \
             else cu.mla_decode_fp8_cuda
     if version > 1:
-        return DecodeKernel(version_fn(version), cu.get_mla_decode_metadata, cu.splits_lut,
-                            f"CUDA v{version} {kinds}", True)
+        rows = cu.cta_rows(version, cu.V3_MAX_ROWS)  # v3: 32-row CTAs above 16 rows (one CTA either way up to 32)
+        return DecodeKernel(version_fn(version), functools.partial(cu.get_mla_decode_metadata, rows_per_cta=rows),
+                            functools.partial(cu.splits_lut, rows_per_cta=rows), f"CUDA v{version} {kinds}", True)
     if choice != "auto":
         return DecodeKernel(version_fn(1), cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}", True)
     (ok2, why2), (ok3, why3) = (cu.available(v, _kernel_defines(v, split_q, options)) for v in (2, 3))

@@ -2,8 +2,9 @@
 //
 // Same inputs, outputs, KV format (576 FP8 bytes + (latent, rope) fp32 scales per token), launcher signature, split
 // plan and combine as versions 1 and 2, and Q quantized in the kernel as version 2 does (bf16 rows in; design option
-// MLA_PREPASS_Q: the Triton pre-pass); for at most 32 query rows per sequence (16 heads x q_len 1
-// or 2: TP8 layouts of DeepSeek-V3). Status (H100, session 29): 39/39 GPU tests; 0.98-1.16x FlashMLA FP8 at batch >= 64
+// MLA_PREPASS_Q: the Triton pre-pass); built for few query rows per sequence (16 heads x q_len 1 or 2: TP8 layouts
+// of DeepSeek-V3): one CTA per 16 rows (at most 16) or per 32, so 128 heads run as 4 row blocks of 32 (session 34,
+// an experiment: each block streams the same K tiles, through L2 when the blocks run side by side). Status (H100, session 29): 39/39 GPU tests; 0.98-1.16x FlashMLA FP8 at batch >= 64
 // (0.85-1.16x over the 16-head grid), up to 1.14x version 2 (sgl-kernel-ext/NOTES.md).
 //
 // Why. Versions 1 and 2 put query rows on wgmma's M side, which is 64 wide: at 16 heads, 16 of a CTA's 64 rows are
@@ -75,7 +76,6 @@ constexpr int LOADER_REGS = 40;
 constexpr int TILE_BYTES = PAGE * DQK;  // 36864
 constexpr int KB_BYTES = 64 * 64;       // one SW64 K block of the K tile (64 token rows)
 constexpr int KS_BYTES = PAGE * 2 * 4;  // 512
-constexpr int MAX_ROWS = 32;
 static_assert(2 * MATH_REGS + LOADER_REGS <= 3 * 168, "setmaxnreg budget");
 
 template <int N>
@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
 
 }  // namespace mla_fp8_sm90_v3
 
-// Entry points: the kernel for 16 rows (16 heads x q_len 1) or 32 (x q_len 2); more rows are version 2's.
+// Entry points: the kernel for 16 rows (16 heads x q_len 1), else blocks of 32 rows (grid.x = the row blocks).
 static bool mla_fp8_attr_done_16[128] = {};
 static bool mla_fp8_attr_done_32[128] = {};
 MLA_FP8_EXPORT int mla_fp8_decode_sm90(MLA_FP8_ENTRY_PARAMS) {
@@ -554,11 +554,9 @@ MLA_FP8_EXPORT int mla_fp8_decode_sm90(MLA_FP8_ENTRY_PARAMS) {
     return mla_fp8_common::launch(mla_fp8_sm90_v3::mla_fp8_decode_kernel_v3<16>, mla_fp8_attr_done_16,
                                   mla_fp8_sm90_v3::THREADS, mla_fp8_sm90_v3::Layout<16>::SMEM_BYTES, 16,
                                   MLA_FP8_ENTRY_ARGS);
-  if (rows <= mla_fp8_sm90_v3::MAX_ROWS)
-    return mla_fp8_common::launch(mla_fp8_sm90_v3::mla_fp8_decode_kernel_v3<32>, mla_fp8_attr_done_32,
-                                  mla_fp8_sm90_v3::THREADS, mla_fp8_sm90_v3::Layout<32>::SMEM_BYTES, 32,
-                                  MLA_FP8_ENTRY_ARGS);
-  return static_cast<int>(cudaErrorInvalidValue);
+  return mla_fp8_common::launch(mla_fp8_sm90_v3::mla_fp8_decode_kernel_v3<32>, mla_fp8_attr_done_32,
+                                mla_fp8_sm90_v3::THREADS, mla_fp8_sm90_v3::Layout<32>::SMEM_BYTES, 32,
+                                MLA_FP8_ENTRY_ARGS);
 }
 MLA_FP8_EXPORT const char* mla_fp8_decode_sm90_error_string(int err) {
   return cudaGetErrorString(static_cast<cudaError_t>(err));
