@@ -528,13 +528,27 @@ def plot(summary, budgets, png: Path):
 
 
 def plot_layer(rows: list[dict], png: Path):
-    """The whole-layer arms (--layer-only): µs per arm against the batch, upstream in black."""
+    """The whole-layer arms (--layer-only): µs per arm against the batch, upstream in black; with --shared a second
+    panel: the share of (combine + shared expert) hidden per ours-beside arm, against the issue's 80%."""
     from sglang_h20.plotting import pyplot
 
     plt = pyplot()
     batches = [r["batch"] for r in rows]
     arms = [k[:-3] for k in rows[0] if k.endswith("_us")] if rows else []
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    shares = sorted({k for r in rows for k in r.get("hidden_pct", {})})
+    fig, axes = plt.subplots(1, 2 if shares else 1, figsize=(16 if shares else 10, 4.5), squeeze=False)
+    ax = axes[0][0]
+    if shares:
+        right = axes[0][1]
+        for arm in shares:
+            right.plot(batches, [r.get("hidden_pct", {}).get(arm) for r in rows], "-o",
+                       label=arm.removeprefix("layer_").removesuffix("_beside"))
+        right.axhline(80, color="k", ls="--", lw=1, label="issue target 80%")
+        right.set_xlabel("batch (tokens)")
+        right.set_ylabel("% of (combine + shared expert) hidden")
+        right.set_title("overlap: (nothing overlapped - arm) / (combine alone + shared alone)")
+        right.grid(alpha=0.3)
+        right.legend(fontsize=7)
     for arm in arms:
         style = {"layer_upstream": "k-o", "layer_upstream+shared_beside": "k--o",
                  "layer_upstream+shared_serial": "k:o"}.get(arm, "-s")

@@ -30,3 +30,11 @@ def test_hidden_shares_weigh_each_beside_arm_against_nothing_overlapped():
 def test_shared_sms_default_and_parse():
     assert bench.parse_args(["--shared"]).shared_sms == [16, 32, 132]
     assert bench.parse_args(["--shared", "--shared-sms", "8"]).shared_sms == [8]
+
+
+def test_layer_plot_has_the_hidden_share_panel(tmp_path):
+    rows = [{"batch": t, "experts": 16, "layer_upstream_us": 220.0 + t, "layer_ours_tail+ours_shared_beside_us": 210.0,
+             "hidden_pct": {"layer_ours_tail+ours_shared_beside": 60.0 + t}} for t in (8, 16)]
+    bench.plot_layer(rows, tmp_path / "a.png")
+    bench.plot_layer([{k: v for k, v in r.items() if k != "hidden_pct"} for r in rows], tmp_path / "b.png")
+    assert (tmp_path / "a.png").stat().st_size > (tmp_path / "b.png").stat().st_size > 0  # two panels, one
