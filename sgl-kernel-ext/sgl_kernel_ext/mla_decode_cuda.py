@@ -291,10 +291,12 @@ def get_mla_decode_metadata(cache_seqlens: torch.Tensor, num_heads: int, q_len: 
     base = _triton_mla.get_mla_decode_metadata(cache_seqlens, num_heads, q_len, num_sm, max_seqlen=max_seqlen,
                                                block_h=ROWS_PER_CTA, block_n=PAGE_SIZE)
     tiles = cdiv(max(int(max_seqlen), 1), PAGE_SIZE)
-    programs = max(cache_seqlens.numel() * cdiv(num_heads * q_len, rows_per_cta), 1)
+    row_blocks = cdiv(num_heads * q_len, rows_per_cta)
+    programs = max(cache_seqlens.numel() * row_blocks, 1)
     top = max(1, min(max_splits, tiles // MIN_SPLIT_TILES))
     best = min(range(1, top + 1), key=lambda s: (split_cost(programs, tiles, s, base.num_sm), s))
-    return dataclasses.replace(base, num_splits=best)
+    # the kernel's own row blocks, so that mla_decode.graph_metadata counts its CTAs per split
+    return dataclasses.replace(base, num_splits=best, block_h=rows_per_cta, num_row_blocks=row_blocks)
 
 
 def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: int = PAGE_SIZE,

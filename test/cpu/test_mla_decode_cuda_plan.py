@@ -3,6 +3,7 @@
 The Triton kernel's plan asks for 2 waves' worth of programs, which for a kernel with one CTA per SM leaves a
 short last wave (batch 16 x 128 heads: 9 splits = 288 CTAs = 3 waves on 132 SMs, the last a sixth full) and
 writes fp32 partials where no split is needed (batch 64: 128 CTAs fill the GPU unsplit). No GPU needed."""
+import functools
 import importlib
 
 import pytest
@@ -123,3 +124,9 @@ def test_version_3_row_blocks_are_planned_as_such():
     assert int(lut[-1]) == v3 and torch.equal(lut, cu.splits_lut(256, 1, 16, 4096))
     assert splits(16, 4096, 16) == cu.get_mla_decode_metadata(lens, 16, 2, 132, max_seqlen=4096,
                                                               rows_per_cta=32).num_splits
+    # a CUDA graph's plan caps its waves by the kernel's own CTAs per split (64 here, not the 32 of 64-row blocks)
+    plan = functools.partial(cu.get_mla_decode_metadata, rows_per_cta=32)
+    meta = plan(lens, 128, 1, 132, max_seqlen=4096)
+    assert (meta.block_h, meta.num_row_blocks) == (32, 4)
+    meta, _ = mla.graph_metadata(plan, functools.partial(cu.splits_lut, rows_per_cta=32), 16, 128, 1, 163840, 64, "cpu")
+    assert meta.num_splits == mla.GRAPH_MAX_WAVES * 132 // (16 * 4)
