@@ -126,14 +126,16 @@ def parse_args(argv=None):
                          "the plan's pick with the fastest count per point (calibrates SPLIT_COST_TILES)")
     ap.add_argument("--cuda-options", nargs="+", default=[], metavar="OPTION",
                     help="also time each ours-cuda provider built with each of these design options (e.g. "
-                         "MLA_RUNTIME_DIRECT with ours-cuda-v2-graph), as rows '<provider>+<OPTION>'")
+                         "MLA_RUNTIME_DIRECT with ours-cuda-v2-graph, MLA_V3_CLUSTER with ours-cuda-v3-graph), as rows "
+                         "'<provider>+<OPTION>'")
     ap.add_argument("--retarget", type=Path, metavar="RECORD",
                     help="no GPU: recompute an earlier record's targets (this script's current checks, the H20 model "
                          "included) from its points and ceilings, print them, and write the record to --json")
     a = ap.parse_args(argv)
     if a.cuda_options:
         import importlib
-        known = importlib.import_module("sgl_kernel_ext.mla_decode_cuda").DESIGN_OPTIONS
+        cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+        known = cu.DESIGN_OPTIONS + cu.V3_DESIGN_OPTIONS
         bad = [o for o in a.cuda_options if o not in known]
         if bad:
             ap.error(f"--cuda-options: unknown {', '.join(bad)}; choose from {', '.join(known)}")
