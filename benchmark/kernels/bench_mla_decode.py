@@ -609,7 +609,8 @@ def main(argv=None) -> int:
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
         elif p.startswith("ours-cuda"):  # one of PROVIDER_NAMES' (parse_args checked)
             kind = {"tplan": "triton", "ctx": "ctx", "graph": "graph"}.get(p.rsplit("-", 1)[-1], "cuda")
-            for opts in ((), *((o,) for o in args.cuda_options)):
+            v3_only = importlib.import_module("sgl_kernel_ext.mla_decode_cuda").V3_DESIGN_OPTIONS
+            for opts in ((), *((o,) for o in args.cuda_options if cuda_version(p) == 3 or o not in v3_only)):
                 providers.append(("+".join((p, *opts)), lambda sets, ctx, p=p, kind=kind, opts=opts: make_ours_cuda(
                     torch, mla, sets, ctx, version=cuda_version(p), plan_kind=kind, server_context=args.server_context,
                     defines=opts)))
