@@ -378,7 +378,8 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
             arms["layer_upstream"] = up
         if args.shared:
             arms.update(shared_arms(torch, arms, x0, shared))
-            layout, y = sbo.build_layout(ids, e), torch.randn(t * TOPK, H, device="cuda", generator=g).to(torch.bfloat16)
+            layout = sbo.build_layout(ids, e)
+            y = torch.randn(t * TOPK, H, device="cuda", generator=g).to(torch.bfloat16)
             combined = torch.empty_like(x0)
             arms["layer_combine_alone"] = lambda: sbo.combine(y, layout, w, combined, weight_scale=2.5)
         row = {"batch": t, "experts": e}
@@ -485,10 +486,12 @@ def hidden_shares(row: dict) -> dict:
     expert) time hidden, 100 * (nothing overlapped - arm) / (combine alone + shared alone), where nothing overlapped
     = layer_ours_serial+<form>_serial (shared expert, GEMMs, combine after the down GEMM, one stream) and a capped
     form is weighed against its uncapped one's time alone."""
-    shares = {}
     combine = row.get("layer_combine_alone_us")
+    if combine is None:
+        return {}
+    shares = {}
     for key, us in row.items():
-        if not (key.startswith("layer_ours_") and key.endswith("_beside_us")) or combine is None:
+        if not (key.startswith("layer_ours_") and key.endswith("_beside_us")):
             continue
         form = key[:-len("_beside_us")].split("+", 1)[1]
         base = form.split("[")[0]

@@ -238,7 +238,8 @@ def main() -> int:
                          "(module doc; default: %(default)s)")
     ap.add_argument("--table", type=Path, help="table file for the 'on' arm (default: the one the plugin finds)")
     ap.add_argument("--shared-sms", type=int, default=32,
-                    help="arm sbo+on+cap: programs of the shared experts' GEMMs (slim tiles, SGLANG_H20_SBO_SHARED_SMS) (default: %(default)s)")
+                    help="arm sbo+on+cap: programs of the shared experts' GEMMs (slim tiles, "
+                         "SGLANG_H20_SBO_SHARED_SMS; default: %(default)s)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 48, 128],
                     help="bench_serving concurrency levels per arm (default: %(default)s)")
     ap.add_argument("--input-len", type=int, default=256, help="input tokens per request (default: %(default)s)")

@@ -37,7 +37,8 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     Out-of-range tokens / weight rows load as 0 (and scale 0), stores are masked.
   * SPLIT_K > 1 (dense small-M GEMMs with too few tiles to fill the GPU): each k-slice writes fp32
     partials to a workspace, `_splitk_reduce_kernel` sums them into bf16 for valid rows only. Config
-    "serial_reduce" (session 33, not yet measured): no reduce kernel; after its partial store (CTA barrier)
+    "serial_reduce" (session 33; its GPU tests pass, and session 34's dense tune picked it at 8 of 90
+    (variant, point) pairs): no reduce kernel; after its partial store (CTA barrier)
     each k-slice counts itself on the output tile with acq_rel, and the one that completes the count sums
     the slices in the same order (bit-equal), stores bf16 and zeroes the counter: one launch less per
     GEMM, the sum done while other tiles still stream (per-stream counters, `_fixup_counters`).

@@ -52,9 +52,8 @@ from .mla_decode import (
 )
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
-           "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "cta_rows", "ABLATIONS", "DESIGN_OPTIONS", "V3_DESIGN_OPTIONS",
-           "REORDERING_OPTIONS",
-           "ROUNDING_OPTIONS"]
+           "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "cta_rows", "ABLATIONS", "DESIGN_OPTIONS",
+           "V3_DESIGN_OPTIONS", "REORDERING_OPTIONS", "ROUNDING_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
@@ -67,7 +66,7 @@ ENTRY_POINTS = ("mla_fp8_decode_sm90", "mla_fp8_decode_sm90_error_string", "mla_
 
 VERSIONS = (1, 2, 3)
 GENERAL_VERSIONS = (1, 2)  # any row count; also the versions with the -DMLA_ABLATE_* switches and DESIGN_OPTIONS
-V3_MAX_ROWS = 32  # the backend's 'auto' runs version 3 up to this many query rows (heads x q_len): one CTA of N 16 or 32
+V3_MAX_ROWS = 32  # the backend's 'auto' runs version 3 up to this many query rows (heads x q_len): one CTA, N 16/32
 _SOURCES = {1: ("SGLANG_H20_MLA_CU", "mla_fp8_decode_sm90.cu"),
             2: ("SGLANG_H20_MLA_CU_V2", "mla_fp8_decode_sm90_v2.cu"),
             3: ("SGLANG_H20_MLA_CU_V3", "mla_fp8_decode_sm90_v3.cu")}

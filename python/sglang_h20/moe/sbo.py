@@ -38,6 +38,7 @@ import logging
 
 import torch
 
+from sglang_h20 import dense_linear
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
 from sglang_h20.settings import Settings
@@ -277,8 +278,6 @@ def shared_experts_hook(original, self, hidden_states, *args, **kwargs):
     alt = getattr(self, "alt_stream", None)
     if alt is None or not hidden_states.is_cuda or torch.cuda.current_stream() != alt:
         return original(self, hidden_states, *args, **kwargs)
-    from sglang_h20 import dense_linear
-
     with dense_linear.sm_budget(_shared_sms):
         return original(self, hidden_states, *args, **kwargs)
 
@@ -287,7 +286,8 @@ def shared_experts_hook(original, self, hidden_states, *args, **kwargs):
 # Feature entry
 # ---------------------------------------------------------------------------------------------
 def hooks(settings: Settings) -> list[Hook]:
-    """The four hooks (five with SGLANG_H20_SBO_SHARED_SMS) on SM90; none elsewhere (Unsupported: the feature's one log line; upstream's SBO applies)."""
+    """The four hooks (five with SGLANG_H20_SBO_SHARED_SMS) on SM90; none elsewhere (Unsupported: the feature's one
+    log line; upstream's SBO applies)."""
     from sglang_h20 import compat
     from sglang_h20.features import Unsupported
 
