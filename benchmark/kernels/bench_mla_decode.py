@@ -126,16 +126,14 @@ def parse_args(argv=None):
                          "the plan's pick with the fastest count per point (calibrates SPLIT_COST_TILES)")
     ap.add_argument("--cuda-options", nargs="+", default=[], metavar="OPTION",
                     help="also time each ours-cuda provider built with each of these design options (e.g. "
-                         "MLA_RUNTIME_DIRECT with ours-cuda-v2-graph, MLA_V3_CLUSTER with ours-cuda-v3-graph), as rows "
-                         "'<provider>+<OPTION>'")
+                         "MLA_RUNTIME_DIRECT with ours-cuda-v2-graph), as rows '<provider>+<OPTION>'")
     ap.add_argument("--retarget", type=Path, metavar="RECORD",
                     help="no GPU: recompute an earlier record's targets (this script's current checks, the H20 model "
                          "included) from its points and ceilings, print them, and write the record to --json")
     a = ap.parse_args(argv)
     if a.cuda_options:
         import importlib
-        cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-        known = cu.DESIGN_OPTIONS + cu.V3_DESIGN_OPTIONS
+        known = importlib.import_module("sgl_kernel_ext.mla_decode_cuda").DESIGN_OPTIONS
         bad = [o for o in a.cuda_options if o not in known]
         if bad:
             ap.error(f"--cuda-options: unknown {', '.join(bad)}; choose from {', '.join(known)}")
@@ -609,8 +607,7 @@ def main(argv=None) -> int:
                                   lambda sets, ctx, cfg=cfg: make_ours(torch, mla, sets, ctx, "ours", cfg)))
         elif p.startswith("ours-cuda"):  # one of PROVIDER_NAMES' (parse_args checked)
             kind = {"tplan": "triton", "ctx": "ctx", "graph": "graph"}.get(p.rsplit("-", 1)[-1], "cuda")
-            v3_only = importlib.import_module("sgl_kernel_ext.mla_decode_cuda").V3_DESIGN_OPTIONS
-            for opts in ((), *((o,) for o in args.cuda_options if cuda_version(p) == 3 or o not in v3_only)):
+            for opts in ((), *((o,) for o in args.cuda_options)):
                 providers.append(("+".join((p, *opts)), lambda sets, ctx, p=p, kind=kind, opts=opts: make_ours_cuda(
                     torch, mla, sets, ctx, version=cuda_version(p), plan_kind=kind, server_context=args.server_context,
                     defines=opts)))

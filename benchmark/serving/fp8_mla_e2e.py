@@ -5,8 +5,6 @@ Phases (each a fresh `python -m sglang.launch_server` with the same --server-arg
   triton         --attention-backend triton (BF16 KV): the greedy reference only, no benchmark
   ours           --attention-backend h20_fp8_mla (this plugin; FP8 latent + per-token scales)
   ours-v2        the same with version 2 of the CUDA split kernel (SGLANG_H20_FP8_MLA_KERNEL=cuda-v2)
-  ours-v3        version 3 at every shape (cuda-v3: 128 heads as 4 CTAs of 32 rows per sequence and split)
-  ours-v3-cluster  that with design option MLA_V3_CLUSTER (those CTAs as one cluster sharing each K tile)
   ours-joinq     ours with Q joined by SGLang's per-layer torch.cat as before session 32 (SGLANG_H20_FP8_MLA_SPLIT_Q=
                  off; ours reads SGLang's (latent, rope) parts in place by default)
   ours-rd        ours with the kernels' design option MLA_RUNTIME_DIRECT (SGLANG_H20_FP8_MLA_KERNEL_OPTIONS): graph
@@ -75,10 +73,6 @@ PHASES = {  # name: (extra server flags, extra env, run benchmarks)
     "triton": (["--attention-backend", "triton"], UPSTREAM, False),
     "ours": (["--attention-backend", "h20_fp8_mla"], {}, True),
     "ours-v2": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_KERNEL": "cuda-v2"}, True),
-    "ours-v3": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_KERNEL": "cuda-v3"}, True),
-    "ours-v3-cluster": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_KERNEL": "cuda-v3",
-                                                               "SGLANG_H20_FP8_MLA_KERNEL_OPTIONS": "MLA_V3_CLUSTER"},
-                        True),
     "ours-se": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_MHA_MLA_POLICY": "se"}, True),
     "flashmla": (["--attention-backend", "flashmla"], UPSTREAM, True),
     "flashmla-fp8": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], UPSTREAM, True),
@@ -90,8 +84,7 @@ PHASES = {  # name: (extra server flags, extra env, run benchmarks)
                    True),
     "flashmla-fp8-plugin": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], {}, True),
 }
-OPT_IN = ("ours-v2", "ours-v3", "ours-v3-cluster", "ours-se", "ours-triton", "ours-joinq", "ours-rd", "ours-bf16p",
-          "flashmla-fp8-plugin")
+OPT_IN = ("ours-v2", "ours-se", "ours-triton", "ours-joinq", "ours-rd", "ours-bf16p", "flashmla-fp8-plugin")
 WORKLOADS = ["4096x512@16", "4096x512@48", "1024x256@128", "4096x512@128"]  # in x out @ concurrency, by priority:
 # the decode-heavy 1024x256@128 before the long 4096x512@128 (prefill-bound at 128; it also killed both FP8 servers
 # on the H200, 2026-11-30, so it goes last)

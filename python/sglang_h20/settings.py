@@ -138,8 +138,7 @@ SWITCHES: tuple[Switch, ...] = (
            "GPU span; 'off' for A/B runs"),
     Switch("fp8_mla_kernel_options", _design_options, "none",
            "A/B runs: extra design options every CUDA kernel version of the h20_fp8_mla backend is built with "
-           "(sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS; V3_DESIGN_OPTIONS: MLA_V3_CLUSTER, version 3 only), e.g. "
-           "MLA_RUNTIME_DIRECT (a decode-graph replay of one "
+           "(sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS), e.g. MLA_RUNTIME_DIRECT (a decode-graph replay of one "
            "run-time split writes bf16 out itself, no combine) or MLA_BF16_PARTIALS (bf16 partials for the "
            "combine); unknown ones make the backend fall back to Triton with the build's error"),
     Switch("swapab", _parse_bool, "off",

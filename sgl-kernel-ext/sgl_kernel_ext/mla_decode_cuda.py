@@ -52,8 +52,8 @@ from .mla_decode import (
 )
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path", "NVCC_FLAGS",
-           "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "cta_rows", "ABLATIONS", "DESIGN_OPTIONS",
-           "V3_DESIGN_OPTIONS", "REORDERING_OPTIONS", "ROUNDING_OPTIONS"]
+           "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "cta_rows", "ABLATIONS", "DESIGN_OPTIONS", "REORDERING_OPTIONS",
+           "ROUNDING_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
@@ -96,10 +96,6 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # reads); one more rounding, so a ROUNDING_OPTION. H200, session 33: 0.955-0.99x the default build, so off.
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
                   "MLA_PREPASS_Q", "MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT", "MLA_BF16_PARTIALS")
-# Version 3 only: MLA_V3_CLUSTER (session 34; not yet run on a GPU): the row blocks of one (sequence, split), 2 or 4,
-# as a thread-block cluster sharing each K tile by TMA multicast, so that 128 heads read the KV bytes from L2 once,
-# not 4 times (the .cu's comment). Bit-identical to the default build.
-V3_DESIGN_OPTIONS = ("MLA_V3_CLUSTER",)
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
 ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE", "MLA_BF16_PARTIALS")  # likewise close: other roundings than the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)

@@ -175,29 +175,6 @@ def test_more_rows_run_as_blocks_of_32(heads, q_len, batch, splits):
     assert rel(o, o2) <= 2e-2, rel(o, o2)
 
 
-CLUSTERS = [(128, 1, [4097, 65, 1000], 1), (128, 1, [4097, 65, 1000], 3), (128, 2, [300, 2], 2), (40, 1, [700], 1),
-            (16, 1, [1, 3000], 2), (96, 1, [129, 64], 1)]
-
-
-@pytest.mark.parametrize("heads,q_len,lens,splits", CLUSTERS,
-                         ids=[f"H{h}_T{t}_B{len(n)}_S{s}" for h, t, n, s in CLUSTERS])
-def test_cluster_option_matches_the_default_build(heads, q_len, lens, splits):
-    """MLA_V3_CLUSTER (row blocks of a (sequence, split) as one cluster, K tiles multicast by TMA): the same bits and
-    lse as the default build, with clusters of 4 (128 heads; q_len 2: two clusters), 2 (40 heads: 2 blocks, the
-    second a quarter live; 96 heads: 3 blocks padded to 4) and 1 (16 heads), one split and several, repeated."""
-    ok, why = cu.available(3, ("MLA_V3_CLUSTER",))
-    assert ok, why
-    d = mla.make_mla_inputs(lens, heads, q_len, 64, device="cuda", seed=heads + len(lens), **DEEPSEEK_LIKE)
-    args = (d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"])
-    meta = dataclasses.replace(cu.get_mla_decode_metadata(d["cache_seqlens"], heads, q_len, rows_per_cta=32),
-                               num_splits=splits)
-    a, la = cu.mla_decode_fp8_cuda(*args, meta, return_lse=True, version=3)
-    for _ in range(3):
-        b, lb = cu.mla_decode_fp8_cuda(*args, meta, return_lse=True, version=3, defines=("MLA_V3_CLUSTER",))
-        torch.cuda.synchronize()
-        assert torch.equal(a, b) and torch.equal(la, lb), (heads, q_len, splits)
-
-
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_fused_q_matches_the_prepass_build(q_len):
     """Version 3 quantizes Q in the kernel with the pre-pass's arithmetic: bit-identical to the MLA_PREPASS_Q build

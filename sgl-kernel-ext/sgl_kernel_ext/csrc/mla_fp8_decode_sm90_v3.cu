@@ -54,17 +54,6 @@
 #error "version 3 loads K tiles by TMA only (MLA_CP_ASYNC_LOAD is a version 2 option)"
 #endif
 
-// Design option MLA_V3_CLUSTER (session 34, not yet run on a GPU): above one row block (128 heads: 4 CTAs per sequence
-// and split, each streaming the same K tiles), the row blocks of a (sequence, split) run as one thread-block cluster
-// of up to 4 CTAs. Each K tile then crosses L2 once: CTA r issues every csize-th of its 9 TMA boxes (and the last CTA
-// the scales) multicast into all CTAs of the cluster, each CTA's full_k barrier counting the whole tile's bytes as
-// before; a stage is reused only after every CTA's owner warps released it (empty_k counts 4 warps x csize CTAs,
-// each warp arriving on every CTA's barrier); cluster barriers after the barriers' init and before any CTA exits
-// (no remote arrive or copy may reach a CTA that has left). Same arithmetic as the default build: bit-identical.
-#ifndef MLA_V3_CLUSTER
-#define MLA_V3_CLUSTER 0
-#endif
-
 // 64-channel blocks per P'V batch (one wgmma wait each): all 8 at N = 16; 2 at N = 32 (4 spilled 736 bytes)
 #ifndef MLA_V3_PV_BATCH16
 #define MLA_V3_PV_BATCH16 8
@@ -262,25 +251,15 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
   const int ntiles = end > start ? cdiv(end - start, PAGE) : 0;
 
   const uint32_t bar_full_k = sbase + L::OFF_BAR;        // [NST] count 1 + the tile's bytes (TMA)
-  const uint32_t bar_empty_k = bar_full_k + 8 * NST;     // [NST] count 128: the owner WG (cluster: its 4 warps x CTAs)
-#if MLA_V3_CLUSTER
-  const uint32_t crank = cluster_ctarank(), csize = cluster_nctarank();  // this CTA in its cluster, the cluster's CTAs
-  const int empty_count = 4 * csize;
-#else
-  const int empty_count = 128;
-#endif
+  const uint32_t bar_empty_k = bar_full_k + 8 * NST;     // [NST] count 128: the owner WG
   if (tid == 0) {
     for (int s = 0; s < NST; ++s) {
       mbar_init(bar_full_k + 8 * s, 1);
-      mbar_init(bar_empty_k + 8 * s, empty_count);
+      mbar_init(bar_empty_k + 8 * s, 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-#if MLA_V3_CLUSTER
-  cluster_sync();  // every CTA's barriers initialized before any copy or arrive reaches them
-#else
   __syncthreads();  // the only CTA-wide barrier
-#endif
 
   if (wg == 2) {
     // ============================================== loader ==============================================
@@ -301,23 +280,12 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
         const int page = bt_row[(start + t * PAGE) / PAGE];
         const uint32_t dst = sbase + L::OFF_K + st * TILE_BYTES;
         mbar_arrive_expect_tx(full, TILE_BYTES + KS_BYTES);
-#if MLA_V3_CLUSTER
-        const uint16_t all = static_cast<uint16_t>((1u << csize) - 1);
-#pragma unroll
-        for (int kb = 0; kb < DQK / 64; ++kb)
-          if (kb % csize == crank) tma_kv_block_multicast(dst + kb * KB_BYTES, &p.kv_map, kb, page, full, all);
-        if (crank == csize - 1)
-          bulk_copy_multicast(sbase + L::OFF_KS + st * KS_BYTES,
-                              p.kvs + static_cast<long long>(page) * p.kvs_page_stride, KS_BYTES, full, all);
-#else
 #pragma unroll
         for (int kb = 0; kb < DQK / 64; ++kb) tma_kv_block(dst + kb * KB_BYTES, &p.kv_map, kb, page, full);
         bulk_copy(sbase + L::OFF_KS + st * KS_BYTES, p.kvs + static_cast<long long>(page) * p.kvs_page_stride,
                   KS_BYTES, full);
-#endif
       }
     }
-    if (MLA_V3_CLUSTER) cluster_sync();  // stays until no CTA of the cluster can still reach this one
     return;
   }
 
@@ -490,12 +458,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
       pv_tile<N, MB, false>(o, beta, kt + v_off, dp, q, nvalid);
     else
       pv_tile<N, MB, true>(o, beta, kt + v_off, dp, q, nvalid);
-#if MLA_V3_CLUSTER
-    __syncwarp();  // the warp's reads of the stage done; its lane c releases the stage in CTA c
-    if (lane < static_cast<int>(csize)) mbar_arrive_cluster(bar_empty_k + 8 * st, lane);
-#else
     mbar_arrive(bar_empty_k + 8 * st);
-#endif
   }
 
   // ============ epilogue: row sums over lanes and warps, WG1's (O, M, C, l) merged into WG0's, stored ============
@@ -531,10 +494,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
     }
   }
   named_barrier(1, 256);
-  if (wg == 1) {
-    if (MLA_V3_CLUSTER) cluster_sync();
-    return;
-  }
+  if (wg == 1) return;
 
   float f0[NC], f1[NC], lse[NC];
   const float C1 = xw[2 * N];
@@ -581,13 +541,11 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
       if (w == 0 && g == 0) p.lp[b * p.lp_sb + gr * p.lp_sr + sp] = lse[c];
     }
   }
-  if (MLA_V3_CLUSTER) cluster_sync();
 }
 
 }  // namespace mla_fp8_sm90_v3
 
-// Entry points: the kernel for 16 rows (16 heads x q_len 1), else blocks of 32 rows (grid.x = the row blocks;
-// MLA_V3_CLUSTER: clusters of 2 or 4 of them when there are that many).
+// Entry points: the kernel for 16 rows (16 heads x q_len 1), else blocks of 32 rows (grid.x = the row blocks).
 static bool mla_fp8_attr_done_16[128] = {};
 static bool mla_fp8_attr_done_32[128] = {};
 MLA_FP8_EXPORT int mla_fp8_decode_sm90(MLA_FP8_ENTRY_PARAMS) {
@@ -596,10 +554,9 @@ MLA_FP8_EXPORT int mla_fp8_decode_sm90(MLA_FP8_ENTRY_PARAMS) {
     return mla_fp8_common::launch(mla_fp8_sm90_v3::mla_fp8_decode_kernel_v3<16>, mla_fp8_attr_done_16,
                                   mla_fp8_sm90_v3::THREADS, mla_fp8_sm90_v3::Layout<16>::SMEM_BYTES, 16,
                                   MLA_FP8_ENTRY_ARGS);
-  const int blocks = (rows + 31) / 32;
   return mla_fp8_common::launch(mla_fp8_sm90_v3::mla_fp8_decode_kernel_v3<32>, mla_fp8_attr_done_32,
                                 mla_fp8_sm90_v3::THREADS, mla_fp8_sm90_v3::Layout<32>::SMEM_BYTES, 32,
-                                MLA_FP8_ENTRY_ARGS, MLA_V3_CLUSTER ? (blocks >= 4 ? 4 : blocks >= 2 ? 2 : 1) : 1);
+                                MLA_FP8_ENTRY_ARGS);
 }
 MLA_FP8_EXPORT const char* mla_fp8_decode_sm90_error_string(int err) {
   return cudaGetErrorString(static_cast<cudaError_t>(err));

@@ -354,48 +354,7 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
-// The same two copies landing at the same shared-memory offset in every CTA of `mask` in this cluster, each
-// completing its bytes on that CTA's mbarrier at the offset of `bar` (version 3's MLA_V3_CLUSTER)
-__device__ __forceinline__ void tma_kv_block_multicast(uint32_t dst, const CUtensorMap* map, int kb, int page,
-                                                       uint32_t bar, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3, %4}], [%5], %6;\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(64 * kb), "r"(0), "r"(page), "r"(bar), "h"(mask)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_copy_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
-                                                    uint16_t mask) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-               " [%0], [%1], %2, [%3], %4;\n"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask)
-               : "memory");
-}
 #endif
-
-// ---- thread-block clusters (version 3's MLA_V3_CLUSTER) ----
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_nctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
-  return r;
-}
-// every thread of every CTA of the cluster: this thread's earlier memory operations before any thread's later ones
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-// arrive on the mbarrier at offset `bar` of CTA `cta` of this cluster, a consumer releasing a buffer it has read
-// (the default release.cta, as CUTLASS's pipelines do: release.cluster put a MEMBAR.ALL.GPU before every arrive)
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(cta)
-      : "memory");
-}
 
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
@@ -767,7 +726,7 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
                   long long kv_pages, int batch,
                   int num_heads, int q_len, int num_splits, const void* splits, int causal, float qk_scale,
                   const void* q_rope, long long q_sb, long long q_sh, long long qr_sb,
-                  long long qr_sh, void* stream, int cluster_x = 1) {
+                  long long qr_sh, void* stream) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -813,23 +772,7 @@ inline int launch(Kernel kernel, bool* attr_done, int threads, int smem_bytes, i
 #else
   (void)kv_pages;
 #endif
-  dim3 grid((p.num_rows + rows_per_cta - 1) / rows_per_cta, num_splits, batch);
-  if (cluster_x > 1) {  // clusters of cluster_x row blocks (the last ones past num_rows, if any, load but store nothing)
-    grid.x = (grid.x + cluster_x - 1) / cluster_x * cluster_x;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cluster_x;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = smem_bytes;
-    cfg.stream = static_cast<cudaStream_t>(stream);
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, p));
-  }
+  const dim3 grid((p.num_rows + rows_per_cta - 1) / rows_per_cta, num_splits, batch);
   kernel<<<grid, threads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
