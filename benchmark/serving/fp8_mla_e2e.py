@@ -35,8 +35,11 @@ phase also runs its first workload once through bench_serving untimed (--rehears
 alone the first phase of a call still stalled 0.6-1.3 s in its timed waves, whichever backend it was.
 
 --deadline-s: after the first phase, a phase starts only if its expected startup plus its greedy step fits; a
-workload runs only if its expected duration (measured in an earlier phase, or a default guess) fits. Whatever is
-skipped is recorded. --reference reuses the triton ids of an earlier run, so a budget can go to one more phase.
+workload runs only if its expected duration (measured in an earlier phase, or a default guess) fits. Each phase that
+benchmarks gets an equal share of the time left when it starts (divided among it and the benchmarking phases after
+it): past its first workload it starts another only within that share, so that the anchors measure the same
+workloads in the same call (session 35: ours ran all four workloads in 480 s and both FlashMLA phases were
+skipped, leaving no ratio). Whatever is skipped is recorded. --reference reuses the triton ids of an earlier run, so a budget can go to one more phase.
 
 --merge A.json B.json ... --out DIR: one record (and summary) from runs that each did some phases, e.g. two phases
 side by side on two GPUs of one host in one device call (scripts/gpu_parallel.sh); every source's provenance is
@@ -145,9 +148,10 @@ class Clock:
 
 
 def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured: dict,
-              rehearse: bool = False) -> dict:
+              rehearse: bool = False, share_s: float | None = None) -> dict:
     """One server: greedy ids, then each workload warmed and measured. rehearse: one untimed bench_serving wave
-    before the first measured workload (see --rehearse)."""
+    before the first measured workload (see --rehearse). share_s: seconds this phase may take in all (its server
+    start included) before it stops starting workloads; its first workload runs regardless (see --deadline-s)."""
     flags, env, bench = PHASES[name]
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +173,12 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
             guess = expected_s(w, measured)
             if clock.left() < guess:
                 rec["skipped"].append(f"{w}: {clock.left():.0f}s left < ~{guess:.0f}s expected")
+                print(f"deadline: {name} {rec['skipped'][-1]}", flush=True)
+                continue
+            used = time.time() - t0
+            if share_s is not None and rec["benches"] and used + guess > share_s:
+                rec["skipped"].append(f"{w}: the phase's share of the time ({share_s:.0f}s) would be exceeded "
+                                      f"({used:.0f}s used + ~{guess:.0f}s expected)")
                 print(f"deadline: {name} {rec['skipped'][-1]}", flush=True)
                 continue
             inp, outp, conc = parse_workload(w)
@@ -479,10 +489,13 @@ def main(argv=None) -> int:
             skipped.append(f"phase {name}: {clock.left():.0f}s left < ~{need:.0f}s for startup, greedy and a workload")
             print(f"deadline: {skipped[-1]}", flush=True)
             continue
+        benching = [p for p in args.phases[i:] if PHASES[p][2]]
+        share_s = clock.left() / len(benching) if PHASES[name][2] else None
         try:
             first = not phases and not errors
             phases[name] = run_phase(name, args, 30100 + i, sharegpt, clock, measured,
-                                     rehearse=args.rehearse == "every" or (args.rehearse == "first" and first))
+                                     rehearse=args.rehearse == "every" or (args.rehearse == "first" and first),
+                                     share_s=share_s)
         except Exception as e:
             errors[name] = f"{type(e).__name__}: {str(e)[-3000:]}"
             print(f"phase {name} failed: {errors[name]}\n{tail(args.out / name / 'server.log', 40)}", flush=True)

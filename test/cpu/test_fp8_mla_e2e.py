@@ -132,7 +132,7 @@ def test_servers_capture_decode_graphs_up_to_the_largest_concurrency(tmp_path, m
     """Every @128 row before 2026-12-02 decoded eagerly under a shared --cuda-graph-max-bs 64 (mostly host time)."""
     seen = []
 
-    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False):
+    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False, share_s=None):
         seen.append(args.server_args)
         return {**phase([], 1.0, 1.0), "skipped": []}
 
@@ -157,7 +157,7 @@ def test_a_later_phase_starts_only_if_a_workload_fits_after_its_server_start(tmp
     and then skipped its only workload. Now the cheapest workload's expected time counts too."""
     started = []
 
-    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False):
+    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False, share_s=None):
         started.append(name)
         measured.update({"startup": 60.0, "greedy": 0.0, "4096x512@128": 110.0})
         return {**phase([], 1.0, 1.0), "skipped": []}
@@ -265,7 +265,7 @@ def test_the_first_phase_rehearses_its_first_workload_untimed(tmp_path, monkeypa
 def test_only_the_first_phase_of_a_call_rehearses_by_default(tmp_path, monkeypatch):
     got = []
 
-    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False):
+    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False, share_s=None):
         got.append((name, rehearse))
         return {**phase([], 1.0, 1.0), "skipped": []}
 
@@ -283,3 +283,50 @@ def test_only_the_first_phase_of_a_call_rehearses_by_default(tmp_path, monkeypat
     got.clear()
     e2e.main(base + ["--rehearse", "none"])
     assert got == [("flashmla-fp8", False), ("ours", False)]
+
+
+def test_each_benchmarking_phase_stops_starting_workloads_past_its_share(tmp_path, monkeypatch):
+    """Session 35: ours ran all four workloads (480 s) and both FlashMLA phases were skipped by the deadline, so
+    the call had no anchor. A phase now gets an equal share of the time left; past its first workload it starts
+    another only within that share."""
+    calls, now = [], [0.0]
+    server = recording_server(calls)
+    bench = server.bench
+
+    def slow_bench(self, out_jsonl, **kw):  # each measured wave takes 100 s of the fake clock
+        now[0] += 100.0
+        return bench(self, out_jsonl, **kw)
+
+    monkeypatch.setattr(server, "bench", slow_bench)
+    monkeypatch.setattr(e2e, "Server", server)
+    monkeypatch.setattr(e2e.time, "time", lambda: now[0])
+    args = e2e.argparse.Namespace(out=tmp_path, server_env={}, model="/m", server_args="--load-format dummy",
+                                  prompts=0, gen_tokens=4, workloads=["4096x512@16", "4096x512@48", "1024x256@128"],
+                                  num_prompts=0)
+    measured = {"4096x512@16": 100.0, "4096x512@48": 100.0, "1024x256@128": 100.0}
+    rec = e2e.run_phase("ours", args, 1, tmp_path / "sharegpt.json", e2e.Clock(1e6), dict(measured), share_s=250.0)
+    assert list(rec["benches"]) == ["4096x512@16", "4096x512@48"]  # 200 s used + 100 expected > 250
+    assert rec["skipped"] == ["1024x256@128: the phase's share of the time (250s) would be exceeded (200s used + "
+                              "~100s expected)"]
+    calls.clear()
+    rec = e2e.run_phase("ours", args, 1, tmp_path / "sharegpt.json", e2e.Clock(1e6), dict(measured), share_s=10.0)
+    assert list(rec["benches"]) == ["4096x512@16"]  # the first workload runs regardless: one pair at least
+    rec = e2e.run_phase("ours", args, 1, tmp_path / "sharegpt.json", e2e.Clock(1e6), dict(measured))
+    assert len(rec["benches"]) == 3  # no share: the deadline alone
+
+
+def test_the_time_left_is_shared_among_the_benchmarking_phases(tmp_path, monkeypatch):
+    shares = []
+
+    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False, share_s=None):
+        shares.append((name, share_s))
+        return {**phase([], 1.0, 1.0), "skipped": []}
+
+    monkeypatch.setattr(e2e, "run_phase", fake_phase)
+    monkeypatch.setattr(e2e, "stop_servers_on_sigterm", lambda: None)
+    monkeypatch.setattr(e2e.Clock, "left", lambda self: 600.0)
+    for k in e2e.HOST_ENV:
+        monkeypatch.setenv(k, "0")
+    e2e.main(["--model", "/m", "--prompts", "0", "--workloads", "1024x256@32", "--out", str(tmp_path), "--phases",
+              "triton", "ours", "flashmla", "flashmla-fp8"])
+    assert shares == [("triton", None), ("ours", 200.0), ("flashmla", 300.0), ("flashmla-fp8", 600.0)]
