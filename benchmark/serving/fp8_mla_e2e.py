@@ -39,7 +39,8 @@ workload runs only if its expected duration (measured in an earlier phase, or a 
 benchmarks gets an equal share of the time left when it starts (divided among it and the benchmarking phases after
 it): past its first workload it starts another only within that share, so that the anchors measure the same
 workloads in the same call (session 35: ours ran all four workloads in 480 s and both FlashMLA phases were
-skipped, leaving no ratio). Whatever is skipped is recorded. --reference reuses the triton ids of an earlier run, so a budget can go to one more phase.
+skipped, leaving no ratio). Whatever is skipped is recorded. --reference reuses the triton ids of an earlier run,
+so a budget can go to one more phase.
 
 --merge A.json B.json ... --out DIR: one record (and summary) from runs that each did some phases, e.g. two phases
 side by side on two GPUs of one host in one device call (scripts/gpu_parallel.sh); every source's provenance is
