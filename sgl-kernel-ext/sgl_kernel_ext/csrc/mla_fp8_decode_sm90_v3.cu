@@ -3,9 +3,11 @@
 // Same inputs, outputs, KV format (576 FP8 bytes + (latent, rope) fp32 scales per token), launcher signature, split
 // plan and combine as versions 1 and 2, and Q quantized in the kernel as version 2 does (bf16 rows in; design option
 // MLA_PREPASS_Q: the Triton pre-pass); built for few query rows per sequence (16 heads x q_len 1 or 2: TP8 layouts
-// of DeepSeek-V3): one CTA per 16 rows (at most 16) or per 32, so 128 heads run as 4 row blocks of 32 (session 34,
-// an experiment: each block streams the same K tiles, through L2 when the blocks run side by side). Status (H100, session 29): 39/39 GPU tests; 0.98-1.16x FlashMLA FP8 at batch >= 64
-// (0.85-1.16x over the 16-head grid), up to 1.14x version 2 (sgl-kernel-ext/NOTES.md).
+// of DeepSeek-V3): one CTA per 16 rows (at most 16) or per 32, so 128 heads run as 4 row blocks of 32 (session 34;
+// measured in session 35: 1.16-1.49x version 2's time at 128 heads, so the backend's auto keeps this version to
+// <= 32 rows). Status (H100, session 29): 39/39 GPU tests; 0.98-1.16x FlashMLA FP8 at batch >= 64 (0.85-1.16x over
+// the 16-head grid), up to 1.14x version 2 (sgl-kernel-ext/NOTES.md). N = 64 rows per CTA cannot fit: each math WG
+// holds all 512 channels of O^T, 4N fp32 registers per thread.
 //
 // Why. Versions 1 and 2 put query rows on wgmma's M side, which is 64 wide: at 16 heads, 16 of a CTA's 64 rows are
 // live and every tile costs the work of 64 (measured: 0.76-0.95x FlashMLA FP8 at 16 heads, batch >= 64, while the
