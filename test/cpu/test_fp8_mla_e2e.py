@@ -128,24 +128,32 @@ def test_summary_flags_a_phase_whose_kv_pool_held_fewer_requests_than_the_concur
     assert e2e.summarize({"ours": phase([], 1.0, 1.0)}, None)["kv_pool_full"] == {}  # records without the fields
 
 
-def test_servers_capture_decode_graphs_up_to_the_largest_concurrency(tmp_path, monkeypatch):
-    """Every @128 row before 2026-12-02 decoded eagerly under a shared --cuda-graph-max-bs 64 (mostly host time)."""
-    seen = []
+def fake_phases(monkeypatch, measures: dict | None = None) -> list:
+    """e2e.main's phases replaced by a stand-in that records (name, args, keyword arguments) of each and adds
+    `measures` to what the run has measured; the list it fills is returned."""
+    ran = []
 
-    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False, share_s=None):
-        seen.append(args.server_args)
+    def fake_phase(name, args, port, sharegpt, clock, measured, **kw):
+        ran.append((name, args, kw))
+        measured.update(measures or {})
         return {**phase([], 1.0, 1.0), "skipped": []}
 
     monkeypatch.setattr(e2e, "run_phase", fake_phase)
     monkeypatch.setattr(e2e, "stop_servers_on_sigterm", lambda: None)
     for k in e2e.HOST_ENV:
         monkeypatch.setenv(k, "0")
+    return ran
+
+
+def test_servers_capture_decode_graphs_up_to_the_largest_concurrency(tmp_path, monkeypatch):
+    """Every @128 row before 2026-12-02 decoded eagerly under a shared --cuda-graph-max-bs 64 (mostly host time)."""
+    ran = fake_phases(monkeypatch)
     common = ["--model", "/m", "--phases", "ours", "--prompts", "0"]
     e2e.main(common + ["--out", str(tmp_path / "a"), "--workloads", "4096x512@16", "1024x256@128"])
     e2e.main(common + ["--out", str(tmp_path / "b"), "--workloads", "4096x512@48",
                        "--server-args", "--load-format dummy --cuda-graph-max-bs 8"])
     e2e.main(common + ["--out", str(tmp_path / "c"), "--workloads", "1024x256@128", "--mem-fraction-static", "0.88"])
-    assert seen == [e2e.SERVER_ARGS + " --cuda-graph-max-bs 128", "--load-format dummy --cuda-graph-max-bs 8",
+    assert [args.server_args for _, args, _ in ran] == [e2e.SERVER_ARGS + " --cuda-graph-max-bs 128", "--load-format dummy --cuda-graph-max-bs 8",
                     e2e.SERVER_ARGS.replace("0.6", "0.88").replace(" --mem-fraction-static 0.88", "")
                     + " --cuda-graph-max-bs 128 --mem-fraction-static 0.88"]
     rec = json.loads((tmp_path / "a" / "fp8_mla_e2e.json").read_text())
@@ -155,22 +163,12 @@ def test_servers_capture_decode_graphs_up_to_the_largest_concurrency(tmp_path, m
 def test_a_later_phase_starts_only_if_a_workload_fits_after_its_server_start(tmp_path, monkeypatch):
     """Session 26: with --prompts 0 the check was startup alone, so a FlashMLA server started (65 s of device time)
     and then skipped its only workload. Now the cheapest workload's expected time counts too."""
-    started = []
-
-    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False, share_s=None):
-        started.append(name)
-        measured.update({"startup": 60.0, "greedy": 0.0, "4096x512@128": 110.0})
-        return {**phase([], 1.0, 1.0), "skipped": []}
-
-    monkeypatch.setattr(e2e, "run_phase", fake_phase)
-    monkeypatch.setattr(e2e, "stop_servers_on_sigterm", lambda: None)
+    ran = fake_phases(monkeypatch, {"startup": 60.0, "greedy": 0.0, "4096x512@128": 110.0})
     # after the first phase 150 s are left: its measured startup (60 s) fits, startup + the workload (110 s) not
-    monkeypatch.setattr(e2e.Clock, "left", lambda self: 150.0 if started else 500.0)
-    for k in e2e.HOST_ENV:
-        monkeypatch.setenv(k, "0")
+    monkeypatch.setattr(e2e.Clock, "left", lambda self: 150.0 if ran else 500.0)
     e2e.main(["--model", "/m", "--phases", "ours", "flashmla", "--prompts", "0", "--workloads", "4096x512@128",
               "--out", str(tmp_path)])
-    assert started == ["ours"]
+    assert [name for name, _, _ in ran] == ["ours"]
     rec = json.loads((tmp_path / "fp8_mla_e2e.json").read_text())
     assert rec["skipped"] == ["phase flashmla: 150s left < ~170s for startup, greedy and a workload"]
 
@@ -263,26 +261,14 @@ def test_the_first_phase_rehearses_its_first_workload_untimed(tmp_path, monkeypa
 
 
 def test_only_the_first_phase_of_a_call_rehearses_by_default(tmp_path, monkeypatch):
-    got = []
-
-    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False, share_s=None):
-        got.append((name, rehearse))
-        return {**phase([], 1.0, 1.0), "skipped": []}
-
-    monkeypatch.setattr(e2e, "run_phase", fake_phase)
-    monkeypatch.setattr(e2e, "stop_servers_on_sigterm", lambda: None)
-    for k in e2e.HOST_ENV:
-        monkeypatch.setenv(k, "0")
+    ran = fake_phases(monkeypatch)
     base = ["--model", "/m", "--prompts", "0", "--workloads", "1024x256@32", "--out", str(tmp_path), "--phases",
             "flashmla-fp8", "ours"]
-    e2e.main(base)
-    assert got == [("flashmla-fp8", True), ("ours", False)]
-    got.clear()
-    e2e.main(base + ["--rehearse", "every"])
-    assert got == [("flashmla-fp8", True), ("ours", True)]
-    got.clear()
-    e2e.main(base + ["--rehearse", "none"])
-    assert got == [("flashmla-fp8", False), ("ours", False)]
+    for extra, want in (([], [True, False]), (["--rehearse", "every"], [True, True]),
+                        (["--rehearse", "none"], [False, False])):
+        ran.clear()
+        e2e.main(base + extra)
+        assert [(name, kw["rehearse"]) for name, _, kw in ran] == list(zip(["flashmla-fp8", "ours"], want))
 
 
 def test_each_benchmarking_phase_stops_starting_workloads_past_its_share(tmp_path, monkeypatch):
@@ -316,17 +302,8 @@ def test_each_benchmarking_phase_stops_starting_workloads_past_its_share(tmp_pat
 
 
 def test_the_time_left_is_shared_among_the_benchmarking_phases(tmp_path, monkeypatch):
-    shares = []
-
-    def fake_phase(name, args, port, sharegpt, clock, measured, rehearse=False, share_s=None):
-        shares.append((name, share_s))
-        return {**phase([], 1.0, 1.0), "skipped": []}
-
-    monkeypatch.setattr(e2e, "run_phase", fake_phase)
-    monkeypatch.setattr(e2e, "stop_servers_on_sigterm", lambda: None)
+    ran = fake_phases(monkeypatch)
     monkeypatch.setattr(e2e.Clock, "left", lambda self: 600.0)
-    for k in e2e.HOST_ENV:
-        monkeypatch.setenv(k, "0")
     e2e.main(["--model", "/m", "--prompts", "0", "--workloads", "1024x256@32", "--out", str(tmp_path), "--phases",
               "triton", "ours", "flashmla", "flashmla-fp8"])
-    assert shares == [("triton", None), ("ours", 200.0), ("flashmla", 300.0), ("flashmla-fp8", 600.0)]
+    assert [(name, kw["share_s"]) for name, _, kw in ran] == [("triton", None), ("ours", 200.0), ("flashmla", 300.0), ("flashmla-fp8", 600.0)]
