@@ -39,8 +39,9 @@ workload runs only if its expected duration (measured in an earlier phase, or a 
 benchmarks gets an equal share of the time left when it starts (divided among it and the benchmarking phases after
 it): past its first workload it starts another only within that share, so that the anchors measure the same
 workloads in the same call (session 35: ours ran all four workloads in 480 s and both FlashMLA phases were
-skipped, leaving no ratio). Whatever is skipped is recorded. --reference reuses the triton ids of an earlier run,
-so a budget can go to one more phase.
+skipped, leaving no ratio); and a later phase runs only the workloads the first benchmarking phase measured (a
+workload no earlier phase has is a number without a pair). Whatever is skipped is recorded. --reference reuses
+the triton ids of an earlier run, so a budget can go to one more phase.
 
 --merge A.json B.json ... --out DIR: one record (and summary) from runs that each did some phases, e.g. two phases
 side by side on two GPUs of one host in one device call (scripts/gpu_parallel.sh); every source's provenance is
@@ -149,10 +150,11 @@ class Clock:
 
 
 def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured: dict,
-              rehearse: bool = False, share_s: float | None = None) -> dict:
+              rehearse: bool = False, share_s: float | None = None, only: set | None = None) -> dict:
     """One server: greedy ids, then each workload warmed and measured. rehearse: one untimed bench_serving wave
     before the first measured workload (see --rehearse). share_s: seconds this phase may take in all (its server
-    start included) before it stops starting workloads; its first workload runs regardless (see --deadline-s)."""
+    start included) before it stops starting workloads; its first workload runs regardless (see --deadline-s).
+    only: the workloads it may run (None: all), those an earlier phase measured."""
     flags, env, bench = PHASES[name]
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
@@ -171,6 +173,9 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
         measured["greedy"] = time.time() - t1
         rec["benches"] = {}
         for i, w in enumerate(args.workloads if bench else []):
+            if only is not None and w not in only:
+                rec["skipped"].append(f"{w}: the first benchmarking phase did not measure it (nothing to pair with)")
+                continue
             guess = expected_s(w, measured)
             if clock.left() < guess:
                 rec["skipped"].append(f"{w}: {clock.left():.0f}s left < ~{guess:.0f}s expected")
@@ -474,6 +479,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
     clock, measured, phases, skipped, errors = Clock(args.deadline_s), {}, {}, [], {}
+    paired = None  # the workloads of the first phase that benchmarked: what later phases may run
     ref = None
     if args.reference:
         old = read_record(args.reference, "--reference")
@@ -496,7 +502,10 @@ def main(argv=None) -> int:
             first = not phases and not errors
             phases[name] = run_phase(name, args, 30100 + i, sharegpt, clock, measured,
                                      rehearse=args.rehearse == "every" or (args.rehearse == "first" and first),
-                                     share_s=share_s)
+                                     share_s=share_s, only=paired)
+            if PHASES[name][2] and paired is None:
+                # none measured (e.g. its server died at once): the next benchmarking phase is the first
+                paired = {w for w, b in phases[name].get("benches", {}).items() if "error" not in b} or None
         except Exception as e:
             errors[name] = f"{type(e).__name__}: {str(e)[-3000:]}"
             print(f"phase {name} failed: {errors[name]}\n{tail(args.out / name / 'server.log', 40)}", flush=True)

@@ -153,9 +153,10 @@ def test_servers_capture_decode_graphs_up_to_the_largest_concurrency(tmp_path, m
     e2e.main(common + ["--out", str(tmp_path / "b"), "--workloads", "4096x512@48",
                        "--server-args", "--load-format dummy --cuda-graph-max-bs 8"])
     e2e.main(common + ["--out", str(tmp_path / "c"), "--workloads", "1024x256@128", "--mem-fraction-static", "0.88"])
-    assert [args.server_args for _, args, _ in ran] == [e2e.SERVER_ARGS + " --cuda-graph-max-bs 128", "--load-format dummy --cuda-graph-max-bs 8",
-                    e2e.SERVER_ARGS.replace("0.6", "0.88").replace(" --mem-fraction-static 0.88", "")
-                    + " --cuda-graph-max-bs 128 --mem-fraction-static 0.88"]
+    assert [args.server_args for _, args, _ in ran] == [
+        e2e.SERVER_ARGS + " --cuda-graph-max-bs 128", "--load-format dummy --cuda-graph-max-bs 8",
+        e2e.SERVER_ARGS.replace("0.6", "0.88").replace(" --mem-fraction-static 0.88", "")
+        + " --cuda-graph-max-bs 128 --mem-fraction-static 0.88"]
     rec = json.loads((tmp_path / "a" / "fp8_mla_e2e.json").read_text())
     assert rec["server_args"].endswith("--cuda-graph-max-bs 128")  # the record says what the servers ran with
 
@@ -306,4 +307,36 @@ def test_the_time_left_is_shared_among_the_benchmarking_phases(tmp_path, monkeyp
     monkeypatch.setattr(e2e.Clock, "left", lambda self: 600.0)
     e2e.main(["--model", "/m", "--prompts", "0", "--workloads", "1024x256@32", "--out", str(tmp_path), "--phases",
               "triton", "ours", "flashmla", "flashmla-fp8"])
-    assert [(name, kw["share_s"]) for name, _, kw in ran] == [("triton", None), ("ours", 200.0), ("flashmla", 300.0), ("flashmla-fp8", 600.0)]
+    assert [(name, kw["share_s"]) for name, _, kw in ran] == [("triton", None), ("ours", 200.0), ("flashmla", 300.0),
+                                                             ("flashmla-fp8", 600.0)]
+
+
+def test_later_phases_run_only_what_the_first_benchmarking_phase_measured(tmp_path, monkeypatch):
+    """With equal shares a later phase may have time for a workload the first one skipped: a number without a
+    pair. Later phases get the first benchmarking phase's measured workloads only (an errored one is not measured;
+    a phase that measured none leaves the choice to the next)."""
+    ran = fake_phases(monkeypatch)
+    measured = {"output_throughput": 1.0, "median_itl_ms": 1.0, "decode_log": {}}
+    recs = iter([{"benches": {}}, {"benches": {"1024x256@32": {"error": "its server died"}}},
+                 {"benches": {"4096x512@48": measured, "1024x256@32": {"error": "boom"}}}, {}, {}, {}])
+    fake = e2e.run_phase
+
+    def with_benches(name, *a, **kw):
+        return {**fake(name, *a, **kw), **next(recs)}
+
+    monkeypatch.setattr(e2e, "run_phase", with_benches)
+    e2e.main(["--model", "/m", "--prompts", "4", "--workloads", "4096x512@48", "1024x256@32", "--out", str(tmp_path),
+              "--phases", "triton", "ours-v2", "ours", "flashmla", "flashmla-fp8"])
+    assert [(name, kw["only"]) for name, _, kw in ran] == [("triton", None), ("ours-v2", None), ("ours", None),
+                                                          ("flashmla", {"4096x512@48"}),
+                                                          ("flashmla-fp8", {"4096x512@48"})]
+
+
+def test_a_phase_skips_the_workloads_it_may_not_run(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(e2e, "Server", recording_server(calls))
+    args = e2e.argparse.Namespace(out=tmp_path, server_env={}, model="/m", server_args="--load-format dummy",
+                                  prompts=0, gen_tokens=4, workloads=["4096x512@48", "1024x256@128"], num_prompts=0)
+    rec = e2e.run_phase("ours", args, 1, tmp_path / "sharegpt.json", e2e.Clock(1e6), {}, only={"1024x256@128"})
+    assert list(rec["benches"]) == ["1024x256@128"] and [c[0] for c in calls] == ["warm", "bench"]
+    assert rec["skipped"] == ["4096x512@48: the first benchmarking phase did not measure it (nothing to pair with)"]
