@@ -105,8 +105,11 @@ def walk_of(cfg: dict) -> str:
 TUNE_GRID = {
     "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4, **WALKS[w]}
                for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2) for w in WALKS],
-    "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": 1, "num_warps": nw, **WALKS[w]}
-               for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for nw in (4, 8) for w in WALKS],
+    # two programs per SM only where two fit: 64 x 128 tiles at 4 warps (ptxas: 243 registers x 128 threads, 74-98 KB
+    # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session 35)
+    "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": nw, **WALKS[w]}
+               for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for nw in (4, 8) for w in WALKS
+               for p in ((1, 2) if (bn, bt, nw) == (128, 64, 4) else (1,))],
 }
 
 
