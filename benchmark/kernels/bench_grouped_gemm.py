@@ -40,6 +40,9 @@ Output: --json OUT holds one object: numeric "latency_us" and "tflops" at the re
 format of python/sglang_h20/tables/grouped_gemm_<gpu>.json (see grouped_gemm_fp8.load_table). A roofline
 PNG goes next to it (--png to move it). --quick runs a small subset (about a minute on an H200).
 
+--tune keeps a config as a point's best only if its output is within TUNE_ERR_BOUND (1e-2) of float32 on the
+first non-empty expert (a rejected one is listed in the point's trials with its error).
+
 Table for the swapAB integration (sglang_h20.moe.swapab, grouped_gemm_fp8.load_table): --tune also
 writes the table of this run (grouped_gemm_fp8.table_from_result) to --table-out, by default this
 user's cache, ~/.cache/sglang_h20/grouped_gemm_<gpu>.json, which the loader reads before the shipped
@@ -104,7 +107,12 @@ def walk_of(cfg: dict) -> str:
 
 TUNE_GRID = {
     "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4, **WALKS[w]}
-               for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2) for w in WALKS],
+               for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2) for w in WALKS]
+    # 256 weight rows per tile on two warpgroups: each token tile's activations are read from L2 once per 256 output
+    # rows, not per 128 (at 64 tokens that re-read is half the weight bytes); ptxas: t64 246 / t32 176 registers,
+    # no spill, 124-165 KB at 3-4 stages, one program per SM (compile_report, session 35)
+    + [{"BLOCK_N": 256, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": 1, "num_warps": 8, **WALKS[w]}
+       for bt in (32, 64) for st in (3, 4) for w in WALKS],
     # two programs per SM only where two fit: 64 x 128 tiles at 4 warps (ptxas: 243 registers x 128 threads, 74-98 KB
     # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session 35)
     "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": nw, **WALKS[w]}
@@ -288,10 +296,32 @@ def metrics(us, counts, n, k, tiles):
 
 def rel_err(out_rows, a, a_s, b, b_s):
     """One expert's output rows against float32 on dequantized inputs (only where the output is known)."""
+    return rel_err_to(out_rows, reference(a, a_s, b, b_s))
+
+
+def reference(a, a_s, b, b_s):
+    """float32 product of the dequantized inputs."""
     from sgl_kernel_ext.quant import dequant_per_block, dequant_per_token_group
 
-    ref = dequant_per_token_group(a, a_s) @ dequant_per_block(b, b_s).T
+    return dequant_per_token_group(a, a_s) @ dequant_per_block(b, b_s).T
+
+
+def rel_err_to(out_rows, ref) -> float:
     return ((out_rows.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# --tune keeps a config only if its output is this close to float32 (the issue's bound): a faster but wrong config
+# (a walk or tile shape with a bug) must never reach a table
+TUNE_ERR_BOUND = 1e-2
+
+
+def rejects(trials: list, err: float | None) -> bool:
+    """True (and the trial just added says why) when a candidate's error is over TUNE_ERR_BOUND."""
+    if err is None or err <= TUNE_ERR_BOUND:
+        return False
+    trials[-1]["rejected_rel_err"] = err
+    print(f"  config {trials[-1]['config']}: rel err {err:.1e} > {TUNE_ERR_BOUND:g}, not kept", file=sys.stderr)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,12 +490,32 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
     a_c, a_cs = make_acts((max(total, 1), k), gen)
     indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
 
+    refs = {}
+
+    def first_group_check(layout):
+        """out -> the first non-empty group's relative error against float32 (None without one); the reference is
+        computed once per layout."""
+        def check(out):
+            if first is None:
+                return None
+            if layout == "masked":
+                rows = out[first, :counts[first]]
+                inputs = (a_m[first, :counts[first]], a_ms[first, :counts[first]])
+            else:
+                lo, hi = indptr[first].item(), indptr[first + 1].item()
+                rows, inputs = out[lo:hi], (a_c[lo:hi], a_cs[lo:hi])
+            if layout not in refs:
+                refs[layout] = reference(*inputs, b[first], b_s[first])
+            return rel_err_to(rows, refs[layout])
+        return check
+
     for variant in ("swapab", "normal"):
         if f"ours-{variant}" not in args.providers:
             continue
         for layout in args.layouts:
             configs = [None] + (tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune else [])
             best, tried, trials = None, 0, []  # trials: every tuned config's time, so walks can be compared
+            check = first_group_check(layout)
             for cfg in configs:
                 if best is not None and time_up():
                     print(f"  ours-{variant} {layout}: deadline, tuned {tried} of {len(configs)} configs",
@@ -486,22 +536,15 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                     print(f"  ours-{variant} {layout} config {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
                 trials.append({"config": cfg, "us": round(us, 3)})
-                if best is None or us < best[0]:
+                if (best is None or us < best[0]) and not rejects(trials, check(out)):
                     used = gg.choose_config(variant, mean, n, k, groups, layout=layout)
                     used.update(cfg or {})
                     best = (us, used, out.clone())
             if best is None:
-                unavailable[f"ours-{variant}-{layout}"] = "every config failed (see stderr)"
+                unavailable[f"ours-{variant}-{layout}"] = "every config failed or was wrong (see stderr)"
                 continue
             us, used, out = best
-            err = None
-            if first is not None:
-                if layout == "masked":
-                    err = rel_err(out[first, :counts[first]], a_m[first, :counts[first]],
-                                  a_ms[first, :counts[first]], b[first], b_s[first])
-                else:
-                    lo, hi = indptr[first].item(), indptr[first + 1].item()
-                    err = rel_err(out[lo:hi], a_c[lo:hi], a_cs[lo:hi], b[first], b_s[first])
+            err = check(out)
             tiles = (used["BLOCK_T"], used["BLOCK_N"])
             record(f"ours-{variant}", layout, us, tiles, err, used,
                    {"configs_tried": tried, "configs_in_grid": len(configs), "trials": trials} if tune else None)
@@ -549,6 +592,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             traceback.print_exc()
     b = b_s = a_m = a_ms = a_c = a_cs = None  # free the point's operands (the lambdas above name them)
+    refs.clear()
     torch.cuda.empty_cache()
     return results
 
@@ -653,7 +697,7 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
         if f"ours-{variant}" not in args.providers:
             continue
         configs = dense_configs(variant, m, n, k, args.tune, sms)
-        best, trials = None, []
+        best, trials, ref = None, [], reference(a, a_s, b, b_s)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         order = with_serial_reduce_retry(configs, lambda: best and best[1]) if args.tune else configs
         for over in order:
@@ -669,10 +713,10 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
                 continue
             _, cfg, sk = gg.plan_fp8_gemm_nt(m, n, k, variant, config=over, num_sms=sms)
             trials.append({"config": over, "us": round(us, 3)})
-            if best is None or us < best[0]:
+            if (best is None or us < best[0]) and not rejects(trials, rel_err_to(out, ref)):
                 best = (us, {**cfg, "split_k": sk}, out.clone())
         if best is None:
-            unavailable[f"ours-{variant}-dense"] = "every config failed (see stderr)"
+            unavailable[f"ours-{variant}-dense"] = "every config failed or was wrong (see stderr)"
             continue
         us, cfg, res = best
         record(f"ours-{variant}", us, res, cfg, (cfg["BLOCK_T"], cfg["BLOCK_N"]),

@@ -109,3 +109,25 @@ def test_the_serial_reduce_retry_comes_once_and_only_after_a_split_k_best():
     assert list(bench.with_serial_reduce_retry(grid, lambda: {**best, "split_k": 1})) == grid
     assert list(bench.with_serial_reduce_retry(grid, lambda: {**best, "serial_reduce": True})) == grid
     assert list(bench.with_serial_reduce_retry(grid, lambda: None)) == grid
+
+
+def test_tune_keeps_no_config_whose_output_is_wrong(capsys):
+    """A faster but wrong config (a walk or tile shape with a bug) must never reach a table: --tune takes a new best
+    only within TUNE_ERR_BOUND of float32, and the trial records why it was not kept."""
+    import torch
+
+    from sgl_kernel_ext.quant import per_block_quant_fp8, per_token_group_quant_fp8
+
+    g = torch.Generator().manual_seed(5)
+    a, a_s = per_token_group_quant_fp8(torch.randn(4, 256, generator=g))
+    b, b_s = per_block_quant_fp8(torch.randn(128, 256, generator=g))
+    ref = bench.reference(a, a_s, b, b_s)
+    assert bench.rel_err_to(ref.to(torch.bfloat16), ref) < 1e-2  # bf16 rounding only
+    trials = [{"config": {"BLOCK_N": 64}, "us": 1.0}]
+    assert not bench.rejects(trials, bench.rel_err_to(ref.to(torch.bfloat16), ref)) and not bench.rejects(trials, None)
+    assert "rejected_rel_err" not in trials[-1]
+    wrong = ref.clone()
+    wrong[:, :64] = 0  # half a tile never written
+    assert bench.rejects(trials, bench.rel_err_to(wrong, ref))
+    assert trials[-1]["rejected_rel_err"] > bench.TUNE_ERR_BOUND
+    assert "not kept" in capsys.readouterr().err
