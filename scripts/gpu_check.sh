@@ -37,8 +37,8 @@
 #     dsv3-4l; e.g. SMOKE_MODEL=dsv3-tp8-4l MAKE_MODELS=dsv3-tp8-4l: 16 heads, kernel version 3)
 #   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min; SBO_TESTS=0: none), bench_sbo.py --layer-only
 #     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32; our shared expert also capped at
-#     SBO_SHARED_SMS, default 16 32 132) -> $OUT/sbo_layer_shared.json (+ .png), then swapab_e2e.py --arms SBO_ARMS
-#     (default off sbo; "off sbo off sbo" repeats the pair; sbo+on+cap caps at SBO_E2E_SHARED_SMS, default 32) at
+#     SBO_SHARED_SMS, e.g. "16 32 132", default none) -> $OUT/sbo_layer_shared.json (+ .png), then swapab_e2e.py
+#     --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair; sbo+on+cap caps at SBO_E2E_SHARED_SMS, default 32) at
 #     SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e starts only with more than 300 s left)
 #   (decodeprof) benchmark/serving/decode_profile.py: torch-profiler kernels of steady decode steps per attention
 #     backend (DECODEPROF_MODEL, default dsv3-ep16-slice; DECODEPROF_ARGS, e.g. "--arms ours flashmla-fp8 --batch 32")
@@ -244,9 +244,9 @@ if [[ " $STEPS " == *" sbo "* ]]; then  # single-batch overlap: tests, the layer
       | tee "$OUT/sbo_gpu_tests.log" | tail -3
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   fi
-  say "bench_sbo --layer-only --shared (batches ${SBO_BATCHES:-8 16 32}, our shared expert also as ${SBO_SHARED_SMS:-16 32 132} slim programs)"
+  say "bench_sbo --layer-only --shared (batches ${SBO_BATCHES:-8 16 32}${SBO_SHARED_SMS:+, our shared expert also as $SBO_SHARED_SMS slim programs})"
   python3 benchmark/kernels/bench_sbo.py --layer-only --shared --experts 16 --batches ${SBO_BATCHES:-8 16 32} \
-    --shared-sms ${SBO_SHARED_SMS:-16 32 132} \
+    ${SBO_SHARED_SMS:+--shared-sms $SBO_SHARED_SMS} \
     --model /tmp/models/dsv3-ep16-slice --json "$OUT/sbo_layer_shared.json" > "$OUT/sbo_layer_shared.log" 2>&1 \
     || { rc=1; tail -20 "$OUT/sbo_layer_shared.log"; }
   grep "share of (combine" "$OUT/sbo_layer_shared.log"

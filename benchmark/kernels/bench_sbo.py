@@ -108,9 +108,10 @@ def parse_args(argv):
                     help="layer arms with the shared expert beside (side stream, as upstream's decode graphs run it) "
                          "and before the routed experts, on SGLang's linears and on ours; the combine alone; the share "
                          "of (combine + shared expert) hidden")
-    ap.add_argument("--shared-sms", type=int, nargs="+", default=[16, 32, 132], metavar="C",
+    ap.add_argument("--shared-sms", type=int, nargs="+", default=[], metavar="C",
                     help="with --shared: also our shared expert as C programs of at most 3 stages, the way "
-                         "SGLANG_H20_SBO_SHARED_SMS=C runs it beside the routed experts (default: %(default)s)")
+                         "SGLANG_H20_SBO_SHARED_SMS=C runs it beside the routed experts (default: none; on the H200 "
+                         "16, 32 and 132 were no faster than uncapped, benchmark/results/sbo/README.md, session 35)")
     return ap.parse_args(argv)
 
 

@@ -28,7 +28,7 @@ def test_hidden_shares_weigh_each_beside_arm_against_nothing_overlapped():
 
 
 def test_shared_sms_default_and_parse():
-    assert bench.parse_args(["--shared"]).shared_sms == [16, 32, 132]
+    assert bench.parse_args(["--shared"]).shared_sms == []  # measured no faster (session 35): opt-in
     assert bench.parse_args(["--shared", "--shared-sms", "8"]).shared_sms == [8]
 
 
