@@ -602,7 +602,8 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
 # (+ the best config's k-slices summed by the last slice instead of a reduce kernel, config serial_reduce)
 DENSE_TUNE = {"swapab": [{"BLOCK_N": bn, "programs_per_sm": pp, "num_stages": st}
                          for bn in (64, 128) for pp in (1, 2) for st in (4, 6)],
-              "normal": [{"BLOCK_N": 128, "BLOCK_T": bt, "programs_per_sm": 1} for bt in (64, 128)]}
+              "normal": [{"BLOCK_N": 128, "BLOCK_T": bt, "programs_per_sm": 1} for bt in (64, 128)]
+              + [{"BLOCK_N": 128, "BLOCK_T": 64, "programs_per_sm": 2}]}  # two fit per SM (TUNE_GRID's note)
 
 
 def dense_split_ks(kb: int, auto: int) -> list[int]:
