@@ -490,12 +490,13 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
     a_c, a_cs = make_acts((max(total, 1), k), gen)
     indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
 
-    refs = {}
-
     def first_group_check(layout):
         """out -> the first non-empty group's relative error against float32 (None without one); the reference is
-        computed once per layout."""
+        computed on the first call."""
+        ref = None
+
         def check(out):
+            nonlocal ref
             if first is None:
                 return None
             if layout == "masked":
@@ -504,18 +505,19 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             else:
                 lo, hi = indptr[first].item(), indptr[first + 1].item()
                 rows, inputs = out[lo:hi], (a_c[lo:hi], a_cs[lo:hi])
-            if layout not in refs:
-                refs[layout] = reference(*inputs, b[first], b_s[first])
-            return rel_err_to(rows, refs[layout])
+            if ref is None:
+                ref = reference(*inputs, b[first], b_s[first])
+            return rel_err_to(rows, ref)
         return check
 
+    checks = {layout: first_group_check(layout) for layout in ("masked", "contiguous")}  # ours and upstream's
     for variant in ("swapab", "normal"):
         if f"ours-{variant}" not in args.providers:
             continue
         for layout in args.layouts:
             configs = [None] + (tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune else [])
             best, tried, trials = None, 0, []  # trials: every tuned config's time, so walks can be compared
-            check = first_group_check(layout)
+            check = checks[layout]
             for cfg in configs:
                 if best is not None and time_up():
                     print(f"  ours-{variant} {layout}: deadline, tuned {tried} of {len(configs)} configs",
@@ -555,8 +557,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                 if layout == "masked":
                     fn, out = deepgemm_masked(a_m, a_ms, b, b_s, masked_m, mean)
                     us = bench_us(fn, args.rep_ms)
-                    err = None if first is None else rel_err(out[first, :counts[first]], a_m[first, :counts[first]],
-                                                             a_ms[first, :counts[first]], b[first], b_s[first])
+                    err = checks["masked"](out)
                     bm = 64 if mean <= 64 else 128  # DeepGEMM's block M for this expected_m (assumed)
                     record("deepgemm", layout, us, (bm, 128), err, {"assumed_block_m": bm})
                 else:
@@ -581,10 +582,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         try:
             fn, out, cfg = sglang_triton(a_c[:total], a_cs[:total], b, b_s, counts, swap)
             us = bench_us(fn, args.rep_ms)
-            err = None
-            if first is not None:
-                lo, hi = indptr[first].item(), indptr[first + 1].item()
-                err = rel_err(out[lo:hi], a_c[lo:hi], a_cs[lo:hi], b[first], b_s[first])
+            err = checks["contiguous"](out)
             record(name, "contiguous", us, (cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"]), err, cfg)
         except Unavailable as e:
             unavailable[name] = str(e)
@@ -592,7 +590,6 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             traceback.print_exc()
     b = b_s = a_m = a_ms = a_c = a_cs = None  # free the point's operands (the lambdas above name them)
-    refs.clear()
     torch.cuda.empty_cache()
     return results
 
@@ -687,9 +684,11 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
     base = {"kind": "dense", "shape": shape, "n": n, "k": k, "groups": 1, "tokens_per_group": m,
             "distribution": "dense", "counts": [m]}
 
+    ref = reference(a, a_s, b, b_s)  # every provider's output is checked against it
+
     def record(provider, us, out, config, tiles, extra=None):
         p = {**base, "provider": provider, "layout": "dense", "config": config,
-             "rel_err": rel_err(out, a, a_s, b, b_s), **metrics(us, [m], n, k, tiles), **(extra or {})}
+             "rel_err": rel_err_to(out, ref), **metrics(us, [m], n, k, tiles), **(extra or {})}
         results.append(p)
         print(f"dense {shape:14s} m={m:4d} {provider:14s} {us:8.1f} us {p['weight_tbs']:.2f} TB/s "
               f"err {p['rel_err']:.1e}", flush=True)
@@ -698,7 +697,7 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
         if f"ours-{variant}" not in args.providers:
             continue
         configs = dense_configs(variant, m, n, k, args.tune, sms)
-        best, trials, ref = None, [], reference(a, a_s, b, b_s)
+        best, trials = None, []
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         order = with_serial_reduce_retry(configs, lambda: best and best[1]) if args.tune else configs
         for over in order:

@@ -153,7 +153,7 @@ SWITCHES: tuple[Switch, ...] = (
            "with sbo and swapab on: the shared expert, where it runs beside the routed experts on the layer's side "
            "stream, takes our dense GEMMs as this many programs of at most 3 pipeline stages, so they fit on SMs "
            "that hold the routed experts' persistent grid (0 = the table's tiles on every SM, as without it); an A/B "
-           "knob until measured end to end"),
+           "knob: on the H200 no cap made the MoE layer faster (session 35)"),
     Switch("eplb", _choice("off", "affinity"), "off",
            "expert placement: 'affinity' = co-activation-aware EPLB with asynchronous migration"),
     Switch("eplb_async", _parse_bool, "off",
