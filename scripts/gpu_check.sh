@@ -38,7 +38,7 @@
 #   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min; SBO_TESTS=0: none), bench_sbo.py --layer-only
 #     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32; our shared expert also capped at
 #     SBO_SHARED_SMS, e.g. "16 32 132", default none) -> $OUT/sbo_layer_shared.json (+ .png), then swapab_e2e.py
-#     --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair; sbo+on+cap caps at SBO_E2E_SHARED_SMS, default 32) at
+#     --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair; sbo+on+cap caps at SBO_E2E_SHARED_SMS, default swapab_e2e's 32) at
 #     SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e starts only with more than 300 s left)
 #   (decodeprof) benchmark/serving/decode_profile.py: torch-profiler kernels of steady decode steps per attention
 #     backend (DECODEPROF_MODEL, default dsv3-ep16-slice; DECODEPROF_ARGS, e.g. "--arms ours flashmla-fp8 --batch 32")
@@ -253,7 +253,7 @@ if [[ " $STEPS " == *" sbo "* ]]; then  # single-batch overlap: tests, the layer
   if [ "$(left)" -gt 300 ]; then
     python3 benchmark/serving/swapab_e2e.py --model /tmp/models/dsv3-ep16-slice --out /tmp/sbo_e2e \
       --deadline-s $(( $(left) - 40 )) --arms ${SBO_ARMS:-off sbo} --concurrency ${SBO_CONC:-16 32} --waves 3 --no-layer \
-      --shared-sms ${SBO_E2E_SHARED_SMS:-32} \
+      ${SBO_E2E_SHARED_SMS:+--shared-sms $SBO_E2E_SHARED_SMS} \
       2>&1 | tee "$OUT/sbo_e2e.log" | grep -E "tok/s|ratio"
     cp /tmp/sbo_e2e/swapab_e2e.json "$OUT/sbo_e2e.json" 2>/dev/null || rc=1
   fi
