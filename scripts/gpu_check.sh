@@ -35,11 +35,12 @@
 #   GPU; needs them visible: a multi-GPU kind running gpu_check.sh itself, not a gpu_parallel.sh job)
 #   (fp8smoke) scripts/fp8_mla_smoke.py: the h20_fp8_mla backend serves greedy requests on SMOKE_MODEL (default
 #     dsv3-4l; e.g. SMOKE_MODEL=dsv3-tp8-4l MAKE_MODELS=dsv3-tp8-4l: 16 heads, kernel version 3)
-#   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min; SBO_TESTS=0: none), bench_sbo.py --layer-only
-#     --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32; our shared expert also capped at
-#     SBO_SHARED_SMS, e.g. "16 32 132", default none) -> $OUT/sbo_layer_shared.json (+ .png), then swapab_e2e.py
-#     --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair; sbo+on+cap caps at SBO_E2E_SHARED_SMS, default swapab_e2e's 32) at
-#     SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e starts only with more than 300 s left)
+#   (sbo) the SBO GPU tests (SBO_K: a pytest -k filter; all of them take ~5 min; SBO_TESTS=0: none),
+#     bench_sbo.py --layer-only --shared on dsv3-ep16-slice's 16 experts (SBO_BATCHES, default 8 16 32; our shared
+#     expert also capped at SBO_SHARED_SMS, e.g. "16 32 132", default none) -> $OUT/sbo_layer_shared.json (+ .png),
+#     then swapab_e2e.py --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair; sbo+on+cap caps at
+#     SBO_E2E_SHARED_SMS, default swapab_e2e's 32) at SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e starts
+#     only with more than 300 s left)
 #   (decodeprof) benchmark/serving/decode_profile.py: torch-profiler kernels of steady decode steps per attention
 #     backend (DECODEPROF_MODEL, default dsv3-ep16-slice; DECODEPROF_ARGS, e.g. "--arms ours flashmla-fp8 --batch 32")
 #     -> $OUT/decode_profile.json (the traces stay on the host)
