@@ -117,7 +117,11 @@ TUNE_GRID = {
     # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session 35)
     "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": nw, **WALKS[w]}
                for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for nw in (4, 8) for w in WALKS
-               for p in ((1, 2) if (bn, bt, nw) == (128, 64, 4) else (1,))],
+               for p in ((1, 2) if (bn, bt, nw) == (128, 64, 4) else (1,))]
+    # three per SM at 64 x 64 (ptxas, 4 stages: plain 142 / TMA 163 registers x 128 threads, 64-74 KB; flat 186
+    # fits two): session 36 measured two programs per SM 1.05-1.61x faster than one, so try a third
+    + [{"BLOCK_N": 64, "BLOCK_T": 64, "num_stages": 4, "programs_per_sm": 3, "num_warps": 4, **WALKS[w]}
+       for w in WALKS],
 }
 
 
@@ -823,13 +827,26 @@ def read_results(path: Path) -> dict:
     return result
 
 
+def point_key(p: dict) -> tuple:
+    """What one run measures side by side: every provider, layout and draw of one GEMM shape and token count."""
+    return (p.get("kind"), p.get("n"), p.get("k"), p.get("groups"), p.get("tokens_per_group"))
+
+
 def merged_results(paths: list[Path]) -> dict:
-    """One results object from several runs: the first's record, every run's points, and each file's provenance
-    under "merged_from" (the table's source says where each entry was measured)."""
+    """One results object from several runs: the first's record, and each file's provenance under "merged_from"
+    (the table's source says where each entry was measured). A later file's points replace every earlier point
+    at a key it measured (`point_key`), so a table entry never weighs ours from one run against upstream from
+    another: a retune of some shapes supersedes those shapes only."""
     results = [read_results(p) for p in paths]
     if len(results) == 1:
         return results[0]
-    return {**results[0], "points": [pt for r in results for pt in r["points"]],
+    points: dict = {}
+    for r in results:
+        fresh: dict = {}
+        for pt in r["points"]:
+            fresh.setdefault(point_key(pt), []).append(pt)
+        points.update(fresh)
+    return {**results[0], "points": [pt for group in points.values() for pt in group],
             "merged_from": [{"file": str(p), "provenance": r.get("provenance")} for p, r in zip(paths, results)]}
 
 

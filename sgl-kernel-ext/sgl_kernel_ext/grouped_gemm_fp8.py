@@ -762,7 +762,9 @@ def heuristic_config(variant: str, m: int, n: int, k: int, groups: int, num_sms:
 
     swapab: BLOCK_T = 16/32/64 tokens (smallest covering m), BLOCK_N = 128 weight rows, or 64 when
     128-row tiles would leave SMs idle; 4 warps, 4 stages (smem (BLOCK_N+BLOCK_T)*128 B per stage),
-    2 programs per SM. normal: BLOCK_T = 64 (m <= 96) or 128, BLOCK_N = 128, 3 stages, 1 per SM.
+    2 programs per SM. normal: up to 128 tokens 64 x 128 tiles on 4 warps, 4 stages, 2 programs per SM
+    (H200, 8-32 groups at 64 and 128 tokens: 1.05-1.6x faster than one 3-stage program per SM, session 36's
+    tune in benchmark/results/swapab); above, BLOCK_T 128 on 8 warps, 3 stages, 1 per SM.
     """
     if variant == "swapab":
         bt = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -770,9 +772,9 @@ def heuristic_config(variant: str, m: int, n: int, k: int, groups: int, num_sms:
         bn = 128 if tiles128 >= num_sms else 64
         return {"BLOCK_N": bn, "BLOCK_T": bt, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2}
     if variant == "normal":
-        bt = 64 if m <= 96 else 128
-        return {"BLOCK_N": 128, "BLOCK_T": bt, "num_warps": 4 if bt == 64 else 8, "num_stages": 3,
-                "programs_per_sm": 1}
+        if m <= 128:
+            return {"BLOCK_N": 128, "BLOCK_T": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2}
+        return {"BLOCK_N": 128, "BLOCK_T": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 1}
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 

@@ -131,3 +131,26 @@ def test_tune_keeps_no_config_whose_output_is_wrong(capsys):
     assert bench.rejects(trials, bench.rel_err_to(wrong, ref))
     assert trials[-1]["rejected_rel_err"] > bench.TUNE_ERR_BOUND
     assert "not kept" in capsys.readouterr().err
+
+
+def test_a_later_run_replaces_the_shapes_it_measured_and_keeps_the_rest(tmp_path):
+    """--table-from A B: at a key B measured, A's points are gone (no entry weighs ours from one run against
+    upstream from another); A's other keys stay."""
+    import json
+
+    def pt(provider, m, us, layout="masked", dist="uniform"):
+        return {"kind": "moe", "n": 4096, "k": 7168, "groups": 8, "tokens_per_group": m, "provider": provider,
+                "layout": layout, "distribution": dist, "us": us}
+    old = [pt("deepgemm", 64, 10.0), pt("ours-swapab", 64, 12.0), pt("ours-normal", 64, 11.0),
+           pt("deepgemm", 64, 10.0, dist="uneven"), pt("ours-normal", 64, 11.0, dist="uneven"),
+           pt("deepgemm", 8, 10.0), pt("ours-swapab", 8, 7.0)]
+    new = [pt("deepgemm", 64, 10.5), pt("ours-normal", 64, 9.5)]  # a retune at m=64, uniform draw only
+    for name, pts in (("a.json", old), ("b.json", new)):
+        (tmp_path / name).write_text(json.dumps({"points": pts, "provenance": {"gpu": "NVIDIA H200"}}))
+    merged = bench.merged_results([tmp_path / "a.json", tmp_path / "b.json"])
+    assert sorted((p["tokens_per_group"], p["provider"], p["us"]) for p in merged["points"]) == [
+        (8, "deepgemm", 10.0), (8, "ours-swapab", 7.0), (64, "deepgemm", 10.5), (64, "ours-normal", 9.5)]
+    assert [m["file"] for m in merged["merged_from"]] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    entries = {e["m"]: e for e in bench.table_entries(merged["points"])}
+    assert entries[64]["best"] == "normal" and entries[64]["us"] == {"upstream": 10.5, "normal": 9.5}
+    assert entries[8]["best"] == "swapab" and "us_uneven" not in entries[64]

@@ -37,7 +37,9 @@ SWAPAB_CONFIGS = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_
                   {"BLOCK_N": 256, "BLOCK_T": 64, "num_warps": 8}]  # weights on two warpgroups, per-row scales
 NORMAL_CONFIGS = [None, {"BLOCK_N": 256, "BLOCK_T": 64},  # 256: the per-column weight-scale path
                   {"BLOCK_N": 256, "BLOCK_T": 64, "flat": True},
-                  {"BLOCK_N": 256, "BLOCK_T": 64, "flat": True, "tma": True}]
+                  {"BLOCK_N": 256, "BLOCK_T": 64, "flat": True, "tma": True},
+                  {"BLOCK_N": 64, "BLOCK_T": 64, "programs_per_sm": 3},  # half a weight-scale block per tile
+                  {"BLOCK_N": 64, "BLOCK_T": 64, "programs_per_sm": 3, "flat": True, "tma": True}]
 CASES = [("swapab", c) for c in SWAPAB_CONFIGS] + [("normal", c) for c in NORMAL_CONFIGS]
 CASE_IDS = [f"{v}-{c['BLOCK_N']}x{c['BLOCK_T']}{'-flat' if c.get('flat') else ''}{'-tma' if c.get('tma') else ''}"
             if c else f"{v}-default" for v, c in CASES]
