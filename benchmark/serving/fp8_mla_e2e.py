@@ -96,6 +96,18 @@ WORKLOADS = ["4096x512@16", "4096x512@48", "1024x256@128", "4096x512@128"]  # in
 # expected seconds until a phase has measured them (guesses for a 61-layer dummy DeepSeek-V3 slice on one H200)
 GUESS_S = {"startup": 240.0, "greedy": 40.0, "4096x512@16": 45.0, "4096x512@48": 70.0, "4096x512@128": 120.0,
            "1024x256@128": 50.0}
+TYPICAL_STARTUP_S = 75.0  # a server start with the devkit's JIT cache unpacked (sessions 35-36: 63-73 s); plan only
+
+
+def plan_s(args) -> tuple[float, int]:
+    """(expected seconds, benchmarking phases) for every phase to run its first workload: a typical start, the greedy
+    step and that workload each, plus the first phase's rehearsal. Printed up front, so that a call that cannot pair
+    its phases says so before it spends the device time (session 36: three phases, 499 s; the third was skipped)."""
+    benching = [p for p in args.phases if PHASES[p][2]]
+    first = expected_s(args.workloads[0], {}) if args.workloads else 0.0
+    total = len(args.phases) * (TYPICAL_STARTUP_S + (GUESS_S["greedy"] if args.prompts else 0.0))
+    total += len(benching) * first + (first if benching and args.rehearse != "none" else 0.0)
+    return total, len(benching)
 PROMPT_LENGTHS = (64, 320, 1600, 900, 32, 2500)
 PLUGIN_MARK = "[sglang-h20 pid"
 KV_MARKS = ("KV Cache is allocated", "max_total_num_tokens")  # capacity: FP8 holds about twice BF16's tokens
@@ -422,7 +434,7 @@ def read_record(path: Path, flag: str) -> dict:
     return rec
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=False, help="model dir (required unless --merge)")
     ap.add_argument("--out", type=Path, required=True,
@@ -456,6 +468,11 @@ def main(argv=None) -> int:
                                                      "(same model and prompts) instead of running the triton phase")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                     help="combine these fp8_mla_e2e.json records into --out/fp8_mla_e2e.json (no server runs)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.merge:
         try:
@@ -479,6 +496,11 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
     clock, measured, phases, skipped, errors = Clock(args.deadline_s), {}, {}, [], {}
+    need, benching = plan_s(args)
+    print(f"plan: {len(args.phases)} phases ({benching} benchmarking) need ~{need:.0f}s to each run "
+          f"{args.workloads[0] if args.workloads else 'no workload'}"
+          + (f"; over --deadline-s {args.deadline_s:.0f}: expect the last phases to be skipped (fewer phases per call, "
+             f"or --merge two calls' records)" if need > args.deadline_s else ""), flush=True)
     paired = None  # the workloads of the first phase that benchmarked: what later phases may run
     ref = None
     if args.reference:

@@ -340,3 +340,22 @@ def test_a_phase_skips_the_workloads_it_may_not_run(tmp_path, monkeypatch):
     rec = e2e.run_phase("ours", args, 1, tmp_path / "sharegpt.json", e2e.Clock(1e6), {}, only={"1024x256@128"})
     assert list(rec["benches"]) == ["1024x256@128"] and [c[0] for c in calls] == ["warm", "bench"]
     assert rec["skipped"] == ["4096x512@48: the first benchmarking phase did not measure it (nothing to pair with)"]
+
+
+def test_the_plan_warns_when_the_phases_cannot_all_run_one_workload(tmp_path, monkeypatch, capsys):
+    """Session 36: three phases in 499 s; the third was skipped. The plan line says so before any server starts."""
+    fake_phases(monkeypatch)
+    three = ["--model", "/m", "--workloads", "4096x512@48", "--phases", "ours", "flashmla", "flashmla-fp8"]
+    # 3 x (75 s start + 40 s greedy + 70 s wave) + the first phase's 70 s rehearsal
+    assert e2e.plan_s(e2e_args(three)) == (3 * (75 + 40 + 70) + 70, 3)
+    assert e2e.plan_s(e2e_args(three[:-1] + ["--rehearse", "none"]))[0] == 2 * (75 + 40 + 70)
+    e2e.main(three + ["--deadline-s", "499", "--out", str(tmp_path / "a")])
+    assert "need ~625s" in capsys.readouterr().out.split("plan:")[1].split("\n")[0]
+    e2e.main(three[:-1] + ["--deadline-s", "499", "--out", str(tmp_path / "b")])
+    line = capsys.readouterr().out.split("plan:")[1].split("\n")[0]
+    assert "need ~440s" in line and "skipped" not in line
+
+
+
+def e2e_args(argv):
+    return e2e.build_parser().parse_args(argv + ["--out", "/nonexistent"])
