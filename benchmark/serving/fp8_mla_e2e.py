@@ -98,16 +98,6 @@ GUESS_S = {"startup": 240.0, "greedy": 40.0, "4096x512@16": 45.0, "4096x512@48":
            "1024x256@128": 50.0}
 TYPICAL_STARTUP_S = 75.0  # a server start with the devkit's JIT cache unpacked (sessions 35-36: 63-73 s); plan only
 
-
-def plan_s(args) -> tuple[float, int]:
-    """(expected seconds, benchmarking phases) for every phase to run its first workload: a typical start, the greedy
-    step and that workload each, plus the first phase's rehearsal. Printed up front, so that a call that cannot pair
-    its phases says so before it spends the device time (session 36: three phases, 499 s; the third was skipped)."""
-    benching = [p for p in args.phases if PHASES[p][2]]
-    first = expected_s(args.workloads[0], {}) if args.workloads else 0.0
-    total = len(args.phases) * (TYPICAL_STARTUP_S + (GUESS_S["greedy"] if args.prompts else 0.0))
-    total += len(benching) * first + (first if benching and args.rehearse != "none" else 0.0)
-    return total, len(benching)
 PROMPT_LENGTHS = (64, 320, 1600, 900, 32, 2500)
 PLUGIN_MARK = "[sglang-h20 pid"
 KV_MARKS = ("KV Cache is allocated", "max_total_num_tokens")  # capacity: FP8 holds about twice BF16's tokens
@@ -151,6 +141,17 @@ def phase_need_s(name: str, args, measured: dict) -> float:
     if PHASES[name][2] and args.workloads:
         need += min(expected_s(w, measured) for w in args.workloads)
     return need
+
+
+def plan_s(args) -> tuple[float, int]:
+    """(expected seconds, benchmarking phases) for every phase to run its first workload: a typical start, the greedy
+    step and that workload each, plus the first phase's rehearsal. Printed up front, so that a call that cannot pair
+    its phases says so before it spends the device time (session 36: three phases, 499 s; the third was skipped)."""
+    benching = [p for p in args.phases if PHASES[p][2]]
+    first = expected_s(args.workloads[0], {}) if args.workloads else 0.0
+    total = len(args.phases) * (TYPICAL_STARTUP_S + (GUESS_S["greedy"] if args.prompts else 0.0))
+    total += len(benching) * first + (first if benching and args.rehearse != "none" else 0.0)
+    return total, len(benching)
 
 
 class Clock:
