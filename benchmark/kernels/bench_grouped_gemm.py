@@ -112,7 +112,12 @@ TUNE_GRID = {
     # rows, not per 128 (at 64 tokens that re-read is half the weight bytes); ptxas: t64 246 / t32 176 registers,
     # no spill, 124-165 KB at 3-4 stages, one program per SM (compile_report, session 35)
     + [{"BLOCK_N": 256, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": 1, "num_warps": 8, **WALKS[w]}
-       for bt in (32, 64) for st in (3, 4) for w in WALKS],
+       for bt in (32, 64) for st in (3, 4) for w in WALKS]
+    # more programs per SM where they fit at 4 stages (ptxas, plain walk: 64 x 16 72 registers / 40 KB and 64 x 32
+    # 108 / 48 KB hold four; 128 x 16 116 / 72 KB and 64 x 64 160 / 64 KB three; the TMA walk takes more registers,
+    # so fewer are resident there; session 36)
+    + [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": 4, "programs_per_sm": p, "num_warps": 4, **WALKS[w]}
+       for bn, bt, p in ((64, 16, 4), (64, 32, 4), (128, 16, 3), (64, 64, 3)) for w in WALKS],
     # two programs per SM only where two fit: 64 x 128 tiles at 4 warps (ptxas: 243 registers x 128 threads, 74-98 KB
     # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session 35)
     "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": nw, **WALKS[w]}

@@ -34,7 +34,8 @@ QUANT_BOUND = 16.0 / FP8_MAX
 SWAPAB_CONFIGS = [None, {"BLOCK_N": 64, "BLOCK_T": 16}, {"BLOCK_N": 128, "BLOCK_T": 32},
                   {"BLOCK_N": 64, "BLOCK_T": 16, "flat": True},  # flat: the flattened persistent walk
                   {"BLOCK_N": 64, "BLOCK_T": 16, "flat": True, "tma": True},  # + operands by TMA descriptors
-                  {"BLOCK_N": 256, "BLOCK_T": 64, "num_warps": 8}]  # weights on two warpgroups, per-row scales
+                  {"BLOCK_N": 256, "BLOCK_T": 64, "num_warps": 8},  # weights on two warpgroups, per-row scales
+                  {"BLOCK_N": 64, "BLOCK_T": 32, "programs_per_sm": 4}]  # more programs than tiles at small shapes
 NORMAL_CONFIGS = [None, {"BLOCK_N": 256, "BLOCK_T": 64},  # 256: the per-column weight-scale path
                   {"BLOCK_N": 256, "BLOCK_T": 64, "flat": True},
                   {"BLOCK_N": 256, "BLOCK_T": 64, "flat": True, "tma": True},
