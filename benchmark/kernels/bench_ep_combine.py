@@ -237,7 +237,7 @@ def summarize(per_rank: dict[int, dict]) -> list[dict]:
 def plot(rows: list[dict], png: Path, title: str = "") -> None:
     """Per batch: the serial path's stages stacked (GEMM, local combine, reduce-scatter) beside fused, the
     all-gather (both pay it) at the bottom of each bar."""
-    from sglang_h20.plotting import pyplot
+    from sglang_h20.plotting import pyplot, save_png
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -267,8 +267,7 @@ def plot(rows: list[dict], png: Path, title: str = "") -> None:
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    save_png(fig, png, dpi=120)
 
 
 def main(argv=None) -> int:

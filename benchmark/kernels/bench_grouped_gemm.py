@@ -122,11 +122,9 @@ TUNE_GRID = {
     # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session 35)
     "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": nw, **WALKS[w]}
                for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for nw in (4, 8) for w in WALKS
-               for p in ((1, 2) if (bn, bt, nw) == (128, 64, 4) else (1,))]
-    # three per SM at 64 x 64 (ptxas, 4 stages: plain 142 / TMA 163 registers x 128 threads, 64-74 KB; flat 186
-    # fits two): session 36 measured two programs per SM 1.05-1.61x faster than one, so try a third
-    + [{"BLOCK_N": 64, "BLOCK_T": 64, "num_stages": 4, "programs_per_sm": 3, "num_warps": 4, **WALKS[w]}
-       for w in WALKS],
+               for p in ((1, 2) if (bn, bt, nw) == (128, 64, 4) else (1,))],
+    # (64 x 64 tiles three per SM fit too, but took 1.12-1.43x the time of 64 x 128 two per SM at 8 and 32 experts
+    # x 128 tokens: benchmark/results/swapab/grouped_gemm_normal_64x64_three_per_sm_*, session 36)
 }
 
 
@@ -768,7 +766,7 @@ def write_table(result: dict, out: Path, results_file: str | None) -> None:
 
 def roofline_png(path, points, peak_tbs):
     try:
-        from sglang_h20.plotting import pyplot
+        from sglang_h20.plotting import pyplot, save_png
 
         plt = pyplot()
     except Exception as e:
@@ -796,7 +794,7 @@ def roofline_png(path, points, peak_tbs):
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     return None
 
 

@@ -528,7 +528,7 @@ def split_sweep(rows) -> list:
 
 
 def plot(rows, ceilings, path: Path):
-    from sglang_h20.plotting import pyplot
+    from sglang_h20.plotting import pyplot, save_png
     plt = pyplot()
     rows = [r for r in rows if not r["provider"].startswith(SWEEP_PREFIX)]  # the sweep is in split_sweep
 
@@ -553,7 +553,7 @@ def plot(rows, ceilings, path: Path):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
 
 
 def retarget(record: Path, out: Path | None) -> int:

@@ -503,7 +503,7 @@ def hidden_shares(row: dict) -> dict:
 
 
 def plot(summary, budgets, png: Path):
-    from sglang_h20.plotting import pyplot
+    from sglang_h20.plotting import pyplot, save_png
 
     plt = pyplot()
     batches = sorted(summary)
@@ -527,14 +527,13 @@ def plot(summary, budgets, png: Path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    save_png(fig, png, dpi=120)
 
 
 def plot_layer(rows: list[dict], png: Path):
     """The whole-layer arms (--layer-only): µs per arm against the batch, upstream in black; with --shared a second
     panel: the share of (combine + shared expert) hidden per ours-beside arm, against the issue's 80%."""
-    from sglang_h20.plotting import pyplot
+    from sglang_h20.plotting import pyplot, save_png
 
     plt = pyplot()
     batches = [r["batch"] for r in rows]
@@ -564,8 +563,7 @@ def plot_layer(rows: list[dict], png: Path):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    save_png(fig, png, dpi=120)
 
 
 if __name__ == "__main__":

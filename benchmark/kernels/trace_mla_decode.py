@@ -129,10 +129,9 @@ def concurrency(segs: list[list[tuple[str, int, int]]], warps: tuple[int, int] =
 
 
 def plot(segs, path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sglang_h20.plotting import pyplot, save_png
 
+    plt = pyplot()
     phases = sorted({p for w in segs for p, _, _ in w})
     cmap = plt.get_cmap("tab20")
     colour = {p: cmap(i % 20) for i, p in enumerate(phases)}
@@ -149,8 +148,7 @@ def plot(segs, path: Path, title: str) -> None:
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, facecolor=colour[p], hatch="//" if p in WAIT_PHASES else None)
                        for p in phases], labels=phases, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
 
 
 def parse_args(argv=None):

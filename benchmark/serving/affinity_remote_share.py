@@ -360,7 +360,7 @@ def plot_record(rec: dict, path: Path) -> None:
     the record has them, the share of tokens that leave their GPU per arm (what placement can lower), and our
     rebalances' decode-pass p99 during the move over the p99 before it (per rank, windows of >= MIN_P99_PASSES
     passes), against the issue's 1.05."""
-    from sglang_h20.plotting import pyplot
+    from sglang_h20.plotting import pyplot, save_png
 
     plt = pyplot()
     arms = {n: r for n, r in rec["arms"].items() if r.get("median_itl_ms") is not None}
@@ -407,8 +407,7 @@ def plot_record(rec: dict, path: Path) -> None:
     fig.suptitle(f"EP {rec['gpus']}, rebalance every {rec['rebalance_iterations']} passes, {rec.get('gpu')}, "
                  f"{rec.get('git_commit')}, {str(rec.get('date'))[:10]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 def main() -> int:

@@ -350,7 +350,7 @@ def plot(record: dict, path: Path) -> str | None:
     table = record["summary"].get("throughput") or {}
     if not table:
         return "no workload finished: nothing to plot"
-    from sglang_h20.plotting import pyplot
+    from sglang_h20.plotting import pyplot, save_png
 
     plt = pyplot()
     names = [n for n in PHASES if any(n in v for v in table.values())]
@@ -376,8 +376,7 @@ def plot(record: dict, path: Path) -> str | None:
                  f"commit {', '.join(commits)}\n(n/a: not run, the server died, or it never decoded 90% of the "
                  f"concurrency at once)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
     return None
 
 

@@ -793,7 +793,7 @@ def run_all(k, L, todo: list[dict], a, t0: float, flush, done: list[dict], skipp
 
 
 def plot(points: list[dict], path: Path, summary: dict) -> None:
-    from sglang_h20.plotting import pyplot
+    from sglang_h20.plotting import pyplot, save_png
 
     plt = pyplot()  # the GPU host's IPython stub broke a plain pyplot import (2026-11-29)
 
@@ -822,8 +822,7 @@ def plot(points: list[dict], path: Path, summary: dict) -> None:
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
 
 
 def parse_args(argv=None):

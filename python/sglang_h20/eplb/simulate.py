@@ -503,7 +503,7 @@ def _grouped_bars(ax, topos, algs, value, ylabel, title, fmt=None):
 
 def plot(record: dict, out: Path) -> list[Path]:
     """PNGs: cross_node_traffic, balancedness, bytes (network vs NVLink), migration (over time)."""
-    from sglang_h20.plotting import pyplot
+    from sglang_h20.plotting import pyplot, save_png
 
     plt = pyplot()
 
@@ -518,8 +518,7 @@ def plot(record: dict, out: Path) -> list[Path]:
     def save(fig, name):
         fig.tight_layout()
         path = out / name
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_png(fig, path, dpi=120)
         files.append(path)
 
     def value(s, t, a, key):

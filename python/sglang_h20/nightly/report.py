@@ -133,7 +133,7 @@ def serving_curves(record: dict, metric: str) -> dict[str, list[tuple[int, float
 
 def write_plots(out_dir: Path, run: dict, baseline: dict | None) -> list[Path]:
     """(a) output throughput and (b) median/p99 ITL vs concurrency per serving config; none without serving points."""
-    from sglang_h20.plotting import pyplot
+    from sglang_h20.plotting import pyplot, save_png
 
     plt = pyplot()
     from matplotlib.ticker import FuncFormatter
@@ -183,7 +183,6 @@ def write_plots(out_dir: Path, run: dict, baseline: dict | None) -> list[Path]:
                      f"(error bars: min/max over repeats)", fontsize=10)
         fig.tight_layout()
         path = out_dir / filename
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_png(fig, path, dpi=110)
         written.append(path)
     return written

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import html
-import io
 import json
 import math
 from pathlib import Path
@@ -68,10 +67,9 @@ def _plt():
 
 
 def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _plt().close(fig)
-    return buf.getvalue()
+    from sglang_h20.plotting import png_bytes
+
+    return png_bytes(fig, dpi=110, bbox_inches="tight")
 
 
 def plot_layer_stage(ds: analyze.Dataset) -> bytes:
