@@ -545,15 +545,16 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                     print(f"  ours-{variant} {layout} config {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
                 trials.append({"config": cfg, "us": round(us, 3)})
-                if (best is None or us < best[0]) and not rejects(trials, check(out)):
-                    used = gg.choose_config(variant, mean, n, k, groups, layout=layout)
-                    used.update(cfg or {})
-                    best = (us, used, out.clone())
+                if best is None or us < best[0]:
+                    err = check(out)
+                    if not rejects(trials, err):
+                        used = gg.choose_config(variant, mean, n, k, groups, layout=layout)
+                        used.update(cfg or {})
+                        best = (us, used, err)
             if best is None:
                 unavailable[f"ours-{variant}-{layout}"] = "every config failed or was wrong (see stderr)"
                 continue
-            us, used, out = best
-            err = check(out)
+            us, used, err = best
             tiles = (used["BLOCK_T"], used["BLOCK_N"])
             record(f"ours-{variant}", layout, us, tiles, err, used,
                    {"configs_tried": tried, "configs_in_grid": len(configs), "trials": trials} if tune else None)

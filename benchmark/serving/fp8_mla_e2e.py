@@ -496,11 +496,11 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
     clock, measured, phases, skipped, errors = Clock(args.deadline_s), {}, {}, [], {}
-    need, benching = plan_s(args)
-    print(f"plan: {len(args.phases)} phases ({benching} benchmarking) need ~{need:.0f}s to each run "
+    plan, plan_benching = plan_s(args)
+    print(f"plan: {len(args.phases)} phases ({plan_benching} benchmarking) need ~{plan:.0f}s to each run "
           f"{args.workloads[0] if args.workloads else 'no workload'}"
           + (f"; over --deadline-s {args.deadline_s:.0f}: expect the last phases to be skipped (fewer phases per call, "
-             f"or --merge two calls' records)" if need > args.deadline_s else ""), flush=True)
+             f"or --merge two calls' records)" if plan > args.deadline_s else ""), flush=True)
     paired = None  # the workloads of the first phase that benchmarked: what later phases may run
     ref = None
     if args.reference:

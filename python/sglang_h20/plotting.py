@@ -28,14 +28,11 @@ def pyplot():
     return plt
 
 
-def png_bytes(fig, dpi: int = 120, close: bool = True, **savefig_kw) -> bytes:
-    """The figure as a 256-colour palette PNG (matplotlib's own RGBA PNG where Pillow is missing)."""
+def png_bytes(fig, dpi: int = 120, **savefig_kw) -> bytes:
+    """The figure as a 256-colour palette PNG (matplotlib's own RGBA PNG where Pillow is missing); closes it."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, **savefig_kw)
-    if close:
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+    pyplot().close(fig)
     return compact_png(buf.getvalue())
 
 
