@@ -836,22 +836,42 @@ def point_key(p: dict) -> tuple:
     return (p.get("kind"), p.get("n"), p.get("k"), p.get("groups"), p.get("tokens_per_group"))
 
 
+def measured_what(points: list[dict]) -> set:
+    """The (provider, layout, draw) combinations a run timed at one key."""
+    return {(p.get("provider"), p.get("layout"), p.get("distribution")) for p in points}
+
+
+def table_merge_gaps(earlier: dict, later: dict) -> dict:
+    """At each key `later` replaces, what `earlier` measured there and `later` did not (a variant or the uneven
+    draw the table's rule weighs): the replacement loses it, so --table-from says so instead of losing it quietly."""
+    return {key: sorted(measured_what(earlier[key]) - measured_what(pts), key=str)
+            for key, pts in later.items() if key in earlier and measured_what(earlier[key]) - measured_what(pts)}
+
+
 def merged_results(paths: list[Path]) -> dict:
     """One results object from several runs: the first's record, and each file's provenance under "merged_from"
     (the table's source says where each entry was measured). A later file's points replace every earlier point
     at a key it measured (`point_key`), so a table entry never weighs ours from one run against upstream from
-    another: a retune of some shapes supersedes those shapes only."""
+    another: a retune of some shapes supersedes those shapes only. What a replacing run did not measure at such a
+    key is listed under its "replaced_without" and printed (`table_merge_gaps`)."""
     results = [read_results(p) for p in paths]
     if len(results) == 1:
         return results[0]
     points: dict = {}
-    for r in results:
+    sources = []
+    for path, r in zip(paths, results):
         fresh: dict = {}
         for pt in r["points"]:
             fresh.setdefault(point_key(pt), []).append(pt)
+        gaps = table_merge_gaps(points, fresh)
+        for key, lost in gaps.items():
+            print(f"bench_grouped_gemm: {path} replaces {key} without {', '.join('/'.join(map(str, m)) for m in lost)}",
+                  file=sys.stderr)
         points.update(fresh)
-    return {**results[0], "points": [pt for group in points.values() for pt in group],
-            "merged_from": [{"file": str(p), "provenance": r.get("provenance")} for p, r in zip(paths, results)]}
+        sources.append({"file": str(path), "provenance": r.get("provenance"),
+                        "replaced_without": {" ".join(map(str, k)): ["/".join(map(str, m)) for m in v]
+                                             for k, v in gaps.items()}})
+    return {**results[0], "points": [pt for group in points.values() for pt in group], "merged_from": sources}
 
 
 def main(argv=None) -> int:

@@ -133,9 +133,9 @@ def test_tune_keeps_no_config_whose_output_is_wrong(capsys):
     assert "not kept" in capsys.readouterr().err
 
 
-def test_a_later_run_replaces_the_shapes_it_measured_and_keeps_the_rest(tmp_path):
+def test_a_later_run_replaces_the_shapes_it_measured_and_keeps_the_rest(tmp_path, capsys):
     """--table-from A B: at a key B measured, A's points are gone (no entry weighs ours from one run against
-    upstream from another); A's other keys stay."""
+    upstream from another); A's other keys stay; what B did not measure there is printed and recorded."""
     import json
 
     def pt(provider, m, us, layout="masked", dist="uniform"):
@@ -151,6 +151,11 @@ def test_a_later_run_replaces_the_shapes_it_measured_and_keeps_the_rest(tmp_path
     assert sorted((p["tokens_per_group"], p["provider"], p["us"]) for p in merged["points"]) == [
         (8, "deepgemm", 10.0), (8, "ours-swapab", 7.0), (64, "deepgemm", 10.5), (64, "ours-normal", 9.5)]
     assert [m["file"] for m in merged["merged_from"]] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    lost = ["deepgemm/masked/uneven", "ours-normal/masked/uneven", "ours-swapab/masked/uniform"]
+    assert merged["merged_from"][0]["replaced_without"] == {}
+    assert merged["merged_from"][1]["replaced_without"] == {"moe 4096 7168 8 64": lost}
+    err = capsys.readouterr().err
+    assert "b.json replaces ('moe', 4096, 7168, 8, 64) without " + ", ".join(lost) in err and "8, 8)" not in err
     entries = {e["m"]: e for e in bench.table_entries(merged["points"])}
     assert entries[64]["best"] == "normal" and entries[64]["us"] == {"upstream": 10.5, "normal": 9.5}
     assert entries[8]["best"] == "swapab" and "us_uneven" not in entries[64]
