@@ -837,14 +837,14 @@ def point_key(p: dict) -> tuple:
 
 
 def measured_what(points: list[dict]) -> set:
-    """The (provider, layout, draw) combinations a run timed at one key."""
-    return {(p.get("provider"), p.get("layout"), p.get("distribution")) for p in points}
+    """The provider/layout/draw combinations a run timed at one key."""
+    return {f"{p.get('provider')}/{p.get('layout')}/{p.get('distribution')}" for p in points}
 
 
 def table_merge_gaps(earlier: dict, later: dict) -> dict:
     """At each key `later` replaces, what `earlier` measured there and `later` did not (a variant or the uneven
     draw the table's rule weighs): the replacement loses it, so --table-from says so instead of losing it quietly."""
-    return {key: sorted(measured_what(earlier[key]) - measured_what(pts), key=str)
+    return {key: sorted(measured_what(earlier[key]) - measured_what(pts))
             for key, pts in later.items() if key in earlier and measured_what(earlier[key]) - measured_what(pts)}
 
 
@@ -865,12 +865,10 @@ def merged_results(paths: list[Path]) -> dict:
             fresh.setdefault(point_key(pt), []).append(pt)
         gaps = table_merge_gaps(points, fresh)
         for key, lost in gaps.items():
-            print(f"bench_grouped_gemm: {path} replaces {key} without {', '.join('/'.join(map(str, m)) for m in lost)}",
-                  file=sys.stderr)
+            print(f"bench_grouped_gemm: {path} replaces {key} without {', '.join(lost)}", file=sys.stderr)
         points.update(fresh)
         sources.append({"file": str(path), "provenance": r.get("provenance"),
-                        "replaced_without": {" ".join(map(str, k)): ["/".join(map(str, m)) for m in v]
-                                             for k, v in gaps.items()}})
+                        "replaced_without": {" ".join(map(str, key)): lost for key, lost in gaps.items()}})
     return {**results[0], "points": [pt for group in points.values() for pt in group], "merged_from": sources}
 
 
