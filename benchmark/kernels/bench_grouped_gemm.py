@@ -844,8 +844,12 @@ def measured_what(points: list[dict]) -> set:
 def table_merge_gaps(earlier: dict, later: dict) -> dict:
     """At each key `later` replaces, what `earlier` measured there and `later` did not (a variant or the uneven
     draw the table's rule weighs): the replacement loses it, so --table-from says so instead of losing it quietly."""
-    return {key: sorted(measured_what(earlier[key]) - measured_what(pts))
-            for key, pts in later.items() if key in earlier and measured_what(earlier[key]) - measured_what(pts)}
+    gaps = {}
+    for key, pts in later.items():
+        lost = measured_what(earlier.get(key, [])) - measured_what(pts)
+        if lost:
+            gaps[key] = sorted(lost)
+    return gaps
 
 
 def merged_results(paths: list[Path]) -> dict:
