@@ -95,13 +95,15 @@ REPRESENTATIVE = {"shape": "gate_up", "groups": 32, "tokens_per_group": 8, "prov
 # tile walks: plain (per-group loop), flat (one flattened, pipelined loop: _fp8_grouped_gemm_flat_kernel), tma (flat
 # with the FP8 operands through tensor descriptors), ws (a token-tile map, then a persistent walk warp-specialized
 # over tensor descriptors: _fp8_grouped_gemm_ws_kernel)
-WALKS = {"plain": {"flat": False}, "flat": {"flat": True}, "tma": {"flat": True, "tma": True},
-         "ws": {"flat": False, "ws": True}}
+# Each walk names all three switches: a trial overrides the shipped config key by key, so a walk that left "tma"
+# out would inherit a shipped True and time the TMA walk under the name "flat".
+WALKS = {"plain": {"flat": False, "tma": False, "ws": False}, "flat": {"flat": True, "tma": False, "ws": False},
+         "tma": {"flat": True, "tma": True, "ws": False}, "ws": {"flat": False, "tma": False, "ws": True}}
 
 
 def walk_of(cfg: dict) -> str:
-    """The WALKS name of a tile config."""
-    keys = {"flat": cfg["flat"], **{k: True for k in ("tma", "ws") if cfg.get(k)}}
+    """The WALKS name of a tile config (a switch it lacks is off)."""
+    keys = {k: bool(cfg.get(k)) for k in ("flat", "tma", "ws")}
     return next(name for name, w in WALKS.items() if w == keys)
 
 
@@ -544,13 +546,15 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                 except Exception as e:
                     print(f"  ours-{variant} {layout} config {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
-                trials.append({"config": cfg, "us": round(us, 3)})
-                if best is None or us < best[0]:
-                    err = check(out)
-                    if not rejects(trials, err):
-                        used = gg.choose_config(variant, mean, n, k, groups, layout=layout)
-                        used.update(cfg or {})
-                        best = (us, used, err)
+                used = gg.choose_config(variant, mean, n, k, groups, layout=layout)
+                used.update(cfg or {})
+                # every trial is checked and names the tiles it ran: the table may ship any of them (the config
+                # best on both draws together, gg.table_entries), not only this draw's fastest
+                err = check(out)
+                trials.append({"config": cfg, "us": round(us, 3),
+                               "tiles": {kk: used[kk] for kk in gg.TILE_KEYS if kk in used}, "rel_err": err})
+                if not rejects(trials, err) and (best is None or us < best[0]):
+                    best = (us, used, err)
             if best is None:
                 unavailable[f"ours-{variant}-{layout}"] = "every config failed or was wrong (see stderr)"
                 continue

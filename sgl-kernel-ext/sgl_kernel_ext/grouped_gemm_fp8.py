@@ -1041,9 +1041,11 @@ def table_entries(points: list[dict]) -> list[dict]:
     "us" holds the uniform draw's best time of ours-swapab, ours-normal and upstream (the fastest
     of UPSTREAM_PROVIDERS measured in that layout); "best" is the fastest (upstream on a tie).
     Where an uneven draw (same total, Zipf-like expert popularity) was measured at the same key,
-    ours must win there too, else "best" is "upstream": real routing is uneven. A key without an
-    upstream time has no entry (no claim without the comparison). Dense points (layout "dense", one
-    group, the attention / shared-expert linears) have one draw, counted as the uniform one.
+    ours must win there too, else "best" is "upstream": real routing is uneven. A tuned variant
+    timed on both draws ships one config for both, so its times there are those of the config
+    fastest over the two together (`_config_for_both_draws`), not each draw's own fastest. A key
+    without an upstream time has no entry (no claim without the comparison). Dense points (layout
+    "dense", one group, the attention / shared-expert linears) have one draw, counted as the uniform one.
     """
     slots: dict = {}
     for p in points:
@@ -1055,11 +1057,12 @@ def table_entries(points: list[dict]) -> list[dict]:
         name = name or "upstream"
         key = (p["n"], p["k"], p["groups"], p["tokens_per_group"], p["layout"])
         draw = "uniform" if p["distribution"] == "dense" else p["distribution"]  # a dense GEMM has one draw
-        d = slots.setdefault(key, {}).setdefault(draw, {"us": {}, "config": {}, "by": {}})
+        d = slots.setdefault(key, {}).setdefault(draw, {"us": {}, "config": {}, "by": {}, "point": {}})
         if name == "upstream":
             d["by"][p["provider"]] = p["us"]
         if name not in d["us"] or p["us"] < d["us"][name]:
             d["us"][name] = p["us"]
+            d["point"][name] = p
             if name != "upstream" and p.get("config"):
                 d["config"][name] = {kk: p["config"][kk] for kk in TILE_KEYS if kk in p["config"]}
     entries = []
@@ -1067,6 +1070,10 @@ def table_entries(points: list[dict]) -> list[dict]:
         uni, uneven = slot.get("uniform"), slot.get("uneven")
         if uni is None or "upstream" not in uni["us"]:
             continue
+        for name in set(uni["point"]) & set(uneven["point"] if uneven else ()) - {"upstream"}:
+            both = _config_for_both_draws(uni["point"][name], uneven["point"][name])
+            if both:
+                uni["us"][name], uneven["us"][name], uni["config"][name] = both
         best = _fastest(uni["us"], uneven and uneven["us"])
         e = {"n": n, "k": k, "groups": groups, "m": m, "layout": layout, "best": best, "us": uni["us"],
              "upstream_us_by_provider": uni["by"], "config": uni["config"]}
@@ -1074,6 +1081,27 @@ def table_entries(points: list[dict]) -> list[dict]:
             e["us_uneven"] = uneven["us"]
         entries.append(e)
     return entries
+
+
+def _trial_times(point: dict) -> dict:
+    """A tuned point's trials that passed the error check: their config as given (JSON) -> (µs, tiles run or None).
+    Runs since session 38 name each trial's tiles; older ones only the point's fastest trial's (its "config")."""
+    ok = [t for t in point.get("trials") or () if "rejected_rel_err" not in t]
+    fastest = min(ok, key=lambda t: t["us"], default=None)
+    return {json.dumps(t["config"], sort_keys=True):
+            (t["us"], t.get("tiles") or (point.get("config") if t is fastest else None)) for t in ok}
+
+
+def _config_for_both_draws(uniform: dict, uneven: dict) -> tuple | None:
+    """(uniform µs, uneven µs, tiles) of the config with the least summed time over a key's two draws, among the
+    configs one tuning run timed on both whose tiles are known (a config runs the same tiles on both draws); None
+    when the points were not tuned. The table ships one config per key, so it is judged on both draws with it."""
+    a, b = _trial_times(uniform), _trial_times(uneven)
+    known = {c: a[c][1] or b[c][1] for c in a if c in b and (a[c][1] or b[c][1])}
+    if not known:
+        return None
+    c = min(known, key=lambda c: a[c][0] + b[c][0])
+    return a[c][0], b[c][0], {kk: known[c][kk] for kk in TILE_KEYS if kk in known[c]}
 
 
 def table_from_result(result: dict, results_file: str | None = None, command: str | None = None) -> dict:

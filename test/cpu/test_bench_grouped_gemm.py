@@ -19,6 +19,9 @@ def test_tune_walks_filter_the_grid():
         assert plain_flat and not any(c.get("tma") or c.get("ws") for c in plain_flat)
         assert len(tma) + len(ws) + len(plain_flat) == len(grid) == 4 * len(tma)
         assert {bench.walk_of(c) for c in grid} == set(bench.WALKS)
+        # a trial overrides the shipped config key by key: every walk sets all three switches, so a shipped
+        # "tma": True cannot leak into a "flat" or "plain" trial
+        assert all({"flat", "tma", "ws"} <= set(c) for c in grid)
     assert bench.parse_args(["--tune", "--tune-walks", "tma"]).tune_walks == ["tma"]
     assert bench.parse_args(["--tune"]).tune_walks == ["plain", "flat", "tma"]  # ws only when named
 

@@ -52,7 +52,8 @@ SHIPPED_RUNS = [os.path.join(REPO, "benchmark", "results", "swapab", f"grouped_g
     "full",  # MoE, every shape
     "dense_tuned",  # the dense linears, tuned
     "tune_bn256_t32_t64",  # MoE retunes at some shapes (a later run replaces those shapes)
-    "tune_normal_ppsm2_t64_t128")]
+    "tune_normal_ppsm2_t64_t128",
+    "tune_swapab_ppsm34_uneven_t8_t32")]  # swapAB 3/4 per SM at 8-32 tokens, both draws
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,7 +536,9 @@ def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     tc = lambda m, n, k, g, layout: gg.table_choice(m, n, k, g, layout, "NVIDIA H200").best  # noqa: E731
     assert tc(1, 4096, 7168, 32, "masked") == "swapab"  # 224.8 us vs 248.5 (uneven 107.0 vs 116.2)
     assert tc(128, 4096, 7168, 32, "masked") == "upstream"  # 324.5 (normal, two per SM) vs 282.2
-    assert tc(8, 4096, 7168, 8, "contiguous") == "upstream"  # uniform win (69.7 vs 71.4), the uneven draw loses
+    assert tc(8, 4096, 7168, 8, "contiguous") == "swapab"  # 128 x 16 three per SM: 71.4 vs 73.0, uneven 72.9 vs 73.0
+    assert tc(8, 7168, 2048, 16, "contiguous") == "upstream"  # uniform win (71.6 vs 72.3), the uneven draw loses
+    assert tc(8, 4096, 7168, 16, "masked") == "upstream"  # one config for both draws: 126.4 vs 125.9 uniform
     assert tc(32, 4096, 7168, 32, "masked") == "upstream"  # 251.0 vs 241.0 (the 256-row retune's run)
     assert tc(64, 4096, 7168, 32, "contiguous") == "normal"  # 253.7 vs 271.9, uneven 320.8 vs 341.1
 
@@ -555,6 +558,47 @@ def test_table_entries_rules():
     assert masked["us_uneven"] == {"swapab": 10, "upstream": 9} and masked["config"]["swapab"] == {"BLOCK_N": 64, "BLOCK_T": 16}
     assert entries["masked", 1]["best"] == "upstream"  # tie
     assert ("masked", 2) not in entries  # no upstream time, no claim
+
+
+def test_table_entries_judge_a_tuned_variant_by_one_config_on_both_draws():
+    """Config A is fastest on the uniform draw, B on the uneven one; the table ships one config per key, so it
+    takes the one with the least summed time (B) and weighs B's own times against upstream on each draw."""
+    a, b = {"BLOCK_N": 64, "programs_per_sm": 4}, {"BLOCK_N": 128, "programs_per_sm": 3}
+    tiles = lambda cfg: {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_T": 16, "programs_per_sm": cfg["programs_per_sm"]}  # noqa: E731
+
+    def ours(dist, ta, tb, bad=None):
+        trials = [{"config": a, "us": ta, "tiles": tiles(a)}, {"config": b, "us": tb, "tiles": tiles(b)}]
+        for t in trials:
+            if t["config"] is bad:
+                t["rejected_rel_err"] = 0.5
+        fastest = min((t for t in trials if "rejected_rel_err" not in t), key=lambda t: t["us"])
+        return {"kind": "moe", "provider": "ours-swapab", "us": fastest["us"], "n": 1, "k": 128, "groups": 2,
+                "tokens_per_group": 8, "layout": "masked", "distribution": dist, "config": fastest["tiles"],
+                "trials": trials}
+
+    def up(dist, us):
+        return {"kind": "moe", "provider": "deepgemm", "us": us, "n": 1, "k": 128, "groups": 2,
+                "tokens_per_group": 8, "layout": "masked", "distribution": dist}
+
+    # A: 10 + 20 = 30, B: 10.5 + 12 = 22.5 -> B, which loses the uniform draw to upstream's 10.2
+    [e] = gg.table_entries([ours("uniform", 10, 10.5), ours("uneven", 20, 12), up("uniform", 10.2), up("uneven", 13)])
+    assert e["us"]["swapab"] == 10.5 and e["us_uneven"]["swapab"] == 12 and e["config"]["swapab"] == tiles(b)
+    assert e["best"] == "upstream"
+    # each draw's own fastest would have claimed a win on both (10 < 10.2, 12 < 13); with upstream at 10.6 B wins
+    [e] = gg.table_entries([ours("uniform", 10, 10.5), ours("uneven", 20, 12), up("uniform", 10.6), up("uneven", 13)])
+    assert e["best"] == "swapab" and e["config"]["swapab"] == tiles(b)
+    # a config that failed the error check on either draw is never shipped
+    [e] = gg.table_entries([ours("uniform", 10, 10.5), ours("uneven", 20, 12, bad=b), up("uniform", 10.6),
+                            up("uneven", 25)])
+    assert e["config"]["swapab"] == tiles(a) and e["us_uneven"]["swapab"] == 20 and e["best"] == "swapab"
+    # runs before session 38 name only the fastest trial's tiles (the point's config): A is known from the uniform
+    # point, B from the uneven one, and a config with unknown tiles is not a candidate
+    old = [ours("uniform", 10, 10.5), ours("uneven", 20, 12)]
+    for p in old:
+        for t in p["trials"]:
+            del t["tiles"]
+    [e] = gg.table_entries(old + [up("uniform", 10.6), up("uneven", 13)])
+    assert e["config"]["swapab"] == tiles(b) and e["us"]["swapab"] == 10.5
 
 
 # ---------------------------------------------------------------------------------------------
