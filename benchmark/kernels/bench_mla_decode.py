@@ -126,7 +126,7 @@ def parse_args(argv=None):
                          "the plan's pick with the fastest count per point (calibrates SPLIT_COST_TILES)")
     ap.add_argument("--cuda-options", nargs="+", default=[], metavar="OPTION",
                     help="also time each ours-cuda provider built with each of these design options (e.g. "
-                         "MLA_RUNTIME_DIRECT with ours-cuda-v2-graph), as rows '<provider>+<OPTION>'")
+                         "MLA_EAGER_RESCALE with ours-cuda-v2), as rows '<provider>+<OPTION>'")
     ap.add_argument("--retarget", type=Path, metavar="RECORD",
                     help="no GPU: recompute an earlier record's targets (this script's current checks, the H20 model "
                          "included) from its points and ceilings, print them, and write the record to --json")

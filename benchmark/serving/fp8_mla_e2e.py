@@ -7,9 +7,6 @@ Phases (each a fresh `python -m sglang.launch_server` with the same --server-arg
   ours-v2        the same with version 2 of the CUDA split kernel (SGLANG_H20_FP8_MLA_KERNEL=cuda-v2)
   ours-joinq     ours with Q joined by SGLang's per-layer torch.cat as before session 32 (SGLANG_H20_FP8_MLA_SPLIT_Q=
                  off; ours reads SGLang's (latent, rope) parts in place by default)
-  ours-rd        ours with the kernels' design option MLA_RUNTIME_DIRECT (SGLANG_H20_FP8_MLA_KERNEL_OPTIONS): graph
-                 replays of one run-time split write out in the split kernel, no combine
-  ours-bf16p     ours with MLA_BF16_PARTIALS: split launches hand the combine bf16 partial rows
   ours-triton    the same with the Triton decode kernel (SGLANG_H20_FP8_MLA_KERNEL=triton): the backend's own
                  cost apart from the CUDA kernels
   ours-se        ours with the MHA/MLA policy on (SGLANG_H20_MHA_MLA_POLICY=se): prefill chunks that continue a
@@ -83,13 +80,9 @@ PHASES = {  # name: (extra server flags, extra env, run benchmarks)
     "flashmla-fp8": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], UPSTREAM, True),
     "ours-triton": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_KERNEL": "triton"}, True),
     "ours-joinq": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_SPLIT_Q": "off"}, True),
-    "ours-rd": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_KERNEL_OPTIONS": "MLA_RUNTIME_DIRECT"},
-                True),
-    "ours-bf16p": (["--attention-backend", "h20_fp8_mla"], {"SGLANG_H20_FP8_MLA_KERNEL_OPTIONS": "MLA_BF16_PARTIALS"},
-                   True),
     "flashmla-fp8-plugin": (["--attention-backend", "flashmla", "--kv-cache-dtype", "fp8_e4m3"], {}, True),
 }
-OPT_IN = ("ours-v2", "ours-se", "ours-triton", "ours-joinq", "ours-rd", "ours-bf16p", "flashmla-fp8-plugin")
+OPT_IN = ("ours-v2", "ours-se", "ours-triton", "ours-joinq", "flashmla-fp8-plugin")
 WORKLOADS = ["4096x512@16", "4096x512@48", "1024x256@128", "4096x512@128"]  # in x out @ concurrency, by priority:
 # the decode-heavy 1024x256@128 before the long 4096x512@128 (prefill-bound at 128; it also killed both FP8 servers
 # on the H200, 2026-11-30, so it goes last)

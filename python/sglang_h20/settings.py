@@ -73,7 +73,7 @@ def _design_options(text: str) -> tuple[str, ...]:
     names = [t for t in text.replace(",", " ").split() if t.lower() != "none"]
     bad = [n for n in names if not re.fullmatch(r"MLA_[A-Z0-9_]+", n)]
     if bad:
-        raise SettingError(f"expected design options like MLA_RUNTIME_DIRECT, got {', '.join(bad)}")
+        raise SettingError(f"expected design options like MLA_EAGER_RESCALE, got {', '.join(bad)}")
     return tuple(dict.fromkeys(names))
 
 
@@ -138,9 +138,9 @@ SWITCHES: tuple[Switch, ...] = (
            "GPU span; 'off' for A/B runs"),
     Switch("fp8_mla_kernel_options", _design_options, "none",
            "A/B runs: extra design options every CUDA kernel version of the h20_fp8_mla backend is built with "
-           "(sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS), e.g. MLA_RUNTIME_DIRECT (a decode-graph replay of one "
-           "run-time split writes bf16 out itself, no combine) or MLA_BF16_PARTIALS (bf16 partials for the "
-           "combine); unknown ones make the backend fall back to Triton with the build's error"),
+           "(sgl_kernel_ext.mla_decode_cuda.DESIGN_OPTIONS), e.g. MLA_EAGER_RESCALE (O rescaled on every tile, the "
+           "merge lazy rescaling replaced); unknown ones make the backend fall back to Triton with the build's "
+           "error"),
     Switch("swapab", _parse_bool, "off",
            "swapAB FP8 block-scaled grouped GEMMs for MoE with few tokens per expert, and our dense FP8 GEMM under "
            "SGLang's block-FP8 linears (attention projections, shared expert); each only where this GPU's table has "

@@ -492,7 +492,7 @@ def _mla_fp8_combine_kernel(
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     num_heads, num_splits, SPLITS,
     BLOCK_N: tl.constexpr, SPLITS_P2: tl.constexpr, DV: tl.constexpr, INTERPRET: tl.constexpr,
-    ROUND_BF16: tl.constexpr, DYN_SPLITS: tl.constexpr, SKIP_ONE: tl.constexpr,
+    ROUND_BF16: tl.constexpr, DYN_SPLITS: tl.constexpr,
 ):
     r = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -502,11 +502,6 @@ def _mla_fp8_combine_kernel(
     num_splits = _run_splits(SPLITS, num_splits, DYN_SPLITS)
     split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     n_used = tl.minimum(tl.cdiv(seqlen, tl.maximum(split_len, 1)), num_splits)  # splits the partial kernel wrote
-    keep = None  # SKIP_ONE: at one split the split kernel wrote out and lse itself: read and write nothing
-    if SKIP_ONE:
-        keep = num_splits > 1
-        n_used = tl.where(keep, n_used, 0)
-
     offs_s = tl.arange(0, SPLITS_P2)
     lse_s = tl.load(LP + b * stride_lpb + r * stride_lpr + offs_s, mask=offs_s < n_used, other=float("-inf"))
     m = tl.max(lse_s, axis=0)
@@ -529,9 +524,9 @@ def _mla_fp8_combine_kernel(
     has = w_sum > 0
     out = acc * tl.where(has, 1.0 / tl.where(has, w_sum, 1.0), 0.0)
     out = _round_bf16(out, ROUND_BF16)
-    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=keep)
+    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
     tl.store(LSE + b * stride_lb + t * stride_lt + h, tl.where(has, m_use + tl.log(tl.where(has, w_sum, 1.0)),
-                                                                   float("-inf")), mask=keep)
+                                                                   float("-inf")))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -570,11 +565,9 @@ def splits_pointer(metadata: MLADecodeMetadata, like: torch.Tensor) -> torch.Ten
 
 
 def combine_partials(op, lp, cache_seqlens, out, lse, metadata: MLADecodeMetadata, block_n: int,
-                     round_bf16: bool = False, skip_one: bool = False) -> None:
-    """Merge the split kernels' partials op [B, rows, S, 512] (fp32, or bf16 from MLA_BF16_PARTIALS builds) / lse lp
-    [B, rows, S] (fp32) into out and lse (the Triton and the CUDA split kernels write the same partial format).
-    skip_one: where the run-time split count (metadata.splits_dev) is 1, leave out and lse alone (the CUDA kernels'
-    MLA_RUNTIME_DIRECT wrote them)."""
+                     round_bf16: bool = False) -> None:
+    """Merge the split kernels' partials op [B, rows, S, 512] / lse lp [B, rows, S] (fp32) into out and lse (the
+    Triton and the CUDA split kernels write the same partial format)."""
     B, rows, S = lp.shape
     H = out.shape[2]
     _mla_fp8_combine_kernel[(rows, B)](
@@ -582,7 +575,7 @@ def combine_partials(op, lp, cache_seqlens, out, lse, metadata: MLADecodeMetadat
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         H, S, splits_pointer(metadata, cache_seqlens), BLOCK_N=block_n, SPLITS_P2=max(triton.next_power_of_2(S), 2),
         DV=KV_LORA_RANK, INTERPRET=_INTERPRETED, ROUND_BF16=round_bf16, DYN_SPLITS=metadata.splits_dev is not None,
-        SKIP_ONE=skip_one, num_warps=4,
+        num_warps=4,
     )
 
 

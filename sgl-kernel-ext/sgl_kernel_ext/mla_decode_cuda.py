@@ -90,15 +90,12 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # MLA_SPLIT_Q (versions 2 and 3; session 31, measured and made the backend's default in session 32): Q may come as two
 # tensors, the 512 latent and the 64 rope channels (mla_decode_fp8_cuda's q_rope=), read at their own strides: no
 # joined copy of Q.
-# MLA_RUNTIME_DIRECT (all versions; session 32): a graph replay whose run-time split count is 1 writes bf16 out and
-# lse in the split kernel, and the combine leaves them (no fp32 partials of one split). H200, session 33: 0.975-1.00x
-# the default build, so off.
-# MLA_BF16_PARTIALS (all versions; session 32): split launches write bf16 partial rows (half the bytes the combine
-# reads); one more rounding, so a ROUNDING_OPTION. H200, session 33: 0.955-0.99x the default build, so off.
+# (Two more, MLA_RUNTIME_DIRECT and MLA_BF16_PARTIALS of session 32, were 0.955-1.00x the default build on the H200
+# in session 33 and were removed in session 38; the default builds' cubins were byte-identical before and after.)
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
-                  "MLA_PREPASS_Q", "MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT", "MLA_BF16_PARTIALS")
+                  "MLA_PREPASS_Q", "MLA_SPLIT_Q")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
-ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE", "MLA_BF16_PARTIALS")  # likewise close: other roundings than the default's
+ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE",)  # likewise close: another rounding than the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)
 _lib_errors: dict[tuple[int, tuple[str, ...]], str] = {}
 _POISON_WORKSPACE = False  # tests: split partials start as NaN, so a partial read but never written shows up
@@ -183,19 +180,17 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_longlong] * 14 + [ctypes.c
 
 
 def launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens, direct_out, lse, op, lp, metadata, causal,
-                softmax_scale, stream, split_q=None, runtime_direct=False) -> tuple:
+                softmax_scale, stream, split_q=None) -> tuple:
     """mla_fp8_decode_sm90's arguments, in LAUNCH_ARGTYPES order (op/lp None: one split, bf16 out written
     directly). The split-count pointer is null unless metadata.splits_dev is set and the launch splits. split_q (an
     MLA_SPLIT_Q build, see split_q_strides): (q_rope, the latent part's byte strides by sequence and head, the rope
-    part's); q8 is then the latent part. runtime_direct (an MLA_RUNTIME_DIRECT build's split launch with a run-time
-    split count): out and lse passed too, which the kernel writes when that count is 1."""
+    part's); q8 is then the latent part."""
     direct = op is None
-    writes_out = direct or runtime_direct
     sop = (0, 0, 0) if direct else (op.stride(0), op.stride(1), op.stride(2))
     slp = (0, 0) if direct else (lp.stride(0), lp.stride(1))
     B, q_len, H, _ = direct_out.shape
     return (_ptr(q8), _ptr(qs), _ptr(kv_data), _ptr(kv_scales), _ptr(block_table), _ptr(cache_seqlens),
-            _ptr(direct_out) if writes_out else 0, _ptr(lse) if writes_out else 0, _ptr(op), _ptr(lp),
+            _ptr(direct_out) if direct else 0, _ptr(lse) if direct else 0, _ptr(op), _ptr(lp),
             kv_data.stride(0), kv_scales.stride(0), block_table.stride(0),
             *direct_out.stride()[:3], *lse.stride()[:2], *sop, *slp, kv_data.shape[0],
             B, H, q_len, metadata.num_splits, 0 if direct else _ptr(metadata.splits_dev),
@@ -379,8 +374,7 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
     _triton_mla.splits_pointer(metadata, cache_seqlens)  # splits_dev, if set: int32 [1] on q's device
     op = lp = None
     if not direct:
-        op = torch.empty((B, rows, S, KV_LORA_RANK), device=q.device,  # the combine reads either dtype
-                         dtype=torch.bfloat16 if "MLA_BF16_PARTIALS" in defines else torch.float32)
+        op = torch.empty((B, rows, S, KV_LORA_RANK), dtype=torch.float32, device=q.device)
         lp = torch.empty((B, rows, S), dtype=torch.float32, device=q.device)
         if _POISON_WORKSPACE:
             op.fill_(float("nan"))
@@ -392,16 +386,12 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
         q8, qs = q.to(torch.bfloat16).reshape(-1, HEAD_DIM_QK).contiguous(), None
     else:
         q8, qs = _quantize_q(q)
-    # MLA_RUNTIME_DIRECT: a graph's split launch writes out itself where its run-time split count is 1 (only into the
-    # caller's own out: a bf16 copy buffer would need a copy the host cannot decide on)
-    runtime_direct = (not direct and "MLA_RUNTIME_DIRECT" in defines and metadata.splits_dev is not None
-                      and direct_out is out)
     lib = _load(version, defines)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     with torch.cuda.device(q.device):
         err = lib.mla_fp8_decode_sm90(*launch_args(q8, qs, kv_data, kv_scales, block_table, cache_seqlens,
                                                    direct_out, lse, op, lp, metadata, causal, softmax_scale, stream,
-                                                   split_q, runtime_direct))
+                                                   split_q))
     if err != 0:
         msg = lib.mla_fp8_decode_sm90_error_string(err).decode()
         raise RuntimeError(f"mla_fp8_decode_sm90 launch failed: {msg} (cudaError {err})")
@@ -409,5 +399,5 @@ def mla_decode_fp8_cuda(q: torch.Tensor, kv_cache, block_table: torch.Tensor, ca
         if direct_out is not out:
             out.copy_(direct_out)
     else:
-        _triton_mla.combine_partials(op, lp, cache_seqlens, out, lse, metadata, PAGE_SIZE, skip_one=runtime_direct)
+        _triton_mla.combine_partials(op, lp, cache_seqlens, out, lse, metadata, PAGE_SIZE)
     return (out, lse) if return_lse else out

@@ -101,7 +101,7 @@ def test_retarget_recomputes_a_record_without_a_gpu(tmp_path, capsys):
 
 
 def test_cuda_options_are_checked_against_the_kernels_design_options():
-    args = bench.parse_args(["--providers", "ours-cuda-v2-graph", "--cuda-options", "MLA_RUNTIME_DIRECT"])
-    assert args.cuda_options == ["MLA_RUNTIME_DIRECT"]
+    args = bench.parse_args(["--providers", "ours-cuda-v2-graph", "--cuda-options", "MLA_EAGER_RESCALE"])
+    assert args.cuda_options == ["MLA_EAGER_RESCALE"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--cuda-options", "MLA_NOT_AN_OPTION"])

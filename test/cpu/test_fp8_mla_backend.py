@@ -785,18 +785,18 @@ def test_kernel_options_build_every_version_with_them(monkeypatch):
     cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
     asked = []
     monkeypatch.setattr(cu, "available", lambda version=1, defines=(): asked.append((version, defines)) or (True, ""))
-    k = fb.decode_kernel("auto", split_q=True, options=("MLA_RUNTIME_DIRECT",))
-    assert {(1, ("MLA_RUNTIME_DIRECT",)), (2, ("MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT")),
-            (3, ("MLA_SPLIT_Q", "MLA_RUNTIME_DIRECT"))} <= set(asked) and "MLA_RUNTIME_DIRECT" in k.what
-    v1 = fb.decode_kernel("cuda", split_q=False, options=("MLA_BF16_PARTIALS",)).fn
-    assert v1.keywords == {"version": 1, "defines": ("MLA_BF16_PARTIALS",)}
+    k = fb.decode_kernel("auto", split_q=True, options=("MLA_EAGER_RESCALE",))
+    assert {(1, ("MLA_EAGER_RESCALE",)), (2, ("MLA_SPLIT_Q", "MLA_EAGER_RESCALE")),
+            (3, ("MLA_SPLIT_Q", "MLA_EAGER_RESCALE"))} <= set(asked) and "MLA_EAGER_RESCALE" in k.what
+    v1 = fb.decode_kernel("cuda", split_q=False, options=("MLA_VT_PRMT",)).fn
+    assert v1.keywords == {"version": 1, "defines": ("MLA_VT_PRMT",)}
     monkeypatch.delenv("SGLANG_H20_FP8_MLA_KERNEL_OPTIONS", raising=False)
     asked.clear()
-    assert "RUNTIME" not in fb.decode_kernel("auto").what
-    assert not any("MLA_RUNTIME_DIRECT" in d for _, d in asked)  # none unless asked
-    monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL_OPTIONS", "MLA_RUNTIME_DIRECT,MLA_BF16_PARTIALS")
+    assert "EAGER" not in fb.decode_kernel("auto").what
+    assert not any("MLA_EAGER_RESCALE" in d for _, d in asked)  # none unless asked
+    monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL_OPTIONS", "MLA_EAGER_RESCALE,MLA_VT_PRMT")
     what = fb.decode_kernel("auto").what
-    assert "MLA_RUNTIME_DIRECT" in what and "MLA_BF16_PARTIALS" in what
+    assert "MLA_EAGER_RESCALE" in what and "MLA_VT_PRMT" in what
     from sglang_h20.settings import SettingError, _design_options
     assert _design_options("none") == () and _design_options("MLA_A, MLA_B MLA_A") == ("MLA_A", "MLA_B")
     with pytest.raises(SettingError):

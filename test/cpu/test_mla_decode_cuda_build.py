@@ -268,14 +268,14 @@ def test_descriptor_advance_equals_a_fresh_descriptor():
 
 
 def test_v3_design_options_build_clean():
-    """Version 3 with MLA_SPLIT_Q (Q read as two parts, the backend's default), with MLA_RUNTIME_DIRECT too, and with
-    MLA_BF16_PARTIALS: no spill, no stack frame, the same wgmmas as the default build, and no atomics in any."""
+    """Version 3 with MLA_SPLIT_Q (Q read as two parts, the backend's default) and with MLA_EAGER_RESCALE: no spill,
+    no stack frame, the same wgmmas as the default build, and no atomics in any."""
     nvcc, tool = cu._find_nvcc(), _cuobjdump()
     if nvcc is None or tool is None:
         pytest.skip("nvcc or cuobjdump not found")
     flags = [f for f in cu.NVCC_FLAGS if f.startswith(("-gencode", "-O", "-std"))]
     sass = {}
-    for defines in ((), ("MLA_SPLIT_Q",), ("MLA_RUNTIME_DIRECT", "MLA_SPLIT_Q"), ("MLA_BF16_PARTIALS",)):
+    for defines in ((), ("MLA_SPLIT_Q",), ("MLA_EAGER_RESCALE", "MLA_SPLIT_Q")):
         out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mla_v3_{os.getpid()}_{'_'.join(defines) or 'default'}.cubin"
         res = subprocess.run([nvcc, *flags, "-cubin", "-Xptxas", "-v", *(f"-D{d}" for d in defines),
                               str(cu.source_path(3)), "-o", str(out)], capture_output=True, text=True, timeout=300)

@@ -373,49 +373,10 @@ def _split_partials(seed: int, lse_scale: float = 1.0):
     return op, lp, sl, dataclasses.replace(grid, num_splits=S)
 
 
-def test_combine_skip_one_leaves_out_alone_at_one_run_time_split():
-    """combine_partials(skip_one=True), the CUDA kernels' MLA_RUNTIME_DIRECT partner: at a run-time split count of 1
-    the split kernel wrote out and lse, so the combine must write neither (sentinels stay); above 1 it merges exactly
-    as without the flag (the same bits)."""
-    import dataclasses
-
-    op, lp, sl, grid = _split_partials(31)
-    B, heads = 2, 4
-    for count in (1, 2, 3):
-        meta = dataclasses.replace(grid, splits_dev=torch.tensor([count], dtype=torch.int32, device=DEVICE))
-        outs = []
-        for skip in (False, True):
-            out = torch.full((B, 1, heads, 512), 7.0, dtype=torch.bfloat16, device=DEVICE)
-            lse = torch.full((B, 1, heads), 7.0, device=DEVICE)
-            mla.combine_partials(op, lp, sl, out, lse, meta, 64, skip_one=skip)
-            outs.append((out, lse))
-        (o0, l0), (o1, l1) = outs
-        if count == 1:
-            assert (o1 == 7.0).all() and (l1 == 7.0).all() and not (o0 == 7.0).all()
-        else:
-            assert torch.equal(o0, o1) and torch.equal(l0, l1) and not (o1 == 7.0).any(), count
-
-
-def test_combine_reads_bf16_partials():
-    """MLA_BF16_PARTIALS builds hand the combine bf16 partial rows (lse stays fp32): the same merge as of the fp32
-    rows they were rounded from, within that rounding (2^-8 relative per element), and exactly the merge of the
-    rounded rows."""
-    op, lp, sl, meta = _split_partials(33, lse_scale=3.0)
-    B, heads = 2, 4
-    res = {}
-    for name, part in (("fp32", op), ("bf16", op.bfloat16()), ("rounded", op.bfloat16().float())):
-        out = torch.empty(B, 1, heads, 512, dtype=torch.float32, device=DEVICE)
-        lse = torch.empty(B, 1, heads, device=DEVICE)
-        mla.combine_partials(part, lp, sl, out, lse, meta, 64)
-        res[name] = out, lse
-    assert torch.equal(res["bf16"][0], res["rounded"][0]) and torch.equal(res["bf16"][1], res["fp32"][1])
-    err = (res["bf16"][0] - res["fp32"][0]).abs().max().item()
-    assert 0 < err <= 2.0 ** -8 * op.abs().max().item()
-
-
-def test_runtime_direct_passes_out_to_the_split_launch():
-    """mla_decode_cuda.launch_args(runtime_direct=True): a split launch (partials) that also gets out and lse, which
-    an MLA_RUNTIME_DIRECT build writes when the run-time split count is 1; without it only unsplit launches do."""
+def test_launch_args_pass_out_only_to_an_unsplit_launch():
+    """mla_decode_cuda.launch_args: an unsplit launch gets out and lse (the kernel writes bf16 rows itself) and no
+    partials; a split launch gets the fp32 partials and the run-time split count, and null out / lse (the combine
+    writes them)."""
     import dataclasses
     from sgl_kernel_ext import mla_decode_cuda as cu
 
@@ -427,11 +388,12 @@ def test_runtime_direct_passes_out_to_the_split_launch():
     op, lp = torch.zeros(B, H, 3, 512), torch.zeros(B, H, 3)
     meta = dataclasses.replace(cu.get_mla_decode_metadata(sl, H, 1, 132, max_seqlen=4096), num_splits=3,
                                splits_dev=torch.ones(1, dtype=torch.int32))
-    plain = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, op, lp, meta, True, 0.1, 0)
-    rd = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, op, lp, meta, True, 0.1, 0, None, True)
-    assert plain[6] == plain[7] == 0 and (rd[6], rd[7]) == (out.data_ptr(), lse.data_ptr())
-    assert rd[8:] == plain[8:] and rd[8] == op.data_ptr() and rd[28] == meta.splits_dev.data_ptr()
-    assert "MLA_RUNTIME_DIRECT" in cu.DESIGN_OPTIONS
+    split = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, op, lp, meta, True, 0.1, 0)
+    assert split[6] == split[7] == 0 and (split[8], split[9]) == (op.data_ptr(), lp.data_ptr())
+    assert split[28] == meta.splits_dev.data_ptr()
+    one = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, dataclasses.replace(meta, num_splits=1),
+                         True, 0.1, 0)
+    assert (one[6], one[7]) == (out.data_ptr(), lse.data_ptr()) and one[8] == one[9] == one[28] == 0
 
 
 def test_splits_lut_is_the_plan_at_every_length_and_set_splits_indexes_it():

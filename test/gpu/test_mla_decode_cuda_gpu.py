@@ -218,55 +218,6 @@ def test_cuda_graph_replay(version):
             assert rel(out, ref) <= 2e-2
 
 
-RUNTIME_DIRECT = ("MLA_RUNTIME_DIRECT",)
-
-
-@pytest.mark.parametrize("v", [1, 2, 3])
-def test_runtime_direct_writes_one_split_itself(v):
-    """MLA_RUNTIME_DIRECT: a graph grid of several splits whose run-time count (splits_dev) is 1 writes bf16 out and
-    lse in the split kernel and the combine leaves them: the same bits as the default build's one-split launch, an
-    empty sequence included (zeros, lse -inf); at a run-time count above 1 the same bits as the default build
-    (partials + combine). Eager launches with the count set on the device, then a graph replayed across both."""
-    heads = 16 if v == 3 else 128
-    ok, why = cu.available(v, RUNTIME_DIRECT)
-    assert ok, why
-    lens = [3000, 100, 2048, 700]
-    d = mla.make_mla_inputs(lens, heads, 1, 64, device="cuda", seed=27, **DEEPSEEK_LIKE)
-    q, kv, bt, sl = d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"].clone()
-    meta, lut = mla.graph_metadata(cu.get_mla_decode_metadata, cu.splits_lut, 4, heads, 1, 163840, 64, "cuda")
-    grid = dataclasses.replace(meta, splits_dev=None)
-    assert grid.num_splits > 1
-    one = dataclasses.replace(grid, num_splits=1)
-    run = lambda m, defines=(): cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], m,  # noqa: E731
-                                                      return_lse=True, version=v, defines=defines)
-    for step in ([3000, 100, 2048, 700], [64, 64, 1, 0], [5, 64, 130, 64]):
-        sl.copy_(torch.tensor(step, dtype=torch.int32))
-        for forced in (1, 2):
-            meta.splits_dev.fill_(forced)
-            a, la = run(meta, RUNTIME_DIRECT)
-            b, lb = run(one if forced == 1 else dataclasses.replace(grid, num_splits=forced))
-            torch.cuda.synchronize()
-            assert torch.equal(a, b) and torch.equal(la, lb), (step, forced)
-        if 0 in step:
-            assert not a[step.index(0)].any() and torch.isneginf(la[step.index(0)]).all()
-    out = torch.empty(4, 1, heads, 512, dtype=torch.bfloat16, device="cuda")
-    sl.copy_(torch.tensor(lens, dtype=torch.int32))
-    mla.set_splits(meta.splits_dev, lut, sl, 64)
-    cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=v, defines=RUNTIME_DIRECT)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cu.mla_decode_fp8_cuda(q, kv, bt, sl, d["softmax_scale"], meta, out=out, version=v, defines=RUNTIME_DIRECT)
-    seen = set()
-    for step in ([3000, 100, 2048, 700], [64, 64, 64, 64], [2999, 1, 1500, 64], [1, 1, 1, 1]):
-        want = replay_at(graph, out, sl, meta, lut, step)
-        seen.add(want == 1)
-        static = run(dataclasses.replace(grid, num_splits=want))[0]
-        torch.cuda.synchronize()
-        assert torch.equal(out, static), (step, want)
-    assert seen == {True, False}  # both paths replayed
-
-
 def test_run_time_split_count(version):
     """metadata.splits_dev: a graph's grid planned for a long bound, replayed at short lengths, cuts sequences
     into the device count (set_splits from the lengths, clamped to the grid's): the same bits as an eager launch

@@ -532,13 +532,12 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v3(const __g
       }
       if (w == 0 && g == 0) p.lse[b * p.lse_sb + t * p.lse_st + hd] = lse[c];
     } else {
-      partial_t* orow =
-          reinterpret_cast<partial_t*>(p.op) + b * p.op_sb + gr * p.op_sr + sp * p.op_ss + 16 * w + 2 * g;
+      float* orow = p.op + b * p.op_sb + gr * p.op_sr + sp * p.op_ss + 16 * w + 2 * g;
 #pragma unroll
       for (int mb = 0; mb < 8; ++mb) {
         const int i0 = mb * OREG + j * 4 + e, i1 = i0 + 2;
-        *reinterpret_cast<partial2_t*>(orow + 64 * mb) = make_partial2(o[i0] * f0[c] + xo[i0 * 128 + wt] * f1[c],
-                                                                       o[i1] * f0[c] + xo[i1 * 128 + wt] * f1[c]);
+        *reinterpret_cast<float2*>(orow + 64 * mb) = make_float2(o[i0] * f0[c] + xo[i0 * 128 + wt] * f1[c],
+                                                                 o[i1] * f0[c] + xo[i1 * 128 + wt] * f1[c]);
       }
       if (w == 0 && g == 0) p.lp[b * p.lp_sb + gr * p.lp_sr + sp] = lse[c];
     }

@@ -108,35 +108,6 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #ifndef MLA_SPLIT_Q
 #define MLA_SPLIT_Q 0
 #endif
-// Design option MLA_RUNTIME_DIRECT (all versions; session 32; on the H200 in session 33 0.975-1.00x the default
-// build, so off): a CUDA graph's grid is planned for the longest context (several splits), and each replay sets the
-// split count for its lengths (p.splits); where that count is 1, the launch still wrote fp32 partials and the Triton
-// combine merged one split. With the option and p.out set (the launcher passes it only when the graph's output is
-// the kernel's own bf16 out), split 0 then writes bf16 out and lse as an unsplit launch does and the combine returns
-// at once (mla_decode.combine_partials(..., skip_one=True)). E.g. batch 128 x 128 heads at 1k-16k (grid 2 splits,
-// run-time 1): 33.5 MB of partials written and read again per layer, and a launch, are saved.
-#ifndef MLA_RUNTIME_DIRECT
-#define MLA_RUNTIME_DIRECT 0
-#endif
-// Design option MLA_BF16_PARTIALS (all versions; session 32; on the H200 in session 33 0.955-0.99x the default
-// build, so off): split launches write their normalized partial O rows as bf16 instead of fp32 (lse stays fp32),
-// halving the bytes written by the split kernel and read by the combine (batch 48 x 128 heads x 4 splits: 50 -> 25
-// MB per layer). The combine reads either; each partial is rounded once more (2^-9 relative), well under the FP8
-// format's error.
-#ifndef MLA_BF16_PARTIALS
-#define MLA_BF16_PARTIALS 0
-#endif
-// The partial row type: p.op is declared float*, and the bf16 build reads it as bf16 with the same element strides.
-#if MLA_BF16_PARTIALS
-typedef __nv_bfloat16 partial_t;
-typedef __nv_bfloat162 partial2_t;
-__device__ __forceinline__ partial2_t make_partial2(float a, float b) { return __floats2bfloat162_rn(a, b); }
-#else
-typedef float partial_t;
-typedef float2 partial2_t;
-__device__ __forceinline__ partial2_t make_partial2(float a, float b) { return make_float2(a, b); }
-#endif
-
 namespace mla_fp8_common {
 
 struct Params {
@@ -371,10 +342,8 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* smem_raw, uint32_t& sb
   return smem_raw + pad;
 }
 
-// Whether this launch writes bf16 out and lse itself: one split in the grid, or (MLA_RUNTIME_DIRECT) one at run time.
-__device__ __forceinline__ bool writes_out(const Params& p) {
-  return p.num_splits == 1 || (MLA_RUNTIME_DIRECT && p.splits != nullptr && p.out != nullptr && *p.splits <= 1);
-}
+// Whether this launch writes bf16 out and lse itself (one split in the grid) rather than fp32 partials for the combine.
+__device__ __forceinline__ bool writes_out(const Params& p) { return p.num_splits == 1; }
 
 // This CTA's token range [start, end) of sequence b for split sp, cut as _mla_fp8_combine_kernel does with
 // BLOCK_N = page (split lengths rounded up to whole pages). False: the split holds no token (the combine kernel
@@ -391,11 +360,7 @@ __device__ __forceinline__ bool split_range(const Params& p, int b, int sp, int 
     start = sp * split_len;
     end = min(start + split_len, seqlen);
   }
-#if MLA_RUNTIME_DIRECT
-  return start < end || (sp == 0 && writes_out(p));  // an empty sequence's rows are still written (zeros, -inf)
-#else
-  return start < end || p.num_splits == 1;
-#endif
+  return start < end || p.num_splits == 1;  // an unsplit launch writes an empty sequence's rows too (zeros, -inf)
 }
 
 // Row constants of this thread's two accumulator rows (r0, r0 + 8 of row block rb): the Q scales times the
@@ -549,12 +514,11 @@ __device__ __forceinline__ void store_row(const Params& p, const float* o, int h
           __floats2bfloat162_rn(has ? o[j * 4 + h * 2] * inv : 0.f, has ? o[j * 4 + h * 2 + 1] * inv : 0.f);
     if (wg == 0 && q4 == 0) p.lse[b * p.lse_sb + t * p.lse_st + hd] = lse;
   } else {
-    partial_t* orow =
-        reinterpret_cast<partial_t*>(p.op) + b * p.op_sb + gr * p.op_sr + sp * p.op_ss + wg * 256 + 2 * q4;
+    float* orow = p.op + b * p.op_sb + gr * p.op_sr + sp * p.op_ss + wg * 256 + 2 * q4;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
-      *reinterpret_cast<partial2_t*>(orow + 8 * j) =
-          make_partial2(has ? o[j * 4 + h * 2] * inv : 0.f, has ? o[j * 4 + h * 2 + 1] * inv : 0.f);
+      *reinterpret_cast<float2*>(orow + 8 * j) =
+          make_float2(has ? o[j * 4 + h * 2] * inv : 0.f, has ? o[j * 4 + h * 2 + 1] * inv : 0.f);
     if (wg == 0 && q4 == 0) p.lp[b * p.lp_sb + gr * p.lp_sr + sp] = lse;
   }
 }
