@@ -525,6 +525,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             continue
         for layout in args.layouts:
             configs = [None] + (tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune else [])
+            shipped = gg.choose_config(variant, mean, n, k, groups, layout=layout)  # what config None runs
             best, tried, trials = None, 0, []  # trials: every tuned config's time, so walks can be compared
             check = checks[layout]
             for cfg in configs:
@@ -546,8 +547,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                 except Exception as e:
                     print(f"  ours-{variant} {layout} config {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
-                used = gg.choose_config(variant, mean, n, k, groups, layout=layout)
-                used.update(cfg or {})
+                used = {**shipped, **(cfg or {})}
                 # every trial is checked and names the tiles it ran: the table may ship any of them (the config
                 # best on both draws together, gg.table_entries), not only this draw's fastest
                 err = check(out)

@@ -359,20 +359,6 @@ def test_run_time_split_count_matches_the_same_static_plan():
             assert torch.equal(o_dyn, o_static) and torch.equal(l_dyn, l_static), want
 
 
-def _split_partials(seed: int, lse_scale: float = 1.0):
-    """Random split partials for combine_partials: op [2, 4 rows, 3 splits, 512], lp, lengths, and a plan of 3
-    splits for 4 heads (the combine's inputs without a split kernel)."""
-    import dataclasses
-
-    g = torch.Generator().manual_seed(seed)
-    B, rows, S, heads = 2, 4, 3, 4
-    op = torch.randn(B, rows, S, 512, generator=g).to(DEVICE)
-    lp = (torch.randn(B, rows, S, generator=g) * lse_scale).to(DEVICE)
-    sl = torch.tensor([300, 200], dtype=torch.int32, device=DEVICE)
-    grid = mla.get_mla_decode_metadata(sl, heads, 1, num_sm=8, block_n=64, min_split_tokens=64)
-    return op, lp, sl, dataclasses.replace(grid, num_splits=S)
-
-
 def test_launch_args_pass_out_only_to_an_unsplit_launch():
     """mla_decode_cuda.launch_args: an unsplit launch gets out and lse (the kernel writes bf16 rows itself) and no
     partials; a split launch gets the fp32 partials and the run-time split count, and null out / lse (the combine
