@@ -53,7 +53,9 @@ SHIPPED_RUNS = [os.path.join(REPO, "benchmark", "results", "swapab", f"grouped_g
     "dense_tuned",  # the dense linears, tuned
     "tune_bn256_t32_t64",  # MoE retunes at some shapes (a later run replaces those shapes)
     "tune_normal_ppsm2_t64_t128",
-    "tune_swapab_ppsm34_uneven_t8_t32")]  # swapAB 3/4 per SM at 8-32 tokens, both draws
+    "tune_swapab_ppsm34_uneven_t8_t32",  # swapAB 3/4 per SM at 8-32 tokens, both draws
+    "tune_swapab_ppsm34_uneven_t1_t24",  # the same at 1, 2, 4 and 24 tokens (8-32 experts) ...
+    "tune_swapab_ppsm34_uneven_t1_t24_g256")]  # ... and 256 experts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,7 +536,9 @@ def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     assert dc(64, 7168, 16384, "sglang-triton") == "swapab"  # ... but the Triton GEMM takes 70.6
     assert dc(64, 7168, 16384, "deepgemm") == "upstream"
     tc = lambda m, n, k, g, layout: gg.table_choice(m, n, k, g, layout, "NVIDIA H200").best  # noqa: E731
-    assert tc(1, 4096, 7168, 32, "masked") == "swapab"  # 224.8 us vs 248.5 (uneven 107.0 vs 116.2)
+    assert tc(1, 4096, 7168, 32, "masked") == "swapab"  # 222.9 us vs 240.1 (uneven 105.1 vs 114.3)
+    assert tc(2, 4096, 7168, 16, "masked") == "swapab"  # retuned on both draws: 121.4 vs 131.9, uneven 103.1 vs 113.6
+    assert tc(24, 7168, 2048, 256, "masked") == "upstream"  # 939.9 vs 943.8 uniform, but uneven 1165.5 vs 1029.2
     assert tc(128, 4096, 7168, 32, "masked") == "upstream"  # 324.5 (normal, two per SM) vs 282.2
     assert tc(8, 4096, 7168, 8, "contiguous") == "swapab"  # 128 x 16 three per SM: 71.4 vs 73.0, uneven 72.9 vs 73.0
     assert tc(8, 7168, 2048, 16, "contiguous") == "upstream"  # uniform win (71.6 vs 72.3), the uneven draw loses
