@@ -84,7 +84,8 @@ DENSE_SHAPES = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "qkv_a": (2112, 7
                 "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048)}
 GROUPS = [8, 16, 32, 256]
 TOKENS = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256]
-PROVIDERS = ("ours-swapab", "ours-normal", "deepgemm", "sglang-triton", "sglang-triton-swapab")
+PROVIDERS = ("ours-swapab", "ours-normal", "ours-split", "deepgemm", "sglang-triton", "sglang-triton-swapab")
+SPLIT_AT = [16, 32, 64]  # ours-split: the counts tried as the swapAB / normal boundary
 DENSE_M = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 QUICK = {"groups": [8, 32], "tokens": [1, 8, 32, 128], "dense_m": [1, 32], "uneven_tokens": [8]}
 H20_FP8_FLOPS = 296e12  # dense FP8 tensor throughput
@@ -170,6 +171,10 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", nargs="+", type=int, help=f"tokens per expert (default {TOKENS})")
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS), metavar="PROVIDER",
                     help=f"what to time (default: all of {', '.join(PROVIDERS)})")
+    ap.add_argument("--split-at", nargs="+", type=int, default=SPLIT_AT, metavar="TOKENS",
+                    help="ours-split (variant split: swapAB on experts with at most this many tokens, the normal "
+                         "variant on the rest, two launches): the boundaries timed per point, fastest kept "
+                         "(default: %(default)s)")
     ap.add_argument("--layouts", nargs="+", default=["masked", "contiguous"], choices=["masked", "contiguous"],
                     help="grouped-GEMM input layouts (default: both)")
     ap.add_argument("--no-uneven", action="store_true", help="skip the uneven-distribution points")
@@ -301,6 +306,21 @@ def metrics(us, counts, n, k, tiles):
             "weight_bytes": wbytes, "total_bytes": tbytes, "useful_flops": flops, "issued_flops": issued,
             "tiles_tok_w": list(tiles),
             "h20_modelled_us": 1e6 * max(issued / H20_FP8_FLOPS, tbytes / H20_HBM_BPS)}
+
+
+def split_tiles(counts, n, k, groups, mean, t, layout):
+    """ours-split's (tiles, extra metrics): the swapAB tiles as its tiles_tok_w, and the tensor-core work issued
+    by both halves (each group under the variant its count picks) with the H20-modelled time from it."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    cfg = {v: gg.resolve_config(v, None, hint, n, k, groups, layout)[1]
+           for v, hint in (("swapab", min(mean, t)), ("normal", max(mean, 4 * t)))}
+    tiles = {v: (c["BLOCK_T"], c["BLOCK_N"]) for v, c in cfg.items()}
+    issued = (issued_flops([m if m <= t else 0 for m in counts], n, k, *tiles["swapab"])
+              + issued_flops([m if m > t else 0 for m in counts], n, k, *tiles["normal"]))
+    _, tbytes = traffic_bytes(counts, n, k)
+    return tiles["swapab"], {"issued_flops": issued, "tiles_split": {v: list(x) for v, x in tiles.items()},
+                             "h20_modelled_us": 1e6 * max(issued / H20_FP8_FLOPS, tbytes / H20_HBM_BPS)}
 
 
 def rel_err(out_rows, a, a_s, b, b_s):
@@ -562,6 +582,35 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             tiles = (used["BLOCK_T"], used["BLOCK_N"])
             record(f"ours-{variant}", layout, us, tiles, err, used,
                    {"configs_tried": tried, "configs_in_grid": len(configs), "trials": trials} if tune else None)
+
+    if "ours-split" in args.providers and total:
+        for layout in args.layouts:
+            best, trials = None, []
+            for t in args.split_at:
+                out = torch.empty(*((groups, max_m) if layout == "masked" else (total,)), n, dtype=torch.bfloat16,
+                                  device="cuda")
+                cfg = {"split_at": t}
+                if layout == "masked":
+                    fn = lambda: gg.m_grouped_fp8_gemm_nt_masked(a_m, a_ms, b, b_s, masked_m, out=out,  # noqa: E731
+                                                                  variant="split", expected_m=mean, config=cfg)
+                else:
+                    fn = lambda: gg.m_grouped_fp8_gemm_nt_contiguous(a_c, a_cs, b, b_s, indptr, out=out,  # noqa: E731
+                                                                      variant="split", config=cfg)
+                try:
+                    us = bench_us(fn, args.rep_ms)
+                except Exception as e:
+                    print(f"  ours-split {layout} split_at {t}: {type(e).__name__}: {e}", file=sys.stderr)
+                    continue
+                err = checks[layout](out)
+                trials.append({"config": cfg, "us": round(us, 3), "rel_err": err})
+                if not rejects(trials, err) and (best is None or us < best[0]):
+                    best = (us, t, err)
+            if best is None:
+                unavailable[f"ours-split-{layout}"] = "every split_at failed or was wrong (see stderr)"
+                continue
+            us, t, err = best
+            tiles, issued = split_tiles(counts, n, k, groups, mean, t, layout)
+            record("ours-split", layout, us, tiles, err, {"split_at": t}, {"trials": trials, **issued})
 
     if "deepgemm" in args.providers:
         for layout in args.layouts:

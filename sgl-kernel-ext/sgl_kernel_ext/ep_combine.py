@@ -229,7 +229,8 @@ def _ep_down_combine_kernel(
           RECV_CAP, w_scale)
     tiles_before = (T + BLOCK_T - 1) // BLOCK_T
     if FLAT:
-        walk, total = gg._flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G, G_P2, LAYOUT, BLOCK_N, BLOCK_T)
+        walk, total = gg._flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G, G_P2, LAYOUT, BLOCK_N,
+                                           BLOCK_T, -1, -1)  # every group
         ops = (a_ptr, as_ptr, b_ptr, bs_ptr, a_desc, b_desc, A_ROWS_PER_GROUP)
         strides = (stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask, stride_bg, stride_bn,
                    stride_bk, stride_bsg, stride_bsn, stride_bsk)

@@ -103,6 +103,9 @@ gate_up / down 32 x 256 at 128x128, 8 warps, 727 / 379 us against the TMA flat w
 both spill, 1090 vs 1271; swapab 32x128 gate_up 32 x 32: 274 vs 275). Bit-identical to the group walk in the
 CPU interpreter (which ignores the split).
 `bench_grouped_gemm.py --tune` times all of them.
+Variant "split" (`_split_launch`): one call as two launches, swapAB on the groups with at most split_at tokens and
+the normal variant on the rest, each walk skipping the other's groups by count on the GPU (count_range): for
+uneven routing, where a few experts get hundreds of tokens that swapAB tiles would serve BLOCK_T at a time.
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
 else the shipped python/sglang_h20/tables/grouped_gemm_<gpu>.json; H200 ships, measured) feeds
@@ -139,6 +142,7 @@ FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # DeepSeek-V3: 1x128 activation groups, 128x128 weight blocks
 LAYOUT_CONTIGUOUS, LAYOUT_MASKED, LAYOUT_DENSE = 0, 1, 2
 VARIANTS = ("swapab", "normal")
+SPLIT_AT = 32  # variant "split": groups with more tokens than this go to the normal variant
 SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
 
 
@@ -337,7 +341,7 @@ def _fp8_grouped_gemm_kernel(
     stride_ws_split, stride_ws_row,
     sig_ptr, SIG_STRIDE,
     cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
-    dfr_ptr, DFR_CAP,
+    dfr_ptr, DFR_CAP, M_LO, M_HI,
     G: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, HAS_SIGNAL: tl.constexpr = False,
     COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True, COMBINE_DEFER: tl.constexpr = False,
@@ -362,6 +366,8 @@ def _fp8_grouped_gemm_kernel(
             row0 = 0
             m = M_DENSE
         m = tl.maximum(m, 0)
+        if M_LO < M_HI:  # count_range: the groups outside it belong to the other launch of a split call
+            m = tl.where((m > M_LO) & (m <= M_HI), m, 0)
         t_tiles = (m + BLOCK_T - 1) // BLOCK_T
         group_tiles = t_tiles * n_tiles * SPLIT_K
         g64 = tl.cast(g, tl.int64)
@@ -461,9 +467,10 @@ def _flat_tile_mma(tile, walk, ops, strides, KB: tl.constexpr, SWAP_AB: tl.const
 
 @triton.jit
 def _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G: tl.constexpr, G_P2: tl.constexpr,
-                     LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+                     LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, M_LO, M_HI):
     """The flattened walk's state from one vector load of the layout: ((gi, start, m_vec, cum, gt, N) for
-    _flat_tile_mma, the total tile count)."""
+    _flat_tile_mma, the total tile count). M_LO < M_HI: only groups with M_LO < m <= M_HI have tiles
+    (count_range); M_LO >= M_HI: every group."""
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     gi = tl.arange(0, G_P2)
     gmask = gi < G
@@ -474,6 +481,8 @@ def _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G: tl.constexpr, G_P2: 
         start = gi * 0
         m_vec = tl.minimum(tl.load(masked_m_ptr + gi, mask=gmask, other=0), MAX_M)
     m_vec = tl.maximum(m_vec, 0)
+    if M_LO < M_HI:
+        m_vec = tl.where((m_vec > M_LO) & (m_vec <= M_HI), m_vec, 0)
     gt = (m_vec + BLOCK_T - 1) // BLOCK_T * n_tiles
     cum = tl.cumsum(gt, 0)
     return (gi, start, m_vec, cum, gt, N), tl.sum(gt, 0)
@@ -514,7 +523,7 @@ def _fp8_grouped_gemm_flat_kernel(
     stride_og, stride_om, stride_on,
     a_desc, b_desc, A_ROWS_PER_GROUP,
     cmb_pair_ptr, cmb_rowp_ptr, cmb_w_ptr, cmb_cnt_ptr, cmb_out_ptr, cmb_w_scale, stride_cmb_om,
-    dfr_ptr, DFR_CAP,
+    dfr_ptr, DFR_CAP, M_LO, M_HI,
     G: tl.constexpr, G_P2: tl.constexpr, K: tl.constexpr, LAYOUT: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr = False,
     COMBINE_TOPK: tl.constexpr = 0, COMBINE_GATHER: tl.constexpr = True, COMBINE_DEFER: tl.constexpr = False,
@@ -528,7 +537,8 @@ def _fp8_grouped_gemm_flat_kernel(
     KB: tl.constexpr = K // 128
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
-    walk, total = _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G, G_P2, LAYOUT, BLOCK_N, BLOCK_T)
+    walk, total = _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G, G_P2, LAYOUT, BLOCK_N, BLOCK_T,
+                                   M_LO, M_HI)
     deferred = pid * 0  # entries in this program's deferred gather list (COMBINE_DEFER)
     ops = (a_ptr, as_ptr, b_ptr, bs_ptr, a_desc, b_desc, A_ROWS_PER_GROUP)
     strides = (stride_ag, stride_am, stride_ak, stride_asg, stride_asm, stride_ask, stride_bg, stride_bn, stride_bk,
@@ -552,13 +562,13 @@ def _fp8_grouped_gemm_flat_kernel(
 
 
 @triton.jit
-def _token_tile_map_kernel(indptr_ptr, masked_m_ptr, MAX_M, map_ptr, count_ptr, T_MAX,
+def _token_tile_map_kernel(indptr_ptr, masked_m_ptr, MAX_M, map_ptr, count_ptr, T_MAX, M_LO, M_HI,
                            G: tl.constexpr, G_P2: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr):
     """config "ws", first launch (one program): every real token tile of every group, in group order, as
     (group, first row, end of the group's rows) in map_ptr [tiles, 3], and their count in count_ptr[0]. Rows as the
     group walk counts them (masked: within the group's slab; contiguous: rows of A). T_MAX: token tiles the largest
     group can have."""
-    walk, total = _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, 1, G, G_P2, LAYOUT, 1, BLOCK_T)
+    walk, total = _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, 1, G, G_P2, LAYOUT, 1, BLOCK_T, M_LO, M_HI)
     gi, start, m_vec, cum, tiles, _ = walk  # one weight tile per group: tiles = token tiles
     gmask = gi < G
     j = 0
@@ -1251,7 +1261,8 @@ def _fixup_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, m_dense=0,
             max_m=0, upper_tiles_t, variant, cfg, split_k, signal=None, num_sms=None,
-            combine: EpilogueCombine | None = None):
+            combine: EpilogueCombine | None = None, count_range: tuple[int, int] = (-1, -1)):
+    """count_range (lo, hi), lo < hi: only the groups with lo < m <= hi (one half of a split call)."""
     groups, n, k = b.shape
     swap = variant == "swapab"
     bn, bt = cfg["BLOCK_N"], cfg["BLOCK_T"]
@@ -1309,6 +1320,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         tile_map, count = buf[:-1], buf[-1:]
         _token_tile_map_kernel[(1,)](indptr if indptr is not None else dummy,
                                      masked_m if masked_m is not None else dummy, max_m, tile_map, count, t_max,
+                                     *count_range,
                                      G=groups, G_P2=triton.next_power_of_2(groups), LAYOUT=layout, BLOCK_T=bt,
                                      num_warps=4)
         _fp8_grouped_gemm_ws_kernel[(num_programs,)](  # programs past the mapped tiles find none
@@ -1333,7 +1345,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
             sa_g[2], o3.stride(1), o3.stride(2),
             *(descs or (None, None)), a3.shape[1] if layout == LAYOUT_MASKED else 0,
-            *cmb, dfr, dfr_cap,
+            *cmb, dfr, dfr_cap, *count_range,
             G=groups, G_P2=triton.next_power_of_2(groups), K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn,
             BLOCK_T=bt, INTERPRET=_interpreting(), TMA=descs is not None, **combine_kw,
             num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
@@ -1350,7 +1362,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
         sa_g[2], o3.stride(1), o3.stride(2),
         *ws_strides,
         signal if signal is not None else dummy, signal.shape[1] if signal is not None else 0,
-        *cmb, dfr, dfr_cap,
+        *cmb, dfr, dfr_cap, *count_range,
     ]
     kw = dict(G=groups, K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k,
               HAS_SIGNAL=signal is not None, **combine_kw, COMBINE_TAIL=tail,
@@ -1370,6 +1382,30 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     return out
 
 
+def _split_launch(layout, layout_name, a, a_scale, b, b_scale, out, *, m_hint, upper_tiles_t, config, split_k,
+                  signal, combine, num_sms, **walk):
+    """variant "split": one grouped GEMM as two launches over the same operands, swapAB on the groups with at most
+    config["split_at"] tokens (default SPLIT_AT) and the normal variant on the rest. An uneven routing puts hundreds
+    of tokens on a few experts; as swapAB tiles those re-read each weight tile every BLOCK_T tokens. The split is
+    by each group's count on the GPU (count_range in the walks): no host sync, CUDA-graph safe. config may carry
+    "swapab" / "normal" sub-configs (else each variant's table or heuristic config: swapAB at m_hint, normal at
+    4 x split_at tokens per group). upper_tiles_t(BLOCK_T): the walk's bound on token tiles."""
+    if split_k != 1 or signal is not None or combine is not None:
+        raise ValueError("variant 'split' runs plain outputs only (split_k 1, no signal, no combine)")
+    config = config or {}
+    t = int(config.get("split_at", SPLIT_AT))
+    if t < 1:
+        raise ValueError(f"split_at must be >= 1 token, got {t}")
+    groups, n, k = b.shape
+    sms = _device_sms(a) if num_sms is None else num_sms
+    halves = (("swapab", min(m_hint, t), (-1, t)), ("normal", max(m_hint, 4 * t), (t, 1 << 30)))
+    for variant, hint, count_range in halves:
+        _, cfg = _resolve(variant, config.get(variant), hint, n, k, groups, sms, layout_name)
+        _launch(layout, a, a_scale, b, b_scale, out, upper_tiles_t=upper_tiles_t(cfg["BLOCK_T"]), variant=variant,
+                cfg=cfg, split_k=1, num_sms=num_sms, count_range=count_range, **walk)
+    return out
+
+
 def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                                      b_scale: torch.Tensor, m_indptr: torch.Tensor,
                                      out: torch.Tensor | None = None, variant: str = "auto",
@@ -1381,7 +1417,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: 
     a [M_total, K] fp8, a_scale [M_total, K/128] fp32, b [G, N, K] fp8, b_scale [G, ceil(N/128), K/128]
     fp32, m_indptr [G+1] int32 (non-decreasing; empty experts allowed). out [M_total, N] bf16 (made if
     None; rows outside [m_indptr[0], m_indptr[G]) are left as they were). variant: 'auto' (table or
-    heuristic on M_total/G tokens per group), 'swapab' or 'normal'; config overrides tile keys.
+    heuristic on M_total/G tokens per group), 'swapab', 'normal' or 'split' (both, by each group's count:
+    `_split_launch`); config overrides tile keys.
     signal / num_sms / combine: as for m_grouped_fp8_gemm_nt_masked (signal[g, j]: group g's token tile j).
     """
     _check_operands(a, a_scale, b, b_scale, 1)
@@ -1394,6 +1431,10 @@ def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: 
     if m_total == 0 or groups == 0:
         return out
     m_hint = cdiv(m_total, groups)
+    if variant == "split":
+        return _split_launch(LAYOUT_CONTIGUOUS, "contiguous", a, a_scale, b, b_scale, out, m_hint=m_hint,
+                             upper_tiles_t=lambda bt: m_total // bt + min(groups, m_total), config=config,
+                             split_k=split_k, signal=signal, combine=combine, num_sms=num_sms, indptr=m_indptr)
     variant, cfg = _resolve(variant, config, m_hint, n, k, groups, _device_sms(a), "contiguous")
     # sum_g ceil(m_g / BT) <= M_total / BT + (number of non-empty groups)
     upper_t = m_total // cfg["BLOCK_T"] + min(groups, m_total)
@@ -1413,7 +1454,7 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     a [G, max_m, K] fp8, a_scale [G, max_m, K/128] fp32, b [G, N, K], b_scale [G, ceil(N/128), K/128],
     masked_m [G] int32 (values above max_m are clamped). out [G, max_m, N] bf16; rows t >= masked_m[g]
     are left as they were. expected_m (tokens per group, as in DeepGEMM) picks the variant and tiles
-    for 'auto'; default max_m.
+    for 'auto'; default max_m. variant 'split': as for m_grouped_fp8_gemm_nt_contiguous.
 
     signal (single-batch overlap): int32 [G, ceil(max_m / BLOCK_T)], zeroed by the caller; each
     finished [BLOCK_T, BLOCK_N] output tile adds 1 to signal[g, token tile] with release semantics
@@ -1436,6 +1477,10 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     if max_m == 0 or groups == 0:
         return out
     m_hint = expected_m if expected_m is not None else max_m
+    if variant == "split":
+        return _split_launch(LAYOUT_MASKED, "masked", a, a_scale, b, b_scale, out, m_hint=m_hint,
+                             upper_tiles_t=lambda bt: groups * cdiv(max_m, bt), config=config, split_k=split_k,
+                             signal=signal, combine=combine, num_sms=num_sms, masked_m=masked_m, max_m=max_m)
     variant, cfg = _resolve(variant, config, m_hint, n, k, groups, _device_sms(a), "masked")
     upper_t = groups * cdiv(max_m, cfg["BLOCK_T"])
     return _launch(LAYOUT_MASKED, a, a_scale, b, b_scale, out, masked_m=masked_m, max_m=max_m,

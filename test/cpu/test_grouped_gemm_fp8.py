@@ -242,6 +242,59 @@ def test_ws_split_runs_only_when_asked_for_by_env(monkeypatch):
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)) and torch.equal(got.isnan(), want.isnan())
 
 
+@pytest.mark.parametrize("walk", [{}, {"flat": True}, {"ws": True}], ids=["group", "flat", "ws"])
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_split_variant_is_swapab_below_the_split_and_normal_above(layout, walk):
+    """variant split (two launches, each walking only its groups by count): every group's rows are bit for bit what
+    the variant owning its count writes alone (swapAB at m <= split_at, normal above), each group written exactly
+    once (a group walked by both launches would still match; one walked by neither stays NaN), nothing outside
+    the groups; the boundary count itself (m == split_at) goes to swapAB. Against float32 as well."""
+    ms = [0, 5, 16, 17, 0, 1, 40, 33]
+    g, n, k, t = len(ms), 192, 256, 16
+    b, b_s = weights(g, n, k, seed=31)
+    cfgs = {"swapab": {"BLOCK_N": 64, "BLOCK_T": 16, **walk}, "normal": {"BLOCK_N": 128, "BLOCK_T": 32, **walk}}
+    if layout == "contiguous":
+        a, a_s = activations((sum(ms) + 3, k), seed=32)
+        ip = cumsum0(ms, start=1)
+
+        def run(variant, c):
+            return gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=poisoned(sum(ms) + 3, n),
+                                                       variant=variant, config=c)
+
+        def rows(out, gi):
+            return out[ip[gi]:ip[gi + 1]]
+        ref = gg.grouped_gemm_reference(a, a_s, b, b_s, m_indptr=ip)
+    else:
+        a, a_s = activations((g, 40, k), seed=33)
+        mm = torch.tensor(ms, dtype=torch.int32)
+
+        def run(variant, c):
+            return gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(g, 40, n), variant=variant,
+                                                   config=c)
+
+        def rows(out, gi):
+            return out[gi, :ms[gi]]
+        ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+    split = run("split", {"split_at": t, **cfgs})
+    alone = {v: run(v, c) for v, c in cfgs.items()}
+    for gi, m in enumerate(ms):
+        owner = alone["swapab" if m <= t else "normal"]
+        assert torch.equal(rows(split, gi), rows(owner, gi)), (gi, m)
+        if m:
+            check_rows(rows(split, gi), rows(ref, gi), f"group {gi} (m={m})")
+    assert torch.equal(split.isnan(), alone["swapab"].isnan()), "written rows differ from one whole launch's"
+
+
+def test_split_variant_refuses_what_it_cannot_split():
+    a, a_s = activations((2, 16, 256), seed=34)
+    b, b_s = weights(2, 128, 256, seed=35)
+    mm = torch.tensor([16, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="split_k 1"):
+        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, variant="split", split_k=2)
+    with pytest.raises(ValueError, match="split_at"):
+        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, variant="split", config={"split_at": 0})
+
+
 @pytest.mark.parametrize("variant", gg.VARIANTS)
 def test_all_groups_empty(variant):
     a, a_s = activations((3, 16, 256), seed=5)

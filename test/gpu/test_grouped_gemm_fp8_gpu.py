@@ -201,6 +201,53 @@ def test_masked_launch_is_graph_safe(mods, walk):
 
 
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_split_variant_on_an_uneven_draw_and_under_graph_replay(mods, shape):
+    """variant split (swapAB on experts with <= split_at tokens, normal on the rest, by count on the device): an
+    uneven draw with heavy, light and empty experts, both layouts, against float32 and no other row written; then
+    captured once and replayed after the counts moved across the boundary (light experts turned heavy and back)."""
+    gg, quant = mods
+    n, k = MOE_SHAPES[shape]
+    groups, max_m = 16, 256
+    b, b_s = quantized_weights(quant, groups, n, k, seed=11)
+    a, a_s = quantized_acts(quant, (groups, max_m, k), seed=12)
+    draws = [[256, 0, 3, 32, 33, 1, 0, 130, 17, 64, 2, 0, 9, 31, 200, 5],
+             [1, 40, 0, 250, 2, 33, 32, 0, 7, 3, 100, 16, 0, 1, 12, 90]]
+    mm = torch.tensor(draws[0], dtype=torch.int32, device="cuda")
+    out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = {"split_at": 32}
+
+    def check_masked(c, what):
+        ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+        for g, m in enumerate(c):
+            if m:
+                check(out[g, :m], ref[g, :m], f"{what} {shape} g={g} m={m}")
+            assert out[g, m:].isnan().all(), f"{what} {shape} g={g}: rows past masked_m written"
+
+    gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="split", expected_m=48, config=cfg)
+    check_masked(draws[0], "split masked")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant="split", expected_m=48, config=cfg)
+    for c in (draws[1], draws[0]):
+        mm.copy_(torch.tensor(c, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_masked(c, "split masked replay")
+    c = draws[1]
+    ac, ac_s = quantized_acts(quant, (sum(c) + 2, k), seed=13)
+    ip = torch.tensor([1] + [1 + sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    oc = torch.full((sum(c) + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gg.m_grouped_fp8_gemm_nt_contiguous(ac, ac_s, b, b_s, ip, out=oc, variant="split", config=cfg)
+    ref = gg.grouped_gemm_reference(ac, ac_s, b, b_s, m_indptr=ip)
+    for g in range(groups):
+        lo, hi = ip[g].item(), ip[g + 1].item()
+        if hi > lo:
+            check(oc[lo:hi], ref[lo:hi], f"split contiguous {shape} g={g} m={hi - lo}")
+    assert oc[0].isnan().all() and oc[-1].isnan().all(), "rows outside the groups written"
+
+
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_flat_and_tma_walks_match_the_plain_walk(mods, shape):
     """Configs flat and flat+tma compute the plain walk's tiles with the same K loop: the same bits, at the real
     shapes, both layouts and variants, uneven and empty groups. In the masked layout the rows past masked_m
