@@ -602,7 +602,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                     print(f"  ours-split {layout} split_at {t}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
                 err = checks[layout](out)
-                trials.append({"config": cfg, "us": round(us, 3), "rel_err": err})
+                trials.append({"config": cfg, "us": round(us, 3), "tiles": cfg, "rel_err": err})
                 if not rejects(trials, err) and (best is None or us < best[0]):
                     best = (us, t, err)
             if best is None:

@@ -141,7 +141,8 @@ from sgl_kernel_ext.quant import _interpreting, dequant_per_block, dequant_per_t
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # DeepSeek-V3: 1x128 activation groups, 128x128 weight blocks
 LAYOUT_CONTIGUOUS, LAYOUT_MASKED, LAYOUT_DENSE = 0, 1, 2
-VARIANTS = ("swapab", "normal")
+VARIANTS = ("swapab", "normal")  # one launch, one tile shape
+GROUPED_VARIANTS = VARIANTS + ("split",)  # masked / contiguous: also both, split by each group's count
 SPLIT_AT = 32  # variant "split": groups with more tokens than this go to the normal variant
 SWAPAB_MAX_M = 64  # heuristic threshold (tokens per group) without a table
 
@@ -866,7 +867,7 @@ def _load_table_cached(path: str, mtime: float) -> dict | None:
         missing = {"n", "k", "groups", "m", "best"} - set(e)
         if missing:
             raise ValueError(f"{path}: entry {e} lacks {sorted(missing)}")
-        if e["best"] not in (*VARIANTS, "upstream"):
+        if e["best"] not in (*(VARIANTS if e.get("layout") == "dense" else GROUPED_VARIANTS), "upstream"):
             raise ValueError(f"{path}: entry {e} has best={e['best']!r}")
     return {**data, "path": path}
 
@@ -921,7 +922,7 @@ def _lookup_cached(path: str, mtime: float, m: int, n: int, k: int, groups: int,
 
 def choose_variant(m: int, n: int, k: int, groups: int, gpu_name: str | None = None,
                    layout: str | None = None) -> str:
-    """'swapab' | 'normal' | 'upstream' for `groups` experts of about m tokens each, [N, K] weights.
+    """'swapab' | 'normal' | 'split' | 'upstream' for `groups` experts of about m tokens each, [N, K] weights.
 
     From the GPU's table (`load_table`; nearest group count in log2, then the smallest tabulated m
     >= m), else the heuristic: 'swapab' for m <= 64 tokens per group, 'normal' above (never
@@ -945,7 +946,7 @@ def choose_config(variant: str, m: int, n: int, k: int, groups: int, gpu_name: s
 
 
 class TableChoice(NamedTuple):
-    best: str  # 'swapab' | 'normal' | 'upstream'
+    best: str  # 'swapab' | 'normal' | 'split' | 'upstream'
     config: dict | None  # the table's tuned tiles for `best` (None: use the heuristic)
     why: str
 
@@ -964,14 +965,14 @@ def entry_best(entry: dict, against: str | None = None) -> str:
     upstream_us = (entry.get("upstream_us_by_provider") or {}).get(against) if against else None
     if upstream_us is None:
         return entry["best"]
-    times = {v: t for v, t in (entry.get("us") or {}).items() if v in VARIANTS}
+    times = {v: t for v, t in (entry.get("us") or {}).items() if v in GROUPED_VARIANTS}
     # the uneven draw's "upstream" is its fastest provider: a conservative check for `against`
     return _fastest({**times, "upstream": upstream_us}, entry.get("us_uneven"))
 
 
 def _fastest(us: dict, uneven: dict | None) -> str:
-    """'swapab' | 'normal' | 'upstream': the fastest in `us` (a tie is upstream's); ours only if it is also faster
-    than upstream on the uneven draw, where one was measured."""
+    """'swapab' | 'normal' | 'split' | 'upstream': the fastest in `us` (a tie is upstream's); ours only if it is also
+    faster than upstream on the uneven draw, where one was measured."""
     best = min(us, key=lambda v: (us[v], v != "upstream"))
     if best != "upstream" and uneven and "upstream" in uneven and uneven.get(best, math.inf) >= uneven["upstream"]:
         return "upstream"
@@ -1019,16 +1020,22 @@ def resolve_config(variant: str, config: dict | None, m_hint: int, n: int, k: in
     return _resolve(variant, config, m_hint, n, k, groups, num_sms, layout)
 
 
+def _grouped_variant(variant: str, m_hint: int, n: int, k: int, groups: int, layout: str) -> str:
+    """What 'auto' means for a masked / contiguous call ('split' included); other variants as given."""
+    return choose_variant(m_hint, n, k, groups, layout=layout) if variant == "auto" else variant
+
+
 def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, groups: int,
              num_sms: int, layout: str) -> tuple[str, dict]:
     if variant == "auto":
         variant = choose_variant(m_hint, n, k, groups, layout=layout)
-        if variant == "upstream":  # the caller asked us anyway: our best guess
+        if variant not in VARIANTS:  # upstream (the caller asked us anyway) or split (one launch here): our guess
             variant = "swapab" if m_hint <= SWAPAB_MAX_M else "normal"
     if variant in VARIANTS:
         cfg = choose_config(variant, m_hint, n, k, groups, num_sms=num_sms, layout=layout)
     else:
-        raise ValueError(f"variant must be 'auto' or one of {VARIANTS}, got {variant!r}")
+        raise ValueError(f"variant must be 'auto' or one of {VARIANTS} (grouped layouts: also 'split'), "
+                         f"got {variant!r}")
     if config:
         cfg = {**cfg, **config}
     bn, bt = cfg["BLOCK_N"], cfg["BLOCK_T"]
@@ -1042,13 +1049,13 @@ def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, gro
 # ---------------------------------------------------------------------------------------------
 UPSTREAM_PROVIDERS = ("deepgemm", "sglang-triton", "sglang-triton-swapab")  # what SGLang itself runs
 TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat", "tma", "ws", "split_k",
-             "serial_reduce")
+             "serial_reduce", "split_at")
 
 
 def table_entries(points: list[dict]) -> list[dict]:
     """One entry per (n, k, groups, tokens per group, layout) of a bench_grouped_gemm run.
 
-    "us" holds the uniform draw's best time of ours-swapab, ours-normal and upstream (the fastest
+    "us" holds the uniform draw's best time of ours-swapab, ours-normal, ours-split and upstream (the fastest
     of UPSTREAM_PROVIDERS measured in that layout); "best" is the fastest (upstream on a tie).
     Where an uneven draw (same total, Zipf-like expert popularity) was measured at the same key,
     ours must win there too, else "best" is "upstream": real routing is uneven. A tuned variant
@@ -1061,7 +1068,7 @@ def table_entries(points: list[dict]) -> list[dict]:
     for p in points:
         if p.get("kind") not in ("moe", "dense"):
             continue
-        name = {"ours-swapab": "swapab", "ours-normal": "normal"}.get(p["provider"])
+        name = {"ours-swapab": "swapab", "ours-normal": "normal", "ours-split": "split"}.get(p["provider"])
         if name is None and p["provider"] not in UPSTREAM_PROVIDERS:
             continue
         name = name or "upstream"
@@ -1124,7 +1131,7 @@ def table_from_result(result: dict, results_file: str | None = None, command: st
         "source": {"benchmark_command": prov.get("command"), "results_file": results_file,
                    "table_command": command, "quick": result.get("quick"),
                    **({"merged_from": result["merged_from"]} if result.get("merged_from") else {})},
-        "rule": "best = fastest of ours-swapab / ours-normal / upstream (fastest of "
+        "rule": "best = fastest of ours-swapab / ours-normal / ours-split / upstream (fastest of "
                 + ", ".join(UPSTREAM_PROVIDERS) + " in that layout) on the uniform draw; ours must also "
                 "win the uneven draw where one was measured",
         "provenance": prov, "entries": table_entries(result.get("points", [])),
@@ -1393,6 +1400,9 @@ def _split_launch(layout, layout_name, a, a_scale, b, b_scale, out, *, m_hint, u
     if split_k != 1 or signal is not None or combine is not None:
         raise ValueError("variant 'split' runs plain outputs only (split_k 1, no signal, no combine)")
     config = config or {}
+    if "split_at" not in config:  # the table's boundary for this key, where it has one
+        entry = _lookup(m_hint, b.shape[1], b.shape[2], b.shape[0], _gpu_name(), layout_name) or {}
+        config = {**(entry.get("config", {}).get("split") or {}), **config}
     t = int(config.get("split_at", SPLIT_AT))
     if t < 1:
         raise ValueError(f"split_at must be >= 1 token, got {t}")
@@ -1431,7 +1441,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: 
     if m_total == 0 or groups == 0:
         return out
     m_hint = cdiv(m_total, groups)
-    if variant == "split":
+    if _grouped_variant(variant, m_hint, n, k, groups, "contiguous") == "split":
         return _split_launch(LAYOUT_CONTIGUOUS, "contiguous", a, a_scale, b, b_scale, out, m_hint=m_hint,
                              upper_tiles_t=lambda bt: m_total // bt + min(groups, m_total), config=config,
                              split_k=split_k, signal=signal, combine=combine, num_sms=num_sms, indptr=m_indptr)
@@ -1477,7 +1487,7 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     if max_m == 0 or groups == 0:
         return out
     m_hint = expected_m if expected_m is not None else max_m
-    if variant == "split":
+    if _grouped_variant(variant, m_hint, n, k, groups, "masked") == "split":
         return _split_launch(LAYOUT_MASKED, "masked", a, a_scale, b, b_scale, out, m_hint=m_hint,
                              upper_tiles_t=lambda bt: groups * cdiv(max_m, bt), config=config, split_k=split_k,
                              signal=signal, combine=combine, num_sms=num_sms, masked_m=masked_m, max_m=max_m)

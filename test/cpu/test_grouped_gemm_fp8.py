@@ -295,6 +295,34 @@ def test_split_variant_refuses_what_it_cannot_split():
         gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, variant="split", config={"split_at": 0})
 
 
+def test_auto_runs_split_where_the_table_says_and_one_launch_elsewhere(monkeypatch, tmp_path):
+    """'auto' takes the table's 'split' with its boundary in the masked layout; a caller that needs one launch
+    (resolve_config: SBO, the EP combine) gets one variant instead."""
+    table = {"gpu": "test", "entries": [{"n": 128, "k": 256, "groups": 2, "m": m, "layout": "masked", "best": "split",
+                                         "config": {"split": {"split_at": 8}}} for m in (4, 16)]}
+    (tmp_path / "t.json").write_text(json.dumps(table))
+    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "t.json"))
+    gg.forget_tables()
+    a, a_s = activations((2, 16, 256), seed=36)
+    b, b_s = weights(2, 128, 256, seed=37)
+    mm = torch.tensor([16, 3], dtype=torch.int32)
+    launches = []
+    real = gg._launch
+
+    def spy(*args, **kw):
+        launches.append((kw["variant"], kw["count_range"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gg, "_launch", spy)
+    out = gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(2, 16, 128), expected_m=10)
+    assert launches == [("swapab", (-1, 8)), ("normal", (8, 1 << 30))]
+    ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+    for g, m in enumerate(mm.tolist()):
+        check_rows(out[g, :m], ref[g, :m], f"group {g}")
+    assert gg.resolve_config("auto", None, 10, 128, 256, 2, "masked")[0] == "swapab"
+    gg.forget_tables()
+
+
 @pytest.mark.parametrize("variant", gg.VARIANTS)
 def test_all_groups_empty(variant):
     a, a_s = activations((3, 16, 256), seed=5)

@@ -420,6 +420,26 @@ def test_masked_hook_runs_ours_where_the_table_says(monkeypatch, tmp_path):
         assert out[g, m:].isnan().all()
 
 
+def test_masked_hook_runs_the_split_variant_with_the_tables_boundary(monkeypatch, tmp_path):
+    """An entry whose best is 'split' (swapAB below split_at tokens, normal above): the hook runs both launches with
+    the table's boundary, and every group is right (one light, one empty, one heavy group here)."""
+    entries = [{"n": 256, "k": 256, "groups": 3, "m": m, "layout": "masked", "best": "split",
+                "config": {"split": {"split_at": 4}}} for m in (2, 4, 8)]
+    use_table(monkeypatch, write_table(tmp_path / "s.json", entries))
+    lhs, rhs, out, masked_m = masked_inputs(8)
+    launches = []
+    real = gg._launch
+    monkeypatch.setattr(gg, "_launch", lambda *a, **kw: launches.append((kw["variant"], kw["count_range"]))
+                        or real(*a, **kw))
+    assert swapab.masked_gemm_hook(recording_original([]), lhs, rhs, out, masked_m, 4) is None
+    assert launches == [("swapab", (-1, 4)), ("normal", (4, 1 << 30))]
+    ref = gg.grouped_gemm_reference(lhs[0], lhs[1], rhs[0], rhs[1], masked_m=masked_m)
+    for g, m in enumerate(masked_m.tolist()):
+        if m:
+            assert rel(out[g, :m], ref[g, :m]) <= REL_GEMM
+        assert out[g, m:].isnan().all()
+
+
 def test_masked_hook_falls_back(monkeypatch, tmp_path):
     lhs, rhs, out, masked_m = masked_inputs(6)
     packed = (lhs[0], lhs[1].to(torch.int32))  # UE8M0-packed scales
@@ -489,6 +509,12 @@ def test_plan_moe_needs_both_gemms_and_uses_expected_load(monkeypatch, tmp_path)
     assert plan is not None and plan.variant == "swapab" and plan.block_t == 16
     assert swapab.plan_moe(32, 8, 32, 7168, 2048) is None  # m = 8: down says upstream
     assert swapab.plan_moe(1, 8, 32, 7168, 1024) is None  # down shape not measured
+
+
+def test_plan_moe_leaves_split_to_upstream(monkeypatch, tmp_path):
+    """'split' is two launches by count; the single-GPU runner's aligned kernel has one walk: upstream runs."""
+    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries(best="split", config={"split_at": 4})))
+    assert swapab.plan_moe(5, 2, E, H, INTER) is None
 
 
 @pytest.mark.parametrize("walk", ["flat", "tma", "ws"])
@@ -562,6 +588,28 @@ def test_table_entries_rules():
     assert masked["us_uneven"] == {"swapab": 10, "upstream": 9} and masked["config"]["swapab"] == {"BLOCK_N": 64, "BLOCK_T": 16}
     assert entries["masked", 1]["best"] == "upstream"  # tie
     assert ("masked", 2) not in entries  # no upstream time, no claim
+
+
+def test_table_entries_take_the_split_variant_with_its_boundary():
+    """ours-split competes like the other variants; its config is the boundary judged on both draws together."""
+    def pt(provider, us, dist, trials=None, config=None):
+        return {"kind": "moe", "provider": provider, "us": us, "n": 1, "k": 128, "groups": 2, "tokens_per_group": 24,
+                "layout": "masked", "distribution": dist, "config": config, "trials": trials}
+
+    def split(dist, t16, t32):
+        trials = [{"config": {"split_at": t}, "us": us, "tiles": {"split_at": t}} for t, us in ((16, t16), (32, t32))]
+        best = min(trials, key=lambda x: x["us"])
+        return pt("ours-split", best["us"], dist, trials, best["config"])
+
+    # 16: 10 + 14 = 24, 32: 9 + 16 = 25 -> 16, faster than swapAB and DeepGEMM on both draws
+    points = [split("uniform", 10, 9), split("uneven", 14, 16), pt("ours-swapab", 10.5, "uniform"),
+              pt("ours-swapab", 18, "uneven"), pt("deepgemm", 10.2, "uniform"), pt("deepgemm", 15, "uneven")]
+    [e] = gg.table_entries(points)
+    assert e["best"] == "split" and e["config"]["split"] == {"split_at": 16}
+    assert e["us"]["split"] == 10 and e["us_uneven"]["split"] == 14
+    assert gg.entry_best(e, "deepgemm") == "split"
+    [e] = gg.table_entries(points[:-1] + [pt("deepgemm", 13.9, "uneven")])  # upstream wins the uneven draw
+    assert e["best"] == "upstream"
 
 
 def test_table_entries_judge_a_tuned_variant_by_one_config_on_both_draws():

@@ -100,6 +100,9 @@ def plan_moe(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: 
     if up.best == "upstream" or down.best != up.best:
         log.debug("swapab: %s -> upstream (gate_up: %s; down: %s)", what, up.why, down.why)
         return None
+    if up.best not in gg.VARIANTS:  # 'split': two launches by count, which the aligned kernel's walk has not
+        log.debug("swapab: %s -> upstream (measured best %s; the aligned kernel runs one variant)", what, up.best)
+        return None
     if not (gg.aligned_runs(up.config) and gg.aligned_runs(down.config)):
         log.debug("swapab: %s -> upstream (measured on a walk the aligned kernel lacks: %s / %s)", what, up.config,
                   down.config)
