@@ -540,6 +540,17 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         return check
 
     checks = {layout: first_group_check(layout) for layout in ("masked", "contiguous")}  # ours and upstream's
+
+    def ours_call(layout, variant, cfg):
+        """(call, its output buffer) of one of our grouped GEMMs on this point's operands."""
+        if layout == "masked":
+            out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
+            return (lambda: gg.m_grouped_fp8_gemm_nt_masked(a_m, a_ms, b, b_s, masked_m, out=out, variant=variant,
+                                                            expected_m=mean, config=cfg)), out
+        out = torch.empty(max(total, 1), n, dtype=torch.bfloat16, device="cuda")
+        return (lambda: gg.m_grouped_fp8_gemm_nt_contiguous(a_c, a_cs, b, b_s, indptr, out=out, variant=variant,
+                                                            config=cfg)), out
+
     for variant in ("swapab", "normal"):
         if f"ours-{variant}" not in args.providers:
             continue
@@ -555,14 +566,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                     break
                 tried += 1
                 try:
-                    if layout == "masked":
-                        out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
-                        fn = lambda: gg.m_grouped_fp8_gemm_nt_masked(a_m, a_ms, b, b_s, masked_m, out=out,  # noqa: E731
-                                                                      variant=variant, expected_m=mean, config=cfg)
-                    else:
-                        out = torch.empty(max(total, 1), n, dtype=torch.bfloat16, device="cuda")
-                        fn = lambda: gg.m_grouped_fp8_gemm_nt_contiguous(a_c, a_cs, b, b_s, indptr, out=out,  # noqa: E731
-                                                                          variant=variant, config=cfg)
+                    fn, out = ours_call(layout, variant, cfg)
                     us = bench_us(fn, args.rep_ms)
                 except Exception as e:
                     print(f"  ours-{variant} {layout} config {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -587,16 +591,9 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         for layout in args.layouts:
             best, trials = None, []
             for t in args.split_at:
-                out = torch.empty(*((groups, max_m) if layout == "masked" else (total,)), n, dtype=torch.bfloat16,
-                                  device="cuda")
                 cfg = {"split_at": t}
-                if layout == "masked":
-                    fn = lambda: gg.m_grouped_fp8_gemm_nt_masked(a_m, a_ms, b, b_s, masked_m, out=out,  # noqa: E731
-                                                                  variant="split", expected_m=mean, config=cfg)
-                else:
-                    fn = lambda: gg.m_grouped_fp8_gemm_nt_contiguous(a_c, a_cs, b, b_s, indptr, out=out,  # noqa: E731
-                                                                      variant="split", config=cfg)
                 try:
+                    fn, out = ours_call(layout, "split", cfg)
                     us = bench_us(fn, args.rep_ms)
                 except Exception as e:
                     print(f"  ours-split {layout} split_at {t}: {type(e).__name__}: {e}", file=sys.stderr)

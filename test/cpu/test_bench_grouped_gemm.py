@@ -162,3 +162,19 @@ def test_a_later_run_replaces_the_shapes_it_measured_and_keeps_the_rest(tmp_path
     entries = {e["m"]: e for e in bench.table_entries(merged["points"])}
     assert entries[64]["best"] == "normal" and entries[64]["us"] == {"upstream": 10.5, "normal": 9.5}
     assert entries[8]["best"] == "swapab" and "us_uneven" not in entries[64]
+
+
+def test_split_counts_each_group_under_the_variant_its_count_picks():
+    """ours-split's issued tensor-core work (the H20 model's input): groups at or below split_at as swapAB tiles,
+    the rest as normal tiles; the modelled time is at least the byte-bound time."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    counts, n, k, t = [0, 2, 16, 40], 4096, 7168, 16
+    tiles, extra = bench.split_tiles(counts, n, k, len(counts), 15, t, "masked")
+    sw = gg.resolve_config("swapab", None, 15, n, k, 4, "masked")[1]
+    nm = gg.resolve_config("normal", None, 4 * t, n, k, 4, "masked")[1]
+    assert tiles == (sw["BLOCK_T"], sw["BLOCK_N"]) and extra["tiles_split"]["normal"] == [nm["BLOCK_T"], nm["BLOCK_N"]]
+    want = (bench.issued_flops([0, 2, 16, 0], n, k, sw["BLOCK_T"], sw["BLOCK_N"])
+            + bench.issued_flops([0, 0, 0, 40], n, k, nm["BLOCK_T"], nm["BLOCK_N"]))
+    assert extra["issued_flops"] == want > 2 * k * n * sum(counts)  # padding included
+    assert extra["h20_modelled_us"] >= bench.traffic_bytes(counts, n, k)[1] / bench.H20_HBM_BPS * 1e6

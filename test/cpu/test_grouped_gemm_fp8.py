@@ -89,6 +89,47 @@ def cumsum0(ms, start=0):
     return torch.tensor([start] + [start + s for s in itertools.accumulate(ms)], dtype=torch.int32)
 
 
+class GroupedCall:
+    """One layout's grouped GEMM over per-group counts, for the tests that compare walks and variants bit for bit:
+    run(variant, config) -> a fresh NaN-poisoned output written by one call; rows(out, g) -> group g's rows; ref()
+    -> float32. Contiguous: a spare row before and after the groups. Masked: A holds `max_m` rows per group and the
+    rows past each count are e4m3 NaN (0x7f), which boxes may read and which must never reach a written row."""
+
+    def __init__(self, layout, counts, b, b_s, seed, max_m=None):
+        self.layout, self.counts, self.b, self.b_s = layout, list(counts), b, b_s
+        groups, self.n, k = b.shape
+        if layout == "contiguous":
+            self.a, self.a_s = activations((sum(counts) + 2, k), seed=seed)
+            self.ip = cumsum0(counts, start=1)
+        else:
+            self.a, self.a_s = activations((groups, max_m or max(counts), k), seed=seed)
+            self.mm = torch.tensor(counts, dtype=torch.int32)
+            for gi, m in enumerate(counts):
+                self.a.view(torch.uint8)[gi, m:] = 0x7F
+
+    def run(self, variant, config):
+        if self.layout == "contiguous":
+            return gg.m_grouped_fp8_gemm_nt_contiguous(self.a, self.a_s, self.b, self.b_s, self.ip,
+                                                       out=poisoned(self.a.shape[0], self.n), variant=variant,
+                                                       config=config)
+        return gg.m_grouped_fp8_gemm_nt_masked(self.a, self.a_s, self.b, self.b_s, self.mm,
+                                               out=poisoned(*self.a.shape[:2], self.n), variant=variant, config=config)
+
+    def rows(self, out, g):
+        return out[self.ip[g]:self.ip[g + 1]] if self.layout == "contiguous" else out[g, :self.counts[g]]
+
+    def ref(self):
+        if self.layout == "contiguous":
+            return gg.grouped_gemm_reference(self.a, self.a_s, self.b, self.b_s, m_indptr=self.ip)
+        return gg.grouped_gemm_reference(torch.nan_to_num(self.a.float()).to(self.a.dtype), self.a_s, self.b,
+                                         self.b_s, masked_m=self.mm)
+
+
+def assert_same_bits(got, want, what):
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: other rows written"
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), what
+
+
 # ---------------------------------------------------------------------------------------------
 # Grouped GEMMs
 # ---------------------------------------------------------------------------------------------
@@ -144,28 +185,10 @@ def test_flat_walk_equals_the_group_walk(layout, tma):
     also read rows past each group's real ones: in the masked layout those rows are NaN here, and the result
     must still be the same bits (each output element depends on its own rows only, and those are masked)."""
     ms = [0, 5, 33, 0, 1, 17, 0, 0, 40]
-    g, n, k = len(ms), 192, 256
-    b, b_s = weights(g, n, k, seed=3)
+    b, b_s = weights(len(ms), 192, 256, seed=3)
+    call = GroupedCall(layout, ms, b, b_s, seed=4)
     for variant, cfg in (("swapab", {"BLOCK_N": 64, "BLOCK_T": 16}), ("normal", {"BLOCK_N": 128, "BLOCK_T": 64})):
-        if layout == "contiguous":
-            a, a_s = activations((sum(ms) + 2, k), seed=4)
-            ip = cumsum0(ms, start=1)
-
-            def run(c):
-                return gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=poisoned(sum(ms) + 2, n),
-                                                           variant=variant, config=c)
-        else:
-            a, a_s = activations((g, 40, k), seed=5)
-            mm = torch.tensor(ms, dtype=torch.int32)
-            for gi, m in enumerate(ms):  # rows past masked_m: e4m3 NaN (0x7f), never to reach a written row
-                a.view(torch.uint8)[gi, m:] = 0x7F
-
-            def run(c):
-                return gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(g, 40, n), variant=variant,
-                                                       config=c)
-        plain, flat = run(cfg), run({**cfg, "flat": True, "tma": tma})
-        assert torch.equal(plain.isnan(), flat.isnan()), variant  # the same rows written
-        assert torch.equal(torch.nan_to_num(plain), torch.nan_to_num(flat)), variant
+        assert_same_bits(call.run(variant, {**cfg, "flat": True, "tma": tma}), call.run(variant, cfg), variant)
 
 
 class LaunchCounter:
@@ -186,37 +209,20 @@ def test_ws_config_equals_the_group_walk(layout, monkeypatch):
     all groups empty; in the masked layout rows past masked_m are NaN in A (read by the boxes, never into a written
     row) and nothing is written at or past masked_m. The ws kernels must be what ran."""
     ms = [0, 5, 33, 0, 1, 17, 0, 40, 40]
-    g, n, k = len(ms), 192, 256
-    b, b_s = weights(g, n, k, seed=8)
-    for counts in (ms, [0] * g):
-        if layout == "contiguous":
-            a, a_s = activations((sum(ms) + 2, k), seed=9)
-            ip = cumsum0(counts, start=1)
-
-            def run(variant, c):
-                return gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=poisoned(sum(ms) + 2, n),
-                                                           variant=variant, config=c)
-        else:
-            a, a_s = activations((g, 40, k), seed=9)
-            mm = torch.tensor(counts, dtype=torch.int32)
-            for gi, m in enumerate(counts):
-                a.view(torch.uint8)[gi, m:] = 0x7F
-
-            def run(variant, c):
-                return gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(g, 40, n), variant=variant,
-                                                       config=c)
+    b, b_s = weights(len(ms), 192, 256, seed=8)
+    for counts in (ms, [0] * len(ms)):
+        call = GroupedCall(layout, counts, b, b_s, seed=9, max_m=40)
         for variant, cfg in (("swapab", {"BLOCK_N": 64, "BLOCK_T": 16}), ("normal", {"BLOCK_N": 128, "BLOCK_T": 32}),
                              ("normal", {"BLOCK_N": 256, "BLOCK_T": 64})):
             spies = {name: LaunchCounter(getattr(gg, name)) for name in ("_token_tile_map_kernel",
                                                                           "_fp8_grouped_gemm_ws_kernel")}
-            plain = run(variant, cfg)
+            plain = call.run(variant, cfg)
             with monkeypatch.context() as mp:
                 for name, spy in spies.items():
                     mp.setattr(gg, name, spy)
-                ws = run(variant, {**cfg, "ws": True})
+                ws = call.run(variant, {**cfg, "ws": True})
             assert [spy.launches for spy in spies.values()] == [1, 1], (variant, cfg)  # not a fallback
-            assert torch.equal(plain.isnan(), ws.isnan()), (layout, counts, variant, cfg)
-            assert torch.equal(torch.nan_to_num(plain), torch.nan_to_num(ws)), (layout, counts, variant, cfg)
+            assert_same_bits(ws, plain, (layout, counts, variant, cfg))
             if layout == "masked":
                 for gi, m in enumerate(counts):
                     assert not ws[gi, :m].isnan().any() and ws[gi, m:].isnan().all(), (variant, cfg, gi)
@@ -238,8 +244,7 @@ def test_ws_split_runs_only_when_asked_for_by_env(monkeypatch):
     with pytest.raises(ValueError, match="SGLANG_H20_WS_SPLIT=1"):
         run({"ws": True, "ws_split": True})
     monkeypatch.setenv("SGLANG_H20_WS_SPLIT", "1")
-    got, want = run({"ws": True, "ws_split": True}), run({})
-    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)) and torch.equal(got.isnan(), want.isnan())
+    assert_same_bits(run({"ws": True, "ws_split": True}), run({}), "ws_split")
 
 
 @pytest.mark.parametrize("walk", [{}, {"flat": True}, {"ws": True}], ids=["group", "flat", "ws"])
@@ -249,39 +254,18 @@ def test_split_variant_is_swapab_below_the_split_and_normal_above(layout, walk):
     the variant owning its count writes alone (swapAB at m <= split_at, normal above), each group written exactly
     once (a group walked by both launches would still match; one walked by neither stays NaN), nothing outside
     the groups; the boundary count itself (m == split_at) goes to swapAB. Against float32 as well."""
-    ms = [0, 5, 16, 17, 0, 1, 40, 33]
-    g, n, k, t = len(ms), 192, 256, 16
-    b, b_s = weights(g, n, k, seed=31)
+    ms, t = [0, 5, 16, 17, 0, 1, 40, 33], 16
+    b, b_s = weights(len(ms), 192, 256, seed=31)
     cfgs = {"swapab": {"BLOCK_N": 64, "BLOCK_T": 16, **walk}, "normal": {"BLOCK_N": 128, "BLOCK_T": 32, **walk}}
-    if layout == "contiguous":
-        a, a_s = activations((sum(ms) + 3, k), seed=32)
-        ip = cumsum0(ms, start=1)
-
-        def run(variant, c):
-            return gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=poisoned(sum(ms) + 3, n),
-                                                       variant=variant, config=c)
-
-        def rows(out, gi):
-            return out[ip[gi]:ip[gi + 1]]
-        ref = gg.grouped_gemm_reference(a, a_s, b, b_s, m_indptr=ip)
-    else:
-        a, a_s = activations((g, 40, k), seed=33)
-        mm = torch.tensor(ms, dtype=torch.int32)
-
-        def run(variant, c):
-            return gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=poisoned(g, 40, n), variant=variant,
-                                                   config=c)
-
-        def rows(out, gi):
-            return out[gi, :ms[gi]]
-        ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
-    split = run("split", {"split_at": t, **cfgs})
-    alone = {v: run(v, c) for v, c in cfgs.items()}
+    call = GroupedCall(layout, ms, b, b_s, seed=32)
+    split = call.run("split", {"split_at": t, **cfgs})
+    alone = {v: call.run(v, c) for v, c in cfgs.items()}
+    ref = call.ref()
     for gi, m in enumerate(ms):
         owner = alone["swapab" if m <= t else "normal"]
-        assert torch.equal(rows(split, gi), rows(owner, gi)), (gi, m)
+        assert torch.equal(call.rows(split, gi), call.rows(owner, gi)), (gi, m)
         if m:
-            check_rows(rows(split, gi), rows(ref, gi), f"group {gi} (m={m})")
+            check_rows(call.rows(split, gi), call.rows(ref, gi), f"group {gi} (m={m})")
     assert torch.equal(split.isnan(), alone["swapab"].isnan()), "written rows differ from one whole launch's"
 
 
