@@ -310,14 +310,13 @@ def metrics(us, counts, n, k, tiles):
 
 def split_tiles(counts, n, k, groups, mean, t, layout):
     """ours-split's (tiles, extra metrics): the swapAB tiles as its tiles_tok_w, and the tensor-core work issued
-    by both halves (each group under the variant its count picks) with the H20-modelled time from it."""
+    by both launches (each group under the launch its count falls in, `gg.split_plan`) with the H20-modelled time."""
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
-    cfg = {v: gg.resolve_config(v, None, hint, n, k, groups, layout)[1]
-           for v, hint in (("swapab", min(mean, t)), ("normal", max(mean, 4 * t)))}
-    tiles = {v: (c["BLOCK_T"], c["BLOCK_N"]) for v, c in cfg.items()}
-    issued = (issued_flops([m if m <= t else 0 for m in counts], n, k, *tiles["swapab"])
-              + issued_flops([m if m > t else 0 for m in counts], n, k, *tiles["normal"]))
+    plan = gg.split_plan(mean, n, k, groups, layout, {"split_at": t})
+    tiles = {v: (c["BLOCK_T"], c["BLOCK_N"]) for v, c, _ in plan}
+    issued = sum(issued_flops([m if lo < m <= hi else 0 for m in counts], n, k, *tiles[v])
+                 for v, _, (lo, hi) in plan)
     _, tbytes = traffic_bytes(counts, n, k)
     return tiles["swapab"], {"issued_flops": issued, "tiles_split": {v: list(x) for v, x in tiles.items()},
                              "h20_modelled_us": 1e6 * max(issued / H20_FP8_FLOPS, tbytes / H20_HBM_BPS)}

@@ -331,6 +331,15 @@ def _tail_gathers(out_ptr, pid, NUM_PROGRAMS, cnt_ptr, n_tiles, N, MAX_M, stride
 
 
 @triton.jit
+def _in_count_range(m, M_LO, M_HI):
+    """A group's (or every group's) token count as its walk sees it: count_range M_LO < M_HI keeps the counts with
+    M_LO < m <= M_HI and makes the rest 0 (they belong to the other launch of a split call); M_LO >= M_HI: all."""
+    if M_LO < M_HI:
+        m = tl.where((m > M_LO) & (m <= M_HI), m, 0)
+    return m
+
+
+@triton.jit
 def _fp8_grouped_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, ws_ptr, indptr_ptr, masked_m_ptr,
     M_DENSE, MAX_M, N, NUM_PROGRAMS,
@@ -366,9 +375,7 @@ def _fp8_grouped_gemm_kernel(
         else:  # dense
             row0 = 0
             m = M_DENSE
-        m = tl.maximum(m, 0)
-        if M_LO < M_HI:  # count_range: the groups outside it belong to the other launch of a split call
-            m = tl.where((m > M_LO) & (m <= M_HI), m, 0)
+        m = _in_count_range(tl.maximum(m, 0), M_LO, M_HI)
         t_tiles = (m + BLOCK_T - 1) // BLOCK_T
         group_tiles = t_tiles * n_tiles * SPLIT_K
         g64 = tl.cast(g, tl.int64)
@@ -470,8 +477,7 @@ def _flat_tile_mma(tile, walk, ops, strides, KB: tl.constexpr, SWAP_AB: tl.const
 def _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G: tl.constexpr, G_P2: tl.constexpr,
                      LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, M_LO, M_HI):
     """The flattened walk's state from one vector load of the layout: ((gi, start, m_vec, cum, gt, N) for
-    _flat_tile_mma, the total tile count). M_LO < M_HI: only groups with M_LO < m <= M_HI have tiles
-    (count_range); M_LO >= M_HI: every group."""
+    _flat_tile_mma, the total tile count). Groups outside the count range (`_in_count_range`) have no tiles."""
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     gi = tl.arange(0, G_P2)
     gmask = gi < G
@@ -481,9 +487,7 @@ def _flat_walk_state(indptr_ptr, masked_m_ptr, MAX_M, N, G: tl.constexpr, G_P2: 
     else:  # masked
         start = gi * 0
         m_vec = tl.minimum(tl.load(masked_m_ptr + gi, mask=gmask, other=0), MAX_M)
-    m_vec = tl.maximum(m_vec, 0)
-    if M_LO < M_HI:
-        m_vec = tl.where((m_vec > M_LO) & (m_vec <= M_HI), m_vec, 0)
+    m_vec = _in_count_range(tl.maximum(m_vec, 0), M_LO, M_HI)
     gt = (m_vec + BLOCK_T - 1) // BLOCK_T * n_tiles
     cum = tl.cumsum(gt, 0)
     return (gi, start, m_vec, cum, gt, N), tl.sum(gt, 0)
@@ -775,7 +779,8 @@ def heuristic_config(variant: str, m: int, n: int, k: int, groups: int, num_sms:
     128-row tiles would leave SMs idle; 4 warps, 4 stages (smem (BLOCK_N+BLOCK_T)*128 B per stage),
     2 programs per SM. normal: up to 128 tokens 64 x 128 tiles on 4 warps, 4 stages, 2 programs per SM
     (H200, 8-32 groups at 64 and 128 tokens: 1.05-1.6x faster than one 3-stage program per SM, session 36's
-    tune in benchmark/results/swapab); above, BLOCK_T 128 on 8 warps, 3 stages, 1 per SM.
+    tune in benchmark/results/swapab); above, BLOCK_T 128 on 8 warps, 3 stages, 1 per SM. split: its boundary
+    (each half's tiles come from that variant's own config, `split_plan`).
     """
     if variant == "swapab":
         bt = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -786,7 +791,9 @@ def heuristic_config(variant: str, m: int, n: int, k: int, groups: int, num_sms:
         if m <= 128:
             return {"BLOCK_N": 128, "BLOCK_T": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2}
         return {"BLOCK_N": 128, "BLOCK_T": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 1}
-    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "split":
+        return {"split_at": SPLIT_AT}
+    raise ValueError(f"variant must be one of {GROUPED_VARIANTS}, got {variant!r}")
 
 
 def _table_dir() -> Path:
@@ -1020,17 +1027,19 @@ def resolve_config(variant: str, config: dict | None, m_hint: int, n: int, k: in
     return _resolve(variant, config, m_hint, n, k, groups, num_sms, layout)
 
 
-def _grouped_variant(variant: str, m_hint: int, n: int, k: int, groups: int, layout: str) -> str:
-    """What 'auto' means for a masked / contiguous call ('split' included); other variants as given."""
-    return choose_variant(m_hint, n, k, groups, layout=layout) if variant == "auto" else variant
+def _auto_variant(m_hint: int, n: int, k: int, groups: int, layout: str, allowed: tuple) -> str:
+    """What 'auto' runs: the table's variant if it is in `allowed`, else (upstream: the caller asked us anyway;
+    split: one launch wanted) our guess by tokens per group."""
+    variant = choose_variant(m_hint, n, k, groups, layout=layout)
+    if variant in allowed:
+        return variant
+    return "swapab" if m_hint <= SWAPAB_MAX_M else "normal"
 
 
 def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, groups: int,
              num_sms: int, layout: str) -> tuple[str, dict]:
     if variant == "auto":
-        variant = choose_variant(m_hint, n, k, groups, layout=layout)
-        if variant not in VARIANTS:  # upstream (the caller asked us anyway) or split (one launch here): our guess
-            variant = "swapab" if m_hint <= SWAPAB_MAX_M else "normal"
+        variant = _auto_variant(m_hint, n, k, groups, layout, VARIANTS)
     if variant in VARIANTS:
         cfg = choose_config(variant, m_hint, n, k, groups, num_sms=num_sms, layout=layout)
     else:
@@ -1389,28 +1398,32 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     return out
 
 
-def _split_launch(layout, layout_name, a, a_scale, b, b_scale, out, *, m_hint, upper_tiles_t, config, split_k,
-                  signal, combine, num_sms, **walk):
-    """variant "split": one grouped GEMM as two launches over the same operands, swapAB on the groups with at most
-    config["split_at"] tokens (default SPLIT_AT) and the normal variant on the rest. An uneven routing puts hundreds
-    of tokens on a few experts; as swapAB tiles those re-read each weight tile every BLOCK_T tokens. The split is
-    by each group's count on the GPU (count_range in the walks): no host sync, CUDA-graph safe. config may carry
-    "swapab" / "normal" sub-configs (else each variant's table or heuristic config: swapAB at m_hint, normal at
-    4 x split_at tokens per group). upper_tiles_t(BLOCK_T): the walk's bound on token tiles."""
-    if split_k != 1 or signal is not None or combine is not None:
-        raise ValueError("variant 'split' runs plain outputs only (split_k 1, no signal, no combine)")
-    config = config or {}
-    if "split_at" not in config:  # the table's boundary for this key, where it has one
-        entry = _lookup(m_hint, b.shape[1], b.shape[2], b.shape[0], _gpu_name(), layout_name) or {}
-        config = {**(entry.get("config", {}).get("split") or {}), **config}
-    t = int(config.get("split_at", SPLIT_AT))
+def split_plan(m_hint: int, n: int, k: int, groups: int, layout: str, config: dict | None = None,
+               num_sms: int = 132) -> list[tuple[str, dict, tuple[int, int]]]:
+    """variant "split"'s two launches as (variant, full tile config, count_range): swapAB on the groups with at most
+    split_at tokens (config, else the table's boundary for this key, else SPLIT_AT), the normal variant on the rest.
+    config may carry "swapab" / "normal" sub-configs (else each variant's own config: swapAB at m_hint, normal at
+    4 x split_at tokens per group)."""
+    config = {**choose_config("split", m_hint, n, k, groups, num_sms=num_sms, layout=layout), **(config or {})}
+    t = int(config["split_at"])
     if t < 1:
         raise ValueError(f"split_at must be >= 1 token, got {t}")
+    halves = (("swapab", min(m_hint, t), (-1, t)), ("normal", max(m_hint, 4 * t), (t, 1 << 30)))
+    return [(v, _resolve(v, config.get(v), hint, n, k, groups, num_sms, layout)[1], count_range)
+            for v, hint, count_range in halves]
+
+
+def _split_launch(layout, layout_name, a, a_scale, b, b_scale, out, *, m_hint, upper_tiles_t, config, split_k,
+                  signal, combine, num_sms, **walk):
+    """variant "split": one grouped GEMM as two launches over the same operands (`split_plan`). An uneven routing
+    puts hundreds of tokens on a few experts; as swapAB tiles those re-read each weight tile every BLOCK_T tokens.
+    The split is by each group's count on the GPU (count_range in the walks): no host sync, CUDA-graph safe.
+    upper_tiles_t(BLOCK_T): the walk's bound on token tiles."""
+    if split_k != 1 or signal is not None or combine is not None:
+        raise ValueError("variant 'split' runs plain outputs only (split_k 1, no signal, no combine)")
     groups, n, k = b.shape
     sms = _device_sms(a) if num_sms is None else num_sms
-    halves = (("swapab", min(m_hint, t), (-1, t)), ("normal", max(m_hint, 4 * t), (t, 1 << 30)))
-    for variant, hint, count_range in halves:
-        _, cfg = _resolve(variant, config.get(variant), hint, n, k, groups, sms, layout_name)
+    for variant, cfg, count_range in split_plan(m_hint, n, k, groups, layout_name, config, sms):
         _launch(layout, a, a_scale, b, b_scale, out, upper_tiles_t=upper_tiles_t(cfg["BLOCK_T"]), variant=variant,
                 cfg=cfg, split_k=1, num_sms=num_sms, count_range=count_range, **walk)
     return out
@@ -1441,7 +1454,9 @@ def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: 
     if m_total == 0 or groups == 0:
         return out
     m_hint = cdiv(m_total, groups)
-    if _grouped_variant(variant, m_hint, n, k, groups, "contiguous") == "split":
+    if variant == "auto":
+        variant = _auto_variant(m_hint, n, k, groups, "contiguous", GROUPED_VARIANTS)
+    if variant == "split":
         return _split_launch(LAYOUT_CONTIGUOUS, "contiguous", a, a_scale, b, b_scale, out, m_hint=m_hint,
                              upper_tiles_t=lambda bt: m_total // bt + min(groups, m_total), config=config,
                              split_k=split_k, signal=signal, combine=combine, num_sms=num_sms, indptr=m_indptr)
@@ -1487,7 +1502,9 @@ def m_grouped_fp8_gemm_nt_masked(a: torch.Tensor, a_scale: torch.Tensor, b: torc
     if max_m == 0 or groups == 0:
         return out
     m_hint = expected_m if expected_m is not None else max_m
-    if _grouped_variant(variant, m_hint, n, k, groups, "masked") == "split":
+    if variant == "auto":
+        variant = _auto_variant(m_hint, n, k, groups, "masked", GROUPED_VARIANTS)
+    if variant == "split":
         return _split_launch(LAYOUT_MASKED, "masked", a, a_scale, b, b_scale, out, m_hint=m_hint,
                              upper_tiles_t=lambda bt: groups * cdiv(max_m, bt), config=config, split_k=split_k,
                              signal=signal, combine=combine, num_sms=num_sms, masked_m=masked_m, max_m=max_m)
