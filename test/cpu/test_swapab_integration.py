@@ -55,7 +55,8 @@ SHIPPED_RUNS = [os.path.join(REPO, "benchmark", "results", "swapab", f"grouped_g
     "tune_normal_ppsm2_t64_t128",
     "tune_swapab_ppsm34_uneven_t8_t32",  # swapAB 3/4 per SM at 8-32 tokens, both draws
     "tune_swapab_ppsm34_uneven_t1_t24",  # the same at 1, 2, 4 and 24 tokens (8-32 experts) ...
-    "tune_swapab_ppsm34_uneven_t1_t24_g256")]  # ... and 256 experts
+    "tune_swapab_ppsm34_uneven_t1_t24_g256",  # ... and 256 experts
+    "split_s41")]  # 16-64 tokens, 8-256 experts, both draws: normal and split measured beside swapab (shipped configs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,12 +565,14 @@ def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     tc = lambda m, n, k, g, layout: gg.table_choice(m, n, k, g, layout, "NVIDIA H200").best  # noqa: E731
     assert tc(1, 4096, 7168, 32, "masked") == "swapab"  # 222.9 us vs 240.1 (uneven 105.1 vs 114.3)
     assert tc(2, 4096, 7168, 16, "masked") == "swapab"  # retuned on both draws: 121.4 vs 131.9, uneven 103.1 vs 113.6
-    assert tc(24, 7168, 2048, 256, "masked") == "upstream"  # 939.9 vs 943.8 uniform, but uneven 1165.5 vs 1029.2
+    assert tc(24, 7168, 2048, 256, "masked") == "normal"  # 923.4 vs 935.2, uneven 1003.7 vs 1062.5 (swapAB 1152.4)
     assert tc(128, 4096, 7168, 32, "masked") == "upstream"  # 324.5 (normal, two per SM) vs 282.2
     assert tc(8, 4096, 7168, 8, "contiguous") == "swapab"  # 128 x 16 three per SM: 71.4 vs 73.0, uneven 72.9 vs 73.0
     assert tc(8, 7168, 2048, 16, "contiguous") == "upstream"  # uniform win (71.6 vs 72.3), the uneven draw loses
     assert tc(8, 4096, 7168, 16, "masked") == "upstream"  # one config for both draws: 126.4 vs 125.9 uniform
-    assert tc(32, 4096, 7168, 32, "masked") == "upstream"  # 251.0 vs 241.0 (the 256-row retune's run)
+    assert tc(32, 4096, 7168, 32, "masked") == "normal"  # 236.8 vs 238.8, uneven 242.4 vs 256.2 (session 41)
+    # split wins the uneven draw here (167.4 vs normal 248.2) but not the uniform one (135.8 vs DeepGEMM 135.6)
+    assert tc(64, 7168, 2048, 32, "masked") == "upstream"
     assert tc(64, 4096, 7168, 32, "contiguous") == "normal"  # 253.7 vs 271.9, uneven 320.8 vs 341.1
 
 
