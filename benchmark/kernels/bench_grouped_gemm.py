@@ -46,7 +46,8 @@ first non-empty expert (a rejected one is listed in the point's trials with its 
 Table for the swapAB integration (sglang_h20.moe.swapab, grouped_gemm_fp8.load_table): --tune also
 writes the table of this run (grouped_gemm_fp8.table_from_result) to --table-out, by default this
 user's cache, ~/.cache/sglang_h20/grouped_gemm_<gpu>.json, which the loader reads before the shipped
-one. --table-from RESULTS.json [MORE.json] only converts earlier runs' results (no GPU needed).
+one; there the entries of the table in force (same GPU) that this run did not measure are kept, so a
+re-tune of some shapes leaves the others as they were. --table-from RESULTS.json [MORE.json] only converts earlier runs' results (no GPU needed).
 
 usage: bench_grouped_gemm.py [--quick] [--json OUT] [--png OUT] [--shapes gate_up down dense]
                              [--groups 8 32] [--tokens 1 8 32] [--tune] [--table-out FILE]
@@ -189,7 +190,9 @@ def parse_args(argv=None):
                     help="also time the read-only stream over each MoE point's weight bytes (the ceiling a kernel "
                          "reading that much can reach, launch and ramp included): per point size_matched_read_tbs")
     ap.add_argument("--table-out", type=Path,
-                    help="write the integration table here (with --tune: default ~/.cache/sglang_h20/...)")
+                    help="write this run's integration table here (default with --tune: ~/.cache/sglang_h20/"
+                         "grouped_gemm_<gpu>.json, this run's entries over the table in force, which the plugin "
+                         "then reads)")
     ap.add_argument("--table-from", type=Path, nargs="+",
                     help="build the table from these results JSONs (e.g. a MoE run and a dense run) and exit")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time per point (ms)")
@@ -803,15 +806,36 @@ def table_entries(points):
     return gg.table_entries(points)
 
 
-def write_table(result: dict, out: Path, results_file: str | None) -> None:
+def entry_key(e: dict) -> tuple:
+    """One table entry's key: the GEMM shape, expert count, tokens per expert and layout."""
+    return (e["n"], e["k"], e["groups"], e["m"], e.get("layout"))
+
+
+def keep_unmeasured(table: dict, base: dict | None) -> int:
+    """Append to `table` the entries of `base` (the table in force for the same GPU) at keys this run did not
+    measure, so a re-tune of a few shapes does not leave every other shape without an entry (upstream) on the
+    user's GPU. Returns how many were kept; a base from another GPU (or none) keeps none."""
+    if not base or base.get("gpu") != table.get("gpu"):
+        return 0
+    measured = {entry_key(e) for e in table["entries"]}
+    kept = [e for e in base["entries"] if entry_key(e) not in measured]
+    table["entries"] += kept
+    table["source"]["kept_from"] = {"path": base.get("path"), "date": base.get("date"), "entries": len(kept)}
+    return len(kept)
+
+
+def write_table(result: dict, out: Path, results_file: str | None, base: dict | None = None) -> None:
+    """The table of this run to `out`; with `base`, over it (`keep_unmeasured`)."""
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     table = gg.table_from_result(result, results_file, " ".join(["python", *sys.argv]))
+    kept = keep_unmeasured(table, base)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
     gg.forget_tables()
     wins = sum(e["best"] != "upstream" for e in table["entries"])
-    print(f"wrote {out}: {len(table['entries'])} entries, ours best at {wins} ({table['gpu']})")
+    also = f" ({kept} kept from {base.get('path')}, this run did not measure them)" if kept else ""
+    print(f"wrote {out}: {len(table['entries'])} entries{also}, ours best at {wins} ({table['gpu']})")
 
 
 def roofline_png(path, points, peak_tbs):
@@ -829,7 +853,7 @@ def roofline_png(path, points, peak_tbs):
             label=f"this GPU: measured read {peak_tbs:.2f} TB/s, FP8 {H200_FP8_FLOPS / 1e12:.0f} TFLOP/s (spec)")
     ax.plot(grid, [min(H20_FP8_FLOPS, H20_HBM_BPS * x) / 1e12 for x in grid], "k--",
             label="H20 (modelled roof): 4.0 TB/s, 296 TFLOP/s")
-    markers = {"ours-swapab": "o", "ours-normal": "s", "deepgemm": "^", "sglang-triton": "v",
+    markers = {"ours-swapab": "o", "ours-normal": "s", "ours-split": "P", "deepgemm": "^", "sglang-triton": "v",
                "sglang-triton-swapab": "D"}
     for prov, mk in markers.items():
         sel = [p for p in points if p["provider"] == prov]
@@ -1005,11 +1029,13 @@ def main(argv=None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
-    if args.tune or args.table_out:
+    if args.table_out:
+        write_table(result, args.table_out, str(args.json) if args.json else None)
+    elif args.tune:  # this user's table: over the one in force, so shapes this run skipped keep their entries
         from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
-        write_table(result, args.table_out or gg.user_table_path(torch.cuda.get_device_name(0)),
-                    str(args.json) if args.json else None)
+        gpu = torch.cuda.get_device_name(0)
+        write_table(result, gg.user_table_path(gpu), str(args.json) if args.json else None, gg.load_table(gpu))
     png = args.png or (args.json.with_suffix(".png") if args.json else None)
     if png and points:
         try:  # matplotlib's backend setup can fail on a host with a broken IPython; the JSON is what counts

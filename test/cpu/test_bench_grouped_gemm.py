@@ -178,3 +178,31 @@ def test_split_counts_each_group_under_the_variant_its_count_picks():
             + bench.issued_flops([0, 0, 0, 40], n, k, nm["BLOCK_T"], nm["BLOCK_N"]))
     assert extra["issued_flops"] == want > 2 * k * n * sum(counts)  # padding included
     assert extra["h20_modelled_us"] >= bench.traffic_bytes(counts, n, k)[1] / bench.H20_HBM_BPS * 1e6
+
+
+def test_a_tune_into_the_user_table_keeps_the_shapes_it_did_not_measure(tmp_path, capsys):
+    """--tune without --table-out writes this user's table, which the plugin reads instead of the shipped one: the
+    entries of the table in force at keys the run did not measure stay (a re-tune of one shape must not send every
+    other shape upstream); the run's own keys replace; a base from another GPU keeps nothing."""
+    import json
+
+    def pt(provider, m, us):
+        return {"kind": "moe", "n": 4096, "k": 7168, "groups": 8, "tokens_per_group": m, "provider": provider,
+                "layout": "masked", "distribution": "uniform", "us": us}
+    result = {"points": [pt("deepgemm", 8, 10.0), pt("ours-swapab", 8, 7.0)],
+              "provenance": {"gpu": "NVIDIA H200", "date": "2026-12-04"}}
+    base_entry = lambda m, best: {"n": 4096, "k": 7168, "groups": 8, "m": m, "layout": "masked",  # noqa: E731
+                                  "best": best, "us": {}}
+    base = {"gpu": "NVIDIA H200", "date": "2026-11-29", "path": "/shipped.json",
+            "entries": [base_entry(8, "upstream"), base_entry(64, "normal")]}
+    out = tmp_path / "user.json"
+    bench.write_table(result, out, None, base)
+    table = json.loads(out.read_text())
+    assert sorted((e["m"], e["best"]) for e in table["entries"]) == [(8, "swapab"), (64, "normal")]
+    assert table["source"]["kept_from"] == {"path": "/shipped.json", "date": "2026-11-29", "entries": 1}
+    assert "2 entries (1 kept from /shipped.json" in capsys.readouterr().out
+    bench.write_table(result, out, None, {**base, "gpu": "NVIDIA H20"})
+    table = json.loads(out.read_text())
+    assert [(e["m"], e["best"]) for e in table["entries"]] == [(8, "swapab")] and "kept_from" not in table["source"]
+    bench.write_table(result, out, None)  # --table-out FILE: this run's entries only
+    assert [e["m"] for e in json.loads(out.read_text())["entries"]] == [8]
