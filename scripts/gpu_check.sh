@@ -146,7 +146,7 @@ if [[ " $STEPS " == *" kernels "* ]]; then
   for b in $benches; do
     name=$(basename "$b" .py)
     # a --tune writes its table to this user's cache, which the plugin reads before the shipped one: later steps of
-    # this call would serve that partial table (session 41's e2e did: 8 entries, none for its model), so it goes to $OUT
+    # this call would serve the tune's entries, not the checkout's table (session 41's e2e did), so it goes to $OUT
     table_out=()
     [[ $name == bench_grouped_gemm && " ${KERNEL_ARGS:-} " == *" --tune "* && " ${KERNEL_ARGS:-} " != *" --table-out "* ]] \
       && table_out=(--table-out "$OUT/grouped_gemm_tuned_table.json")

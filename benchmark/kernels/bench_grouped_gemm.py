@@ -47,7 +47,8 @@ Table for the swapAB integration (sglang_h20.moe.swapab, grouped_gemm_fp8.load_t
 writes the table of this run (grouped_gemm_fp8.table_from_result) to --table-out, by default this
 user's cache, ~/.cache/sglang_h20/grouped_gemm_<gpu>.json, which the loader reads before the shipped
 one; there the entries of the table in force (same GPU) that this run did not measure are kept, so a
-re-tune of some shapes leaves the others as they were. --table-from RESULTS.json [MORE.json] only converts earlier runs' results (no GPU needed).
+re-tune of some shapes leaves the others as they were. --table-from RESULTS.json [MORE.json] only
+converts earlier runs' results (no GPU needed).
 
 usage: bench_grouped_gemm.py [--quick] [--json OUT] [--png OUT] [--shapes gate_up down dense]
                              [--groups 8 32] [--tokens 1 8 32] [--tune] [--table-out FILE]
