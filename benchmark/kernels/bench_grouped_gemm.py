@@ -144,6 +144,11 @@ def tune_grid(variant: str, walks, where: dict | None = None) -> list[dict]:
     return grid
 
 
+def sweeps(args, variant: str) -> bool:
+    """Whether --tune sweeps `variant`'s grid (--tune-variants); an unswept variant runs its shipped config."""
+    return bool(args.tune) and variant in args.tune_variants
+
+
 def parse_where(text: str) -> tuple[str, set]:
     """'num_stages=4,5' -> ('num_stages', {4, 5}) (integer values)."""
     key, sep, vals = text.partition("=")
@@ -185,6 +190,8 @@ def parse_args(argv=None):
     ap.add_argument("--tune-walks", nargs="+", choices=sorted(WALKS), default=[w for w in WALKS if w != "ws"],
                     help="the tile walks --tune sweeps (default: all but ws, 12-19%% slower than tma where it was "
                          "meant to pay, 32 experts x 256 tokens, and two launches: swapab/probe_ws_walk_w8_h200.json)")
+    ap.add_argument("--tune-variants", nargs="+", choices=["swapab", "normal"], default=["swapab", "normal"],
+                    help="the variants --tune sweeps; the others run their shipped config (default: both)")
     ap.add_argument("--tune-where", nargs="+", type=parse_where, default=[], metavar="KEY=V[,V...]",
                     help="restrict --tune's grid, e.g. BLOCK_N=128 num_stages=4,5 programs_per_sm=2")
     ap.add_argument("--size-matched-read", action="store_true",
@@ -558,7 +565,8 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         if f"ours-{variant}" not in args.providers:
             continue
         for layout in args.layouts:
-            configs = [None] + (tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune else [])
+            grid = tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune and sweeps(args, variant) else []
+            configs = [None] + grid
             shipped = gg.choose_config(variant, mean, n, k, groups, layout=layout)  # what config None runs
             best, tried, trials = None, 0, []  # trials: every tuned config's time, so walks can be compared
             check = checks[layout]
@@ -723,7 +731,7 @@ def precompile_dense(args, points: list[tuple[str, int]], workers: int) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     jobs = [(shape, m, variant, cfg) for m, shape in points for variant in ("swapab", "normal")
             if f"ours-{variant}" in args.providers
-            for cfg in dense_configs(variant, m, *DENSE_SHAPES[shape], args.tune, sms)]
+            for cfg in dense_configs(variant, m, *DENSE_SHAPES[shape], sweeps(args, variant), sms)]
     t0 = time.monotonic()
     chunks = [jobs[i::workers] for i in range(workers)]
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
@@ -757,7 +765,7 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
     for variant in ("swapab", "normal"):
         if f"ours-{variant}" not in args.providers:
             continue
-        configs = dense_configs(variant, m, n, k, args.tune, sms)
+        configs = dense_configs(variant, m, n, k, sweeps(args, variant), sms)
         best, trials = None, []
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         order = with_serial_reduce_retry(configs, lambda: best and best[1]) if args.tune else configs

@@ -26,6 +26,16 @@ def test_tune_walks_filter_the_grid():
     assert bench.parse_args(["--tune"]).tune_walks == ["plain", "flat", "tma"]  # ws only when named
 
 
+def test_tune_variants_names_the_variants_a_tune_sweeps():
+    both = bench.parse_args(["--tune"])
+    assert bench.sweeps(both, "swapab") and bench.sweeps(both, "normal")
+    normal = bench.parse_args(["--tune", "--tune-variants", "normal"])
+    assert bench.sweeps(normal, "normal") and not bench.sweeps(normal, "swapab")
+    assert not bench.sweeps(bench.parse_args(["--tune-variants", "normal"]), "normal")  # no --tune, no sweep
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tune-variants", "split"])
+
+
 def test_tune_where_restricts_the_grid():
     args = bench.parse_args(["--tune", "--tune-where", "BLOCK_N=128", "num_stages=4,5", "programs_per_sm=2"])
     where = dict(args.tune_where)
