@@ -288,8 +288,11 @@ def make_acts(shape, gen):
     return random_fp8(shape, gen), torch.rand(*shape[:-1], shape[-1] // 128, device="cuda", generator=gen) + 0.5
 
 
-def uneven_counts(groups, mean, rng):
-    """Same total as uniform, Zipf-like popularity over a random expert order (some experts empty)."""
+def uneven_counts(groups, mean, seed):
+    """Same total as uniform, Zipf-like popularity over a random expert order (some experts empty). Drawn from
+    (seed, groups, mean) alone, so every run draws the same counts at a point whatever else it sweeps (until
+    session 42 one generator ran through the sweep: runs over different lists drew different counts there)."""
+    rng = random.Random(f"{seed}:{groups}:{mean}")
     w = [1.0 / (i + 1) ** 1.1 for i in range(groups)]
     rng.shuffle(w)
     counts = [0] * groups
@@ -976,7 +979,6 @@ def main(argv=None) -> int:
         print("note: the representative point (gate_up, 32 experts x 8 tokens) is outside this sweep; "
               "latency_us / tflops will come from the first ours-swapab point", file=sys.stderr)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    rng = random.Random(args.seed)
     unavailable: dict[str, str] = {}
     peak = measure_peak_read(args.rep_ms)
     print(f"peak read bandwidth: {peak['peak_read_tbs']:.2f} TB/s ({peak['method']})", flush=True)
@@ -1008,7 +1010,7 @@ def main(argv=None) -> int:
                     points += moe_points(args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune, time_up)
                     checkpoint()
         for t in uneven_tokens:
-            counts = uneven_counts(g, t, rng)
+            counts = uneven_counts(g, t, args.seed)
             for shape in moe_shapes:
                 if in_time(f"{shape} g{g} m{t} uneven"):
                     points += moe_points(args, shape, g, t, "uneven", counts, gen, unavailable, args.tune, time_up)

@@ -20,7 +20,8 @@ Phases
           (Triton JIT of eager batch sizes), then bench_serving at each --concurrency: output tok/s,
           median ITL, TTFT; the server's sglang-h20 log lines, incl. the batch sizes swapab served.
 The deadline splits what is left after the layer phase between the arms; later arms run only the
-concurrency levels the first one finished, so every number has its pair.
+concurrency levels the first one finished, so every number has its pair, and an arm starts only if
+the time left covers the last arm's time to its first level (a cold server start takes ~260 s).
 
 usage: swapab_e2e.py --out DIR [--model /tmp/models/dsv3-ep16-slice] [--deadline-s 360]
                      [--arms off on forced moe-only sbo sbo+on sbo+on+cap] [--table FILE] [--concurrency 16 48 128]
@@ -178,7 +179,7 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     log = out / "server.log"
-    results = {}
+    results, first_level_s = {}, None
     with Server(args.model, shlex.split(args.server_args), log, env={**args.base_env, **env}, port=port) as srv:
         start_s = srv.start_s
         top = max(levels)
@@ -195,13 +196,23 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
                                                   "median_ttft_ms", "duration", "completed")}
             print(f"  {name} c={c}: {rec['output_throughput']:.1f} tok/s, median ITL {rec['median_itl_ms']:.2f} ms",
                   flush=True)
+            first_level_s = first_level_s or time.time() - t0
     text = log.read_text(errors="replace")
     mine = [ln for ln in text.splitlines() if PLUGIN_MARK in ln]
     return {"arm": name, "env": env, "server_start_s": start_s, "wall_s": time.time() - t0,
+            "first_level_s": first_level_s,
             "levels": results, "plugin_log_lines": mine,
             "hooks_applied": [m.group(0) for ln in mine for m in [HOOKS_APPLIED.search(ln)] if m],
             "swapab_ours_lines": [ln for ln in mine if "swapab: MoE" in ln and "-> ours" in ln],
             "dense_ours_lines": [ln for ln in mine if "dense linear M=" in ln and "-> ours" in ln]}
+
+
+def arm_fits(left_s: float, last: dict) -> bool:
+    """Whether the next arm can reach the end of its first level in `left_s`, judged by the last arm's time to
+    that point (server start, warm-up, one level; at least 60 s). An arm cut before its first level pairs with
+    nothing, and one that overruns the caller's limit takes the call's unsaved results with it (a cold server
+    start of 262 s did that in session 42)."""
+    return left_s >= max(60.0, last.get("first_level_s") or 0.0)
 
 
 def arm_labels(names: list[str]) -> list[str]:
@@ -309,7 +320,7 @@ def main() -> int:
     arms, levels = [], list(args.concurrency)
     for n, (name, label) in enumerate(zip(args.arms, arm_labels(args.arms))):
         left = args.deadline_s - (time.time() - t0)
-        if arms and left < 60:
+        if arms and not arm_fits(left, arms[-1]):
             print(f"deadline: skipping arm {label}", flush=True)
             break
         arm = run_arm(label, args, envs[name], levels, left / (len(args.arms) - n), sharegpt, 30000 + n)

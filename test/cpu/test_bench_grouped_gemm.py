@@ -216,3 +216,11 @@ def test_a_tune_into_the_user_table_keeps_the_shapes_it_did_not_measure(tmp_path
     assert [(e["m"], e["best"]) for e in table["entries"]] == [(8, "swapab")] and "kept_from" not in table["source"]
     bench.write_table(result, out, None)  # --table-out FILE: this run's entries only
     assert [e["m"] for e in json.loads(out.read_text())["entries"]] == [8]
+
+
+def test_the_uneven_draw_at_a_point_does_not_depend_on_the_rest_of_the_sweep():
+    first = bench.uneven_counts(8, 32, 0)
+    bench.uneven_counts(16, 24, 0)  # a run that swept another point first
+    assert bench.uneven_counts(8, 32, 0) == first
+    assert sum(first) == 8 * 32 and len(first) == 8 and max(first) > 32  # same total as uniform, uneven
+    assert bench.uneven_counts(8, 32, 1) != first and bench.uneven_counts(8, 24, 0) != first

@@ -36,3 +36,11 @@ def test_moe_only_table_drops_the_dense_entries(tmp_path):
                                                        {"m": 3}]}))
     out = json.loads(e2e.without_dense(src, tmp_path).read_text())
     assert [e["m"] for e in out["entries"]] == [2, 3] and "without its dense-linear entries" in out["derived"]
+
+
+def test_an_arm_starts_only_when_the_last_ones_first_level_fits_in_the_time_left():
+    cold = {"first_level_s": 370.0}  # a cold server start (262 s), its warm-up and one level
+    assert not e2e.arm_fits(112.0, cold)  # session 42: this arm overran the call
+    assert e2e.arm_fits(370.0, cold)
+    assert not e2e.arm_fits(59.0, {"first_level_s": 10.0}) and e2e.arm_fits(60.0, {"first_level_s": 10.0})
+    assert e2e.arm_fits(60.0, {"first_level_s": None})  # the last arm finished no level: the floor only
