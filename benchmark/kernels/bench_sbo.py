@@ -151,11 +151,12 @@ def main(argv=None) -> int:
 
     points, summary = [], {}
     for t in ([] if args.layer_only else args.batches):
-        ids = torch.stack([torch.randperm(e, device=dev, generator=g)[:TOPK] for _ in range(t)]).to(torch.int32)
-        w = torch.rand(t, TOPK, device=dev, generator=g) + 0.05
+        gb = batch_generator(t, dev)  # this batch's routing and inputs, whatever else the run sweeps
+        ids = torch.stack([torch.randperm(e, device=dev, generator=gb)[:TOPK] for _ in range(t)]).to(torch.int32)
+        w = torch.rand(t, TOPK, device=dev, generator=gb) + 0.05
         lay = sbo.build_layout(ids, e)
-        q, qs = quant.per_token_group_quant_fp8(torch.randn(t * TOPK, I, device=dev, generator=g), 128)
-        x = torch.randn(t, H, device=dev, generator=g).to(torch.bfloat16)
+        q, qs = quant.per_token_group_quant_fp8(torch.randn(t * TOPK, I, device=dev, generator=gb), 128)
+        x = torch.randn(t, H, device=dev, generator=gb).to(torch.bfloat16)
         out = torch.empty(t, H, device=dev, dtype=torch.bfloat16)
         status = torch.zeros(1, dtype=torch.int32, device=dev)
         m_hint = max(1, -(-t * TOPK // min(e, t * TOPK)))
@@ -350,9 +351,10 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
                   **{f"ours_shared[{c}]": shared_expert(weights, True, c) for c in args.shared_sms}}
     rows = []
     for t in args.batches:
-        x0 = torch.randn(t, H, device="cuda", generator=g).to(torch.bfloat16)
-        ids = torch.argsort(torch.rand(t, e, device="cuda", generator=g), dim=1)[:, :TOPK].to(torch.int32)
-        w = torch.rand(t, TOPK, device="cuda", generator=g) + 0.1
+        gb = batch_generator(t, "cuda")  # this batch's routing and inputs, whatever else the run sweeps
+        x0 = torch.randn(t, H, device="cuda", generator=gb).to(torch.bfloat16)
+        ids = torch.argsort(torch.rand(t, e, device="cuda", generator=gb), dim=1)[:, :TOPK].to(torch.int32)
+        w = torch.rand(t, TOPK, device="cuda", generator=gb) + 0.1
         x = x0.clone()
         arms = {"layer_ours_serial": lambda: plugin_sbo.moe_forward(x0, w1, w2, w, ids, w1s, w2s,
                                                                     routed_scaling_factor=2.5, overlap=False),
@@ -380,7 +382,7 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         if args.shared:
             arms.update(shared_arms(torch, arms, x0, shared))
             layout = sbo.build_layout(ids, e)
-            y = torch.randn(t * TOPK, H, device="cuda", generator=g).to(torch.bfloat16)
+            y = torch.randn(t * TOPK, H, device="cuda", generator=gb).to(torch.bfloat16)
             combined = torch.empty_like(x0)
             arms["layer_combine_alone"] = lambda: sbo.combine(y, layout, w, combined, weight_scale=2.5)
         row = {"batch": t, "experts": e}
@@ -417,6 +419,14 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         print("layer", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         rows.append(row)
     return rows
+
+
+def batch_generator(t: int, device):
+    """The generator of one batch's routing and inputs: seeded by the batch alone, so runs over different --batches
+    lists time the same routing at a batch (one generator through the sweep drew it from the batches before)."""
+    import torch
+
+    return torch.Generator(device=device).manual_seed(1000 + t)
 
 
 def shared_weights(torch, g):

@@ -38,3 +38,12 @@ def test_layer_plot_has_the_hidden_share_panel(tmp_path):
     bench.plot_layer(rows, tmp_path / "a.png")
     bench.plot_layer([{k: v for k, v in r.items() if k != "hidden_pct"} for r in rows], tmp_path / "b.png")
     assert (tmp_path / "a.png").stat().st_size > (tmp_path / "b.png").stat().st_size > 0  # two panels, one
+
+
+def test_a_batchs_routing_does_not_depend_on_the_batches_swept_before_it():
+    import torch
+
+    first = torch.randperm(16, generator=bench.batch_generator(32, "cpu"))
+    torch.rand(100, generator=bench.batch_generator(8, "cpu"))  # a run that swept batch 8 first
+    assert torch.equal(torch.randperm(16, generator=bench.batch_generator(32, "cpu")), first)
+    assert not torch.equal(torch.randperm(16, generator=bench.batch_generator(56, "cpu")), first)
