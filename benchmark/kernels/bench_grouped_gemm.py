@@ -182,6 +182,9 @@ def parse_args(argv=None):
                     help="ours-split (variant split: swapAB on experts with at most this many tokens, the normal "
                          "variant on the rest, two launches): the boundaries timed per point, fastest kept "
                          "(default: %(default)s)")
+    ap.add_argument("--split-streams", nargs="+", type=int, choices=[1, 2], default=[1, 2], metavar="N",
+                    help="ours-split's launches on one stream, or on two so one fills the SMs the other's tail "
+                         "leaves (default: both timed, the faster kept)")
     ap.add_argument("--layouts", nargs="+", default=["masked", "contiguous"], choices=["masked", "contiguous"],
                     help="grouped-GEMM input layouts (default: both)")
     ap.add_argument("--no-uneven", action="store_true", help="skip the uneven-distribution points")
@@ -604,24 +607,23 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
     if "ours-split" in args.providers and total:
         for layout in args.layouts:
             best, trials = None, []
-            for t in args.split_at:
-                cfg = {"split_at": t}
+            for cfg in ({"split_at": t, "split_streams": st} for t in args.split_at for st in args.split_streams):
                 try:
                     fn, out = ours_call(layout, "split", cfg)
                     us = bench_us(fn, args.rep_ms)
                 except Exception as e:
-                    print(f"  ours-split {layout} split_at {t}: {type(e).__name__}: {e}", file=sys.stderr)
+                    print(f"  ours-split {layout} {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
                 err = checks[layout](out)
                 trials.append({"config": cfg, "us": round(us, 3), "tiles": cfg, "rel_err": err})
                 if not rejects(trials, err) and (best is None or us < best[0]):
-                    best = (us, t, err)
+                    best = (us, cfg, err)
             if best is None:
                 unavailable[f"ours-split-{layout}"] = "every split_at failed or was wrong (see stderr)"
                 continue
-            us, t, err = best
-            tiles, issued = split_tiles(counts, n, k, groups, mean, t, layout)
-            record("ours-split", layout, us, tiles, err, {"split_at": t}, {"trials": trials, **issued})
+            us, cfg, err = best
+            tiles, issued = split_tiles(counts, n, k, groups, mean, cfg["split_at"], layout)
+            record("ours-split", layout, us, tiles, err, cfg, {"trials": trials, **issued})
 
     if "deepgemm" in args.providers:
         for layout in args.layouts:

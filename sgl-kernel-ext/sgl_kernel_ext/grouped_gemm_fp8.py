@@ -106,6 +106,7 @@ CPU interpreter (which ignores the split).
 Variant "split" (`_split_launch`): one call as two launches, swapAB on the groups with at most split_at tokens and
 the normal variant on the rest, each walk skipping the other's groups by count on the GPU (count_range): for
 uneven routing, where a few experts get hundreds of tokens that swapAB tiles would serve BLOCK_T at a time.
+With config split_streams 2 the two launches run on two streams, so one fills the SMs the other's tail leaves.
 
 Variant choice. The per-GPU table (`load_table`: this user's ~/.cache/sglang_h20/grouped_gemm_<gpu>.json,
 else the shipped python/sglang_h20/tables/grouped_gemm_<gpu>.json; H200 ships, measured) feeds
@@ -780,7 +781,7 @@ def heuristic_config(variant: str, m: int, n: int, k: int, groups: int, num_sms:
     2 programs per SM. normal: up to 128 tokens 64 x 128 tiles on 4 warps, 4 stages, 2 programs per SM
     (H200, 8-32 groups at 64 and 128 tokens: 1.05-1.6x faster than one 3-stage program per SM, session 36's
     tune in benchmark/results/swapab); above, BLOCK_T 128 on 8 warps, 3 stages, 1 per SM. split: its boundary
-    (each half's tiles come from that variant's own config, `split_plan`).
+    and one stream (each half's tiles come from that variant's own config, `split_plan`).
     """
     if variant == "swapab":
         bt = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -792,7 +793,7 @@ def heuristic_config(variant: str, m: int, n: int, k: int, groups: int, num_sms:
             return {"BLOCK_N": 128, "BLOCK_T": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2}
         return {"BLOCK_N": 128, "BLOCK_T": 128, "num_warps": 8, "num_stages": 3, "programs_per_sm": 1}
     if variant == "split":
-        return {"split_at": SPLIT_AT}
+        return {"split_at": SPLIT_AT, "split_streams": 1}
     raise ValueError(f"variant must be one of {GROUPED_VARIANTS}, got {variant!r}")
 
 
@@ -1058,7 +1059,7 @@ def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, gro
 # ---------------------------------------------------------------------------------------------
 UPSTREAM_PROVIDERS = ("deepgemm", "sglang-triton", "sglang-triton-swapab")  # what SGLang itself runs
 TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat", "tma", "ws", "split_k",
-             "serial_reduce", "split_at")
+             "serial_reduce", "split_at", "split_streams")
 
 
 def table_entries(points: list[dict]) -> list[dict]:
@@ -1398,13 +1399,19 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     return out
 
 
+def split_config(m_hint: int, n: int, k: int, groups: int, layout: str, config: dict | None = None,
+                 num_sms: int = 132) -> dict:
+    """variant "split"'s whole config: the caller's keys over the table's (else the heuristic's)."""
+    return {**choose_config("split", m_hint, n, k, groups, num_sms=num_sms, layout=layout), **(config or {})}
+
+
 def split_plan(m_hint: int, n: int, k: int, groups: int, layout: str, config: dict | None = None,
                num_sms: int = 132) -> list[tuple[str, dict, tuple[int, int]]]:
     """variant "split"'s two launches as (variant, full tile config, count_range): swapAB on the groups with at most
     split_at tokens (config, else the table's boundary for this key, else SPLIT_AT), the normal variant on the rest.
     config may carry "swapab" / "normal" sub-configs (else each variant's own config: swapAB at m_hint, normal at
     4 x split_at tokens per group)."""
-    config = {**choose_config("split", m_hint, n, k, groups, num_sms=num_sms, layout=layout), **(config or {})}
+    config = split_config(m_hint, n, k, groups, layout, config, num_sms)
     t = int(config["split_at"])
     if t < 1:
         raise ValueError(f"split_at must be >= 1 token, got {t}")
@@ -1423,10 +1430,34 @@ def _split_launch(layout, layout_name, a, a_scale, b, b_scale, out, *, m_hint, u
         raise ValueError("variant 'split' runs plain outputs only (split_k 1, no signal, no combine)")
     groups, n, k = b.shape
     sms = _device_sms(a) if num_sms is None else num_sms
-    for variant, cfg, count_range in split_plan(m_hint, n, k, groups, layout_name, config, sms):
+    config = split_config(m_hint, n, k, groups, layout_name, config, sms)
+    plan = split_plan(m_hint, n, k, groups, layout_name, config, sms)
+
+    def run(variant, cfg, count_range):
         _launch(layout, a, a_scale, b, b_scale, out, upper_tiles_t=upper_tiles_t(cfg["BLOCK_T"]), variant=variant,
                 cfg=cfg, split_k=1, num_sms=num_sms, count_range=count_range, **walk)
+
+    if int(config["split_streams"]) < 2 or not a.is_cuda:
+        for half in plan:
+            run(*half)
+        return out
+    # two streams: the heavy experts' normal launch first on a side stream, swapAB's on this one; the later
+    # kernel's programs take the SMs the earlier one's programs leave as they finish, instead of waiting for its
+    # last wave. The halves write disjoint groups' rows; this stream waits for the side one before returning.
+    main = torch.cuda.current_stream(a.device)
+    side = _side_stream(a.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        run(*plan[1])
+    run(*plan[0])
+    main.wait_stream(side)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One extra stream per device for variant split's concurrent half (split_streams 2)."""
+    return torch.cuda.Stream(device=device)
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,

@@ -267,6 +267,8 @@ def test_split_variant_is_swapab_below_the_split_and_normal_above(layout, walk):
         if m:
             check_rows(call.rows(split, gi), call.rows(ref, gi), f"group {gi} (m={m})")
     assert torch.equal(split.isnan(), alone["swapab"].isnan()), "written rows differ from one whole launch's"
+    # two streams (the GPU test times and graph-captures them): off the GPU the halves run in turn, same rows
+    assert torch.equal(call.run("split", {"split_at": t, "split_streams": 2, **cfgs}).nan_to_num(), split.nan_to_num())
 
 
 def test_split_variant_refuses_what_it_cannot_split():

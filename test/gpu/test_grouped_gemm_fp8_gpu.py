@@ -200,11 +200,13 @@ def test_masked_launch_is_graph_safe(mods, walk):
         assert out[g, m:].isnan().all()
 
 
+@pytest.mark.parametrize("streams", [1, 2])
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
-def test_split_variant_on_an_uneven_draw_and_under_graph_replay(mods, shape):
+def test_split_variant_on_an_uneven_draw_and_under_graph_replay(mods, shape, streams):
     """variant split (swapAB on experts with <= split_at tokens, normal on the rest, by count on the device): an
     uneven draw with heavy, light and empty experts, both layouts, against float32 and no other row written; then
-    captured once and replayed after the counts moved across the boundary (light experts turned heavy and back)."""
+    captured once and replayed after the counts moved across the boundary (light experts turned heavy and back).
+    streams 2: the halves on two streams, forked from and joined to the capturing one."""
     gg, quant = mods
     n, k = MOE_SHAPES[shape]
     groups, max_m = 16, 256
@@ -214,7 +216,7 @@ def test_split_variant_on_an_uneven_draw_and_under_graph_replay(mods, shape):
              [1, 40, 0, 250, 2, 33, 32, 0, 7, 3, 100, 16, 0, 1, 12, 90]]
     mm = torch.tensor(draws[0], dtype=torch.int32, device="cuda")
     out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cfg = {"split_at": 32}
+    cfg = {"split_at": 32, "split_streams": streams}
 
     def check_masked(c, what):
         ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
