@@ -110,6 +110,7 @@ def walk_of(cfg: dict) -> str:
     return next(name for name, w in WALKS.items() if w == keys)
 
 
+MANY_PROGRAMS = 16  # programs per SM in the grid's "more than fit" configs (block-scheduled tails)
 TUNE_GRID = {
     "swapab": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": 4, **WALKS[w]}
                for bn in (64, 128) for bt in (16, 32, 64) for st in (3, 4, 5) for p in (1, 2) for w in WALKS]
@@ -122,12 +123,17 @@ TUNE_GRID = {
     # 108 / 48 KB hold four; 128 x 16 116 / 72 KB and 64 x 64 160 / 64 KB three; the TMA walk takes more registers,
     # so fewer are resident there; session 36)
     + [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": 4, "programs_per_sm": p, "num_warps": 4, **WALKS[w]}
-       for bn, bt, p in ((64, 16, 4), (64, 32, 4), (128, 16, 3), (64, 64, 3)) for w in WALKS],
+       for bn, bt, p in ((64, 16, 4), (64, 32, 4), (128, 16, 3), (64, 64, 3)) for w in WALKS]
+    # more programs than fit (16 per SM): past the resident ones the hardware's block scheduler hands out the
+    # tiles as programs finish, instead of each program's fixed stride, for uneven draws where one heavy expert
+    # adds a part-filled last wave (session 41's count; untimed when added, session 42)
+    + [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": 4, "programs_per_sm": MANY_PROGRAMS, "num_warps": 4, **WALKS[w]}
+       for bn, bt in ((64, 32), (128, 32), (128, 64)) for w in WALKS],
     # two programs per SM only where two fit: 64 x 128 tiles at 4 warps (ptxas: 243 registers x 128 threads, 74-98 KB
     # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session 35)
     "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": nw, **WALKS[w]}
                for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for nw in (4, 8) for w in WALKS
-               for p in ((1, 2) if (bn, bt, nw) == (128, 64, 4) else (1,))],
+               for p in ((1, 2, MANY_PROGRAMS) if (bn, bt, nw) == (128, 64, 4) else (1,))],
     # (64 x 64 tiles three per SM fit too, but took 1.12-1.43x the time of 64 x 128 two per SM at 8 and 32 experts
     # x 128 tokens: benchmark/results/swapab/grouped_gemm_normal_64x64_three_per_sm_*, session 36)
 }
