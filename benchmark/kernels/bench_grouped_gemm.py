@@ -130,7 +130,8 @@ TUNE_GRID = {
     + [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": 4, "programs_per_sm": MANY_PROGRAMS, "num_warps": 4, **WALKS[w]}
        for bn, bt in ((64, 32), (128, 32), (128, 64)) for w in WALKS],
     # two programs per SM only where two fit: 64 x 128 tiles at 4 warps (ptxas: 243 registers x 128 threads, 74-98 KB
-    # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session 35)
+    # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session
+    # 35); there also MANY_PROGRAMS, as for swapAB
     "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": nw, **WALKS[w]}
                for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for nw in (4, 8) for w in WALKS
                for p in ((1, 2, MANY_PROGRAMS) if (bn, bt, nw) == (128, 64, 4) else (1,))],
