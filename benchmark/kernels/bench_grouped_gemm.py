@@ -126,9 +126,10 @@ TUNE_GRID = {
        for bn, bt, p in ((64, 16, 4), (64, 32, 4), (128, 16, 3), (64, 64, 3)) for w in WALKS]
     # more programs than fit (16 per SM): past the resident ones the hardware's block scheduler hands out the
     # tiles as programs finish, instead of each program's fixed stride, for uneven draws where one heavy expert
-    # adds a part-filled last wave (session 41's count; untimed when added, session 42)
-    + [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": 4, "programs_per_sm": MANY_PROGRAMS, "num_warps": 4, **WALKS[w]}
-       for bn, bt in ((64, 32), (128, 32), (128, 64)) for w in WALKS],
+    # adds tiles; at 3 stages three 128 x 32 programs fit per SM, so a 384-tile draw is in flight at once (SGLang's
+    # Triton swap_ab, one 3-stage program per tile, leads ours there: session 42; untimed when added)
+    + [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": MANY_PROGRAMS, "num_warps": 4, **WALKS[w]}
+       for bn, bt in ((64, 32), (128, 32), (128, 64)) for st in (3, 4) for w in WALKS],
     # two programs per SM only where two fit: 64 x 128 tiles at 4 warps (ptxas: 243 registers x 128 threads, 74-98 KB
     # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session
     # 35); there also MANY_PROGRAMS, as for swapAB
