@@ -1399,7 +1399,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
     return out
 
 
-def split_config(m_hint: int, n: int, k: int, groups: int, layout: str, config: dict | None = None,
+def _split_config(m_hint: int, n: int, k: int, groups: int, layout: str, config: dict | None = None,
                  num_sms: int = 132) -> dict:
     """variant "split"'s whole config: the caller's keys over the table's (else the heuristic's)."""
     return {**choose_config("split", m_hint, n, k, groups, num_sms=num_sms, layout=layout), **(config or {})}
@@ -1411,7 +1411,13 @@ def split_plan(m_hint: int, n: int, k: int, groups: int, layout: str, config: di
     split_at tokens (config, else the table's boundary for this key, else SPLIT_AT), the normal variant on the rest.
     config may carry "swapab" / "normal" sub-configs (else each variant's own config: swapAB at m_hint, normal at
     4 x split_at tokens per group)."""
-    config = split_config(m_hint, n, k, groups, layout, config, num_sms)
+    return _split_halves(_split_config(m_hint, n, k, groups, layout, config, num_sms), m_hint, n, k, groups, layout,
+                         num_sms)
+
+
+def _split_halves(config: dict, m_hint: int, n: int, k: int, groups: int, layout: str,
+                  num_sms: int) -> list[tuple[str, dict, tuple[int, int]]]:
+    """`split_plan` from the whole config (`_split_config`), which `_split_launch` also reads for its streams."""
     t = int(config["split_at"])
     if t < 1:
         raise ValueError(f"split_at must be >= 1 token, got {t}")
@@ -1430,8 +1436,8 @@ def _split_launch(layout, layout_name, a, a_scale, b, b_scale, out, *, m_hint, u
         raise ValueError("variant 'split' runs plain outputs only (split_k 1, no signal, no combine)")
     groups, n, k = b.shape
     sms = _device_sms(a) if num_sms is None else num_sms
-    config = split_config(m_hint, n, k, groups, layout_name, config, sms)
-    plan = split_plan(m_hint, n, k, groups, layout_name, config, sms)
+    config = _split_config(m_hint, n, k, groups, layout_name, config, sms)
+    plan = _split_halves(config, m_hint, n, k, groups, layout_name, sms)
 
     def run(variant, cfg, count_range):
         _launch(layout, a, a_scale, b, b_scale, out, upper_tiles_t=upper_tiles_t(cfg["BLOCK_T"]), variant=variant,
