@@ -14,6 +14,8 @@
 #   (STEPS wsprobe) benchmark/kernels/probe_ws_walk.py ${WSPROBE_ARGS}: config ws case by case, each in its own
 #     process under a timeout (stage reached, error, µs against the plain and TMA walks) -> $OUT/probe_ws_walk.json
 #   (STEPS ncu) benchmark/kernels/profile_mla_decode.py ${NCU_ARGS}: Nsight Compute counters of one decode step
+#   (STEPS ggprof) benchmark/kernels/profile_grouped_gemm.py: counters of the MoE grouped GEMMs at one point, once per
+#     ";"-separated argument list in GGPROF_ARGS -> $OUT/profile_grouped_gemm_<i>.json (+ .log; reports not kept)
 #   (STEPS mlaablate) benchmark/kernels/mla_cuda_ablation.py ${ABLATE_ARGS}: the CUDA MLA kernels' ablation builds
 #     (-DMLA_ABLATE_*) timed against the default, where the time goes -> $OUT/mla_ablation.json (+ .log)
 #   (STEPS mlatrace) benchmark/kernels/trace_mla_decode.py ${TRACE_ARGS}: per-warp timeline of one CTA of the v2
@@ -127,6 +129,20 @@ if [[ " $STEPS " == *" ncu "* ]] && [ "$(left)" -gt 90 ]; then  # counters of on
   timeout -k 10 $(( $(left) - 20 )) python3 benchmark/kernels/profile_mla_decode.py --out "$OUT/ncu" \
     --timeout-s $(( $(left) - 40 )) ${NCU_ARGS:-} 2>&1 | tee "$OUT/profile_mla_decode.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" ggprof "* ]]; then  # counters of the grouped GEMMs, ours vs upstream, one point per list
+  i=0
+  IFS=';' read -ra GGPROF_RUNS <<< "${GGPROF_ARGS:-}"
+  for gargs in "${GGPROF_RUNS[@]:-}"; do
+    [ "$(left)" -gt 90 ] || { say "ggprof: no time left for run $i ($gargs)"; break; }
+    say "ncu on the grouped GEMMs ($gargs)"
+    timeout -k 10 $(( $(left) - 20 )) python3 benchmark/kernels/profile_grouped_gemm.py --out "$OUT/ggprof$i" \
+      --timeout-s $(( $(left) - 40 )) $gargs 2>&1 | tee "$OUT/profile_grouped_gemm_$i.log" | tail -80
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    cp "$OUT/ggprof$i/profile_grouped_gemm.json" "$OUT/profile_grouped_gemm_$i.json" 2>/dev/null
+    rm -rf "$OUT/ggprof$i"
+    i=$(( i + 1 ))
+  done
 fi
 if [[ " $STEPS " == *" mlaablate "* ]] && [ "$(left)" -gt 120 ]; then  # children time the variants: a fault costs one
   say "CUDA MLA decode ablations ${ABLATE_ARGS:-}"

@@ -21,11 +21,7 @@ usage (GPU host): python3 benchmark/kernels/profile_mla_decode.py --out DIR [--b
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,22 +30,10 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
     if str(_p) not in sys.path:
         sys.path.append(str(_p))
 
+import ncu_report  # noqa: E402  (beside this file)
+from ncu_report import find_ncu  # noqa: E402
+
 PROVIDERS = ("ours-cuda", "ours-cuda-v2", "flashmla-bf16", "flashmla-fp8")
-# (section, metric) pairs shown in the table, when the report has them
-HEADLINE = [
-    ("GPU Speed Of Light Throughput", "Duration"),
-    ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"),
-    ("GPU Speed Of Light Throughput", "Memory Throughput"),
-    ("GPU Speed Of Light Throughput", "DRAM Throughput"),
-    ("Compute Workload Analysis", "Executed Ipc Active"),
-    ("Memory Workload Analysis", "Mem Busy"),
-    ("Memory Workload Analysis", "Max Bandwidth"),
-    ("Occupancy", "Achieved Occupancy"),
-    ("Launch Statistics", "Registers Per Thread"),
-    ("Launch Statistics", "Grid Size"),
-    ("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
-    ("Scheduler Statistics", "Issued Warp Per Scheduler"),
-]
 # raw metrics asked for on top of the sections: the tensor pipe and shared memory, which the sections summarize only
 RAW_METRICS = [
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
@@ -163,92 +147,32 @@ def child(args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- the parent
-def parse_details(csv_text: str) -> list[dict]:
-    """ncu --page details --csv rows -> [{kernel, id, section, metric, unit, value}] (value a float when it is one)."""
-    rows = []
-    for r in csv.DictReader(io.StringIO(csv_text)):
-        value = (r.get("Metric Value") or "").replace(",", "")
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-        rows.append({"kernel": r.get("Kernel Name", ""), "id": r.get("ID", ""), "section": r.get("Section Name", ""),
-                     "metric": r.get("Metric Name", ""), "unit": r.get("Metric Unit", ""), "value": value})
-    return rows
-
-
-def summarize(rows: list[dict]) -> dict:
-    """Per profiled kernel launch (`ID: kernel`): the HEADLINE metrics and the raw metrics that are present."""
-    out: dict = {}
-    wanted = set(HEADLINE)
-    for r in rows:
-        key = f"{r['id']}: {r['kernel'][:80]}"
-        if (r["section"], r["metric"]) in wanted or r["metric"] in RAW_METRICS:
-            out.setdefault(key, {})[r["metric"]] = [r["value"], r["unit"]]
-    return out
-
-
-def table(summary: dict) -> str:
-    lines = []
-    for key, metrics in summary.items():
-        lines.append(key)
-        for name, (value, unit) in metrics.items():
-            lines.append(f"    {name:72s} {value} {unit}")
-    return "\n".join(lines)
-
-
-NCU_GLOBS = ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda/bin/ncu", "/usr/local/cuda-*/bin/ncu")
-
-
-def find_ncu(name: str) -> str | None:
-    """ncu on PATH, else the newest of the usual install places (the GPU host's image installs Nsight Compute
-    under /opt/nvidia; its PATH may not name it)."""
-    import glob
-
-    found = shutil.which(name)
-    if found or name != "ncu":
-        return found
-    hits = sorted(h for g in NCU_GLOBS for h in glob.glob(g))
-    return hits[-1] if hits else None
-
-
 def parent(args) -> int:
     from sglang_h20 import provenance
 
     args.out.mkdir(parents=True, exist_ok=True)
     ncu = find_ncu(args.ncu)
     if ncu is None:
-        print(f"{args.ncu} not found (PATH, {', '.join(NCU_GLOBS)}): Nsight Compute is needed", file=sys.stderr)
+        print(f"{args.ncu} not found (PATH, {', '.join(ncu_report.NCU_GLOBS)}): Nsight Compute is needed",
+              file=sys.stderr)
         return 2
-    args.ncu = ncu
+    child_cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(args.out),
+                 "--batch", str(args.batch), "--context", str(args.context), "--heads", str(args.heads),
+                 "--q-len", str(args.q_len), "--plan", args.plan, "--providers", *args.providers,
+                 *(["--defines", *args.defines] if args.defines else [])]
     rep = args.out / "mla_decode.ncu-rep"
-    cmd = [args.ncu, "--clock-control", "none", "--target-processes", "all", "--nvtx", "--nvtx-include", "profile/",
-           "--set", args.set, "--import-source", "no", "--metrics", ",".join(RAW_METRICS), "-f", "-o",
-           str(rep.with_suffix("")), sys.executable, str(Path(__file__).resolve()), "--child",
-           "--out", str(args.out), "--batch", str(args.batch), "--context", str(args.context),
-           "--heads", str(args.heads), "--q-len", str(args.q_len), "--plan", args.plan, "--providers", *args.providers,
-           *(["--defines", *args.defines] if args.defines else [])]
-    print(" ".join(cmd), flush=True)
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
-    (args.out / "ncu_console.log").write_text(run.stdout + run.stderr)
-    print(run.stdout[-4000:] + run.stderr[-2000:], flush=True)
-    if run.returncode != 0 or not rep.exists():
-        print(f"ncu exited {run.returncode}; report {'missing' if not rep.exists() else 'written'}", file=sys.stderr)
+    got = ncu_report.profile(ncu, child_cmd, rep, RAW_METRICS, args.set, args.timeout_s, args.out / "ncu_console.log")
+    if got is None:
         return 1
-    details = subprocess.run([args.ncu, "--import", str(rep), "--page", "details", "--csv", "--print-units", "base"],
-                             capture_output=True, text=True, timeout=args.timeout_s)
-    raw = subprocess.run([args.ncu, "--import", str(rep), "--page", "raw", "--csv", "--metrics",
-                          ",".join(RAW_METRICS)], capture_output=True, text=True, timeout=args.timeout_s)
-    rows = parse_details(details.stdout)
-    summary = summarize(rows)
+    summary = got["summary"]
     record = {**provenance.record(), "benchmark": "profile_mla_decode",
               "point": {"batch": args.batch, "context": args.context, "heads": args.heads, "q_len": args.q_len,
                         "plan": args.plan, "providers": args.providers, "defines": args.defines},
-              "ncu": {"command": " ".join(cmd), "set": args.set, "clock_control": "none"},
-              "summary": summary, "details": rows, "raw_csv": raw.stdout[-200000:]}
+              "ncu": {"command": got["command"], "set": args.set, "clock_control": "none"},
+              "summary": summary, "details": got["rows"], "raw_csv": got["raw_csv"]}
     path = args.out / "profile_mla_decode.json"
     path.write_text(json.dumps(record, indent=1))
-    print(table(summary))
+    print(ncu_report.table(summary))
     print(f"wrote {path} and {rep}")
     return 0
 

@@ -1,8 +1,10 @@
-"""profile_mla_decode's reading of an ncu --csv details page: every row kept, the headline metrics per launch."""
+"""ncu_report's reading of an ncu --csv details page (every row kept, the headline metrics per launch) and
+profile_mla_decode's use of it."""
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
+import ncu_report  # noqa: E402
 import profile_mla_decode as prof  # noqa: E402
 
 CSV = '''"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
@@ -15,14 +17,14 @@ CSV = '''"ID","Process ID","Process Name","Host Name","Kernel Name","Context","S
 
 
 def test_details_are_parsed_and_the_headline_kept_per_launch():
-    rows = prof.parse_details(CSV)
+    rows = ncu_report.parse_details(CSV)
     assert len(rows) == 5 and rows[0]["value"] == 236512.0 and rows[2]["metric"] == "Block Limit Registers"
-    s = prof.summarize(rows)
+    s = ncu_report.summarize(rows, prof.RAW_METRICS)
     ours = s["0: mla_fp8_decode_kernel(mla_fp8_common::Params)"]
     assert ours == {"Duration": [236512.0, "nsecond"], "Compute (SM) Throughput": [41.7, "%"]}
     fm = s["1: flash_fwd_splitkv_mla_kernel"]
     assert fm["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"] == [88.2, "%"]
-    assert "236512.0 nsecond" in prof.table(s)
+    assert "236512.0 nsecond" in ncu_report.table(s)
 
 
 def test_without_ncu_it_says_so(tmp_path, capsys):
@@ -48,7 +50,7 @@ def test_defines_reach_the_child_and_unknown_ones_are_refused(tmp_path, monkeypa
         seen.setdefault("cmd", cmd)
         return Run()
     monkeypatch.setattr(prof, "find_ncu", lambda name: "/bin/true")
-    monkeypatch.setattr(prof.subprocess, "run", fake_run)
+    monkeypatch.setattr(ncu_report.subprocess, "run", fake_run)
     assert prof.main(["--out", str(tmp_path), "--defines", "MLA_VT_LDSM"]) == 1  # the fake ncu "failed"
     cmd = seen["cmd"]
     assert cmd[cmd.index("--child"):][-2:] == ["--defines", "MLA_VT_LDSM"]

@@ -1,0 +1,100 @@
+"""Nsight Compute around a profiling child: run it under ncu, read the report back as rows and a per-launch summary.
+
+Why one module: each profiler (profile_mla_decode.py, profile_grouped_gemm.py) only knows how to build and launch
+its kernels inside NVTX ranges named "profile"; finding ncu, the ncu command (clocks left alone: METHOD.md), and
+reading the details page are the same for all of them.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import shutil
+import subprocess
+from pathlib import Path
+
+# (section, metric) pairs every summary shows, when the report has them
+HEADLINE = [
+    ("GPU Speed Of Light Throughput", "Duration"),
+    ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"),
+    ("GPU Speed Of Light Throughput", "Memory Throughput"),
+    ("GPU Speed Of Light Throughput", "DRAM Throughput"),
+    ("Compute Workload Analysis", "Executed Ipc Active"),
+    ("Memory Workload Analysis", "Mem Busy"),
+    ("Memory Workload Analysis", "Max Bandwidth"),
+    ("Occupancy", "Achieved Occupancy"),
+    ("Launch Statistics", "Registers Per Thread"),
+    ("Launch Statistics", "Grid Size"),
+    ("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
+    ("Scheduler Statistics", "Issued Warp Per Scheduler"),
+]
+NCU_GLOBS = ("/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda/bin/ncu", "/usr/local/cuda-*/bin/ncu")
+
+
+def find_ncu(name: str) -> str | None:
+    """ncu on PATH, else the newest of the usual install places (the GPU host's image installs Nsight Compute
+    under /opt/nvidia; its PATH may not name it)."""
+    found = shutil.which(name)
+    if found or name != "ncu":
+        return found
+    hits = sorted(h for g in NCU_GLOBS for h in glob.glob(g))
+    return hits[-1] if hits else None
+
+
+def parse_details(csv_text: str) -> list[dict]:
+    """ncu --page details --csv rows -> [{kernel, id, section, metric, unit, value}] (value a float when it is one)."""
+    rows = []
+    for r in csv.DictReader(io.StringIO(csv_text)):
+        value = (r.get("Metric Value") or "").replace(",", "")
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+        rows.append({"kernel": r.get("Kernel Name", ""), "id": r.get("ID", ""), "section": r.get("Section Name", ""),
+                     "metric": r.get("Metric Name", ""), "unit": r.get("Metric Unit", ""), "value": value})
+    return rows
+
+
+def summarize(rows: list[dict], raw_metrics=()) -> dict:
+    """Per profiled kernel launch (`ID: kernel`): the HEADLINE metrics and those of `raw_metrics` present."""
+    out: dict = {}
+    wanted = set(HEADLINE)
+    raw = set(raw_metrics)
+    for r in rows:
+        key = f"{r['id']}: {r['kernel'][:80]}"
+        if (r["section"], r["metric"]) in wanted or r["metric"] in raw:
+            out.setdefault(key, {})[r["metric"]] = [r["value"], r["unit"]]
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = []
+    for key, metrics in summary.items():
+        lines.append(key)
+        for name, (value, unit) in metrics.items():
+            lines.append(f"    {name:72s} {value} {unit}")
+    return "\n".join(lines)
+
+
+def profile(ncu: str, child_cmd: list[str], report: Path, raw_metrics: list[str], section_set: str,
+            timeout_s: float, console: Path) -> dict | None:
+    """Run `child_cmd` under ncu (only its "profile/" NVTX ranges, clocks left alone), write `report`.ncu-rep and the
+    console log; returns {command, rows, summary, raw_csv}, or None when ncu failed (the log says why)."""
+    rep = report.with_suffix(".ncu-rep")
+    cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--nvtx", "--nvtx-include", "profile/",
+           "--set", section_set, "--import-source", "no", "--metrics", ",".join(raw_metrics), "-f", "-o",
+           str(rep.with_suffix("")), *child_cmd]
+    print(" ".join(cmd), flush=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    console.write_text(run.stdout + run.stderr)
+    print(run.stdout[-4000:] + run.stderr[-2000:], flush=True)
+    if run.returncode != 0 or not rep.exists():
+        print(f"ncu exited {run.returncode}; report {'missing' if not rep.exists() else 'written'}", flush=True)
+        return None
+    details = subprocess.run([ncu, "--import", str(rep), "--page", "details", "--csv", "--print-units", "base"],
+                             capture_output=True, text=True, timeout=timeout_s)
+    raw = subprocess.run([ncu, "--import", str(rep), "--page", "raw", "--csv", "--metrics", ",".join(raw_metrics)],
+                         capture_output=True, text=True, timeout=timeout_s)
+    rows = parse_details(details.stdout)
+    return {"command": " ".join(cmd), "rows": rows, "summary": summarize(rows, raw_metrics),
+            "raw_csv": raw.stdout[-200000:]}

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Nsight Compute counters of the MoE grouped GEMMs at one point: ours (any configs) beside DeepGEMM and SGLang's
+Triton fused-MoE, on the same operands.
+
+Why: at gate_up 8 experts x 32 tokens on the uneven draw, SGLang's Triton swap_ab runs the same 32 x 128 tiles as
+ours-swapAB in 74-76 us where ours takes 86-99, while on the uniform draw they tie (swapab/README.md). Timing cannot
+say whether ours moves more DRAM bytes (weight tiles of a heavy expert read again instead of hit in L2) or stalls
+on something else; the counters can (DRAM bytes read, L2 hit rate, stall reasons, achieved occupancy).
+
+The child (`--child`) builds the point exactly as bench_grouped_gemm.py does (uneven_counts(groups, tokens, seed),
+its weights and activations), runs every provider twice outside the profiled range (Triton JIT, DeepGEMM build),
+then once each inside an NVTX range "profile", in the order given; the parent runs it under ncu (ncu_report) and
+writes OUT/profile_grouped_gemm.json (summary per launch, the providers in launch order, the counts) and the report.
+
+usage (GPU host): python3 benchmark/kernels/profile_grouped_gemm.py --out DIR [--shape gate_up --groups 8
+                  --tokens 32 --dist uneven --layout contiguous]
+                  [--ours swapab:128x32x3x16 swapab:64x32x4x4] [--upstream sglang-triton-swapab deepgemm]
+An ours config is VARIANT:BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM[:flat|:tma] (4 warps), or VARIANT:shipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout without installing
+    if str(_p) not in sys.path:
+        sys.path.append(str(_p))
+
+import ncu_report  # noqa: E402  (beside this file)
+from ncu_report import find_ncu  # noqa: E402
+
+UPSTREAM = ("sglang-triton-swapab", "sglang-triton", "deepgemm")
+# raw metrics on top of the sections: where the bytes come from and what the warps wait on
+RAW_METRICS = [
+    "dram__bytes_read.sum",
+    "lts__t_sector_hit_rate.pct",
+    "lts__t_sectors_srcunit_tex_op_read.sum",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "launch__occupancy_limit_registers",
+    "launch__occupancy_limit_shared_mem",
+    "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio",
+    "smsp__average_warp_latency_issue_stalled_wait.ratio",
+    "smsp__average_warp_latency_issue_stalled_barrier.ratio",
+    "smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio",
+]
+
+
+def parse_ours(text: str) -> tuple[str, dict | None]:
+    """'swapab:128x32x3x16[:flat|:tma]' -> ('swapab', config); 'normal:shipped' -> ('normal', None)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or parts[0] not in ("swapab", "normal"):
+        raise argparse.ArgumentTypeError(f"{text!r}: want VARIANT:BNxBTxSTAGESxPPS[:flat|:tma] or VARIANT:shipped")
+    if parts[1] == "shipped":
+        return parts[0], None
+    try:
+        bn, bt, st, pps = (int(x) for x in parts[1].split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: tiles must be BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM")
+    walk = parts[2] if len(parts) == 3 else "plain"
+    if walk not in ("plain", "flat", "tma"):
+        raise argparse.ArgumentTypeError(f"{text!r}: walk must be flat or tma")
+    return parts[0], {"BLOCK_N": bn, "BLOCK_T": bt, "num_warps": 4, "num_stages": st, "programs_per_sm": pps,
+                      "flat": walk != "plain", "tma": walk == "tma", "ws": False}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="output folder (report, JSON, ncu console log)")
+    ap.add_argument("--shape", choices=("gate_up", "down"), default="gate_up")
+    ap.add_argument("--groups", type=int, default=8, help="experts (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=32, help="mean tokens per expert (default: %(default)s)")
+    ap.add_argument("--dist", choices=("uniform", "uneven"), default="uneven",
+                    help="counts: all equal, or bench_grouped_gemm's uneven draw (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="as bench_grouped_gemm --seed (default: %(default)s)")
+    ap.add_argument("--layout", choices=("contiguous", "masked"), default="contiguous",
+                    help="ours' and DeepGEMM's layout (SGLang's Triton is contiguous always; default: %(default)s)")
+    ap.add_argument("--ours", nargs="*", type=parse_ours, default=[parse_ours("swapab:shipped")],
+                    metavar="VARIANT:TILES", help="our configs to profile (default: swapab:shipped)")
+    ap.add_argument("--upstream", nargs="*", choices=UPSTREAM, default=["sglang-triton-swapab", "deepgemm"],
+                    help="upstream kernels to profile after ours (default: %(default)s)")
+    ap.add_argument("--set", default="full", help="ncu --set (default: %(default)s)")
+    ap.add_argument("--ncu", default="ncu", help="the ncu executable")
+    ap.add_argument("--timeout-s", type=float, default=420.0, help="limit of each ncu call (default: %(default)s)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def point_counts(args) -> list[int]:
+    import bench_grouped_gemm as bench
+
+    return bench.uneven_counts(args.groups, args.tokens, args.seed) if args.dist == "uneven" \
+        else [args.tokens] * args.groups
+
+
+def labels(args) -> list[str]:
+    """The providers in launch order, as the JSON names them."""
+    ours = [f"ours-{v}:{'shipped' if c is None else json.dumps(c, separators=(',', ':'))}" for v, c in args.ours]
+    return ours + list(args.upstream)
+
+
+# ------------------------------------------------------------------------------------------------ the child
+def child(args) -> int:
+    import torch
+
+    import bench_grouped_gemm as bench
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    counts = point_counts(args)
+    n, k = bench.MOE_SHAPES[args.shape]
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    b, b_s = bench.make_weights(args.groups, n, k, gen)
+    total, max_m = sum(counts), max(max(counts), 1)
+    mean = max(1, -(-total // args.groups))
+    a_m, a_ms = bench.make_acts((args.groups, max_m, k), gen)
+    masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    a_c, a_cs = bench.make_acts((max(total, 1), k), gen)
+    indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(args.groups)], dtype=torch.int32, device="cuda")
+    calls = []
+    for variant, cfg in args.ours:
+        if args.layout == "masked":
+            out = torch.empty(args.groups, max_m, n, dtype=torch.bfloat16, device="cuda")
+            calls.append(lambda out=out, v=variant, c=cfg: gg.m_grouped_fp8_gemm_nt_masked(
+                a_m, a_ms, b, b_s, masked_m, out=out, variant=v, expected_m=mean, config=c))
+        else:
+            out = torch.empty(max(total, 1), n, dtype=torch.bfloat16, device="cuda")
+            calls.append(lambda out=out, v=variant, c=cfg: gg.m_grouped_fp8_gemm_nt_contiguous(
+                a_c, a_cs, b, b_s, indptr, out=out, variant=v, config=c))
+    for name in args.upstream:
+        if name == "deepgemm":
+            fn = bench.deepgemm_masked(a_m, a_ms, b, b_s, masked_m, mean)[0] if args.layout == "masked" \
+                else bench.deepgemm_contiguous(counts, k, b, b_s, gen)[0]
+        else:
+            fn = bench.sglang_triton(a_c[:total], a_cs[:total], b, b_s, counts, name.endswith("swapab"))[0]
+        calls.append(fn)
+    for fn in calls:  # JIT, builds, first-launch attributes: outside the profiled range
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    for fn in calls:  # one range per provider, in launch order
+        torch.cuda.nvtx.range_push("profile")
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    print(f"profiled, in order: {' '.join(labels(args))}; counts {counts}", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- the parent
+def child_command(args) -> list[str]:
+    ours = [f"{v}:shipped" if c is None else
+            f"{v}:{c['BLOCK_N']}x{c['BLOCK_T']}x{c['num_stages']}x{c['programs_per_sm']}"
+            f"{':tma' if c['tma'] else ':flat' if c['flat'] else ''}" for v, c in args.ours]
+    return [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(args.out), "--shape", args.shape,
+            "--groups", str(args.groups), "--tokens", str(args.tokens), "--dist", args.dist, "--seed", str(args.seed),
+            "--layout", args.layout, "--ours", *ours, "--upstream", *args.upstream]
+
+
+def parent(args) -> int:
+    from sglang_h20 import provenance
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    ncu = find_ncu(args.ncu)
+    if ncu is None:
+        print(f"{args.ncu} not found (PATH, {', '.join(ncu_report.NCU_GLOBS)}): Nsight Compute is needed",
+              file=sys.stderr)
+        return 2
+    got = ncu_report.profile(ncu, child_command(args), args.out / "grouped_gemm.ncu-rep", RAW_METRICS, args.set,
+                             args.timeout_s, args.out / "ncu_console.log")
+    if got is None:
+        return 1
+    record = {**provenance.record(), "benchmark": "profile_grouped_gemm",
+              "point": {"shape": args.shape, "groups": args.groups, "tokens_per_group": args.tokens,
+                        "distribution": args.dist, "seed": args.seed, "layout": args.layout,
+                        "counts": point_counts(args)},
+              "providers_in_launch_order": labels(args),
+              "ncu": {"command": got["command"], "set": args.set, "clock_control": "none"},
+              "summary": got["summary"], "raw_csv": got["raw_csv"]}
+    path = args.out / "profile_grouped_gemm.json"
+    path.write_text(json.dumps(record, separators=(",", ":")))
+    print(ncu_report.table(got["summary"]))
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return child(args) if args.child else parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
