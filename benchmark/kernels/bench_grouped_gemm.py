@@ -129,7 +129,15 @@ TUNE_GRID = {
     # adds tiles; at 3 stages three 128 x 32 programs fit per SM, so a 384-tile draw is in flight at once (SGLang's
     # Triton swap_ab, one 3-stage program per tile, leads ours there: session 42; untimed when added)
     + [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": MANY_PROGRAMS, "num_warps": 4, **WALKS[w]}
-       for bn, bt in ((64, 32), (128, 32), (128, 64)) for st in (3, 4) for w in WALKS],
+       for bn, bt in ((64, 32), (128, 32), (128, 64)) for st in (3, 4) for w in WALKS]
+    # registers capped (ptxas maxnreg) so that more programs are resident: Nsight Compute at gate_up 8 x 32 uneven
+    # showed ours' 128 x 32 tile at 176 registers, two programs per SM, where SGLang's Triton swap_ab (128 registers)
+    # holds all of the draw's 384 tiles at once with the same DRAM bytes (swapab/profile_grouped_gemm_*_h200.json).
+    # ptxas (compile_report): 160 holds three 128 x 32 programs without spilling, 128 four (60 bytes spilled at
+    # 128 x 32, none at 64 x 32)
+    + [{"BLOCK_N": bn, "BLOCK_T": 32, "num_stages": st, "maxnreg": r, "programs_per_sm": MANY_PROGRAMS,
+        "num_warps": 4, **WALKS[w]}
+       for bn in (64, 128) for st in (3, 4) for r in (128, 160) for w in WALKS],
     # two programs per SM only where two fit: 64 x 128 tiles at 4 warps (ptxas: 243 registers x 128 threads, 74-98 KB
     # of shared memory at 3-4 stages); 8 warps take 236 x 256 registers, an SM's whole file (compile_report, session
     # 35); there also MANY_PROGRAMS, as for swapAB
@@ -148,7 +156,7 @@ def tune_grid(variant: str, walks, where: dict | None = None) -> list[dict]:
     for key, allowed in (where or {}).items():
         if not any(key in c for c in TUNE_GRID[variant]):
             raise ValueError(f"--tune-where {key}: not a tile-config key (have {sorted(TUNE_GRID[variant][0])})")
-        grid = [c for c in grid if c[key] in allowed]
+        grid = [c for c in grid if c.get(key) in allowed]  # a config without the key has it unset (None)
     return grid
 
 

@@ -1058,8 +1058,8 @@ def _resolve(variant: str, config: dict | None, m_hint: int, n: int, k: int, gro
 # Building a table from a benchmark run (benchmark/kernels/bench_grouped_gemm.py)
 # ---------------------------------------------------------------------------------------------
 UPSTREAM_PROVIDERS = ("deepgemm", "sglang-triton", "sglang-triton-swapab")  # what SGLang itself runs
-TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "programs_per_sm", "flat", "tma", "ws", "split_k",
-             "serial_reduce", "split_at", "split_streams")
+TILE_KEYS = ("BLOCK_N", "BLOCK_T", "num_warps", "num_stages", "maxnreg", "programs_per_sm", "flat", "tma", "ws",
+             "split_k", "serial_reduce", "split_at", "split_streams")
 
 
 def table_entries(points: list[dict]) -> list[dict]:
@@ -1210,6 +1210,16 @@ TAIL_COUNTERS = 1  # EpilogueCombine.tail's int32 counter: arrivals (low 20 bits
 TAIL_MAX_SPIN = 1 << 16
 
 
+def _compile_options(cfg: dict) -> dict:
+    """A tile config's compile options. "maxnreg" caps ptxas' registers per thread: the 128 x 32 swapAB tile takes 176
+    at 4 warps, so two programs fit per SM where three fit by shared memory; an uneven draw's extra token tiles then
+    wait for a second round (Nsight Compute, gate_up 8 x 32 uneven: swapab/profile_grouped_gemm_*_h200.json)."""
+    opts = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
+    if cfg.get("maxnreg"):
+        opts["maxnreg"] = cfg["maxnreg"]
+    return opts
+
+
 _RESIDENT: dict = {}  # (device, kernel, constexprs and scalars) -> programs resident at once
 
 
@@ -1348,7 +1358,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             *descs, a3.shape[1] if layout == LAYOUT_MASKED else 0,
             K=k, SWAP_AB=swap, BLOCK_N=bn, BLOCK_T=bt, INTERPRET=_interpreting(),
             SPECIALIZE=bool(cfg.get("ws_split", False)),
-            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+            **_compile_options(cfg),
         )
         return out
     if cfg.get("flat") and plain and not tail:
@@ -1365,7 +1375,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
             *cmb, dfr, dfr_cap, *count_range,
             G=groups, G_P2=triton.next_power_of_2(groups), K=k, LAYOUT=layout, SWAP_AB=swap, BLOCK_N=bn,
             BLOCK_T=bt, INTERPRET=_interpreting(), TMA=descs is not None, **combine_kw,
-            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+            **_compile_options(cfg),
         )
         return out
     pos = [
@@ -1385,7 +1395,7 @@ def _launch(layout, a, a_scale, b, b_scale, out, *, indptr=None, masked_m=None, 
               HAS_SIGNAL=signal is not None, **combine_kw, COMBINE_TAIL=tail,
               NUM_TOKENS=combine.out.shape[0] if tail else 0, MAX_SPIN=TAIL_MAX_SPIN, INTERPRET=_interpreting(),
               **({"fix_ptr": fix, "SERIAL_REDUCE": True} if fix is not None else {}),
-              num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+              **_compile_options(cfg))
     if tail and not _interpreting():  # the tail's wait needs every program resident at once
         num_programs = pos[11] = min(num_programs, _resident_programs(_fp8_grouped_gemm_kernel, pos, kw, a.device))
     _fp8_grouped_gemm_kernel[(num_programs,)](*pos, **kw)
@@ -1620,7 +1630,7 @@ def m_grouped_fp8_gemm_nt_aligned(a: torch.Tensor, a_scale: torch.Tensor, b: tor
         b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         out.stride(0), out.stride(1),
         K=k, A_DIV=a_div, HAS_WEIGHT=topk_weights is not None, SWAP_AB=variant == "swapab",
-        BLOCK_N=bn, BLOCK_T=block_t, num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        BLOCK_N=bn, BLOCK_T=block_t, **_compile_options(cfg),
     )
     return out
 

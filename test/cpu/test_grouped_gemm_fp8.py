@@ -191,6 +191,30 @@ def test_flat_walk_equals_the_group_walk(layout, tma):
         assert_same_bits(call.run(variant, {**cfg, "flat": True, "tma": tma}), call.run(variant, cfg), variant)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["group-walk", "flat"])
+def test_register_cap_reaches_the_compiler_and_changes_no_bit(flat, monkeypatch):
+    """config maxnreg is a compile option of the tile kernels (ptxas caps registers per thread; the interpreter
+    ignores it): it reaches the launch, and the result is the same bits as without it."""
+    ms = [0, 5, 33, 0, 1, 17, 0, 0, 40]
+    b, b_s = weights(len(ms), 192, 256, seed=3)
+    call = GroupedCall("contiguous", ms, b, b_s, seed=4)
+    cfg = {"BLOCK_N": 64, "BLOCK_T": 32, "flat": flat}
+    want = call.run("swapab", cfg)
+    name = "_fp8_grouped_gemm_flat_kernel" if flat else "_fp8_grouped_gemm_kernel"
+    kernel, seen = getattr(gg, name), []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw)
+                return kernel[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(gg, name, Spy())
+    assert_same_bits(call.run("swapab", {**cfg, "maxnreg": 128}), want, "maxnreg")
+    assert [kw.get("maxnreg") for kw in seen] == [128] and seen[0]["num_warps"] == 4
+    assert "maxnreg" not in gg._compile_options({"num_stages": 4})  # unset: the compiler's own choice
+
+
 class LaunchCounter:
     """Stands in for a kernel object: counts `kernel[grid](...)` launches, then launches the real one."""
 

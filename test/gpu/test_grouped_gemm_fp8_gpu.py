@@ -286,6 +286,41 @@ def test_flat_and_tma_walks_match_the_plain_walk(mods, shape):
 
 
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_register_cap_changes_no_bit(mods, shape):
+    """Config maxnreg (ptxas' registers per thread capped so more programs are resident; 128 spills at 128 x 32)
+    runs the same K loop: the same bits as the uncapped tile, both layouts, uneven and empty groups, and every row
+    within the reference's bound."""
+    gg, quant = mods
+    n, k = MOE_SHAPES[shape]
+    groups = 8
+    b, b_s = quantized_weights(quant, groups, n, k, seed=17)
+    c = [18, 0, 27, 14, 35, 114, 13, 1]
+    a, a_s = quantized_acts(quant, (groups, 128, k), seed=18)
+    mm = torch.tensor(c, dtype=torch.int32, device="cuda")
+    total = sum(c)
+    ac, ac_s = quantized_acts(quant, (total, k), seed=19)
+    ip = torch.tensor([0] + [sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    for bn, stages in ((128, 3), (64, 4)):  # 128 x 32: a cap of 128 spills; 64 x 32: four per SM at 128
+        outs = {}
+        for cap in (None, 160, 128):
+            cfg = {"BLOCK_N": bn, "BLOCK_T": 32, "num_stages": stages, "programs_per_sm": 16, "maxnreg": cap}
+            om = torch.full((groups, 128, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=om, variant="swapab", config=cfg)
+            oc = torch.empty(total, n, dtype=torch.bfloat16, device="cuda")
+            gg.m_grouped_fp8_gemm_nt_contiguous(ac, ac_s, b, b_s, ip, out=oc, variant="swapab", config=cfg)
+            outs[cap] = (om, oc)
+        for cap in (160, 128):
+            what = f"{shape} {bn}x32 {stages} stages maxnreg {cap}"
+            assert torch.equal(outs[cap][0].isnan(), outs[None][0].isnan()), f"{what}: other rows written"
+            assert torch.equal(torch.nan_to_num(outs[cap][0]), torch.nan_to_num(outs[None][0])), what
+            assert torch.equal(outs[cap][1], outs[None][1]), what
+    ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+    for g, m in enumerate(c):
+        if m:
+            check(outs[128][0][g, :m], ref[g, :m], f"maxnreg 128 masked {shape} g={g}")
+
+
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_ws_config_matches_the_reference(mods, shape, monkeypatch):
     """Config ws (a token-tile map, then a persistent tile walk over TMA boxes; not warp-split) at the real shapes, both layouts: every valid row within REL of the float reference, rows
     past masked_m (e4m3 NaN in A, read by the boxes) and outside the contiguous groups never written, and the ws
