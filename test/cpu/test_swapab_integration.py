@@ -57,7 +57,8 @@ SHIPPED_RUNS = [os.path.join(REPO, "benchmark", "results", "swapab", f"grouped_g
     "tune_swapab_ppsm34_uneven_t1_t24",  # the same at 1, 2, 4 and 24 tokens (8-32 experts) ...
     "tune_swapab_ppsm34_uneven_t1_t24_g256",  # ... and 256 experts
     "split_s41",  # 16-64 tokens, 8-256 experts, both draws: normal and split measured beside swapab (shipped configs)
-    "tune_normal_g32_t64_s41")]  # 32 experts x 64 tokens retuned (the run's 256-expert points left out: no uneven draw)
+    "tune_normal_g32_t64_s41",  # 32 experts x 64 tokens retuned (the run's 256-expert points left out: no uneven draw)
+    "tune_maxnreg_s43")]  # 8-16 experts x 24-64 tokens: swapAB with registers capped, beside everything (session 43)
 
 
 # ---------------------------------------------------------------------------------------------
