@@ -143,7 +143,13 @@ TUNE_GRID = {
     # 35); there also MANY_PROGRAMS, as for swapAB
     "normal": [{"BLOCK_N": bn, "BLOCK_T": bt, "num_stages": st, "programs_per_sm": p, "num_warps": nw, **WALKS[w]}
                for bn in (128, 256) for bt in (64, 128) for st in (3, 4) for nw in (4, 8) for w in WALKS
-               for p in ((1, 2, MANY_PROGRAMS) if (bn, bt, nw) == (128, 64, 4) else (1,))],
+               for p in ((1, 2, MANY_PROGRAMS) if (bn, bt, nw) == (128, 64, 4) else (1,))]
+    # the register cap that made swapAB's 128 x 32 tile resident three per SM (session 43), for the normal variant's
+    # 128 x 64 tile: 254 registers uncapped, two per SM, so gate_up 8 x 64's uneven draw (384 tiles) runs a second
+    # round; at 3 stages (72 KB) three fit by shared memory, and 168 / 160 registers let three fit by registers
+    # (ptxas: 132 / 164 bytes spilled; untimed when added)
+    + [{"BLOCK_N": 128, "BLOCK_T": 64, "num_stages": 3, "maxnreg": r, "programs_per_sm": MANY_PROGRAMS,
+        "num_warps": 4, **WALKS[w]} for r in (160, 168) for w in WALKS],
     # (64 x 64 tiles three per SM fit too, but took 1.12-1.43x the time of 64 x 128 two per SM at 8 and 32 experts
     # x 128 tokens: benchmark/results/swapab/grouped_gemm_normal_64x64_three_per_sm_*, session 36)
 }

@@ -29,6 +29,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from sgl_kernel_ext.grouped_gemm_fp8 import resident_per_sm  # noqa: E402
+
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
@@ -38,16 +40,19 @@ def _signature(fn, const: dict, types: dict) -> dict:
     return {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
 
 
-def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int = 2, ones=()) -> dict:
+def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int = 2, ones=(),
+                   maxnreg: int | None = None) -> dict:
     """As the runtime JIT specializes: `ones` (e.g. unit strides) become constants 1, and pointers and the
-    other strides get Triton's divisible-by-16 hint (true for these shapes)."""
+    other strides get Triton's divisible-by-16 hint (true for these shapes). maxnreg: a tile config's register
+    cap."""
     const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **const,
              **{n: 1 for n in ones}}
     sig = _signature(fn, const, types)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or (n.startswith("stride_") and sig[n] == "i32")}
     c = triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET,
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
+                       options=dict(num_warps=num_warps, num_stages=num_stages,
+                                    **({"maxnreg": maxnreg} if maxnreg else {})))
     ptx = c.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
@@ -74,6 +79,9 @@ def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int
         "sys_atomics": len(re.findall(r"atom\.[\w.]*\bsys\b", ptx)),  # system scope (peer GPUs' memory)
         "setmaxnreg": ptx.count("setmaxnreg"),  # warp specialization: register budgets moved between warp groups
         "num_warps": c.metadata.num_warps,  # as launched (warp specialization adds warps)
+        # programs one SM holds (by registers, shared memory, threads): the tiles in flight at once
+        "resident_per_sm": resident_per_sm(int(regs.group(1)) if regs else 0, c.metadata.shared,
+                                           c.metadata.num_warps),
     }
 
 
@@ -112,6 +120,14 @@ def gemm_variants():
         yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt}{' signal' if sig else ''}"
                f"{' combine' if topk else ''}{' deferred' if defer is True else ' tail' if defer else ''}]",
                g._fp8_grouped_gemm_kernel, const, types, 4, 3, ones)
+    # the tile of session 43: gate_up's K, contiguous, 128 x 32 at 3 stages, uncapped (two per SM by its
+    # registers) and with config maxnreg 160 (three, as shared memory allows)
+    for cap in (None, 160):
+        const = dict(G=8, K=7168, LAYOUT=0, SWAP_AB=True, BLOCK_N=128, BLOCK_T=32, SPLIT_K=1)
+        ones = [n for n in ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk")
+                if n in g._fp8_grouped_gemm_kernel.arg_names]
+        yield (f"grouped_gemm[contiguous swapab t32 K7168{f' maxnreg {cap}' if cap else ''}]",
+               g._fp8_grouped_gemm_kernel, const, types, 4, 3, ones, cap)
     # config "flat": the same tiles in one flattened, pipelined loop (tl.range(..., flatten=True)); "tma": its
     # FP8 operands through tensor descriptors (cp.async.bulk.tensor) instead of pointer loads
     ones = ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk")
@@ -212,9 +228,9 @@ def main(argv=None) -> int:
         ap.error(f"unknown kernels {sorted(set(args.kernels) - gens.keys())}; choose from {sorted(gens)}")
     out = {}
     for k in args.kernels or ["mla", "gemm", "sbo", "ep"]:
-        for name, fn, const, types, w, s, ones in gens[k]():
+        for name, fn, const, types, w, s, ones, *cap in gens[k]():
             try:
-                rep = compile_report(fn, const, types, w, s, ones)
+                rep = compile_report(fn, const, types, w, s, ones, *cap)
             except Exception as e:  # report and go on: one variant failing to compile is itself a finding
                 rep = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
             out[name] = rep
@@ -222,7 +238,8 @@ def main(argv=None) -> int:
                   f"regs {rep['registers']} spill {rep['spill_bytes']} B smem {rep['shared_bytes']} B "
                   f"wgmma {rep['wgmma']} mma.sync {rep['mma_sync']} tma {rep['tma_copies']} "
                   f"release {rep['release_atomics']} acquire {rep['acquire_loads']}+{rep['acquire_atomics']} atom "
-                  f"f32-atomics {rep['f32_atomics']} setmaxnreg {rep['setmaxnreg']} warps {rep['num_warps']}"),
+                  f"f32-atomics {rep['f32_atomics']} setmaxnreg {rep['setmaxnreg']} warps {rep['num_warps']} "
+                  f"per SM {rep['resident_per_sm']}"),
                   flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -1238,13 +1238,20 @@ def _count_resident(kernel, pos, kw, device) -> int:
     if hasattr(k, "_init_handles"):
         k._init_handles()  # fills n_regs
     props = torch.cuda.get_device_properties(device)
-    warps = kw.get("num_warps", 4)
-    regs_per_warp = -(-max(1, k.n_regs) * 32 // 256) * 256
-    shared = int(getattr(k.metadata, "shared", 0) or 0)
-    per_sm = min(props.regs_per_multiprocessor // (regs_per_warp * warps),
-                 props.shared_memory_per_multiprocessor // (shared + 1024),
-                 props.max_threads_per_multi_processor // (32 * warps), 32)
+    per_sm = resident_per_sm(k.n_regs, int(getattr(k.metadata, "shared", 0) or 0), kw.get("num_warps", 4),
+                             props.regs_per_multiprocessor, props.shared_memory_per_multiprocessor,
+                             props.max_threads_per_multi_processor)
     return max(1, per_sm) * props.multi_processor_count
+
+
+def resident_per_sm(regs: int, shared: int, warps: int, regs_per_sm: int = 65536, shared_per_sm: int = 233472,
+                    threads_per_sm: int = 2048) -> int:
+    """Programs of one compiled kernel an SM holds at once (defaults: sm_90): the least of what its registers
+    (allocated per warp in 256s), shared memory (1 KB reserved per program) and threads allow. Registers are what
+    held swapAB's 128 x 32 tile to two per SM where shared memory allowed three (session 43)."""
+    regs_per_warp = -(-max(1, regs) * 32 // 256) * 256
+    return min(regs_per_sm // (regs_per_warp * warps), shared_per_sm // (shared + 1024),
+               threads_per_sm // (32 * warps), 32)
 
 
 def _tma_descriptors(a3: torch.Tensor, b: torch.Tensor, block_t: int, block_n: int):
