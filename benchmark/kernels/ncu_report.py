@@ -11,6 +11,7 @@ import glob
 import io
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 # (section, metric) pairs every summary shows, when the report has them
@@ -39,6 +40,14 @@ def find_ncu(name: str) -> str | None:
         return found
     hits = sorted(h for g in NCU_GLOBS for h in glob.glob(g))
     return hits[-1] if hits else None
+
+
+def require_ncu(name: str) -> str | None:
+    """find_ncu, or None after saying on stderr that Nsight Compute is needed."""
+    found = find_ncu(name)
+    if found is None:
+        print(f"{name} not found (PATH, {', '.join(NCU_GLOBS)}): Nsight Compute is needed", file=sys.stderr)
+    return found
 
 
 def parse_details(csv_text: str) -> list[dict]:
@@ -96,5 +105,12 @@ def profile(ncu: str, child_cmd: list[str], report: Path, raw_metrics: list[str]
     raw = subprocess.run([ncu, "--import", str(rep), "--page", "raw", "--csv", "--metrics", ",".join(raw_metrics)],
                          capture_output=True, text=True, timeout=timeout_s)
     rows = parse_details(details.stdout)
-    return {"command": " ".join(cmd), "rows": rows, "summary": summarize(rows, raw_metrics),
+    return {"command": " ".join(cmd), "set": section_set, "rows": rows, "summary": summarize(rows, raw_metrics),
             "raw_csv": raw.stdout[-200000:]}
+
+
+def record(got: dict, details: bool = True) -> dict:
+    """The JSON record's ncu part of a profile() result: the command, the summary, the raw metrics (and every
+    details row)."""
+    return {"ncu": {"command": got["command"], "set": got["set"], "clock_control": "none"},
+            "summary": got["summary"], **({"details": got["rows"]} if details else {}), "raw_csv": got["raw_csv"]}

@@ -30,7 +30,6 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
         sys.path.append(str(_p))
 
 import ncu_report  # noqa: E402  (beside this file)
-from ncu_report import find_ncu  # noqa: E402
 
 UPSTREAM = ("sglang-triton-swapab", "sglang-triton", "deepgemm")
 # raw metrics on top of the sections: where the bytes come from and what the warps wait on
@@ -163,10 +162,8 @@ def parent(args) -> int:
     from sglang_h20 import provenance
 
     args.out.mkdir(parents=True, exist_ok=True)
-    ncu = find_ncu(args.ncu)
+    ncu = ncu_report.require_ncu(args.ncu)
     if ncu is None:
-        print(f"{args.ncu} not found (PATH, {', '.join(ncu_report.NCU_GLOBS)}): Nsight Compute is needed",
-              file=sys.stderr)
         return 2
     got = ncu_report.profile(ncu, child_command(args), args.out / "grouped_gemm.ncu-rep", RAW_METRICS, args.set,
                              args.timeout_s, args.out / "ncu_console.log")
@@ -176,9 +173,7 @@ def parent(args) -> int:
               "point": {"shape": args.shape, "groups": args.groups, "tokens_per_group": args.tokens,
                         "distribution": args.dist, "seed": args.seed, "layout": args.layout,
                         "counts": point_counts(args)},
-              "providers_in_launch_order": labels(args),
-              "ncu": {"command": got["command"], "set": args.set, "clock_control": "none"},
-              "summary": got["summary"], "raw_csv": got["raw_csv"]}
+              "providers_in_launch_order": labels(args), **ncu_report.record(got, details=False)}
     path = args.out / "profile_grouped_gemm.json"
     path.write_text(json.dumps(record, separators=(",", ":")))
     print(ncu_report.table(got["summary"]))

@@ -31,7 +31,6 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
         sys.path.append(str(_p))
 
 import ncu_report  # noqa: E402  (beside this file)
-from ncu_report import find_ncu  # noqa: E402
 
 PROVIDERS = ("ours-cuda", "ours-cuda-v2", "flashmla-bf16", "flashmla-fp8")
 # raw metrics asked for on top of the sections: the tensor pipe and shared memory, which the sections summarize only
@@ -151,10 +150,8 @@ def parent(args) -> int:
     from sglang_h20 import provenance
 
     args.out.mkdir(parents=True, exist_ok=True)
-    ncu = find_ncu(args.ncu)
+    ncu = ncu_report.require_ncu(args.ncu)
     if ncu is None:
-        print(f"{args.ncu} not found (PATH, {', '.join(ncu_report.NCU_GLOBS)}): Nsight Compute is needed",
-              file=sys.stderr)
         return 2
     child_cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(args.out),
                  "--batch", str(args.batch), "--context", str(args.context), "--heads", str(args.heads),
@@ -164,15 +161,13 @@ def parent(args) -> int:
     got = ncu_report.profile(ncu, child_cmd, rep, RAW_METRICS, args.set, args.timeout_s, args.out / "ncu_console.log")
     if got is None:
         return 1
-    summary = got["summary"]
     record = {**provenance.record(), "benchmark": "profile_mla_decode",
               "point": {"batch": args.batch, "context": args.context, "heads": args.heads, "q_len": args.q_len,
                         "plan": args.plan, "providers": args.providers, "defines": args.defines},
-              "ncu": {"command": got["command"], "set": args.set, "clock_control": "none"},
-              "summary": summary, "details": got["rows"], "raw_csv": got["raw_csv"]}
+              **ncu_report.record(got)}
     path = args.out / "profile_mla_decode.json"
     path.write_text(json.dumps(record, indent=1))
-    print(ncu_report.table(summary))
+    print(ncu_report.table(got["summary"]))
     print(f"wrote {path} and {rep}")
     return 0
 

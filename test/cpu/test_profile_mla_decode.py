@@ -49,7 +49,7 @@ def test_defines_reach_the_child_and_unknown_ones_are_refused(tmp_path, monkeypa
     def fake_run(cmd, **kw):
         seen.setdefault("cmd", cmd)
         return Run()
-    monkeypatch.setattr(prof, "find_ncu", lambda name: "/bin/true")
+    monkeypatch.setattr(ncu_report, "find_ncu", lambda name: "/bin/true")
     monkeypatch.setattr(ncu_report.subprocess, "run", fake_run)
     assert prof.main(["--out", str(tmp_path), "--defines", "MLA_VT_LDSM"]) == 1  # the fake ncu "failed"
     cmd = seen["cmd"]
