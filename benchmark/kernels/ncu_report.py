@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import glob
 import io
+import json
 import shutil
 import subprocess
 import sys
@@ -109,8 +110,26 @@ def profile(ncu: str, child_cmd: list[str], report: Path, raw_metrics: list[str]
             "raw_csv": raw.stdout[-200000:]}
 
 
-def record(got: dict, details: bool = True) -> dict:
-    """The JSON record's ncu part of a profile() result: the command, the summary, the raw metrics (and every
-    details row)."""
-    return {"ncu": {"command": got["command"], "set": got["set"], "clock_control": "none"},
-            "summary": got["summary"], **({"details": got["rows"]} if details else {}), "raw_csv": got["raw_csv"]}
+def profile_to_json(args, child_cmd: list[str], name: str, raw_metrics: list[str], point: dict,
+                    details: bool = True, **extra) -> int:
+    """A profiler's parent: run `child_cmd` under ncu (args.ncu, args.set, args.timeout_s), write
+    args.out/<name>.ncu-rep and args.out/profile_<name>.json (provenance, `point`, `extra`, the ncu command, summary,
+    raw metrics and, with `details`, every details row), print the summary. Exit code: 0, 1 (ncu failed), 2 (no ncu)."""
+    from sglang_h20 import provenance
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    ncu = require_ncu(args.ncu)
+    if ncu is None:
+        return 2
+    got = profile(ncu, child_cmd, args.out / f"{name}.ncu-rep", raw_metrics, args.set, args.timeout_s,
+                  args.out / "ncu_console.log")
+    if got is None:
+        return 1
+    record = {**provenance.record(), "benchmark": f"profile_{name}", "point": point, **extra,
+              "ncu": {"command": got["command"], "set": got["set"], "clock_control": "none"},
+              "summary": got["summary"], **({"details": got["rows"]} if details else {}), "raw_csv": got["raw_csv"]}
+    path = args.out / f"profile_{name}.json"
+    path.write_text(json.dumps(record, separators=(",", ":")))
+    print(table(got["summary"]))
+    print(f"wrote {path} and {args.out / f'{name}.ncu-rep'}")
+    return 0

@@ -159,26 +159,10 @@ def child_command(args) -> list[str]:
 
 
 def parent(args) -> int:
-    from sglang_h20 import provenance
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    ncu = ncu_report.require_ncu(args.ncu)
-    if ncu is None:
-        return 2
-    got = ncu_report.profile(ncu, child_command(args), args.out / "grouped_gemm.ncu-rep", RAW_METRICS, args.set,
-                             args.timeout_s, args.out / "ncu_console.log")
-    if got is None:
-        return 1
-    record = {**provenance.record(), "benchmark": "profile_grouped_gemm",
-              "point": {"shape": args.shape, "groups": args.groups, "tokens_per_group": args.tokens,
-                        "distribution": args.dist, "seed": args.seed, "layout": args.layout,
-                        "counts": point_counts(args)},
-              "providers_in_launch_order": labels(args), **ncu_report.record(got, details=False)}
-    path = args.out / "profile_grouped_gemm.json"
-    path.write_text(json.dumps(record, separators=(",", ":")))
-    print(ncu_report.table(got["summary"]))
-    print(f"wrote {path}")
-    return 0
+    point = {"shape": args.shape, "groups": args.groups, "tokens_per_group": args.tokens, "distribution": args.dist,
+             "seed": args.seed, "layout": args.layout, "counts": point_counts(args)}
+    return ncu_report.profile_to_json(args, child_command(args), "grouped_gemm", RAW_METRICS, point, details=False,
+                                      providers_in_launch_order=labels(args))
 
 
 def main(argv=None) -> int:

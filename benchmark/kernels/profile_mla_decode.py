@@ -21,7 +21,6 @@ usage (GPU host): python3 benchmark/kernels/profile_mla_decode.py --out DIR [--b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -147,29 +146,13 @@ def child(args) -> int:
 
 # ----------------------------------------------------------------------------------------------- the parent
 def parent(args) -> int:
-    from sglang_h20 import provenance
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    ncu = ncu_report.require_ncu(args.ncu)
-    if ncu is None:
-        return 2
     child_cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(args.out),
                  "--batch", str(args.batch), "--context", str(args.context), "--heads", str(args.heads),
                  "--q-len", str(args.q_len), "--plan", args.plan, "--providers", *args.providers,
                  *(["--defines", *args.defines] if args.defines else [])]
-    rep = args.out / "mla_decode.ncu-rep"
-    got = ncu_report.profile(ncu, child_cmd, rep, RAW_METRICS, args.set, args.timeout_s, args.out / "ncu_console.log")
-    if got is None:
-        return 1
-    record = {**provenance.record(), "benchmark": "profile_mla_decode",
-              "point": {"batch": args.batch, "context": args.context, "heads": args.heads, "q_len": args.q_len,
-                        "plan": args.plan, "providers": args.providers, "defines": args.defines},
-              **ncu_report.record(got)}
-    path = args.out / "profile_mla_decode.json"
-    path.write_text(json.dumps(record, indent=1))
-    print(ncu_report.table(got["summary"]))
-    print(f"wrote {path} and {rep}")
-    return 0
+    point = {"batch": args.batch, "context": args.context, "heads": args.heads, "q_len": args.q_len,
+             "plan": args.plan, "providers": args.providers, "defines": args.defines}
+    return ncu_report.profile_to_json(args, child_cmd, "mla_decode", RAW_METRICS, point)
 
 
 def main(argv=None) -> int:

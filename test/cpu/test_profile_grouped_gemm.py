@@ -31,3 +31,33 @@ def test_a_malformed_config_is_refused(tmp_path, bad, capsys):
 def test_without_ncu_it_says_so(tmp_path, capsys):
     assert prof.main(["--out", str(tmp_path), "--ncu", "no-such-ncu-binary"]) == 2
     assert "Nsight Compute is needed" in capsys.readouterr().err
+
+
+def test_a_profile_run_writes_its_record(tmp_path, monkeypatch):
+    """The parent's whole path with ncu faked: the report is written, read back, and the record holds the point,
+    the providers in launch order and the per-launch summary (no details rows for this profiler)."""
+    import json
+
+    import ncu_report
+    details = ('"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+               '"0","_fp8_grouped_gemm_kernel","GPU Speed Of Light Throughput","Duration","nsecond","75,232"\n'
+               '"0","_fp8_grouped_gemm_kernel","Command line profiler metrics","dram__bytes_read.sum","byte","237706496"\n')
+
+    class Run:
+        def __init__(self, stdout=""):
+            self.returncode, self.stdout, self.stderr = 0, stdout, ""
+
+    def fake_run(cmd, **kw):
+        if "-o" in cmd:
+            (Path(cmd[cmd.index("-o") + 1]).with_suffix(".ncu-rep")).write_text("report")
+            return Run()
+        return Run(details if "details" in cmd else "raw,csv")
+    monkeypatch.setattr(ncu_report, "find_ncu", lambda name: "/bin/ncu")
+    monkeypatch.setattr(ncu_report.subprocess, "run", fake_run)
+    assert prof.main(["--out", str(tmp_path), "--dist", "uniform", "--ours", "swapab:128x32x3x16"]) == 0
+    rec = json.loads((tmp_path / "profile_grouped_gemm.json").read_text())
+    assert rec["benchmark"] == "profile_grouped_gemm" and rec["point"]["counts"] == [32] * 8
+    assert rec["providers_in_launch_order"][0].startswith("ours-swapab:") and "details" not in rec
+    assert rec["summary"]["0: _fp8_grouped_gemm_kernel"] == {"Duration": [75232.0, "nsecond"],
+                                                            "dram__bytes_read.sum": [237706496.0, "byte"]}
+    assert rec["ncu"]["command"].startswith("/bin/ncu --clock-control none") and rec["raw_csv"] == "raw,csv"
