@@ -118,14 +118,12 @@ def test_ws_config_is_warp_specialized_only_when_split(report):
 
 
 def test_a_register_cap_makes_room_for_a_third_program(report):
-    """Session 43: ours' 128 x 32 swapAB tile held two programs per SM where shared memory allowed three: the run-time
-    build took 176 registers (Nsight Compute), this build 168 (three on paper: the JIT specializes its arguments
-    differently). Config maxnreg 160 makes it three in any build, without spilling."""
+    """Session 43: ours' 128 x 32 swapAB tile, specialized as the bench launched it, takes 176 registers (Nsight
+    Compute saw the same) and so two programs per SM where shared memory allows three; config maxnreg 160 makes it
+    three, without spilling."""
     _, rep = report
     free = rep["grouped_gemm[contiguous swapab t32 K7168]"]
     capped = rep["grouped_gemm[contiguous swapab t32 K7168 maxnreg 160]"]
-    assert free["registers"] > 160 and free["resident_per_sm"] <= 3, free
+    assert free["registers"] > 170 and free["resident_per_sm"] == 2, free  # 176 here; 171+ leaves room for two
     assert capped["registers"] <= 160 and capped["spill_bytes"] == 0 and capped["resident_per_sm"] == 3, capped
     assert capped["shared_bytes"] == free["shared_bytes"]
-    from sgl_kernel_ext.grouped_gemm_fp8 import resident_per_sm
-    assert resident_per_sm(176, free["shared_bytes"], 4) == 2  # the run-time build's registers
