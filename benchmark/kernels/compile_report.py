@@ -6,10 +6,12 @@ Why: the compiler's resource report answers most performance questions before an
 
     python benchmark/kernels/compile_report.py                 # every kernel, default configs
     python benchmark/kernels/compile_report.py mla --mla-configs 64x32x512x8x2b 64x64x512x8x2b
+    python benchmark/kernels/compile_report.py table           # the grouped-GEMM table's configs: held by registers?
 
 Per variant: registers, spill bytes, shared memory, the wgmma shapes (m64nNkK) and operand types, mma.sync
 count (a slower path), TMA copies, the release/acquire instructions of the SBO signals, the combine's fp32
-atomics.
+atomics, and the programs one SM holds (`per SM`; a closing line lists the variants whose registers hold fewer
+than their shared memory would allow).
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def _signature(fn, const: dict, types: dict) -> dict:
     return {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
 
 
-def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int = 2, ones=(),
-                   maxnreg: int | None = None, divisible=None) -> dict:
+def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int = 2, ones=(), divisible=None,
+                   maxnreg: int | None = None) -> dict:
     """As the runtime JIT specializes: `ones` (e.g. unit strides) become constants 1, and pointers and the
     integer arguments named in `divisible` (default: every stride; true for these shapes) get Triton's
     divisible-by-16 hint. maxnreg: a tile config's register cap."""
@@ -80,9 +82,11 @@ def compile_report(fn, const: dict, types: dict, num_warps: int, num_stages: int
         "sys_atomics": len(re.findall(r"atom\.[\w.]*\bsys\b", ptx)),  # system scope (peer GPUs' memory)
         "setmaxnreg": ptx.count("setmaxnreg"),  # warp specialization: register budgets moved between warp groups
         "num_warps": c.metadata.num_warps,  # as launched (warp specialization adds warps)
-        # programs one SM holds (by registers, shared memory, threads): the tiles in flight at once
+        # programs one SM holds (by registers, shared memory, threads): the tiles in flight at once; and what
+        # shared memory alone would allow (more than resident_per_sm: registers are the limit)
         "resident_per_sm": resident_per_sm(int(regs.group(1)) if regs else 0, c.metadata.shared,
                                            c.metadata.num_warps),
+        "resident_per_sm_by_shared": resident_per_sm(1, c.metadata.shared, c.metadata.num_warps),
     }
 
 
@@ -121,18 +125,13 @@ def gemm_variants():
         yield (f"grouped_gemm[masked {'swapab' if swap else 'normal'} t{bt}{' signal' if sig else ''}"
                f"{' combine' if topk else ''}{' deferred' if defer is True else ' tail' if defer else ''}]",
                g._fp8_grouped_gemm_kernel, const, types, 4, 3, ones)
-    # the tile of session 43 as the bench launched it (gate_up's K, contiguous, row-major activation scales: their
-    # unit stride is stride_ask, and 56 scale blocks per row carry no divisibility hint; the integer arguments that
-    # were multiples of 16 carry it): 128 x 32 at 3 stages, uncapped (176 registers, as Nsight Compute saw: two per
-    # SM) and with config maxnreg 160 (three, as shared memory allows)
+    # the tile of session 43 as the bench launched it: 128 x 32 at 3 stages, uncapped (176 registers, as Nsight
+    # Compute saw: two per SM) and with config maxnreg 160 (three, as shared memory allows)
     fn = g._fp8_grouped_gemm_kernel
-    divisible = [n for n in fn.arg_names if n.startswith("stride_") and n not in ("stride_asm", "stride_bsn")] + [
-        "M_DENSE", "MAX_M", "N", "NUM_PROGRAMS", "SIG_STRIDE", "stride_cmb_om", "NUM_TOKENS", "MAX_SPIN"]
     for cap in (None, 160):
         const = dict(G=8, K=7168, LAYOUT=0, SWAP_AB=True, BLOCK_N=128, BLOCK_T=32, SPLIT_K=1)
         yield (f"grouped_gemm[contiguous swapab t32 K7168{f' maxnreg {cap}' if cap else ''}]", fn, const,
-               {**types, "cmb_w_scale": "fp32"}, 4, 3, ("stride_ak", "stride_bk", "stride_on", "stride_ask",
-                                                        "stride_bsk"), cap, divisible)
+               {**types, "cmb_w_scale": "fp32"}, 4, 3, *bench_specialization(fn), cap)
     # config "flat": the same tiles in one flattened, pipelined loop (tl.range(..., flatten=True)); "tma": its
     # FP8 operands through tensor descriptors (cp.async.bulk.tensor) instead of pointer loads
     ones = ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk")
@@ -149,6 +148,49 @@ def gemm_variants():
                f"{' combine' if topk else ''}{' deferred' if defer else ''}]",
                g._fp8_grouped_gemm_flat_kernel, const, {**types, **descs}, 4, 4, ones)
     yield from ws_variants()
+
+
+def bench_specialization(fn) -> tuple[tuple, list]:
+    """(ones, divisible) of the group-walk kernel as bench_grouped_gemm and the plugin launch it: row-major
+    activation scales (unit stride_ask; 56 or 16 scale blocks per row carry no divisibility hint, nor the weights'
+    stride_bsn), and the integer arguments that are multiples of 16 there. Session 43's CPU report, built with
+    column-major scales, gave the 128 x 32 tile 168 registers where the GPU build had 176."""
+    divisible = [n for n in fn.arg_names if n.startswith("stride_") and n not in ("stride_asm", "stride_bsn")] + [
+        "M_DENSE", "MAX_M", "N", "NUM_PROGRAMS", "SIG_STRIDE", "stride_cmb_om", "NUM_TOKENS", "MAX_SPIN"]
+    return ("stride_ak", "stride_bk", "stride_on", "stride_ask", "stride_bsk"), divisible
+
+
+def table_variants(path: Path):
+    """Every distinct group-walk tile config the grouped-GEMM table at `path` ships for the MoE layouts (swapAB and
+    normal, whichever is best at the key), specialized as launched: where its registers, not its shared memory,
+    bound the programs per SM, a register cap (config maxnreg) might put more tiles in flight."""
+    from sgl_kernel_ext import grouped_gemm_fp8 as g
+
+    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "indptr_ptr": "*i32",
+             "masked_m_ptr": "*i32", "sig_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32", "ws_ptr": "*fp32",
+             "cmb_pair_ptr": "*i32", "cmb_rowp_ptr": "*i32", "cmb_w_ptr": "*fp32", "cmb_cnt_ptr": "*i32",
+             "cmb_out_ptr": "*bf16", "dfr_ptr": "*i32", "cmb_w_scale": "fp32"}
+    fn = g._fp8_grouped_gemm_kernel
+    programs: dict = {}  # compile-relevant key -> the programs per SM the table launches it with
+    for e in json.loads(path.read_text())["entries"]:
+        if e["layout"] == "dense":
+            continue
+        for variant in ("swapab", "normal"):
+            given = (e.get("config") or {}).get(variant)
+            if given is None or any(given.get(w) for w in ("flat", "tma", "ws")):
+                continue  # not timed at this key, or another walk's kernel
+            cfg = {**g.heuristic_config(variant, e["m"], e["n"], e["k"], e["groups"]), **given}
+            key = (e["layout"], variant, e["groups"], e["k"], cfg["BLOCK_N"], cfg["BLOCK_T"], cfg["num_warps"],
+                   cfg["num_stages"], cfg.get("maxnreg"), cfg.get("split_k", 1))
+            programs.setdefault(key, set()).add(cfg.get("programs_per_sm", 1))
+    for key, pps in programs.items():
+        layout, variant, groups, k, bn, bt, warps, stages, cap, split_k = key
+        const = dict(G=groups, K=k, LAYOUT=0 if layout == "contiguous" else 1, SWAP_AB=variant == "swapab",
+                     BLOCK_N=bn, BLOCK_T=bt, SPLIT_K=split_k)
+        yield (f"table[{layout} {variant} G{groups} K{k} {bn}x{bt} w{warps} s{stages}"
+               f"{f' maxnreg {cap}' if cap else ''}{f' split_k {split_k}' if split_k > 1 else ''}"
+               f" launched {'/'.join(map(str, sorted(pps)))} per SM]",
+               fn, const, types, warps, stages, *bench_specialization(fn), cap)
 
 
 def ws_variants():
@@ -222,20 +264,23 @@ def ep_variants():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kernels", nargs="*", help="mla, gemm, sbo, ep (default: all)")
+    ap.add_argument("kernels", nargs="*",
+                    help="mla, gemm, sbo, ep (default: all of these), table (the grouped-GEMM table's tile configs)")
+    ap.add_argument("--table", type=Path, default=REPO / "python" / "sglang_h20" / "tables" / "grouped_gemm_h200.json",
+                    help="the table `table` reads (default: the shipped H200 one)")
     ap.add_argument("--mla-configs", nargs="+", default=["64x32x512x8x2b", "64x32x256x8x2"],
                     help="BHxBNxBVxWxS[b] as in bench_mla_decode.py --configs")
     ap.add_argument("--json", type=Path, help="write the report of every variant here")
     args = ap.parse_args(argv)
     gens = {"mla": lambda: mla_variants(args.mla_configs), "gemm": gemm_variants, "sbo": sbo_variants,
-            "ep": ep_variants}
+            "ep": ep_variants, "table": lambda: table_variants(args.table)}
     if set(args.kernels) - gens.keys():
         ap.error(f"unknown kernels {sorted(set(args.kernels) - gens.keys())}; choose from {sorted(gens)}")
     out = {}
     for k in args.kernels or ["mla", "gemm", "sbo", "ep"]:
-        for name, fn, const, types, w, s, ones, *cap in gens[k]():
+        for name, fn, const, types, w, s, ones, *rest in gens[k]():  # rest: divisible, maxnreg
             try:
-                rep = compile_report(fn, const, types, w, s, ones, *cap)
+                rep = compile_report(fn, const, types, w, s, ones, *rest)
             except Exception as e:  # report and go on: one variant failing to compile is itself a finding
                 rep = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
             out[name] = rep
@@ -246,6 +291,10 @@ def main(argv=None) -> int:
                   f"f32-atomics {rep['f32_atomics']} setmaxnreg {rep['setmaxnreg']} warps {rep['num_warps']} "
                   f"per SM {rep['resident_per_sm']}"),
                   flush=True)
+    held = {n: r for n, r in out.items() if "error" not in r and r["resident_per_sm"] < r["resident_per_sm_by_shared"]}
+    if held:
+        print(f"held back by registers ({len(held)} of {len(out)}): "
+              + ", ".join(f"{n} {r['resident_per_sm']} of {r['resident_per_sm_by_shared']}" for n, r in held.items()))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 1 if any("error" in r for r in out.values()) else 0

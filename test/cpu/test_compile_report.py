@@ -127,3 +127,27 @@ def test_a_register_cap_makes_room_for_a_third_program(report):
     assert free["registers"] > 170 and free["resident_per_sm"] == 2, free  # 176 here; 171+ leaves room for two
     assert capped["registers"] <= 160 and capped["spill_bytes"] == 0 and capped["resident_per_sm"] == 3, capped
     assert capped["shared_bytes"] == free["shared_bytes"]
+
+
+def test_the_table_survey_builds_each_distinct_group_walk_config_once(tmp_path):
+    """compile_report.py table: one variant per compile-relevant config of the table's MoE keys (the programs per SM
+    it is launched with named), other walks and the dense linears left out."""
+    sys.path.insert(0, str(REPO / "benchmark" / "kernels"))
+    import compile_report as cr
+    tile = {"BLOCK_N": 128, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
+    entries = [{"n": 4096, "k": 7168, "groups": 8, "m": 32, "layout": "masked", "best": "swapab",
+                "config": {"swapab": tile, "normal": {**tile, "BLOCK_T": 64, "tma": True, "flat": True}}},
+               {"n": 4096, "k": 7168, "groups": 8, "m": 24, "layout": "masked", "best": "upstream",
+                "config": {"swapab": {**tile, "programs_per_sm": 16, "maxnreg": 160}}},
+               {"n": 4096, "k": 7168, "groups": 8, "m": 16, "layout": "masked", "best": "swapab",
+                "config": {"swapab": tile}},
+               {"n": 2112, "k": 7168, "groups": 1, "m": 16, "layout": "dense", "best": "swapab",
+                "config": {"swapab": tile}}]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"entries": entries}))
+    got = list(cr.table_variants(path))
+    assert [v[0] for v in got] == ["table[masked swapab G8 K7168 128x32 w4 s3 launched 2 per SM]",
+                                   "table[masked swapab G8 K7168 128x32 w4 s3 maxnreg 160 launched 16 per SM]"]
+    name, fn, const, types, warps, stages, ones, divisible, cap = got[1]
+    assert const["LAYOUT"] == 1 and const["SWAP_AB"] and (warps, stages, cap) == (4, 3, 160)
+    assert "stride_ask" in ones and "stride_asm" not in divisible
