@@ -147,7 +147,7 @@ TUNE_GRID = {
     # the register cap that made swapAB's 128 x 32 tile resident three per SM (session 43), for the normal variant's
     # 128 x 64 tile: 254 registers uncapped, two per SM, so gate_up 8 x 64's uneven draw (384 tiles) runs a second
     # round; at 3 stages (72 KB) three fit by shared memory, and 168 / 160 registers let three fit by registers
-    # (ptxas: 132 / 164 bytes spilled; untimed when added)
+    # (ptxas, built as launched: 176 / 128 bytes spilled; untimed when added)
     + [{"BLOCK_N": 128, "BLOCK_T": 64, "num_stages": 3, "maxnreg": r, "programs_per_sm": MANY_PROGRAMS,
         "num_warps": 4, **WALKS[w]} for r in (160, 168) for w in WALKS],
     # (64 x 64 tiles three per SM fit too, but took 1.12-1.43x the time of 64 x 128 two per SM at 8 and 32 experts
