@@ -146,7 +146,7 @@ TUNE_GRID = {
                for p in ((1, 2, MANY_PROGRAMS) if (bn, bt, nw) == (128, 64, 4) else (1,))]
     # the register cap that made swapAB's 128 x 32 tile resident three per SM (session 43), for the normal variant's
     # 128 x 64 tile: 254 registers uncapped, two per SM, so gate_up 8 x 64's uneven draw (384 tiles) runs a second
-    # round; at 3 stages (72 KB) three fit by shared memory, and 168 / 160 registers let three fit by registers
+    # round; at 3 stages (72 KB) three fit by shared memory, and 160 / 168 registers let three fit by registers
     # (ptxas, built as launched: 176 / 128 bytes spilled; untimed when added)
     + [{"BLOCK_N": 128, "BLOCK_T": 64, "num_stages": 3, "maxnreg": r, "programs_per_sm": MANY_PROGRAMS,
         "num_warps": 4, **WALKS[w]} for r in (160, 168) for w in WALKS],
