@@ -15,7 +15,7 @@ writes OUT/profile_grouped_gemm.json (summary per launch, the providers in launc
 usage (GPU host): python3 benchmark/kernels/profile_grouped_gemm.py --out DIR [--shape gate_up --groups 8
                   --tokens 32 --dist uneven --layout contiguous]
                   [--ours swapab:128x32x3x16 swapab:64x32x4x4] [--upstream sglang-triton-swapab deepgemm]
-An ours config is VARIANT:BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM[:flat|:tma] (4 warps), or VARIANT:shipped.
+An ours config is VARIANT:BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM[xMAXNREG][:flat|:tma] (4 warps), or VARIANT:shipped.
 """
 from __future__ import annotations
 
@@ -49,20 +49,25 @@ RAW_METRICS = [
 
 
 def parse_ours(text: str) -> tuple[str, dict | None]:
-    """'swapab:128x32x3x16[:flat|:tma]' -> ('swapab', config); 'normal:shipped' -> ('normal', None)."""
+    """'swapab:128x32x3x16[x160][:flat|:tma]' -> ('swapab', config) (the fifth number: config maxnreg);
+    'normal:shipped' -> ('normal', None)."""
     parts = text.split(":")
     if len(parts) not in (2, 3) or parts[0] not in ("swapab", "normal"):
-        raise argparse.ArgumentTypeError(f"{text!r}: want VARIANT:BNxBTxSTAGESxPPS[:flat|:tma] or VARIANT:shipped")
+        raise argparse.ArgumentTypeError(f"{text!r}: want VARIANT:BNxBTxSTAGESxPPS[xMAXNREG][:flat|:tma] or "
+                                         "VARIANT:shipped")
     if parts[1] == "shipped":
         return parts[0], None
     try:
-        bn, bt, st, pps = (int(x) for x in parts[1].split("x"))
+        nums = [int(x) for x in parts[1].split("x")]
+        if len(nums) not in (4, 5):
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: tiles must be BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM")
+        raise argparse.ArgumentTypeError(f"{text!r}: tiles must be BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM[xMAXNREG]")
     walk = parts[2] if len(parts) == 3 else "plain"
     if walk not in ("plain", "flat", "tma"):
         raise argparse.ArgumentTypeError(f"{text!r}: walk must be flat or tma")
-    return parts[0], {"BLOCK_N": bn, "BLOCK_T": bt, "num_warps": 4, "num_stages": st, "programs_per_sm": pps,
+    return parts[0], {"BLOCK_N": nums[0], "BLOCK_T": nums[1], "num_warps": 4, "num_stages": nums[2],
+                      "programs_per_sm": nums[3], **({"maxnreg": nums[4]} if len(nums) == 5 else {}),
                       "flat": walk != "plain", "tma": walk == "tma", "ws": False}
 
 
@@ -152,7 +157,8 @@ def child(args) -> int:
 def child_command(args) -> list[str]:
     ours = [f"{v}:shipped" if c is None else
             f"{v}:{c['BLOCK_N']}x{c['BLOCK_T']}x{c['num_stages']}x{c['programs_per_sm']}"
-            f"{':tma' if c['tma'] else ':flat' if c['flat'] else ''}" for v, c in args.ours]
+            f"{'x%d' % c['maxnreg'] if c.get('maxnreg') else ''}{':tma' if c['tma'] else ':flat' if c['flat'] else ''}"
+            for v, c in args.ours]
     return [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(args.out), "--shape", args.shape,
             "--groups", str(args.groups), "--tokens", str(args.tokens), "--dist", args.dist, "--seed", str(args.seed),
             "--layout", args.layout, "--ours", *ours, "--upstream", *args.upstream]
