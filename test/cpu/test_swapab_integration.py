@@ -577,6 +577,13 @@ def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     assert tc(64, 7168, 2048, 32, "contiguous") == "normal"  # 135.9 vs 151.8, uneven 160.7 vs 167.4
     assert tc(64, 7168, 2048, 32, "masked") == "upstream"  # 136.3 vs DeepGEMM 136.1
     assert tc(64, 4096, 7168, 32, "contiguous") == "upstream"  # 252.5 vs 271.1, but uneven 322.2 vs 321.3
+    # session 43: swapAB's tiles at gate_up 8 x 32 are the register-capped ones (uneven 75.2 / 75.9 us against the
+    # shipped 91.0 / 84.4), which a direct call (a user's config=None) now runs; the key stays upstream (uniform draw)
+    for layout in ("contiguous", "masked"):
+        cfg = gg.choose_config("swapab", 32, 4096, 7168, 8, "NVIDIA H200", layout=layout)
+        assert (cfg["BLOCK_N"], cfg["BLOCK_T"], cfg["num_stages"], cfg["maxnreg"]) == (128, 32, 3, 160), cfg
+        assert tc(32, 4096, 7168, 8, layout) == "upstream"
+    assert tc(24, 4096, 7168, 16, "contiguous") == "split"  # two streams: 126.8 vs 129.7, uneven 135.1 vs 135.5
 
 
 def test_table_entries_rules():
