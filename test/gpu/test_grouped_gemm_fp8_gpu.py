@@ -43,6 +43,12 @@ def counts(m, groups):
     return c
 
 
+def indptr_of(c, first=1):
+    """The contiguous layout's per-group row offsets for counts c, the groups from row `first` on (1: a spare row
+    before them, which no launch may write)."""
+    return torch.tensor([first + sum(c[:i]) for i in range(len(c) + 1)], dtype=torch.int32, device="cuda")
+
+
 def quantized_weights(quant, groups, n, k, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(groups, n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
@@ -89,7 +95,7 @@ def test_moe_shapes(mods, shape, groups):
         total = sum(c)
         a, a_s = quantized_acts(quant, (total + 2, k), seed=1000 + m)
         ad = quant.dequant_per_token_group(a, a_s)
-        ip = torch.tensor([1] + [1 + sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+        ip = indptr_of(c)
         for variant in gg.VARIANTS:
             out = torch.full((total + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=out, variant=variant)
@@ -238,7 +244,7 @@ def test_split_variant_on_an_uneven_draw_and_under_graph_replay(mods, shape, str
         check_masked(c, "split masked replay")
     c = draws[1]
     ac, ac_s = quantized_acts(quant, (sum(c) + 2, k), seed=13)
-    ip = torch.tensor([1] + [1 + sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    ip = indptr_of(c)
     oc = torch.full((sum(c) + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     gg.m_grouped_fp8_gemm_nt_contiguous(ac, ac_s, b, b_s, ip, out=oc, variant="split", config=cfg)
     ref = gg.grouped_gemm_reference(ac, ac_s, b, b_s, m_indptr=ip)
@@ -265,7 +271,7 @@ def test_flat_and_tma_walks_match_the_plain_walk(mods, shape):
     mm = torch.tensor(c, dtype=torch.int32, device="cuda")
     total = sum(c)
     ac, ac_s = quantized_acts(quant, (total + 2, k), seed=9)
-    ip = torch.tensor([1] + [1 + sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    ip = indptr_of(c)
     for variant, cfg in WALK_CONFIGS.items():
         outs = {}
         for walk, extra in (("plain", {}), ("flat", {"flat": True}), ("tma", {"flat": True, "tma": True})):
@@ -299,7 +305,7 @@ def test_register_cap_changes_no_bit(mods, shape):
     mm = torch.tensor(c, dtype=torch.int32, device="cuda")
     total = sum(c)
     ac, ac_s = quantized_acts(quant, (total, k), seed=19)
-    ip = torch.tensor([0] + [sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    ip = indptr_of(c, first=0)
     for bn, stages in ((128, 3), (64, 4)):  # 128 x 32: a cap of 128 spills; 64 x 32: four per SM at 128
         outs = {}
         for cap in (None, 160, 128):
@@ -337,7 +343,7 @@ def test_ws_config_matches_the_reference(mods, shape, monkeypatch):
     ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
     total = sum(c)
     ac, ac_s = quantized_acts(quant, (total + 2, k), seed=19)
-    ip = torch.tensor([1] + [1 + sum(c[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    ip = indptr_of(c)
     ref_c = gg.grouped_gemm_reference(ac, ac_s, b, b_s, m_indptr=ip)
     launched = []
 
