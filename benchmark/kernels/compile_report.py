@@ -106,13 +106,18 @@ def mla_variants(configs: list[str]):
         yield f"mla_decode[{cfg}]", m._mla_fp8_split_kernel, const, types, w, s, ()
 
 
+# the grouped-GEMM kernels' pointer arguments (the others default to 32-bit ints)
+GEMM_TYPES = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "indptr_ptr": "*i32",
+              "masked_m_ptr": "*i32", "sig_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32", "ws_ptr": "*fp32",
+              "cmb_pair_ptr": "*i32", "cmb_rowp_ptr": "*i32", "cmb_w_ptr": "*fp32", "cmb_cnt_ptr": "*i32",
+              "cmb_out_ptr": "*bf16", "dfr_ptr": "*i32"}
+GEMM_LAUNCH_TYPES = {**GEMM_TYPES, "cmb_w_scale": "fp32"}  # as launched: a float
+
+
 def gemm_variants():
     from sgl_kernel_ext import grouped_gemm_fp8 as g
 
-    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "indptr_ptr": "*i32",
-             "masked_m_ptr": "*i32", "sig_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32", "ws_ptr": "*fp32",
-             "cmb_pair_ptr": "*i32", "cmb_rowp_ptr": "*i32", "cmb_w_ptr": "*fp32", "cmb_cnt_ptr": "*i32",
-             "cmb_out_ptr": "*bf16", "dfr_ptr": "*i32"}
+    types = GEMM_TYPES
     # defer: False, True, or "tail" (one grid-wide arrival per program, EpilogueCombine.tail)
     for swap, bt, sig, topk, defer in ((True, 16, False, 0, False), (False, 64, False, 0, False),
                                        (True, 16, True, 0, False), (True, 16, False, 8, False),
@@ -131,7 +136,7 @@ def gemm_variants():
     for cap in (None, 160):
         const = dict(G=8, K=7168, LAYOUT=0, SWAP_AB=True, BLOCK_N=128, BLOCK_T=32, SPLIT_K=1)
         yield (f"grouped_gemm[contiguous swapab t32 K7168{f' maxnreg {cap}' if cap else ''}]", fn, const,
-               {**types, "cmb_w_scale": "fp32"}, 4, 3, *bench_specialization(fn), cap)
+               GEMM_LAUNCH_TYPES, 4, 3, *bench_specialization(fn), cap)
     # config "flat": the same tiles in one flattened, pipelined loop (tl.range(..., flatten=True)); "tma": its
     # FP8 operands through tensor descriptors (cp.async.bulk.tensor) instead of pointer loads
     ones = ("stride_ak", "stride_bk", "stride_on", "stride_asm", "stride_bsk")
@@ -166,10 +171,6 @@ def table_variants(path: Path):
     bound the programs per SM, a register cap (config maxnreg) might put more tiles in flight."""
     from sgl_kernel_ext import grouped_gemm_fp8 as g
 
-    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "indptr_ptr": "*i32",
-             "masked_m_ptr": "*i32", "sig_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32", "ws_ptr": "*fp32",
-             "cmb_pair_ptr": "*i32", "cmb_rowp_ptr": "*i32", "cmb_w_ptr": "*fp32", "cmb_cnt_ptr": "*i32",
-             "cmb_out_ptr": "*bf16", "dfr_ptr": "*i32", "cmb_w_scale": "fp32"}
     fn = g._fp8_grouped_gemm_kernel
     programs: dict = {}  # compile-relevant key -> the programs per SM the table launches it with
     for e in json.loads(path.read_text())["entries"]:
@@ -190,7 +191,7 @@ def table_variants(path: Path):
         yield (f"table[{layout} {variant} G{groups} K{k} {bn}x{bt} w{warps} s{stages}"
                f"{f' maxnreg {cap}' if cap else ''}{f' split_k {split_k}' if split_k > 1 else ''}"
                f" launched {'/'.join(map(str, sorted(pps)))} per SM]",
-               fn, const, types, warps, stages, *bench_specialization(fn), cap)
+               fn, const, GEMM_LAUNCH_TYPES, warps, stages, *bench_specialization(fn), cap)
 
 
 def ws_variants():
