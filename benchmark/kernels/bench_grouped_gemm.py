@@ -65,6 +65,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -313,6 +314,28 @@ def make_acts(shape, gen):
     return random_fp8(shape, gen), torch.rand(*shape[:-1], shape[-1] // 128, device="cuda", generator=gen) + 0.5
 
 
+class MoeOperands(NamedTuple):
+    b: torch.Tensor  # [groups, n, k] FP8 weights and their 128 x 128 block scales
+    b_s: torch.Tensor
+    a_m: torch.Tensor  # masked layout: [groups, max count, k] activations, per-token-group scales, the counts
+    a_ms: torch.Tensor
+    masked_m: torch.Tensor
+    a_c: torch.Tensor  # contiguous layout (no padding): [total, k], scales, per-group row offsets
+    a_cs: torch.Tensor
+    indptr: torch.Tensor
+
+
+def point_operands(groups, n, k, counts, gen) -> MoeOperands:
+    """One MoE point's operands in both layouts, drawn from `gen` in this order (the bench and
+    profile_grouped_gemm.py build the same point from the same seed)."""
+    b, b_s = make_weights(groups, n, k, gen)
+    a_m, a_ms = make_acts((groups, max(max(counts), 1), k), gen)
+    masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    a_c, a_cs = make_acts((max(sum(counts), 1), k), gen)
+    indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    return MoeOperands(b, b_s, a_m, a_ms, masked_m, a_c, a_cs, indptr)
+
+
 def uneven_counts(groups, mean, seed):
     """Same total as uniform, Zipf-like popularity over a random expert order (some experts empty). Drawn from
     (seed, groups, mean) alone, so every run draws the same counts at a point whatever else it sweeps (until
@@ -532,7 +555,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     n, k = MOE_SHAPES[shape]
-    b, b_s = make_weights(groups, n, k, gen)
+    b, b_s, a_m, a_ms, masked_m, a_c, a_cs, indptr = point_operands(groups, n, k, counts, gen)
     base = {"kind": "moe", "shape": shape, "n": n, "k": k, "groups": groups, "tokens_per_group": tokens,
             "distribution": dist, "counts": counts}
     first = next((g for g, m in enumerate(counts) if m), None)
@@ -549,13 +572,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
               f"H20 modelled {p['h20_modelled_us']:8.1f} us  err {err if err is None else f'{err:.1e}'}",
               flush=True)
 
-    # masked layout
-    max_m = max(max(counts), 1)
-    a_m, a_ms = make_acts((groups, max_m, k), gen)
-    masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    # contiguous layout (no padding)
-    a_c, a_cs = make_acts((max(total, 1), k), gen)
-    indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(groups)], dtype=torch.int32, device="cuda")
+    max_m = a_m.shape[1]
 
     def first_group_check(layout):
         """out -> the first non-empty group's relative error against float32 (None without one); the reference is

@@ -116,13 +116,9 @@ def child(args) -> int:
     counts = point_counts(args)
     n, k = bench.MOE_SHAPES[args.shape]
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    b, b_s = bench.make_weights(args.groups, n, k, gen)
-    total, max_m = sum(counts), max(max(counts), 1)
+    b, b_s, a_m, a_ms, masked_m, a_c, a_cs, indptr = bench.point_operands(args.groups, n, k, counts, gen)
+    total, max_m = sum(counts), a_m.shape[1]
     mean = max(1, -(-total // args.groups))
-    a_m, a_ms = bench.make_acts((args.groups, max_m, k), gen)
-    masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    a_c, a_cs = bench.make_acts((max(total, 1), k), gen)
-    indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(args.groups)], dtype=torch.int32, device="cuda")
     calls = []
     for variant, cfg in args.ours:
         if args.layout == "masked":
