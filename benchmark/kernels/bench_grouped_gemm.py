@@ -88,6 +88,9 @@ DENSE_SHAPES = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "qkv_a": (2112, 7
 GROUPS = [8, 16, 32, 256]
 TOKENS = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256]
 PROVIDERS = ("ours-swapab", "ours-normal", "ours-split", "deepgemm", "sglang-triton", "sglang-triton-swapab")
+# opt-in: the hand-written CUDA normal variant (sgl_kernel_ext.grouped_gemm_cuda), timed beside the rest, not in the
+# table yet (gg.table_entries skips it)
+OPT_IN_PROVIDERS = ("ours-cuda",)
 SPLIT_AT = [16, 32, 64]  # ours-split: the counts tried as the swapAB / normal boundary
 DENSE_M = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 QUICK = {"groups": [8, 32], "tokens": [1, 8, 32, 128], "dense_m": [1, 32], "uneven_tokens": [8]}
@@ -199,8 +202,9 @@ def parse_args(argv=None):
                     help="compile the dense sweep's kernels in N processes before timing (0: as they come)")
     ap.add_argument("--groups", nargs="+", type=int, help=f"experts per GPU (default {GROUPS})")
     ap.add_argument("--tokens", nargs="+", type=int, help=f"tokens per expert (default {TOKENS})")
-    ap.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS), metavar="PROVIDER",
-                    help=f"what to time (default: all of {', '.join(PROVIDERS)})")
+    ap.add_argument("--providers", nargs="+", choices=PROVIDERS + OPT_IN_PROVIDERS, default=list(PROVIDERS),
+                    metavar="PROVIDER", help=f"what to time (default: all of {', '.join(PROVIDERS)}; opt-in: "
+                    f"{', '.join(OPT_IN_PROVIDERS)}, the hand-written CUDA normal variant)")
     ap.add_argument("--split-at", nargs="+", type=int, default=SPLIT_AT, metavar="TOKENS",
                     help="ours-split (variant split: swapAB on experts with at most this many tokens, the normal "
                          "variant on the rest, two launches): the boundaries timed per point, fastest kept "
@@ -664,6 +668,25 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             tiles, issued = split_tiles(counts, n, k, groups, mean, cfg["split_at"], layout)
             record("ours-split", layout, us, tiles, err, cfg, {"trials": trials, **issued})
 
+    if "ours-cuda" in args.providers:
+        from sgl_kernel_ext import grouped_gemm_cuda as ggc
+        ok, why = ggc.available()
+        if not ok:
+            unavailable["ours-cuda"] = why
+        for layout in args.layouts if ok else ():
+            if layout == "masked":
+                out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
+                fn = lambda: ggc.m_grouped_fp8_gemm_nt_cuda(a_m, a_ms, b, b_s, masked_m=masked_m, out=out)  # noqa: E731
+            else:
+                out = torch.empty(max(total, 1), n, dtype=torch.bfloat16, device="cuda")
+                fn = lambda: ggc.m_grouped_fp8_gemm_nt_cuda(a_c, a_cs, b, b_s, m_indptr=indptr, out=out)  # noqa: E731
+            try:
+                us = bench_us(fn, args.rep_ms)
+            except Exception as e:
+                unavailable[f"ours-cuda-{layout}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                continue
+            record("ours-cuda", layout, us, (ggc.BLOCK, ggc.BLOCK), checks[layout](out))
+
     if "deepgemm" in args.providers:
         for layout in args.layouts:
             try:
@@ -907,7 +930,7 @@ def roofline_png(path, points, peak_tbs):
     ax.plot(grid, [min(H20_FP8_FLOPS, H20_HBM_BPS * x) / 1e12 for x in grid], "k--",
             label="H20 (modelled roof): 4.0 TB/s, 296 TFLOP/s")
     markers = {"ours-swapab": "o", "ours-normal": "s", "ours-split": "P", "deepgemm": "^", "sglang-triton": "v",
-               "sglang-triton-swapab": "D"}
+               "sglang-triton-swapab": "D", "ours-cuda": "*"}
     for prov, mk in markers.items():
         sel = [p for p in points if p["provider"] == prov]
         if sel:

@@ -35,18 +35,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from . import mla_decode as _triton_mla
+from .cuda_build import NVCC_FLAGS, compile_library
+from .cuda_build import find_nvcc as _find_nvcc  # module attribute: the tests fake it
 from .hostmath import cdiv
 from .mla_decode import (
     HEAD_DIM_QK, KV_LORA_RANK, LOG2E, NUM_KV_SCALES, MLADecodeMetadata, _cache_views, _quantize_q, decode_args,
@@ -61,8 +58,6 @@ ROWS_PER_CTA = 64  # query rows (q position x head) per CTA
 CTAS_PER_SM = 1  # both versions fill the register file (v1 255 regs x 256 threads, v2 168 x 384)
 SPLIT_COST_TILES = 2.0  # a split CTA's extra cost in KV tiles: its fp32 partials (128 KB) out, and the combine
 MIN_SPLIT_TILES = 2  # no split shorter than 128 tokens
-NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler",
-              "-fPIC,-fvisibility=hidden")  # hidden: the versions' libraries, loaded side by side, share no symbol
 ENTRY_POINTS = ("mla_fp8_decode_sm90", "mla_fp8_decode_sm90_error_string", "mla_fp8_decode_sm90_smem_bytes")
 
 VERSIONS = (1, 2, 3)
@@ -128,14 +123,6 @@ def source_path(version: int = 1) -> Path:
     return Path(__file__).resolve().parent / "csrc" / fname
 
 
-def _find_nvcc() -> str | None:
-    for cand in (os.environ.get("SGLANG_H20_NVCC"), shutil.which("nvcc"),
-                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"), "/usr/local/bin/nvcc"):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
-
-
 def build(verbose: bool = True, version: int = 1, defines=()) -> Path:
     """Compile the .cu of `version` (once per source/flags hash) and return the shared library's path; `defines`:
     extra -D macros (the ablation builds)."""
@@ -146,29 +133,7 @@ def build(verbose: bool = True, version: int = 1, defines=()) -> Path:
     nvcc = _find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin, or set SGLANG_H20_NVCC)")
-    flags = list(NVCC_FLAGS) + [f"-D{d}" for d in defines]
-    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.cuh")))  # + the shared header
-    key = hashlib.sha256(text + "\0".join(flags).encode() + nvcc.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("SGLANG_H20_CACHE", Path.home() / ".cache" / "sglang_h20"))
-    cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"{src.stem}_{key}.so"
-    if out.is_file():
-        return out
-    if verbose:
-        dflags = "".join(f" -D{d}" for d in defines)
-        print(f"[sgl_kernel_ext] compiling {src.name}{dflags} with {nvcc} (once, ~10 s) ...", file=sys.stderr,
-              flush=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    cmd = [nvcc, *flags, str(src), "-o", tmp]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}\n{res.stderr}")
-    os.replace(tmp, out)  # atomic: concurrent builders each write their own temp file
-    if verbose:
-        print(f"[sgl_kernel_ext] built {out}", file=sys.stderr, flush=True)
-    return out
+    return compile_library(src, [*NVCC_FLAGS, *(f"-D{d}" for d in defines)], nvcc, verbose)
 
 
 # mla_fp8_decode_sm90's C signature (csrc/mla_fp8_sm90_common.cuh, MLA_FP8_DEFINE_ENTRY_POINTS), for ctypes:

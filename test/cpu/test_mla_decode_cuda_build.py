@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cuda_tools import cuobjdump
 from repo_scripts import load_script
 
 cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
@@ -29,19 +30,6 @@ EXPECTED_QGMMA = {
     # v3, per kernel (N = 16 and 32 rows): QK^T 18 + P'V 8 blocks x 2 k-steps, inlined for full and partial tiles
     3: {"QGMMA.64x16x32.F32.E4M3.E4M3": 18 + 2 * 16, "QGMMA.64x32x32.F32.E4M3.E4M3": 18 + 2 * 16},
 }
-
-
-def _cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    cands = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "cuobjdump"]
-    try:
-        import triton
-        cands.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
-    except ImportError:
-        pass
-    return next((str(c) for c in cands if c.is_file()), None)
 
 
 @pytest.fixture(scope="module", params=cu.VERSIONS, ids=[f"v{v}" for v in cu.VERSIONS])
@@ -71,7 +59,7 @@ def test_ptxas_report(compiled):
 
 def test_sass_has_fp8_wgmma(compiled):
     version, obj, _ = compiled
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found")
     sass = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, timeout=120).stdout
@@ -115,7 +103,7 @@ def ablation_builds(tmp_path_factory):
     nvcc = cu._find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found")
-    tool = _cuobjdump()
+    tool = cuobjdump()
     tmp = tmp_path_factory.mktemp("mla_ablation")
     flags = [f for f in cu.NVCC_FLAGS if f.startswith(("-gencode", "-O", "-std"))]
     keys = [(v, name) for v in cu.GENERAL_VERSIONS for name in ABLATION_VARIANTS]
@@ -170,7 +158,7 @@ def test_defines_key_the_build_and_the_library(monkeypatch, tmp_path):
         return types.SimpleNamespace(returncode=0, stdout="", stderr="")
     monkeypatch.setenv("SGLANG_H20_CACHE", str(tmp_path))
     monkeypatch.setattr(cu, "_find_nvcc", lambda: "/fake/nvcc")
-    monkeypatch.setattr(cu.subprocess, "run", fake_nvcc)
+    monkeypatch.setattr(subprocess, "run", fake_nvcc)  # cuda_build runs it
     monkeypatch.setattr(cu.ctypes, "CDLL", lambda path: types.SimpleNamespace(
         path=path, **{name: types.SimpleNamespace() for name in cu.ENTRY_POINTS}))
     monkeypatch.setattr(cu, "_libs", {})
@@ -270,7 +258,7 @@ def test_descriptor_advance_equals_a_fresh_descriptor():
 def test_v3_design_options_build_clean():
     """Version 3 with MLA_SPLIT_Q (Q read as two parts, the backend's default) and with MLA_EAGER_RESCALE: no spill,
     no stack frame, the same wgmmas as the default build, and no atomics in any."""
-    nvcc, tool = cu._find_nvcc(), _cuobjdump()
+    nvcc, tool = cu._find_nvcc(), cuobjdump()
     if nvcc is None or tool is None:
         pytest.skip("nvcc or cuobjdump not found")
     flags = [f for f in cu.NVCC_FLAGS if f.startswith(("-gencode", "-O", "-std"))]

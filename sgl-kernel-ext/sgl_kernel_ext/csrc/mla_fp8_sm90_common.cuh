@@ -1,7 +1,7 @@
-// Shared by the FP8 MLA decode kernels (mla_fp8_decode_sm90.cu, mla_fp8_decode_sm90_v2.cu): the launch
-// parameters, the PTX wrappers both use (shared-memory addresses, the K-major 64-byte-swizzle layout and its
-// wgmma descriptor, cp.async, wgmma fences/commits/waits, named barriers, exp2, e4m3 packing, the byte-permute
-// 4x4 transpose, the m64n128k32 FP8 wgmma) and the host launcher behind each version's extern "C" entry.
+// Shared by the FP8 MLA decode kernels (mla_fp8_decode_sm90.cu, _v2.cu, _v3.cu): the launch parameters, the
+// MLA-specific device pieces (cp.async, named barriers, exp2, e4m3 packing, the byte-permute 4x4 transpose, the V
+// transpose, the QK and PV issue helpers) and the host launcher behind each version's extern "C" entry. The
+// generic Hopper wrappers (swizzle layout, wgmma, mbarriers, setmaxnreg, the tensor-map encoder): sm90_ptx.cuh.
 #pragma once
 #include <cuda.h>  // CUtensorMap (MLA_TMA_LOAD); no libcuda link: the encoder comes from the runtime
 #include <cuda_runtime.h>
@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "mla_fp8_trace.cuh"
+#include "sm90_ptx.cuh"
 
 // Ablation switches (nvcc -DMLA_ABLATE_X; all 0 by default): each removes one part of the split kernel's work while
 // keeping every barrier arrival and wait, so that timing the build says what that part costs. Results are wrong by
@@ -109,6 +110,7 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #define MLA_SPLIT_Q 0
 #endif
 namespace mla_fp8_common {
+using namespace sm90;  // the PTX wrappers (sm90_ptx.cuh)
 
 struct Params {
   const uint8_t* q8;
@@ -141,38 +143,10 @@ struct Params {
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// byte offset of (row, byte k in 0..63) inside an SW64 K block
-__device__ __forceinline__ uint32_t sw64(int row, int k) {
-  return (row >> 3) * 512 + (row & 7) * 64 + ((((k >> 4) ^ ((row & 7) >> 1)) & 3) << 4) + (k & 15);
-}
-
-// wgmma descriptor: K-major, 64-byte swizzle, SBO 512 B (8-row groups), LBO unused (1)
-__device__ __forceinline__ uint64_t desc_sw64(uint32_t saddr) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(512 >> 4) << 32) | (static_cast<uint64_t>(2) << 62);
-}
-
-// desc_sw64(saddr + bytes) from desc_sw64(saddr): the start address field (bits 0-13, address >> 4) plus bytes >> 4
-// in the low word. Exact while saddr + bytes < 256 KB (no carry out of the field; shared memory is at most 228 KB)
-// and bytes is a multiple of 16. ptxas cannot fold the mask of desc_sw64(base + constant) into a constant: each
-// wgmma cost 12 uniform instructions of descriptor arithmetic, this costs ~1.
-__device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
-  return (desc & 0xFFFFFFFF00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(desc) + (bytes >> 4));
-}
-
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
@@ -252,55 +226,6 @@ __device__ __forceinline__ void transpose4(uint32_t x0, uint32_t x1, uint32_t x2
   y[3] = prmt(t1, t3, tb);
 }
 
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uint64_t db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// mbarrier, TMA and setmaxnreg helpers of the warp-specialized versions (2 and 3; shared::cta, no clusters)
-// ---------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// arrive (release.cta): this thread's earlier shared-memory accesses happen before the phase completes
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// wait (acquire.cta) until the phase with parity `parity` has completed. A synchronization bug would hang the GPU
-// (and the test run): after 2^28 polls (seconds; a legitimate wait is microseconds) the kernel traps instead, so
-// the launch fails with an error. -DMLA_V2_NO_WAIT_TRAP removes the counter. (The counter lives in the PTX: a C++
-// loop around __trap() made ptxas spill 600 bytes.)
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#ifdef MLA_V2_NO_WAIT_TRAP
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "MBAR_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra MBAR_WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-#else
-  asm volatile(
-      "{\n.reg .pred p;\n.reg .u32 n;\n"
-      "mov.u32 n, 0;\n"
-      "MBAR_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@p bra MBAR_DONE;\n"
-      "add.u32 n, n, 1;\n"
-      "setp.ne.u32 p, n, 268435456;\n"
-      "@p bra MBAR_WAIT;\n"
-      "trap;\n"
-      "MBAR_DONE:\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-#endif
-}
-
 // arrive on `bar` once all of this thread's earlier cp.async copies have landed (count pre-set in the init: .noinc)
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
@@ -308,10 +233,6 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 #if MLA_TMA_LOAD
-// arrive once on `bar` and expect `bytes` more bytes of asynchronous copies before its phase completes
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 // one SW64 K block of a tile: bytes 64 kb .. 64 kb + 63 of the 64 tokens of `page`, by TMA (completes on bar)
 __device__ __forceinline__ void tma_kv_block(uint32_t dst, const CUtensorMap* map, int kb, int page, uint32_t bar) {
   asm volatile(
@@ -327,20 +248,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 }
 #endif
 
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
 // ---- pieces of the kernels' bodies that both versions share ----------------------------------------------------
-
-// The dynamic shared memory aligned to 1024 B (the swizzled wgmma operands need it); sbase: its shared address.
-__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* smem_raw, uint32_t& sbase) {
-  sbase = smem_u32(smem_raw);
-  const uint32_t pad = ((sbase + 1023u) & ~1023u) - sbase;
-  sbase += pad;
-  return smem_raw + pad;
-}
 
 // Whether this launch writes bf16 out and lse itself (one split in the grid) rather than fp32 partials for the combine.
 __device__ __forceinline__ bool writes_out(const Params& p) { return p.num_splits == 1; }
@@ -647,22 +556,9 @@ __device__ __forceinline__ void pv_half(float* acc, uint32_t pa, uint32_t va) {
 // libcuda link): 3-D [pages][64 tokens][576 bytes], page stride kv_page_stride bytes, box 64 bytes x 64 tokens x 1
 // page with the 64-byte swizzle, i.e. one SW64 K block of one tile per copy.
 inline cudaError_t encode_kv_map(CUtensorMap* map, const void* kv, long long pages, long long page_stride) {
-  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static Encode encode = nullptr;
-  if (encode == nullptr) {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-#if CUDART_VERSION >= 12050
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-#else
-    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
-#endif
-    if (err != cudaSuccess) return err;
-    if (found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorSymbolNotFound;
-    encode = reinterpret_cast<Encode>(fn);
-  }
+  cudaError_t err;
+  const TensorMapEncoder encode = tensor_map_encoder(&err);
+  if (encode == nullptr) return err;
   if (pages <= 0 || page_stride % 16 != 0 || reinterpret_cast<uintptr_t>(kv) % 16 != 0) return cudaErrorInvalidValue;
   const cuuint64_t dims[3] = {576, 64, static_cast<cuuint64_t>(pages)};
   const cuuint64_t strides[2] = {576, static_cast<cuuint64_t>(page_stride)};  // bytes, dims 1 and 2

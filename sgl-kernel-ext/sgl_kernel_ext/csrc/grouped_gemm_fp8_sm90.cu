@@ -1,0 +1,245 @@
+// FP8 e4m3 grouped GEMM with DeepSeek's block scaling, warp-specialized for Hopper (sm_90a): the "normal" variant
+// (tokens on the wgmma's M side) written by hand because the Triton one stalls where DeepGEMM does not.
+//
+// Why (benchmark/results/swapab/README.md, session 44): at gate_up 8 experts x 128 tokens Nsight Compute shows ours'
+// Triton 128 x 64 tile reading the same DRAM bytes as DeepGEMM but keeping DRAM 62% busy against 76%: one warp group
+// both issues its loads and waits at every pipeline stage's barrier. Triton's warp-specialized loop hangs on the
+// H200 (config `ws`, session 23), so this kernel splits the roles itself, as the MLA decode versions 2 and 3 do.
+//
+// out[r, n] = sum_k A[r, k] * B[e, n, k] * sa[r, k / 128] * sb[e, n / 128, k / 128] for every row r of expert e:
+//   A  [rows_total, K] e4m3 (K contiguous), the activations: contiguous layout, expert e's rows indptr[e] ..
+//      indptr[e + 1]; masked layout, rows e * max_m .. e * max_m + masked_m[e]
+//   sa [rows_total, K / 128] fp32 (row-major), B [E, N, K] e4m3, sb [E, N / 128, K / 128] fp32, out [rows_total, N]
+//   bf16 (rows past an expert's count are not written).
+// A CTA of 384 threads, one per SM, walks the tiles (expert, 128-column block, 128-row block; rows fastest, so the
+// CTAs working at one time share the expert's weight tile in L2) with a fixed stride:
+//   warp group 0 (40 registers): one thread issues the TMA copies of each 128-deep K block into a ring of STAGES
+//     slots (A: 128 rows x 128 bytes, B: 128 columns x 128 bytes, as two 64-byte-swizzled halves each);
+//   warp groups 1 and 2 (232 registers): rows 0-63 and 64-127 of the tile, four m64n128k32 wgmmas per K block
+//     into a scratch accumulator, then acc += scratch * sa[row] * sb (the block scales, in fp32), then release the
+//     slot. The epilogue writes bf16 from registers.
+// K and N must be multiples of 128 (DeepSeek-V3's are), rows past the tensor's end read as zeros (TMA), and rows
+// of the next expert inside a tile are computed and not stored.
+#include <cuda_bf16.h>
+
+#include "sm90_ptx.cuh"
+
+namespace grouped_gemm_sm90 {
+using namespace sm90;
+
+constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128;
+constexpr int STAGES = 6;
+constexpr int THREADS = 384;
+constexpr int MAX_GROUPS = 1024;
+constexpr int HALF_BYTES = 128 * 64;                   // one 64-byte-wide swizzled half of a 128-row operand
+constexpr int STAGE_BYTES = 4 * HALF_BYTES;            // A lo, A hi, B lo, B hi
+constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + (MAX_GROUPS + 1) * 4;
+constexpr int LOADER_REGS = 40, MATH_REGS = 232;
+
+struct Params {
+  CUtensorMap a_map;  // [rows_total, K] bytes, boxes of 64 bytes x 128 rows, 64-byte swizzle
+  CUtensorMap b_map;  // [E * N, K] bytes, the same boxes
+  const float* sa;
+  const float* sb;
+  __nv_bfloat16* out;
+  const int* indptr;    // contiguous layout (or null)
+  const int* masked_m;  // masked layout (or null)
+  long long rows_total;
+  int groups, max_m, n, k;
+};
+
+// expert e's first row and row count
+__device__ __forceinline__ void expert_rows(const Params& p, int e, int& start, int& count) {
+  if (p.indptr != nullptr) {
+    start = p.indptr[e];
+    count = p.indptr[e + 1] - start;
+  } else {
+    start = e * p.max_m;
+    count = min(p.masked_m[e], p.max_m);
+  }
+}
+
+// tile t -> (expert, column block, row block) through tiles_before[] (tiles of the experts before e)
+__device__ __forceinline__ void tile_coords(const Params& p, const int* tiles_before, int t, int& e, int& nb,
+                                            int& mb) {
+  int lo = 0, hi = p.groups - 1;  // the last e with tiles_before[e] <= t
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tiles_before[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  e = lo;
+  int start, count;
+  expert_rows(p, e, start, count);
+  const int mtiles = (count + BLOCK_M - 1) / BLOCK_M;
+  const int local = t - tiles_before[e];
+  nb = local / mtiles;
+  mb = local - nb * mtiles;
+}
+
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+__global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __grid_constant__ Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint32_t sbase;
+  uint8_t* smem = aligned_smem(smem_raw, sbase);
+  const uint32_t bar_full = sbase + STAGES * STAGE_BYTES, bar_empty = bar_full + 8 * STAGES;
+  int* tiles_before = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES + 16 * STAGES);
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int n_blocks = p.n / BLOCK_N, k_blocks = p.k / BLOCK_K;
+
+  if (tid == 0) {
+    int total = 0;
+    for (int e = 0; e < p.groups; ++e) {
+      tiles_before[e] = total;
+      int start, count;
+      expert_rows(p, e, start, count);
+      total += (count + BLOCK_M - 1) / BLOCK_M * n_blocks;
+    }
+    tiles_before[p.groups] = total;
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bar_full + 8 * s, 1);   // the producer's arrival plus the copies' bytes
+      mbar_init(bar_empty + 8 * s, 8);  // one arrival per math warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int num_tiles = tiles_before[p.groups];
+
+  if (wg == 0) {
+    setmaxnreg_dec<LOADER_REGS>();
+    if (tid != 0) return;
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.a_map)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.b_map)) : "memory");
+    int it = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      int e, nb, mb, start, count;
+      tile_coords(p, tiles_before, t, e, nb, mb);
+      expert_rows(p, e, start, count);
+      const int row = start + mb * BLOCK_M, col = e * p.n + nb * BLOCK_N;
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = it % STAGES;
+        if (it >= STAGES) mbar_wait(bar_empty + 8 * s, ((it / STAGES) - 1) & 1);  // slot released by both WGs
+        const uint32_t dst = sbase + s * STAGE_BYTES, bar = bar_full + 8 * s;
+        mbar_arrive_expect_tx(bar, STAGE_BYTES);
+        tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
+        tma_2d(dst + HALF_BYTES, &p.a_map, kb * BLOCK_K + 64, row, bar);
+        tma_2d(dst + 2 * HALF_BYTES, &p.b_map, kb * BLOCK_K, col, bar);
+        tma_2d(dst + 3 * HALF_BYTES, &p.b_map, kb * BLOCK_K + 64, col, bar);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<MATH_REGS>();
+  const int half = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
+  const int r_frag = half * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row in the tile (+8: second)
+  const int c_frag = (lane % 4) * 2;
+  float acc[64], part[64];
+  int it = 0;
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    int e, nb, mb, start, count;
+    tile_coords(p, tiles_before, t, e, nb, mb);
+    expert_rows(p, e, start, count);
+    const long long row0 = static_cast<long long>(start) + mb * BLOCK_M + r_frag;
+    const long long last = p.rows_total - 1;
+    const float* sa0 = p.sa + min(row0, last) * k_blocks;  // rows past the end: any finite scale (not stored)
+    const float* sa1 = p.sa + min(row0 + 8, last) * k_blocks;
+    const float* sbt = p.sb + (static_cast<long long>(e) * n_blocks + nb) * k_blocks;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+      const int s = it % STAGES;
+      const float s_b = __ldg(sbt + kb), s0 = __ldg(sa0 + kb) * s_b, s1 = __ldg(sa1 + kb) * s_b;
+      mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
+      const uint32_t a = sbase + s * STAGE_BYTES + half * 64 * 64, b = sbase + s * STAGE_BYTES + 2 * HALF_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint64_t da = desc_sw64(a + h * HALF_BYTES), db = desc_sw64(b + h * HALF_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) wgmma_m64n128k32_e4m3(part, desc_add(da, 32 * kk), desc_add(db, 32 * kk), h | kk);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+    }
+    // epilogue: acc[4j + {0, 1}] are (row r_frag, columns 8j + c_frag + {0, 1}); acc[4j + {2, 3}] row r_frag + 8
+    const int local = mb * BLOCK_M + r_frag;
+    __nv_bfloat16* o = p.out + (static_cast<long long>(start) + local) * p.n + nb * BLOCK_N + c_frag;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      if (local < count)
+        *reinterpret_cast<__nv_bfloat162*>(o + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+      if (local + 8 < count)
+        *reinterpret_cast<__nv_bfloat162*>(o + 8 * p.n + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+  }
+}
+
+// [rows, K] bytes as a 2-D tensor map with boxes of 64 bytes x 128 rows and the 64-byte swizzle
+inline cudaError_t encode_operand_map(CUtensorMap* map, const void* ptr, long long rows, int k) {
+  cudaError_t err;
+  const TensorMapEncoder encode = tensor_map_encoder(&err);
+  if (encode == nullptr) return err;
+  if (rows <= 0 || k % 16 != 0 || reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return cudaErrorInvalidValue;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k)};
+  const cuuint32_t box[2] = {64, 128};
+  const cuuint32_t unit[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace grouped_gemm_sm90
+
+static bool grouped_gemm_attr_done[128] = {};
+
+// The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
+// rows_total: A's rows; num_ctas: the grid (the caller's SM count). Returns a cudaError_t.
+extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
+    const void* a, const void* sa, const void* b, const void* sb, void* out, const void* indptr, const void* masked_m,
+    long long rows_total, int groups, int max_m, int n, int k, int num_ctas, void* stream) {
+  using namespace grouped_gemm_sm90;
+  if ((indptr == nullptr) == (masked_m == nullptr) || groups <= 0 || groups > MAX_GROUPS || n % BLOCK_N != 0 ||
+      k % BLOCK_K != 0 || n <= 0 || k <= 0 || num_ctas <= 0)
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (rows_total <= 0) return 0;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (dev < 0 || dev >= 128) return static_cast<int>(cudaErrorInvalidDevice);
+  if (!grouped_gemm_attr_done[dev]) {
+    err = cudaFuncSetAttribute(grouped_gemm_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    grouped_gemm_attr_done[dev] = true;
+  }
+  Params p;
+  if ((err = encode_operand_map(&p.a_map, a, rows_total, k)) != cudaSuccess) return static_cast<int>(err);
+  if ((err = encode_operand_map(&p.b_map, b, static_cast<long long>(groups) * n, k)) != cudaSuccess)
+    return static_cast<int>(err);
+  p.sa = static_cast<const float*>(sa);
+  p.sb = static_cast<const float*>(sb);
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.indptr = static_cast<const int*>(indptr);
+  p.masked_m = static_cast<const int*>(masked_m);
+  p.rows_total = rows_total;
+  p.groups = groups;
+  p.max_m = max_m;
+  p.n = n;
+  p.k = k;
+  grouped_gemm_fp8_kernel<<<num_ctas, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" __attribute__((visibility("default"))) const char* grouped_gemm_fp8_sm90_error_string(int err) {
+  return cudaGetErrorString(static_cast<cudaError_t>(err));
+}

@@ -1,0 +1,50 @@
+"""Our CUDA sources (csrc/*.cu) compiled with nvcc into shared libraries that ctypes loads: once per source, headers,
+flags and nvcc (a content hash names the cached library), built on the GPU host at first use."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler",
+              "-fPIC,-fvisibility=hidden")  # hidden: libraries loaded side by side share no symbol
+
+
+def find_nvcc() -> str | None:
+    for cand in (os.environ.get("SGLANG_H20_NVCC"), shutil.which("nvcc"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"), "/usr/local/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def compile_library(src: Path, flags, nvcc: str, verbose: bool = True) -> Path:
+    """`src` built with `flags` (the library's path in $SGLANG_H20_CACHE, default ~/.cache/sglang_h20); the key hashes
+    the source, every header beside it, the flags and nvcc's path, so an edit rebuilds."""
+    flags = list(flags)
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.cuh")))
+    key = hashlib.sha256(text + "\0".join(flags).encode() + nvcc.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("SGLANG_H20_CACHE", Path.home() / ".cache" / "sglang_h20"))
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / f"{src.stem}_{key}.so"
+    if out.is_file():
+        return out
+    if verbose:
+        dflags = "".join(f" {f}" for f in flags if f.startswith("-D"))
+        print(f"[sgl_kernel_ext] compiling {src.name}{dflags} with {nvcc} (once, ~10 s) ...", file=sys.stderr,
+              flush=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [nvcc, *flags, str(src), "-o", tmp]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}\n{res.stderr}")
+    os.replace(tmp, out)  # atomic: concurrent builders each write their own temp file
+    if verbose:
+        print(f"[sgl_kernel_ext] built {out}", file=sys.stderr, flush=True)
+    return out

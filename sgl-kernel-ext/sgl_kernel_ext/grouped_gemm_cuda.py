@@ -1,0 +1,110 @@
+"""The hand-written FP8 grouped GEMM (csrc/grouped_gemm_fp8_sm90.cu): the normal variant (tokens on the wgmma's M
+side, 128 x 128 tiles) with a TMA producer warp group beside two math warp groups, which Triton's warp-specialized
+loop could not give us on the H200 (config `ws` hangs). Same operands and results as grouped_gemm_fp8's contiguous
+and masked layouts; built with nvcc at first use (cuda_build), sm_90 only.
+
+    out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, m_indptr=indptr)    # contiguous
+    out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, masked_m=counts)    # masked
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from .cuda_build import NVCC_FLAGS, compile_library, find_nvcc
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_gemm_fp8_sm90.cu"
+BLOCK = 128  # N and K must be multiples of it (the tile and the scale block)
+MAX_GROUPS = 1024  # the kernel's per-CTA tile table
+_ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_longlong] + [ctypes.c_int] * 5 + [ctypes.c_void_p]
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+
+
+def _load() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        nvcc = find_nvcc()
+        if nvcc is None:
+            raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin, or set SGLANG_H20_NVCC)")
+        lib = ctypes.CDLL(str(compile_library(SOURCE, NVCC_FLAGS, nvcc)))
+        lib.grouped_gemm_fp8_sm90.restype = ctypes.c_int
+        lib.grouped_gemm_fp8_sm90.argtypes = _ARGTYPES
+        lib.grouped_gemm_fp8_sm90_error_string.restype = ctypes.c_char_p
+        lib.grouped_gemm_fp8_sm90_error_string.argtypes = [ctypes.c_int]
+        _lib = lib
+    return _lib
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when the kernel can run here: an sm_90 GPU, nvcc, a build."""
+    global _lib_error
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return False, f"needs sm_90 (Hopper), device is sm_{cap[0]}{cap[1]}"
+    if _lib_error is None:
+        try:
+            _load()
+            _lib_error = ""
+        except (RuntimeError, OSError) as e:
+            _lib_error = f"build/load failed: {e}"
+    return not _lib_error, _lib_error
+
+
+def _check(a, a_scale, b, b_scale) -> None:
+    groups, n, k = b.shape
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    if n % BLOCK or k % BLOCK or a.shape[-1] != k:
+        raise ValueError(f"need N and K multiples of {BLOCK} and a's K = b's: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if not 0 < groups <= MAX_GROUPS:
+        raise ValueError(f"groups must be 1..{MAX_GROUPS}, got {groups}")
+    if tuple(a_scale.shape[:-1]) != tuple(a.shape[:-1]) or a_scale.shape[-1] != k // BLOCK:
+        raise ValueError(f"a_scale must be {(*a.shape[:-1], k // BLOCK)}, got {tuple(a_scale.shape)}")
+    if tuple(b_scale.shape) != (groups, n // BLOCK, k // BLOCK):
+        raise ValueError(f"b_scale must be {(groups, n // BLOCK, k // BLOCK)}, got {tuple(b_scale.shape)}")
+    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
+        raise ValueError("a_scale and b_scale must be float32")
+
+
+def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                               m_indptr: torch.Tensor | None = None, masked_m: torch.Tensor | None = None,
+                               out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
+    """out[r] = A[r] @ B[g]^T (bf16) over expert g's rows: contiguous (m_indptr [G+1] int32; a [M, K], a_scale
+    [M, K/128]) or masked (masked_m [G] int32; a [G, max_m, K], a_scale [G, max_m, K/128]); b [G, N, K] e4m3,
+    b_scale [G, N/128, K/128]. Rows of no expert are left as they were; num_sms: the grid (default: the device's)."""
+    if (m_indptr is None) == (masked_m is None):
+        raise ValueError("give exactly one of m_indptr (contiguous) and masked_m (masked)")
+    groups, n, k = b.shape
+    index = m_indptr if m_indptr is not None else masked_m
+    want = groups + 1 if m_indptr is not None else groups
+    if index.dtype != torch.int32 or tuple(index.shape) != (want,) or not index.is_contiguous():
+        raise ValueError(f"{'m_indptr' if m_indptr is not None else 'masked_m'} must be contiguous int32 [{want}]")
+    if masked_m is not None and (a.dim() != 3 or a.shape[0] != groups):
+        raise ValueError(f"masked a must be [{groups}, max_m, K], got {tuple(a.shape)}")
+    if m_indptr is not None and a.dim() != 2:
+        raise ValueError(f"contiguous a must be [M, K], got {tuple(a.shape)}")
+    _check(a, a_scale, b, b_scale)
+    rows = a.numel() // k
+    if out is None:
+        out = torch.empty(*a.shape[:-1], n, dtype=torch.bfloat16, device=a.device)
+    elif out.shape != (*a.shape[:-1], n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous bf16 {(*a.shape[:-1], n)}")
+    if rows == 0:
+        return out
+    max_m = a.shape[1] if masked_m is not None else 0
+    sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    err = _load().grouped_gemm_fp8_sm90(ptr(a), ptr(a_scale), ptr(b), ptr(b_scale), ptr(out), ptr(m_indptr),
+                                        ptr(masked_m), rows, groups, max_m, n, k, sms,
+                                        torch.cuda.current_stream(a.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"grouped_gemm_fp8_sm90: {_load().grouped_gemm_fp8_sm90_error_string(err).decode()}")
+    return out
