@@ -5,6 +5,7 @@ and masked layouts; built with nvcc at first use (cuda_build), sm_90 only.
 
     out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, m_indptr=indptr)    # contiguous
     out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, masked_m=counts)    # masked
+    out = m_grouped_fp8_gemm_nt_cuda(..., form="64x256-double")                   # another tile form (FORMS)
 """
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ import torch
 from .cuda_build import NVCC_FLAGS, compile_library, find_nvcc
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_gemm_fp8_sm90.cu"
-BLOCK = 128  # N and K must be multiples of it (the tile and the scale block)
+BLOCK = 128  # K must be a multiple of it (the scale block), N of the form's columns
 MAX_GROUPS = 1024  # the kernel's per-CTA tile table
-_ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_longlong] + [ctypes.c_int] * 5 + [ctypes.c_void_p]
+# the kernel's tile forms, by its `form` index (csrc header): token rows x weight columns, "-double": the scratch
+# accumulator double-buffered (K block kb + 1's wgmmas issued before kb's promotion)
+FORMS = ("128x128", "128x128-double", "64x256", "64x256-double")
+DEFAULT_FORM = "128x128"  # the first form, the one measured (session 44)
+_ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_longlong] + [ctypes.c_int] * 6 + [ctypes.c_void_p]
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
 
@@ -55,12 +60,23 @@ def available() -> tuple[bool, str]:
     return not _lib_error, _lib_error
 
 
-def _check(a, a_scale, b, b_scale) -> None:
+def tile_shape(form: str) -> tuple[int, int]:
+    """(token rows, weight columns) of a tile form."""
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r} (have {', '.join(FORMS)})")
+    rows, cols = form.split("-")[0].split("x")
+    return int(rows), int(cols)
+
+
+def _check(a, a_scale, b, b_scale, form: str) -> None:
     groups, n, k = b.shape
     if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
         raise ValueError(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
     if n % BLOCK or k % BLOCK or a.shape[-1] != k:
         raise ValueError(f"need N and K multiples of {BLOCK} and a's K = b's: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    cols = tile_shape(form)[1]
+    if n % cols:
+        raise ValueError(f"form {form} needs N a multiple of {cols}, got {n}")
     if not 0 < groups <= MAX_GROUPS:
         raise ValueError(f"groups must be 1..{MAX_GROUPS}, got {groups}")
     if tuple(a_scale.shape[:-1]) != tuple(a.shape[:-1]) or a_scale.shape[-1] != k // BLOCK:
@@ -76,10 +92,12 @@ def _check(a, a_scale, b, b_scale) -> None:
 
 def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                                m_indptr: torch.Tensor | None = None, masked_m: torch.Tensor | None = None,
-                               out: torch.Tensor | None = None, num_sms: int | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, num_sms: int | None = None,
+                               form: str = DEFAULT_FORM) -> torch.Tensor:
     """out[r] = A[r] @ B[g]^T (bf16) over expert g's rows: contiguous (m_indptr [G+1] int32; a [M, K], a_scale
     [M, K/128]) or masked (masked_m [G] int32; a [G, max_m, K], a_scale [G, max_m, K/128]); b [G, N, K] e4m3,
-    b_scale [G, N/128, K/128]. Rows of no expert are left as they were; num_sms: the grid (default: the device's)."""
+    b_scale [G, N/128, K/128]. Rows of no expert are left as they were; num_sms: the grid (default: the device's);
+    form: the tile form (FORMS)."""
     if (m_indptr is None) == (masked_m is None):
         raise ValueError("give exactly one of m_indptr (contiguous) and masked_m (masked)")
     groups, n, k = b.shape
@@ -91,7 +109,7 @@ def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.
         raise ValueError(f"masked a must be [{groups}, max_m, K], got {tuple(a.shape)}")
     if m_indptr is not None and a.dim() != 2:
         raise ValueError(f"contiguous a must be [M, K], got {tuple(a.shape)}")
-    _check(a, a_scale, b, b_scale)
+    _check(a, a_scale, b, b_scale, form)
     rows = a.numel() // k
     if out is None:
         out = torch.empty(*a.shape[:-1], n, dtype=torch.bfloat16, device=a.device)
@@ -103,7 +121,7 @@ def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.
     sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     err = _load().grouped_gemm_fp8_sm90(ptr(a), ptr(a_scale), ptr(b), ptr(b_scale), ptr(out), ptr(m_indptr),
-                                        ptr(masked_m), rows, groups, max_m, n, k, sms,
+                                        ptr(masked_m), rows, groups, max_m, n, k, sms, FORMS.index(form),
                                         torch.cuda.current_stream(a.device).cuda_stream)
     if err:
         raise RuntimeError(f"grouped_gemm_fp8_sm90: {_load().grouped_gemm_fp8_sm90_error_string(err).decode()}")

@@ -1,8 +1,9 @@
 """The hand-written CUDA grouped GEMM (sgl_kernel_ext.grouped_gemm_cuda, csrc/grouped_gemm_fp8_sm90.cu) without a GPU:
-it compiles for sm_90a within the 384-thread register budget (168) with no spills and no serialized wgmma, its SASS
-holds the four m64n128k32 FP8 wgmmas of a K block, and the Python entry rejects bad operands with a clear error
-before any build. Its numerics run on the GPU (test/gpu/test_grouped_gemm_fp8_gpu.py,
-test_cuda_normal_variant_moe_shapes). Skipped (with the reason) where nvcc is missing."""
+each tile form compiles for sm_90a within the 384-thread register budget (168 at launch) with no spills and no
+serialized wgmma, the SASS holds only m64n128k32 FP8 wgmmas (four per K block), and the Python entry rejects bad
+operands and unknown forms with a clear error before any build. Its numerics run on the GPU
+(test/gpu/test_grouped_gemm_fp8_gpu.py, test_cuda_normal_variant_moe_shapes). Skipped (with the reason) where nvcc
+is missing."""
 from __future__ import annotations
 
 import re
@@ -35,7 +36,9 @@ def compiled(tmp_path_factory):
 
 def test_ptxas_report(compiled):
     _, log = compiled
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    entries = log.count("Compiling entry function")
+    assert entries == len(ggc.FORMS), log  # one kernel per tile form
+    assert log.count("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads") == entries, log
     assert "serialized" not in log, "ptxas serialized the wgmma pipeline:\n" + log
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
     assert regs and max(regs) <= 168, log  # 384 threads x 168 fill the register file; setmaxnreg moves them
@@ -48,7 +51,9 @@ def test_sass_has_the_fp8_wgmmas(compiled):
         pytest.skip("cuobjdump not found")
     sass = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, timeout=120).stdout
     found = re.findall(r"QGMMA\.\w+\.\w+\.\w+\.\w+", sass)
-    assert found.count("QGMMA.64x128x32.F32.E4M3.E4M3") == 4 and len(found) == 4, found  # one K block, unrolled
+    # one K block is four m64n128k32; the double-buffered forms issue it at three places (before the loop, and for
+    # each of the two scratch accumulators in it): 4 + 12 per tile shape
+    assert set(found) == {"QGMMA.64x128x32.F32.E4M3.E4M3"} and len(found) == 2 * (4 + 12), found
 
 
 def _operands(groups=2, n=256, k=256, rows=8):
@@ -63,7 +68,8 @@ def _operands(groups=2, n=256, k=256, rows=8):
 @pytest.mark.parametrize("bad, message", [
     ("both", "exactly one"), ("neither", "exactly one"), ("n", "multiples of 128"), ("dtype", "float8_e4m3fn"),
     ("b_scale", "b_scale must be"), ("a_scale", "a_scale must be"), ("indptr", "m_indptr must be"),
-    ("masked_a", "masked a must be"), ("out", "out must be")])
+    ("masked_a", "masked a must be"), ("out", "out must be"), ("form", "unknown form"),
+    ("n_for_form", "multiple of 256")])
 def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
     monkeypatch.setattr(ggc, "_load", lambda: pytest.fail("built or loaded for bad operands"))
     a, a_s, b, b_s, indptr = _operands()
@@ -86,6 +92,11 @@ def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
         kw = {"masked_m": torch.tensor([4, 4], dtype=torch.int32)}
     elif bad == "out":
         kw["out"] = torch.empty(8, 256)
+    elif bad == "form":
+        kw["form"] = "32x32"
+    elif bad == "n_for_form":
+        b, b_s = torch.zeros(2, 384, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 3, 2)
+        kw["form"] = "64x256-double"
     with pytest.raises(ValueError, match=message):
         ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, **kw)
 
@@ -98,3 +109,11 @@ def test_unavailable_without_a_gpu_says_why(monkeypatch):
 def test_bench_times_it_only_when_asked():
     assert "ours-cuda" not in bench.parse_args([]).providers
     assert bench.parse_args(["--providers", "ours-cuda", "deepgemm"]).providers == ["ours-cuda", "deepgemm"]
+    assert bench.parse_args([]).cuda_forms == list(ggc.FORMS)
+    assert bench.parse_args(["--cuda-forms", "64x256"]).cuda_forms == ["64x256"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cuda-forms", "32x32"])
+
+
+def test_tile_shapes():
+    assert [ggc.tile_shape(f) for f in ggc.FORMS] == [(128, 128), (128, 128), (64, 256), (64, 256)]

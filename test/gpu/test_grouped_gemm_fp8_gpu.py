@@ -109,8 +109,9 @@ def test_moe_shapes(mods, shape, groups):
 @pytest.mark.parametrize("groups", [8, 32])
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))
 def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
-    """The hand-written CUDA kernel (grouped_gemm_cuda: TMA producer, two math warp groups) on test_moe_shapes'
-    points, both layouts: every valid row within REL of the float reference, rows of no expert still NaN."""
+    """The hand-written CUDA kernel (grouped_gemm_cuda: TMA producer, two math warp groups), every tile form, on
+    test_moe_shapes' points, both layouts: every valid row within REL of the float reference, rows of no expert
+    still NaN."""
     from sgl_kernel_ext import grouped_gemm_cuda as ggc
 
     ok, why = ggc.available()
@@ -125,24 +126,25 @@ def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
         max_m = max(max(c), 1)
         a, a_s = quantized_acts(quant, (groups, max_m, k), seed=m)
         ad = quant.dequant_per_token_group(a, a_s)
-        out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, masked_m=torch.tensor(c, dtype=torch.int32, device="cuda"),
-                                       out=out)
-        for g, cm in enumerate(c):
-            if cm:
-                check(out[g, :cm], ad[g, :cm] @ bd[g].T, f"cuda masked {shape} G={groups} m={m} g={g}")
-            assert out[g, cm:].isnan().all(), "cuda masked: rows past masked_m written"
+        mm = torch.tensor(c, dtype=torch.int32, device="cuda")
         total = sum(c)
-        a, a_s = quantized_acts(quant, (total + 2, k), seed=1000 + m)
-        ad = quant.dequant_per_token_group(a, a_s)
+        ac, ac_s = quantized_acts(quant, (total + 2, k), seed=1000 + m)
+        acd = quant.dequant_per_token_group(ac, ac_s)
         ip = indptr_of(c)
-        out = torch.full((total + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, m_indptr=ip, out=out)
-        for g in range(groups):
-            lo, hi = ip[g].item(), ip[g + 1].item()
-            if hi > lo:
-                check(out[lo:hi], ad[lo:hi] @ bd[g].T, f"cuda contiguous {shape} G={groups} m={m} g={g}")
-        assert out[0].isnan().all() and out[-1].isnan().all(), "cuda: rows outside the groups written"
+        for form in ggc.FORMS:
+            out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, masked_m=mm, out=out, form=form)
+            for g, cm in enumerate(c):
+                if cm:
+                    check(out[g, :cm], ad[g, :cm] @ bd[g].T, f"cuda {form} masked {shape} G={groups} m={m} g={g}")
+                assert out[g, cm:].isnan().all(), f"cuda {form} masked: rows past masked_m written"
+            out = torch.full((total + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            ggc.m_grouped_fp8_gemm_nt_cuda(ac, ac_s, b, b_s, m_indptr=ip, out=out, form=form)
+            for g in range(groups):
+                lo, hi = ip[g].item(), ip[g + 1].item()
+                if hi > lo:
+                    check(out[lo:hi], acd[lo:hi] @ bd[g].T, f"cuda {form} contiguous {shape} G={groups} m={m} g={g}")
+            assert out[0].isnan().all() and out[-1].isnan().all(), f"cuda {form}: rows outside the groups written"
 
 
 @pytest.mark.parametrize("shape", list(DENSE_SHAPES))

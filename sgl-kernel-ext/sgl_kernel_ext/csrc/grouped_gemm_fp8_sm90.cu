@@ -11,15 +11,23 @@
 //      indptr[e + 1]; masked layout, rows e * max_m .. e * max_m + masked_m[e]
 //   sa [rows_total, K / 128] fp32 (row-major), B [E, N, K] e4m3, sb [E, N / 128, K / 128] fp32, out [rows_total, N]
 //   bf16 (rows past an expert's count are not written).
-// A CTA of 384 threads, one per SM, walks the tiles (expert, 128-column block, 128-row block; rows fastest, so the
-// CTAs working at one time share the expert's weight tile in L2) with a fixed stride:
-//   warp group 0 (40 registers): one thread issues the TMA copies of each 128-deep K block into a ring of STAGES
-//     slots (A: 128 rows x 128 bytes, B: 128 columns x 128 bytes, as two 64-byte-swizzled halves each);
-//   warp groups 1 and 2 (232 registers): rows 0-63 and 64-127 of the tile, four m64n128k32 wgmmas per K block
+// A CTA of 384 threads, one per SM, walks the tiles (expert, column block, row block; rows fastest, so the CTAs
+// working at one time share the expert's weight tile in L2) with a fixed stride:
+//   warp group 0 (40 registers): one thread issues the TMA copies of each 128-deep K block into a ring of slots
+//     (A: BM token rows x 128 bytes, B: BN weight rows x 128 bytes, as two 64-byte-swizzled halves each);
+//   warp groups 1 and 2 (232 registers): 64 rows x 128 columns of the tile each, four m64n128k32 wgmmas per K block
 //     into a scratch accumulator, then acc += scratch * sa[row] * sb (the block scales, in fp32), then release the
 //     slot. The epilogue writes bf16 from registers.
-// K and N must be multiples of 128 (DeepSeek-V3's are), rows past the tensor's end read as zeros (TMA), and rows
-// of the next expert inside a tile are computed and not stored.
+// Tile forms (the launch's `form`; grouped_gemm_cuda.FORMS):
+//   0 "128x128"         128 token rows (one warp group each half) x 128 weight columns; waits for its wgmmas,
+//                       then promotes (the first form, session 44: correct, 0.78-1.02x the Triton normal variant)
+//   1 "128x128-double"  the same with the scratch double-buffered: K block kb + 1's wgmmas are issued before kb's
+//                       promotion, so a warp group's FMAs overlap its own tensor work
+//   2 "64x256"          64 token rows x 256 weight columns (the warp groups split the columns): the token tile is
+//                       read from L2 once per 256 columns, not per 128, and no half of a tile is dead at <= 64 tokens
+//   3 "64x256-double"   both
+// K must be a multiple of 128 and N of the tile's columns (DeepSeek-V3's are), rows past the tensor's end read as
+// zeros (TMA), and rows of the next expert inside a tile are computed and not stored.
 #include <cuda_bf16.h>
 
 #include "sm90_ptx.cuh"
@@ -27,18 +35,29 @@
 namespace grouped_gemm_sm90 {
 using namespace sm90;
 
-constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128;
-constexpr int STAGES = 6;
+constexpr int BLOCK_K = 128;
 constexpr int THREADS = 384;
 constexpr int MAX_GROUPS = 1024;
-constexpr int HALF_BYTES = 128 * 64;                   // one 64-byte-wide swizzled half of a 128-row operand
-constexpr int STAGE_BYTES = 4 * HALF_BYTES;            // A lo, A hi, B lo, B hi
-constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + (MAX_GROUPS + 1) * 4;
+constexpr int RING_BYTES = 200 * 1024;  // the slots' budget (an SM has 227 KB; the rest: barriers, tile table)
 constexpr int LOADER_REGS = 40, MATH_REGS = 232;
 
+template <int BM_, int BN_, bool DOUBLE_>
+struct Form {
+  static_assert((BM_ == 128 && BN_ == 128) || (BM_ == 64 && BN_ == 256), "two 64 x 128 warp-group tiles");
+  static constexpr int BM = BM_, BN = BN_;
+  static constexpr bool DOUBLE = DOUBLE_;
+  static constexpr int A_HALF = BM * 64, B_HALF = BN * 64;  // one 64-byte-wide swizzled half of each operand
+  static constexpr int STAGE_BYTES = 2 * (A_HALF + B_HALF);
+  static constexpr int STAGES = RING_BYTES / STAGE_BYTES;    // 6 at 128 x 128, 5 at 64 x 256
+  static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 16 * STAGES + (MAX_GROUPS + 1) * 4;
+  // the first row and column of math warp group w's 64 x 128 part of the tile
+  __host__ __device__ static constexpr int wg_row(int w) { return BM == 128 ? 64 * w : 0; }
+  __host__ __device__ static constexpr int wg_col(int w) { return BN == 256 ? 128 * w : 0; }
+};
+
 struct Params {
-  CUtensorMap a_map;  // [rows_total, K] bytes, boxes of 64 bytes x 128 rows, 64-byte swizzle
-  CUtensorMap b_map;  // [E * N, K] bytes, the same boxes
+  CUtensorMap a_map;  // [rows_total, K] bytes, boxes of 64 bytes x BM rows, 64-byte swizzle
+  CUtensorMap b_map;  // [E * N, K] bytes, boxes of 64 bytes x BN rows
   const float* sa;
   const float* sb;
   __nv_bfloat16* out;
@@ -60,7 +79,7 @@ __device__ __forceinline__ void expert_rows(const Params& p, int e, int& start, 
 }
 
 // tile t -> (expert, column block, row block) through tiles_before[] (tiles of the experts before e)
-__device__ __forceinline__ void tile_coords(const Params& p, const int* tiles_before, int t, int& e, int& nb,
+__device__ __forceinline__ void tile_coords(const Params& p, const int* tiles_before, int bm, int t, int& e, int& nb,
                                             int& mb) {
   int lo = 0, hi = p.groups - 1;  // the last e with tiles_before[e] <= t
   while (lo < hi) {
@@ -70,7 +89,7 @@ __device__ __forceinline__ void tile_coords(const Params& p, const int* tiles_be
   e = lo;
   int start, count;
   expert_rows(p, e, start, count);
-  const int mtiles = (count + BLOCK_M - 1) / BLOCK_M;
+  const int mtiles = (count + bm - 1) / bm;
   const int local = t - tiles_before[e];
   nb = local / mtiles;
   mb = local - nb * mtiles;
@@ -83,14 +102,35 @@ __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int
       : "memory");
 }
 
+// one K block of a warp group's 64 x 128 part: four m64n128k32 wgmmas into `part` (a: its token rows' first
+// swizzled half, b: its weight rows' first half), committed as one group
+template <class F>
+__device__ __forceinline__ void mma_kblock(float* part, uint32_t a, uint32_t b) {
+  wgmma_fence();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint64_t da = desc_sw64(a + h * F::A_HALF), db = desc_sw64(b + h * F::B_HALF);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) wgmma_m64n128k32_e4m3(part, desc_add(da, 32 * kk), desc_add(db, 32 * kk), h | kk);
+  }
+  wgmma_commit();
+}
+
+// acc += part x the block scales of its two rows (part[4j + {0, 1}]: the first row, part[4j + {2, 3}]: the second)
+__device__ __forceinline__ void promote(float* acc, const float* part, float s0, float s1) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+}
+
+template <class F>
 __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
   uint32_t sbase;
   uint8_t* smem = aligned_smem(smem_raw, sbase);
-  const uint32_t bar_full = sbase + STAGES * STAGE_BYTES, bar_empty = bar_full + 8 * STAGES;
-  int* tiles_before = reinterpret_cast<int*>(smem + STAGES * STAGE_BYTES + 16 * STAGES);
+  const uint32_t bar_full = sbase + F::STAGES * F::STAGE_BYTES, bar_empty = bar_full + 8 * F::STAGES;
+  int* tiles_before = reinterpret_cast<int*>(smem + F::STAGES * F::STAGE_BYTES + 16 * F::STAGES);
   const int tid = threadIdx.x, wg = tid / 128;
-  const int n_blocks = p.n / BLOCK_N, k_blocks = p.k / BLOCK_K;
+  const int n_blocks = p.n / F::BN, k_blocks = p.k / BLOCK_K;
 
   if (tid == 0) {
     int total = 0;
@@ -98,10 +138,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       tiles_before[e] = total;
       int start, count;
       expert_rows(p, e, start, count);
-      total += (count + BLOCK_M - 1) / BLOCK_M * n_blocks;
+      total += (count + F::BM - 1) / F::BM * n_blocks;
     }
     tiles_before[p.groups] = total;
-    for (int s = 0; s < STAGES; ++s) {
+    for (int s = 0; s < F::STAGES; ++s) {
       mbar_init(bar_full + 8 * s, 1);   // the producer's arrival plus the copies' bytes
       mbar_init(bar_empty + 8 * s, 8);  // one arrival per math warp
     }
@@ -118,61 +158,89 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     int it = 0;
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       int e, nb, mb, start, count;
-      tile_coords(p, tiles_before, t, e, nb, mb);
+      tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
       expert_rows(p, e, start, count);
-      const int row = start + mb * BLOCK_M, col = e * p.n + nb * BLOCK_N;
+      const int row = start + mb * F::BM, col = e * p.n + nb * F::BN;
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int s = it % STAGES;
-        if (it >= STAGES) mbar_wait(bar_empty + 8 * s, ((it / STAGES) - 1) & 1);  // slot released by both WGs
-        const uint32_t dst = sbase + s * STAGE_BYTES, bar = bar_full + 8 * s;
-        mbar_arrive_expect_tx(bar, STAGE_BYTES);
+        const int s = it % F::STAGES;
+        if (it >= F::STAGES) mbar_wait(bar_empty + 8 * s, ((it / F::STAGES) - 1) & 1);  // released by both WGs
+        const uint32_t dst = sbase + s * F::STAGE_BYTES, bar = bar_full + 8 * s;
+        mbar_arrive_expect_tx(bar, F::STAGE_BYTES);
         tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
-        tma_2d(dst + HALF_BYTES, &p.a_map, kb * BLOCK_K + 64, row, bar);
-        tma_2d(dst + 2 * HALF_BYTES, &p.b_map, kb * BLOCK_K, col, bar);
-        tma_2d(dst + 3 * HALF_BYTES, &p.b_map, kb * BLOCK_K + 64, col, bar);
+        tma_2d(dst + F::A_HALF, &p.a_map, kb * BLOCK_K + 64, row, bar);
+        tma_2d(dst + 2 * F::A_HALF, &p.b_map, kb * BLOCK_K, col, bar);
+        tma_2d(dst + 2 * F::A_HALF + F::B_HALF, &p.b_map, kb * BLOCK_K + 64, col, bar);
       }
     }
     return;
   }
 
   setmaxnreg_inc<MATH_REGS>();
-  const int half = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
-  const int r_frag = half * 64 + warp * 16 + lane / 4;  // this thread's first accumulator row in the tile (+8: second)
-  const int c_frag = (lane % 4) * 2;
-  float acc[64], part[64];
+  const int w = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
+  const int r_frag = F::wg_row(w) + warp * 16 + lane / 4;  // this thread's first accumulator row in the tile (+8)
+  const int c_wg = F::wg_col(w), c_frag = (lane % 4) * 2;
+  const uint32_t a_off = F::wg_row(w) * 64, b_off = 2 * F::A_HALF + c_wg * 64;  // in a slot
+  const long long last = p.rows_total - 1;
+  float acc[64], part[64], part2[F::DOUBLE ? 64 : 1];
   int it = 0;
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     int e, nb, mb, start, count;
-    tile_coords(p, tiles_before, t, e, nb, mb);
+    tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
     expert_rows(p, e, start, count);
-    const long long row0 = static_cast<long long>(start) + mb * BLOCK_M + r_frag;
-    const long long last = p.rows_total - 1;
+    const long long row0 = static_cast<long long>(start) + mb * F::BM + r_frag;
     const float* sa0 = p.sa + min(row0, last) * k_blocks;  // rows past the end: any finite scale (not stored)
     const float* sa1 = p.sa + min(row0 + 8, last) * k_blocks;
-    const float* sbt = p.sb + (static_cast<long long>(e) * n_blocks + nb) * k_blocks;
+    const float* sbt = p.sb + (static_cast<long long>(e) * (p.n / 128) + (nb * F::BN + c_wg) / 128) * k_blocks;
+    const auto slot = [&](int i) { return sbase + (i % F::STAGES) * F::STAGE_BYTES; };
+    const auto wait_full = [&](int i) { mbar_wait(bar_full + 8 * (i % F::STAGES), (i / F::STAGES) & 1); };
+    const auto release = [&](int i) {
+      if (lane == 0) mbar_arrive(bar_empty + 8 * (i % F::STAGES));
+    };
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-      const int s = it % STAGES;
-      const float s_b = __ldg(sbt + kb), s0 = __ldg(sa0 + kb) * s_b, s1 = __ldg(sa1 + kb) * s_b;
-      mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
-      const uint32_t a = sbase + s * STAGE_BYTES + half * 64 * 64, b = sbase + s * STAGE_BYTES + 2 * HALF_BYTES;
-      wgmma_fence();
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint64_t da = desc_sw64(a + h * HALF_BYTES), db = desc_sw64(b + h * HALF_BYTES);
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) wgmma_m64n128k32_e4m3(part, desc_add(da, 32 * kk), desc_add(db, 32 * kk), h | kk);
+    if constexpr (!F::DOUBLE) {
+      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+        const float s_b = __ldg(sbt + kb), s0 = __ldg(sa0 + kb) * s_b, s1 = __ldg(sa1 + kb) * s_b;
+        wait_full(it);
+        mma_kblock<F>(part, slot(it) + a_off, slot(it) + b_off);
+        wgmma_wait<0>();
+        release(it);
+        promote(acc, part, s0, s1);
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+    } else {
+      // K block kb's wgmmas are in flight in `part` (even kb) or `part2` (odd kb) while kb - 1's are promoted
+      wait_full(it);
+      mma_kblock<F>(part, slot(it) + a_off, slot(it) + b_off);
+      for (int kb = 0; kb < k_blocks; kb += 2) {
+        float s_b = __ldg(sbt + kb), s0 = __ldg(sa0 + kb) * s_b, s1 = __ldg(sa1 + kb) * s_b;
+        if (kb + 1 < k_blocks) {
+          wait_full(it + 1);
+          mma_kblock<F>(part2, slot(it + 1) + a_off, slot(it + 1) + b_off);
+          wgmma_wait<1>();  // kb's group done, kb + 1's may run on
+        } else {
+          wgmma_wait<0>();
+        }
+        release(it);
+        promote(acc, part, s0, s1);
+        ++it;
+        if (kb + 1 < k_blocks) {
+          s_b = __ldg(sbt + kb + 1), s0 = __ldg(sa0 + kb + 1) * s_b, s1 = __ldg(sa1 + kb + 1) * s_b;
+          if (kb + 2 < k_blocks) {
+            wait_full(it + 1);
+            mma_kblock<F>(part, slot(it + 1) + a_off, slot(it + 1) + b_off);
+            wgmma_wait<1>();
+          } else {
+            wgmma_wait<0>();
+          }
+          release(it);
+          promote(acc, part2, s0, s1);
+          ++it;
+        }
+      }
     }
     // epilogue: acc[4j + {0, 1}] are (row r_frag, columns 8j + c_frag + {0, 1}); acc[4j + {2, 3}] row r_frag + 8
-    const int local = mb * BLOCK_M + r_frag;
-    __nv_bfloat16* o = p.out + (static_cast<long long>(start) + local) * p.n + nb * BLOCK_N + c_frag;
+    const int local = mb * F::BM + r_frag;
+    __nv_bfloat16* o = p.out + (static_cast<long long>(start) + local) * p.n + nb * F::BN + c_wg + c_frag;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       if (local < count)
@@ -183,15 +251,15 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   }
 }
 
-// [rows, K] bytes as a 2-D tensor map with boxes of 64 bytes x 128 rows and the 64-byte swizzle
-inline cudaError_t encode_operand_map(CUtensorMap* map, const void* ptr, long long rows, int k) {
+// [rows, K] bytes as a 2-D tensor map with boxes of 64 bytes x box_rows rows and the 64-byte swizzle
+inline cudaError_t encode_operand_map(CUtensorMap* map, const void* ptr, long long rows, int k, int box_rows) {
   cudaError_t err;
   const TensorMapEncoder encode = tensor_map_encoder(&err);
   if (encode == nullptr) return err;
   if (rows <= 0 || k % 16 != 0 || reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return cudaErrorInvalidValue;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k)};
-  const cuuint32_t box[2] = {64, 128};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t unit[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box, unit,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -199,32 +267,23 @@ inline cudaError_t encode_operand_map(CUtensorMap* map, const void* ptr, long lo
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-}  // namespace grouped_gemm_sm90
-
-static bool grouped_gemm_attr_done[128] = {};
-
-// The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
-// rows_total: A's rows; num_ctas: the grid (the caller's SM count). Returns a cudaError_t.
-extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
-    const void* a, const void* sa, const void* b, const void* sb, void* out, const void* indptr, const void* masked_m,
-    long long rows_total, int groups, int max_m, int n, int k, int num_ctas, void* stream) {
-  using namespace grouped_gemm_sm90;
-  if ((indptr == nullptr) == (masked_m == nullptr) || groups <= 0 || groups > MAX_GROUPS || n % BLOCK_N != 0 ||
-      k % BLOCK_K != 0 || n <= 0 || k <= 0 || num_ctas <= 0)
-    return static_cast<int>(cudaErrorInvalidValue);
-  if (rows_total <= 0) return 0;
+template <class F>
+int launch(bool* attr_done, const void* a, const void* sa, const void* b, const void* sb, void* out,
+           const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n, int k,
+           int num_ctas, void* stream) {
+  if (n % F::BN != 0) return static_cast<int>(cudaErrorInvalidValue);
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (dev < 0 || dev >= 128) return static_cast<int>(cudaErrorInvalidDevice);
-  if (!grouped_gemm_attr_done[dev]) {
-    err = cudaFuncSetAttribute(grouped_gemm_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  if (!attr_done[dev]) {
+    err = cudaFuncSetAttribute(grouped_gemm_fp8_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, F::SMEM_BYTES);
     if (err != cudaSuccess) return static_cast<int>(err);
-    grouped_gemm_attr_done[dev] = true;
+    attr_done[dev] = true;
   }
   Params p;
-  if ((err = encode_operand_map(&p.a_map, a, rows_total, k)) != cudaSuccess) return static_cast<int>(err);
-  if ((err = encode_operand_map(&p.b_map, b, static_cast<long long>(groups) * n, k)) != cudaSuccess)
+  if ((err = encode_operand_map(&p.a_map, a, rows_total, k, F::BM)) != cudaSuccess) return static_cast<int>(err);
+  if ((err = encode_operand_map(&p.b_map, b, static_cast<long long>(groups) * n, k, F::BN)) != cudaSuccess)
     return static_cast<int>(err);
   p.sa = static_cast<const float*>(sa);
   p.sb = static_cast<const float*>(sb);
@@ -236,8 +295,29 @@ extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
   p.max_m = max_m;
   p.n = n;
   p.k = k;
-  grouped_gemm_fp8_kernel<<<num_ctas, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(p);
+  grouped_gemm_fp8_kernel<F><<<num_ctas, THREADS, F::SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(p);
   return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace grouped_gemm_sm90
+
+static bool grouped_gemm_attr_done[4][128] = {};  // per form and device
+
+// The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
+// rows_total: A's rows; num_ctas: the grid (the caller's SM count); form: 0-3 (the header). Returns a cudaError_t.
+extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
+    const void* a, const void* sa, const void* b, const void* sb, void* out, const void* indptr, const void* masked_m,
+    long long rows_total, int groups, int max_m, int n, int k, int num_ctas, int form, void* stream) {
+  using namespace grouped_gemm_sm90;
+  if ((indptr == nullptr) == (masked_m == nullptr) || groups <= 0 || groups > MAX_GROUPS || n % 128 != 0 ||
+      k % BLOCK_K != 0 || n <= 0 || k <= 0 || num_ctas <= 0 || form < 0 || form > 3)
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (rows_total <= 0) return 0;
+  constexpr decltype(&launch<Form<128, 128, false>>) forms[4] = {
+      launch<Form<128, 128, false>>, launch<Form<128, 128, true>>, launch<Form<64, 256, false>>,
+      launch<Form<64, 256, true>>};
+  return forms[form](grouped_gemm_attr_done[form], a, sa, b, sb, out, indptr, masked_m, rows_total, groups, max_m, n,
+                     k, num_ctas, stream);
 }
 
 extern "C" __attribute__((visibility("default"))) const char* grouped_gemm_fp8_sm90_error_string(int err) {
