@@ -421,6 +421,31 @@ def rejects(trials: list, err: float | None) -> bool:
     return True
 
 
+class Candidates:
+    """One provider's candidates at a point (tile configs, split points, CUDA tile forms): each timed and checked,
+    every trial kept ({config, us, tiles, rel_err}: the table may ship any of them), and the fastest right one."""
+
+    def __init__(self, what: str, check, rep_ms: int):
+        self.what, self.check, self.rep_ms = what, check, rep_ms
+        self.trials: list = []
+        self.best = None  # (us, what the caller records for it, rel err)
+
+    def time(self, config, call, tiles=None, record_as=None) -> None:
+        """`call()` -> (fn, its output buffer): fn timed, the output checked. A failed call leaves no trial (stderr
+        says why); a wrong one is a trial marked rejected (rejects). record_as: what `best` names (default: config)."""
+        try:
+            fn, out = call()
+            us = bench_us(fn, self.rep_ms)
+        except Exception as e:
+            print(f"  {self.what} {config}: {type(e).__name__}: {e}", file=sys.stderr)
+            return
+        err = self.check(out)
+        self.trials.append({"config": config, "us": round(us, 3), **({} if tiles is None else {"tiles": tiles}),
+                            "rel_err": err})
+        if not rejects(self.trials, err) and (self.best is None or us < self.best[0]):
+            self.best = (us, config if record_as is None else record_as, err)
+
+
 # ---------------------------------------------------------------------------------------------
 # Providers
 # ---------------------------------------------------------------------------------------------
@@ -613,6 +638,13 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         return (lambda: gg.m_grouped_fp8_gemm_nt_contiguous(a_c, a_cs, b, b_s, indptr, out=out, variant=variant,
                                                             config=cfg)), out
 
+    def cuda_call(ggc, layout, form):
+        """(call, its output buffer) of the CUDA grouped GEMM in tile form `form` on this point's operands."""
+        index = {"masked_m": masked_m} if layout == "masked" else {"m_indptr": indptr}
+        operands = (a_m, a_ms) if layout == "masked" else (a_c, a_cs)
+        out = torch.empty(*operands[0].shape[:-1], n, dtype=torch.bfloat16, device="cuda")
+        return (lambda: ggc.m_grouped_fp8_gemm_nt_cuda(*operands, b, b_s, out=out, form=form, **index)), out
+
     for variant in ("swapab", "normal"):
         if f"ours-{variant}" not in args.providers:
             continue
@@ -620,56 +652,38 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             grid = tune_grid(variant, args.tune_walks, dict(args.tune_where)) if tune and sweeps(args, variant) else []
             configs = [None] + grid
             shipped = gg.choose_config(variant, mean, n, k, groups, layout=layout)  # what config None runs
-            best, tried, trials = None, 0, []  # trials: every tuned config's time, so walks can be compared
-            check = checks[layout]
+            tried = 0
+            cands = Candidates(f"ours-{variant} {layout} config", checks[layout], args.rep_ms)
             for cfg in configs:
-                if best is not None and time_up():
+                if cands.best is not None and time_up():
                     print(f"  ours-{variant} {layout}: deadline, tuned {tried} of {len(configs)} configs",
                           file=sys.stderr)
                     break
                 tried += 1
-                try:
-                    fn, out = ours_call(layout, variant, cfg)
-                    us = bench_us(fn, args.rep_ms)
-                except Exception as e:
-                    print(f"  ours-{variant} {layout} config {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
-                    continue
                 used = {**shipped, **(cfg or {})}
-                # every trial is checked and names the tiles it ran: the table may ship any of them (the config
-                # best on both draws together, gg.table_entries), not only this draw's fastest
-                err = check(out)
-                trials.append({"config": cfg, "us": round(us, 3),
-                               "tiles": {kk: used[kk] for kk in gg.TILE_KEYS if kk in used}, "rel_err": err})
-                if not rejects(trials, err) and (best is None or us < best[0]):
-                    best = (us, used, err)
-            if best is None:
+                # every trial names the tiles it ran: the table may ship any of them (the config best on both
+                # draws together, gg.table_entries), not only this draw's fastest
+                cands.time(cfg, lambda: ours_call(layout, variant, cfg),
+                           {kk: used[kk] for kk in gg.TILE_KEYS if kk in used}, record_as=used)
+            if cands.best is None:
                 unavailable[f"ours-{variant}-{layout}"] = "every config failed or was wrong (see stderr)"
                 continue
-            us, used, err = best
+            us, used, err = cands.best
             tiles = (used["BLOCK_T"], used["BLOCK_N"])
             record(f"ours-{variant}", layout, us, tiles, err, used,
-                   {"configs_tried": tried, "configs_in_grid": len(configs), "trials": trials} if tune else None)
+                   {"configs_tried": tried, "configs_in_grid": len(configs), "trials": cands.trials} if tune else None)
 
     if "ours-split" in args.providers and total:
         for layout in args.layouts:
-            best, trials = None, []
+            cands = Candidates(f"ours-split {layout}", checks[layout], args.rep_ms)
             for cfg in ({"split_at": t, "split_streams": st} for t in args.split_at for st in args.split_streams):
-                try:
-                    fn, out = ours_call(layout, "split", cfg)
-                    us = bench_us(fn, args.rep_ms)
-                except Exception as e:
-                    print(f"  ours-split {layout} {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
-                    continue
-                err = checks[layout](out)
-                trials.append({"config": cfg, "us": round(us, 3), "tiles": cfg, "rel_err": err})
-                if not rejects(trials, err) and (best is None or us < best[0]):
-                    best = (us, cfg, err)
-            if best is None:
+                cands.time(cfg, lambda: ours_call(layout, "split", cfg), tiles=cfg)
+            if cands.best is None:
                 unavailable[f"ours-split-{layout}"] = "every split_at failed or was wrong (see stderr)"
                 continue
-            us, cfg, err = best
+            us, cfg, err = cands.best
             tiles, issued = split_tiles(counts, n, k, groups, mean, cfg["split_at"], layout)
-            record("ours-split", layout, us, tiles, err, cfg, {"trials": trials, **issued})
+            record("ours-split", layout, us, tiles, err, cfg, {"trials": cands.trials, **issued})
 
     if "ours-cuda" in args.providers:
         from sgl_kernel_ext import grouped_gemm_cuda as ggc
@@ -677,26 +691,14 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         if not ok:
             unavailable["ours-cuda"] = why
         for layout in args.layouts if ok else ():
-            best, trials = None, []
-            for form in args.cuda_forms:  # each form timed and checked; the point records the fastest right one
-                index = {"masked_m": masked_m} if layout == "masked" else {"m_indptr": indptr}
-                operands = (a_m, a_ms) if layout == "masked" else (a_c, a_cs)
-                out = torch.empty(*operands[0].shape[:-1], n, dtype=torch.bfloat16, device="cuda")
-                try:
-                    us = bench_us(lambda: ggc.m_grouped_fp8_gemm_nt_cuda(*operands, b, b_s, out=out, form=form,
-                                                                         **index), args.rep_ms)
-                except Exception as e:
-                    print(f"  ours-cuda {layout} {form}: {type(e).__name__}: {e}", file=sys.stderr)
-                    continue
-                err = checks[layout](out)
-                trials.append({"config": {"form": form}, "us": round(us, 3), "rel_err": err})
-                if not rejects(trials, err) and (best is None or us < best[0]):
-                    best = (us, form, err)
-            if best is None:
+            cands = Candidates(f"ours-cuda {layout}", checks[layout], args.rep_ms)
+            for form in args.cuda_forms:
+                cands.time({"form": form}, lambda: cuda_call(ggc, layout, form))
+            if cands.best is None:
                 unavailable[f"ours-cuda-{layout}"] = "every form failed or was wrong (see stderr)"
                 continue
-            us, form, err = best
-            record("ours-cuda", layout, us, ggc.tile_shape(form), err, {"form": form}, {"trials": trials})
+            us, cfg, err = cands.best
+            record("ours-cuda", layout, us, ggc.tile_shape(cfg["form"]), err, cfg, {"trials": cands.trials})
 
     if "deepgemm" in args.providers:
         for layout in args.layouts:

@@ -10,8 +10,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-shared", "-Xcompiler",
               "-fPIC,-fvisibility=hidden")  # hidden: libraries loaded side by side share no symbol
+
+
+def device_problem() -> str | None:
+    """Why our sm_90a kernels cannot run on this process's GPU (none, or not Hopper), or None when they can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"needs sm_90 (Hopper), device is sm_{cap[0]}{cap[1]}"
+    return None
 
 
 def find_nvcc() -> str | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .cuda_build import NVCC_FLAGS, compile_library, find_nvcc
+from .cuda_build import NVCC_FLAGS, compile_library, device_problem, find_nvcc
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_gemm_fp8_sm90.cu"
 BLOCK = 128  # K must be a multiple of it (the scale block), N of the form's columns
@@ -46,11 +46,9 @@ def _load() -> ctypes.CDLL:
 def available() -> tuple[bool, str]:
     """(True, "") when the kernel can run here: an sm_90 GPU, nvcc, a build."""
     global _lib_error
-    if not torch.cuda.is_available():
-        return False, "no CUDA device"
-    cap = torch.cuda.get_device_capability()
-    if cap != (9, 0):
-        return False, f"needs sm_90 (Hopper), device is sm_{cap[0]}{cap[1]}"
+    problem = device_problem()
+    if problem:
+        return False, problem
     if _lib_error is None:
         try:
             _load()

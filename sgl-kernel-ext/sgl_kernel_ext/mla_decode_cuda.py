@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from . import mla_decode as _triton_mla
-from .cuda_build import NVCC_FLAGS, compile_library
+from .cuda_build import NVCC_FLAGS, compile_library, device_problem
 from .cuda_build import find_nvcc as _find_nvcc  # module attribute: the tests fake it
 from .hostmath import cdiv
 from .mla_decode import (
@@ -206,11 +206,9 @@ def available(version: int = 1, defines=()) -> tuple[bool, str]:
     """(True, "") when kernel `version` (built with `defines`) can run here: a CUDA GPU of compute capability 9.0,
     nvcc, the source, a build."""
     key = (_check_version(version), _check_defines(defines))
-    if not torch.cuda.is_available():
-        return False, "no CUDA device"
-    cap = torch.cuda.get_device_capability()
-    if cap != (9, 0):
-        return False, f"needs sm_90 (Hopper), device is sm_{cap[0]}{cap[1]}"
+    problem = device_problem()
+    if problem:
+        return False, problem
     if key in _lib_errors:
         return False, _lib_errors[key]
     try:

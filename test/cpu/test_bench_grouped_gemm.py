@@ -224,3 +224,24 @@ def test_the_uneven_draw_at_a_point_does_not_depend_on_the_rest_of_the_sweep():
     assert bench.uneven_counts(8, 32, 0) == first
     assert sum(first) == 8 * 32 and len(first) == 8 and max(first) > 32  # same total as uniform, uneven
     assert bench.uneven_counts(8, 32, 1) != first and bench.uneven_counts(8, 24, 0) != first
+
+
+def test_candidates_keep_every_checked_trial_and_the_fastest_right_one(monkeypatch, capsys):
+    """Every provider's candidate loop goes through Candidates: a timed, checked trial is kept with its time and
+    error; one whose call fails leaves no trial and a stderr line; one over the error bound is a trial marked
+    rejected and never the best, even when fastest."""
+    monkeypatch.setattr(bench, "bench_us", lambda fn, rep_ms: fn())
+    errs = iter([1e-3, 2e-3, bench.TUNE_ERR_BOUND * 10])
+    cands = bench.Candidates("ours-x", lambda out: next(errs), 10)
+    cands.time({"a": 1}, lambda: ((lambda: 12.5), "out"), {"BLOCK_N": 64}, record_as="tiles a1")
+    cands.time({"a": 2}, lambda: ((lambda: 10.0), "out"))
+
+    def broken():
+        raise RuntimeError("no launch")
+    cands.time({"a": 3}, broken)
+    cands.time({"a": 4}, lambda: ((lambda: 1.0), None))
+    assert cands.best == (10.0, {"a": 2}, 2e-3)
+    assert cands.trials[:2] == [{"config": {"a": 1}, "us": 12.5, "tiles": {"BLOCK_N": 64}, "rel_err": 1e-3},
+                                {"config": {"a": 2}, "us": 10.0, "rel_err": 2e-3}]
+    assert cands.trials[2]["config"] == {"a": 4} and cands.trials[2]["rejected_rel_err"] > bench.TUNE_ERR_BOUND
+    assert len(cands.trials) == 3 and "ours-x {'a': 3}: RuntimeError: no launch" in capsys.readouterr().err

@@ -70,57 +70,14 @@ def check(out, ref, what):
     assert norm_err <= REL and max_err <= REL, f"{what}: normwise {norm_err:.2e}, max {max_err:.2e}"
 
 
-@pytest.mark.parametrize("groups", [8, 32])
-@pytest.mark.parametrize("shape", list(MOE_SHAPES))
-def test_moe_shapes(mods, shape, groups):
-    gg, quant = mods
+def check_moe_points(quant, shape, groups, runs):
+    """test_moe_shapes' points at one shape: m in MS tokens per expert (expert 1 empty, expert 2 about m/2), both
+    layouts. runs: (label, masked(a, a_s, b, b_s, masked_m, out, m), contiguous(a, a_s, b, b_s, indptr, out)) each
+    writing into `out`, poisoned with NaN: every valid row within REL of the float reference, rows of no expert
+    still NaN (the contiguous layout has a spare row before and after the groups)."""
     n, k = MOE_SHAPES[shape]
     b, b_s = quantized_weights(quant, groups, n, k, seed=groups)
     bd = quant.dequant_per_block(b, b_s)  # fp32 reference weights, once per shape
-    for m in MS:
-        c = counts(m, groups)
-        max_m = max(max(c), 1)
-        # masked layout
-        a, a_s = quantized_acts(quant, (groups, max_m, k), seed=m)
-        ad = quant.dequant_per_token_group(a, a_s)
-        mm = torch.tensor(c, dtype=torch.int32, device="cuda")
-        for variant in gg.VARIANTS:
-            out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            gg.m_grouped_fp8_gemm_nt_masked(a, a_s, b, b_s, mm, out=out, variant=variant, expected_m=max(m, 1))
-            for g, cm in enumerate(c):
-                if cm:
-                    check(out[g, :cm], ad[g, :cm] @ bd[g].T, f"masked {shape} G={groups} m={m} {variant} g={g}")
-                assert out[g, cm:].isnan().all(), f"masked {variant}: rows past masked_m written"
-        # contiguous layout (a spare row before and after the groups)
-        total = sum(c)
-        a, a_s = quantized_acts(quant, (total + 2, k), seed=1000 + m)
-        ad = quant.dequant_per_token_group(a, a_s)
-        ip = indptr_of(c)
-        for variant in gg.VARIANTS:
-            out = torch.full((total + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=out, variant=variant)
-            for g in range(groups):
-                lo, hi = ip[g].item(), ip[g + 1].item()
-                if hi > lo:
-                    check(out[lo:hi], ad[lo:hi] @ bd[g].T, f"contiguous {shape} G={groups} m={m} {variant} g={g}")
-            assert out[0].isnan().all() and out[-1].isnan().all(), "rows outside the groups written"
-
-
-@pytest.mark.parametrize("groups", [8, 32])
-@pytest.mark.parametrize("shape", list(MOE_SHAPES))
-def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
-    """The hand-written CUDA kernel (grouped_gemm_cuda: TMA producer, two math warp groups), every tile form, on
-    test_moe_shapes' points, both layouts: every valid row within REL of the float reference, rows of no expert
-    still NaN."""
-    from sgl_kernel_ext import grouped_gemm_cuda as ggc
-
-    ok, why = ggc.available()
-    if not ok:
-        pytest.skip(why)
-    _, quant = mods
-    n, k = MOE_SHAPES[shape]
-    b, b_s = quantized_weights(quant, groups, n, k, seed=groups)
-    bd = quant.dequant_per_block(b, b_s)
     for m in MS:
         c = counts(m, groups)
         max_m = max(max(c), 1)
@@ -131,20 +88,52 @@ def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
         ac, ac_s = quantized_acts(quant, (total + 2, k), seed=1000 + m)
         acd = quant.dequant_per_token_group(ac, ac_s)
         ip = indptr_of(c)
-        for form in ggc.FORMS:
+        for label, masked, contiguous in runs:
             out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, masked_m=mm, out=out, form=form)
+            masked(a, a_s, b, b_s, mm, out, m)
             for g, cm in enumerate(c):
                 if cm:
-                    check(out[g, :cm], ad[g, :cm] @ bd[g].T, f"cuda {form} masked {shape} G={groups} m={m} g={g}")
-                assert out[g, cm:].isnan().all(), f"cuda {form} masked: rows past masked_m written"
+                    check(out[g, :cm], ad[g, :cm] @ bd[g].T, f"masked {shape} G={groups} m={m} {label} g={g}")
+                assert out[g, cm:].isnan().all(), f"masked {label}: rows past masked_m written"
             out = torch.full((total + 2, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            ggc.m_grouped_fp8_gemm_nt_cuda(ac, ac_s, b, b_s, m_indptr=ip, out=out, form=form)
+            contiguous(ac, ac_s, b, b_s, ip, out)
             for g in range(groups):
                 lo, hi = ip[g].item(), ip[g + 1].item()
                 if hi > lo:
-                    check(out[lo:hi], acd[lo:hi] @ bd[g].T, f"cuda {form} contiguous {shape} G={groups} m={m} g={g}")
-            assert out[0].isnan().all() and out[-1].isnan().all(), f"cuda {form}: rows outside the groups written"
+                    check(out[lo:hi], acd[lo:hi] @ bd[g].T, f"contiguous {shape} G={groups} m={m} {label} g={g}")
+            assert out[0].isnan().all() and out[-1].isnan().all(), f"{label}: rows outside the groups written"
+
+
+@pytest.mark.parametrize("groups", [8, 32])
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_moe_shapes(mods, shape, groups):
+    gg, quant = mods
+    check_moe_points(quant, shape, groups, [
+        (variant,
+         lambda a, a_s, b, b_s, mm, out, m, v=variant: gg.m_grouped_fp8_gemm_nt_masked(
+             a, a_s, b, b_s, mm, out=out, variant=v, expected_m=max(m, 1)),
+         lambda a, a_s, b, b_s, ip, out, v=variant: gg.m_grouped_fp8_gemm_nt_contiguous(
+             a, a_s, b, b_s, ip, out=out, variant=v))
+        for variant in gg.VARIANTS])
+
+
+@pytest.mark.parametrize("groups", [8, 32])
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
+    """The hand-written CUDA kernel (grouped_gemm_cuda: TMA producer, two math warp groups), every tile form, on
+    test_moe_shapes' points."""
+    from sgl_kernel_ext import grouped_gemm_cuda as ggc
+
+    ok, why = ggc.available()
+    if not ok:
+        pytest.skip(why)
+    check_moe_points(mods[1], shape, groups, [
+        (f"cuda {form}",
+         lambda a, a_s, b, b_s, mm, out, m, f=form: ggc.m_grouped_fp8_gemm_nt_cuda(
+             a, a_s, b, b_s, masked_m=mm, out=out, form=f),
+         lambda a, a_s, b, b_s, ip, out, f=form: ggc.m_grouped_fp8_gemm_nt_cuda(
+             a, a_s, b, b_s, m_indptr=ip, out=out, form=f))
+        for form in ggc.FORMS])
 
 
 @pytest.mark.parametrize("shape", list(DENSE_SHAPES))
