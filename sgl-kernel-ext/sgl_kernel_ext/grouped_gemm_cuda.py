@@ -1,7 +1,8 @@
 """The hand-written FP8 grouped GEMM (csrc/grouped_gemm_fp8_sm90.cu): the normal variant (tokens on the wgmma's M
-side, 128 x 128 tiles) with a TMA producer warp group beside two math warp groups, which Triton's warp-specialized
+side; tile forms FORMS) with a TMA producer warp group beside two math warp groups, which Triton's warp-specialized
 loop could not give us on the H200 (config `ws` hangs). Same operands and results as grouped_gemm_fp8's contiguous
-and masked layouts; built with nvcc at first use (cuda_build), sm_90 only.
+and masked layouts; built with nvcc at first use (cuda_build), sm_90 only. Opt-in (the bench's `ours-cuda`): no
+table routes to it until it is measured faster.
 
     out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, m_indptr=indptr)    # contiguous
     out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, masked_m=counts)    # masked
