@@ -6,7 +6,7 @@ table routes to it until it is measured faster.
 
     out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, m_indptr=indptr)    # contiguous
     out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, masked_m=counts)    # masked
-    out = m_grouped_fp8_gemm_nt_cuda(..., form="64x256-double")                   # another tile form (FORMS)
+    out = m_grouped_fp8_gemm_nt_cuda(..., form="64x256-pd")                       # another tile form (FORMS)
 """
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from .cuda_build import NVCC_FLAGS, compile_library, device_problem, find_nvcc
 SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_gemm_fp8_sm90.cu"
 BLOCK = 128  # K must be a multiple of it (the scale block), N of the form's columns
 MAX_GROUPS = 1024  # the kernel's per-CTA tile table
-# the kernel's tile forms, by its `form` index (csrc header): token rows x weight columns, "-double": the scratch
-# accumulator double-buffered (K block kb + 1's wgmmas issued before kb's promotion)
-FORMS = ("128x128", "128x128-double", "64x256", "64x256-double")
+# the kernel's tile forms, by its `form` index (csrc header): token rows x weight columns; p: each K block's scales
+# loaded one K block ahead; d: the scratch accumulator double-buffered (K block kb + 1's wgmmas issued before kb's
+# promotion)
+FORMS = ("128x128", "128x128-p", "128x128-pd", "64x256-p", "64x256-pd")
 DEFAULT_FORM = "128x128"  # the first form, the one measured (session 44)
 _ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_longlong] + [ctypes.c_int] * 6 + [ctypes.c_void_p]
 _lib: ctypes.CDLL | None = None

@@ -19,13 +19,15 @@
 //     into a scratch accumulator, then acc += scratch * sa[row] * sb (the block scales, in fp32), then release the
 //     slot. The epilogue writes bf16 from registers.
 // Tile forms (the launch's `form`; grouped_gemm_cuda.FORMS):
-//   0 "128x128"         128 token rows (one warp group each half) x 128 weight columns; waits for its wgmmas,
-//                       then promotes (the first form, session 44: correct, 0.78-1.02x the Triton normal variant)
-//   1 "128x128-double"  the same with the scratch double-buffered: K block kb + 1's wgmmas are issued before kb's
-//                       promotion, so a warp group's FMAs overlap its own tensor work
-//   2 "64x256"          64 token rows x 256 weight columns (the warp groups split the columns): the token tile is
-//                       read from L2 once per 256 columns, not per 128, and no half of a tile is dead at <= 64 tokens
-//   3 "64x256-double"   both
+//   0 "128x128"      128 token rows (one warp group each half) x 128 weight columns; each K block's scales loaded
+//                    as the block starts; waits for its wgmmas, then promotes (the first form, session 44: correct,
+//                    0.78-1.02x the Triton normal variant)
+//   1 "128x128-p"    the scales loaded one K block ahead (p), so their latency hides behind a whole K block
+//   2 "128x128-pd"   and the scratch double-buffered (d): K block kb + 1's wgmmas are issued before kb's promotion,
+//                    so a warp group's FMAs overlap its own tensor work
+//   3 "64x256-p"     64 token rows x 256 weight columns (the warp groups split the columns): the token tile is read
+//                    from L2 once per 256 columns, not per 128, and no half of a tile is dead at <= 64 tokens
+//   4 "64x256-pd"    both
 // K must be a multiple of 128 and N of the tile's columns (DeepSeek-V3's are), rows past the tensor's end read as
 // zeros (TMA), and rows of the next expert inside a tile are computed and not stored.
 #include <cuda_bf16.h>
@@ -40,12 +42,14 @@ constexpr int THREADS = 384;
 constexpr int MAX_GROUPS = 1024;
 constexpr int RING_BYTES = 200 * 1024;  // the slots' budget (an SM has 227 KB; the rest: barriers, tile table)
 constexpr int LOADER_REGS = 40, MATH_REGS = 232;
+constexpr int NUM_FORMS = 5;
 
-template <int BM_, int BN_, bool DOUBLE_>
+template <int BM_, int BN_, bool DOUBLE_, bool PREFETCH_>
 struct Form {
   static_assert((BM_ == 128 && BN_ == 128) || (BM_ == 64 && BN_ == 256), "two 64 x 128 warp-group tiles");
   static constexpr int BM = BM_, BN = BN_;
-  static constexpr bool DOUBLE = DOUBLE_;
+  static constexpr bool DOUBLE = DOUBLE_;      // the scratch accumulator double-buffered
+  static constexpr bool PREFETCH = PREFETCH_;  // each K block's scales loaded one K block ahead
   static constexpr int A_HALF = BM * 64, B_HALF = BN * 64;  // one 64-byte-wide swizzled half of each operand
   static constexpr int STAGE_BYTES = 2 * (A_HALF + B_HALF);
   static constexpr int STAGES = RING_BYTES / STAGE_BYTES;    // 6 at 128 x 128, 5 at 64 x 256
@@ -115,6 +119,32 @@ __device__ __forceinline__ void mma_kblock(float* part, uint32_t a, uint32_t b) 
   }
   wgmma_commit();
 }
+
+// The block scales of a thread's two accumulator rows, K block by K block (take() in order from kb = 0): with
+// PREFETCH the next block's three loads are issued when one is taken, so they land during a whole K block's wait and
+// wgmmas instead of the block's own; without, each is loaded when taken.
+template <bool PREFETCH>
+struct BlockScales {
+  const float *a0, *a1, *b;
+  int kb, k_blocks;
+  float next_b, next_0, next_1;
+  __device__ __forceinline__ BlockScales(const float* a0_, const float* a1_, const float* b_, int k_blocks_)
+      : a0(a0_), a1(a1_), b(b_), kb(0), k_blocks(k_blocks_) {
+    if constexpr (PREFETCH) load(0);
+  }
+  __device__ __forceinline__ void load(int i) {
+    next_b = __ldg(b + i), next_0 = __ldg(a0 + i), next_1 = __ldg(a1 + i);
+  }
+  // s0, s1: row scale x weight scale of the next K block
+  __device__ __forceinline__ void take(float& s0, float& s1) {
+    if constexpr (!PREFETCH) load(kb);
+    s0 = next_0 * next_b, s1 = next_1 * next_b;
+    if constexpr (PREFETCH) {
+      if (kb + 1 < k_blocks) load(kb + 1);
+    }
+    ++kb;
+  }
+};
 
 // acc += part x the block scales of its two rows (part[4j + {0, 1}]: the first row, part[4j + {2, 3}]: the second)
 __device__ __forceinline__ void promote(float* acc, const float* part, float s0, float s1) {
@@ -188,9 +218,11 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
     expert_rows(p, e, start, count);
     const long long row0 = static_cast<long long>(start) + mb * F::BM + r_frag;
-    const float* sa0 = p.sa + min(row0, last) * k_blocks;  // rows past the end: any finite scale (not stored)
-    const float* sa1 = p.sa + min(row0 + 8, last) * k_blocks;
-    const float* sbt = p.sb + (static_cast<long long>(e) * (p.n / 128) + (nb * F::BN + c_wg) / 128) * k_blocks;
+    BlockScales<F::PREFETCH> scales(p.sa + min(row0, last) * k_blocks,  // rows past the end: any finite scale
+                                    p.sa + min(row0 + 8, last) * k_blocks,
+                                    p.sb + (static_cast<long long>(e) * (p.n / 128) + (nb * F::BN + c_wg) / 128) * k_blocks,
+                                    k_blocks);
+    float s0, s1;
     const auto slot = [&](int i) { return sbase + (i % F::STAGES) * F::STAGE_BYTES; };
     const auto wait_full = [&](int i) { mbar_wait(bar_full + 8 * (i % F::STAGES), (i / F::STAGES) & 1); };
     const auto release = [&](int i) {
@@ -200,7 +232,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
     if constexpr (!F::DOUBLE) {
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const float s_b = __ldg(sbt + kb), s0 = __ldg(sa0 + kb) * s_b, s1 = __ldg(sa1 + kb) * s_b;
+        scales.take(s0, s1);
         wait_full(it);
         mma_kblock<F>(part, slot(it) + a_off, slot(it) + b_off);
         wgmma_wait<0>();
@@ -212,7 +244,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       wait_full(it);
       mma_kblock<F>(part, slot(it) + a_off, slot(it) + b_off);
       for (int kb = 0; kb < k_blocks; kb += 2) {
-        float s_b = __ldg(sbt + kb), s0 = __ldg(sa0 + kb) * s_b, s1 = __ldg(sa1 + kb) * s_b;
+        scales.take(s0, s1);
         if (kb + 1 < k_blocks) {
           wait_full(it + 1);
           mma_kblock<F>(part2, slot(it + 1) + a_off, slot(it + 1) + b_off);
@@ -224,7 +256,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
         promote(acc, part, s0, s1);
         ++it;
         if (kb + 1 < k_blocks) {
-          s_b = __ldg(sbt + kb + 1), s0 = __ldg(sa0 + kb + 1) * s_b, s1 = __ldg(sa1 + kb + 1) * s_b;
+          scales.take(s0, s1);
           if (kb + 2 < k_blocks) {
             wait_full(it + 1);
             mma_kblock<F>(part, slot(it + 1) + a_off, slot(it + 1) + b_off);
@@ -301,21 +333,21 @@ int launch(bool* attr_done, const void* a, const void* sa, const void* b, const 
 
 }  // namespace grouped_gemm_sm90
 
-static bool grouped_gemm_attr_done[4][128] = {};  // per form and device
+static bool grouped_gemm_attr_done[grouped_gemm_sm90::NUM_FORMS][128] = {};  // per form and device
 
 // The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
-// rows_total: A's rows; num_ctas: the grid (the caller's SM count); form: 0-3 (the header). Returns a cudaError_t.
+// rows_total: A's rows; num_ctas: the grid (the caller's SM count); form: 0-4 (the header). Returns a cudaError_t.
 extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
     const void* a, const void* sa, const void* b, const void* sb, void* out, const void* indptr, const void* masked_m,
     long long rows_total, int groups, int max_m, int n, int k, int num_ctas, int form, void* stream) {
   using namespace grouped_gemm_sm90;
   if ((indptr == nullptr) == (masked_m == nullptr) || groups <= 0 || groups > MAX_GROUPS || n % 128 != 0 ||
-      k % BLOCK_K != 0 || n <= 0 || k <= 0 || num_ctas <= 0 || form < 0 || form > 3)
+      k % BLOCK_K != 0 || n <= 0 || k <= 0 || num_ctas <= 0 || form < 0 || form >= NUM_FORMS)
     return static_cast<int>(cudaErrorInvalidValue);
   if (rows_total <= 0) return 0;
-  constexpr decltype(&launch<Form<128, 128, false>>) forms[4] = {
-      launch<Form<128, 128, false>>, launch<Form<128, 128, true>>, launch<Form<64, 256, false>>,
-      launch<Form<64, 256, true>>};
+  constexpr decltype(&launch<Form<128, 128, false, false>>) forms[NUM_FORMS] = {  // grouped_gemm_cuda.FORMS
+      launch<Form<128, 128, false, false>>, launch<Form<128, 128, false, true>>, launch<Form<128, 128, true, true>>,
+      launch<Form<64, 256, false, true>>, launch<Form<64, 256, true, true>>};
   return forms[form](grouped_gemm_attr_done[form], a, sa, b, sb, out, indptr, masked_m, rows_total, groups, max_m, n,
                      k, num_ctas, stream);
 }
