@@ -15,7 +15,8 @@ writes OUT/profile_grouped_gemm.json (summary per launch, the providers in launc
 usage (GPU host): python3 benchmark/kernels/profile_grouped_gemm.py --out DIR [--shape gate_up --groups 8
                   --tokens 32 --dist uneven --layout contiguous]
                   [--ours swapab:128x32x3x16 swapab:64x32x4x4] [--upstream sglang-triton-swapab deepgemm]
-An ours config is VARIANT:BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM[xMAXNREG][:flat|:tma] (4 warps), or VARIANT:shipped.
+An ours config is VARIANT:BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM[xMAXNREG][:flat|:tma] (4 warps), VARIANT:shipped, or
+cuda:FORM (the hand-written CUDA kernel in one of grouped_gemm_cuda.FORMS, e.g. cuda:128x128-pd).
 """
 from __future__ import annotations
 
@@ -50,8 +51,13 @@ RAW_METRICS = [
 
 def parse_ours(text: str) -> tuple[str, dict | None]:
     """'swapab:128x32x3x16[x160][:flat|:tma]' -> ('swapab', config) (the fifth number: config maxnreg);
-    'normal:shipped' -> ('normal', None)."""
+    'normal:shipped' -> ('normal', None); 'cuda:128x128-pd' -> ('cuda', {'form': '128x128-pd'})."""
     parts = text.split(":")
+    if len(parts) == 2 and parts[0] == "cuda":
+        from sgl_kernel_ext.grouped_gemm_cuda import FORMS
+        if parts[1] not in FORMS:
+            raise argparse.ArgumentTypeError(f"{text!r}: the CUDA kernel's forms are {', '.join(FORMS)}")
+        return "cuda", {"form": parts[1]}
     if len(parts) not in (2, 3) or parts[0] not in ("swapab", "normal"):
         raise argparse.ArgumentTypeError(f"{text!r}: want VARIANT:BNxBTxSTAGESxPPS[xMAXNREG][:flat|:tma] or "
                                          "VARIANT:shipped")
@@ -121,7 +127,14 @@ def child(args) -> int:
     mean = max(1, -(-total // args.groups))
     calls = []
     for variant, cfg in args.ours:
-        if args.layout == "masked":
+        if variant == "cuda":
+            from sgl_kernel_ext import grouped_gemm_cuda as ggc
+            operands, index = ((a_m, a_ms), {"masked_m": masked_m}) if args.layout == "masked" \
+                else ((a_c, a_cs), {"m_indptr": indptr})
+            out = torch.empty(*operands[0].shape[:-1], n, dtype=torch.bfloat16, device="cuda")
+            calls.append(lambda out=out, ops=operands, ix=index, f=cfg["form"]: ggc.m_grouped_fp8_gemm_nt_cuda(
+                *ops, b, b_s, out=out, form=f, **ix))
+        elif args.layout == "masked":
             out = torch.empty(args.groups, max_m, n, dtype=torch.bfloat16, device="cuda")
             calls.append(lambda out=out, v=variant, c=cfg: gg.m_grouped_fp8_gemm_nt_masked(
                 a_m, a_ms, b, b_s, masked_m, out=out, variant=v, expected_m=mean, config=c))
@@ -151,7 +164,7 @@ def child(args) -> int:
 
 # ----------------------------------------------------------------------------------------------- the parent
 def child_command(args) -> list[str]:
-    ours = [f"{v}:shipped" if c is None else
+    ours = [f"{v}:shipped" if c is None else f"cuda:{c['form']}" if v == "cuda" else
             f"{v}:{c['BLOCK_N']}x{c['BLOCK_T']}x{c['num_stages']}x{c['programs_per_sm']}"
             f"{'x%d' % c['maxnreg'] if c.get('maxnreg') else ''}{':tma' if c['tma'] else ':flat' if c['flat'] else ''}"
             for v, c in args.ours]
