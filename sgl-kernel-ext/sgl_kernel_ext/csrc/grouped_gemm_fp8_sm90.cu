@@ -240,34 +240,25 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
         promote(acc, part, s0, s1);
       }
     } else {
-      // K block kb's wgmmas are in flight in `part` (even kb) or `part2` (odd kb) while kb - 1's are promoted
-      wait_full(it);
-      mma_kblock<F>(part, slot(it) + a_off, slot(it) + b_off);
-      for (int kb = 0; kb < k_blocks; kb += 2) {
+      // K block kb's wgmmas run in `cur` while kb - 1's (in the other) are promoted; the two swap each K block
+      const auto step = [&](float* cur, float* nxt, int kb) {
         scales.take(s0, s1);
         if (kb + 1 < k_blocks) {
           wait_full(it + 1);
-          mma_kblock<F>(part2, slot(it + 1) + a_off, slot(it + 1) + b_off);
+          mma_kblock<F>(nxt, slot(it + 1) + a_off, slot(it + 1) + b_off);
           wgmma_wait<1>();  // kb's group done, kb + 1's may run on
         } else {
           wgmma_wait<0>();
         }
         release(it);
-        promote(acc, part, s0, s1);
+        promote(acc, cur, s0, s1);
         ++it;
-        if (kb + 1 < k_blocks) {
-          scales.take(s0, s1);
-          if (kb + 2 < k_blocks) {
-            wait_full(it + 1);
-            mma_kblock<F>(part, slot(it + 1) + a_off, slot(it + 1) + b_off);
-            wgmma_wait<1>();
-          } else {
-            wgmma_wait<0>();
-          }
-          release(it);
-          promote(acc, part2, s0, s1);
-          ++it;
-        }
+      };
+      wait_full(it);
+      mma_kblock<F>(part, slot(it) + a_off, slot(it) + b_off);
+      for (int kb = 0; kb < k_blocks; kb += 2) {
+        step(part, part2, kb);
+        if (kb + 1 < k_blocks) step(part2, part, kb + 1);
       }
     }
     // epilogue: acc[4j + {0, 1}] are (row r_frag, columns 8j + c_frag + {0, 1}); acc[4j + {2, 3}] row r_frag + 8
