@@ -343,6 +343,26 @@ def point_operands(groups, n, k, counts, gen) -> MoeOperands:
     return MoeOperands(b, b_s, a_m, a_ms, masked_m, a_c, a_cs, indptr)
 
 
+def ours_moe_call(ops: MoeOperands, layout: str, variant: str, cfg: dict | None, expected_m: int):
+    """(call, its output buffer) of one of our grouped GEMMs on a point's operands (the bench and
+    profile_grouped_gemm.py time the same calls): variant swapab / normal / split (cfg: tile-config overrides) or
+    cuda (the hand-written kernel; cfg: {"form": one of grouped_gemm_cuda.FORMS})."""
+    masked = layout == "masked"
+    a, a_s = (ops.a_m, ops.a_ms) if masked else (ops.a_c, ops.a_cs)
+    out = torch.empty(*a.shape[:-1], ops.b.shape[1], dtype=torch.bfloat16, device=a.device)
+    if variant == "cuda":
+        from sgl_kernel_ext import grouped_gemm_cuda as ggc
+        index = {"masked_m": ops.masked_m} if masked else {"m_indptr": ops.indptr}
+        return (lambda: ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, ops.b, ops.b_s, out=out, form=cfg["form"],
+                                                       **index)), out
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    if masked:
+        return (lambda: gg.m_grouped_fp8_gemm_nt_masked(a, a_s, ops.b, ops.b_s, ops.masked_m, out=out,
+                                                        variant=variant, expected_m=expected_m, config=cfg)), out
+    return (lambda: gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, ops.b, ops.b_s, ops.indptr, out=out,
+                                                        variant=variant, config=cfg)), out
+
+
 def uneven_counts(groups, mean, seed):
     """Same total as uniform, Zipf-like popularity over a random expert order (some experts empty). Drawn from
     (seed, groups, mean) alone, so every run draws the same counts at a point whatever else it sweeps (until
@@ -587,7 +607,8 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     n, k = MOE_SHAPES[shape]
-    b, b_s, a_m, a_ms, masked_m, a_c, a_cs, indptr = point_operands(groups, n, k, counts, gen)
+    ops = point_operands(groups, n, k, counts, gen)
+    b, b_s, a_m, a_ms, masked_m, a_c, a_cs, indptr = ops
     base = {"kind": "moe", "shape": shape, "n": n, "k": k, "groups": groups, "tokens_per_group": tokens,
             "distribution": dist, "counts": counts}
     first = next((g for g, m in enumerate(counts) if m), None)
@@ -603,8 +624,6 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
               f"{us:9.1f} us  {p['weight_tbs']:5.2f} TB/s  {p['tflops']:7.1f} TFLOP/s  "
               f"H20 modelled {p['h20_modelled_us']:8.1f} us  err {err if err is None else f'{err:.1e}'}",
               flush=True)
-
-    max_m = a_m.shape[1]
 
     def first_group_check(layout):
         """out -> the first non-empty group's relative error against float32 (None without one); the reference is
@@ -628,23 +647,6 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
 
     checks = {layout: first_group_check(layout) for layout in ("masked", "contiguous")}  # ours and upstream's
 
-    def ours_call(layout, variant, cfg):
-        """(call, its output buffer) of one of our grouped GEMMs on this point's operands."""
-        if layout == "masked":
-            out = torch.empty(groups, max_m, n, dtype=torch.bfloat16, device="cuda")
-            return (lambda: gg.m_grouped_fp8_gemm_nt_masked(a_m, a_ms, b, b_s, masked_m, out=out, variant=variant,
-                                                            expected_m=mean, config=cfg)), out
-        out = torch.empty(max(total, 1), n, dtype=torch.bfloat16, device="cuda")
-        return (lambda: gg.m_grouped_fp8_gemm_nt_contiguous(a_c, a_cs, b, b_s, indptr, out=out, variant=variant,
-                                                            config=cfg)), out
-
-    def cuda_call(ggc, layout, form):
-        """(call, its output buffer) of the CUDA grouped GEMM in tile form `form` on this point's operands."""
-        index = {"masked_m": masked_m} if layout == "masked" else {"m_indptr": indptr}
-        operands = (a_m, a_ms) if layout == "masked" else (a_c, a_cs)
-        out = torch.empty(*operands[0].shape[:-1], n, dtype=torch.bfloat16, device="cuda")
-        return (lambda: ggc.m_grouped_fp8_gemm_nt_cuda(*operands, b, b_s, out=out, form=form, **index)), out
-
     for variant in ("swapab", "normal"):
         if f"ours-{variant}" not in args.providers:
             continue
@@ -663,7 +665,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                 used = {**shipped, **(cfg or {})}
                 # every trial names the tiles it ran: the table may ship any of them (the config best on both
                 # draws together, gg.table_entries), not only this draw's fastest
-                cands.time(cfg, lambda: ours_call(layout, variant, cfg),
+                cands.time(cfg, lambda: ours_moe_call(ops, layout, variant, cfg, mean),
                            {kk: used[kk] for kk in gg.TILE_KEYS if kk in used}, record_as=used)
             if cands.best is None:
                 unavailable[f"ours-{variant}-{layout}"] = "every config failed or was wrong (see stderr)"
@@ -677,7 +679,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         for layout in args.layouts:
             cands = Candidates(f"ours-split {layout}", checks[layout], args.rep_ms)
             for cfg in ({"split_at": t, "split_streams": st} for t in args.split_at for st in args.split_streams):
-                cands.time(cfg, lambda: ours_call(layout, "split", cfg), tiles=cfg)
+                cands.time(cfg, lambda: ours_moe_call(ops, layout, "split", cfg, mean), tiles=cfg)
             if cands.best is None:
                 unavailable[f"ours-split-{layout}"] = "every split_at failed or was wrong (see stderr)"
                 continue
@@ -693,7 +695,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         for layout in args.layouts if ok else ():
             cands = Candidates(f"ours-cuda {layout}", checks[layout], args.rep_ms)
             for form in args.cuda_forms:
-                cands.time({"form": form}, lambda: cuda_call(ggc, layout, form))
+                cands.time({"form": form}, lambda: ours_moe_call(ops, layout, "cuda", {"form": form}, mean))
             if cands.best is None:
                 unavailable[f"ours-cuda-{layout}"] = "every form failed or was wrong (see stderr)"
                 continue
@@ -738,7 +740,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         except Exception as e:
             unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             traceback.print_exc()
-    b = b_s = a_m = a_ms = a_c = a_cs = None  # free the point's operands (the lambdas above name them)
+    ops = b = b_s = a_m = a_ms = a_c = a_cs = None  # free the point's operands (the lambdas above name them)
     torch.cuda.empty_cache()
     return results
 

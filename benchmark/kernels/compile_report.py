@@ -31,7 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from sgl_kernel_ext.grouped_gemm_fp8 import resident_per_sm  # noqa: E402
+from sgl_kernel_ext.grouped_gemm_fp8 import resident_per_sm, table_path  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -267,8 +267,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("kernels", nargs="*",
                     help="mla, gemm, sbo, ep (default: all of these), table (the grouped-GEMM table's tile configs)")
-    ap.add_argument("--table", type=Path, default=REPO / "python" / "sglang_h20" / "tables" / "grouped_gemm_h200.json",
-                    help="the table `table` reads (default: the shipped H200 one)")
+    ap.add_argument("--table", type=Path, default=table_path("NVIDIA H200"),
+                    help="the table `table` reads (default: the shipped H200 one, or $SGLANG_H20_GEMM_TABLE)")
     ap.add_argument("--mla-configs", nargs="+", default=["64x32x512x8x2b", "64x32x256x8x2"],
                     help="BHxBNxBVxWxS[b] as in bench_mla_decode.py --configs")
     ap.add_argument("--json", type=Path, help="write the report of every variant here")

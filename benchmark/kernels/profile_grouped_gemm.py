@@ -117,31 +117,15 @@ def child(args) -> int:
     import torch
 
     import bench_grouped_gemm as bench
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     counts = point_counts(args)
     n, k = bench.MOE_SHAPES[args.shape]
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    b, b_s, a_m, a_ms, masked_m, a_c, a_cs, indptr = bench.point_operands(args.groups, n, k, counts, gen)
-    total, max_m = sum(counts), a_m.shape[1]
+    ops = bench.point_operands(args.groups, n, k, counts, gen)
+    b, b_s, a_m, a_ms, masked_m, a_c, a_cs, _ = ops
+    total = sum(counts)
     mean = max(1, -(-total // args.groups))
-    calls = []
-    for variant, cfg in args.ours:
-        if variant == "cuda":
-            from sgl_kernel_ext import grouped_gemm_cuda as ggc
-            operands, index = ((a_m, a_ms), {"masked_m": masked_m}) if args.layout == "masked" \
-                else ((a_c, a_cs), {"m_indptr": indptr})
-            out = torch.empty(*operands[0].shape[:-1], n, dtype=torch.bfloat16, device="cuda")
-            calls.append(lambda out=out, ops=operands, ix=index, f=cfg["form"]: ggc.m_grouped_fp8_gemm_nt_cuda(
-                *ops, b, b_s, out=out, form=f, **ix))
-        elif args.layout == "masked":
-            out = torch.empty(args.groups, max_m, n, dtype=torch.bfloat16, device="cuda")
-            calls.append(lambda out=out, v=variant, c=cfg: gg.m_grouped_fp8_gemm_nt_masked(
-                a_m, a_ms, b, b_s, masked_m, out=out, variant=v, expected_m=mean, config=c))
-        else:
-            out = torch.empty(max(total, 1), n, dtype=torch.bfloat16, device="cuda")
-            calls.append(lambda out=out, v=variant, c=cfg: gg.m_grouped_fp8_gemm_nt_contiguous(
-                a_c, a_cs, b, b_s, indptr, out=out, variant=v, config=c))
+    calls = [bench.ours_moe_call(ops, args.layout, variant, cfg, mean)[0] for variant, cfg in args.ours]
     for name in args.upstream:
         if name == "deepgemm":
             fn = bench.deepgemm_masked(a_m, a_ms, b, b_s, masked_m, mean)[0] if args.layout == "masked" \

@@ -34,9 +34,12 @@ def find_nvcc() -> str | None:
     return None
 
 
-def compile_library(src: Path, flags, nvcc: str, verbose: bool = True) -> Path:
-    """`src` built with `flags` (the library's path in $SGLANG_H20_CACHE, default ~/.cache/sglang_h20); the key hashes
-    the source, every header beside it, the flags and nvcc's path, so an edit rebuilds."""
+def compile_library(src: Path, flags, nvcc: str | None, verbose: bool = True) -> Path:
+    """`src` built with `flags` by `nvcc` (find_nvcc()'s; None: RuntimeError saying where it was looked for) -> the
+    library's path in $SGLANG_H20_CACHE (default ~/.cache/sglang_h20); the key hashes the source, every header beside
+    it, the flags and nvcc's path, so an edit rebuilds."""
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin, or set SGLANG_H20_NVCC)")
     flags = list(flags)
     text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.cuh")))
     key = hashlib.sha256(text + "\0".join(flags).encode() + nvcc.encode()).hexdigest()[:16]

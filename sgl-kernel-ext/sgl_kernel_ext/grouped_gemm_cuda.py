@@ -33,10 +33,7 @@ _lib_error: str | None = None
 def _load() -> ctypes.CDLL:
     global _lib
     if _lib is None:
-        nvcc = find_nvcc()
-        if nvcc is None:
-            raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin, or set SGLANG_H20_NVCC)")
-        lib = ctypes.CDLL(str(compile_library(SOURCE, NVCC_FLAGS, nvcc)))
+        lib = ctypes.CDLL(str(compile_library(SOURCE, NVCC_FLAGS, find_nvcc())))
         lib.grouped_gemm_fp8_sm90.restype = ctypes.c_int
         lib.grouped_gemm_fp8_sm90.argtypes = _ARGTYPES
         lib.grouped_gemm_fp8_sm90_error_string.restype = ctypes.c_char_p

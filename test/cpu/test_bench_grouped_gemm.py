@@ -245,3 +245,36 @@ def test_candidates_keep_every_checked_trial_and_the_fastest_right_one(monkeypat
                                 {"config": {"a": 2}, "us": 10.0, "rel_err": 2e-3}]
     assert cands.trials[2]["config"] == {"a": 4} and cands.trials[2]["rejected_rel_err"] > bench.TUNE_ERR_BOUND
     assert len(cands.trials) == 3 and "ours-x {'a': 3}: RuntimeError: no launch" in capsys.readouterr().err
+
+
+def test_ours_moe_call_runs_each_variant_on_its_layouts_operands(monkeypatch):
+    """The bench and profile_grouped_gemm.py time the calls ours_moe_call builds: each layout's operands, an output
+    of that layout's rows, the variant, config and expected m passed through; the CUDA kernel with its form."""
+    import torch
+
+    from sgl_kernel_ext import grouped_gemm_cuda as ggc
+    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+
+    seen = []
+    monkeypatch.setattr(gg, "m_grouped_fp8_gemm_nt_masked", lambda *a, **kw: seen.append(("masked", a, kw)))
+    monkeypatch.setattr(gg, "m_grouped_fp8_gemm_nt_contiguous", lambda *a, **kw: seen.append(("contiguous", a, kw)))
+    monkeypatch.setattr(ggc, "m_grouped_fp8_gemm_nt_cuda", lambda *a, **kw: seen.append(("cuda", a, kw)))
+    t = lambda *shape: torch.zeros(*shape)  # noqa: E731
+    ops = bench.MoeOperands(t(2, 256, 128), t(2, 2, 1), t(2, 5, 128), t(2, 5, 1), t(2), t(7, 128), t(7, 1), t(3))
+    fn, out = bench.ours_moe_call(ops, "masked", "swapab", {"BLOCK_N": 64}, 4)
+    fn()
+    assert out.shape == (2, 5, 256) and out.dtype == torch.bfloat16
+    kind, args, kw = seen[-1]
+    assert kind == "masked" and args[0] is ops.a_m and args[1] is ops.a_ms and args[4] is ops.masked_m
+    assert kw == {"out": out, "variant": "swapab", "expected_m": 4, "config": {"BLOCK_N": 64}}
+    fn, out = bench.ours_moe_call(ops, "contiguous", "split", {"split_at": 16}, 4)
+    fn()
+    kind, args, kw = seen[-1]
+    assert out.shape == (7, 256) and kind == "contiguous" and args[0] is ops.a_c and args[4] is ops.indptr
+    assert kw == {"out": out, "variant": "split", "config": {"split_at": 16}}
+    for layout, a, index in (("masked", ops.a_m, "masked_m"), ("contiguous", ops.a_c, "m_indptr")):
+        fn, out = bench.ours_moe_call(ops, layout, "cuda", {"form": "64x256-p"}, 4)
+        fn()
+        kind, args, kw = seen[-1]
+        assert kind == "cuda" and args[0] is a and kw["form"] == "64x256-p" and kw["out"] is out
+        assert kw[index] is (ops.masked_m if index == "masked_m" else ops.indptr)

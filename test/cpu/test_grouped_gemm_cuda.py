@@ -118,3 +118,8 @@ def test_bench_times_it_only_when_asked():
 
 def test_tile_shapes():
     assert [ggc.tile_shape(f) for f in ggc.FORMS] == [(128, 128)] * 3 + [(64, 256)] * 2
+
+
+def test_without_nvcc_the_build_says_where_it_looked(tmp_path):
+    with pytest.raises(RuntimeError, match=r"nvcc not found \(PATH, \$CUDA_HOME/bin, or set SGLANG_H20_NVCC\)"):
+        cuda_build.compile_library(ggc.SOURCE, cuda_build.NVCC_FLAGS, None)
