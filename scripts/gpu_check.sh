@@ -109,10 +109,14 @@ rc=0
 touch /tmp/steps_began  # what the steps write outside /tmp/jit is listed at the end (caches a call does not carry)
 if [[ " $STEPS " == *" tests "* ]]; then
   say "pytest -m gpu"
+  # the log says what ran, where and when (it is kept as a result: benchmark/results/*/gpu_tests_*.log)
+  { echo "# command: python3 -m pytest -m gpu ${TESTS:-test}${TESTS_K:+ -k \"$TESTS_K\"} -q -p no:cacheprovider -s"
+    echo "# git commit: ${GIT_COMMIT:-unknown}; GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1 | head -1);" \
+      "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"; } > "$OUT/pytest_gpu.log"
   # under a timeout: a kernel that never completes (config ws's first run, 2026-12-02) must not take the call
   timeout -k 10 "${TESTS_TIMEOUT_S:-$(( $(left) - 60 ))}" \
     python3 -m pytest -m gpu ${TESTS:-test} ${TESTS_K:+-k "$TESTS_K"} -q -p no:cacheprovider -s 2>&1 \
-    | tee "$OUT/pytest_gpu.log" | tail -15
+    | tee -a "$OUT/pytest_gpu.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" mlacuda "* ]]; then  # the CUDA MLA kernels: v2 smoke alone first (a device trap poisons the
