@@ -136,6 +136,32 @@ def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
         for form in ggc.FORMS])
 
 
+def test_cuda_multicast_forms_repeat_bit_identically(mods):
+    """The multicast forms' cluster protocol (peer writes into this CTA's slots, remote releases) under repetition:
+    300 launches per form over grids of 2..132 CTAs (odd ones rounded down to whole clusters), uneven experts with
+    an empty one, each output bit-identical to the first launch's and that one within REL of the reference. A race
+    shows as a mismatch; a lost arrival as the kernel's wait trap (a launch error), not a hang."""
+    from sgl_kernel_ext import grouped_gemm_cuda as ggc
+
+    ok, why = ggc.available()
+    if not ok:
+        pytest.skip(why)
+    quant = mods[1]
+    n, k = MOE_SHAPES["down"]
+    c = [37, 0, 128, 5, 200, 64, 1, 99]
+    b, b_s = quantized_weights(quant, len(c), n, k, seed=7)
+    a, a_s = quantized_acts(quant, (sum(c), k), seed=8)
+    ip = indptr_of(c, first=0)
+    ad, bd = quant.dequant_per_token_group(a, a_s), quant.dequant_per_block(b, b_s)
+    ref = torch.cat([ad[ip[g]:ip[g + 1]] @ bd[g].T for g in range(len(c))])
+    for form in (f for f in ggc.FORMS if f.endswith("m")):
+        first = ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, m_indptr=ip, form=form)
+        check(first, ref, f"multicast {form}")
+        for i in range(300):
+            out = ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, m_indptr=ip, form=form, num_sms=2 + i % 131)
+            assert torch.equal(out, first), f"{form}: launch {i} (grid {2 + i % 131}) differs from the first"
+
+
 @pytest.mark.parametrize("shape", list(DENSE_SHAPES))
 def test_dense_shapes(mods, shape):
     gg, quant = mods

@@ -28,7 +28,15 @@
 //   3 "64x256-p"     64 token rows x 256 weight columns (the warp groups split the columns): the token tile is read
 //                    from L2 once per 256 columns, not per 128, and no half of a tile is dead at <= 64 tokens
 //   4 "64x256-pd"    both
-// K must be a multiple of 128 and N of the tile's columns (DeepSeek-V3's are), rows past the tensor's end read as
+//   5 "128x128-pm"   128x128-p in a cluster of two CTAs on adjacent column blocks of one (expert, row block), which
+//                    share the token tile: each CTA's producer loads half its rows and multicasts them to both (m),
+//                    so a CTA reads 64 + 128 rows per K block from L2 instead of 128 + 128 (DeepGEMM's choice at
+//                    these shapes: 2-CTA multicast on A). Why: the p and d forms moved nothing at 64-256 tokens
+//                    (session 45), so the math warp groups' own instructions do not bind; the operand supply
+//                    (L2 to the SMs, 128 FLOP per byte at 128 x 128) is the suspect
+//   6 "128x128-pdm"  128x128-pd, multicast
+//   7 "64x256-pdm"   64x256-pd, multicast (a CTA reads 32 + 256 rows per K block)
+// K must be a multiple of 128 and N of the tile's columns (twice that for the multicast forms; DeepSeek-V3's are), rows past the tensor's end read as
 // zeros (TMA), and rows of the next expert inside a tile are computed and not stored.
 #include <cuda_bf16.h>
 
@@ -42,14 +50,15 @@ constexpr int THREADS = 384;
 constexpr int MAX_GROUPS = 1024;
 constexpr int RING_BYTES = 200 * 1024;  // the slots' budget (an SM has 227 KB; the rest: barriers, tile table)
 constexpr int LOADER_REGS = 40, MATH_REGS = 232;
-constexpr int NUM_FORMS = 5;
+constexpr int NUM_FORMS = 8;
 
-template <int BM_, int BN_, bool DOUBLE_, bool PREFETCH_>
+template <int BM_, int BN_, bool DOUBLE_, bool PREFETCH_, bool MULTICAST_ = false>
 struct Form {
   static_assert((BM_ == 128 && BN_ == 128) || (BM_ == 64 && BN_ == 256), "two 64 x 128 warp-group tiles");
   static constexpr int BM = BM_, BN = BN_;
   static constexpr bool DOUBLE = DOUBLE_;      // the scratch accumulator double-buffered
   static constexpr bool PREFETCH = PREFETCH_;  // each K block's scales loaded one K block ahead
+  static constexpr int PAIR = MULTICAST_ ? 2 : 1;  // CTAs per cluster, sharing the token tile (column blocks)
   static constexpr int A_HALF = BM * 64, B_HALF = BN * 64;  // one 64-byte-wide swizzled half of each operand
   static constexpr int STAGE_BYTES = 2 * (A_HALF + B_HALF);
   static constexpr int STAGES = RING_BYTES / STAGE_BYTES;    // 6 at 128 x 128, 5 at 64 x 256
@@ -82,7 +91,8 @@ __device__ __forceinline__ void expert_rows(const Params& p, int e, int& start, 
   }
 }
 
-// tile t -> (expert, column block, row block) through tiles_before[] (tiles of the experts before e)
+// unit t -> (expert, column block unit, row block) through tiles_before[] (units of the experts before e); a unit is
+// one tile, or with multicast one pair of column blocks (the cluster's two CTAs)
 __device__ __forceinline__ void tile_coords(const Params& p, const int* tiles_before, int bm, int t, int& e, int& nb,
                                             int& mb) {
   int lo = 0, hi = p.groups - 1;  // the last e with tiles_before[e] <= t
@@ -103,6 +113,16 @@ __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// the same box written at the same offset (and counted on the same barrier) in every CTA of cta_mask
+__device__ __forceinline__ void tma_2d_multicast(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar,
+                                                 uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(cta_mask)
       : "memory");
 }
 
@@ -168,40 +188,55 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       tiles_before[e] = total;
       int start, count;
       expert_rows(p, e, start, count);
-      total += (count + F::BM - 1) / F::BM * n_blocks;
+      total += (count + F::BM - 1) / F::BM * (n_blocks / F::PAIR);
     }
     tiles_before[p.groups] = total;
     for (int s = 0; s < F::STAGES; ++s) {
       mbar_init(bar_full + 8 * s, 1);   // the producer's arrival plus the copies' bytes
-      mbar_init(bar_empty + 8 * s, 8);  // one arrival per math warp
+      mbar_init(bar_empty + 8 * s, 8 * F::PAIR);  // one arrival per math warp (of both CTAs with multicast)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (F::PAIR > 1) cluster_sync();  // the peer's barriers exist before any multicast or remote arrival
+  else __syncthreads();
   const int num_tiles = tiles_before[p.groups];
+  const int rank = F::PAIR > 1 ? cluster_rank() : 0;  // this CTA's column block in its pair
+  const int walker = blockIdx.x / F::PAIR, walkers = gridDim.x / F::PAIR;
 
   if (wg == 0) {
     setmaxnreg_dec<LOADER_REGS>();
-    if (tid != 0) return;
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.a_map)) : "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.b_map)) : "memory");
-    int it = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      int e, nb, mb, start, count;
-      tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
-      expert_rows(p, e, start, count);
-      const int row = start + mb * F::BM, col = e * p.n + nb * F::BN;
-      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int s = it % F::STAGES;
-        if (it >= F::STAGES) mbar_wait(bar_empty + 8 * s, ((it / F::STAGES) - 1) & 1);  // released by both WGs
-        const uint32_t dst = sbase + s * F::STAGE_BYTES, bar = bar_full + 8 * s;
-        mbar_arrive_expect_tx(bar, F::STAGE_BYTES);
-        tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
-        tma_2d(dst + F::A_HALF, &p.a_map, kb * BLOCK_K + 64, row, bar);
-        tma_2d(dst + 2 * F::A_HALF, &p.b_map, kb * BLOCK_K, col, bar);
-        tma_2d(dst + 2 * F::A_HALF + F::B_HALF, &p.b_map, kb * BLOCK_K + 64, col, bar);
+    if (tid == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.a_map)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.b_map)) : "memory");
+      // this CTA's share of the token tile: all of it, or with multicast its half of the rows, sent to both CTAs
+      constexpr int A_ROWS = F::BM / F::PAIR;
+      const uint32_t a_share = rank * A_ROWS * 64;  // bytes into each swizzled half (64 B per row)
+      int it = 0;
+      for (int t = walker; t < num_tiles; t += walkers) {
+        int e, nb, mb, start, count;
+        tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
+        expert_rows(p, e, start, count);
+        const int row = start + mb * F::BM + rank * A_ROWS, col = e * p.n + (nb * F::PAIR + rank) * F::BN;
+        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = it % F::STAGES;
+          // released by both math warp groups (of both CTAs with multicast: the slot is written in each)
+          if (it >= F::STAGES) mbar_wait(bar_empty + 8 * s, ((it / F::STAGES) - 1) & 1);
+          const uint32_t dst = sbase + s * F::STAGE_BYTES, bar = bar_full + 8 * s;
+          mbar_arrive_expect_tx(bar, F::STAGE_BYTES);  // the whole slot: the peer's share of A lands here too
+          if constexpr (F::PAIR > 1) {
+            tma_2d_multicast(dst + a_share, &p.a_map, kb * BLOCK_K, row, bar, 0b11);
+            tma_2d_multicast(dst + F::A_HALF + a_share, &p.a_map, kb * BLOCK_K + 64, row, bar, 0b11);
+          } else {
+            tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
+            tma_2d(dst + F::A_HALF, &p.a_map, kb * BLOCK_K + 64, row, bar);
+          }
+          tma_2d(dst + 2 * F::A_HALF, &p.b_map, kb * BLOCK_K, col, bar);
+          tma_2d(dst + 2 * F::A_HALF + F::B_HALF, &p.b_map, kb * BLOCK_K + 64, col, bar);
+        }
       }
     }
+    // with multicast no CTA may leave while its peer can still arrive on its barriers or write its slots
+    if constexpr (F::PAIR > 1) cluster_sync();
     return;
   }
 
@@ -213,9 +248,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   const long long last = p.rows_total - 1;
   float acc[64], part[64], part2[F::DOUBLE ? 64 : 1];
   int it = 0;
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  for (int t = walker; t < num_tiles; t += walkers) {
     int e, nb, mb, start, count;
     tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
+    nb = nb * F::PAIR + rank;
     expert_rows(p, e, start, count);
     const long long row0 = static_cast<long long>(start) + mb * F::BM + r_frag;
     BlockScales<F::PREFETCH> scales(p.sa + min(row0, last) * k_blocks,  // rows past the end: any finite scale
@@ -225,8 +261,14 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     float s0, s1;
     const auto slot = [&](int i) { return sbase + (i % F::STAGES) * F::STAGE_BYTES; };
     const auto wait_full = [&](int i) { mbar_wait(bar_full + 8 * (i % F::STAGES), (i / F::STAGES) & 1); };
-    const auto release = [&](int i) {
-      if (lane == 0) mbar_arrive(bar_empty + 8 * (i % F::STAGES));
+    const auto release = [&](int i) {  // the slot's reads are done: free it in this CTA (and the peer, which writes it)
+      if (lane == 0) {
+        if constexpr (F::PAIR > 1) {
+          for (int r = 0; r < F::PAIR; ++r) mbar_arrive_cluster(bar_empty + 8 * (i % F::STAGES), r);
+        } else {
+          mbar_arrive(bar_empty + 8 * (i % F::STAGES));
+        }
+      }
     };
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
@@ -272,6 +314,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
         *reinterpret_cast<__nv_bfloat162*>(o + 8 * p.n + 8 * j) = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
     }
   }
+  if constexpr (F::PAIR > 1) cluster_sync();
 }
 
 // [rows, K] bytes as a 2-D tensor map with boxes of 64 bytes x box_rows rows and the 64-byte swizzle
@@ -294,7 +337,7 @@ template <class F>
 int launch(bool* attr_done, const void* a, const void* sa, const void* b, const void* sb, void* out,
            const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n, int k,
            int num_ctas, void* stream) {
-  if (n % F::BN != 0) return static_cast<int>(cudaErrorInvalidValue);
+  if (n % (F::BN * F::PAIR) != 0 || num_ctas < F::PAIR) return static_cast<int>(cudaErrorInvalidValue);
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -305,7 +348,7 @@ int launch(bool* attr_done, const void* a, const void* sa, const void* b, const 
     attr_done[dev] = true;
   }
   Params p;
-  if ((err = encode_operand_map(&p.a_map, a, rows_total, k, F::BM)) != cudaSuccess) return static_cast<int>(err);
+  if ((err = encode_operand_map(&p.a_map, a, rows_total, k, F::BM / F::PAIR)) != cudaSuccess) return static_cast<int>(err);
   if ((err = encode_operand_map(&p.b_map, b, static_cast<long long>(groups) * n, k, F::BN)) != cudaSuccess)
     return static_cast<int>(err);
   p.sa = static_cast<const float*>(sa);
@@ -318,8 +361,17 @@ int launch(bool* attr_done, const void* a, const void* sa, const void* b, const 
   p.max_m = max_m;
   p.n = n;
   p.k = k;
-  grouped_gemm_fp8_kernel<F><<<num_ctas, THREADS, F::SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(num_ctas / F::PAIR * F::PAIR);  // whole clusters
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = F::SMEM_BYTES;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = F::PAIR, cluster[0].val.clusterDim.y = 1, cluster[0].val.clusterDim.z = 1;
+  cfg.attrs = cluster;
+  cfg.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, grouped_gemm_fp8_kernel<F>, p));
 }
 
 }  // namespace grouped_gemm_sm90
@@ -327,7 +379,7 @@ int launch(bool* attr_done, const void* a, const void* sa, const void* b, const 
 static bool grouped_gemm_attr_done[grouped_gemm_sm90::NUM_FORMS][128] = {};  // per form and device
 
 // The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
-// rows_total: A's rows; num_ctas: the grid (the caller's SM count); form: 0-4 (the header). Returns a cudaError_t.
+// rows_total: A's rows; num_ctas: the grid (the caller's SM count; whole clusters of it); form: 0-7 (the header). Returns a cudaError_t.
 extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
     const void* a, const void* sa, const void* b, const void* sb, void* out, const void* indptr, const void* masked_m,
     long long rows_total, int groups, int max_m, int n, int k, int num_ctas, int form, void* stream) {
@@ -338,7 +390,8 @@ extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
   if (rows_total <= 0) return 0;
   constexpr decltype(&launch<Form<128, 128, false, false>>) forms[NUM_FORMS] = {  // grouped_gemm_cuda.FORMS
       launch<Form<128, 128, false, false>>, launch<Form<128, 128, false, true>>, launch<Form<128, 128, true, true>>,
-      launch<Form<64, 256, false, true>>, launch<Form<64, 256, true, true>>};
+      launch<Form<64, 256, false, true>>, launch<Form<64, 256, true, true>>, launch<Form<128, 128, false, true, true>>,
+      launch<Form<128, 128, true, true, true>>, launch<Form<64, 256, true, true, true>>};
   return forms[form](grouped_gemm_attr_done[form], a, sa, b, sb, out, indptr, masked_m, rows_total, groups, max_m, n,
                      k, num_ctas, stream);
 }

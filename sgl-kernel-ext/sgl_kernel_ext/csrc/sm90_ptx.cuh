@@ -1,6 +1,6 @@
 // Hopper (sm_90a) PTX wrappers shared by our CUDA kernels (the FP8 MLA decode versions, the FP8 grouped GEMM):
 // shared-memory addresses, the K-major 64-byte-swizzle layout and its wgmma descriptor, wgmma fences / commits /
-// waits and the m64n128k32 FP8 wgmma, mbarriers, setmaxnreg, and the driver's tensor-map encoder reached through the
+// waits and the m64n128k32 FP8 wgmma, mbarriers, setmaxnreg, cluster barriers, and the driver's tensor-map encoder reached through the
 // runtime (no libcuda link). Kernel-specific code stays with each kernel.
 #pragma once
 #include <cuda.h>  // CUtensorMap
@@ -47,7 +47,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t da, uin
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// mbarrier and setmaxnreg (shared::cta, no clusters)
+// mbarrier and setmaxnreg (shared::cta)
 // ---------------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -91,6 +91,29 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// ---------------------------------------------------------------------------------------------------------------
+// clusters (the grouped GEMM's multicast forms)
+// ---------------------------------------------------------------------------------------------------------------
+// every thread of every CTA of the cluster (divergent threads allowed): earlier shared-memory writes, mbarrier
+// inits included, are visible cluster-wide after it
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+__device__ __forceinline__ int cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return static_cast<int>(r);
+}
+// arrive (release.cluster) on the mbarrier at shared address `bar` of the cluster's CTA `cta`
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, int cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+}
+
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
