@@ -46,6 +46,11 @@ RAW_METRICS = [
     "smsp__average_warp_latency_issue_stalled_wait.ratio",
     "smsp__average_warp_latency_issue_stalled_barrier.ratio",
     "smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio",
+    "smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio",
+    # which memory unit is busy (session 45: "Mem Busy" 77% for the CUDA kernel against DeepGEMM's 53%)
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
 ]
 
 

@@ -14,7 +14,8 @@
 // A CTA of 384 threads, one per SM, walks the tiles (expert, column block, row block; rows fastest, so the CTAs
 // working at one time share the expert's weight tile in L2) with a fixed stride:
 //   warp group 0 (40 registers): one thread issues the TMA copies of each 128-deep K block into a ring of slots
-//     (A: BM token rows x 128 bytes, B: BN weight rows x 128 bytes, as two 64-byte-swizzled halves each);
+//     (A: BM token rows x 128 bytes, B: BN weight rows x 128 bytes, each 128-byte swizzled as DeepGEMM's; until
+//     session 45 two 64-byte-swizzled halves of each);
 //   warp groups 1 and 2 (232 registers): 64 rows x 128 columns of the tile each, four m64n128k32 wgmmas per K block
 //     into a scratch accumulator, then acc += scratch * sa[row] * sb (the block scales, in fp32), then release the
 //     slot. The epilogue writes bf16 from registers.
@@ -59,8 +60,8 @@ struct Form {
   static constexpr bool DOUBLE = DOUBLE_;      // the scratch accumulator double-buffered
   static constexpr bool PREFETCH = PREFETCH_;  // each K block's scales loaded one K block ahead
   static constexpr int PAIR = MULTICAST_ ? 2 : 1;  // CTAs per cluster, sharing the token tile (column blocks)
-  static constexpr int A_HALF = BM * 64, B_HALF = BN * 64;  // one 64-byte-wide swizzled half of each operand
-  static constexpr int STAGE_BYTES = 2 * (A_HALF + B_HALF);
+  static constexpr int A_BYTES = BM * BLOCK_K, B_BYTES = BN * BLOCK_K;  // one K block of each operand
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int STAGES = RING_BYTES / STAGE_BYTES;    // 6 at 128 x 128, 5 at 64 x 256
   static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 16 * STAGES + (MAX_GROUPS + 1) * 4;
   // the first row and column of math warp group w's 64 x 128 part of the tile
@@ -69,8 +70,8 @@ struct Form {
 };
 
 struct Params {
-  CUtensorMap a_map;  // [rows_total, K] bytes, boxes of 64 bytes x BM rows, 64-byte swizzle
-  CUtensorMap b_map;  // [E * N, K] bytes, boxes of 64 bytes x BN rows
+  CUtensorMap a_map;  // [rows_total, K] bytes, boxes of 128 bytes x BM / PAIR rows, 128-byte swizzle
+  CUtensorMap b_map;  // [E * N, K] bytes, boxes of 128 bytes x BN rows
   const float* sa;
   const float* sb;
   __nv_bfloat16* out;
@@ -126,17 +127,13 @@ __device__ __forceinline__ void tma_2d_multicast(uint32_t dst, const CUtensorMap
       : "memory");
 }
 
-// one K block of a warp group's 64 x 128 part: four m64n128k32 wgmmas into `part` (a: its token rows' first
-// swizzled half, b: its weight rows' first half), committed as one group
-template <class F>
+// one K block of a warp group's 64 x 128 part: four m64n128k32 wgmmas into `part` (a: its first token row, b: its
+// first weight row, both 128-byte swizzled), committed as one group
 __device__ __forceinline__ void mma_kblock(float* part, uint32_t a, uint32_t b) {
   wgmma_fence();
+  const uint64_t da = desc_sw128(a), db = desc_sw128(b);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint64_t da = desc_sw64(a + h * F::A_HALF), db = desc_sw64(b + h * F::B_HALF);
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) wgmma_m64n128k32_e4m3(part, desc_add(da, 32 * kk), desc_add(db, 32 * kk), h | kk);
-  }
+  for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(part, desc_add(da, 32 * kk), desc_add(db, 32 * kk), kk);
   wgmma_commit();
 }
 
@@ -210,7 +207,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.b_map)) : "memory");
       // this CTA's share of the token tile: all of it, or with multicast its half of the rows, sent to both CTAs
       constexpr int A_ROWS = F::BM / F::PAIR;
-      const uint32_t a_share = rank * A_ROWS * 64;  // bytes into each swizzled half (64 B per row)
+      const uint32_t a_share = rank * A_ROWS * BLOCK_K;  // bytes into the slot's A (128 B per row)
       int it = 0;
       for (int t = walker; t < num_tiles; t += walkers) {
         int e, nb, mb, start, count;
@@ -223,15 +220,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
           if (it >= F::STAGES) mbar_wait(bar_empty + 8 * s, ((it / F::STAGES) - 1) & 1);
           const uint32_t dst = sbase + s * F::STAGE_BYTES, bar = bar_full + 8 * s;
           mbar_arrive_expect_tx(bar, F::STAGE_BYTES);  // the whole slot: the peer's share of A lands here too
-          if constexpr (F::PAIR > 1) {
-            tma_2d_multicast(dst + a_share, &p.a_map, kb * BLOCK_K, row, bar, 0b11);
-            tma_2d_multicast(dst + F::A_HALF + a_share, &p.a_map, kb * BLOCK_K + 64, row, bar, 0b11);
-          } else {
-            tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
-            tma_2d(dst + F::A_HALF, &p.a_map, kb * BLOCK_K + 64, row, bar);
-          }
-          tma_2d(dst + 2 * F::A_HALF, &p.b_map, kb * BLOCK_K, col, bar);
-          tma_2d(dst + 2 * F::A_HALF + F::B_HALF, &p.b_map, kb * BLOCK_K + 64, col, bar);
+          if constexpr (F::PAIR > 1) tma_2d_multicast(dst + a_share, &p.a_map, kb * BLOCK_K, row, bar, 0b11);
+          else tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
+          tma_2d(dst + F::A_BYTES, &p.b_map, kb * BLOCK_K, col, bar);
         }
       }
     }
@@ -244,7 +235,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   const int w = wg - 1, warp = (tid / 32) % 4, lane = tid % 32;
   const int r_frag = F::wg_row(w) + warp * 16 + lane / 4;  // this thread's first accumulator row in the tile (+8)
   const int c_wg = F::wg_col(w), c_frag = (lane % 4) * 2;
-  const uint32_t a_off = F::wg_row(w) * 64, b_off = 2 * F::A_HALF + c_wg * 64;  // in a slot
+  const uint32_t a_off = F::wg_row(w) * BLOCK_K, b_off = F::A_BYTES + c_wg * BLOCK_K;  // in a slot
   const long long last = p.rows_total - 1;
   float acc[64], part[64], part2[F::DOUBLE ? 64 : 1];
   int it = 0;
@@ -276,7 +267,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         scales.take(s0, s1);
         wait_full(it);
-        mma_kblock<F>(part, slot(it) + a_off, slot(it) + b_off);
+        mma_kblock(part, slot(it) + a_off, slot(it) + b_off);
         wgmma_wait<0>();
         release(it);
         promote(acc, part, s0, s1);
@@ -287,7 +278,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
         scales.take(s0, s1);
         if (kb + 1 < k_blocks) {
           wait_full(it + 1);
-          mma_kblock<F>(nxt, slot(it + 1) + a_off, slot(it + 1) + b_off);
+          mma_kblock(nxt, slot(it + 1) + a_off, slot(it + 1) + b_off);
           wgmma_wait<1>();  // kb's group done, kb + 1's may run on
         } else {
           wgmma_wait<0>();
@@ -297,7 +288,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
         ++it;
       };
       wait_full(it);
-      mma_kblock<F>(part, slot(it) + a_off, slot(it) + b_off);
+      mma_kblock(part, slot(it) + a_off, slot(it) + b_off);
       for (int kb = 0; kb < k_blocks; kb += 2) {
         step(part, part2, kb);
         if (kb + 1 < k_blocks) step(part2, part, kb + 1);
@@ -317,7 +308,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   if constexpr (F::PAIR > 1) cluster_sync();
 }
 
-// [rows, K] bytes as a 2-D tensor map with boxes of 64 bytes x box_rows rows and the 64-byte swizzle
+// [rows, K] bytes as a 2-D tensor map with boxes of 128 bytes x box_rows rows and the 128-byte swizzle
 inline cudaError_t encode_operand_map(CUtensorMap* map, const void* ptr, long long rows, int k, int box_rows) {
   cudaError_t err;
   const TensorMapEncoder encode = tensor_map_encoder(&err);
@@ -325,10 +316,10 @@ inline cudaError_t encode_operand_map(CUtensorMap* map, const void* ptr, long lo
   if (rows <= 0 || k % 16 != 0 || reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return cudaErrorInvalidValue;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k)};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[2] = {128, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t unit[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(ptr), dims, strides, box, unit,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -371,6 +362,17 @@ int launch(bool* attr_done, const void* a, const void* sa, const void* b, const 
   cluster[0].val.clusterDim.x = F::PAIR, cluster[0].val.clusterDim.y = 1, cluster[0].val.clusterDim.z = 1;
   cfg.attrs = cluster;
   cfg.numAttrs = 1;
+  if constexpr (F::PAIR > 1) {
+    // A persistent grid must be resident at once: a GPC with an odd count of free SMs holds one CTA fewer than its
+    // SMs, and a cluster left over would run its whole tile list after the others (session 45: 1.8x the time).
+    static int resident[128] = {};  // clusters resident at once, per device
+    if (resident[dev] == 0) {
+      err = cudaOccupancyMaxActiveClusters(&resident[dev], grouped_gemm_fp8_kernel<F>, &cfg);
+      if (err != cudaSuccess) return static_cast<int>(err);
+      if (resident[dev] <= 0) return static_cast<int>(cudaErrorInvalidConfiguration);
+    }
+    cfg.gridDim.x = min(static_cast<int>(cfg.gridDim.x), resident[dev] * F::PAIR);
+  }
   return static_cast<int>(cudaLaunchKernelEx(&cfg, grouped_gemm_fp8_kernel<F>, p));
 }
 

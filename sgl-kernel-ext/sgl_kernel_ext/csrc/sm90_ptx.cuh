@@ -1,7 +1,7 @@
 // Hopper (sm_90a) PTX wrappers shared by our CUDA kernels (the FP8 MLA decode versions, the FP8 grouped GEMM):
-// shared-memory addresses, the K-major 64-byte-swizzle layout and its wgmma descriptor, wgmma fences / commits /
-// waits and the m64n128k32 FP8 wgmma, mbarriers, setmaxnreg, cluster barriers, and the driver's tensor-map encoder reached through the
-// runtime (no libcuda link). Kernel-specific code stays with each kernel.
+// shared-memory addresses, the K-major 64- and 128-byte-swizzle layouts' wgmma descriptors, wgmma fences / commits /
+// waits and the m64n128k32 FP8 wgmma, mbarriers, setmaxnreg, cluster barriers, and the driver's tensor-map encoder
+// reached through the runtime (no libcuda link). Kernel-specific code stays with each kernel.
 #pragma once
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
@@ -24,7 +24,14 @@ __device__ __forceinline__ uint64_t desc_sw64(uint32_t saddr) {
          (static_cast<uint64_t>(512 >> 4) << 32) | (static_cast<uint64_t>(2) << 62);
 }
 
-// desc_sw64(saddr + bytes) from desc_sw64(saddr): the start address field (bits 0-13, address >> 4) plus bytes >> 4
+// wgmma descriptor: K-major, 128-byte swizzle (rows of 128 B), SBO 1024 B (8-row groups), LBO unused (1). saddr + the
+// K offset inside a row (a multiple of 16 B; desc_add) on a 1024-B-aligned tile.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// desc_sw64(saddr + bytes) from desc_sw64(saddr) (likewise desc_sw128): the start address field (bits 0-13, address >> 4) plus bytes >> 4
 // in the low word. Exact while saddr + bytes < 256 KB (no carry out of the field; shared memory is at most 228 KB)
 // and bytes is a multiple of 16. ptxas cannot fold the mask of desc_sw64(base + constant) into a constant: each
 // wgmma cost 12 uniform instructions of descriptor arithmetic, this costs ~1.
