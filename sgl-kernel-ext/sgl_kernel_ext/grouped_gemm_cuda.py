@@ -22,8 +22,10 @@ BLOCK = 128  # K must be a multiple of it (the scale block), N of the form's col
 MAX_GROUPS = 1024  # the kernel's per-CTA tile table
 # the kernel's tile forms, by its `form` index (csrc header): token rows x weight columns; p: each K block's scales
 # loaded one K block ahead; d: the scratch accumulator double-buffered (K block kb + 1's wgmmas issued before kb's
-# promotion); m: two CTAs of a cluster on adjacent column blocks share the token tile (TMA multicast)
-FORMS = ("128x128", "128x128-p", "128x128-pd", "64x256-p", "64x256-pd", "128x128-pm", "128x128-pdm", "64x256-pdm")
+# promotion); m: two CTAs of a cluster on adjacent column blocks share the token tile (TMA multicast); s: the scales
+# staged in shared memory by a loader warp (no global load in the math warps' K loop)
+FORMS = ("128x128", "128x128-p", "128x128-pd", "64x256-p", "64x256-pd", "128x128-pm", "128x128-pdm", "64x256-pdm",
+         "128x128-ds", "128x128-dsm")
 DEFAULT_FORM = "128x128"  # the first form, the one measured (session 44)
 _ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_longlong] + [ctypes.c_int] * 6 + [ctypes.c_void_p]
 _lib: ctypes.CDLL | None = None

@@ -37,6 +37,12 @@
 //                    (L2 to the SMs, 128 FLOP per byte at 128 x 128) is the suspect
 //   6 "128x128-pdm"  128x128-pd, multicast
 //   7 "64x256-pdm"   64x256-pd, multicast (a CTA reads 32 + 256 rows per K block)
+//   8 "128x128-ds"   128x128-pd with the block scales staged (s): a loader warp copies each K block's BM row scales
+//                    and the weight scale into the slot's scale row by cp.async, completing on the slot's barrier,
+//                    so the math warps read them from shared memory and issue no global load in the K loop (in
+//                    session 45's profile their top stall was long scoreboard, global loads; DeepGEMM stages its
+//                    scales too)
+//   9 "128x128-dsm"  and multicast (64 x 256 with staged scales spills at 168 registers: not a form)
 // K must be a multiple of 128 and N of the tile's columns (twice that for the multicast forms; DeepSeek-V3's are), rows past the tensor's end read as
 // zeros (TMA), and rows of the next expert inside a tile are computed and not stored.
 #include <cuda_bf16.h>
@@ -51,19 +57,22 @@ constexpr int THREADS = 384;
 constexpr int MAX_GROUPS = 1024;
 constexpr int RING_BYTES = 200 * 1024;  // the slots' budget (an SM has 227 KB; the rest: barriers, tile table)
 constexpr int LOADER_REGS = 40, MATH_REGS = 232;
-constexpr int NUM_FORMS = 8;
+constexpr int NUM_FORMS = 10;
 
-template <int BM_, int BN_, bool DOUBLE_, bool PREFETCH_, bool MULTICAST_ = false>
+template <int BM_, int BN_, bool DOUBLE_, bool PREFETCH_, bool MULTICAST_ = false, bool STAGED_ = false>
 struct Form {
   static_assert((BM_ == 128 && BN_ == 128) || (BM_ == 64 && BN_ == 256), "two 64 x 128 warp-group tiles");
   static constexpr int BM = BM_, BN = BN_;
   static constexpr bool DOUBLE = DOUBLE_;      // the scratch accumulator double-buffered
   static constexpr bool PREFETCH = PREFETCH_;  // each K block's scales loaded one K block ahead
   static constexpr int PAIR = MULTICAST_ ? 2 : 1;  // CTAs per cluster, sharing the token tile (column blocks)
+  static constexpr bool STAGED = STAGED_;  // the scales staged in shared memory by a loader warp
+  static constexpr int SCALES = BM + BN / 128;  // floats per slot's scale row: the rows', then the weight's
   static constexpr int A_BYTES = BM * BLOCK_K, B_BYTES = BN * BLOCK_K;  // one K block of each operand
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int STAGES = RING_BYTES / STAGE_BYTES;    // 6 at 128 x 128, 5 at 64 x 256
-  static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 16 * STAGES + (MAX_GROUPS + 1) * 4;
+  static constexpr int SMEM_BYTES =
+      1024 + STAGES * STAGE_BYTES + 16 * STAGES + (MAX_GROUPS + 1) * 4 + (STAGED ? STAGES * SCALES * 4 : 0);
   // the first row and column of math warp group w's 64 x 128 part of the tile
   __host__ __device__ static constexpr int wg_row(int w) { return BM == 128 ? 64 * w : 0; }
   __host__ __device__ static constexpr int wg_col(int w) { return BN == 256 ? 128 * w : 0; }
@@ -127,6 +136,15 @@ __device__ __forceinline__ void tma_2d_multicast(uint32_t dst, const CUtensorMap
       : "memory");
 }
 
+// 4 bytes global -> shared, asynchronously; cp_async_arrive: one arrival on `bar` once this thread's copies landed
+// (noinc: the arrival is one of the barrier's expected count)
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const float* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 // one K block of a warp group's 64 x 128 part: four m64n128k32 wgmmas into `part` (a: its first token row, b: its
 // first weight row, both 128-byte swizzled), committed as one group
 __device__ __forceinline__ void mma_kblock(float* part, uint32_t a, uint32_t b) {
@@ -152,14 +170,26 @@ struct BlockScales {
   __device__ __forceinline__ void load(int i) {
     next_b = __ldg(b + i), next_0 = __ldg(a0 + i), next_1 = __ldg(a1 + i);
   }
-  // s0, s1: row scale x weight scale of the next K block
-  __device__ __forceinline__ void take(float& s0, float& s1) {
+  // s0, s1: row scale x weight scale of the next K block (slot index unused: the loads are the thread's own)
+  __device__ __forceinline__ void take(float& s0, float& s1, int) {
     if constexpr (!PREFETCH) load(kb);
     s0 = next_0 * next_b, s1 = next_1 * next_b;
     if constexpr (PREFETCH) {
       if (kb + 1 < k_blocks) load(kb + 1);
     }
     ++kb;
+  }
+};
+
+// The same from the slot's staged scale row (the STAGED forms): rows ra, rb of the tile, weight column block cb
+template <class F>
+struct StagedScales {
+  const float* rows;  // slot 0's scale row
+  int ra, rb, cb;
+  __device__ __forceinline__ void take(float& s0, float& s1, int i) const {
+    const float* sc = rows + (i % F::STAGES) * F::SCALES;
+    const float b = sc[F::BM + cb];
+    s0 = sc[ra] * b, s1 = sc[rb] * b;
   }
 };
 
@@ -176,6 +206,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   uint8_t* smem = aligned_smem(smem_raw, sbase);
   const uint32_t bar_full = sbase + F::STAGES * F::STAGE_BYTES, bar_empty = bar_full + 8 * F::STAGES;
   int* tiles_before = reinterpret_cast<int*>(smem + F::STAGES * F::STAGE_BYTES + 16 * F::STAGES);
+  float* scale_rows = reinterpret_cast<float*>(tiles_before + MAX_GROUPS + 1);  // STAGED: STAGES x SCALES
   const int tid = threadIdx.x, wg = tid / 128;
   const int n_blocks = p.n / F::BN, k_blocks = p.k / BLOCK_K;
 
@@ -189,7 +220,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     }
     tiles_before[p.groups] = total;
     for (int s = 0; s < F::STAGES; ++s) {
-      mbar_init(bar_full + 8 * s, 1);   // the producer's arrival plus the copies' bytes
+      mbar_init(bar_full + 8 * s, F::STAGED ? 33 : 1);  // the producer's arrival (+ the scale warp's 32) and bytes
       mbar_init(bar_empty + 8 * s, 8 * F::PAIR);  // one arrival per math warp (of both CTAs with multicast)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -226,6 +257,32 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
         }
       }
     }
+    if constexpr (F::STAGED) {
+      if (tid / 32 == 1) {  // the scale warp: each slot's scale row, BM rows' and the weight's, by cp.async
+        const int lane = tid % 32;
+        const long long last = p.rows_total - 1;
+        int it = 0;
+        for (int t = walker; t < num_tiles; t += walkers) {
+          int e, nb, mb, start, count;
+          tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
+          nb = nb * F::PAIR + rank;
+          expert_rows(p, e, start, count);
+          const long long row0 = static_cast<long long>(start) + mb * F::BM;
+          const float* sb = p.sb + (static_cast<long long>(e) * (p.n / 128) + nb * F::BN / 128) * k_blocks;
+          for (int kb = 0; kb < k_blocks; ++kb, ++it) {
+            const int s = it % F::STAGES;
+            if (it >= F::STAGES) mbar_wait(bar_empty + 8 * s, ((it / F::STAGES) - 1) & 1);
+            const uint32_t dst = smem_u32(scale_rows + s * F::SCALES);
+#pragma unroll
+            for (int r = lane; r < F::BM; r += 32)  // rows past the end: any finite scale
+              cp_async_4(dst + 4 * r, p.sa + min(row0 + r, last) * k_blocks + kb);
+            if (lane < F::BN / 128) cp_async_4(dst + 4 * (F::BM + lane), sb + lane * k_blocks + kb);
+            cp_async_arrive(bar_full + 8 * s);
+          }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+      }
+    }
     // with multicast no CTA may leave while its peer can still arrive on its barriers or write its slots
     if constexpr (F::PAIR > 1) cluster_sync();
     return;
@@ -245,10 +302,17 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     nb = nb * F::PAIR + rank;
     expert_rows(p, e, start, count);
     const long long row0 = static_cast<long long>(start) + mb * F::BM + r_frag;
-    BlockScales<F::PREFETCH> scales(p.sa + min(row0, last) * k_blocks,  // rows past the end: any finite scale
-                                    p.sa + min(row0 + 8, last) * k_blocks,
-                                    p.sb + (static_cast<long long>(e) * (p.n / 128) + (nb * F::BN + c_wg) / 128) * k_blocks,
-                                    k_blocks);
+    auto scales = [&] {
+      if constexpr (F::STAGED) {
+        return StagedScales<F>{scale_rows, r_frag, r_frag + 8, c_wg / 128};
+      } else {
+        return BlockScales<F::PREFETCH>(p.sa + min(row0, last) * k_blocks,  // rows past the end: any finite scale
+                                        p.sa + min(row0 + 8, last) * k_blocks,
+                                        p.sb + (static_cast<long long>(e) * (p.n / 128) + (nb * F::BN + c_wg) / 128) *
+                                                   k_blocks,
+                                        k_blocks);
+      }
+    }();
     float s0, s1;
     const auto slot = [&](int i) { return sbase + (i % F::STAGES) * F::STAGE_BYTES; };
     const auto wait_full = [&](int i) { mbar_wait(bar_full + 8 * (i % F::STAGES), (i / F::STAGES) & 1); };
@@ -265,8 +329,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
     if constexpr (!F::DOUBLE) {
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        scales.take(s0, s1);
         wait_full(it);
+        scales.take(s0, s1, it);
         mma_kblock(part, slot(it) + a_off, slot(it) + b_off);
         wgmma_wait<0>();
         release(it);
@@ -275,7 +339,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     } else {
       // K block kb's wgmmas run in `cur` while kb - 1's (in the other) are promoted; the two swap each K block
       const auto step = [&](float* cur, float* nxt, int kb) {
-        scales.take(s0, s1);
+        scales.take(s0, s1, it);  // slot `it` is full (waited one step earlier); read before its release
         if (kb + 1 < k_blocks) {
           wait_full(it + 1);
           mma_kblock(nxt, slot(it + 1) + a_off, slot(it + 1) + b_off);
@@ -381,7 +445,7 @@ int launch(bool* attr_done, const void* a, const void* sa, const void* b, const 
 static bool grouped_gemm_attr_done[grouped_gemm_sm90::NUM_FORMS][128] = {};  // per form and device
 
 // The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
-// rows_total: A's rows; num_ctas: the grid (the caller's SM count; whole clusters of it); form: 0-7 (the header). Returns a cudaError_t.
+// rows_total: A's rows; num_ctas: the grid (the caller's SM count; whole clusters of it); form: 0-9 (the header). Returns a cudaError_t.
 extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
     const void* a, const void* sa, const void* b, const void* sb, void* out, const void* indptr, const void* masked_m,
     long long rows_total, int groups, int max_m, int n, int k, int num_ctas, int form, void* stream) {
@@ -393,7 +457,8 @@ extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
   constexpr decltype(&launch<Form<128, 128, false, false>>) forms[NUM_FORMS] = {  // grouped_gemm_cuda.FORMS
       launch<Form<128, 128, false, false>>, launch<Form<128, 128, false, true>>, launch<Form<128, 128, true, true>>,
       launch<Form<64, 256, false, true>>, launch<Form<64, 256, true, true>>, launch<Form<128, 128, false, true, true>>,
-      launch<Form<128, 128, true, true, true>>, launch<Form<64, 256, true, true, true>>};
+      launch<Form<128, 128, true, true, true>>, launch<Form<64, 256, true, true, true>>,
+      launch<Form<128, 128, true, false, false, true>>, launch<Form<128, 128, true, false, true, true>>};
   return forms[form](grouped_gemm_attr_done[form], a, sa, b, sb, out, indptr, masked_m, rows_total, groups, max_m, n,
                      k, num_ctas, stream);
 }
