@@ -23,9 +23,10 @@ MAX_GROUPS = 1024  # the kernel's per-CTA tile table
 # the kernel's tile forms, by its `form` index (csrc header): token rows x weight columns; p: each K block's scales
 # loaded one K block ahead; d: the scratch accumulator double-buffered (K block kb + 1's wgmmas issued before kb's
 # promotion); m: two CTAs of a cluster on adjacent column blocks share the token tile (TMA multicast); s: the scales
-# staged in shared memory by a loader warp (no global load in the math warps' K loop)
+# staged in shared memory by a loader warp (no global load in the math warps' K loop). 128x192: N need only be a
+# multiple of 128 (a partial last column block)
 FORMS = ("128x128", "128x128-p", "128x128-pd", "64x256-p", "64x256-pd", "128x128-pm", "128x128-pdm", "64x256-pdm",
-         "128x128-ds", "128x128-dsm")
+         "128x128-ds", "128x128-dsm", "128x192-s", "128x192-sm")
 DEFAULT_FORM = "128x128"  # the first form, the one measured (session 44)
 _ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_longlong] + [ctypes.c_int] * 6 + [ctypes.c_void_p]
 _lib: ctypes.CDLL | None = None
@@ -73,9 +74,11 @@ def _check(a, a_scale, b, b_scale, form: str) -> None:
         raise ValueError(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
     if n % BLOCK or k % BLOCK or a.shape[-1] != k:
         raise ValueError(f"need N and K multiples of {BLOCK} and a's K = b's: a {tuple(a.shape)}, b {tuple(b.shape)}")
-    cols = tile_shape(form)[1] * (2 if form.endswith("m") else 1)  # a multicast pair spans two column blocks
-    if n % cols:
-        raise ValueError(f"form {form} needs N a multiple of {cols}, got {n}")
+    cols = tile_shape(form)[1]
+    blocks = -(-n // cols)
+    if (cols % BLOCK == 0 and n % cols) or (form.endswith("m") and blocks % 2):  # multicast: pairs of column blocks
+        raise ValueError(f"form {form} needs N a multiple of {cols}" + (", in an even number of column blocks"
+                         if form.endswith("m") else "") + f", got {n}")
     if not 0 < groups <= MAX_GROUPS:
         raise ValueError(f"groups must be 1..{MAX_GROUPS}, got {groups}")
     if tuple(a_scale.shape[:-1]) != tuple(a.shape[:-1]) or a_scale.shape[-1] != k // BLOCK:

@@ -51,10 +51,14 @@ def test_sass_has_the_fp8_wgmmas(compiled):
         pytest.skip("cuobjdump not found")
     sass = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, timeout=120).stdout
     found = re.findall(r"QGMMA\.\w+\.\w+\.\w+\.\w+", sass)
-    # one K block is four m64n128k32; the double-buffered (d) forms issue it at three places (before the loop, and
-    # for each of the two scratch accumulators in it)
-    expected = sum(12 if "d" in form.partition("-")[2] else 4 for form in ggc.FORMS)
-    assert set(found) == {"QGMMA.64x128x32.F32.E4M3.E4M3"} and len(found) == expected, found
+    # one K block is four m64nNk32 (N: the warp group's columns, 192 in the 128x192 forms, else 128); the
+    # double-buffered (d) forms issue it at three places (before the loop, and for each of the two scratch
+    # accumulators in it)
+    expected = {}
+    for form in ggc.FORMS:
+        key = f"QGMMA.64x{192 if form.startswith('128x192') else 128}x32.F32.E4M3.E4M3"
+        expected[key] = expected.get(key, 0) + (12 if "d" in form.partition("-")[2] else 4)
+    assert {key: found.count(key) for key in set(found)} == expected, found
 
 
 def _operands(groups=2, n=256, k=256, rows=8):
@@ -70,7 +74,7 @@ def _operands(groups=2, n=256, k=256, rows=8):
     ("both", "exactly one"), ("neither", "exactly one"), ("n", "multiples of 128"), ("dtype", "float8_e4m3fn"),
     ("b_scale", "b_scale must be"), ("a_scale", "a_scale must be"), ("indptr", "m_indptr must be"),
     ("masked_a", "masked a must be"), ("out", "out must be"), ("form", "unknown form"),
-    ("n_for_form", "multiple of 256")])
+    ("n_for_form", "multiple of 256"), ("n_for_multicast", "even number of column blocks")])
 def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
     monkeypatch.setattr(ggc, "_load", lambda: pytest.fail("built or loaded for bad operands"))
     a, a_s, b, b_s, indptr = _operands()
@@ -98,6 +102,9 @@ def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
     elif bad == "n_for_form":
         b, b_s = torch.zeros(2, 384, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 3, 2)
         kw["form"] = "64x256-pd"
+    elif bad == "n_for_multicast":  # three column blocks: no pairs
+        b, b_s = torch.zeros(2, 384, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 3, 2)
+        kw["form"] = "128x128-pdm"
     with pytest.raises(ValueError, match=message):
         ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, **kw)
 
@@ -117,7 +124,7 @@ def test_bench_times_it_only_when_asked():
 
 
 def test_tile_shapes():
-    assert [ggc.tile_shape(f) for f in ggc.FORMS] == [(128, 128)] * 3 + [(64, 256)] * 2 + [(128, 128)] * 2 + [(64, 256)] + [(128, 128)] * 2
+    assert [ggc.tile_shape(f) for f in ggc.FORMS] == [(128, 128)] * 3 + [(64, 256)] * 2 + [(128, 128)] * 2 + [(64, 256)] + [(128, 128)] * 2 + [(128, 192)] * 2
 
 
 def test_without_nvcc_the_build_says_where_it_looked(tmp_path):

@@ -43,8 +43,15 @@
 //                    session 45's profile their top stall was long scoreboard, global loads; DeepGEMM stages its
 //                    scales too)
 //   9 "128x128-dsm"  and multicast (64 x 256 with staged scales spills at 168 registers: not a form)
-// K must be a multiple of 128 and N of the tile's columns (twice that for the multicast forms; DeepSeek-V3's are), rows past the tensor's end read as
-// zeros (TMA), and rows of the next expert inside a tile are computed and not stored.
+//  10 "128x192-s"    128 rows x 192 columns (m64n192k32, 96 + 96 accumulator registers: no double buffer), scales
+//                    staged: 154 FLOP per operand byte read from L2 against 128 at 128 x 128, DeepGEMM's tile at
+//                    gate_up 8 x 256 (session 45's profile: it read 0.69x our 128x128's L2 bytes, with multicast).
+//                    N need not be a multiple of 192 (the last column block is partial, its columns past N not
+//                    stored); a tile straddles two weight scale blocks
+//  11 "128x192-sm"   and multicast
+// K and N must be multiples of 128, N of the tile's columns where those are a multiple of 128, and the column blocks
+// even in number for the multicast forms (DeepSeek-V3's are). Rows past the tensor's end read as zeros (TMA), rows of
+// the next expert inside a tile are computed and not stored.
 #include <cuda_bf16.h>
 
 #include "sm90_ptx.cuh"
@@ -57,23 +64,27 @@ constexpr int THREADS = 384;
 constexpr int MAX_GROUPS = 1024;
 constexpr int RING_BYTES = 200 * 1024;  // the slots' budget (an SM has 227 KB; the rest: barriers, tile table)
 constexpr int LOADER_REGS = 40, MATH_REGS = 232;
-constexpr int NUM_FORMS = 10;
+constexpr int NUM_FORMS = 12;
 
 template <int BM_, int BN_, bool DOUBLE_, bool PREFETCH_, bool MULTICAST_ = false, bool STAGED_ = false>
 struct Form {
-  static_assert((BM_ == 128 && BN_ == 128) || (BM_ == 64 && BN_ == 256), "two 64 x 128 warp-group tiles");
+  static_assert((BM_ == 128 && (BN_ == 128 || BN_ == 192)) || (BM_ == 64 && BN_ == 256), "two warp-group tiles");
   static constexpr int BM = BM_, BN = BN_;
+  static constexpr int WG_N = BM == 128 ? BN : BN / 2;  // columns of a math warp group's 64-row part
+  static constexpr int ACC = WG_N / 2;                  // its accumulator registers per thread
+  static constexpr bool SPLIT = BN % 128 != 0;          // a warp group's columns straddle two weight scale blocks
+  static constexpr int SB = BN / 128 + (SPLIT ? 1 : 0);  // weight scale blocks a tile touches
   static constexpr bool DOUBLE = DOUBLE_;      // the scratch accumulator double-buffered
   static constexpr bool PREFETCH = PREFETCH_;  // each K block's scales loaded one K block ahead
   static constexpr int PAIR = MULTICAST_ ? 2 : 1;  // CTAs per cluster, sharing the token tile (column blocks)
   static constexpr bool STAGED = STAGED_;  // the scales staged in shared memory by a loader warp
-  static constexpr int SCALES = BM + BN / 128;  // floats per slot's scale row: the rows', then the weight's
+  static constexpr int SCALES = BM + SB;  // floats per slot's scale row: the rows', then the weight's
   static constexpr int A_BYTES = BM * BLOCK_K, B_BYTES = BN * BLOCK_K;  // one K block of each operand
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = RING_BYTES / STAGE_BYTES;    // 6 at 128 x 128, 5 at 64 x 256
+  static constexpr int STAGES = RING_BYTES / STAGE_BYTES;    // 6 at 128 x 128, 5 at 64 x 256 and 128 x 192
   static constexpr int SMEM_BYTES =
       1024 + STAGES * STAGE_BYTES + 16 * STAGES + (MAX_GROUPS + 1) * 4 + (STAGED ? STAGES * SCALES * 4 : 0);
-  // the first row and column of math warp group w's 64 x 128 part of the tile
+  // the first row and column of math warp group w's 64 x WG_N part of the tile
   __host__ __device__ static constexpr int wg_row(int w) { return BM == 128 ? 64 * w : 0; }
   __host__ __device__ static constexpr int wg_col(int w) { return BN == 256 ? 128 * w : 0; }
 };
@@ -145,15 +156,25 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-// one K block of a warp group's 64 x 128 part: four m64n128k32 wgmmas into `part` (a: its first token row, b: its
-// first weight row, both 128-byte swizzled), committed as one group
+// one K block of a warp group's 64 x N part: four m64nNk32 wgmmas into `part` (a: its first token row, b: its first
+// weight row, both 128-byte swizzled), committed as one group
+template <int N>
 __device__ __forceinline__ void mma_kblock(float* part, uint32_t a, uint32_t b) {
   wgmma_fence();
   const uint64_t da = desc_sw128(a), db = desc_sw128(b);
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k32_e4m3(part, desc_add(da, 32 * kk), desc_add(db, 32 * kk), kk);
+  for (int kk = 0; kk < 4; ++kk) {
+    if constexpr (N == 192) wgmma_m64n192k32_e4m3(part, desc_add(da, 32 * kk), desc_add(db, 32 * kk), kk);
+    else wgmma_m64n128k32_e4m3(part, desc_add(da, 32 * kk), desc_add(db, 32 * kk), kk);
+  }
   wgmma_commit();
 }
+
+// one K block's scales of a thread's two accumulator rows: row scale x the weight scale of its first block (s0, s1)
+// and, in the SPLIT forms, of the next (t0, t1)
+struct KScales {
+  float s0, s1, t0, t1;
+};
 
 // The block scales of a thread's two accumulator rows, K block by K block (take() in order from kb = 0): with
 // PREFETCH the next block's three loads are issued when one is taken, so they land during a whole K block's wait and
@@ -170,10 +191,10 @@ struct BlockScales {
   __device__ __forceinline__ void load(int i) {
     next_b = __ldg(b + i), next_0 = __ldg(a0 + i), next_1 = __ldg(a1 + i);
   }
-  // s0, s1: row scale x weight scale of the next K block (slot index unused: the loads are the thread's own)
-  __device__ __forceinline__ void take(float& s0, float& s1, int) {
+  // the next K block's (slot index unused: the loads are the thread's own; one weight block)
+  __device__ __forceinline__ void take(KScales& k, int) {
     if constexpr (!PREFETCH) load(kb);
-    s0 = next_0 * next_b, s1 = next_1 * next_b;
+    k.s0 = next_0 * next_b, k.s1 = next_1 * next_b;
     if constexpr (PREFETCH) {
       if (kb + 1 < k_blocks) load(kb + 1);
     }
@@ -181,22 +202,32 @@ struct BlockScales {
   }
 };
 
-// The same from the slot's staged scale row (the STAGED forms): rows ra, rb of the tile, weight column block cb
+// The same from the slot's staged scale row (the STAGED forms): rows ra, rb of the tile, the tile's weight block cb
+// (and cb + 1 in the SPLIT forms)
 template <class F>
 struct StagedScales {
   const float* rows;  // slot 0's scale row
   int ra, rb, cb;
-  __device__ __forceinline__ void take(float& s0, float& s1, int i) const {
+  __device__ __forceinline__ void take(KScales& k, int i) const {
     const float* sc = rows + (i % F::STAGES) * F::SCALES;
-    const float b = sc[F::BM + cb];
-    s0 = sc[ra] * b, s1 = sc[rb] * b;
+    const float a0 = sc[ra], a1 = sc[rb], b = sc[F::BM + cb];
+    k.s0 = a0 * b, k.s1 = a1 * b;
+    if constexpr (F::SPLIT) {
+      const float b2 = sc[F::BM + cb + 1];
+      k.t0 = a0 * b2, k.t1 = a1 * b2;
+    }
   }
 };
 
-// acc += part x the block scales of its two rows (part[4j + {0, 1}]: the first row, part[4j + {2, 3}]: the second)
-__device__ __forceinline__ void promote(float* acc, const float* part, float s0, float s1) {
+// acc += part x the block scales (part[4j + {0, 1}]: the first row, part[4j + {2, 3}]: the second; columns 8j + ..:
+// the first weight block for j < jb, the next from there; jb = ACC / 4 when the part lies in one block)
+template <class F>
+__device__ __forceinline__ void promote(float* acc, const float* part, const KScales& k, int jb) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[i]);
+  for (int i = 0; i < F::ACC; ++i) {
+    const bool first = !F::SPLIT || i / 4 < jb;
+    acc[i] = fmaf(part[i], (i & 2) ? (first ? k.s1 : k.t1) : (first ? k.s0 : k.t0), acc[i]);
+  }
 }
 
 template <class F>
@@ -208,7 +239,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   int* tiles_before = reinterpret_cast<int*>(smem + F::STAGES * F::STAGE_BYTES + 16 * F::STAGES);
   float* scale_rows = reinterpret_cast<float*>(tiles_before + MAX_GROUPS + 1);  // STAGED: STAGES x SCALES
   const int tid = threadIdx.x, wg = tid / 128;
-  const int n_blocks = p.n / F::BN, k_blocks = p.k / BLOCK_K;
+  const int n_blocks = (p.n + F::BN - 1) / F::BN, k_blocks = p.k / BLOCK_K;
 
   if (tid == 0) {
     int total = 0;
@@ -268,7 +299,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
           nb = nb * F::PAIR + rank;
           expert_rows(p, e, start, count);
           const long long row0 = static_cast<long long>(start) + mb * F::BM;
-          const float* sb = p.sb + (static_cast<long long>(e) * (p.n / 128) + nb * F::BN / 128) * k_blocks;
+          const int sb0 = nb * F::BN / 128, sb_last = p.n / 128 - 1;  // the tile's first weight scale block
+          const float* sb = p.sb + static_cast<long long>(e) * (p.n / 128) * k_blocks;
           for (int kb = 0; kb < k_blocks; ++kb, ++it) {
             const int s = it % F::STAGES;
             if (it >= F::STAGES) mbar_wait(bar_empty + 8 * s, ((it / F::STAGES) - 1) & 1);
@@ -276,7 +308,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
 #pragma unroll
             for (int r = lane; r < F::BM; r += 32)  // rows past the end: any finite scale
               cp_async_4(dst + 4 * r, p.sa + min(row0 + r, last) * k_blocks + kb);
-            if (lane < F::BN / 128) cp_async_4(dst + 4 * (F::BM + lane), sb + lane * k_blocks + kb);
+            if (lane < F::SB)  // past N (a partial last tile): any finite scale
+              cp_async_4(dst + 4 * (F::BM + lane), sb + min(sb0 + lane, sb_last) * k_blocks + kb);
             cp_async_arrive(bar_full + 8 * s);
           }
         }
@@ -294,7 +327,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   const int c_wg = F::wg_col(w), c_frag = (lane % 4) * 2;
   const uint32_t a_off = F::wg_row(w) * BLOCK_K, b_off = F::A_BYTES + c_wg * BLOCK_K;  // in a slot
   const long long last = p.rows_total - 1;
-  float acc[64], part[64], part2[F::DOUBLE ? 64 : 1];
+  float acc[F::ACC], part[F::ACC], part2[F::DOUBLE ? F::ACC : 1];
   int it = 0;
   for (int t = walker; t < num_tiles; t += walkers) {
     int e, nb, mb, start, count;
@@ -313,46 +346,47 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
                                         k_blocks);
       }
     }();
-    float s0, s1;
+    KScales ks;
+    // the K block's part: columns 8j + .. of the first weight block for j < jb (SPLIT forms: a tile starts at a
+    // multiple of 64 columns)
+    const int jb = F::SPLIT ? (128 - (nb * F::BN + c_wg) % 128) / 8 : F::ACC / 4;
     const auto slot = [&](int i) { return sbase + (i % F::STAGES) * F::STAGE_BYTES; };
     const auto wait_full = [&](int i) { mbar_wait(bar_full + 8 * (i % F::STAGES), (i / F::STAGES) & 1); };
     const auto release = [&](int i) {  // the slot's reads are done: free it in this CTA (and the peer, which writes it)
-      if (lane == 0) {
-        if constexpr (F::PAIR > 1) {
-          for (int r = 0; r < F::PAIR; ++r) mbar_arrive_cluster(bar_empty + 8 * (i % F::STAGES), r);
-        } else {
-          mbar_arrive(bar_empty + 8 * (i % F::STAGES));
-        }
+      if constexpr (F::PAIR > 1) {
+        if (lane < F::PAIR) mbar_arrive_cluster(bar_empty + 8 * (i % F::STAGES), lane);  // lane r: CTA r
+      } else {
+        if (lane == 0) mbar_arrive(bar_empty + 8 * (i % F::STAGES));
       }
     };
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int i = 0; i < F::ACC; ++i) acc[i] = 0.f;
     if constexpr (!F::DOUBLE) {
       for (int kb = 0; kb < k_blocks; ++kb, ++it) {
         wait_full(it);
-        scales.take(s0, s1, it);
-        mma_kblock(part, slot(it) + a_off, slot(it) + b_off);
+        scales.take(ks, it);
+        mma_kblock<F::WG_N>(part, slot(it) + a_off, slot(it) + b_off);
         wgmma_wait<0>();
         release(it);
-        promote(acc, part, s0, s1);
+        promote<F>(acc, part, ks, jb);
       }
     } else {
       // K block kb's wgmmas run in `cur` while kb - 1's (in the other) are promoted; the two swap each K block
       const auto step = [&](float* cur, float* nxt, int kb) {
-        scales.take(s0, s1, it);  // slot `it` is full (waited one step earlier); read before its release
+        scales.take(ks, it);  // slot `it` is full (waited one step earlier); read before its release
         if (kb + 1 < k_blocks) {
           wait_full(it + 1);
-          mma_kblock(nxt, slot(it + 1) + a_off, slot(it + 1) + b_off);
+          mma_kblock<F::WG_N>(nxt, slot(it + 1) + a_off, slot(it + 1) + b_off);
           wgmma_wait<1>();  // kb's group done, kb + 1's may run on
         } else {
           wgmma_wait<0>();
         }
         release(it);
-        promote(acc, cur, s0, s1);
+        promote<F>(acc, cur, ks, jb);
         ++it;
       };
       wait_full(it);
-      mma_kblock(part, slot(it) + a_off, slot(it) + b_off);
+      mma_kblock<F::WG_N>(part, slot(it) + a_off, slot(it) + b_off);
       for (int kb = 0; kb < k_blocks; kb += 2) {
         step(part, part2, kb);
         if (kb + 1 < k_blocks) step(part2, part, kb + 1);
@@ -360,9 +394,11 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     }
     // epilogue: acc[4j + {0, 1}] are (row r_frag, columns 8j + c_frag + {0, 1}); acc[4j + {2, 3}] row r_frag + 8
     const int local = mb * F::BM + r_frag;
-    __nv_bfloat16* o = p.out + (static_cast<long long>(start) + local) * p.n + nb * F::BN + c_wg + c_frag;
+    const int col = nb * F::BN + c_wg + c_frag;
+    __nv_bfloat16* o = p.out + (static_cast<long long>(start) + local) * p.n + col;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < F::ACC / 4; ++j) {
+      if (F::SPLIT && col + 8 * j >= p.n) break;  // a partial last column block
       if (local < count)
         *reinterpret_cast<__nv_bfloat162*>(o + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
       if (local + 8 < count)
@@ -392,7 +428,8 @@ template <class F>
 int launch(bool* attr_done, const void* a, const void* sa, const void* b, const void* sb, void* out,
            const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n, int k,
            int num_ctas, void* stream) {
-  if (n % (F::BN * F::PAIR) != 0 || num_ctas < F::PAIR) return static_cast<int>(cudaErrorInvalidValue);
+  if ((!F::SPLIT && n % F::BN != 0) || (n + F::BN - 1) / F::BN % F::PAIR != 0 || num_ctas < F::PAIR)
+    return static_cast<int>(cudaErrorInvalidValue);
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -445,7 +482,7 @@ int launch(bool* attr_done, const void* a, const void* sa, const void* b, const 
 static bool grouped_gemm_attr_done[grouped_gemm_sm90::NUM_FORMS][128] = {};  // per form and device
 
 // The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
-// rows_total: A's rows; num_ctas: the grid (the caller's SM count; whole clusters of it); form: 0-9 (the header). Returns a cudaError_t.
+// rows_total: A's rows; num_ctas: the grid (the caller's SM count; whole clusters of it); form: 0-11 (the header). Returns a cudaError_t.
 extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
     const void* a, const void* sa, const void* b, const void* sb, void* out, const void* indptr, const void* masked_m,
     long long rows_total, int groups, int max_m, int n, int k, int num_ctas, int form, void* stream) {
@@ -458,7 +495,8 @@ extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
       launch<Form<128, 128, false, false>>, launch<Form<128, 128, false, true>>, launch<Form<128, 128, true, true>>,
       launch<Form<64, 256, false, true>>, launch<Form<64, 256, true, true>>, launch<Form<128, 128, false, true, true>>,
       launch<Form<128, 128, true, true, true>>, launch<Form<64, 256, true, true, true>>,
-      launch<Form<128, 128, true, false, false, true>>, launch<Form<128, 128, true, false, true, true>>};
+      launch<Form<128, 128, true, false, false, true>>, launch<Form<128, 128, true, false, true, true>>,
+      launch<Form<128, 192, false, false, false, true>>, launch<Form<128, 192, false, false, true, true>>};
   return forms[form](grouped_gemm_attr_done[form], a, sa, b, sb, out, indptr, masked_m, rows_total, groups, max_m, n,
                      k, num_ctas, stream);
 }
