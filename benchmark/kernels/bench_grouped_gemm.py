@@ -205,6 +205,9 @@ def parse_args(argv=None):
     from sgl_kernel_ext.grouped_gemm_cuda import FORMS  # torch only: importable without a GPU
     ap.add_argument("--cuda-forms", nargs="+", choices=FORMS, default=list(FORMS), metavar="FORM",
                     help=f"ours-cuda: the tile forms to time (default: all of {', '.join(FORMS)})")
+    ap.add_argument("--cuda-scales", nargs="+", choices=["row-major", "mn-major"], default=["row-major"],
+                    help="ours-cuda's activation scale layouts to time (mn-major: made outside the timed call, as "
+                         "DeepGEMM's are; default: %(default)s)")
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS + OPT_IN_PROVIDERS, default=list(PROVIDERS),
                     metavar="PROVIDER", help=f"what to time (default: all of {', '.join(PROVIDERS)}; opt-in: "
                     f"{', '.join(OPT_IN_PROVIDERS)}, the hand-written CUDA normal variant)")
@@ -346,13 +349,16 @@ def point_operands(groups, n, k, counts, gen) -> MoeOperands:
 def ours_moe_call(ops: MoeOperands, layout: str, variant: str, cfg: dict | None, expected_m: int):
     """(call, its output buffer) of one of our grouped GEMMs on a point's operands (the bench and
     profile_grouped_gemm.py time the same calls): variant swapab / normal / split (cfg: tile-config overrides) or
-    cuda (the hand-written kernel; cfg: {"form": one of grouped_gemm_cuda.FORMS})."""
+    cuda (the hand-written kernel; cfg: {"form": one of grouped_gemm_cuda.FORMS, "scales": "mn-major" for the
+    activation scales made MN-major outside the timed call, as DeepGEMM gets them})."""
     masked = layout == "masked"
     a, a_s = (ops.a_m, ops.a_ms) if masked else (ops.a_c, ops.a_cs)
     out = torch.empty(*a.shape[:-1], ops.b.shape[1], dtype=torch.bfloat16, device=a.device)
     if variant == "cuda":
         from sgl_kernel_ext import grouped_gemm_cuda as ggc
         index = {"masked_m": ops.masked_m} if masked else {"m_indptr": ops.indptr}
+        if cfg.get("scales") == "mn-major":
+            a_s = ggc.mn_major(a_s)
         return (lambda: ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, ops.b, ops.b_s, out=out, form=cfg["form"],
                                                        **index)), out
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
@@ -695,7 +701,9 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
         for layout in args.layouts if ok else ():
             cands = Candidates(f"ours-cuda {layout}", checks[layout], args.rep_ms)
             for form in args.cuda_forms:
-                cands.time({"form": form}, lambda: ours_moe_call(ops, layout, "cuda", {"form": form}, mean))
+                for scales in args.cuda_scales:
+                    cfg = {"form": form, "scales": scales}
+                    cands.time(cfg, lambda: ours_moe_call(ops, layout, "cuda", cfg, mean))
             if cands.best is None:
                 unavailable[f"ours-cuda-{layout}"] = "every form failed or was wrong (see stderr)"
                 continue

@@ -16,7 +16,8 @@ usage (GPU host): python3 benchmark/kernels/profile_grouped_gemm.py --out DIR [-
                   --tokens 32 --dist uneven --layout contiguous]
                   [--ours swapab:128x32x3x16 swapab:64x32x4x4] [--upstream sglang-triton-swapab deepgemm]
 An ours config is VARIANT:BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM[xMAXNREG][:flat|:tma] (4 warps), VARIANT:shipped, or
-cuda:FORM (the hand-written CUDA kernel in one of grouped_gemm_cuda.FORMS, e.g. cuda:128x128-pd).
+cuda:FORM[:mn] (the hand-written CUDA kernel in one of grouped_gemm_cuda.FORMS, e.g. cuda:128x128-pd; :mn with the
+activation scales MN-major).
 """
 from __future__ import annotations
 
@@ -56,13 +57,14 @@ RAW_METRICS = [
 
 def parse_ours(text: str) -> tuple[str, dict | None]:
     """'swapab:128x32x3x16[x160][:flat|:tma]' -> ('swapab', config) (the fifth number: config maxnreg);
-    'normal:shipped' -> ('normal', None); 'cuda:128x128-pd' -> ('cuda', {'form': '128x128-pd'})."""
+    'normal:shipped' -> ('normal', None); 'cuda:128x128-pd[:mn]' -> ('cuda', {'form': '128x128-pd', 'scales':
+    'row-major' (or 'mn-major' with :mn)})."""
     parts = text.split(":")
-    if len(parts) == 2 and parts[0] == "cuda":
+    if len(parts) in (2, 3) and parts[0] == "cuda":
         from sgl_kernel_ext.grouped_gemm_cuda import FORMS
-        if parts[1] not in FORMS:
-            raise argparse.ArgumentTypeError(f"{text!r}: the CUDA kernel's forms are {', '.join(FORMS)}")
-        return "cuda", {"form": parts[1]}
+        if parts[1] not in FORMS or parts[2:] not in ([], ["mn"]):
+            raise argparse.ArgumentTypeError(f"{text!r}: want cuda:FORM[:mn], FORM one of {', '.join(FORMS)}")
+        return "cuda", {"form": parts[1], "scales": "mn-major" if parts[2:] else "row-major"}
     if len(parts) not in (2, 3) or parts[0] not in ("swapab", "normal"):
         raise argparse.ArgumentTypeError(f"{text!r}: want VARIANT:BNxBTxSTAGESxPPS[xMAXNREG][:flat|:tma] or "
                                          "VARIANT:shipped")
@@ -153,7 +155,8 @@ def child(args) -> int:
 
 # ----------------------------------------------------------------------------------------------- the parent
 def child_command(args) -> list[str]:
-    ours = [f"{v}:shipped" if c is None else f"cuda:{c['form']}" if v == "cuda" else
+    ours = [f"{v}:shipped" if c is None else
+            f"cuda:{c['form']}{':mn' if c['scales'] == 'mn-major' else ''}" if v == "cuda" else
             f"{v}:{c['BLOCK_N']}x{c['BLOCK_T']}x{c['num_stages']}x{c['programs_per_sm']}"
             f"{'x%d' % c['maxnreg'] if c.get('maxnreg') else ''}{':tma' if c['tma'] else ':flat' if c['flat'] else ''}"
             for v, c in args.ours]

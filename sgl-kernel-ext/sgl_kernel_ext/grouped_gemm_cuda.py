@@ -28,7 +28,8 @@ MAX_GROUPS = 1024  # the kernel's per-CTA tile table
 FORMS = ("128x128", "128x128-p", "128x128-pd", "64x256-p", "64x256-pd", "128x128-pm", "128x128-pdm", "64x256-pdm",
          "128x128-ds", "128x128-dsm", "128x192-s", "128x192-sm")
 DEFAULT_FORM = "128x128"  # the first form, the one measured (session 44)
-_ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_longlong] + [ctypes.c_int] * 6 + [ctypes.c_void_p]
+_ARGTYPES = ([ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_longlong]
+             + [ctypes.c_int] * 6 + [ctypes.c_void_p])
 _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
 
@@ -85,11 +86,17 @@ def _check(a, a_scale, b, b_scale, form: str) -> None:
         raise ValueError(f"a_scale must be {(*a.shape[:-1], k // BLOCK)}, got {tuple(a_scale.shape)}")
     if tuple(b_scale.shape) != (groups, n // BLOCK, k // BLOCK):
         raise ValueError(f"b_scale must be {(groups, n // BLOCK, k // BLOCK)}, got {tuple(b_scale.shape)}")
-    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
+    for name, t in (("a", a), ("b", b), ("b_scale", b_scale)):  # a_scale: any strides (row- or MN-major)
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     if a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
         raise ValueError("a_scale and b_scale must be float32")
+
+
+def mn_major(scale: torch.Tensor) -> torch.Tensor:
+    """The same activation scales with the rows contiguous per K block (DeepGEMM's layout, unpadded): what the
+    staged forms read in 16 sectors per K block."""
+    return scale.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
@@ -98,7 +105,9 @@ def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.
                                form: str = DEFAULT_FORM) -> torch.Tensor:
     """out[r] = A[r] @ B[g]^T (bf16) over expert g's rows: contiguous (m_indptr [G+1] int32; a [M, K], a_scale
     [M, K/128]) or masked (masked_m [G] int32; a [G, max_m, K], a_scale [G, max_m, K/128]); b [G, N, K] e4m3,
-    b_scale [G, N/128, K/128]. Rows of no expert are left as they were; num_sms: the grid (default: the device's);
+    b_scale [G, N/128, K/128]. a_scale may have any strides: row-major as our Triton kernels take it, or MN-major
+    as DeepGEMM does (get_mn_major_tma_aligned_tensor; the staged forms then read 16 sectors per K block instead of
+    128). Rows of no expert are left as they were; num_sms: the grid (default: the device's);
     form: the tile form (FORMS)."""
     if (m_indptr is None) == (masked_m is None):
         raise ValueError("give exactly one of m_indptr (contiguous) and masked_m (masked)")
@@ -122,9 +131,10 @@ def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.
     max_m = a.shape[1] if masked_m is not None else 0
     sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    err = _load().grouped_gemm_fp8_sm90(ptr(a), ptr(a_scale), ptr(b), ptr(b_scale), ptr(out), ptr(m_indptr),
-                                        ptr(masked_m), rows, groups, max_m, n, k, sms, FORMS.index(form),
-                                        torch.cuda.current_stream(a.device).cuda_stream)
+    sa_strides = a_scale.stride() if masked_m is not None else (0, *a_scale.stride())
+    err = _load().grouped_gemm_fp8_sm90(ptr(a), ptr(a_scale), *sa_strides, ptr(b), ptr(b_scale), ptr(out),
+                                        ptr(m_indptr), ptr(masked_m), rows, groups, max_m, n, k, sms,
+                                        FORMS.index(form), torch.cuda.current_stream(a.device).cuda_stream)
     if err:
         raise RuntimeError(f"grouped_gemm_fp8_sm90: {_load().grouped_gemm_fp8_sm90_error_string(err).decode()}")
     return out

@@ -11,12 +11,13 @@ import profile_grouped_gemm as prof  # noqa: E402
 def test_ours_configs_reach_the_child_unchanged(tmp_path):
     args = prof.parse_args(["--out", str(tmp_path), "--ours", "swapab:128x32x3x16", "normal:shipped",
                             "swapab:64x32x4x4:tma", "swapab:128x32x3x16x160", "cuda:64x256-pd",
-                            "--upstream", "sglang-triton-swapab"])
+                            "cuda:128x192-s:mn", "--upstream", "sglang-triton-swapab"])
     assert args.ours[0] == ("swapab", {"BLOCK_N": 128, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3,
                                        "programs_per_sm": 16, "flat": False, "tma": False, "ws": False})
     assert args.ours[1] == ("normal", None) and args.ours[2][1]["tma"] and args.ours[2][1]["flat"]
     assert args.ours[3][1]["maxnreg"] == 160 and "maxnreg" not in args.ours[0][1]
-    assert args.ours[4] == ("cuda", {"form": "64x256-pd"})
+    assert args.ours[4] == ("cuda", {"form": "64x256-pd", "scales": "row-major"})
+    assert args.ours[5] == ("cuda", {"form": "128x192-s", "scales": "mn-major"})
     cmd = prof.child_command(args)
     again = prof.parse_args(cmd[cmd.index("--child") + 1:] + ["--child"])
     assert again.ours == args.ours and again.upstream == ["sglang-triton-swapab"] and again.child
@@ -24,7 +25,8 @@ def test_ours_configs_reach_the_child_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("bad", ["swapab", "swapab:128x32", "dense:128x32x3x16", "swapab:128x32x3x16:ws",
-                                 "swapab:128x32x3x16x160x1", "cuda:32x32"])
+                                 "swapab:128x32x3x16x160x1", "cuda:32x32",
+                                 "cuda:128x128:km"])
 def test_a_malformed_config_is_refused(tmp_path, bad, capsys):
     with pytest.raises(SystemExit):
         prof.parse_args(["--out", str(tmp_path), "--ours", bad])

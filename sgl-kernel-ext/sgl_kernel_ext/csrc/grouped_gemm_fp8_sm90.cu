@@ -9,7 +9,8 @@
 // out[r, n] = sum_k A[r, k] * B[e, n, k] * sa[r, k / 128] * sb[e, n / 128, k / 128] for every row r of expert e:
 //   A  [rows_total, K] e4m3 (K contiguous), the activations: contiguous layout, expert e's rows indptr[e] ..
 //      indptr[e + 1]; masked layout, rows e * max_m .. e * max_m + masked_m[e]
-//   sa [rows_total, K / 128] fp32 (row-major), B [E, N, K] e4m3, sb [E, N / 128, K / 128] fp32, out [rows_total, N]
+//   sa [rows_total, K / 128] fp32 with any strides (row-major, or MN-major as DeepGEMM takes it, which the staged
+//      forms read in 16 sectors per K block instead of 128; masked: [E, max_m, K / 128], a group stride too), B [E, N, K] e4m3, sb [E, N / 128, K / 128] fp32, out [rows_total, N]
 //   bf16 (rows past an expert's count are not written).
 // A CTA of 384 threads, one per SM, walks the tiles (expert, column block, row block; rows fastest, so the CTAs
 // working at one time share the expert's weight tile in L2) with a fixed stride:
@@ -92,7 +93,8 @@ struct Form {
 struct Params {
   CUtensorMap a_map;  // [rows_total, K] bytes, boxes of 128 bytes x BM / PAIR rows, 128-byte swizzle
   CUtensorMap b_map;  // [E * N, K] bytes, boxes of 128 bytes x BN rows
-  const float* sa;
+  const float* sa;  // element (row, kb): see row_scales, then + kb * sa_k
+  long long sa_group, sa_row, sa_k;
   const float* sb;
   __nv_bfloat16* out;
   const int* indptr;    // contiguous layout (or null)
@@ -110,6 +112,12 @@ __device__ __forceinline__ void expert_rows(const Params& p, int e, int& start, 
     start = e * p.max_m;
     count = min(p.masked_m[e], p.max_m);
   }
+}
+
+// the scale of K block 0 of expert e's row i (i < its count; the rows past it read row count - 1's: any finite scale)
+__device__ __forceinline__ const float* row_scales(const Params& p, int e, int start, int i) {
+  return p.sa + (p.indptr != nullptr ? static_cast<long long>(start + i) * p.sa_row
+                                     : static_cast<long long>(e) * p.sa_group + static_cast<long long>(i) * p.sa_row);
 }
 
 // unit t -> (expert, column block unit, row block) through tiles_before[] (units of the experts before e); a unit is
@@ -181,15 +189,17 @@ struct KScales {
 // wgmmas instead of the block's own; without, each is loaded when taken.
 template <bool PREFETCH>
 struct BlockScales {
-  const float *a0, *a1, *b;
+  const float *a0, *a1, *b;  // the two rows' K block 0 (K blocks sa_k apart), the weight's (contiguous)
+  long long sa_k;
   int kb, k_blocks;
   float next_b, next_0, next_1;
-  __device__ __forceinline__ BlockScales(const float* a0_, const float* a1_, const float* b_, int k_blocks_)
-      : a0(a0_), a1(a1_), b(b_), kb(0), k_blocks(k_blocks_) {
+  __device__ __forceinline__ BlockScales(const float* a0_, const float* a1_, long long sa_k_, const float* b_,
+                                         int k_blocks_)
+      : a0(a0_), a1(a1_), b(b_), sa_k(sa_k_), kb(0), k_blocks(k_blocks_) {
     if constexpr (PREFETCH) load(0);
   }
   __device__ __forceinline__ void load(int i) {
-    next_b = __ldg(b + i), next_0 = __ldg(a0 + i), next_1 = __ldg(a1 + i);
+    next_b = __ldg(b + i), next_0 = __ldg(a0 + i * sa_k), next_1 = __ldg(a1 + i * sa_k);
   }
   // the next K block's (slot index unused: the loads are the thread's own; one weight block)
   __device__ __forceinline__ void take(KScales& k, int) {
@@ -291,14 +301,16 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     if constexpr (F::STAGED) {
       if (tid / 32 == 1) {  // the scale warp: each slot's scale row, BM rows' and the weight's, by cp.async
         const int lane = tid % 32;
-        const long long last = p.rows_total - 1;
         int it = 0;
         for (int t = walker; t < num_tiles; t += walkers) {
           int e, nb, mb, start, count;
           tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
           nb = nb * F::PAIR + rank;
           expert_rows(p, e, start, count);
-          const long long row0 = static_cast<long long>(start) + mb * F::BM;
+          const float* rows[F::BM / 32];  // this lane's rows' K block 0
+#pragma unroll
+          for (int j = 0; j < F::BM / 32; ++j)
+            rows[j] = row_scales(p, e, start, min(mb * F::BM + lane + 32 * j, count - 1));
           const int sb0 = nb * F::BN / 128, sb_last = p.n / 128 - 1;  // the tile's first weight scale block
           const float* sb = p.sb + static_cast<long long>(e) * (p.n / 128) * k_blocks;
           for (int kb = 0; kb < k_blocks; ++kb, ++it) {
@@ -306,8 +318,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
             if (it >= F::STAGES) mbar_wait(bar_empty + 8 * s, ((it / F::STAGES) - 1) & 1);
             const uint32_t dst = smem_u32(scale_rows + s * F::SCALES);
 #pragma unroll
-            for (int r = lane; r < F::BM; r += 32)  // rows past the end: any finite scale
-              cp_async_4(dst + 4 * r, p.sa + min(row0 + r, last) * k_blocks + kb);
+            for (int j = 0; j < F::BM / 32; ++j) cp_async_4(dst + 4 * (lane + 32 * j), rows[j] + kb * p.sa_k);
             if (lane < F::SB)  // past N (a partial last tile): any finite scale
               cp_async_4(dst + 4 * (F::BM + lane), sb + min(sb0 + lane, sb_last) * k_blocks + kb);
             cp_async_arrive(bar_full + 8 * s);
@@ -326,7 +337,6 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   const int r_frag = F::wg_row(w) + warp * 16 + lane / 4;  // this thread's first accumulator row in the tile (+8)
   const int c_wg = F::wg_col(w), c_frag = (lane % 4) * 2;
   const uint32_t a_off = F::wg_row(w) * BLOCK_K, b_off = F::A_BYTES + c_wg * BLOCK_K;  // in a slot
-  const long long last = p.rows_total - 1;
   float acc[F::ACC], part[F::ACC], part2[F::DOUBLE ? F::ACC : 1];
   int it = 0;
   for (int t = walker; t < num_tiles; t += walkers) {
@@ -334,16 +344,14 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
     nb = nb * F::PAIR + rank;
     expert_rows(p, e, start, count);
-    const long long row0 = static_cast<long long>(start) + mb * F::BM + r_frag;
+    const int r0 = mb * F::BM + r_frag;  // this thread's first row in the expert
     auto scales = [&] {
       if constexpr (F::STAGED) {
         return StagedScales<F>{scale_rows, r_frag, r_frag + 8, c_wg / 128};
       } else {
-        return BlockScales<F::PREFETCH>(p.sa + min(row0, last) * k_blocks,  // rows past the end: any finite scale
-                                        p.sa + min(row0 + 8, last) * k_blocks,
-                                        p.sb + (static_cast<long long>(e) * (p.n / 128) + (nb * F::BN + c_wg) / 128) *
-                                                   k_blocks,
-                                        k_blocks);
+        return BlockScales<F::PREFETCH>(
+            row_scales(p, e, start, min(r0, count - 1)), row_scales(p, e, start, min(r0 + 8, count - 1)), p.sa_k,
+            p.sb + (static_cast<long long>(e) * (p.n / 128) + (nb * F::BN + c_wg) / 128) * k_blocks, k_blocks);
       }
     }();
     KScales ks;
@@ -425,9 +433,9 @@ inline cudaError_t encode_operand_map(CUtensorMap* map, const void* ptr, long lo
 }
 
 template <class F>
-int launch(bool* attr_done, const void* a, const void* sa, const void* b, const void* sb, void* out,
-           const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n, int k,
-           int num_ctas, void* stream) {
+int launch(bool* attr_done, const void* a, const void* sa, const long long* sa_strides, const void* b, const void* sb,
+           void* out, const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n,
+           int k, int num_ctas, void* stream) {
   if ((!F::SPLIT && n % F::BN != 0) || (n + F::BN - 1) / F::BN % F::PAIR != 0 || num_ctas < F::PAIR)
     return static_cast<int>(cudaErrorInvalidValue);
   int dev = 0;
@@ -444,6 +452,7 @@ int launch(bool* attr_done, const void* a, const void* sa, const void* b, const 
   if ((err = encode_operand_map(&p.b_map, b, static_cast<long long>(groups) * n, k, F::BN)) != cudaSuccess)
     return static_cast<int>(err);
   p.sa = static_cast<const float*>(sa);
+  p.sa_group = sa_strides[0], p.sa_row = sa_strides[1], p.sa_k = sa_strides[2];
   p.sb = static_cast<const float*>(sb);
   p.out = static_cast<__nv_bfloat16*>(out);
   p.indptr = static_cast<const int*>(indptr);
@@ -482,10 +491,12 @@ int launch(bool* attr_done, const void* a, const void* sa, const void* b, const 
 static bool grouped_gemm_attr_done[grouped_gemm_sm90::NUM_FORMS][128] = {};  // per form and device
 
 // The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
-// rows_total: A's rows; num_ctas: the grid (the caller's SM count; whole clusters of it); form: 0-11 (the header). Returns a cudaError_t.
+// sa's strides in elements: group (masked), row, K block; rows_total: A's rows; num_ctas: the grid (the caller's SM
+// count; whole clusters of it); form: 0-11 (the header). Returns a cudaError_t.
 extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
-    const void* a, const void* sa, const void* b, const void* sb, void* out, const void* indptr, const void* masked_m,
-    long long rows_total, int groups, int max_m, int n, int k, int num_ctas, int form, void* stream) {
+    const void* a, const void* sa, long long sa_group, long long sa_row, long long sa_k, const void* b, const void* sb,
+    void* out, const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n, int k,
+    int num_ctas, int form, void* stream) {
   using namespace grouped_gemm_sm90;
   if ((indptr == nullptr) == (masked_m == nullptr) || groups <= 0 || groups > MAX_GROUPS || n % 128 != 0 ||
       k % BLOCK_K != 0 || n <= 0 || k <= 0 || num_ctas <= 0 || form < 0 || form >= NUM_FORMS)
@@ -497,8 +508,9 @@ extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
       launch<Form<128, 128, true, true, true>>, launch<Form<64, 256, true, true, true>>,
       launch<Form<128, 128, true, false, false, true>>, launch<Form<128, 128, true, false, true, true>>,
       launch<Form<128, 192, false, false, false, true>>, launch<Form<128, 192, false, false, true, true>>};
-  return forms[form](grouped_gemm_attr_done[form], a, sa, b, sb, out, indptr, masked_m, rows_total, groups, max_m, n,
-                     k, num_ctas, stream);
+  const long long sa_strides[3] = {sa_group, sa_row, sa_k};
+  return forms[form](grouped_gemm_attr_done[form], a, sa, sa_strides, b, sb, out, indptr, masked_m, rows_total, groups,
+                     max_m, n, k, num_ctas, stream);
 }
 
 extern "C" __attribute__((visibility("default"))) const char* grouped_gemm_fp8_sm90_error_string(int err) {
