@@ -63,7 +63,8 @@ def parse_ours(text: str) -> tuple[str, dict | None]:
     if len(parts) in (2, 3) and parts[0] == "cuda":
         from sgl_kernel_ext.grouped_gemm_cuda import FORMS
         if parts[1] not in FORMS or parts[2:] not in ([], ["mn"]):
-            raise argparse.ArgumentTypeError(f"{text!r}: want cuda:FORM[:mn]; the CUDA kernel's forms are {', '.join(FORMS)}")
+            raise argparse.ArgumentTypeError(f"{text!r}: want cuda:FORM[:mn]; the CUDA kernel's forms are "
+                                             f"{', '.join(FORMS)}")
         return "cuda", {"form": parts[1], "scales": "mn-major" if parts[2:] else "row-major"}
     if len(parts) not in (2, 3) or parts[0] not in ("swapab", "normal"):
         raise argparse.ArgumentTypeError(f"{text!r}: want VARIANT:BNxBTxSTAGESxPPS[xMAXNREG][:flat|:tma] or "
