@@ -144,6 +144,7 @@ if [[ " $STEPS " == *" ggprof "* ]]; then  # counters of the grouped GEMMs, ours
       --timeout-s $(( $(left) - 40 )) $gargs 2>&1 | tee "$OUT/profile_grouped_gemm_$i.log" | tail -80
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
     cp "$OUT/ggprof$i/profile_grouped_gemm.json" "$OUT/profile_grouped_gemm_$i.json" 2>/dev/null
+    cp "$OUT/ggprof$i/source_sass.csv.xz" "$OUT/profile_grouped_gemm_${i}_source_sass.csv.xz" 2>/dev/null
     rm -rf "$OUT/ggprof$i"
     i=$(( i + 1 ))
   done

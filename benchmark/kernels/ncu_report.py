@@ -110,6 +110,42 @@ def profile(ncu: str, child_cmd: list[str], report: Path, raw_metrics: list[str]
             "raw_csv": raw.stdout[-200000:]}
 
 
+def source_hotspots(ncu: str, rep: Path, out: Path, timeout_s: float, top: int = 40) -> list[dict]:
+    """Per-SASS-instruction stall samples of every kernel in `rep` (the full set's source counters): the whole CSV
+    xz-compressed to `out`, and per kernel the `top` instructions by warp-stall samples (their columns as ncu names
+    them). Why: the section summaries say a kernel's warps wait, not on which instruction (session 45: the CUDA
+    grouped GEMM's math warps stalled on "wait" and "long scoreboard" where DeepGEMM's did not)."""
+    import csv
+    import io
+    import lzma
+
+    run = subprocess.run([ncu, "--import", str(rep), "--page", "source", "--csv", "--print-source", "sass"],
+                         capture_output=True, text=True, timeout=timeout_s)
+    out.write_bytes(lzma.compress((run.stdout + run.stderr).encode()))
+    kernels, header, rows, label = [], None, [], ""
+
+    def close():
+        if header and rows:
+            key = next((h for h in header if h.startswith("Warp Stall Sampling (All")), None)
+            if key:
+                num = lambda r: float((r.get(key) or "0").replace(",", "") or 0)  # noqa: E731
+                kernels.append({"kernel": label[:300], "samples": sum(num(r) for r in rows),
+                                "top": sorted(rows, key=num, reverse=True)[:top]})
+
+    for line in run.stdout.splitlines():
+        cells = next(csv.reader(io.StringIO(line)), [])
+        if "Source" in cells and any(c.startswith("Warp Stall Sampling") for c in cells):
+            close()
+            header, rows = cells, []
+        elif header and len(cells) == len(header):
+            rows.append(dict(zip(header, cells)))
+        elif line.strip():
+            close()
+            header, rows, label = None, [], line.strip()
+    close()
+    return kernels
+
+
 def profile_to_json(args, child_cmd: list[str], name: str, raw_metrics: list[str], point: dict,
                     details: bool = True, **extra) -> int:
     """A profiler's parent: run `child_cmd` under ncu (args.ncu, args.set, args.timeout_s), write
@@ -128,6 +164,9 @@ def profile_to_json(args, child_cmd: list[str], name: str, raw_metrics: list[str
     record = {**provenance.record(), "benchmark": f"profile_{name}", "point": point, **extra,
               "ncu": {"command": got["command"], "set": got["set"], "clock_control": "none"},
               "summary": got["summary"], **({"details": got["rows"]} if details else {}), "raw_csv": got["raw_csv"]}
+    if getattr(args, "source_hotspots", False):
+        record["source_hotspots"] = source_hotspots(ncu, args.out / f"{name}.ncu-rep", args.out / "source_sass.csv.xz",
+                                                    args.timeout_s)
     path = args.out / f"profile_{name}.json"
     path.write_text(json.dumps(record, separators=(",", ":")))
     print(table(got["summary"]))

@@ -67,3 +67,28 @@ def test_a_profile_run_writes_its_record(tmp_path, monkeypatch):
     assert rec["summary"]["0: _fp8_grouped_gemm_kernel"] == {"Duration": [75232.0, "nsecond"],
                                                             "dram__bytes_read.sum": [237706496.0, "byte"]}
     assert rec["ncu"]["command"].startswith("/bin/ncu --clock-control none") and rec["raw_csv"] == "raw,csv"
+
+
+def test_source_hotspots_rank_each_kernels_instructions(tmp_path, monkeypatch):
+    """The source page's CSV (one block per kernel) -> per kernel the instructions with the most stall samples;
+    the whole page kept compressed."""
+    import lzma
+    import subprocess
+    import ncu_report
+
+    page = "\n".join([
+        "void grouped_gemm_fp8_kernel<Form<128, 128>>(Params)",
+        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
+        '"0x10","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1]","1,200","1,100"',
+        '"0x20","QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4]","300","10"',
+        '"0x30","FFMA R1, R2, R3, R1","5","1"',
+        "void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>(...)",
+        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
+        '"0x10","WARPGROUP.DEPBAR.LE gsb0, 0x0","90","80"',
+    ])
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, page, ""))
+    got = ncu_report.source_hotspots("ncu", tmp_path / "r.ncu-rep", tmp_path / "s.csv.xz", 10, top=2)
+    assert [k["kernel"][:22] for k in got] == ["void grouped_gemm_fp8_", "void deep_gemm::sm90_f"]
+    assert [r["Source"][:5] for r in got[0]["top"]] == ["SYNCS", "QGMMA"] and got[0]["samples"] == 1505
+    assert got[1]["top"][0]["Address"] == "0x10" and len(got[1]["top"]) == 1
+    assert lzma.decompress((tmp_path / "s.csv.xz").read_bytes()).decode() == page
