@@ -55,6 +55,8 @@
 // the next expert inside a tile are computed and not stored.
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "sm90_ptx.cuh"
 
 namespace grouped_gemm_sm90 {
@@ -184,6 +186,20 @@ struct KScales {
   float s0, s1, t0, t1;
 };
 
+// A position in the ring of STAGES slots: the slot and the parity of its barriers' current phase, advanced one K
+// block at a time (a division by STAGES per K block, 5 or 6, cost each thread a multiply-high and more: session 45's
+// instruction counts)
+template <int STAGES>
+struct RingPos {
+  int slot = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ RingPos next() const {
+    RingPos n = *this;
+    if (++n.slot == STAGES) n.slot = 0, n.phase ^= 1;
+    return n;
+  }
+};
+
 // The block scales of a thread's two accumulator rows, K block by K block (take() in order from kb = 0): with
 // PREFETCH the next block's three loads are issued when one is taken, so they land during a whole K block's wait and
 // wgmmas instead of the block's own; without, each is loaded when taken.
@@ -218,8 +234,8 @@ template <class F>
 struct StagedScales {
   const float* rows;  // slot 0's scale row
   int ra, rb, cb;
-  __device__ __forceinline__ void take(KScales& k, int i) const {
-    const float* sc = rows + (i % F::STAGES) * F::SCALES;
+  __device__ __forceinline__ void take(KScales& k, int slot) const {
+    const float* sc = rows + slot * F::SCALES;
     const float a0 = sc[ra], a1 = sc[rb], b = sc[F::BM + cb];
     k.s0 = a0 * b, k.s1 = a1 * b;
     if constexpr (F::SPLIT) {
@@ -230,12 +246,14 @@ struct StagedScales {
 };
 
 // acc += part x the block scales (part[4j + {0, 1}]: the first row, part[4j + {2, 3}]: the second; columns 8j + ..:
-// the first weight block for j < jb, the next from there; jb = ACC / 4 when the part lies in one block)
-template <class F>
-__device__ __forceinline__ void promote(float* acc, const float* part, const KScales& k, int jb) {
+// the first weight block for j < JB, the next from there; JB = ACC / 4 when the part lies in one block). JB is a
+// constant so that each element's scale is one of four registers (a runtime JB cost a select and two multiplies per
+// column group: the 128x192 forms executed 2x DeepGEMM's instructions, session 45)
+template <class F, int JB>
+__device__ __forceinline__ void promote(float* acc, const float* part, const KScales& k) {
 #pragma unroll
   for (int i = 0; i < F::ACC; ++i) {
-    const bool first = !F::SPLIT || i / 4 < jb;
+    const bool first = !F::SPLIT || i / 4 < JB;
     acc[i] = fmaf(part[i], (i & 2) ? (first ? k.s1 : k.t1) : (first ? k.s0 : k.t0), acc[i]);
   }
 }
@@ -280,16 +298,17 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       // this CTA's share of the token tile: all of it, or with multicast its half of the rows, sent to both CTAs
       constexpr int A_ROWS = F::BM / F::PAIR;
       const uint32_t a_share = rank * A_ROWS * BLOCK_K;  // bytes into the slot's A (128 B per row)
-      int it = 0;
+      RingPos<F::STAGES> pos;
+      bool wrapped = false;  // every slot filled once: from then on each waits for its release
       for (int t = walker; t < num_tiles; t += walkers) {
         int e, nb, mb, start, count;
         tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
         expert_rows(p, e, start, count);
         const int row = start + mb * F::BM + rank * A_ROWS, col = e * p.n + (nb * F::PAIR + rank) * F::BN;
-        for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-          const int s = it % F::STAGES;
+        for (int kb = 0; kb < k_blocks; ++kb, wrapped |= pos.slot == F::STAGES - 1, pos = pos.next()) {
+          const int s = pos.slot;
           // released by both math warp groups (of both CTAs with multicast: the slot is written in each)
-          if (it >= F::STAGES) mbar_wait(bar_empty + 8 * s, ((it / F::STAGES) - 1) & 1);
+          if (wrapped) mbar_wait(bar_empty + 8 * s, pos.phase ^ 1);
           const uint32_t dst = sbase + s * F::STAGE_BYTES, bar = bar_full + 8 * s;
           mbar_arrive_expect_tx(bar, F::STAGE_BYTES);  // the whole slot: the peer's share of A lands here too
           if constexpr (F::PAIR > 1) tma_2d_multicast(dst + a_share, &p.a_map, kb * BLOCK_K, row, bar, 0b11);
@@ -301,7 +320,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     if constexpr (F::STAGED) {
       if (tid / 32 == 1) {  // the scale warp: each slot's scale row, BM rows' and the weight's, by cp.async
         const int lane = tid % 32;
-        int it = 0;
+        RingPos<F::STAGES> pos;
+        bool wrapped = false;
         for (int t = walker; t < num_tiles; t += walkers) {
           int e, nb, mb, start, count;
           tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
@@ -313,9 +333,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
             rows[j] = row_scales(p, e, start, min(mb * F::BM + lane + 32 * j, count - 1));
           const int sb0 = nb * F::BN / 128, sb_last = p.n / 128 - 1;  // the tile's first weight scale block
           const float* sb = p.sb + static_cast<long long>(e) * (p.n / 128) * k_blocks;
-          for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-            const int s = it % F::STAGES;
-            if (it >= F::STAGES) mbar_wait(bar_empty + 8 * s, ((it / F::STAGES) - 1) & 1);
+          for (int kb = 0; kb < k_blocks; ++kb, wrapped |= pos.slot == F::STAGES - 1, pos = pos.next()) {
+            const int s = pos.slot;
+            if (wrapped) mbar_wait(bar_empty + 8 * s, pos.phase ^ 1);
             const uint32_t dst = smem_u32(scale_rows + s * F::SCALES);
 #pragma unroll
             for (int j = 0; j < F::BM / 32; ++j) cp_async_4(dst + 4 * (lane + 32 * j), rows[j] + kb * p.sa_k);
@@ -338,7 +358,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   const int c_wg = F::wg_col(w), c_frag = (lane % 4) * 2;
   const uint32_t a_off = F::wg_row(w) * BLOCK_K, b_off = F::A_BYTES + c_wg * BLOCK_K;  // in a slot
   float acc[F::ACC], part[F::ACC], part2[F::DOUBLE ? F::ACC : 1];
-  int it = 0;
+  RingPos<F::STAGES> pos;
   for (int t = walker; t < num_tiles; t += walkers) {
     int e, nb, mb, start, count;
     tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
@@ -355,50 +375,57 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       }
     }();
     KScales ks;
-    // the K block's part: columns 8j + .. of the first weight block for j < jb (SPLIT forms: a tile starts at a
-    // multiple of 64 columns)
-    const int jb = F::SPLIT ? (128 - (nb * F::BN + c_wg) % 128) / 8 : F::ACC / 4;
-    const auto slot = [&](int i) { return sbase + (i % F::STAGES) * F::STAGE_BYTES; };
-    const auto wait_full = [&](int i) { mbar_wait(bar_full + 8 * (i % F::STAGES), (i / F::STAGES) & 1); };
-    const auto release = [&](int i) {  // the slot's reads are done: free it in this CTA (and the peer, which writes it)
-      if constexpr (F::PAIR > 1) {
-        if (lane < F::PAIR) mbar_arrive_cluster(bar_empty + 8 * (i % F::STAGES), lane);  // lane r: CTA r
+    const auto slot = [&](RingPos<F::STAGES> q) { return sbase + q.slot * F::STAGE_BYTES; };
+    const auto wait_full = [&](RingPos<F::STAGES> q) { mbar_wait(bar_full + 8 * q.slot, q.phase); };
+    const auto release = [&](RingPos<F::STAGES> q) {  // its reads are done: free it here (and in the peer, which
+      if constexpr (F::PAIR > 1) {                        // writes it too)
+        if (lane < F::PAIR) mbar_arrive_cluster(bar_empty + 8 * q.slot, lane);  // lane r: CTA r
       } else {
-        if (lane == 0) mbar_arrive(bar_empty + 8 * (i % F::STAGES));
+        if (lane == 0) mbar_arrive(bar_empty + 8 * q.slot);
       }
     };
 #pragma unroll
     for (int i = 0; i < F::ACC; ++i) acc[i] = 0.f;
-    if constexpr (!F::DOUBLE) {
-      for (int kb = 0; kb < k_blocks; ++kb, ++it) {
-        wait_full(it);
-        scales.take(ks, it);
-        mma_kblock<F::WG_N>(part, slot(it) + a_off, slot(it) + b_off);
-        wgmma_wait<0>();
-        release(it);
-        promote<F>(acc, part, ks, jb);
-      }
-    } else {
-      // K block kb's wgmmas run in `cur` while kb - 1's (in the other) are promoted; the two swap each K block
-      const auto step = [&](float* cur, float* nxt, int kb) {
-        scales.take(ks, it);  // slot `it` is full (waited one step earlier); read before its release
-        if (kb + 1 < k_blocks) {
-          wait_full(it + 1);
-          mma_kblock<F::WG_N>(nxt, slot(it + 1) + a_off, slot(it + 1) + b_off);
-          wgmma_wait<1>();  // kb's group done, kb + 1's may run on
-        } else {
+    const auto k_loop = [&](auto jb) {  // jb: std::integral_constant, the promotion's column-group split
+      if constexpr (!F::DOUBLE) {
+        for (int kb = 0; kb < k_blocks; ++kb, pos = pos.next()) {
+          wait_full(pos);
+          scales.take(ks, pos.slot);
+          mma_kblock<F::WG_N>(part, slot(pos) + a_off, slot(pos) + b_off);
           wgmma_wait<0>();
+          release(pos);
+          promote<F, jb>(acc, part, ks);
         }
-        release(it);
-        promote<F>(acc, cur, ks, jb);
-        ++it;
-      };
-      wait_full(it);
-      mma_kblock<F::WG_N>(part, slot(it) + a_off, slot(it) + b_off);
-      for (int kb = 0; kb < k_blocks; kb += 2) {
-        step(part, part2, kb);
-        if (kb + 1 < k_blocks) step(part2, part, kb + 1);
+      } else {
+        // K block kb's wgmmas run in `cur` while kb - 1's (in the other) are promoted; the two swap each K block
+        const auto step = [&](float* cur, float* nxt, int kb) {
+          scales.take(ks, pos.slot);  // its slot is full (waited one step earlier); read before its release
+          if (kb + 1 < k_blocks) {
+            const RingPos<F::STAGES> q = pos.next();
+            wait_full(q);
+            mma_kblock<F::WG_N>(nxt, slot(q) + a_off, slot(q) + b_off);
+            wgmma_wait<1>();  // kb's group done, kb + 1's may run on
+          } else {
+            wgmma_wait<0>();
+          }
+          release(pos);
+          promote<F, jb>(acc, cur, ks);
+          pos = pos.next();
+        };
+        wait_full(pos);
+        mma_kblock<F::WG_N>(part, slot(pos) + a_off, slot(pos) + b_off);
+        for (int kb = 0; kb < k_blocks; kb += 2) {
+          step(part, part2, kb);
+          if (kb + 1 < k_blocks) step(part2, part, kb + 1);
+        }
       }
+    };
+    if constexpr (F::SPLIT) {  // 192 columns from a multiple of 128 (jb 16) or of 64 past one (jb 8)
+      static_assert(F::BN == 192 && F::BM == 128, "the split K loops are the 128 x 192 tile's");
+      if ((nb * F::BN) % 128 == 0) k_loop(std::integral_constant<int, 16>{});
+      else k_loop(std::integral_constant<int, 8>{});
+    } else {
+      k_loop(std::integral_constant<int, F::ACC / 4>{});
     }
     // epilogue: acc[4j + {0, 1}] are (row r_frag, columns 8j + c_frag + {0, 1}); acc[4j + {2, 3}] row r_frag + 8
     const int local = mb * F::BM + r_frag;
