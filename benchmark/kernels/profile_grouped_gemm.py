@@ -16,7 +16,7 @@ usage (GPU host): python3 benchmark/kernels/profile_grouped_gemm.py --out DIR [-
                   --tokens 32 --dist uneven --layout contiguous]
                   [--ours swapab:128x32x3x16 swapab:64x32x4x4] [--upstream sglang-triton-swapab deepgemm]
 An ours config is VARIANT:BLOCK_NxBLOCK_TxSTAGESxPROGRAMS_PER_SM[xMAXNREG][:flat|:tma] (4 warps), VARIANT:shipped, or
-cuda:FORM[:mn] (the hand-written CUDA kernel in one of grouped_gemm_cuda.FORMS, e.g. cuda:128x128-pd; :mn with the
+cuda:FORM[:mn] (the hand-written CUDA kernel in one of grouped_gemm_cuda.FORMS, e.g. cuda:128x128-ds; :mn with the
 activation scales MN-major).
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ RAW_METRICS = [
 
 def parse_ours(text: str) -> tuple[str, dict | None]:
     """'swapab:128x32x3x16[x160][:flat|:tma]' -> ('swapab', config) (the fifth number: config maxnreg);
-    'normal:shipped' -> ('normal', None); 'cuda:128x128-pd[:mn]' -> ('cuda', {'form': '128x128-pd', 'scales':
+    'normal:shipped' -> ('normal', None); 'cuda:128x128-ds[:mn]' -> ('cuda', {'form': '128x128-ds', 'scales':
     'row-major' (or 'mn-major' with :mn)})."""
     parts = text.split(":")
     if len(parts) in (2, 3) and parts[0] == "cuda":

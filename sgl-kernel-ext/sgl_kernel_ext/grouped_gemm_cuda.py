@@ -20,14 +20,12 @@ from .cuda_build import NVCC_FLAGS, compile_library, device_problem, find_nvcc
 SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_gemm_fp8_sm90.cu"
 BLOCK = 128  # K must be a multiple of it (the scale block), N of the form's columns
 MAX_GROUPS = 1024  # the kernel's per-CTA tile table
-# the kernel's tile forms, by its `form` index (csrc header): token rows x weight columns; p: each K block's scales
-# loaded one K block ahead; d: the scratch accumulator double-buffered (K block kb + 1's wgmmas issued before kb's
-# promotion); m: two CTAs of a cluster on adjacent column blocks share the token tile (TMA multicast); s: the scales
-# staged in shared memory by a loader warp (no global load in the math warps' K loop). 128x192: N need only be a
-# multiple of 128 (a partial last column block)
-FORMS = ("128x128", "128x128-p", "128x128-pd", "64x256-p", "64x256-pd", "128x128-pm", "128x128-pdm", "64x256-pdm",
-         "128x128-ds", "128x128-dsm", "128x192-s", "128x192-sm")
-DEFAULT_FORM = "128x128"  # the first form, the one measured (session 44)
+# the kernel's tile forms, by its `form` index (csrc header): token rows x weight columns; d: the scratch
+# accumulator double-buffered (K block kb + 1's wgmmas issued before kb's promotion); s: the block scales staged in
+# shared memory by a loader warp; m: two CTAs of a cluster on adjacent column blocks share the token tile (TMA
+# multicast). 128x192: N need only be a multiple of 128 (a partial last column block).
+FORMS = ("64x256-pd", "128x128-ds", "128x192-s", "128x192-sm")
+DEFAULT_FORM = "128x128-ds"  # the fastest of ours at 128-256 tokens per expert (session 45)
 _ARGTYPES = ([ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_longlong]
              + [ctypes.c_int] * 6 + [ctypes.c_void_p])
 _lib: ctypes.CDLL | None = None

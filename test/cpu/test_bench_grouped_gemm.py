@@ -273,8 +273,8 @@ def test_ours_moe_call_runs_each_variant_on_its_layouts_operands(monkeypatch):
     assert out.shape == (7, 256) and kind == "contiguous" and args[0] is ops.a_c and args[4] is ops.indptr
     assert kw == {"out": out, "variant": "split", "config": {"split_at": 16}}
     for layout, a, index in (("masked", ops.a_m, "masked_m"), ("contiguous", ops.a_c, "m_indptr")):
-        fn, out = bench.ours_moe_call(ops, layout, "cuda", {"form": "64x256-p"}, 4)
+        fn, out = bench.ours_moe_call(ops, layout, "cuda", {"form": "64x256-pd"}, 4)
         fn()
         kind, args, kw = seen[-1]
-        assert kind == "cuda" and args[0] is a and kw["form"] == "64x256-p" and kw["out"] is out
+        assert kind == "cuda" and args[0] is a and kw["form"] == "64x256-pd" and kw["out"] is out
         assert kw[index] is (ops.masked_m if index == "masked_m" else ops.indptr)

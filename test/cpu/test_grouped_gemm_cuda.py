@@ -1,6 +1,6 @@
 """The hand-written CUDA grouped GEMM (sgl_kernel_ext.grouped_gemm_cuda, csrc/grouped_gemm_fp8_sm90.cu) without a GPU:
 each tile form compiles for sm_90a within the 384-thread register budget (168 at launch) with no spills and no
-serialized wgmma, the SASS holds only m64n128k32 FP8 wgmmas (four per K block), and the Python entry rejects bad
+serialized wgmma, the SASS holds only the m64nNk32 FP8 wgmmas (four per K block), and the Python entry rejects bad
 operands and unknown forms with a clear error before any build. Its numerics run on the GPU
 (test/gpu/test_grouped_gemm_fp8_gpu.py, test_cuda_normal_variant_moe_shapes). Skipped (with the reason) where nvcc
 is missing."""
@@ -103,9 +103,9 @@ def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
     elif bad == "n_for_form":
         b, b_s = torch.zeros(2, 384, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 3, 2)
         kw["form"] = "64x256-pd"
-    elif bad == "n_for_multicast":  # three column blocks: no pairs
-        b, b_s = torch.zeros(2, 384, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 3, 2)
-        kw["form"] = "128x128-pdm"
+    elif bad == "n_for_multicast":  # one column block of 192: no pair
+        b, b_s = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 1, 2)
+        kw["form"] = "128x192-sm"
     with pytest.raises(ValueError, match=message):
         ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, **kw)
 
@@ -119,13 +119,13 @@ def test_bench_times_it_only_when_asked():
     assert "ours-cuda" not in bench.parse_args([]).providers
     assert bench.parse_args(["--providers", "ours-cuda", "deepgemm"]).providers == ["ours-cuda", "deepgemm"]
     assert bench.parse_args([]).cuda_forms == list(ggc.FORMS)
-    assert bench.parse_args(["--cuda-forms", "64x256-p"]).cuda_forms == ["64x256-p"]
+    assert bench.parse_args(["--cuda-forms", "128x192-s"]).cuda_forms == ["128x192-s"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--cuda-forms", "32x32"])
 
 
 def test_tile_shapes():
-    assert [ggc.tile_shape(f) for f in ggc.FORMS] == [(128, 128)] * 3 + [(64, 256)] * 2 + [(128, 128)] * 2 + [(64, 256)] + [(128, 128)] * 2 + [(128, 192)] * 2
+    assert [ggc.tile_shape(f) for f in ggc.FORMS] == [(64, 256), (128, 128), (128, 192), (128, 192)]
 
 
 def test_without_nvcc_the_build_says_where_it_looked(tmp_path):

@@ -139,7 +139,7 @@ def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
              a, ggc.mn_major(a_s), b, b_s, masked_m=mm, out=out, form=f),
          lambda a, a_s, b, b_s, ip, out, f=form: ggc.m_grouped_fp8_gemm_nt_cuda(
              a, ggc.mn_major(a_s), b, b_s, m_indptr=ip, out=out, form=f))
-        for form in ("128x128-p", "128x128-ds", "128x192-sm")])
+        for form in ("64x256-pd", "128x128-ds", "128x192-sm")])
 
 
 def test_cuda_multicast_forms_repeat_bit_identically(mods):

@@ -9,47 +9,31 @@
 // out[r, n] = sum_k A[r, k] * B[e, n, k] * sa[r, k / 128] * sb[e, n / 128, k / 128] for every row r of expert e:
 //   A  [rows_total, K] e4m3 (K contiguous), the activations: contiguous layout, expert e's rows indptr[e] ..
 //      indptr[e + 1]; masked layout, rows e * max_m .. e * max_m + masked_m[e]
-//   sa [rows_total, K / 128] fp32 with any strides (row-major, or MN-major as DeepGEMM takes it, which the staged
-//      forms read in 16 sectors per K block instead of 128; masked: [E, max_m, K / 128], a group stride too), B [E, N, K] e4m3, sb [E, N / 128, K / 128] fp32, out [rows_total, N]
-//   bf16 (rows past an expert's count are not written).
+//   sa [rows_total, K / 128] fp32 with any strides (row-major as our Triton kernels take it, or MN-major as DeepGEMM
+//      and DeepEP's low-latency dispatch produce it; masked: [E, max_m, K / 128], with a group stride)
+//   B  [E, N, K] e4m3, sb [E, N / 128, K / 128] fp32, out [rows_total, N] bf16 (rows past an expert's count are not
+//      written).
 // A CTA of 384 threads, one per SM, walks the tiles (expert, column block, row block; rows fastest, so the CTAs
 // working at one time share the expert's weight tile in L2) with a fixed stride:
 //   warp group 0 (40 registers): one thread issues the TMA copies of each 128-deep K block into a ring of slots
-//     (A: BM token rows x 128 bytes, B: BN weight rows x 128 bytes, each 128-byte swizzled as DeepGEMM's; until
-//     session 45 two 64-byte-swizzled halves of each);
-//   warp groups 1 and 2 (232 registers): 64 rows x 128 columns of the tile each, four m64n128k32 wgmmas per K block
-//     into a scratch accumulator, then acc += scratch * sa[row] * sb (the block scales, in fp32), then release the
-//     slot. The epilogue writes bf16 from registers.
-// Tile forms (the launch's `form`; grouped_gemm_cuda.FORMS):
-//   0 "128x128"      128 token rows (one warp group each half) x 128 weight columns; each K block's scales loaded
-//                    as the block starts; waits for its wgmmas, then promotes (the first form, session 44: correct,
-//                    0.78-1.02x the Triton normal variant)
-//   1 "128x128-p"    the scales loaded one K block ahead (p), so their latency hides behind a whole K block
-//   2 "128x128-pd"   and the scratch double-buffered (d): K block kb + 1's wgmmas are issued before kb's promotion,
-//                    so a warp group's FMAs overlap its own tensor work
-//   3 "64x256-p"     64 token rows x 256 weight columns (the warp groups split the columns): the token tile is read
-//                    from L2 once per 256 columns, not per 128, and no half of a tile is dead at <= 64 tokens
-//   4 "64x256-pd"    both
-//   5 "128x128-pm"   128x128-p in a cluster of two CTAs on adjacent column blocks of one (expert, row block), which
-//                    share the token tile: each CTA's producer loads half its rows and multicasts them to both (m),
-//                    so a CTA reads 64 + 128 rows per K block from L2 instead of 128 + 128 (DeepGEMM's choice at
-//                    these shapes: 2-CTA multicast on A). Why: the p and d forms moved nothing at 64-256 tokens
-//                    (session 45), so the math warp groups' own instructions do not bind; the operand supply
-//                    (L2 to the SMs, 128 FLOP per byte at 128 x 128) is the suspect
-//   6 "128x128-pdm"  128x128-pd, multicast
-//   7 "64x256-pdm"   64x256-pd, multicast (a CTA reads 32 + 256 rows per K block)
-//   8 "128x128-ds"   128x128-pd with the block scales staged (s): a loader warp copies each K block's BM row scales
-//                    and the weight scale into the slot's scale row by cp.async, completing on the slot's barrier,
-//                    so the math warps read them from shared memory and issue no global load in the K loop (in
-//                    session 45's profile their top stall was long scoreboard, global loads; DeepGEMM stages its
-//                    scales too)
-//   9 "128x128-dsm"  and multicast (64 x 256 with staged scales spills at 168 registers: not a form)
-//  10 "128x192-s"    128 rows x 192 columns (m64n192k32, 96 + 96 accumulator registers: no double buffer), scales
-//                    staged: 154 FLOP per operand byte read from L2 against 128 at 128 x 128, DeepGEMM's tile at
-//                    gate_up 8 x 256 (session 45's profile: it read 0.69x our 128x128's L2 bytes, with multicast).
-//                    N need not be a multiple of 192 (the last column block is partial, its columns past N not
-//                    stored); a tile straddles two weight scale blocks
-//  11 "128x192-sm"   and multicast
+//     (A: BM token rows x 128 bytes, B: BN weight rows x 128 bytes, 128-byte swizzled); in the staged (s) forms a
+//     second warp cp.asyncs the K block's BM row scales and the tile's weight scales into the slot's scale row, so
+//     the math warps issue no global load in their K loop;
+//   warp groups 1 and 2 (232 registers): a 64-row part of the tile each (64 x 256: half the columns each), four
+//     m64nNk32 wgmmas per K block into a scratch accumulator, then acc += scratch * sa[row] * sb in fp32 (the block
+//     scales), then release the slot. The epilogue writes bf16 from registers.
+// Tile forms (the launch's `form`; grouped_gemm_cuda.FORMS), what sessions 44-45 measured best (swapab/README.md;
+// the forms they dropped are in sgl-kernel-ext/NOTES.md):
+//   0 "64x256-pd"    64 token rows x 256 weight columns, each K block's scales loaded one block ahead by the math
+//                    threads, the scratch double-buffered (d: K block kb + 1's wgmmas issued before kb's
+//                    promotion): no dead half of a tile at <= 64 tokens
+//   1 "128x128-ds"   128 x 128, double-buffered, scales staged: the fastest of ours at 128-256 tokens
+//   2 "128x192-s"    128 x 192 (m64n192k32, 96 + 96 accumulator registers: a single scratch), scales staged:
+//                    DeepGEMM's tile at these shapes; N need only be a multiple of 128 (a partial last column block,
+//                    its columns past N not stored), a tile straddles two weight scale blocks
+//   3 "128x192-sm"   and in clusters of two CTAs on adjacent column blocks of one (expert, row block), which share
+//                    the token tile: each CTA's producer loads half its rows by TMA multicast to both (m), so a CTA
+//                    reads 64 + 192 rows per K block from L2 instead of 128 + 192 (DeepGEMM: 2-CTA multicast on A)
 // K and N must be multiples of 128, N of the tile's columns where those are a multiple of 128, and the column blocks
 // even in number for the multicast forms (DeepSeek-V3's are). Rows past the tensor's end read as zeros (TMA), rows of
 // the next expert inside a tile are computed and not stored.
@@ -67,9 +51,9 @@ constexpr int THREADS = 384;
 constexpr int MAX_GROUPS = 1024;
 constexpr int RING_BYTES = 200 * 1024;  // the slots' budget (an SM has 227 KB; the rest: barriers, tile table)
 constexpr int LOADER_REGS = 40, MATH_REGS = 232;
-constexpr int NUM_FORMS = 12;
+constexpr int NUM_FORMS = 4;
 
-template <int BM_, int BN_, bool DOUBLE_, bool PREFETCH_, bool MULTICAST_ = false, bool STAGED_ = false>
+template <int BM_, int BN_, bool DOUBLE_, bool STAGED_, bool MULTICAST_>
 struct Form {
   static_assert((BM_ == 128 && (BN_ == 128 || BN_ == 192)) || (BM_ == 64 && BN_ == 256), "two warp-group tiles");
   static constexpr int BM = BM_, BN = BN_;
@@ -78,13 +62,12 @@ struct Form {
   static constexpr bool SPLIT = BN % 128 != 0;          // a warp group's columns straddle two weight scale blocks
   static constexpr int SB = BN / 128 + (SPLIT ? 1 : 0);  // weight scale blocks a tile touches
   static constexpr bool DOUBLE = DOUBLE_;      // the scratch accumulator double-buffered
-  static constexpr bool PREFETCH = PREFETCH_;  // each K block's scales loaded one K block ahead
   static constexpr int PAIR = MULTICAST_ ? 2 : 1;  // CTAs per cluster, sharing the token tile (column blocks)
   static constexpr bool STAGED = STAGED_;  // the scales staged in shared memory by a loader warp
   static constexpr int SCALES = BM + SB;  // floats per slot's scale row: the rows', then the weight's
   static constexpr int A_BYTES = BM * BLOCK_K, B_BYTES = BN * BLOCK_K;  // one K block of each operand
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = RING_BYTES / STAGE_BYTES;    // 6 at 128 x 128, 5 at 64 x 256 and 128 x 192
+  static constexpr int STAGES = RING_BYTES / STAGE_BYTES;  // 6 at 128 x 128, 5 at 64 x 256 and 128 x 192
   static constexpr int SMEM_BYTES =
       1024 + STAGES * STAGE_BYTES + 16 * STAGES + (MAX_GROUPS + 1) * 4 + (STAGED ? STAGES * SCALES * 4 : 0);
   // the first row and column of math warp group w's 64 x WG_N part of the tile
@@ -200,10 +183,9 @@ struct RingPos {
   }
 };
 
-// The block scales of a thread's two accumulator rows, K block by K block (take() in order from kb = 0): with
-// PREFETCH the next block's three loads are issued when one is taken, so they land during a whole K block's wait and
-// wgmmas instead of the block's own; without, each is loaded when taken.
-template <bool PREFETCH>
+// The block scales of a thread's two accumulator rows loaded by the thread itself, K block by K block (take() in
+// order from kb = 0; the forms without staging): the next block's three loads are issued when one is taken, so they
+// land during a whole K block's wait and wgmmas instead of the block's own.
 struct BlockScales {
   const float *a0, *a1, *b;  // the two rows' K block 0 (K blocks sa_k apart), the weight's (contiguous)
   long long sa_k;
@@ -212,19 +194,15 @@ struct BlockScales {
   __device__ __forceinline__ BlockScales(const float* a0_, const float* a1_, long long sa_k_, const float* b_,
                                          int k_blocks_)
       : a0(a0_), a1(a1_), b(b_), sa_k(sa_k_), kb(0), k_blocks(k_blocks_) {
-    if constexpr (PREFETCH) load(0);
+    load(0);
   }
   __device__ __forceinline__ void load(int i) {
     next_b = __ldg(b + i), next_0 = __ldg(a0 + i * sa_k), next_1 = __ldg(a1 + i * sa_k);
   }
   // the next K block's (slot index unused: the loads are the thread's own; one weight block)
   __device__ __forceinline__ void take(KScales& k, int) {
-    if constexpr (!PREFETCH) load(kb);
     k.s0 = next_0 * next_b, k.s1 = next_1 * next_b;
-    if constexpr (PREFETCH) {
-      if (kb + 1 < k_blocks) load(kb + 1);
-    }
-    ++kb;
+    if (++kb < k_blocks) load(kb);
   }
 };
 
@@ -369,7 +347,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       if constexpr (F::STAGED) {
         return StagedScales<F>{scale_rows, r_frag, r_frag + 8, c_wg / 128};
       } else {
-        return BlockScales<F::PREFETCH>(
+        return BlockScales(
             row_scales(p, e, start, min(r0, count - 1)), row_scales(p, e, start, min(r0 + 8, count - 1)), p.sa_k,
             p.sb + (static_cast<long long>(e) * (p.n / 128) + (nb * F::BN + c_wg) / 128) * k_blocks, k_blocks);
       }
@@ -519,7 +497,7 @@ static bool grouped_gemm_attr_done[grouped_gemm_sm90::NUM_FORMS][128] = {};  // 
 
 // The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
 // sa's strides in elements: group (masked), row, K block; rows_total: A's rows; num_ctas: the grid (the caller's SM
-// count; whole clusters of it); form: 0-11 (the header). Returns a cudaError_t.
+// count; whole clusters of it); form: 0-3 (the header). Returns a cudaError_t.
 extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
     const void* a, const void* sa, long long sa_group, long long sa_row, long long sa_k, const void* b, const void* sb,
     void* out, const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n, int k,
@@ -529,12 +507,9 @@ extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
       k % BLOCK_K != 0 || n <= 0 || k <= 0 || num_ctas <= 0 || form < 0 || form >= NUM_FORMS)
     return static_cast<int>(cudaErrorInvalidValue);
   if (rows_total <= 0) return 0;
-  constexpr decltype(&launch<Form<128, 128, false, false>>) forms[NUM_FORMS] = {  // grouped_gemm_cuda.FORMS
-      launch<Form<128, 128, false, false>>, launch<Form<128, 128, false, true>>, launch<Form<128, 128, true, true>>,
-      launch<Form<64, 256, false, true>>, launch<Form<64, 256, true, true>>, launch<Form<128, 128, false, true, true>>,
-      launch<Form<128, 128, true, true, true>>, launch<Form<64, 256, true, true, true>>,
-      launch<Form<128, 128, true, false, false, true>>, launch<Form<128, 128, true, false, true, true>>,
-      launch<Form<128, 192, false, false, false, true>>, launch<Form<128, 192, false, false, true, true>>};
+  constexpr decltype(&launch<Form<64, 256, true, false, false>>) forms[NUM_FORMS] = {  // grouped_gemm_cuda.FORMS
+      launch<Form<64, 256, true, false, false>>, launch<Form<128, 128, true, true, false>>,
+      launch<Form<128, 192, false, true, false>>, launch<Form<128, 192, false, true, true>>};
   const long long sa_strides[3] = {sa_group, sa_row, sa_k};
   return forms[form](grouped_gemm_attr_done[form], a, sa, sa_strides, b, sb, out, indptr, masked_m, rows_total, groups,
                      max_m, n, k, num_ctas, stream);
