@@ -124,13 +124,16 @@ def source_hotspots(ncu: str, rep: Path, out: Path, timeout_s: float, top: int =
     out.write_bytes(lzma.compress((run.stdout + run.stderr).encode()))
     kernels, header, rows, label = [], None, [], ""
 
-    def close():
-        if header and rows:
-            key = next((h for h in header if h.startswith("Warp Stall Sampling (All")), None)
-            if key:
-                num = lambda r: float((r.get(key) or "0").replace(",", "") or 0)  # noqa: E731
-                kernels.append({"kernel": label[:300], "samples": sum(num(r) for r in rows),
-                                "top": sorted(rows, key=num, reverse=True)[:top]})
+    def close():  # a kernel's block: its top instructions, with the columns that say where and why
+        key = next((h for h in header or () if h.startswith("Warp Stall Sampling (All")), None)
+        if not (key and rows) or any(k["kernel"] == label[:300] for k in kernels):  # ncu may print a kernel twice
+            return
+        num = lambda r: float((r.get(key) or "0").replace(",", "") or 0)  # noqa: E731
+        keep = lambda h, v: (h in ("Address", "Source", "Instructions Executed") or h.startswith("Warp Stall")  # noqa: E731
+                             or (h.startswith("stall_") and v not in ("", "0", "-")))
+        kernels.append({"kernel": label[:300], "samples": sum(num(r) for r in rows),
+                        "top": [{h: v for h, v in r.items() if keep(h, v)}
+                                for r in sorted(rows, key=num, reverse=True)[:top]]})
 
     for line in run.stdout.splitlines():
         cells = next(csv.reader(io.StringIO(line)), [])
@@ -139,9 +142,9 @@ def source_hotspots(ncu: str, rep: Path, out: Path, timeout_s: float, top: int =
             header, rows = cells, []
         elif header and len(cells) == len(header):
             rows.append(dict(zip(header, cells)))
-        elif line.strip():
+        elif line.strip():  # a kernel's name line ("Kernel Name","void ...")
             close()
-            header, rows, label = None, [], line.strip()
+            header, rows, label = None, [], cells[1] if cells[:1] == ["Kernel Name"] and len(cells) > 1 else line
     close()
     return kernels
 

@@ -76,19 +76,20 @@ def test_source_hotspots_rank_each_kernels_instructions(tmp_path, monkeypatch):
     import subprocess
     import ncu_report
 
-    page = "\n".join([
-        "void grouped_gemm_fp8_kernel<Form<128, 128>>(Params)",
-        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
-        '"0x10","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1]","1,200","1,100"',
-        '"0x20","QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4]","300","10"',
-        '"0x30","FFMA R1, R2, R3, R1","5","1"',
-        "void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>(...)",
-        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
-        '"0x10","WARPGROUP.DEPBAR.LE gsb0, 0x0","90","80"',
-    ])
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",' \
+        '"L1 Wavefronts Shared","stall_long_sb","stall_wait"'
+    ours = ['"Kernel Name","void grouped_gemm_fp8_kernel<Form<128, 128>>(Params)",', head,
+            '"0x10","SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1]","1,200","1,100","0","1,150","0"',
+            '"0x20","QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4]","300","10","0","0","290"',
+            '"0x30","FFMA R1, R2, R3, R1","5","1","0","0","5"']
+    page = "\n".join(ours + ours + [  # ncu printed each of ours twice (session 45)
+        '"Kernel Name","void deep_gemm::sm90_fp8_gemm_1d2d_impl<...>(...)",', head,
+        '"0x10","WARPGROUP.DEPBAR.LE gsb0, 0x0","90","80","0","0","90"'])
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, page, ""))
     got = ncu_report.source_hotspots("ncu", tmp_path / "r.ncu-rep", tmp_path / "s.csv.xz", 10, top=2)
-    assert [k["kernel"][:22] for k in got] == ["void grouped_gemm_fp8_", "void deep_gemm::sm90_f"]
+    assert [k["kernel"][:30] for k in got] == ["void grouped_gemm_fp8_kernel<F", "void deep_gemm::sm90_fp8_gemm_1"]
     assert [r["Source"][:5] for r in got[0]["top"]] == ["SYNCS", "QGMMA"] and got[0]["samples"] == 1505
+    assert got[0]["top"][0]["stall_long_sb"] == "1,150" and "stall_wait" not in got[0]["top"][0]  # zeros dropped
+    assert "L1 Wavefronts Shared" not in got[0]["top"][1]
     assert got[1]["top"][0]["Address"] == "0x10" and len(got[1]["top"]) == 1
     assert lzma.decompress((tmp_path / "s.csv.xz").read_bytes()).decode() == page
