@@ -183,6 +183,27 @@ struct RingPos {
   }
 };
 
+// The loaders' walk (the TMA thread's and the scale warp's): over this CTA's tiles, tile(e, nb, mb, start, count) (nb:
+// this CTA's column block), then for each K block, once its slot is free (released by the math warps of every CTA
+// that reads it), kblock(kb, slot)
+template <class F, class Tile, class KBlock>
+__device__ __forceinline__ void loader_walk(const Params& p, const int* tiles_before, int num_tiles, int walker,
+                                            int walkers, int rank, int k_blocks, uint32_t bar_empty, Tile tile,
+                                            KBlock kblock) {
+  RingPos<F::STAGES> pos;
+  bool wrapped = false;  // every slot filled once: from then on each waits for its release
+  for (int t = walker; t < num_tiles; t += walkers) {
+    int e, nb, mb, start, count;
+    tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
+    expert_rows(p, e, start, count);
+    tile(e, nb * F::PAIR + rank, mb, start, count);
+    for (int kb = 0; kb < k_blocks; ++kb, wrapped |= pos.slot == F::STAGES - 1, pos = pos.next()) {
+      if (wrapped) mbar_wait(bar_empty + 8 * pos.slot, pos.phase ^ 1);
+      kblock(kb, pos.slot);
+    }
+  }
+}
+
 // The block scales of a thread's two accumulator rows loaded by the thread itself, K block by K block (take() in
 // order from kb = 0; the forms without staging): the next block's three loads are issued when one is taken, so they
 // land during a whole K block's wait and wgmmas instead of the block's own.
@@ -276,52 +297,41 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       // this CTA's share of the token tile: all of it, or with multicast its half of the rows, sent to both CTAs
       constexpr int A_ROWS = F::BM / F::PAIR;
       const uint32_t a_share = rank * A_ROWS * BLOCK_K;  // bytes into the slot's A (128 B per row)
-      RingPos<F::STAGES> pos;
-      bool wrapped = false;  // every slot filled once: from then on each waits for its release
-      for (int t = walker; t < num_tiles; t += walkers) {
-        int e, nb, mb, start, count;
-        tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
-        expert_rows(p, e, start, count);
-        const int row = start + mb * F::BM + rank * A_ROWS, col = e * p.n + (nb * F::PAIR + rank) * F::BN;
-        for (int kb = 0; kb < k_blocks; ++kb, wrapped |= pos.slot == F::STAGES - 1, pos = pos.next()) {
-          const int s = pos.slot;
-          // released by both math warp groups (of both CTAs with multicast: the slot is written in each)
-          if (wrapped) mbar_wait(bar_empty + 8 * s, pos.phase ^ 1);
-          const uint32_t dst = sbase + s * F::STAGE_BYTES, bar = bar_full + 8 * s;
-          mbar_arrive_expect_tx(bar, F::STAGE_BYTES);  // the whole slot: the peer's share of A lands here too
-          if constexpr (F::PAIR > 1) tma_2d_multicast(dst + a_share, &p.a_map, kb * BLOCK_K, row, bar, 0b11);
-          else tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
-          tma_2d(dst + F::A_BYTES, &p.b_map, kb * BLOCK_K, col, bar);
-        }
-      }
+      int row = 0, col = 0;
+      loader_walk<F>(
+          p, tiles_before, num_tiles, walker, walkers, rank, k_blocks, bar_empty,
+          [&](int e, int nb, int mb, int start, int) {
+            row = start + mb * F::BM + rank * A_ROWS, col = e * p.n + nb * F::BN;
+          },
+          [&](int kb, int s) {
+            const uint32_t dst = sbase + s * F::STAGE_BYTES, bar = bar_full + 8 * s;
+            mbar_arrive_expect_tx(bar, F::STAGE_BYTES);  // the whole slot: the peer's share of A lands here too
+            if constexpr (F::PAIR > 1) tma_2d_multicast(dst + a_share, &p.a_map, kb * BLOCK_K, row, bar, 0b11);
+            else tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
+            tma_2d(dst + F::A_BYTES, &p.b_map, kb * BLOCK_K, col, bar);
+          });
     }
     if constexpr (F::STAGED) {
       if (tid / 32 == 1) {  // the scale warp: each slot's scale row, BM rows' and the weight's, by cp.async
         const int lane = tid % 32;
-        RingPos<F::STAGES> pos;
-        bool wrapped = false;
-        for (int t = walker; t < num_tiles; t += walkers) {
-          int e, nb, mb, start, count;
-          tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
-          nb = nb * F::PAIR + rank;
-          expert_rows(p, e, start, count);
-          const float* rows[F::BM / 32];  // this lane's rows' K block 0
+        const float* rows[F::BM / 32];  // this lane's rows' K block 0
+        const float* sb = nullptr;      // its weight scale block's (past N, a partial last tile: any finite one)
+        loader_walk<F>(
+            p, tiles_before, num_tiles, walker, walkers, rank, k_blocks, bar_empty,
+            [&](int e, int nb, int mb, int start, int count) {
 #pragma unroll
-          for (int j = 0; j < F::BM / 32; ++j)
-            rows[j] = row_scales(p, e, start, min(mb * F::BM + lane + 32 * j, count - 1));
-          const int sb0 = nb * F::BN / 128, sb_last = p.n / 128 - 1;  // the tile's first weight scale block
-          const float* sb = p.sb + static_cast<long long>(e) * (p.n / 128) * k_blocks;
-          for (int kb = 0; kb < k_blocks; ++kb, wrapped |= pos.slot == F::STAGES - 1, pos = pos.next()) {
-            const int s = pos.slot;
-            if (wrapped) mbar_wait(bar_empty + 8 * s, pos.phase ^ 1);
-            const uint32_t dst = smem_u32(scale_rows + s * F::SCALES);
+              for (int j = 0; j < F::BM / 32; ++j)
+                rows[j] = row_scales(p, e, start, min(mb * F::BM + lane + 32 * j, count - 1));
+              sb = p.sb + (static_cast<long long>(e) * (p.n / 128) + min(nb * F::BN / 128 + lane, p.n / 128 - 1)) *
+                              k_blocks;
+            },
+            [&](int kb, int s) {
+              const uint32_t dst = smem_u32(scale_rows + s * F::SCALES);
 #pragma unroll
-            for (int j = 0; j < F::BM / 32; ++j) cp_async_4(dst + 4 * (lane + 32 * j), rows[j] + kb * p.sa_k);
-            if (lane < F::SB)  // past N (a partial last tile): any finite scale
-              cp_async_4(dst + 4 * (F::BM + lane), sb + min(sb0 + lane, sb_last) * k_blocks + kb);
-            cp_async_arrive(bar_full + 8 * s);
-          }
-        }
+              for (int j = 0; j < F::BM / 32; ++j) cp_async_4(dst + 4 * (lane + 32 * j), rows[j] + kb * p.sa_k);
+              if (lane < F::SB) cp_async_4(dst + 4 * (F::BM + lane), sb + kb);
+              cp_async_arrive(bar_full + 8 * s);
+            });
         asm volatile("cp.async.wait_all;\n" ::: "memory");
       }
     }
