@@ -10,7 +10,7 @@
 //   A  [rows_total, K] e4m3 (K contiguous), the activations: contiguous layout, expert e's rows indptr[e] ..
 //      indptr[e + 1]; masked layout, rows e * max_m .. e * max_m + masked_m[e]
 //   sa [rows_total, K / 128] fp32 with any strides (row-major as our Triton kernels take it, or MN-major as DeepGEMM
-//      and DeepEP's low-latency dispatch produce it; masked: [E, max_m, K / 128], with a group stride)
+//      takes it; masked: [E, max_m, K / 128], with a group stride)
 //   B  [E, N, K] e4m3, sb [E, N / 128, K / 128] fp32, out [rows_total, N] bf16 (rows past an expert's count are not
 //      written).
 // A CTA of 384 threads, one per SM, walks the tiles (expert, column block, row block; rows fastest, so the CTAs
