@@ -86,6 +86,21 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def add_ncu_args(ap) -> None:
+    """The options every profiler here shares (profile_to_json reads them): the section set, the per-instruction
+    stall samples, the executable, the time limit, and the hidden --child flag."""
+    import argparse
+
+    ap.add_argument("--set", default="full", help="ncu --set (full: every section; detailed/basic are quicker)")
+    ap.add_argument("--source-hotspots", action="store_true",
+                    help="also the per-SASS-instruction stall samples: each kernel's top instructions in the JSON, "
+                         "the whole source page as OUT/source_sass.csv.xz")
+    ap.add_argument("--ncu", default="ncu", help="the ncu executable")
+    ap.add_argument("--timeout-s", type=float, default=420.0,
+                    help="limit of each ncu call, seconds (default: %(default)s)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
 def profile(ncu: str, child_cmd: list[str], report: Path, raw_metrics: list[str], section_set: str,
             timeout_s: float, console: Path) -> dict | None:
     """Run `child_cmd` under ncu (only its "profile/" NVTX ranges, clocks left alone), write `report`.ncu-rep and the
@@ -167,7 +182,7 @@ def profile_to_json(args, child_cmd: list[str], name: str, raw_metrics: list[str
     record = {**provenance.record(), "benchmark": f"profile_{name}", "point": point, **extra,
               "ncu": {"command": got["command"], "set": got["set"], "clock_control": "none"},
               "summary": got["summary"], **({"details": got["rows"]} if details else {}), "raw_csv": got["raw_csv"]}
-    if getattr(args, "source_hotspots", False):
+    if args.source_hotspots:
         record["source_hotspots"] = source_hotspots(ncu, args.out / f"{name}.ncu-rep", args.out / "source_sass.csv.xz",
                                                     args.timeout_s)
     path = args.out / f"profile_{name}.json"

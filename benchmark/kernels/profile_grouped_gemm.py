@@ -100,13 +100,7 @@ def parse_args(argv=None):
                     metavar="VARIANT:TILES", help="our configs to profile (default: swapab:shipped)")
     ap.add_argument("--upstream", nargs="*", choices=UPSTREAM, default=["sglang-triton-swapab", "deepgemm"],
                     help="upstream kernels to profile after ours (default: %(default)s)")
-    ap.add_argument("--set", default="full", help="ncu --set (default: %(default)s)")
-    ap.add_argument("--source-hotspots", action="store_true",
-                    help="also the per-SASS-instruction stall samples: each kernel's top instructions in the JSON, "
-                         "the whole source page as OUT/source_sass.csv.xz")
-    ap.add_argument("--ncu", default="ncu", help="the ncu executable")
-    ap.add_argument("--timeout-s", type=float, default=420.0, help="limit of each ncu call (default: %(default)s)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ncu_report.add_ncu_args(ap)
     return ap.parse_args(argv)
 
 

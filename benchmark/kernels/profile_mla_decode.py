@@ -65,11 +65,7 @@ def parse_args(argv=None):
     ap.add_argument("--defines", nargs="+", default=[], metavar="NAME",
                     help="build ours with these -D macros: design options (mla_decode_cuda.DESIGN_OPTIONS) or "
                          "ablation switches (ABLATIONS)")
-    ap.add_argument("--set", default="full", help="ncu --set (full: every section; detailed/basic are quicker)")
-    ap.add_argument("--ncu", default="ncu", help="the ncu executable")
-    ap.add_argument("--timeout-s", type=float, default=420.0,
-                    help="limit of each ncu call, seconds (default: %(default)s)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ncu_report.add_ncu_args(ap)
     args = ap.parse_args(argv)
     if args.defines:
         import importlib
