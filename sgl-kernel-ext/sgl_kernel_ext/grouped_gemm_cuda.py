@@ -74,10 +74,10 @@ def _check(a, a_scale, b, b_scale, form: str) -> None:
     if n % BLOCK or k % BLOCK or a.shape[-1] != k:
         raise ValueError(f"need N and K multiples of {BLOCK} and a's K = b's: a {tuple(a.shape)}, b {tuple(b.shape)}")
     cols = tile_shape(form)[1]
-    blocks = -(-n // cols)
-    if (cols % BLOCK == 0 and n % cols) or (form.endswith("m") and blocks % 2):  # multicast: pairs of column blocks
-        raise ValueError(f"form {form} needs N a multiple of {cols}" + (", in an even number of column blocks"
-                         if form.endswith("m") else "") + f", got {n}")
+    if cols % BLOCK == 0 and n % cols:  # 128x192's last column block may be partial
+        raise ValueError(f"form {form} needs N a multiple of {cols}, got {n}")
+    if form.endswith("m") and -(-n // cols) % 2:  # multicast: the clusters take pairs of column blocks
+        raise ValueError(f"form {form} needs an even number of column blocks of {cols}, got N {n}")
     if not 0 < groups <= MAX_GROUPS:
         raise ValueError(f"groups must be 1..{MAX_GROUPS}, got {groups}")
     if tuple(a_scale.shape[:-1]) != tuple(a.shape[:-1]) or a_scale.shape[-1] != k // BLOCK:

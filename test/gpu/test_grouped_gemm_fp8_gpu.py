@@ -127,19 +127,16 @@ def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
     ok, why = ggc.available()
     if not ok:
         pytest.skip(why)
+    row_major = lambda s: s  # noqa: E731
+    runs = [(form, row_major, "") for form in ggc.FORMS] + [
+        (form, ggc.mn_major, " MN-major scales") for form in ("64x256-pd", "128x128-ds", "128x192-sm")]
     check_moe_points(mods[1], shape, groups, [
-        (f"cuda {form}",
-         lambda a, a_s, b, b_s, mm, out, m, f=form: ggc.m_grouped_fp8_gemm_nt_cuda(
-             a, a_s, b, b_s, masked_m=mm, out=out, form=f),
-         lambda a, a_s, b, b_s, ip, out, f=form: ggc.m_grouped_fp8_gemm_nt_cuda(
-             a, a_s, b, b_s, m_indptr=ip, out=out, form=f))
-        for form in ggc.FORMS] + [
-        (f"cuda {form} MN-major scales",
-         lambda a, a_s, b, b_s, mm, out, m, f=form: ggc.m_grouped_fp8_gemm_nt_cuda(
-             a, ggc.mn_major(a_s), b, b_s, masked_m=mm, out=out, form=f),
-         lambda a, a_s, b, b_s, ip, out, f=form: ggc.m_grouped_fp8_gemm_nt_cuda(
-             a, ggc.mn_major(a_s), b, b_s, m_indptr=ip, out=out, form=f))
-        for form in ("64x256-pd", "128x128-ds", "128x192-sm")])
+        (f"cuda {form}{tag}",
+         lambda a, a_s, b, b_s, mm, out, m, f=form, sc=sc: ggc.m_grouped_fp8_gemm_nt_cuda(
+             a, sc(a_s), b, b_s, masked_m=mm, out=out, form=f),
+         lambda a, a_s, b, b_s, ip, out, f=form, sc=sc: ggc.m_grouped_fp8_gemm_nt_cuda(
+             a, sc(a_s), b, b_s, m_indptr=ip, out=out, form=f))
+        for form, sc, tag in runs])
 
 
 def test_cuda_multicast_forms_repeat_bit_identically(mods):

@@ -448,15 +448,16 @@ inline cudaError_t encode_operand_map(CUtensorMap* map, const void* ptr, long lo
 }
 
 template <class F>
-int launch(bool* attr_done, const void* a, const void* sa, const long long* sa_strides, const void* b, const void* sb,
-           void* out, const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n,
-           int k, int num_ctas, void* stream) {
+int launch(const void* a, const void* sa, const long long* sa_strides, const void* b, const void* sb, void* out,
+           const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n, int k,
+           int num_ctas, void* stream) {
   if ((!F::SPLIT && n % F::BN != 0) || (n + F::BN - 1) / F::BN % F::PAIR != 0 || num_ctas < F::PAIR)
     return static_cast<int>(cudaErrorInvalidValue);
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (dev < 0 || dev >= 128) return static_cast<int>(cudaErrorInvalidDevice);
+  static bool attr_done[128] = {};  // per device (and form: one per instantiation)
   if (!attr_done[dev]) {
     err = cudaFuncSetAttribute(grouped_gemm_fp8_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize, F::SMEM_BYTES);
     if (err != cudaSuccess) return static_cast<int>(err);
@@ -503,8 +504,6 @@ int launch(bool* attr_done, const void* a, const void* sa, const long long* sa_s
 
 }  // namespace grouped_gemm_sm90
 
-static bool grouped_gemm_attr_done[grouped_gemm_sm90::NUM_FORMS][128] = {};  // per form and device
-
 // The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
 // sa's strides in elements: group (masked), row, K block; rows_total: A's rows; num_ctas: the grid (the caller's SM
 // count; whole clusters of it); form: 0-3 (the header). Returns a cudaError_t.
@@ -521,8 +520,8 @@ extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
       launch<Form<64, 256, true, false, false>>, launch<Form<128, 128, true, true, false>>,
       launch<Form<128, 192, false, true, false>>, launch<Form<128, 192, false, true, true>>};
   const long long sa_strides[3] = {sa_group, sa_row, sa_k};
-  return forms[form](grouped_gemm_attr_done[form], a, sa, sa_strides, b, sb, out, indptr, masked_m, rows_total, groups,
-                     max_m, n, k, num_ctas, stream);
+  return forms[form](a, sa, sa_strides, b, sb, out, indptr, masked_m, rows_total, groups, max_m, n, k, num_ctas,
+                     stream);
 }
 
 extern "C" __attribute__((visibility("default"))) const char* grouped_gemm_fp8_sm90_error_string(int err) {
