@@ -87,10 +87,10 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # joined copy of Q.
 # (Two more, MLA_RUNTIME_DIRECT and MLA_BF16_PARTIALS of session 32, were 0.955-1.00x the default build on the H200
 # in session 33 and were removed in session 38; the default builds' cubins were byte-identical before and after.)
-# MLA_FULL_TILES, MLA_LOADER_SLEEP (version 2; session 46, from its per-instruction profile): full tiles without the
-# masks' selects, and a loader that sleeps between polls of a busy stage (csrc/mla_fp8_sm90_common.cuh says why).
+# (Session 46's MLA_FULL_TILES and MLA_LOADER_SLEEP, from v2's per-instruction profile: 13% fewer executed
+# instructions, 0.99-1.02x the default build's time; removed, benchmark/results/mla_decode/README.md session 46.)
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
-                  "MLA_PREPASS_Q", "MLA_SPLIT_Q", "MLA_FULL_TILES", "MLA_LOADER_SLEEP")
+                  "MLA_PREPASS_Q", "MLA_SPLIT_Q")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
 ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE",)  # likewise close: another rounding than the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)

@@ -173,10 +173,6 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     setmaxnreg_dec<LOADER_REGS>();
     const int ptid = tid - 256;
     const int* bt_row = p.block_table + static_cast<long long>(b) * p.bt_stride;
-    const auto wait_stage_free = [&](int st, int t) {  // tile t - NST released by both WGs
-      if constexpr (MLA_LOADER_SLEEP) mbar_wait_sleep(bar_empty_k + 8 * st, ((t / NST) - 1) & 1, MLA_LOADER_SLEEP_NS);
-      else mbar_wait(bar_empty_k + 8 * st, ((t / NST) - 1) & 1);
-    };
 #if MLA_TMA_LOAD
     if (!MLA_FUSED_Q && ntiles > 0) {  // Q by cp.async over the warpgroup, landed before thread 0's tile-0 arrival
 #pragma unroll 2
@@ -190,7 +186,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         const int st = t % NST;
         const uint32_t full = bar_full_k + 8 * st;
         MLA_TRACE(2);
-        if (t >= NST) wait_stage_free(st, t);
+        if (t >= NST) mbar_wait(bar_empty_k + 8 * st, ((t / NST) - 1) & 1);  // tile t - NST released by both WGs
         MLA_TRACE(3);
         if (MLA_ABLATE_NO_LOAD && t >= NST) {  // ablation: the stages keep tiles 0 .. NST-1
           mbar_arrive(full);
@@ -211,7 +207,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % NST;
       MLA_TRACE(2);
-      if (t >= NST) wait_stage_free(st, t);
+      if (t >= NST) mbar_wait(bar_empty_k + 8 * st, ((t / NST) - 1) & 1);  // tile t - NST released by both WGs
       MLA_TRACE(3);
       if (!MLA_FUSED_Q && t == 0) {  // Q rides with tile 0 (every later full_k phase also covers it)
 #pragma unroll 2
@@ -351,9 +347,7 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
     if constexpr (!MLA_ABLATE_NO_TRANSPOSE) {  // ablation: the P'V wgmmas read stale V^T
       const uint8_t* src = smem + OFF_K + st * TILE_BYTES + kblk * KB_BYTES;
       uint8_t* dst = smem + OFF_VT + (wg * 2 + (t & 1)) * VTH_BYTES;
-      const int nvalid = min(end - (start + t * PAGE), PAGE);
-      if (MLA_FULL_TILES && nvalid == PAGE) transpose_v<1, true>(src, dst, vt_dloc, nvalid, lane);
-      else transpose_v<1>(src, dst, vt_dloc, nvalid, lane);
+      transpose_v<1>(src, dst, vt_dloc, min(end - (start + t * PAGE), PAGE), lane);
     }
   };
 
@@ -427,21 +421,14 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         fence_regs<32>(s_lat);
         fence_regs<32>(s_rope);
 
-        // scores (log2 units), masked by selects (NaN past the end is dropped); with MLA_FULL_TILES a tile whose
-        // tokens are all valid for every row of the warp takes the same code without masks (FULL: true_type)
-        const bool full = MLA_FULL_TILES &&
-                          __all_sync(0xffffffffu, nvalid == PAGE && n0 + PAGE <= lim[0] && n0 + PAGE <= lim[1]);
+        // scores (log2 units), masked by selects (NaN past the end is dropped)
         float mt[2] = {-INFINITY, -INFINITY};
-        const auto scores = [&](auto full_c) {
 #pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int n = 8 * jj + 2 * q4;
-            const float4 ks4 = *reinterpret_cast<const float4*>(ksc + n * 2);  // (lat n, rope n, lat n+1, rope n+1)
-            score_pair<!decltype(full_c)::value>(s_lat, s_rope, jj * 4, ks4, sq_lat, sq_rope, n0 + n, lim, mt);
-          }
-        };
-        if (full) scores(std::true_type{});
-        else scores(std::false_type{});
+        for (int jj = 0; jj < 8; ++jj) {
+          const int n = 8 * jj + 2 * q4;
+          const float4 ks4 = *reinterpret_cast<const float4*>(ksc + n * 2);  // (lat n, rope n, lat n+1, rope n+1)
+          score_pair(s_lat, s_rope, jj * 4, ks4, sq_lat, sq_rope, n0 + n, lim, mt);
+        }
         float m_use[2], alpha_own[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -455,44 +442,38 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel_v2(const __g
         // P = exp2(S - m_own); l from fp32 P; P' = P s_v / c_own * 448 (<= 448) packed as e4m3
         const float vs = 448.f / c_new;
         float ls[2] = {0.f, 0.f};
-        const auto probs = [&](auto full_c) {
-          constexpr bool FULL = decltype(full_c)::value;  // every token valid: no V-scale select
-          if constexpr (MLA_VT_LDSM_PAIRED) {  // pk[(c * 2 + h) * 2 + e]: tokens 16c + 2q4 + e and + 8 of row r0 + 8h
+        if constexpr (MLA_VT_LDSM_PAIRED) {  // pk[(c * 2 + h) * 2 + e]: tokens 16c + 2q4 + e and + 8 of row r0 + 8h
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              float f[4];  // [half of the chunk][e]
+          for (int c = 0; c < 4; ++c) {
+            float f[4];  // [half of the chunk][e]
 #pragma unroll
-              for (int x = 0; x < 4; ++x) {
-                const int n = 16 * c + 8 * (x >> 1) + 2 * q4 + (x & 1);
-                f[x] = FULL || n < nvalid ? ksc[n * 2] * vs : 0.f;  // scales may be NaN
-              }
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                uint16_t pk2[2];
-                paired_p(s_lat, 2 * c * 4 + h * 2, m_use[h], f, ls[h], pk2);
-                pk[(c * 2 + h) * 2] = pk2[0];
-                pk[(c * 2 + h) * 2 + 1] = pk2[1];
-              }
+            for (int x = 0; x < 4; ++x) {
+              const int n = 16 * c + 8 * (x >> 1) + 2 * q4 + (x & 1);
+              f[x] = n < nvalid ? ksc[n * 2] * vs : 0.f;  // scales may be NaN
             }
-          } else {
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-              const int n = 8 * jj + 2 * q4;
-              const float2 kl = make_float2(ksc[n * 2], ksc[n * 2 + 2]);
-              const float f0 = FULL || n < nvalid ? kl.x * vs : 0.f;  // may be NaN
-              const float f1 = FULL || n + 1 < nvalid ? kl.y * vs : 0.f;
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                const int e = jj * 4 + h * 2;
-                const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
-                ls[h] += p0 + p1;
-                pk[jj * 2 + h] = to_e4m3x2(p0 * f0, p1 * f1);
-              }
+            for (int h = 0; h < 2; ++h) {
+              uint16_t pk2[2];
+              paired_p(s_lat, 2 * c * 4 + h * 2, m_use[h], f, ls[h], pk2);
+              pk[(c * 2 + h) * 2] = pk2[0];
+              pk[(c * 2 + h) * 2 + 1] = pk2[1];
             }
           }
-        };
-        if (full) probs(std::true_type{});
-        else probs(std::false_type{});
+        } else {
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int n = 8 * jj + 2 * q4;
+            const float2 kl = make_float2(ksc[n * 2], ksc[n * 2 + 2]);
+            const float f0 = n < nvalid ? kl.x * vs : 0.f, f1 = n + 1 < nvalid ? kl.y * vs : 0.f;  // may be NaN
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int e = jj * 4 + h * 2;
+              const float p0 = ex2(s_lat[e] - m_use[h]), p1 = ex2(s_lat[e + 1] - m_use[h]);
+              ls[h] += p0 + p1;
+              pk[jj * 2 + h] = to_e4m3x2(p0 * f0, p1 * f1);
+            }
+          }
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) l_own[h] = l_own[h] * alpha_own[h] + ls[h];
         c_own = c_new;

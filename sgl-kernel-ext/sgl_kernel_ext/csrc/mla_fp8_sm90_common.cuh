@@ -8,8 +8,6 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include <type_traits>  // std::true_type: MLA_FULL_TILES' full-tile code paths
-
 #include "mla_fp8_trace.cuh"
 #include "sm90_ptx.cuh"
 
@@ -111,23 +109,6 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #ifndef MLA_SPLIT_Q
 #define MLA_SPLIT_Q 0
 #endif
-// Design options of session 46 (version 2; the same results bit for bit), from its per-instruction profile at batch 64
-// x 4k x 128 heads (benchmark/results/mla_decode/README.md, session 46): v2 executed 59.8 M warp instructions against
-// FlashMLA BF16's 26.7 M.
-// MLA_FULL_TILES: a tile whose 64 tokens are all valid for both of a thread's rows takes code without the masks (the
-//   scores' compare + select, the V scales' select, the V^T transpose's four selects per ldmatrix); only a
-//   sequence's last tile and a causal row's boundary need them. Session 46 counted ~2.5 selects and compares per
-//   score and 32 selects per transpose.
-// MLA_LOADER_SLEEP: the loader thread sleeps between polls of a busy K stage (mbar_wait_sleep) instead of polling
-//   back to back: its poll loop executed 5.9 M instructions (10%), on the SMSP of math warps 0 and 4.
-#ifndef MLA_FULL_TILES
-#define MLA_FULL_TILES 0
-#endif
-#ifndef MLA_LOADER_SLEEP
-#define MLA_LOADER_SLEEP 0
-#endif
-constexpr unsigned MLA_LOADER_SLEEP_NS = 200;  // a K tile takes ~2 us per CTA at 128 heads: ~10 polls per tile
-
 namespace mla_fp8_common {
 using namespace sm90;  // the PTX wrappers (sm90_ptx.cuh)
 
@@ -321,7 +302,6 @@ __device__ __forceinline__ void row_setup(const Params& p, int b, int rb, int ro
 // tokens tok, tok + 1) scaled by the rows' Q scales and the tokens' KV scales ks4 = (lat tok, rope tok, lat tok+1,
 // rope tok+1), written back into s_lat, and folded into the row maxima mt. A select, not a multiply, masks tokens
 // at or past lim, so NaN read past a sequence's end is dropped.
-template <bool MASKED = true>  // false: every token below both rows' limits (MLA_FULL_TILES), nothing to mask
 __device__ __forceinline__ void score_pair(float* s_lat, const float* s_rope, int e0, float4 ks4,
                                            const float* sq_lat, const float* sq_rope, int tok, const int* lim,
                                            float* mt) {
@@ -332,7 +312,7 @@ __device__ __forceinline__ void score_pair(float* s_lat, const float* s_rope, in
       const int e = e0 + h * 2 + c;
       const float v =
           s_lat[e] * (sq_lat[h] * (c ? ks4.z : ks4.x)) + s_rope[e] * (sq_rope[h] * (c ? ks4.w : ks4.y));
-      const float sv = (!MASKED || tok + c < lim[h]) ? v : -INFINITY;
+      const float sv = (tok + c < lim[h]) ? v : -INFINITY;
       s_lat[e] = sv;
       mt[h] = fmaxf(mt[h], sv);
     }
@@ -464,7 +444,7 @@ __device__ __forceinline__ constexpr uint32_t sw64_unrolled_bits(int i) { return
 // addresses themselves, so they also need ksrc and vdst 64-byte aligned (the kernels' K blocks and V^T buffers are 4 KB
 // multiples from a 1 KB aligned base).
 // ---------------------------------------------------------------------------------------------------------------
-template <int REP_UNROLL, bool FULL = false>  // FULL: nvalid is 64 (MLA_FULL_TILES), no token to zero
+template <int REP_UNROLL>
 __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, int dloc0, int nvalid, int lane) {
   if constexpr (!MLA_VT_PRMT) {
     // per 16 tokens (tb) x 32 channels (cb): ldmatrix.x4 of the first / second token of each pair (2i, 2i + 1; or
@@ -485,7 +465,7 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
     const uint32_t s_lo = q >= 2 ? 0x7362u : 0x5140u, s_hi = q >= 2 ? 0x5140u : 0x7362u;
 #pragma unroll
     for (int tb = 0; tb < 4; ++tb) {
-      const bool ok_a = FULL || 16 * tb + tok_a < nvalid, ok_b = FULL || 16 * tb + tok_b < nvalid;
+      const bool ok_a = 16 * tb + tok_a < nvalid, ok_b = 16 * tb + tok_b < nvalid;
 #pragma unroll
       for (int cb = 0; cb < 2; ++cb) {
         uint32_t r[4];
@@ -516,7 +496,7 @@ __device__ __forceinline__ void transpose_v(const uint8_t* ksrc, uint8_t* vdst, 
     for (int i = 0; i < 8; ++i) {
       const int k = i ^ xsw;  // token row within the group held in slot i
       const uint2 v = *reinterpret_cast<const uint2*>(ksrc + (lane_ld ^ sw64_unrolled_bits(i)));
-      const bool ok = FULL || tg * 8 + k < nvalid;
+      const bool ok = tg * 8 + k < nvalid;
       lo[i] = ok ? v.x : 0u;
       hi[i] = ok ? v.y : 0u;
     }

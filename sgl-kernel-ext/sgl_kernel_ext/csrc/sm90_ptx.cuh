@@ -104,27 +104,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
-// mbar_wait for a producer that is usually far ahead (a loader waiting for a free stage): after each failed poll the
-// thread sleeps ~ns nanoseconds instead of polling again at once. Why: the MLA v2 loader thread's poll loop was 10% of
-// the kernel's executed instructions, all issued from the SMSP that also runs two math warps (session 46's per-
-// instruction profile). Traps after 2^24 polls (seconds), as mbar_wait does.
-__device__ __forceinline__ void mbar_wait_sleep(uint32_t bar, uint32_t parity, uint32_t ns) {
-  asm volatile(
-      "{\n.reg .pred p;\n.reg .u32 n;\n"
-      "mov.u32 n, 0;\n"
-      "MBAR_WAIT_SLEEP:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@p bra MBAR_WAIT_SLEEP_DONE;\n"
-      "nanosleep.u32 %2;\n"
-      "add.u32 n, n, 1;\n"
-      "setp.ne.u32 p, n, 16777216;\n"
-      "@p bra MBAR_WAIT_SLEEP;\n"
-      "trap;\n"
-      "MBAR_WAIT_SLEEP_DONE:\n}\n" ::"r"(bar),
-      "r"(parity), "r"(ns)
-      : "memory");
-}
-
 // arrive once on `bar` and expect `bytes` more bytes of asynchronous copies before its phase completes
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
