@@ -18,6 +18,8 @@
 #     ";"-separated argument list in GGPROF_ARGS -> $OUT/profile_grouped_gemm_<i>.json (+ .log; reports not kept)
 #   (STEPS mlaablate) benchmark/kernels/mla_cuda_ablation.py ${ABLATE_ARGS}: the CUDA MLA kernels' ablation builds
 #     (-DMLA_ABLATE_*) timed against the default, where the time goes -> $OUT/mla_ablation.json (+ .log)
+#   (STEPS ggablate) benchmark/kernels/grouped_gemm_cuda_ablation.py ${GGABLATE_ARGS}: the CUDA grouped GEMM's
+#     ablation builds (no loads after the first ring, no wgmma) against its normal build and DeepGEMM masked
 #   (STEPS mlatrace) benchmark/kernels/trace_mla_decode.py ${TRACE_ARGS}: per-warp timeline of one CTA of the v2
 #     kernel (-DMLA_TRACE clock64 stamps) -> $OUT/mla_trace.json + .png (+ .log)
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
@@ -153,6 +155,12 @@ if [[ " $STEPS " == *" mlaablate "* ]] && [ "$(left)" -gt 120 ]; then  # childre
   say "CUDA MLA decode ablations ${ABLATE_ARGS:-}"
   timeout $(( $(left) - 20 )) python3 benchmark/kernels/mla_cuda_ablation.py --deadline-s $(( $(left) - 60 )) \
     ${ABLATE_ARGS:-} --json "$OUT/mla_ablation.json" 2>&1 | tee "$OUT/mla_ablation.log" | grep -v Warn | tail -90
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" ggablate "* ]] && [ "$(left)" -gt 90 ]; then  # which side sets the CUDA grouped GEMM's time
+  say "CUDA grouped GEMM ablations ${GGABLATE_ARGS:-}"
+  timeout $(( $(left) - 20 )) python3 benchmark/kernels/grouped_gemm_cuda_ablation.py ${GGABLATE_ARGS:-} \
+    --json "$OUT/grouped_gemm_cuda_ablation.json" 2>&1 | tee "$OUT/grouped_gemm_cuda_ablation.log" | tail -60
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" mlatrace "* ]] && [ "$(left)" -gt 60 ]; then  # which wait serializes v2's parts

@@ -350,7 +350,8 @@ def ours_moe_call(ops: MoeOperands, layout: str, variant: str, cfg: dict | None,
     """(call, its output buffer) of one of our grouped GEMMs on a point's operands (the bench and
     profile_grouped_gemm.py time the same calls): variant swapab / normal / split (cfg: tile-config overrides) or
     cuda (the hand-written kernel; cfg: {"form": one of grouped_gemm_cuda.FORMS, "scales": "mn-major" for the
-    activation scales made MN-major outside the timed call, as DeepGEMM gets them})."""
+    activation scales made MN-major outside the timed call, as DeepGEMM gets them; "defines": ablation switches,
+    grouped_gemm_cuda.ABLATIONS})."""
     masked = layout == "masked"
     a, a_s = (ops.a_m, ops.a_ms) if masked else (ops.a_c, ops.a_cs)
     out = torch.empty(*a.shape[:-1], ops.b.shape[1], dtype=torch.bfloat16, device=a.device)
@@ -360,7 +361,7 @@ def ours_moe_call(ops: MoeOperands, layout: str, variant: str, cfg: dict | None,
         if cfg.get("scales") == "mn-major":
             a_s = ggc.mn_major(a_s)
         return (lambda: ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, ops.b, ops.b_s, out=out, form=cfg["form"],
-                                                       **index)), out
+                                                       defines=tuple(cfg.get("defines", ())), **index)), out
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
     if masked:
         return (lambda: gg.m_grouped_fp8_gemm_nt_masked(a, a_s, ops.b, ops.b_s, ops.masked_m, out=out,

@@ -7,6 +7,10 @@ table routes to it until it is measured faster.
     out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, m_indptr=indptr)    # contiguous
     out = m_grouped_fp8_gemm_nt_cuda(a, a_scale, b, b_scale, masked_m=counts)    # masked
     out = m_grouped_fp8_gemm_nt_cuda(..., form="64x256-pd")                       # another tile form (FORMS)
+
+ABLATIONS are compile-time switches that each remove one part of the kernel's work (results wrong by design; the
+.cu's header says what each removes): `defines=("GG_ABLATE_NO_LOAD",)` builds and runs that library instead
+(benchmark/kernels/grouped_gemm_cuda_ablation.py times them).
 """
 from __future__ import annotations
 
@@ -26,22 +30,27 @@ MAX_GROUPS = 1024  # the kernel's per-CTA tile table
 # multicast). 128x192: N need only be a multiple of 128 (a partial last column block).
 FORMS = ("64x256-pd", "128x128-ds", "128x192-s", "128x192-sm")
 DEFAULT_FORM = "128x128-ds"  # the fastest of ours at 128-256 tokens per expert (session 45)
+ABLATIONS = ("GG_ABLATE_NO_LOAD", "GG_ABLATE_NO_MMA")
 _ARGTYPES = ([ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_longlong]
              + [ctypes.c_int] * 6 + [ctypes.c_void_p])
-_lib: ctypes.CDLL | None = None
+_libs: dict[tuple[str, ...], ctypes.CDLL] = {}  # by defines (() the normal build)
 _lib_error: str | None = None
 
 
-def _load() -> ctypes.CDLL:
-    global _lib
-    if _lib is None:
-        lib = ctypes.CDLL(str(compile_library(SOURCE, NVCC_FLAGS, find_nvcc())))
+def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    bad = sorted(set(defines) - set(ABLATIONS))
+    if bad:
+        raise ValueError(f"unknown defines {bad} (have {', '.join(ABLATIONS)})")
+    key = tuple(sorted(set(defines)))
+    if key not in _libs:
+        flags = (*NVCC_FLAGS, *(f"-D{d}" for d in key))
+        lib = ctypes.CDLL(str(compile_library(SOURCE, flags, find_nvcc())))
         lib.grouped_gemm_fp8_sm90.restype = ctypes.c_int
         lib.grouped_gemm_fp8_sm90.argtypes = _ARGTYPES
         lib.grouped_gemm_fp8_sm90_error_string.restype = ctypes.c_char_p
         lib.grouped_gemm_fp8_sm90_error_string.argtypes = [ctypes.c_int]
-        _lib = lib
-    return _lib
+        _libs[key] = lib
+    return _libs[key]
 
 
 def available() -> tuple[bool, str]:
@@ -100,12 +109,12 @@ def mn_major(scale: torch.Tensor) -> torch.Tensor:
 def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                                m_indptr: torch.Tensor | None = None, masked_m: torch.Tensor | None = None,
                                out: torch.Tensor | None = None, num_sms: int | None = None,
-                               form: str = DEFAULT_FORM) -> torch.Tensor:
+                               form: str = DEFAULT_FORM, defines: tuple[str, ...] = ()) -> torch.Tensor:
     """out[r] = A[r] @ B[g]^T (bf16) over expert g's rows: contiguous (m_indptr [G+1] int32; a [M, K], a_scale
     [M, K/128]) or masked (masked_m [G] int32; a [G, max_m, K], a_scale [G, max_m, K/128]); b [G, N, K] e4m3,
     b_scale [G, N/128, K/128]. a_scale may have any strides: row-major as our Triton kernels take it, or MN-major
     as DeepGEMM takes it (mn_major). Rows of no expert are left as they were; num_sms: the grid (default: the
-    device's); form: the tile form (FORMS)."""
+    device's); form: the tile form (FORMS); defines: ABLATIONS to build in (wrong results by design)."""
     if (m_indptr is None) == (masked_m is None):
         raise ValueError("give exactly one of m_indptr (contiguous) and masked_m (masked)")
     groups, n, k = b.shape
@@ -129,9 +138,10 @@ def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.
     sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     sa_strides = a_scale.stride() if masked_m is not None else (0, *a_scale.stride())
-    err = _load().grouped_gemm_fp8_sm90(ptr(a), ptr(a_scale), *sa_strides, ptr(b), ptr(b_scale), ptr(out),
+    lib = _load(tuple(defines))
+    err = lib.grouped_gemm_fp8_sm90(ptr(a), ptr(a_scale), *sa_strides, ptr(b), ptr(b_scale), ptr(out),
                                         ptr(m_indptr), ptr(masked_m), rows, groups, max_m, n, k, sms,
                                         FORMS.index(form), torch.cuda.current_stream(a.device).cuda_stream)
     if err:
-        raise RuntimeError(f"grouped_gemm_fp8_sm90: {_load().grouped_gemm_fp8_sm90_error_string(err).decode()}")
+        raise RuntimeError(f"grouped_gemm_fp8_sm90: {lib.grouped_gemm_fp8_sm90_error_string(err).decode()}")
     return out

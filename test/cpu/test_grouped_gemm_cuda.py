@@ -20,6 +20,7 @@ from sgl_kernel_ext import grouped_gemm_cuda as ggc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
 import bench_grouped_gemm as bench  # noqa: E402
+import grouped_gemm_cuda_ablation as ablation  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,40 @@ def test_sass_has_the_fp8_wgmmas(compiled):
     assert {key: found.count(key) for key in set(found)} == expected, found
 
 
+@pytest.mark.parametrize("switch", ggc.ABLATIONS)
+def test_ablation_builds_remove_only_their_part(switch, tmp_path):
+    """Each ablation build compiles as clean as the normal one; NO_MMA drops every wgmma and keeps every promotion
+    FFMA (ptxas may not fold them: the timing would lie), NO_LOAD keeps every wgmma and TMA copy site."""
+    nvcc, tool = cuda_build.find_nvcc(), cuobjdump()
+    if nvcc is None or tool is None:
+        pytest.skip("nvcc or cuobjdump not found")
+    flags = [f for f in cuda_build.NVCC_FLAGS if f.startswith(("-gencode", "-O", "-std"))]
+
+    def build(*defines):
+        out = tmp_path / f"{'_'.join(defines) or 'normal'}.cubin"
+        res = subprocess.run([nvcc, *flags, "-cubin", "-Xptxas", "-v", *(f"-D{d}" for d in defines), str(ggc.SOURCE),
+                              "-o", str(out)], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        sass = subprocess.run([tool, "-sass", str(out)], capture_output=True, text=True, timeout=120).stdout
+        return res.stdout + res.stderr, {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("QGMMA", "FFMA", "UTMALDG")}
+    log, counts = build(switch)
+    _, normal = build()
+    assert log.count("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads") == len(ggc.FORMS), log
+    want = {**normal, "QGMMA": 0} if switch.endswith("NO_MMA") else normal
+    assert counts == want and normal["QGMMA"] > 0, (counts, normal)
+
+
+def test_ablation_defines_are_checked_and_the_script_parses():
+    with pytest.raises(ValueError, match="unknown defines"):
+        ggc._load(("GG_ABLATE_NOTHING",))
+    args = ablation.parse_args(["--points", "down:32:128", "--variants", "NO_LOAD+NO_MMA"])
+    assert args.points == [("down", 32, 128)]
+    assert args.variant_defines == {"NO_LOAD+NO_MMA": ("GG_ABLATE_NO_LOAD", "GG_ABLATE_NO_MMA")}
+    for bad in (["--variants", "NO_QK"], ["--points", "up:8:8"]):
+        with pytest.raises(SystemExit):
+            ablation.parse_args(bad)
+
+
 def _operands(groups=2, n=256, k=256, rows=8):
     a = torch.zeros(rows, k, dtype=torch.float8_e4m3fn)
     a_s = torch.ones(rows, k // 128)
@@ -77,7 +112,7 @@ def _operands(groups=2, n=256, k=256, rows=8):
     ("masked_a", "masked a must be"), ("out", "out must be"), ("form", "unknown form"),
     ("n_for_form", "multiple of 256"), ("n_for_multicast", "even number of column blocks")])
 def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
-    monkeypatch.setattr(ggc, "_load", lambda: pytest.fail("built or loaded for bad operands"))
+    monkeypatch.setattr(ggc, "_load", lambda *_: pytest.fail("built or loaded for bad operands"))
     a, a_s, b, b_s, indptr = _operands()
     kw = {"m_indptr": indptr}
     if bad == "both":

@@ -37,9 +37,23 @@
 // K and N must be multiples of 128, N of the tile's columns where those are a multiple of 128, and the column blocks
 // even in number for the multicast forms (DeepSeek-V3's are). Rows past the tensor's end read as zeros (TMA), rows of
 // the next expert inside a tile are computed and not stored.
+//
+// Ablations (compile-time switches, off by default: grouped_gemm_cuda.ABLATIONS; benchmark/kernels/
+// grouped_gemm_cuda_ablation.py times them): each removes one part of the work and keeps every barrier arrival and
+// wait, so nothing hangs; the results are wrong by design.
+//   -DGG_ABLATE_NO_LOAD  the loaders fill each slot once (the first STAGES K blocks of their walk), then only arrive:
+//                        no HBM / L2 traffic after the first ring; what is left is the math side and the hand-offs
+//   -DGG_ABLATE_NO_MMA   the math warps issue no wgmma (the promotion reads the scratch accumulator as it is)
 #include <cuda_bf16.h>
 
 #include <type_traits>
+
+#ifndef GG_ABLATE_NO_LOAD
+#define GG_ABLATE_NO_LOAD 0
+#endif
+#ifndef GG_ABLATE_NO_MMA
+#define GG_ABLATE_NO_MMA 0
+#endif
 
 #include "sm90_ptx.cuh"
 
@@ -153,6 +167,7 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
 // weight row, both 128-byte swizzled), committed as one group
 template <int N>
 __device__ __forceinline__ void mma_kblock(float* part, uint32_t a, uint32_t b) {
+  if constexpr (GG_ABLATE_NO_MMA) return;  // ablation: `part` keeps the opaque values the kernel gave it
   wgmma_fence();
   const uint64_t da = desc_sw128(a), db = desc_sw128(b);
 #pragma unroll
@@ -297,7 +312,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       // this CTA's share of the token tile: all of it, or with multicast its half of the rows, sent to both CTAs
       constexpr int A_ROWS = F::BM / F::PAIR;
       const uint32_t a_share = rank * A_ROWS * BLOCK_K;  // bytes into the slot's A (128 B per row)
-      int row = 0, col = 0;
+      int row = 0, col = 0, filled = 0;  // filled: K blocks loaded (GG_ABLATE_NO_LOAD stops after one ring)
       loader_walk<F>(
           p, tiles_before, num_tiles, walker, walkers, rank, k_blocks, bar_empty,
           [&](int e, int nb, int mb, int start, int) {
@@ -305,6 +320,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
           },
           [&](int kb, int s) {
             const uint32_t dst = sbase + s * F::STAGE_BYTES, bar = bar_full + 8 * s;
+            if (GG_ABLATE_NO_LOAD && filled++ >= F::STAGES) {  // ablation: the slot keeps its first K block
+              mbar_arrive(bar);
+              return;
+            }
             mbar_arrive_expect_tx(bar, F::STAGE_BYTES);  // the whole slot: the peer's share of A lands here too
             if constexpr (F::PAIR > 1) tma_2d_multicast(dst + a_share, &p.a_map, kb * BLOCK_K, row, bar, 0b11);
             else tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
@@ -316,6 +335,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
         const int lane = tid % 32;
         const float* rows[F::BM / 32];  // this lane's rows' K block 0
         const float* sb = nullptr;      // its weight scale block's (past N, a partial last tile: any finite one)
+        int filled = 0;
         loader_walk<F>(
             p, tiles_before, num_tiles, walker, walkers, rank, k_blocks, bar_empty,
             [&](int e, int nb, int mb, int start, int count) {
@@ -327,6 +347,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
             },
             [&](int kb, int s) {
               const uint32_t dst = smem_u32(scale_rows + s * F::SCALES);
+              if (GG_ABLATE_NO_LOAD && filled++ >= F::STAGES) {  // ablation: the scales of the first ring stay
+                cp_async_arrive(bar_full + 8 * s);
+                return;
+              }
 #pragma unroll
               for (int j = 0; j < F::BM / 32; ++j) cp_async_4(dst + 4 * (lane + 32 * j), rows[j] + kb * p.sa_k);
               if (lane < F::SB) cp_async_4(dst + 4 * (F::BM + lane), sb + kb);
@@ -346,6 +370,13 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   const int c_wg = F::wg_col(w), c_frag = (lane % 4) * 2;
   const uint32_t a_off = F::wg_row(w) * BLOCK_K, b_off = F::A_BYTES + c_wg * BLOCK_K;  // in a slot
   float acc[F::ACC], part[F::ACC], part2[F::DOUBLE ? F::ACC : 1];
+  if constexpr (GG_ABLATE_NO_MMA) {  // values ptxas cannot know, so that it keeps every promotion FFMA
+#pragma unroll
+    for (int i = 0; i < F::ACC; ++i) {
+      asm volatile("mov.b32 %0, %1;\n" : "=f"(part[i]) : "r"(tid * 7 + i));
+      if constexpr (F::DOUBLE) asm volatile("mov.b32 %0, %1;\n" : "=f"(part2[i]) : "r"(tid * 5 + i));
+    }
+  }
   RingPos<F::STAGES> pos;
   for (int t = walker; t < num_tiles; t += walkers) {
     int e, nb, mb, start, count;
