@@ -280,7 +280,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   const uint32_t bar_full = sbase + F::STAGES * F::STAGE_BYTES, bar_empty = bar_full + 8 * F::STAGES;
   int* tiles_before = reinterpret_cast<int*>(smem + F::STAGES * F::STAGE_BYTES + 16 * F::STAGES);
   float* scale_rows = reinterpret_cast<float*>(tiles_before + MAX_GROUPS + 1);  // STAGED: STAGES x SCALES
-  const int tid = threadIdx.x, wg = tid / 128;
+  // the warp group through a shuffle, so that ptxas sees a warp-uniform value and keeps the wgmma descriptors in
+  // uniform registers (no R2UR move ahead of each wgmma), as DeepGEMM reads its warp group index
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int n_blocks = (p.n + F::BN - 1) / F::BN, k_blocks = p.k / BLOCK_K;
 
   if (tid == 0) {
