@@ -27,8 +27,10 @@ MAX_GROUPS = 1024  # the kernel's per-CTA tile table
 # the kernel's tile forms, by its `form` index (csrc header): token rows x weight columns; d: the scratch
 # accumulator double-buffered (K block kb + 1's wgmmas issued before kb's promotion); s: the block scales staged in
 # shared memory by a loader warp; m: two CTAs of a cluster on adjacent column blocks share the token tile (TMA
-# multicast). 128x192: N need only be a multiple of 128 (a partial last column block).
-FORMS = ("64x256-pd", "128x128-ds", "128x192-s", "128x192-sm")
+# multicast); b: two CTAs on adjacent row blocks share the weight tile (DeepGEMM's configuration at 256 tokens per
+# expert; an odd last row block pairs with an empty one). 128x192: N need only be a multiple of 128 (a partial last
+# column block).
+FORMS = ("64x256-pd", "128x128-ds", "128x192-s", "128x192-sm", "128x192-sb")
 DEFAULT_FORM = "128x128-ds"  # the fastest of ours at 128-256 tokens per expert (session 45)
 ABLATIONS = ("GG_ABLATE_NO_LOAD", "GG_ABLATE_NO_MMA")
 _ARGTYPES = ([ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_longlong]

@@ -142,7 +142,7 @@ def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
 def test_cuda_multicast_forms_repeat_bit_identically(mods):
     """The multicast forms' cluster protocol (peer writes into this CTA's slots, remote releases) under repetition:
     300 launches per form over grids of 2..132 CTAs (odd ones rounded down to whole clusters), uneven experts with
-    an empty one, each output bit-identical to the first launch's and that one within REL of the reference. A race
+    an empty one and odd row-block counts (the weight-tile form's pairs with an empty second tile), each output bit-identical to the first launch's and that one within REL of the reference. A race
     shows as a mismatch; a lost arrival as the kernel's wait trap (a launch error), not a hang."""
     from sgl_kernel_ext import grouped_gemm_cuda as ggc
 
@@ -157,7 +157,7 @@ def test_cuda_multicast_forms_repeat_bit_identically(mods):
     ip = indptr_of(c, first=0)
     ad, bd = quant.dequant_per_token_group(a, a_s), quant.dequant_per_block(b, b_s)
     ref = torch.cat([ad[ip[g]:ip[g + 1]] @ bd[g].T for g in range(len(c))])
-    for form in (f for f in ggc.FORMS if f.endswith("m")):
+    for form in (f for f in ggc.FORMS if f.endswith(("m", "b"))):  # token-tile and weight-tile multicast
         first = ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, m_indptr=ip, form=form)
         check(first, ref, f"multicast {form}")
         for i in range(300):

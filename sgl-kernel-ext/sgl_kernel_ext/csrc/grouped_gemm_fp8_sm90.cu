@@ -33,9 +33,15 @@
 //                    its columns past N not stored), a tile straddles two weight scale blocks
 //   3 "128x192-sm"   and in clusters of two CTAs on adjacent column blocks of one (expert, row block), which share
 //                    the token tile: each CTA's producer loads half its rows by TMA multicast to both (m), so a CTA
-//                    reads 64 + 192 rows per K block from L2 instead of 128 + 192 (DeepGEMM: 2-CTA multicast on A)
+//                    reads 64 + 192 rows per K block from L2 instead of 128 + 192
+//   4 "128x192-sb"   and in clusters of two CTAs on adjacent row blocks of one (expert, column block), which share
+//                    the weight tile (b): each producer loads 96 of its 192 rows and multicasts them, so a CTA reads
+//                    128 + 96 rows per K block. DeepGEMM's configuration at gate_up 8 x 256 (its template arguments in
+//                    session 45's profile: 128 x 192, 4 stages, 2-CTA multicast with kIsTMAMulticastOnA false, i.e.
+//                    on the weights; session 45 misread it as on A). An expert with an odd count of row blocks has
+//                    its last pair's second tile past its rows: computed, not stored. Session 46, unmeasured
 // K and N must be multiples of 128, N of the tile's columns where those are a multiple of 128, and the column blocks
-// even in number for the multicast forms (DeepSeek-V3's are). Rows past the tensor's end read as zeros (TMA), rows of
+// even in number for the token-tile multicast form (DeepSeek-V3's are). Rows past the tensor's end read as zeros (TMA), rows of
 // the next expert inside a tile are computed and not stored.
 //
 // Ablations (compile-time switches, off by default: grouped_gemm_cuda.ABLATIONS; benchmark/kernels/
@@ -65,9 +71,13 @@ constexpr int THREADS = 384;
 constexpr int MAX_GROUPS = 1024;
 constexpr int RING_BYTES = 200 * 1024;  // the slots' budget (an SM has 227 KB; the rest: barriers, tile table)
 constexpr int LOADER_REGS = 40, MATH_REGS = 232;
-constexpr int NUM_FORMS = 4;
+constexpr int NUM_FORMS = 5;
 
-template <int BM_, int BN_, bool DOUBLE_, bool STAGED_, bool MULTICAST_>
+// which operand a 2-CTA cluster shares by TMA multicast: none, the token tile (CTAs on a pair of column blocks) or
+// the weight tile (CTAs on a pair of row blocks)
+enum Share { SHARE_NONE = 0, SHARE_A = 1, SHARE_B = 2 };
+
+template <int BM_, int BN_, bool DOUBLE_, bool STAGED_, int SHARE_>
 struct Form {
   static_assert((BM_ == 128 && (BN_ == 128 || BN_ == 192)) || (BM_ == 64 && BN_ == 256), "two warp-group tiles");
   static constexpr int BM = BM_, BN = BN_;
@@ -76,7 +86,10 @@ struct Form {
   static constexpr bool SPLIT = BN % 128 != 0;          // a warp group's columns straddle two weight scale blocks
   static constexpr int SB = BN / 128 + (SPLIT ? 1 : 0);  // weight scale blocks a tile touches
   static constexpr bool DOUBLE = DOUBLE_;      // the scratch accumulator double-buffered
-  static constexpr int PAIR = MULTICAST_ ? 2 : 1;  // CTAs per cluster, sharing the token tile (column blocks)
+  static constexpr int SHARE = SHARE_;
+  static constexpr int PAIR = SHARE == SHARE_NONE ? 1 : 2;  // CTAs per cluster
+  static constexpr int A_BOX = SHARE == SHARE_A ? BM / 2 : BM;  // rows of each operand one CTA loads per K block
+  static constexpr int B_BOX = SHARE == SHARE_B ? BN / 2 : BN;
   static constexpr bool STAGED = STAGED_;  // the scales staged in shared memory by a loader warp
   static constexpr int SCALES = BM + SB;  // floats per slot's scale row: the rows', then the weight's
   static constexpr int A_BYTES = BM * BLOCK_K, B_BYTES = BN * BLOCK_K;  // one K block of each operand
@@ -90,8 +103,8 @@ struct Form {
 };
 
 struct Params {
-  CUtensorMap a_map;  // [rows_total, K] bytes, boxes of 128 bytes x BM / PAIR rows, 128-byte swizzle
-  CUtensorMap b_map;  // [E * N, K] bytes, boxes of 128 bytes x BN rows
+  CUtensorMap a_map;  // [rows_total, K] bytes, boxes of 128 bytes x A_BOX rows, 128-byte swizzle
+  CUtensorMap b_map;  // [E * N, K] bytes, boxes of 128 bytes x B_BOX rows
   const float* sa;  // element (row, kb): see row_scales, then + kb * sa_k
   long long sa_group, sa_row, sa_k;
   const float* sb;
@@ -119,9 +132,22 @@ __device__ __forceinline__ const float* row_scales(const Params& p, int e, int s
                                      : static_cast<long long>(e) * p.sa_group + static_cast<long long>(i) * p.sa_row);
 }
 
-// unit t -> (expert, column block unit, row block) through tiles_before[] (units of the experts before e); a unit is
-// one tile, or with multicast one pair of column blocks (the cluster's two CTAs)
-__device__ __forceinline__ void tile_coords(const Params& p, const int* tiles_before, int bm, int t, int& e, int& nb,
+// an expert's units of work: tiles, or with multicast pairs of them (the cluster's two CTAs): pairs of column blocks
+// (SHARE_A), of row blocks (SHARE_B; an odd last row block pairs with one past the expert's rows)
+template <class F>
+__device__ __forceinline__ int row_units(int count) {
+  const int mtiles = (count + F::BM - 1) / F::BM;
+  return F::SHARE == SHARE_B ? (mtiles + 1) / 2 : mtiles;
+}
+template <class F>
+__device__ __forceinline__ int expert_units(int count, int n_blocks) {
+  return row_units<F>(count) * (F::SHARE == SHARE_A ? n_blocks / 2 : n_blocks);
+}
+
+// unit t -> this CTA's tile (expert, column block, row block) through tiles_before[] (units of the experts before e;
+// rank: this CTA's place in its cluster)
+template <class F>
+__device__ __forceinline__ void tile_coords(const Params& p, const int* tiles_before, int t, int rank, int& e, int& nb,
                                             int& mb) {
   int lo = 0, hi = p.groups - 1;  // the last e with tiles_before[e] <= t
   while (lo < hi) {
@@ -131,10 +157,12 @@ __device__ __forceinline__ void tile_coords(const Params& p, const int* tiles_be
   e = lo;
   int start, count;
   expert_rows(p, e, start, count);
-  const int mtiles = (count + bm - 1) / bm;
+  const int units = row_units<F>(count);
   const int local = t - tiles_before[e];
-  nb = local / mtiles;
-  mb = local - nb * mtiles;
+  nb = local / units;
+  mb = local - nb * units;
+  if constexpr (F::SHARE == SHARE_A) nb = nb * 2 + rank;
+  if constexpr (F::SHARE == SHARE_B) mb = mb * 2 + rank;
 }
 
 __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
@@ -198,8 +226,8 @@ struct RingPos {
   }
 };
 
-// The loaders' walk (the TMA thread's and the scale warp's): over this CTA's tiles, tile(e, nb, mb, start, count) (nb:
-// this CTA's column block), then for each K block, once its slot is free (released by the math warps of every CTA
+// The loaders' walk (the TMA thread's and the scale warp's): over this CTA's tiles, tile(e, nb, mb, start, count),
+// then for each K block, once its slot is free (released by the math warps of every CTA
 // that reads it), kblock(kb, slot)
 template <class F, class Tile, class KBlock>
 __device__ __forceinline__ void loader_walk(const Params& p, const int* tiles_before, int num_tiles, int walker,
@@ -209,9 +237,9 @@ __device__ __forceinline__ void loader_walk(const Params& p, const int* tiles_be
   bool wrapped = false;  // every slot filled once: from then on each waits for its release
   for (int t = walker; t < num_tiles; t += walkers) {
     int e, nb, mb, start, count;
-    tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
+    tile_coords<F>(p, tiles_before, t, rank, e, nb, mb);
     expert_rows(p, e, start, count);
-    tile(e, nb * F::PAIR + rank, mb, start, count);
+    tile(e, nb, mb, start, count);
     for (int kb = 0; kb < k_blocks; ++kb, wrapped |= pos.slot == F::STAGES - 1, pos = pos.next()) {
       if (wrapped) mbar_wait(bar_empty + 8 * pos.slot, pos.phase ^ 1);
       kblock(kb, pos.slot);
@@ -291,7 +319,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       tiles_before[e] = total;
       int start, count;
       expert_rows(p, e, start, count);
-      total += (count + F::BM - 1) / F::BM * (n_blocks / F::PAIR);
+      total += expert_units<F>(count, n_blocks);
     }
     tiles_before[p.groups] = total;
     for (int s = 0; s < F::STAGES; ++s) {
@@ -303,7 +331,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   if constexpr (F::PAIR > 1) cluster_sync();  // the peer's barriers exist before any multicast or remote arrival
   else __syncthreads();
   const int num_tiles = tiles_before[p.groups];
-  const int rank = F::PAIR > 1 ? cluster_rank() : 0;  // this CTA's column block in its pair
+  const int rank = F::PAIR > 1 ? cluster_rank() : 0;  // this CTA's column (SHARE_A) or row block (SHARE_B) in its pair
   const int walker = blockIdx.x / F::PAIR, walkers = gridDim.x / F::PAIR;
 
   if (wg == 0) {
@@ -311,14 +339,14 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
     if (tid == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.a_map)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.b_map)) : "memory");
-      // this CTA's share of the token tile: all of it, or with multicast its half of the rows, sent to both CTAs
-      constexpr int A_ROWS = F::BM / F::PAIR;
-      const uint32_t a_share = rank * A_ROWS * BLOCK_K;  // bytes into the slot's A (128 B per row)
+      // this CTA's share of each operand: all of it, or of the shared one (multicast) its half of the rows, sent to
+      // both CTAs at the same offset (bytes into the slot's A or B: 128 B per row)
+      const int a_first = F::SHARE == SHARE_A ? rank * F::A_BOX : 0, b_first = F::SHARE == SHARE_B ? rank * F::B_BOX : 0;
       int row = 0, col = 0, filled = 0;  // filled: K blocks loaded (GG_ABLATE_NO_LOAD stops after one ring)
       loader_walk<F>(
           p, tiles_before, num_tiles, walker, walkers, rank, k_blocks, bar_empty,
           [&](int e, int nb, int mb, int start, int) {
-            row = start + mb * F::BM + rank * A_ROWS, col = e * p.n + nb * F::BN;
+            row = start + mb * F::BM + a_first, col = e * p.n + nb * F::BN + b_first;
           },
           [&](int kb, int s) {
             const uint32_t dst = sbase + s * F::STAGE_BYTES, bar = bar_full + 8 * s;
@@ -326,10 +354,12 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
               mbar_arrive(bar);
               return;
             }
-            mbar_arrive_expect_tx(bar, F::STAGE_BYTES);  // the whole slot: the peer's share of A lands here too
-            if constexpr (F::PAIR > 1) tma_2d_multicast(dst + a_share, &p.a_map, kb * BLOCK_K, row, bar, 0b11);
-            else tma_2d(dst, &p.a_map, kb * BLOCK_K, row, bar);
-            tma_2d(dst + F::A_BYTES, &p.b_map, kb * BLOCK_K, col, bar);
+            mbar_arrive_expect_tx(bar, F::STAGE_BYTES);  // the whole slot: the peer's share lands here too
+            const uint32_t a_dst = dst + a_first * BLOCK_K, b_dst = dst + F::A_BYTES + b_first * BLOCK_K;
+            if constexpr (F::SHARE == SHARE_A) tma_2d_multicast(a_dst, &p.a_map, kb * BLOCK_K, row, bar, 0b11);
+            else tma_2d(a_dst, &p.a_map, kb * BLOCK_K, row, bar);
+            if constexpr (F::SHARE == SHARE_B) tma_2d_multicast(b_dst, &p.b_map, kb * BLOCK_K, col, bar, 0b11);
+            else tma_2d(b_dst, &p.b_map, kb * BLOCK_K, col, bar);
           });
     }
     if constexpr (F::STAGED) {
@@ -382,8 +412,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   RingPos<F::STAGES> pos;
   for (int t = walker; t < num_tiles; t += walkers) {
     int e, nb, mb, start, count;
-    tile_coords(p, tiles_before, F::BM, t, e, nb, mb);
-    nb = nb * F::PAIR + rank;
+    tile_coords<F>(p, tiles_before, t, rank, e, nb, mb);
     expert_rows(p, e, start, count);
     const int r0 = mb * F::BM + r_frag;  // this thread's first row in the expert
     auto scales = [&] {
@@ -484,7 +513,8 @@ template <class F>
 int launch(const void* a, const void* sa, const long long* sa_strides, const void* b, const void* sb, void* out,
            const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n, int k,
            int num_ctas, void* stream) {
-  if ((!F::SPLIT && n % F::BN != 0) || (n + F::BN - 1) / F::BN % F::PAIR != 0 || num_ctas < F::PAIR)
+  if ((!F::SPLIT && n % F::BN != 0) || (F::SHARE == SHARE_A && (n + F::BN - 1) / F::BN % 2 != 0) ||
+      num_ctas < F::PAIR)
     return static_cast<int>(cudaErrorInvalidValue);
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -497,8 +527,8 @@ int launch(const void* a, const void* sa, const long long* sa_strides, const voi
     attr_done[dev] = true;
   }
   Params p;
-  if ((err = encode_operand_map(&p.a_map, a, rows_total, k, F::BM / F::PAIR)) != cudaSuccess) return static_cast<int>(err);
-  if ((err = encode_operand_map(&p.b_map, b, static_cast<long long>(groups) * n, k, F::BN)) != cudaSuccess)
+  if ((err = encode_operand_map(&p.a_map, a, rows_total, k, F::A_BOX)) != cudaSuccess) return static_cast<int>(err);
+  if ((err = encode_operand_map(&p.b_map, b, static_cast<long long>(groups) * n, k, F::B_BOX)) != cudaSuccess)
     return static_cast<int>(err);
   p.sa = static_cast<const float*>(sa);
   p.sa_group = sa_strides[0], p.sa_row = sa_strides[1], p.sa_k = sa_strides[2];
@@ -539,7 +569,7 @@ int launch(const void* a, const void* sa, const long long* sa_strides, const voi
 
 // The launch (ctypes: grouped_gemm_cuda.py). Exactly one of indptr (contiguous) and masked_m (masked) is non-null;
 // sa's strides in elements: group (masked), row, K block; rows_total: A's rows; num_ctas: the grid (the caller's SM
-// count; whole clusters of it); form: 0-3 (the header). Returns a cudaError_t.
+// count; whole clusters of it); form: 0-4 (the header). Returns a cudaError_t.
 extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
     const void* a, const void* sa, long long sa_group, long long sa_row, long long sa_k, const void* b, const void* sb,
     void* out, const void* indptr, const void* masked_m, long long rows_total, int groups, int max_m, int n, int k,
@@ -549,9 +579,10 @@ extern "C" __attribute__((visibility("default"))) int grouped_gemm_fp8_sm90(
       k % BLOCK_K != 0 || n <= 0 || k <= 0 || num_ctas <= 0 || form < 0 || form >= NUM_FORMS)
     return static_cast<int>(cudaErrorInvalidValue);
   if (rows_total <= 0) return 0;
-  constexpr decltype(&launch<Form<64, 256, true, false, false>>) forms[NUM_FORMS] = {  // grouped_gemm_cuda.FORMS
-      launch<Form<64, 256, true, false, false>>, launch<Form<128, 128, true, true, false>>,
-      launch<Form<128, 192, false, true, false>>, launch<Form<128, 192, false, true, true>>};
+  constexpr decltype(&launch<Form<64, 256, true, false, SHARE_NONE>>) forms[NUM_FORMS] = {  // grouped_gemm_cuda.FORMS
+      launch<Form<64, 256, true, false, SHARE_NONE>>, launch<Form<128, 128, true, true, SHARE_NONE>>,
+      launch<Form<128, 192, false, true, SHARE_NONE>>, launch<Form<128, 192, false, true, SHARE_A>>,
+      launch<Form<128, 192, false, true, SHARE_B>>};
   const long long sa_strides[3] = {sa_group, sa_row, sa_k};
   return forms[form](a, sa, sa_strides, b, sb, out, indptr, masked_m, rows_total, groups, max_m, n, k, num_ctas,
                      stream);
