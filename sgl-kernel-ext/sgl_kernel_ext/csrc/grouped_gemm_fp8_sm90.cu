@@ -470,6 +470,13 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
         }
       }
     };
+    if (mb * F::BM + F::wg_row(w) >= count) {  // no row of this warp group's part is the expert's (a short last
+      for (int kb = 0; kb < k_blocks; ++kb, pos = pos.next()) {  // tile, or a multicast pair's empty one): only
+        wait_full(pos);                                           // the hand-offs, as DeepGEMM skips it
+        release(pos);
+      }
+      continue;  // nothing to store
+    }
     if constexpr (F::SPLIT) {  // 192 columns from a multiple of 128 (jb 16) or of 64 past one (jb 8)
       static_assert(F::BN == 192 && F::BM == 128, "the split K loops are the 128 x 192 tile's");
       if ((nb * F::BN) % 128 == 0) k_loop(std::integral_constant<int, 16>{});
