@@ -50,7 +50,8 @@ def parse_variant(text: str, switches) -> tuple[str, ...]:
     names = tuple(f"{PREFIX}{x}" for x in text.split("+"))
     bad = [n for n in names if n not in switches]
     if bad:
-        raise argparse.ArgumentTypeError(f"{text!r}: unknown {bad} (have {', '.join(s[len(PREFIX):] for s in switches)})")
+        have = ", ".join(s[len(PREFIX):] for s in switches)
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown {bad} (have {have})")
     return names
 
 
@@ -59,7 +60,8 @@ def parse_args(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", type=parse_point, nargs="+", default=[parse_point(p) for p in DEFAULT_POINTS],
-                    metavar="SHAPE:GROUPS:TOKENS", help=f"MoE points, uniform counts (default: {' '.join(DEFAULT_POINTS)})")
+                    metavar="SHAPE:GROUPS:TOKENS",
+                    help=f"MoE points, uniform counts (default: {' '.join(DEFAULT_POINTS)})")
     ap.add_argument("--forms", nargs="+", choices=ggc.FORMS, default=[ggc.DEFAULT_FORM, "128x192-s"],
                     help="tile forms (default: %(default)s)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, metavar="SPEC",

@@ -38,11 +38,12 @@
 //                    the weight tile (b): each producer loads 96 of its 192 rows and multicasts them, so a CTA reads
 //                    128 + 96 rows per K block. DeepGEMM's configuration at gate_up 8 x 256 (its template arguments in
 //                    session 45's profile: 128 x 192, 4 stages, 2-CTA multicast with kIsTMAMulticastOnA false, i.e.
-//                    on the weights; session 45 misread it as on A). An expert with an odd count of row blocks has
-//                    its last pair's second tile past its rows: computed, not stored. Session 46, unmeasured
+//                    on the weights; session 45 misread it as on A). An expert with an odd count of row blocks pairs
+//                    its last tile with one past its rows (loaded for the peer, not computed). Session 46, unmeasured
 // K and N must be multiples of 128, N of the tile's columns where those are a multiple of 128, and the column blocks
-// even in number for the token-tile multicast form (DeepSeek-V3's are). Rows past the tensor's end read as zeros (TMA), rows of
-// the next expert inside a tile are computed and not stored.
+// even in number for the token-tile multicast form (DeepSeek-V3's are). Rows past the tensor's end read as zeros
+// (TMA), rows of the next expert inside a tile are computed and not stored; a math warp group whose 64 rows are all
+// past the expert's count only hands its slots on.
 //
 // Ablations (compile-time switches, off by default: grouped_gemm_cuda.ABLATIONS; benchmark/kernels/
 // grouped_gemm_cuda_ablation.py times them): each removes one part of the work and keeps every barrier arrival and
@@ -331,7 +332,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
   if constexpr (F::PAIR > 1) cluster_sync();  // the peer's barriers exist before any multicast or remote arrival
   else __syncthreads();
   const int num_tiles = tiles_before[p.groups];
-  const int rank = F::PAIR > 1 ? cluster_rank() : 0;  // this CTA's column (SHARE_A) or row block (SHARE_B) in its pair
+  const int rank = F::PAIR > 1 ? cluster_rank() : 0;  // this CTA's column (SHARE_A) or row block (SHARE_B) of a pair
   const int walker = blockIdx.x / F::PAIR, walkers = gridDim.x / F::PAIR;
 
   if (wg == 0) {
@@ -341,7 +342,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_gemm_fp8_kernel(const __gr
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.b_map)) : "memory");
       // this CTA's share of each operand: all of it, or of the shared one (multicast) its half of the rows, sent to
       // both CTAs at the same offset (bytes into the slot's A or B: 128 B per row)
-      const int a_first = F::SHARE == SHARE_A ? rank * F::A_BOX : 0, b_first = F::SHARE == SHARE_B ? rank * F::B_BOX : 0;
+      const int a_first = F::SHARE == SHARE_A ? rank * F::A_BOX : 0;
+      const int b_first = F::SHARE == SHARE_B ? rank * F::B_BOX : 0;
       int row = 0, col = 0, filled = 0;  // filled: K blocks loaded (GG_ABLATE_NO_LOAD stops after one ring)
       loader_walk<F>(
           p, tiles_before, num_tiles, walker, walkers, rank, k_blocks, bar_empty,
