@@ -28,6 +28,8 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
     if str(_p) not in sys.path:
         sys.path.append(str(_p))
 
+from mla_cuda_ablation import parse_variant  # noqa: E402  (beside this file; the same A+B[-C] grammar)
+
 PREFIX = "GG_ABLATE_"
 DEFAULT_POINTS = ["gate_up:8:256", "down:32:256", "gate_up:8:128"]
 DEFAULT_VARIANTS = ["NO_LOAD", "NO_MMA", "NO_LOAD+NO_MMA"]
@@ -45,16 +47,6 @@ def parse_point(text: str) -> tuple[str, int, int]:
     return point
 
 
-def parse_variant(text: str, switches) -> tuple[str, ...]:
-    """'NO_LOAD+NO_MMA' -> ('GG_ABLATE_NO_LOAD', 'GG_ABLATE_NO_MMA')."""
-    names = tuple(f"{PREFIX}{x}" for x in text.split("+"))
-    bad = [n for n in names if n not in switches]
-    if bad:
-        have = ", ".join(s[len(PREFIX):] for s in switches)
-        raise argparse.ArgumentTypeError(f"{text!r}: unknown {bad} (have {have})")
-    return names
-
-
 def parse_args(argv=None):
     from sgl_kernel_ext import grouped_gemm_cuda as ggc
 
@@ -65,14 +57,15 @@ def parse_args(argv=None):
     ap.add_argument("--forms", nargs="+", choices=ggc.FORMS, default=[ggc.DEFAULT_FORM, "128x192-s"],
                     help="tile forms (default: %(default)s)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, metavar="SPEC",
-                    help="switches without the GG_ABLATE_ prefix, + to combine (default: %(default)s)")
+                    help="switches without the GG_ABLATE_ prefix, + to combine, ALL (default: %(default)s)")
     ap.add_argument("--layout", choices=("masked", "contiguous"), default="masked")
     ap.add_argument("--rep-ms", type=int, default=50, help="timing per variant (ms of CUDA-graph replays)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    switches = [a[len(PREFIX):] for a in ggc.ABLATIONS]
     try:
-        args.variant_defines = {v: parse_variant(v, ggc.ABLATIONS) for v in args.variants}
-    except argparse.ArgumentTypeError as e:
+        args.variant_defines = {v: parse_variant(v, switches, prefix=PREFIX) for v in args.variants}
+    except ValueError as e:
         ap.error(str(e))
     return args
 

@@ -80,9 +80,10 @@ def _options() -> tuple[str, ...]:
     return importlib.import_module("sgl_kernel_ext.mla_decode_cuda").DESIGN_OPTIONS
 
 
-def parse_variant(spec: str, switches: list[str], options=()) -> tuple[str, ...]:
-    """'NO_QK+NO_PV' -> the sorted -D names; ALL = every NO_* switch; '-X' takes X out again; a name in `options`
-    (a design option's full -D name) is taken as it is."""
+def parse_variant(spec: str, switches: list[str], options=(), prefix: str = PREFIX) -> tuple[str, ...]:
+    """'NO_QK+NO_PV' -> the sorted -D names (`prefix` + switch); ALL = every NO_* switch; '-X' takes X out again; a
+    name in `options` (a design option's full -D name) is taken as it is. grouped_gemm_cuda_ablation.py parses its
+    GG_ABLATE_ switches with it too."""
     terms = re.findall(r"([+-]?)([A-Za-z_][A-Za-z0-9_]*)", spec)
     if not terms or "".join(s + n for s, n in terms) != spec.replace(" ", ""):
         raise ValueError(f"variant {spec!r}: want names joined by + or -, e.g. NO_QK+NO_PV or ALL-NO_LOAD")
@@ -90,9 +91,9 @@ def parse_variant(spec: str, switches: list[str], options=()) -> tuple[str, ...]
     for sign, name in terms:
         name = name.upper()
         if name == "ALL":
-            group = {PREFIX + s for s in switches if s.startswith("NO_")}
+            group = {prefix + s for s in switches if s.startswith("NO_")}
         elif name in switches:
-            group = {PREFIX + name}
+            group = {prefix + name}
         elif name in options:
             group = {name}
         else:
