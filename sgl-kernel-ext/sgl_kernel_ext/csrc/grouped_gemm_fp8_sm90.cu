@@ -228,8 +228,8 @@ struct RingPos {
 };
 
 // The loaders' walk (the TMA thread's and the scale warp's): over this CTA's tiles, tile(e, nb, mb, start, count),
-// then for each K block, once its slot is free (released by the math warps of every CTA
-// that reads it), kblock(kb, slot)
+// then for each K block, once its slot is free (released by the math warps of every CTA that reads it),
+// kblock(kb, slot)
 template <class F, class Tile, class KBlock>
 __device__ __forceinline__ void loader_walk(const Params& p, const int* tiles_before, int num_tiles, int walker,
                                             int walkers, int rank, int k_blocks, uint32_t bar_empty, Tile tile,

@@ -31,8 +31,8 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
-// desc_sw64(saddr + bytes) from desc_sw64(saddr) (likewise desc_sw128): the start address field (bits 0-13, address >> 4) plus bytes >> 4
-// in the low word. Exact while saddr + bytes < 256 KB (no carry out of the field; shared memory is at most 228 KB)
+// desc_sw64(saddr + bytes) from desc_sw64(saddr) (likewise desc_sw128): the start address field (bits 0-13,
+// address >> 4) plus bytes >> 4 in the low word. Exact while saddr + bytes < 256 KB (no carry out of the field; shared memory is at most 228 KB)
 // and bytes is a multiple of 16. ptxas cannot fold the mask of desc_sw64(base + constant) into a constant: each
 // wgmma cost 12 uniform instructions of descriptor arithmetic, this costs ~1.
 __device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
