@@ -1,0 +1,64 @@
+"""The README against the code and the records: a switch added without its row, a flag renamed, a default changed or
+a cited record moved away fails here instead of leaving the README quietly wrong."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from repo_scripts import REPO
+from sglang_h20 import settings
+
+README = (REPO / "README.md").read_text()
+RESULTS = REPO / "benchmark" / "results"
+
+
+def switch_rows() -> dict[str, list[str]]:
+    """The feature-switch table's rows by variable: [variable, flag, values, what, status] with backticks kept."""
+    rows = {}
+    for line in README.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| `SGLANG_H20_") and len(cells) == 5:
+            rows[cells[0].strip("`")] = cells
+    return rows
+
+
+@pytest.mark.parametrize("switch", settings.SWITCHES, ids=lambda s: s.name)
+def test_every_switch_has_its_row_flag_and_default(switch):
+    rows = switch_rows()
+    assert switch.env in rows, f"README's switch table has no row for {switch.env}"
+    _, flag, values, _, _ = rows[switch.env]
+    assert flag == f"`{switch.flag}`"
+    if switch.default:  # a path switch's default is empty: its values cell says "path"
+        first = re.match(r"`([^`]*)`", values)
+        assert first and first.group(1) == switch.default, (values, switch.default)
+    else:
+        assert values == "path"
+
+
+def test_the_table_has_no_row_for_a_switch_that_does_not_exist():
+    assert set(switch_rows()) == {s.env for s in settings.SWITCHES}
+
+
+def cited_records() -> set[str]:
+    """Every `folder/file.json`-like name in backticks (brace alternatives expanded), relative to benchmark/results."""
+    names = set()
+    for m in re.finditer(r"`((?:[a-z_0-9]+/)?[A-Za-z0-9_.{},-]+\.(?:json|png|log)(?:\.xz)?)`", README):
+        name = m.group(1)
+        brace = re.search(r"\{([^}]*)\}", name)
+        alts = brace.group(1).split(",") if brace else [""]
+        for alt in alts:
+            names.add(name[:brace.start()] + alt + name[brace.end():] if brace else name)
+    return names
+
+
+def test_cited_records_exist():
+    cited = cited_records()
+    assert len(cited) > 30  # the pattern still finds the measured-so-far table's records
+    missing = sorted(n for n in cited if "/" in n and not (RESULTS / n).exists())
+    assert not missing, missing
+
+
+def test_the_two_setup_commands_exist():
+    assert "    bash scripts/gpu_check.sh\n" in README and "    bash scripts/test.sh\n" in README
+    assert (REPO / "scripts" / "gpu_check.sh").is_file() and (REPO / "scripts" / "test.sh").is_file()
