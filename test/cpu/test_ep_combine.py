@@ -37,14 +37,10 @@ from sgl_kernel_ext import ep_combine as ep  # noqa: E402
 from sgl_kernel_ext import sbo  # noqa: E402
 from sgl_kernel_ext.quant import per_block_quant_fp8, per_token_group_quant_fp8  # noqa: E402
 
-pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []  # `pytest -m gpu` picks it on a GPU host
+# `pytest -m gpu` picks it on a GPU host
+pytestmark = [pytest.mark.usefixtures("no_gemm_table")] + ([pytest.mark.gpu] if torch.cuda.is_available() else [])
 G, H, I = 2, 256, 128  # local experts per rank, hidden (two 128-column tiles), intermediate
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture(autouse=True)
-def no_table(monkeypatch, tmp_path):
-    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
 
 
 def close_to_reference(got, ref):

@@ -46,10 +46,7 @@ CASE_IDS = [f"{v}-{c['BLOCK_N']}x{c['BLOCK_T']}{'-flat' if c.get('flat') else ''
             if c else f"{v}-default" for v, c in CASES]
 
 
-@pytest.fixture(autouse=True)
-def no_table(monkeypatch, tmp_path):
-    """No shipped table may change what these tests exercise: point the loader at a missing file."""
-    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
+pytestmark = pytest.mark.usefixtures("no_gemm_table")
 
 
 def gen(seed):

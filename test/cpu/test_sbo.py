@@ -40,9 +40,7 @@ from sgl_kernel_ext.quant import per_block_quant_fp8, per_token_group_quant_fp8 
 E, H, I = 4, 256, 128  # experts, hidden (down N; two 128-row N-tiles at BLOCK_N 128), intermediate (down K)
 
 
-@pytest.fixture(autouse=True)
-def no_table(monkeypatch, tmp_path):
-    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
+pytestmark = pytest.mark.usefixtures("no_gemm_table")
 
 
 def gen(seed):

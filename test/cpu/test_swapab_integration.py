@@ -97,10 +97,9 @@ def tiny_entries(best="swapab", groups=(4,), ms=(1, 2, 4, 8), config=None):
 
 
 @pytest.fixture(autouse=True)
-def isolated_tables(monkeypatch, tmp_path):
+def isolated_tables(monkeypatch, tmp_path, no_gemm_table):
     """No user cache or shipped table leaks in; each test sets its own; decisions start fresh."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
     swapab.reset()
     yield
     swapab.reset()

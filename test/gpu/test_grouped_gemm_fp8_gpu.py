@@ -10,7 +10,7 @@ the dequantized inputs (normwise and max-abs relative error <= 1e-2), other rows
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_gemm_table")]
 
 REL = 1e-2
 MOE_SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
@@ -27,12 +27,6 @@ def mods():
 
     torch.backends.cuda.matmul.allow_tf32 = False
     return gg, quant
-
-
-@pytest.fixture(autouse=True)
-def no_table(monkeypatch, tmp_path):
-    """Test the kernels' own heuristic choice, whatever table ships."""
-    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
 
 
 def counts(m, groups):

@@ -13,7 +13,7 @@ the GEMM's epilogue (fused=True) is checked the same way, and its slot-order sum
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_gemm_table")]
 
 H, I, TOPK = 7168, 2048, 8
 
@@ -25,11 +25,6 @@ def mods():
 
     torch.backends.cuda.matmul.allow_tf32 = False
     return gg, quant, sbo
-
-
-@pytest.fixture(autouse=True)
-def no_table(monkeypatch, tmp_path):
-    monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "absent.json"))
 
 
 @pytest.fixture(scope="module")
