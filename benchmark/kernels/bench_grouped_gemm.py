@@ -76,6 +76,7 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
     if str(_p) not in sys.path:
         sys.path.append(str(_p))
 
+from issue_targets import check as target_check  # noqa: E402  (this folder: sibling of the script)
 from sglang_h20 import provenance  # noqa: E402
 from sglang_h20.cliargs import read_json  # noqa: E402
 from sglang_h20.gputime import graph_median_us  # noqa: E402
@@ -972,6 +973,47 @@ def roofline_png(path, points, peak_tbs):
     return None
 
 
+def issue_targets(points, peak_tbs: float) -> dict:
+    """The swapAB issue's kernel targets, on the best of our providers against the best upstream one at each MoE
+    point (same run, layout and draw; ratios are time_upstream / time_ours, above 1: ours faster): >= 1.0x
+    everywhere, >= 90% of the run's measured read peak at <= 64 tokens per expert, >= 1.25x at 128-256 tokens,
+    and the H20-MODELLED time against DeepGEMM masked >= 1.5x at <= 32 tokens."""
+    by_point: dict = {}
+    for p in points:
+        if p.get("kind") == "moe" and isinstance(p.get("us"), (int, float)) and math.isfinite(p["us"]) and p["us"] > 0:
+            key = (p["shape"], p["groups"], p["tokens_per_group"], p["distribution"], p["layout"])
+            by_point.setdefault(key, []).append(p)
+    per_point = []
+    for (shape, groups, m, dist, layout), pts in sorted(by_point.items()):
+        ours = [p for p in pts if p["provider"].startswith("ours")]
+        upstream = [p for p in pts if not p["provider"].startswith("ours")]
+        if not ours or not upstream:
+            continue
+        best, rival = min(ours, key=lambda p: p["us"]), min(upstream, key=lambda p: p["us"])
+        dg = next((p for p in upstream if p["provider"] == "deepgemm"), None)
+        h20 = (dg["h20_modelled_us"] / min(p["h20_modelled_us"] for p in ours)
+               if layout == "masked" and dg and all(p.get("h20_modelled_us") for p in ours + [dg]) else None)
+        per_point.append({"shape": shape, "groups": groups, "tokens_per_group": m, "distribution": dist,
+                          "layout": layout, "best_ours": best["provider"], "ours_us": best["us"],
+                          "best_upstream": rival["provider"], "vs_best_upstream": rival["us"] / best["us"],
+                          "read_frac": best["weight_tbs"] / peak_tbs if peak_tbs else None,
+                          "h20_modelled_vs_deepgemm_masked": h20})
+
+    def check(name, pts, key, bound):
+        return target_check(name, [p[key] for p in pts], bound)
+
+    checks = {"vs_best_upstream": check(">= 1.0x the best upstream kernel", per_point, "vs_best_upstream", 1.0),
+              "read_frac_m64": check(">= 90% of the measured read peak (<= 64 tokens per expert)",
+                                     [p for p in per_point if p["tokens_per_group"] <= 64], "read_frac", 0.9),
+              "vs_best_upstream_m128_256": check(">= 1.25x the best upstream (128-256 tokens per expert)",
+                                                 [p for p in per_point if 128 <= p["tokens_per_group"] <= 256],
+                                                 "vs_best_upstream", 1.25),
+              "h20_modelled_m32": check(">= 1.5x DeepGEMM masked on an H20, MODELLED (<= 32 tokens per expert)",
+                                        [p for p in per_point if p["tokens_per_group"] <= 32],
+                                        "h20_modelled_vs_deepgemm_masked", 1.5)}
+    return {"per_point": per_point, "checks": checks, "summary": [c["line"] for c in checks.values()]}
+
+
 def result_record(args, points, peak, unavailable, skipped, partial: bool) -> dict:
     """The JSON record of the points measured so far (`partial`: the sweep did not finish, or is still running)."""
     rep = next((p for p in points if all(p.get(kk) == v for kk, v in REPRESENTATIVE.items())), None)
@@ -989,6 +1031,7 @@ def result_record(args, points, peak, unavailable, skipped, partial: bool) -> di
         "unavailable": unavailable,
         "points": points,
         "table_entries": table_entries(points),
+        "targets": issue_targets(points, peak["peak_read_tbs"]),
         "quick": args.quick,
         "partial": partial,
         "not_started": skipped,
@@ -1120,6 +1163,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
 
     result = result_record(args, points, peak, unavailable, skipped, partial=bool(skipped))
+    for line in result["targets"]["summary"]:
+        print(line)
     rep = result["representative"]
     if unavailable:
         for kk, v in unavailable.items():

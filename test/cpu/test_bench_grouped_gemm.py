@@ -278,3 +278,33 @@ def test_ours_moe_call_runs_each_variant_on_its_layouts_operands(monkeypatch):
         kind, args, kw = seen[-1]
         assert kind == "cuda" and args[0] is a and kw["form"] == "64x256-pd" and kw["out"] is out
         assert kw[index] is (ops.masked_m if index == "masked_m" else ops.indptr)
+
+
+def moe_point(provider, us, layout="masked", m=32, dist="uniform", tbs=4.0, h20=100.0):
+    return {"kind": "moe", "shape": "gate_up", "groups": 8, "tokens_per_group": m, "distribution": dist,
+            "layout": layout, "provider": provider, "us": us, "weight_tbs": tbs, "h20_modelled_us": h20}
+
+
+def test_issue_targets_compare_within_one_layout_and_draw():
+    pts = [moe_point("ours-swapab", 50.0, tbs=4.2, h20=60.0), moe_point("ours-normal", 80.0, h20=90.0),
+           moe_point("deepgemm", 55.0, h20=100.0),
+           # contiguous: SGLang's triton is the rival there, and faster than ours
+           moe_point("ours-swapab", 60.0, layout="contiguous"), moe_point("sglang-triton", 54.0, layout="contiguous"),
+           # a failed provider (NaN) is no rival; a point of no upstream is no point
+           moe_point("sglang-triton-swapab", float("nan"), layout="contiguous"),
+           moe_point("ours-swapab", 40.0, m=128), moe_point("deepgemm", 60.0, m=128, layout="contiguous")]
+    t = bench.issue_targets(pts, peak_tbs=4.5)
+    rows = {(p["layout"], p["tokens_per_group"]): p for p in t["per_point"]}
+    assert set(rows) == {("masked", 32), ("contiguous", 32)}
+    masked, contiguous = rows[("masked", 32)], rows[("contiguous", 32)]
+    assert masked["best_ours"] == "ours-swapab" and masked["vs_best_upstream"] == pytest.approx(55 / 50)
+    assert masked["read_frac"] == pytest.approx(4.2 / 4.5)
+    assert masked["h20_modelled_vs_deepgemm_masked"] == pytest.approx(100 / 60)  # the best modelled of ours
+    assert contiguous["best_upstream"] == "sglang-triton" and contiguous["vs_best_upstream"] == pytest.approx(0.9)
+    assert contiguous["h20_modelled_vs_deepgemm_masked"] is None  # masked only, as the issue asks
+    checks = t["checks"]
+    assert (checks["vs_best_upstream"]["met"], checks["vs_best_upstream"]["points"]) == (1, 2)
+    assert (checks["read_frac_m64"]["met"], checks["read_frac_m64"]["points"]) == (1, 2)
+    assert checks["vs_best_upstream_m128_256"]["points"] == 0
+    assert checks["h20_modelled_m32"]["met"] == 1
+    assert t["summary"][0].startswith("target >= 1.0x the best upstream kernel: 1 of 2 points")

@@ -1,0 +1,28 @@
+"""benchmark/targets_at_a_glance.py on the committed records: the counts it draws are the ones the README and the
+notes state (a record moved, a target's rule changed or a bench's issue_targets broken fails here), and it writes its
+PNG and JSON."""
+import json
+
+from repo_scripts import load_script
+
+glance = load_script("benchmark/targets_at_a_glance.py")
+
+
+def test_the_figure_and_its_numbers(tmp_path):
+    assert glance.main(["--out", str(tmp_path / "glance.png")]) == 0
+    assert (tmp_path / "glance.png").stat().st_size > 10_000
+    summary = json.loads((tmp_path / "glance.json").read_text())
+    mla = summary["mla_decode"]["checks"]
+    assert (mla["vs_flashmla_bf16_h128_b16_ctx4k"]["met"], mla["vs_flashmla_bf16_h128_b16_ctx4k"]["points"]) == (0, 12)
+    assert (mla["vs_fastest_upstream_fp8"]["met"], mla["vs_fastest_upstream_fp8"]["points"]) == (18, 48)
+    assert (mla["roofline"]["met"], mla["roofline"]["points"]) == (5, 48)
+    s44 = summary["grouped_gemm"]["s44 16-256 experts"]["checks"]
+    assert (s44["vs_best_upstream"]["met"], s44["vs_best_upstream"]["points"]) == (52, 72)
+    assert (s44["read_frac_m64"]["met"], s44["h20_modelled_m32"]["met"]) == (3, 36)
+    s45 = summary["grouped_gemm"]["s45 CUDA normal variant"]["checks"]["vs_best_upstream_m128_256"]
+    assert (s45["met"], s45["points"]) == (0, 8) and 0.72 < s45["min"] < s45["max"] < 0.98
+    e2e = summary["e2e"]
+    assert len(e2e) == len(glance.E2E_SWITCHED) + len(glance.E2E_FP8_MLA)
+    assert all(r["source"]["gpu"] == "NVIDIA H200" and r["source"]["git_commit"] for r in e2e)
+    swapab = [r["median_itl_ratio"] for r in e2e if r["feature"] == "swapAB"]
+    assert max(swapab) < 0.91  # "no concurrency slower": the swapAB switch's e2e target
