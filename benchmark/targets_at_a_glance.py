@@ -146,8 +146,7 @@ def plot(summary: dict, path: Path) -> Path:
             if span:
                 ax.plot(span, [bound, bound], color="tab:red", ls="--", lw=1.5)
             else:
-                ax.axhline(bound, color="tab:red" if bound != 1.0 or key == "vs_best_upstream" else "k",
-                           ls="--", lw=1)
+                ax.axhline(bound, color="tab:red", ls="--", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per expert")
         ax.set_title(f"grouped GEMMs: {title}", fontsize=10)
