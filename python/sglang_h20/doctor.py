@@ -38,8 +38,9 @@ def report(settings: Settings | None = None) -> tuple[str, bool]:
         if not ok:
             lines.append(f"  plugin hook        {why}")
     lines.append("switches:")
+    width = max(len(s.env) for s in SWITCHES)
     for s in SWITCHES:
-        lines.append(f"  {s.env:<30} {s.show(settings[s.name]):<10} {s.flag}")
+        lines.append(f"  {s.env:<{width}} {s.show(settings[s.name]):<10} {s.flag}")
     lines.append("features (what the plugin would do in a server process here):")
     for feature in FEATURES:
         d = decide(feature, settings)

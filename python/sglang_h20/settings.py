@@ -102,9 +102,11 @@ class Switch:
         return "h20_" + self.name
 
     def show(self, value: object) -> str:
-        """The value as a person would type it (on/off for booleans)."""
+        """The value as a person would type it (on/off for booleans, a list comma-separated or 'none')."""
         if isinstance(value, bool):
             return "on" if value else "off"
+        if isinstance(value, tuple):
+            return ",".join(value) or "none"
         return str(value)
 
     def read(self, environ: Mapping[str, str]) -> object:

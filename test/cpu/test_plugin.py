@@ -6,6 +6,7 @@ HookRegistry is global) runs in a fresh Python process.
 import importlib.metadata as md
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -257,7 +258,9 @@ def test_doctor_runs_on_a_cpu_machine():
                        env={**CLEAN_ENV, "SGLANG_H20_FP8_MLA": "yes"}, timeout=300)
     assert "sglang             0.5.17" in r.stdout
     assert "entry point        sglang_h20.plugin:load" in r.stdout
-    assert "SGLANG_H20_FP8_MLA             on" in r.stdout
+    assert re.search(r"\n  SGLANG_H20_FP8_MLA +on +--h20-fp8-mla\n", r.stdout), r.stdout
+    # one column per field whatever the longest name, and a list switch shown as a person types it
+    assert re.search(r"\n  SGLANG_H20_FP8_MLA_KERNEL_OPTIONS none +--h20-fp8-mla-kernel-options\n", r.stdout)
     # fp8_mla was asked for but cannot turn on here (not built yet, or no GPU): doctor says so and exits 1
     assert r.returncode == 1
     assert "fp8_mla          off  SGLANG_H20_FP8_MLA=on asked for it" in r.stdout
