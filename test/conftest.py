@@ -28,9 +28,9 @@ def _no_user_tables(tmp_path_factory, monkeypatch):
     """Tables re-tuned on this machine (~/.cache/sglang_h20) take precedence over the shipped ones; the
     tests read the shipped ones, wherever they run."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
-    from sgl_kernel_ext import grouped_gemm_fp8
+    from sgl_kernel_ext import gemm_table
 
-    grouped_gemm_fp8.forget_tables()  # tables written by one test are looked at again in the next
+    gemm_table.forget_tables()  # tables written by one test are looked at again in the next
 
 
 @pytest.fixture

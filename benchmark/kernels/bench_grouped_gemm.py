@@ -37,14 +37,14 @@ first with a read-only Triton sum-reduction over a 4 GiB tensor.
 Output: --json OUT holds one object: numeric "latency_us" and "tflops" at the representative point
 (gate_up, 32 experts, 8 tokens each, ours-swapab, masked layout), "provenance"
 (sglang_h20.provenance.record()), "peak_read_tbs", "points", "unavailable", and "table_entries" in the
-format of python/sglang_h20/tables/grouped_gemm_<gpu>.json (see grouped_gemm_fp8.load_table). A roofline
+format of python/sglang_h20/tables/grouped_gemm_<gpu>.json (see gemm_table.load_table). A roofline
 PNG goes next to it (--png to move it). --quick runs a small subset (about a minute on an H200).
 
 --tune keeps a config as a point's best only if its output is within TUNE_ERR_BOUND (1e-2) of float32 on the
 first non-empty expert (a rejected one is listed in the point's trials with its error).
 
-Table for the swapAB integration (sglang_h20.moe.swapab, grouped_gemm_fp8.load_table): --tune also
-writes the table of this run (grouped_gemm_fp8.table_from_result) to --table-out, by default this
+Table for the swapAB integration (sglang_h20.moe.swapab, gemm_table.load_table): --tune also
+writes the table of this run (gemm_table.table_from_result) to --table-out, by default this
 user's cache, ~/.cache/sglang_h20/grouped_gemm_<gpu>.json, which the loader reads before the shipped
 one; there the entries of the table in force (same GPU) that this run did not measure are kept, so a
 re-tune of some shapes leaves the others as they were. --table-from RESULTS.json [MORE.json] only
@@ -90,7 +90,7 @@ GROUPS = [8, 16, 32, 256]
 TOKENS = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256]
 PROVIDERS = ("ours-swapab", "ours-normal", "ours-split", "deepgemm", "sglang-triton", "sglang-triton-swapab")
 # opt-in: the hand-written CUDA normal variant (sgl_kernel_ext.grouped_gemm_cuda), timed beside the rest, not in the
-# table yet (gg.table_entries skips it)
+# table yet (gemm_table.table_entries skips it)
 OPT_IN_PROVIDERS = ("ours-cuda",)
 SPLIT_AT = [16, 32, 64]  # ours-split: the counts tried as the swapAB / normal boundary
 DENSE_M = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -612,6 +612,7 @@ def sglang_triton(a, a_s, b, b_s, counts, swap_ab: bool):
 def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune, time_up=lambda: False):
     """Every provider at one MoE point; with `tune`, ours over its config grid until `time_up()` (each config is
     a Triton compile of seconds: a deadline must cut the grid, not wait for the point to end)."""
+    from sgl_kernel_ext import gemm_table
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     n, k = MOE_SHAPES[shape]
@@ -672,9 +673,9 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
                 tried += 1
                 used = {**shipped, **(cfg or {})}
                 # every trial names the tiles it ran: the table may ship any of them (the config best on both
-                # draws together, gg.table_entries), not only this draw's fastest
+                # draws together, gemm_table.table_entries), not only this draw's fastest
                 cands.time(cfg, lambda: ours_moe_call(ops, layout, variant, cfg, mean),
-                           {kk: used[kk] for kk in gg.TILE_KEYS if kk in used}, record_as=used)
+                           {kk: used[kk] for kk in gemm_table.TILE_KEYS if kk in used}, record_as=used)
             if cands.best is None:
                 unavailable[f"ours-{variant}-{layout}"] = "every config failed or was wrong (see stderr)"
                 continue
@@ -785,12 +786,12 @@ def dense_configs(variant: str, m: int, n: int, k: int, tune: bool, sms: int) ->
 def with_serial_reduce_retry(configs: list, best_config):
     """`configs`, then once: the best one's tiles with serial_reduce, when that best (best_config(), read only after
     `configs` ran) splits K without it. Once, not until it wins: a losing retry must not be retried."""
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
     yield from configs
     best = best_config()
     if best is not None and best["split_k"] > 1 and not best.get("serial_reduce"):
-        yield {**{key: best[key] for key in gg.TILE_KEYS if key in best}, "serial_reduce": True}
+        yield {**{key: best[key] for key in gemm_table.TILE_KEYS if key in best}, "serial_reduce": True}
 
 
 def _compile_dense(jobs: list[tuple]) -> list[str]:
@@ -902,9 +903,9 @@ def dense_points(args, shape, m, gen, unavailable, time_up=lambda: False):
 
 def table_entries(points):
     """Per (shape, groups, tokens, layout): the winner among ours-swapab / ours-normal / upstream."""
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
-    return gg.table_entries(points)
+    return gemm_table.table_entries(points)
 
 
 def entry_key(e: dict) -> tuple:
@@ -927,13 +928,13 @@ def keep_unmeasured(table: dict, base: dict | None) -> int:
 
 def write_table(result: dict, out: Path, results_file: str | None, base: dict | None = None) -> None:
     """The table of this run to `out`; with `base`, over it (`keep_unmeasured`)."""
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
-    table = gg.table_from_result(result, results_file, " ".join(["python", *sys.argv]))
+    table = gemm_table.table_from_result(result, results_file, " ".join(["python", *sys.argv]))
     kept = keep_unmeasured(table, base)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
-    gg.forget_tables()
+    gemm_table.forget_tables()
     wins = sum(e["best"] != "upstream" for e in table["entries"])
     also = f" ({kept} kept from {base.get('path')}, this run did not measure them)" if kept else ""
     print(f"wrote {out}: {len(table['entries'])} entries{also}, ours best at {wins} ({table['gpu']})")
@@ -1176,10 +1177,11 @@ def main(argv=None) -> int:
     if args.table_out:
         write_table(result, args.table_out, str(args.json) if args.json else None)
     elif args.tune:  # this user's table: over the one in force, so shapes this run skipped keep their entries
-        from sgl_kernel_ext import grouped_gemm_fp8 as gg
+        from sgl_kernel_ext import gemm_table
 
         gpu = torch.cuda.get_device_name(0)
-        write_table(result, gg.user_table_path(gpu), str(args.json) if args.json else None, gg.load_table(gpu))
+        write_table(result, gemm_table.user_table_path(gpu), str(args.json) if args.json else None,
+                    gemm_table.load_table(gpu))
     png = args.png or (args.json.with_suffix(".png") if args.json else None)
     if png and points:
         try:  # matplotlib's backend setup can fail on a host with a broken IPython; the JSON is what counts

@@ -31,7 +31,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from sgl_kernel_ext.grouped_gemm_fp8 import resident_per_sm, table_path  # noqa: E402
+from sgl_kernel_ext.gemm_table import table_path  # noqa: E402
+from sgl_kernel_ext.grouped_gemm_fp8 import resident_per_sm  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

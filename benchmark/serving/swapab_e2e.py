@@ -94,9 +94,9 @@ def forced_table(path: Path, shapes: dict) -> Path:
 def without_dense(table: Path | None, out: Path) -> Path:
     """The 'on' arm's table (--table, else the one the plugin finds for GPU 0) without its dense-linear entries."""
     if table is None:
-        from sgl_kernel_ext import grouped_gemm_fp8 as gg
+        from sgl_kernel_ext import gemm_table
 
-        table = gg.find_table(gg._gpu_name())
+        table = gemm_table.find_table(gemm_table.this_gpu())
         if table is None:
             raise SystemExit("swapab_e2e: arm moe-only needs a table (--table, or one the plugin finds)")
     data = json.loads(Path(table).read_text())

@@ -79,9 +79,9 @@ def reset(gpu_name: str | None = None) -> None:
 
 @functools.lru_cache(maxsize=4096)
 def _choice(m: int, n: int, k: int, gpu_name: str | None, against: str):
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
-    choice = gg.table_choice(m, n, k, 1, "dense", gpu_name, against)
+    choice = gemm_table.table_choice(m, n, k, 1, "dense", gpu_name, against)
     (log.debug if choice.best == "upstream" else log.info)(
         "dense linear M=%d N=%d K=%d -> %s vs %s (%s)", m, n, k, "upstream" if choice.best == "upstream" else
         f"ours ({choice.best})", against, choice.why)
@@ -151,7 +151,7 @@ def hooks() -> list[Hook]:
 
 def dense_entries(table: dict) -> tuple[int, dict]:
     """(dense entries, {upstream provider: entries where ours beats it}) of a grouped-GEMM table."""
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
     dense = [e for e in table.get("entries", []) if e.get("layout") == "dense"]
-    return len(dense), {p: sum(gg.entry_best(e, p) != "upstream" for e in dense) for p in UPSTREAM_OF.values()}
+    return len(dense), {p: sum(gemm_table.entry_best(e, p) != "upstream" for e in dense) for p in UPSTREAM_OF.values()}

@@ -76,10 +76,10 @@ def tables_and_kernels() -> list[str]:
     lines.append("  MHA/MLA cost table  " + _table_line(user if user.exists() else shipped,
                                                          "python -m sglang_h20 calibrate mha-mla"))
     try:
-        gg = importlib.import_module("sgl_kernel_ext.grouped_gemm_fp8")
+        gemm_table = importlib.import_module("sgl_kernel_ext.gemm_table")
         lines.append("  grouped GEMM table  " + _table_line(
-            gg.find_table(g.name), "python benchmark/kernels/bench_grouped_gemm.py --tune (from a checkout)"))
-    except Exception as e:  # the kernels' import needs triton; say so instead of failing the doctor
+            gemm_table.find_table(g.name), "python benchmark/kernels/bench_grouped_gemm.py --tune (from a checkout)"))
+    except Exception as e:  # the kernel package's import needs triton; say so instead of failing the doctor
         lines.append(f"  grouped GEMM table  unavailable ({type(e).__name__}: {e})")
     try:
         from sglang_h20.attention.fp8_mla_backend import decode_kernel

@@ -176,7 +176,7 @@ def test_each_backend_hook_weighs_ours_against_the_kernel_it_replaces(monkeypatc
 
 
 def test_table_entries_from_dense_points_keep_the_k_slices():
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
     def pt(provider, us, m=8, split_k=4):
         return {"kind": "dense", "provider": provider, "us": us, "n": 2112, "k": 7168, "groups": 1,
@@ -184,7 +184,7 @@ def test_table_entries_from_dense_points_keep_the_k_slices():
                 "config": {"BLOCK_N": 64, "BLOCK_T": 16, "split_k": split_k, "num_stages": 4}}
     points = [pt("ours-swapab", 10), pt("ours-normal", 14), pt("sglang-triton", 20), pt("deepgemm", 12),
               pt("ours-swapab", 9, m=64), pt("deepgemm", 8, m=64)]
-    entries = {e["m"]: e for e in gg.table_entries(points)}
+    entries = {e["m"]: e for e in gemm_table.table_entries(points)}
     assert entries[8]["layout"] == "dense" and entries[8]["best"] == "swapab" and entries[8]["us"]["upstream"] == 12
     assert entries[8]["config"]["swapab"]["split_k"] == 4 and entries[8]["upstream_us_by_provider"] == {
         "sglang-triton": 20, "deepgemm": 12}

@@ -20,6 +20,7 @@ import torch
 
 import pytest  # noqa: E402
 
+from sgl_kernel_ext import gemm_table  # noqa: E402
 from sgl_kernel_ext import grouped_gemm_fp8 as gg  # noqa: E402
 from sgl_kernel_ext.quant import (  # noqa: E402
     FP8_MAX, dequant_per_block, dequant_per_token_group, per_block_quant_fp8, per_token_group_quant_fp8,
@@ -309,7 +310,7 @@ def test_auto_runs_split_where_the_table_says_and_one_launch_elsewhere(monkeypat
                                          "config": {"split": {"split_at": 8}}} for m in (4, 16)]}
     (tmp_path / "t.json").write_text(json.dumps(table))
     monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "t.json"))
-    gg.forget_tables()
+    gemm_table.forget_tables()
     a, a_s = activations((2, 16, 256), seed=36)
     b, b_s = weights(2, 128, 256, seed=37)
     mm = torch.tensor([16, 3], dtype=torch.int32)
@@ -327,7 +328,7 @@ def test_auto_runs_split_where_the_table_says_and_one_launch_elsewhere(monkeypat
     for g, m in enumerate(mm.tolist()):
         check_rows(out[g, :m], ref[g, :m], f"group {g}")
     assert gg.resolve_config("auto", None, 10, 128, 256, 2, "masked")[0] == "swapab"
-    gg.forget_tables()
+    gemm_table.forget_tables()
 
 
 @pytest.mark.parametrize("variant", gg.VARIANTS)
@@ -449,10 +450,10 @@ def test_choose_variant_heuristic():
 
 def test_table_path_naming(monkeypatch):
     monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
-    assert gg.table_path("NVIDIA H200").name == "grouped_gemm_h200.json"
-    assert gg.table_path("NVIDIA H20").name == "grouped_gemm_h20.json"
-    assert gg.table_path("NVIDIA H100 80GB HBM3").name == "grouped_gemm_h100.json"
-    assert gg.table_path("NVIDIA H200").parent.name == "tables"
+    assert gemm_table.table_path("NVIDIA H200").name == "grouped_gemm_h200.json"
+    assert gemm_table.table_path("NVIDIA H20").name == "grouped_gemm_h20.json"
+    assert gemm_table.table_path("NVIDIA H100 80GB HBM3").name == "grouped_gemm_h100.json"
+    assert gemm_table.table_path("NVIDIA H200").parent.name == "tables"
 
 
 def test_choose_variant_from_table(monkeypatch, tmp_path):

@@ -33,6 +33,7 @@ import torch
 
 import pytest  # noqa: E402
 
+from sgl_kernel_ext import gemm_table  # noqa: E402
 from sgl_kernel_ext import grouped_gemm_fp8 as gg  # noqa: E402
 from sgl_kernel_ext.quant import (  # noqa: E402
     dequant_per_block, dequant_per_token_group, per_block_quant_fp8, per_token_group_quant_fp8,
@@ -479,7 +480,7 @@ def test_table_choice_rounds_to_nearest_and_defaults_to_upstream(monkeypatch, tm
     use_table(monkeypatch, write_table(tmp_path / "t.json", entries))
 
     def tc(m, g, layout="contiguous", n=4096, k=7168):
-        return gg.table_choice(m, n, k, g, layout, "test").best
+        return gemm_table.table_choice(m, n, k, g, layout, "test").best
 
     assert tc(8, 8) == "swapab" and tc(32, 8) == "upstream" and tc(128, 8) == "normal"  # measured points
     assert tc(6, 8) == "swapab" and tc(11, 8) == "swapab" and tc(20, 8) == "upstream"  # nearest m (log2)
@@ -493,10 +494,11 @@ def test_table_choice_rounds_to_nearest_and_defaults_to_upstream(monkeypatch, tm
     assert tc(8, 8, n=4096, k=2048) == "upstream"  # shape not measured
     assert tc(32, 8, layout="masked") == "swapab"  # layouts are kept apart
     assert tc(32, 8, layout="dense") == "upstream"
-    choice = gg.table_choice(8, 4096, 7168, 8, "contiguous", "test")
+    choice = gemm_table.table_choice(8, 4096, 7168, 8, "contiguous", "test")
     assert choice.config == {"BLOCK_T": 16} and "measured best swapab" in choice.why
     monkeypatch.setenv("SGLANG_H20_GEMM_TABLE", str(tmp_path / "none.json"))
-    assert gg.table_choice(8, 4096, 7168, 8, "contiguous", "test") == ("upstream", None, "no grouped-GEMM table for test")
+    assert gemm_table.table_choice(8, 4096, 7168, 8, "contiguous", "test") == (
+        "upstream", None, "no grouped-GEMM table for test")
 
 
 def test_plan_moe_needs_both_gemms_and_uses_expected_load(monkeypatch, tmp_path):
@@ -531,25 +533,26 @@ def test_plan_moe_trusts_only_times_of_the_walk_it_runs(monkeypatch, tmp_path, w
 
 def test_user_retune_comes_before_the_shipped_table(monkeypatch, tmp_path):
     monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
-    assert gg.find_table("NVIDIA H200") == gg.table_path("NVIDIA H200")  # shipped
-    assert gg.table_path("NVIDIA H200").exists()
-    user = gg.user_table_path("NVIDIA H200")
+    assert gemm_table.find_table("NVIDIA H200") == gemm_table.table_path("NVIDIA H200")  # shipped
+    assert gemm_table.table_path("NVIDIA H200").exists()
+    user = gemm_table.user_table_path("NVIDIA H200")
     assert user == tmp_path / "cache" / "sglang_h20" / "grouped_gemm_h200.json"
     user.parent.mkdir(parents=True)
     write_table(user, tiny_entries(), gpu="NVIDIA H200")
     # a process looks at the files again after TABLE_RECHECK_S (each GEMM call asks), or at once when told to
-    assert gg.find_table("NVIDIA H200") == gg.table_path("NVIDIA H200")
-    monkeypatch.setattr(gg, "TABLE_RECHECK_S", 0.0)
-    assert gg.find_table("NVIDIA H200") == user
-    monkeypatch.setattr(gg, "TABLE_RECHECK_S", 60.0)
-    gg.forget_tables()
-    assert gg.find_table("NVIDIA H200") == user and gg.load_table("NVIDIA H200")["path"] == str(user)
-    assert gg.find_table("NVIDIA H20") is None and gg.load_table("NVIDIA H20") is None  # nothing shipped for H20
+    assert gemm_table.find_table("NVIDIA H200") == gemm_table.table_path("NVIDIA H200")
+    monkeypatch.setattr(gemm_table, "TABLE_RECHECK_S", 0.0)
+    assert gemm_table.find_table("NVIDIA H200") == user
+    monkeypatch.setattr(gemm_table, "TABLE_RECHECK_S", 60.0)
+    gemm_table.forget_tables()
+    assert gemm_table.find_table("NVIDIA H200") == user and gemm_table.load_table("NVIDIA H200")["path"] == str(user)
+    # nothing shipped for H20
+    assert gemm_table.find_table("NVIDIA H20") is None and gemm_table.load_table("NVIDIA H20") is None
 
 
 def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
-    table = gg.load_table("NVIDIA H200")
+    table = gemm_table.load_table("NVIDIA H200")
     runs = [json.load(open(path)) for path in SHIPPED_RUNS]
     assert table["gpu"] == "NVIDIA H200" and {r["provenance"]["gpu"] for r in runs} == {"NVIDIA H200"}
     assert table["measured"] is True and table["date"] == max(r["provenance"]["date"] for r in runs)  # the latest
@@ -557,13 +560,15 @@ def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     assert "--table-from" in table["source"]["table_command"]
     assert [m["provenance"] for m in table["source"]["merged_from"]] == [r["provenance"] for r in runs]
     # rebuilt from the recorded points of those runs, the later one's wherever two measured a shape
-    assert table["entries"] == gg.table_entries(bench.merged_results([Path(p) for p in SHIPPED_RUNS])["points"])
-    dc = lambda m, n, k, against: gg.table_choice(m, n, k, 1, "dense", "NVIDIA H200", against).best  # noqa: E731
+    merged = bench.merged_results([Path(p) for p in SHIPPED_RUNS])
+    assert table["entries"] == gemm_table.table_entries(merged["points"])
+    dc = lambda m, n, k, against: gemm_table.table_choice(  # noqa: E731
+        m, n, k, 1, "dense", "NVIDIA H200", against).best
     assert dc(16, 2112, 7168, None) == "swapab"  # q_a+kv_a: 13.5 us vs DeepGEMM 14.7, Triton 39.4
     assert dc(64, 7168, 16384, None) == "upstream"  # o_proj: DeepGEMM 43.8 vs ours 50.2 ...
     assert dc(64, 7168, 16384, "sglang-triton") == "swapab"  # ... but the Triton GEMM takes 70.6
     assert dc(64, 7168, 16384, "deepgemm") == "upstream"
-    tc = lambda m, n, k, g, layout: gg.table_choice(m, n, k, g, layout, "NVIDIA H200").best  # noqa: E731
+    tc = lambda m, n, k, g, layout: gemm_table.table_choice(m, n, k, g, layout, "NVIDIA H200").best  # noqa: E731
     assert tc(1, 4096, 7168, 32, "masked") == "swapab"  # 222.9 us vs 240.1 (uneven 105.1 vs 114.3)
     assert tc(2, 4096, 7168, 16, "masked") == "swapab"  # retuned on both draws: 121.4 vs 131.9, uneven 103.1 vs 113.6
     assert tc(24, 7168, 2048, 256, "masked") == "normal"  # 923.4 vs 935.2, uneven 1003.7 vs 1062.5 (swapAB 1152.4)
@@ -593,7 +598,7 @@ def test_table_entries_rules():
     points = [pt("ours-swapab", 10), pt("ours-normal", 12), pt("deepgemm", 11), pt("sglang-triton", 9, "contiguous"),
               pt("ours-swapab", 10, "contiguous"), pt("ours-swapab", 10, dist="uneven"), pt("deepgemm", 9, dist="uneven"),
               pt("ours-swapab", 5, m=1), pt("deepgemm", 5, m=1), pt("ours-swapab", 5, m=2)]
-    entries = {(e["layout"], e["m"]): e for e in gg.table_entries(points)}
+    entries = {(e["layout"], e["m"]): e for e in gemm_table.table_entries(points)}
     assert entries["contiguous", 8]["best"] == "upstream"  # 9 < 10
     masked = entries["masked", 8]
     assert masked["best"] == "upstream" and masked["us"] == {"swapab": 10, "normal": 12, "upstream": 11}
@@ -616,11 +621,11 @@ def test_table_entries_take_the_split_variant_with_its_boundary():
     # 16: 10 + 14 = 24, 32: 9 + 16 = 25 -> 16, faster than swapAB and DeepGEMM on both draws
     points = [split("uniform", 10, 9), split("uneven", 14, 16), pt("ours-swapab", 10.5, "uniform"),
               pt("ours-swapab", 18, "uneven"), pt("deepgemm", 10.2, "uniform"), pt("deepgemm", 15, "uneven")]
-    [e] = gg.table_entries(points)
+    [e] = gemm_table.table_entries(points)
     assert e["best"] == "split" and e["config"]["split"] == {"split_at": 16}
     assert e["us"]["split"] == 10 and e["us_uneven"]["split"] == 14
-    assert gg.entry_best(e, "deepgemm") == "split"
-    [e] = gg.table_entries(points[:-1] + [pt("deepgemm", 13.9, "uneven")])  # upstream wins the uneven draw
+    assert gemm_table.entry_best(e, "deepgemm") == "split"
+    [e] = gemm_table.table_entries(points[:-1] + [pt("deepgemm", 13.9, "uneven")])  # upstream wins the uneven draw
     assert e["best"] == "upstream"
 
 
@@ -645,14 +650,16 @@ def test_table_entries_judge_a_tuned_variant_by_one_config_on_both_draws():
                 "tokens_per_group": 8, "layout": "masked", "distribution": dist}
 
     # A: 10 + 20 = 30, B: 10.5 + 12 = 22.5 -> B, which loses the uniform draw to upstream's 10.2
-    [e] = gg.table_entries([ours("uniform", 10, 10.5), ours("uneven", 20, 12), up("uniform", 10.2), up("uneven", 13)])
+    [e] = gemm_table.table_entries([ours("uniform", 10, 10.5), ours("uneven", 20, 12), up("uniform", 10.2),
+                                    up("uneven", 13)])
     assert e["us"]["swapab"] == 10.5 and e["us_uneven"]["swapab"] == 12 and e["config"]["swapab"] == tiles(b)
     assert e["best"] == "upstream"
     # each draw's own fastest would have claimed a win on both (10 < 10.2, 12 < 13); with upstream at 10.6 B wins
-    [e] = gg.table_entries([ours("uniform", 10, 10.5), ours("uneven", 20, 12), up("uniform", 10.6), up("uneven", 13)])
+    [e] = gemm_table.table_entries([ours("uniform", 10, 10.5), ours("uneven", 20, 12), up("uniform", 10.6),
+                                    up("uneven", 13)])
     assert e["best"] == "swapab" and e["config"]["swapab"] == tiles(b)
     # a config that failed the error check on either draw is never shipped
-    [e] = gg.table_entries([ours("uniform", 10, 10.5), ours("uneven", 20, 12, bad=b), up("uniform", 10.6),
+    [e] = gemm_table.table_entries([ours("uniform", 10, 10.5), ours("uneven", 20, 12, bad=b), up("uniform", 10.6),
                             up("uneven", 25)])
     assert e["config"]["swapab"] == tiles(a) and e["us_uneven"]["swapab"] == 20 and e["best"] == "swapab"
     # runs before session 38 name only the fastest trial's tiles (the point's config): A is known from the uniform
@@ -661,7 +668,7 @@ def test_table_entries_judge_a_tuned_variant_by_one_config_on_both_draws():
     for p in old:
         for t in p["trials"]:
             del t["tiles"]
-    [e] = gg.table_entries(old + [up("uniform", 10.6), up("uneven", 13)])
+    [e] = gemm_table.table_entries(old + [up("uniform", 10.6), up("uneven", 13)])
     assert e["config"]["swapab"] == tiles(b) and e["us"]["swapab"] == 10.5
 
 

@@ -22,7 +22,7 @@ upstream's function runs unchanged with the same arguments.
    callers have shapes the table does not hold and stay upstream). Ours when the table's 'masked'
    entries say so for (groups, expected_m, N, K); plain FP8 with fp32 scales and no overlap signal.
 
-Table (sgl_kernel_ext.grouped_gemm_fp8.load_table): this user's re-tune
+Table (sgl_kernel_ext.gemm_table.load_table): this user's re-tune
 ~/.cache/sglang_h20/grouped_gemm_<gpu>.json first, else the shipped
 python/sglang_h20/tables/grouped_gemm_<gpu>.json. Re-tune on your GPU with one command:
     python benchmark/kernels/bench_grouped_gemm.py --tune [--groups <experts per GPU> ...]
@@ -60,9 +60,9 @@ _note = OnceLog(log, "swapab: upstream for ")  # each reason for going upstream,
 
 def reset() -> None:
     """Forget cached decisions and logged reasons (tests, or after writing a new table)."""
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
-    gg.forget_tables()
+    gemm_table.forget_tables()
     _note.clear()
     plan_moe.cache_clear()
     _masked_choice.cache_clear()
@@ -91,11 +91,12 @@ def expected_load(num_tokens: int, top_k: int, num_experts: int) -> tuple[float,
 def plan_moe(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
              gpu_name: str | None = None) -> MoePlan | None:
     """Ours (a MoePlan) or upstream (None) for one fused MoE call; the table decides both GEMMs."""
+    from sgl_kernel_ext import gemm_table
     from sgl_kernel_ext import grouped_gemm_fp8 as gg
 
     active, m = expected_load(num_tokens, top_k, num_experts)
-    up = gg.table_choice(m, 2 * inter, hidden, active, "contiguous", gpu_name)
-    down = gg.table_choice(m, hidden, inter, active, "contiguous", gpu_name)
+    up = gemm_table.table_choice(m, 2 * inter, hidden, active, "contiguous", gpu_name)
+    down = gemm_table.table_choice(m, hidden, inter, active, "contiguous", gpu_name)
     what = f"MoE {num_tokens} tokens x top-{top_k} over {num_experts} experts (~{active:.1f} active, m~{m:.1f})"
     if up.best == "upstream" or down.best != up.best:
         log.debug("swapab: %s -> upstream (gate_up: %s; down: %s)", what, up.why, down.why)
@@ -116,9 +117,9 @@ def plan_moe(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: 
 
 @functools.lru_cache(maxsize=1024)
 def _masked_choice(expected_m: int, n: int, k: int, groups: int, gpu_name: str | None):
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
-    return gg.table_choice(max(expected_m, 1), n, k, groups, "masked", gpu_name)
+    return gemm_table.table_choice(max(expected_m, 1), n, k, groups, "masked", gpu_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,27 +291,27 @@ def masked_gemm_hook(original, lhs, rhs, out, masked_m, expected_m, overlap_args
 def hooks(settings: Settings) -> list[Hook]:
     """Both hooks when this GPU has a table; none when it has not (Unsupported: the feature's one log line)."""
     global _gpu
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
     from sglang_h20 import compat
     from sglang_h20.features import Unsupported
 
     g = compat.gpu()
-    _gpu = g.name if g else gg._gpu_name()
+    _gpu = g.name if g else gemm_table.this_gpu()
     reset()
-    if gg.load_table(_gpu) is None:
-        raise Unsupported(f"there is no grouped-GEMM table for {_gpu} (looked for {gg.user_table_path(_gpu)}, "
-                          f"{gg.table_path(_gpu)}; measure one with: python benchmark/kernels/bench_grouped_gemm.py "
-                          f"--tune), so every MoE GEMM stays upstream")
+    if gemm_table.load_table(_gpu) is None:
+        raise Unsupported(f"there is no grouped-GEMM table for {_gpu} (looked for {gemm_table.user_table_path(_gpu)}, "
+                          f"{gemm_table.table_path(_gpu)}; measure one with: python "
+                          f"benchmark/kernels/bench_grouped_gemm.py --tune), so every MoE GEMM stays upstream")
     return [Hook(TRITON_MOE, fused_experts_hook, "around"), Hook(DEEPEP_MASKED, masked_gemm_hook, "around"),
             *dense_linear.hooks()]
 
 
 def enabled(settings: Settings) -> None:
     """Once on: the table in force (the plugin calls this after the feature's line)."""
-    from sgl_kernel_ext import grouped_gemm_fp8 as gg
+    from sgl_kernel_ext import gemm_table
 
-    table = gg.load_table(_gpu)
+    table = gemm_table.load_table(_gpu)
     wins = sum(e["best"] != "upstream" for e in table["entries"])
     dense, dense_wins = dense_linear.dense_entries(table)
     other = "" if table.get("gpu") == _gpu else f" (measured on {table.get('gpu')}, running on {_gpu})"
