@@ -143,9 +143,14 @@ def source_hotspots(ncu: str, rep: Path, out: Path, timeout_s: float, top: int =
         key = next((h for h in header or () if h.startswith("Warp Stall Sampling (All")), None)
         if not (key and rows) or any(k["kernel"] == label[:300] for k in kernels):  # ncu may print a kernel twice
             return
-        num = lambda r: float((r.get(key) or "0").replace(",", "") or 0)  # noqa: E731
-        keep = lambda h, v: (h in ("Address", "Source", "Instructions Executed") or h.startswith("Warp Stall")  # noqa: E731
-                             or (h.startswith("stall_") and v not in ("", "0", "-")))
+
+        def num(r):
+            return float((r.get(key) or "0").replace(",", "") or 0)
+
+        def keep(h, v):
+            return (h in ("Address", "Source", "Instructions Executed") or h.startswith("Warp Stall")
+                    or (h.startswith("stall_") and v not in ("", "0", "-")))
+
         kernels.append({"kernel": label[:300], "samples": sum(num(r) for r in rows),
                         "top": [{h: v for h, v in r.items() if keep(h, v)}
                                 for r in sorted(rows, key=num, reverse=True)[:top]]})

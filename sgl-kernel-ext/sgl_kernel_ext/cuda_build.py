@@ -2,6 +2,7 @@
 flags and nvcc (a content hash names the cached library), built on the GPU host at first use."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -32,6 +33,16 @@ def find_nvcc() -> str | None:
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     return None
+
+
+def open_library(path: Path, entry: str, argtypes) -> ctypes.CDLL:
+    """A built library with its calling convention typed: `entry` launches and returns an error code, and
+    `entry`_error_string turns that code into text (every kernel library here follows it)."""
+    lib = ctypes.CDLL(str(path))
+    launch, explain = getattr(lib, entry), getattr(lib, entry + "_error_string")
+    launch.restype, launch.argtypes = ctypes.c_int, argtypes
+    explain.restype, explain.argtypes = ctypes.c_char_p, [ctypes.c_int]
+    return lib
 
 
 def compile_library(src: Path, flags, nvcc: str | None, verbose: bool = True) -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .cuda_build import NVCC_FLAGS, compile_library, device_problem, find_nvcc
+from .cuda_build import NVCC_FLAGS, compile_library, device_problem, find_nvcc, open_library
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_gemm_fp8_sm90.cu"
 BLOCK = 128  # K must be a multiple of it (the scale block), N of the form's columns
@@ -46,12 +46,7 @@ def _load(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     key = tuple(sorted(set(defines)))
     if key not in _libs:
         flags = (*NVCC_FLAGS, *(f"-D{d}" for d in key))
-        lib = ctypes.CDLL(str(compile_library(SOURCE, flags, find_nvcc())))
-        lib.grouped_gemm_fp8_sm90.restype = ctypes.c_int
-        lib.grouped_gemm_fp8_sm90.argtypes = _ARGTYPES
-        lib.grouped_gemm_fp8_sm90_error_string.restype = ctypes.c_char_p
-        lib.grouped_gemm_fp8_sm90_error_string.argtypes = [ctypes.c_int]
-        _libs[key] = lib
+        _libs[key] = open_library(compile_library(SOURCE, flags, find_nvcc()), "grouped_gemm_fp8_sm90", _ARGTYPES)
     return _libs[key]
 
 
@@ -142,8 +137,8 @@ def m_grouped_fp8_gemm_nt_cuda(a: torch.Tensor, a_scale: torch.Tensor, b: torch.
     sa_strides = a_scale.stride() if masked_m is not None else (0, *a_scale.stride())
     lib = _load(tuple(defines))
     err = lib.grouped_gemm_fp8_sm90(ptr(a), ptr(a_scale), *sa_strides, ptr(b), ptr(b_scale), ptr(out),
-                                        ptr(m_indptr), ptr(masked_m), rows, groups, max_m, n, k, sms,
-                                        FORMS.index(form), torch.cuda.current_stream(a.device).cuda_stream)
+                                    ptr(m_indptr), ptr(masked_m), rows, groups, max_m, n, k, sms,
+                                    FORMS.index(form), torch.cuda.current_stream(a.device).cuda_stream)
     if err:
         raise RuntimeError(f"grouped_gemm_fp8_sm90: {lib.grouped_gemm_fp8_sm90_error_string(err).decode()}")
     return out

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from . import mla_decode as _triton_mla
-from .cuda_build import NVCC_FLAGS, compile_library, device_problem
+from .cuda_build import NVCC_FLAGS, compile_library, device_problem, open_library
 from .cuda_build import find_nvcc as _find_nvcc  # module attribute: the tests fake it
 from .hostmath import cdiv
 from .mla_decode import (
@@ -187,12 +187,7 @@ def _load(version: int = 1, defines=()):
     lib = _libs.get(key)
     if lib is not None:
         return lib
-    lib = ctypes.CDLL(str(build(version=version, defines=key[1])))
-    f = lib.mla_fp8_decode_sm90
-    f.restype = ctypes.c_int
-    f.argtypes = LAUNCH_ARGTYPES
-    lib.mla_fp8_decode_sm90_error_string.restype = ctypes.c_char_p
-    lib.mla_fp8_decode_sm90_error_string.argtypes = [ctypes.c_int]
+    lib = open_library(build(version=version, defines=key[1]), "mla_fp8_decode_sm90", LAUNCH_ARGTYPES)
     _libs[key] = lib
     return lib
 

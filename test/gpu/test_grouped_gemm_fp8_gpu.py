@@ -136,8 +136,9 @@ def test_cuda_normal_variant_moe_shapes(mods, shape, groups):
 def test_cuda_multicast_forms_repeat_bit_identically(mods):
     """The multicast forms' cluster protocol (peer writes into this CTA's slots, remote releases) under repetition:
     300 launches per form over grids of 2..132 CTAs (odd ones rounded down to whole clusters), uneven experts with
-    an empty one and odd row-block counts (the weight-tile form's pairs with an empty second tile), each output bit-identical to the first launch's and that one within REL of the reference. A race
-    shows as a mismatch; a lost arrival as the kernel's wait trap (a launch error), not a hang."""
+    an empty one and odd row-block counts (the weight-tile form's pairs with an empty second tile), each output
+    bit-identical to the first launch's and that one within REL of the reference. A race shows as a mismatch; a lost
+    arrival as the kernel's wait trap (a launch error), not a hang."""
     from sgl_kernel_ext import grouped_gemm_cuda as ggc
 
     ok, why = ggc.available()
