@@ -19,7 +19,7 @@ fp8 + scales), and the decode step is a documented GPU-shaped stand-in:
                  layer of all N x E slots of the host): on one GPU every move is a local copy; on
                  N GPUs (topology 1 node x N) about 1/N of the moves are local and the rest are
                  P2P copies between GPUs (NVLink).
-  ours         = sglang_h20.eplb.migration: plan_migration + MigrationExecutor (world 1: in-process
+  ours         = sglang_h20.eplb: migration_plan.plan_migration + migration.MigrationExecutor (world 1: in-process
                  store; world N: the default group's store and a dedicated migration process group,
                  so its P2P never interleaves with the step's all-reduce): local copies and P2P
                  batches into staging on its side CUDA stream, paced at --copy-gbps, started at the
@@ -61,8 +61,8 @@ import torch.distributed as dist
 from sglang_h20 import provenance
 from sglang_h20.cliargs import positive_int
 from sglang_h20.eplb.async_rebalance import TUNING, nccl_options
-from sglang_h20.eplb.migration import (KINDS, LAUNCH_MODES, MigrationExecutor, connect_peers, pacing,
-                                       plan_migration)
+from sglang_h20.eplb.migration import LAUNCH_MODES, MigrationExecutor, connect_peers, pacing
+from sglang_h20.eplb.migration_plan import KINDS, plan_migration
 from sglang_h20.eplb.placement import Placement, Topology
 
 H, I = 7168, 2048  # DeepSeek-V3 hidden / moe_intermediate

@@ -1,8 +1,7 @@
-"""Asynchronous hierarchical expert migration (sglang_h20.eplb.migration).
+"""Asynchronous hierarchical expert migration: the executor (sglang_h20.eplb.migration; its planner's tests are in
+test_eplb_migration_plan.py).
 
-Planner: hand-built placements with hand-checked sources (local preference, NVLink spreading,
-one network fetch per node and expert + forwards), budget per chunk, totals.
-Executor: real gloo across 4 spawned processes = 2 nodes x 2 GPUs, 3 slots per GPU, 8 experts,
+Real gloo across 4 spawned processes = 2 nodes x 2 GPUs, 3 slots per GPU, 8 experts,
 3 MoE layers. Every process runs a paced "decode loop" computing, per layer, a checksum of the
 expert weights its routing map points to, while the migration runs in the background:
   (a) every step's per-layer checksum equals the old-placement or the new-placement value, and a
@@ -28,182 +27,12 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_h20.eplb.migration import (FLUSH_EVERY, KINDS, MAX_RUNS, MigrationExecutor, _copy_rows, _parse, _runs,
-                                       boundary_schedule, plan_migration)
+from sglang_h20.eplb.migration import MAX_RUNS, MigrationExecutor, _copy_rows, _parse, _runs
+from sglang_h20.eplb.migration_plan import KINDS, boundary_schedule, plan_migration
 from sglang_h20.eplb.peer_copies import share_weights
 from sglang_h20.eplb.placement import Placement, Topology
 
-# ----------------------------------------------------------------------------- planner
-T222 = Topology(num_nodes=2, gpus_per_node=2, slots_per_gpu=3)  # GPU g: slots 3g..3g+2; node g//2
-EB = 1000  # expert bytes for planner tests
-
-
-def P(rows, topo=T222, experts=8) -> Placement:
-    p = Placement(np.array(rows, dtype=np.int64), topo, experts)
-    p.validate()
-    return p
-
-
-def by_kind(plan):
-    out = defaultdict(list)
-    for t in plan.transfers:
-        out[t.kind].append(t)
-    return out
-
-
-def test_local_copy_preferred_over_links():
-    # GPU0 holds 0,1,0; new GPU0 = 1,0,1: every change can be served from GPU0 itself, although
-    # GPU1 (same node) and node 1 hold copies too.
-    old = P([[0, 1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
-    new = P([[1, 0, 1, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
-    plan = plan_migration(old, new, EB, 10 * EB)
-    assert [(t.kind, t.link, t.src_rank, t.src_slot, t.dst_slot) for t in plan.transfers] == [
-        ("local", "gpu", 0, 1, 0), ("local", "gpu", 0, 0, 1), ("local", "gpu", 0, 1, 2)]
-    assert plan.totals["link_bytes"] == {"gpu": 3 * EB, "nvlink": 0, "network": 0}
-
-
-def test_nvlink_sources_spread_over_holders():
-    # one node, 4 GPUs x 2 slots; experts 0,1 on GPU0 and GPU1, experts 2,3 on GPU2 and GPU3.
-    topo = Topology(1, 4, 2)
-    old = P([[0, 1, 0, 1, 2, 3, 2, 3]], topo, 4)
-    new = P([[0, 1, 2, 3, 0, 1, 2, 3]], topo, 4)  # GPU1 needs 2,3; GPU2 needs 0,1
-    plan = plan_migration(old, new, EB, 10 * EB)
-    ts = plan.transfers
-    assert {t.kind for t in ts} == {"nvlink"}
-    to1 = [t.src_rank for t in ts if t.dst_rank == 1]
-    to2 = [t.src_rank for t in ts if t.dst_rank == 2]
-    assert sorted(to1) == [2, 3] and sorted(to2) == [0, 1]  # two holders each: one copy from each
-    for t in ts:  # the source slot really holds the expert in the old placement
-        assert old.phy2log[0, t.src_slot] == t.expert == new.phy2log[0, t.dst_slot]
-
-
-def test_network_fetched_once_per_node_then_forwarded():
-    old = P([[0, 1, 0, 2, 3, 2, 4, 5, 4, 6, 7, 6]])
-    # node 0 (GPUs 0,1) newly needs 4 in slots 2 and 5; node 1 (GPUs 2,3) needs 0 in slots 8, 11.
-    new = P([[0, 1, 4, 2, 3, 4, 4, 5, 0, 6, 7, 0]])
-    plan = plan_migration(old, new, EB, 10 * EB)
-    k = by_kind(plan)
-    assert len(k["network"]) == 2 and len(k["forward"]) == 2 and not k["local"] and not k["nvlink"]
-    net = {t.expert: t for t in k["network"]}
-    assert net[4].src_rank == 2 and net[4].dst_rank in (0, 1)   # only GPU2 held expert 4
-    assert net[0].src_rank == 0 and net[0].dst_rank in (2, 3)
-    for f in k["forward"]:
-        head = plan.transfers[f.src_tid]
-        assert head.kind == "network" and head.expert == f.expert and head.layer == f.layer
-        assert (f.src_rank, f.src_slot) == (head.dst_rank, head.dst_slot)
-        assert f.link == "nvlink" and f.dst_rank // 2 == head.dst_rank // 2
-    assert {f.dst_slot for f in k["forward"]} | {t.dst_slot for t in k["network"]} == {2, 5, 8, 11}
-    stages = [s.kind for s in plan.chunks[0].stages]
-    assert stages == ["network", "forward"]
-    assert plan.totals["link_bytes"] == {"gpu": 0, "nvlink": 2 * EB, "network": 2 * EB}
-
-
-def test_same_gpu_duplicate_fetched_once():
-    old = P([[0, 1, 0, 2, 3, 2, 4, 5, 4, 6, 7, 6]])
-    new = P([[0, 4, 4, 2, 3, 2, 1, 5, 4, 6, 7, 6]])  # GPU0 needs 4 twice; node 1 needs 1 (GPU2)
-    plan = plan_migration(old, new, EB, 10 * EB)
-    k = by_kind(plan)
-    (n4,) = [t for t in k["network"] if t.expert == 4]
-    (f4,) = [t for t in k["forward"] if t.expert == 4]
-    assert n4.dst_rank == 0 and (f4.src_rank, f4.dst_rank, f4.link) == (0, 0, "gpu")
-    assert {n4.dst_slot, f4.dst_slot} == {1, 2}
-
-
-def random_placements(L, seed, topo=T222, experts=8):
-    rng = np.random.default_rng(seed)
-    rows = lambda: [rng.permutation(np.concatenate([np.arange(experts),
-                                                    rng.integers(0, experts, topo.num_slots - experts)]))
-                    for _ in range(L)]
-    return P(rows(), topo, experts), P(rows(), topo, experts)
-
-
-def test_one_node_plan_with_peer_copies_is_posted_by_the_transfer_thread():
-    """group_free: with peer copies a one-node plan uses no process group (local copies, NVLink pulls); a two-node
-    plan's network transfers and forwards keep it, so its posting stays with the decode loop (`mover`)."""
-    from sglang_h20.eplb.async_rebalance import mover
-    from sglang_h20.eplb.migration import group_free
-
-    one = Topology(1, 4, 4)
-    old, new = random_placements(3, 0, one, 12)
-    plan = plan_migration(old, new, EB, 10**9)
-    assert {t.kind for t in plan.transfers} >= {"local", "nvlink"} and group_free(plan)
-    assert mover("boundary", True, plan) == "thread" and mover("boundary", False, plan) == "boundary"
-    old, new = random_placements(3, 0, Topology(2, 2, 4), 12)
-    plan = plan_migration(old, new, EB, 10**9)
-    assert "network" in {t.kind for t in plan.transfers} and not group_free(plan)
-    assert mover("boundary", True, plan) == "boundary" and mover("thread", True, plan) == "thread"
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_plan_invariants_budget_dedup_totals(seed):
-    topo = Topology(2, 4, 4)  # 32 slots, 20 experts
-    old, new = random_placements(6, seed, topo, 20)
-    budget = 5 * EB
-    plan = plan_migration(old, new, EB, budget)
-    changed = old.phy2log != new.phy2log
-    # one transfer per changed (layer, slot), landing the right expert
-    assert sorted((t.layer, t.dst_slot) for t in plan.transfers) == sorted(map(tuple, np.argwhere(changed)))
-    slot_gpu, slot_node = topo.slot_gpu(), topo.slot_node()
-    for t in plan.transfers:
-        assert t.expert == new.phy2log[t.layer, t.dst_slot] and t.dst_rank == slot_gpu[t.dst_slot]
-        if not t.from_staging:
-            assert old.phy2log[t.layer, t.src_slot] == t.expert and slot_gpu[t.src_slot] == t.src_rank
-        held_gpu = t.expert in old.phy2log[t.layer][slot_gpu == t.dst_rank]
-        held_node = t.expert in old.phy2log[t.layer][slot_node == slot_node[t.dst_slot]]
-        expect = "local" if held_gpu else "nvlink" if held_node else None
-        if expect:
-            assert t.kind == expect or (t.kind == "forward" and expect == "nvlink")
-        else:
-            assert t.kind in ("network", "forward")
-    # dedup: at most one network fetch per (layer, destination node, expert)
-    net = Counter((t.layer, t.dst_rank // 4, t.expert) for t in plan.transfers if t.kind == "network")
-    assert net and max(net.values()) == 1
-    needing = {(l, slot_node[s], new.phy2log[l, s]) for l, s in np.argwhere(changed)
-               if new.phy2log[l, s] not in old.phy2log[l][slot_node == slot_node[s]]}
-    assert set(net) == needing
-    # forwards read a buffer filled in an earlier stage of the same chunk
-    stage_of = {tid: (c.index, i) for c in plan.chunks for i, s in enumerate(c.stages) for tid in s.tids}
-    for t in plan.transfers:
-        if t.from_staging:
-            h = plan.transfers[t.src_tid]
-            assert h.kind in ("network", "nvlink") and (h.dst_rank, h.dst_slot) == (t.src_rank, t.src_slot)
-            assert stage_of[h.tid][0] == stage_of[t.tid][0] and stage_of[h.tid][1] < stage_of[t.tid][1]
-    # chunks: whole layers, stage order, staging per rank within the budget
-    assert sorted(plan.layers) == sorted(set(np.flatnonzero(changed.any(axis=1))))
-    assert len(plan.chunks) >= 2
-    for c in plan.chunks:
-        assert [s.kind for s in c.stages] == [k for k in KINDS if k in {s.kind for s in c.stages}]
-        per_rank = Counter(plan.transfers[tid].dst_rank for s in c.stages for tid in s.tids)
-        assert all(per_rank[r] * EB == c.staging_bytes[r] <= budget for r in range(topo.num_gpus))
-        assert {plan.transfers[tid].layer for s in c.stages for tid in s.tids} <= set(c.layers)
-    for l in plan.layers:  # completion sets partition the layer's transfers by destination
-        sets = plan.completion[l]
-        assert set().union(*sets) == {t.tid for t in plan.transfers if t.layer == l}
-        assert all(plan.transfers[i].dst_rank == r for r, s in enumerate(sets) for i in s)
-    # totals add up
-    tot = plan.totals
-    assert sum(tot["copies"].values()) == tot["changed_slots"] == changed.sum() == len(plan.transfers)
-    assert sum(tot["bytes"].values()) == sum(tot["link_bytes"].values()) == tot["total_bytes"] \
-        == len(plan.transfers) * EB
-    assert tot["copies"]["network"] == len(needing)
-    assert tot["max_staging_bytes"] <= budget and tot["num_chunks"] == len(plan.chunks)
-    try:  # same local / off-GPU split as the simulator's pricing (which does not dedup)
-        from sglang_h20.eplb.simulate import migration_bytes
-    except ImportError:
-        return
-    sim = migration_bytes(old, new, EB)
-    assert sim["copies_local"] == tot["copies"]["local"]
-    assert sim["copies_nvlink"] + sim["copies_network"] == sum(tot["copies"][k] for k in KINDS[1:])
-
-
-def test_budget_too_small_and_single_chunk():
-    old, new = random_placements(3, 0)
-    with pytest.raises(ValueError, match="staging budget"):
-        plan_migration(old, new, EB, EB)  # a GPU needs >1 expert for some layer
-    plan = plan_migration(old, new, EB, 10**9)
-    assert len(plan.chunks) == 1 and plan.chunks[0].layers == (0, 1, 2)
-    same = plan_migration(old, old, EB, EB)
-    assert same.transfers == () and same.chunks == () and same.totals["total_bytes"] == 0
+from test_eplb_migration_plan import EB, T222, random_placements
 
 
 def test_executor_rejects_wrong_expert_bytes():
@@ -757,24 +586,6 @@ def test_boundary_walk_posts_one_send_and_one_receive_per_rank():
     kinds = [(k, what) for k, what, *_ in ex._launched]
     assert kinds == [("open", 0), ("batch", {t for b in batches[0] for t in b if plan.transfers[t].dst_rank == 0})]
     assert len(ex._launched[1][2]) == 8  # 4 sends and 4 receives of rank 0, one tensor each
-
-
-def test_boundary_schedule_tells_the_waiter_at_layer_ends_and_every_flush_every_batches():
-    """Local copies only (one GPU): one per boundary; the waiter is told after each layer's last copy, at the
-    chunk's end and every FLUSH_EVERY-th batch, the same batches on every rank."""
-    topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=20)
-    rng = np.random.default_rng(3)
-    old = Placement(np.tile(np.arange(20), (2, 1)), topo, 20)
-    new = Placement(np.stack([rng.permutation(20), rng.permutation(20)]), topo, 20)
-    plan = plan_migration(old, new, 8, 20 * 8)  # one layer per chunk
-    batches, flush = boundary_schedule(plan, 1)
-    assert len(batches) == 2 and all(len(b) == 1 for c in batches for b in c)
-    for c, chunk in enumerate(batches):
-        n = len(chunk)
-        assert n == sum(plan.transfers[t].layer == plan.chunks[c].layers[0] for t in range(len(plan.transfers)))
-        assert [k for k in range(n) if flush[c][k]] == sorted({*range(FLUSH_EVERY - 1, n, FLUSH_EVERY), n - 1})
-    batches3, _ = boundary_schedule(plan, 3)
-    assert [len(b) for b in batches3[0]][:-1] == [3] * (len(batches3[0]) - 1)
 
 
 def test_ipc_handle_from_torchs_shareable_handle():

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from sglang_h20.eplb.migration import MigrationExecutor, plan_migration  # noqa: E402
+from sglang_h20.eplb.migration import MigrationExecutor  # noqa: E402
+from sglang_h20.eplb.migration_plan import plan_migration  # noqa: E402
 from sglang_h20.eplb.placement import Placement, Topology  # noqa: E402
 
 K, L, ROW = 32, 3, 1 << 18  # slots, MoE layers, bytes per expert (as FP8 weights + fp32 scales below)

@@ -49,7 +49,8 @@ def _expected(l: int, e: int) -> list[torch.Tensor]:
 def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
     import torch.distributed as dist
 
-    from sglang_h20.eplb.migration import MigrationExecutor, group_free, pacing, plan_migration
+    from sglang_h20.eplb.migration import MigrationExecutor, pacing
+    from sglang_h20.eplb.migration_plan import group_free, plan_migration
     from sglang_h20.eplb.peer_copies import share_weights
     from sglang_h20.eplb.placement import Placement, Topology
 

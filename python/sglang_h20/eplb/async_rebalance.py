@@ -90,7 +90,8 @@ import torch.distributed as dist
 
 from sglang_h20.abstats import nearest_rank
 from sglang_h20.eplb import throttle
-from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, group_free, pacing, plan_migration, slot_digests
+from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, pacing, slot_digests
+from sglang_h20.eplb.migration_plan import group_free, plan_migration
 from sglang_h20.eplb.peer_copies import share_weights
 from sglang_h20.eplb.placement import Placement, Topology
 from sglang_h20.features import Hook
