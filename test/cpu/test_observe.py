@@ -21,8 +21,8 @@ import torch
 
 from sglang_h20 import compat
 from sglang_h20.features import Feature, decide
-from sglang_h20.observe import analyze, export, report, stages, synth
-from sglang_h20.observe.stages import OUTSIDE, StageRecorder
+from sglang_h20.observe import analyze, export, recorder, report, stages, synth
+from sglang_h20.observe.recorder import OUTSIDE, CpuClock, StageRecorder, remote_share
 from sglang_h20.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,7 +144,7 @@ def test_recorder_waits_for_events_and_survives_exceptions():
 
 
 class _PerfCounter:
-    """The `time` module as stages.CpuClock sees it: perf_counter is a virtual clock that moves by the workload's
+    """The `time` module as CpuClock sees it: perf_counter is a virtual clock that moves by the workload's
     sleeps plus 10 us per reading (the recorder's own bookkeeping); everything else is the real module."""
 
     def __init__(self):
@@ -167,8 +167,8 @@ def test_recorder_cpu_clock_sums_match_step_time(monkeypatch):
     perf_counter is virtual here: with real sleeps on a loaded 2-core CI host a stage can overshoot its sleep
     by any amount of scheduler delay, and a wall-clock bound on it (or on the coverage) fails by chance."""
     clk = _PerfCounter()
-    monkeypatch.setattr(stages, "time", clk)
-    rec = StageRecorder(clock=stages.CpuClock())
+    monkeypatch.setattr(recorder, "time", clk)
+    rec = StageRecorder(clock=CpuClock())
     plan = {"attention": 0.004, "router": 0.001, "dispatch": 0.002, "routed_experts": 0.003, "combine": 0.002}
     rec.begin_step(5)
     for layer in range(3):
@@ -222,8 +222,8 @@ def test_record_load_counts_and_balancedness():
     one.end_step()
     (r1,) = one.poll()
     assert r1["expert_load"] == [[1, 0, 0, 1, 0, 3, 0, 1]] and "token_leave_share" not in r1
-    assert stages.remote_share([[0, 0, 3, 1], [2, 0, 0, 0]], 2, 2, rank=1) == [0.0, 1.0]
-    assert stages.remote_share([[0, 0, 0, 0]], 2, 2, rank=0) == [0.0]  # nothing routed
+    assert remote_share([[0, 0, 3, 1], [2, 0, 0, 0]], 2, 2, rank=1) == [0.0, 1.0]
+    assert remote_share([[0, 0, 0, 0]], 2, 2, rank=0) == [0.0]  # nothing routed
 
 
 # ----------------------------------------------------------------------------- hooks on a fake runner
@@ -336,7 +336,7 @@ class _ListExporter:
 
 def test_hooks_sample_eagerly_and_keep_graphs_otherwise(wrapped_fakes):
     exp = _ListExporter()
-    stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=stages.CpuClock(), rank=0))
+    stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=CpuClock(), rank=0))
     runner = _Runner()
     decode = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"), batch_size=2,
                              input_ids=torch.zeros(2))
@@ -368,7 +368,7 @@ class _Mark:
         self.t, self.done = time.perf_counter(), True
 
 
-class _ReplayClock(stages.CpuClock):
+class _ReplayClock(CpuClock):
     name = "fake_graph"
 
     def __init__(self):
@@ -536,14 +536,14 @@ def test_a_failed_twin_capture_falls_back_to_eager_sampling(twin_fakes, caplog):
 
 def test_hooks_leave_draft_runners_and_off_switch_alone(wrapped_fakes):
     exp = _ListExporter()
-    stages.configure(1.0, exporter=exp, recorder=StageRecorder(clock=stages.CpuClock()))
+    stages.configure(1.0, exporter=exp, recorder=StageRecorder(clock=CpuClock()))
     runner = _Runner()
     runner.is_draft_worker = True
     decode = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"))
     for _ in range(3):
         runner.forward(decode)
     assert runner.eager_passes == [] and exp.records == []
-    stages.configure(0.0, exporter=exp, recorder=StageRecorder(clock=stages.CpuClock()))
+    stages.configure(0.0, exporter=exp, recorder=StageRecorder(clock=CpuClock()))
     runner.is_draft_worker = False
     for _ in range(3):
         runner.forward(decode)
@@ -579,7 +579,7 @@ def test_control_file_flips_sampling_at_due_passes_only(wrapped_fakes, tmp_path)
     path = tmp_path / "control"
     _set_control(path, 0)
     exp = _ListExporter()
-    stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=stages.CpuClock()),
+    stages.configure(0.25, exporter=exp, recorder=StageRecorder(clock=CpuClock()),
                      control=stages.Control(str(path), every=4))
     runner = _Runner()
     for _ in range(10):  # 1-3 at 0.25 from the env (pass 2: graph reference), 4: control says 0
@@ -614,7 +614,7 @@ def test_control_file_value_comes_from_rank_zero_on_every_rank(wrapped_fakes, tm
     monkeypatch.setattr(dist, "broadcast_object_list", fake_broadcast)
     path = tmp_path / "control"
     _set_control(path, 0)  # this rank would read 0: it must not
-    stages.configure(0.25, exporter=_ListExporter(), recorder=StageRecorder(clock=stages.CpuClock()),
+    stages.configure(0.25, exporter=_ListExporter(), recorder=StageRecorder(clock=CpuClock()),
                      control=stages.Control(str(path), every=4))
     runner = _Runner()
     runner.tp_group = SimpleNamespace(world_size=2, rank_in_group=1, ranks=[10, 11], cpu_group="gloo")

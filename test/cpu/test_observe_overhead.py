@@ -11,7 +11,7 @@ import pytest
 
 from sglang_h20 import abstats
 from sglang_h20.observe import export, synth
-from sglang_h20.observe.stages import CpuClock, StageRecorder
+from sglang_h20.observe.recorder import CpuClock, StageRecorder
 
 from repo_scripts import load_script
 

@@ -43,7 +43,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from sglang_h20.observe.stages import COMMUNICATION_STAGES, EXPERT_STAGES, OUTSIDE, STAGES, rank_loads
+from sglang_h20.observe.recorder import COMMUNICATION_STAGES, EXPERT_STAGES, OUTSIDE, STAGES, rank_loads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """Where observe records go: rolling JSON-lines dumps, and Prometheus series on SGLang's /metrics.
 
-Record schema (one JSON object per line; `stages.StageRecorder.poll` and `synth` write it):
+Record schema (one JSON object per line; `recorder.StageRecorder.poll` and `synth` write it):
 
 kind "stages" (a sampled decode pass: an instrumented graph twin replayed, graph_sampled=true and window_ms,
                or in the fallback an eager pass):
     ts (unix s), rank, step (ModelRunner.forward_pass_id, the same on every rank), mode, eager,
     clock ("cuda" events or "cpu" perf_counter), step_ms, cpu_ms (host time of the pass),
-    layers: [{layer, stages: {stage: ms}, overlap: {stage: ms}?}],  stage names: stages.STAGES
+    layers: [{layer, stages: {stage: ms}, overlap: {stage: ms}?}],  stage names: recorder.STAGES
     outside: {"outside_layers": ms, ...}   (step time outside every layer frame)
     coverage: share of step_ms inside layer frames
     graph_would_run: whether SGLang would have replayed a graph (null: unknown)

@@ -29,7 +29,7 @@ import re
 
 import numpy as np
 
-from sglang_h20.observe.stages import OUTSIDE, STAGES, balancedness, rank_loads
+from sglang_h20.observe.recorder import OUTSIDE, STAGES, balancedness, rank_loads
 
 BASE_MS = {"attention": 0.060, "router": 0.012, "dispatch": 0.045, "routed_experts": 0.070,
            "combine": 0.050, "shared_expert": 0.022, "dense_mlp": 0.080, "moe_other": 0.006,
