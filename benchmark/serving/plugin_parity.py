@@ -27,7 +27,10 @@ PHASE_ENV = {"upstream": {"SGLANG_PLUGINS": "__none__"}, "plugin-off": {},
              # the features that keep the model's numerics (the policy picks MHA or MLA: bf16 rounding
              # only; observation, whose sampled passes replay instrumented twins of the decode graphs, at
              # --observe-fraction): greedy ids are reported against the first phase
-             "features": {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_OBSERVE": "0.001"}}
+             "features": {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_OBSERVE": "0.001"},
+             # each of the two alone: which one costs what 'features' costs (EP 2 ran at 0.92x upstream, session 14)
+             "policy": {"SGLANG_H20_MHA_MLA_POLICY": "se"}, "observe": {"SGLANG_H20_OBSERVE": "0.001"}}
+COMPARED = ("plugin-off", "features", "policy", "observe")  # each against upstream in the record's summary
 PLUGIN_MARK = "[sglang-h20 pid"
 HOOKS_APPLIED = re.compile(r"hooks applied: (\d+)/(\d+)")
 
@@ -96,7 +99,7 @@ def summarize(phases: list[dict]) -> dict:
                                   "spread_pct": 100 * (max(v) - min(v)) / statistics.median(v)}
                               for k, v in tput.items()},
     }
-    for other in ("plugin-off", "features"):  # against upstream, same run: output tok/s and median ITL
+    for other in COMPARED:  # against upstream, same run: output tok/s and median ITL
         if {"upstream", other} <= tput.keys():
             key = "plugin" if other == "plugin-off" else other
             summary[f"{key}_vs_upstream_median_ratio"] = statistics.median(tput[other]) / statistics.median(
@@ -105,7 +108,7 @@ def summarize(phases: list[dict]) -> dict:
             if all(v and None not in v for v in itl.values()):
                 summary[f"{key}_vs_upstream_median_itl_ratio"] = (statistics.median(itl[other])
                                                                   / statistics.median(itl["upstream"]))
-    if "upstream" in tput and tput.keys() & {"plugin-off", "features"}:  # a ratio above: the spread beside it
+    if "upstream" in tput and tput.keys() & set(COMPARED):  # a ratio above: the spread beside it
         summary["run_to_run_spread_pct"] = max(s["spread_pct"] for s in summary["output_throughput"].values())
     return summary
 
@@ -127,7 +130,8 @@ def main() -> int:
     ap.add_argument("--phases", nargs="+", default=["upstream", "plugin-off", "upstream", "plugin-off"],
                     choices=sorted(PHASE_ENV),
                     help="servers to run, in order: upstream (plugin not loaded), plugin-off (loaded, features "
-                         "off), features (policy se + observation) (default: %(default)s)")
+                         "off), features (policy se + observation), policy or observe (one of the two alone) "
+                         "(default: %(default)s)")
     ap.add_argument("--server-args", default="--load-format dummy",
                     help="flags of every server, one string (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, help="bench_serving runs per phase (default: %(default)s)")
@@ -137,7 +141,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256, help="bench_serving output tokens (default: %(default)s)")
     ap.add_argument("--gen-tokens", type=int, default=32,
                     help="greedy tokens per fixed prompt, compared across phases (default: %(default)s)")
-    ap.add_argument("--observe-fraction", type=float, help="observed share of passes in 'features' (default 0.001; "
+    ap.add_argument("--observe-fraction", type=float, help="observed share of passes in 'features' and 'observe' "
+                    "(default 0.001; "
                     "0.5 makes about half of the greedy decode passes replay the instrumented twin graphs)")
     ap.add_argument("--deadline-s", type=float, default=1e9,
                     help="seconds from the start: a phase starts only if the longest one so far still fits")

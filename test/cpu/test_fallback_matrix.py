@@ -416,7 +416,7 @@ def test_mha_mla_control_file_naming_a_policy_without_a_table_keeps_serving(plug
 
     monkeypatch.setattr(compat, "gpu", lambda: H100)
     ctl = tmp_path / "policy"
-    (hook,) = mha_mla.hooks(Settings.from_env({"SGLANG_H20_MHA_MLA_POLICY": "mha",
+    hook, _ = mha_mla.hooks(Settings.from_env({"SGLANG_H20_MHA_MLA_POLICY": "mha",
                                                "SGLANG_H20_MHA_MLA_CONTROL": str(ctl)}))
     shape = BatchShape([1024], [1024])
     assert hook.fn.policy.choose(shape) == "mha"

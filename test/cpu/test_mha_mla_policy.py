@@ -212,12 +212,37 @@ def test_policy_changes_the_choice_where_upstream_is_free():
 
 
 def test_hook_target_resolves_and_policy_follows_the_switch(monkeypatch):
-    assert compat.check_target(mha_mla.TARGET) == (True, mha_mla.TARGET)
+    for target in (mha_mla.TARGET, mha_mla.BACKENDS_TARGET):
+        assert compat.check_target(target) == (True, target)
     monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 140.0))
     for value, kind in (("se", CostTable), ("mha", Forced), ("mla", Forced)):
-        (hook,) = mha_mla.hooks(Settings.from_env({"SGLANG_H20_MHA_MLA_POLICY": value}))
+        hook, note = mha_mla.hooks(Settings.from_env({"SGLANG_H20_MHA_MLA_POLICY": value}))
         assert hook.target == mha_mla.TARGET and hook.kind == "around"
         assert isinstance(hook.fn.policy, kind)
+        assert (note.target, note.kind, note.fn) == (mha_mla.BACKENDS_TARGET, "after", mha_mla.note_prefill_backend)
+
+
+def test_a_prefill_backend_with_its_own_rule_is_named_once(caplog):
+    """With --attention-backend triton (or trtllm_mla, aiter, ...) SGLang's DeepSeek prefill never reaches the hooked
+    dispatch: the switch is on and nothing changes, so one line per process says so; shared-dispatch backends
+    (flashmla, ours, ...) log nothing. Every name in SHARED_DISPATCH is registered with a handler that calls TARGET."""
+    import inspect
+    import logging
+    import types
+
+    from sglang.srt.models.deepseek_common import attention_backend_handler as h
+
+    for name in mha_mla.SHARED_DISPATCH:
+        if name != "h20_fp8_mla":  # ours registers at plugin load (fp8_mla_backend.dispatch_deepseek)
+            assert "_handle_attention_backend(" in inspect.getsource(h.AttentionBackendRegistry.get_handler(name))
+    assert "_handle_attention_backend(" not in inspect.getsource(h.AttentionBackendRegistry.get_handler("triton"))
+    mha_mla._note.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_h20.mha_mla"):
+        for name in ("flashmla", "h20_fp8_mla", None, "triton", "triton", "trtllm_mla"):
+            assert mha_mla.note_prefill_backend(None, types.SimpleNamespace(prefill_attention_backend_str=name)) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "sglang_h20.mha_mla"]
+    assert len(lines) == 2 and "'triton'" in lines[0] and "'trtllm_mla'" in lines[1], lines
+    assert all(ln.startswith("mha_mla policy: inert with prefill backend") for ln in lines)
 
 
 def test_control_file_switches_the_policy_in_a_running_server(monkeypatch, tmp_path, caplog):
@@ -228,7 +253,7 @@ def test_control_file_switches_the_policy_in_a_running_server(monkeypatch, tmp_p
 
     monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 140.0))
     ctl = tmp_path / "policy"
-    (hook,) = mha_mla.hooks(Settings.from_env({"SGLANG_H20_MHA_MLA_POLICY": "se",
+    hook, _ = mha_mla.hooks(Settings.from_env({"SGLANG_H20_MHA_MLA_POLICY": "se",
                                                "SGLANG_H20_MHA_MLA_CONTROL": str(ctl)}))
     policy = hook.fn.policy
     shape = BatchShape([1024], [1024])  # upstream: prefix < 8192 -> MLA; the H200 table: MHA (4x faster)

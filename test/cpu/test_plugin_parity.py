@@ -58,6 +58,11 @@ def test_features_against_upstream_same_run():
     assert abs(s["features_vs_upstream_median_ratio"] - 0.9) < 1e-9
     assert abs(s["features_vs_upstream_median_itl_ratio"] - 1.25) < 1e-9
     assert "plugin_vs_upstream_median_ratio" not in s
+    # each feature alone against the same upstream phase: which of the two costs what 'features' costs
+    s = bench.summarize([timed("upstream", [], 100.0, 4.0), timed("policy", LOADED, 99.0, 4.0),
+                         timed("observe", LOADED, 92.0, 4.4)])
+    assert abs(s["policy_vs_upstream_median_ratio"] - 0.99) < 1e-9
+    assert abs(s["observe_vs_upstream_median_itl_ratio"] - 1.1) < 1e-9 and "run_to_run_spread_pct" in s
     # benches without ITL (older records): the throughput ratio alone
     s = bench.summarize([phase("upstream", [[1]], [], 100.0), phase("plugin-off", [[1]], LOADED, 101.0)])
     assert abs(s["plugin_vs_upstream_median_ratio"] - 1.01) < 1e-9 and "plugin_vs_upstream_median_itl_ratio" not in s

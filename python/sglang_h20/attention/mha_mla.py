@@ -10,7 +10,8 @@ The hook wraps SGLang's shared DeepSeek dispatch (`_handle_attention_backend`, u
 flashinfer, flashmla, cutlass_mla, fa4 and intel_xpu handlers) and only re-decides where upstream
 itself was free to choose: captured prefill, context-parallel prefill, ragged-disabled backends,
 speculative modes and a disabled chunked prefix cache all keep upstream's answer. Backends with
-their own rule (triton, trtllm_mla, aiter, dsa, ...) are not touched.
+their own rule (triton, trtllm_mla, aiter, dsa, ...) are not touched; when the model runner's prefill backend is
+one of those, one line per process says that the policy is inert there (`note_prefill_backend`).
 
 A table may also carry the measured grid it was fitted to (`measured_grid`, written by
 benchmark/attention/mha_mla_layer.py): kernel efficiency changes with shape in ways four linear terms
@@ -37,12 +38,17 @@ from pathlib import Path
 from typing import Sequence
 
 from sglang_h20.features import Hook
+from sglang_h20.logonce import OnceLog
 from sglang_h20.settings import Settings
 
 HANDLER_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
 TARGET = HANDLER_MODULE + "._handle_attention_backend"
+BACKENDS_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends"
+# prefill backends whose DeepSeek handler goes through TARGET (SGLang 0.5.17's registry, and ours)
+SHARED_DISPATCH = ("fa3", "flashinfer", "flashmla", "cutlass_mla", "fa4", "intel_xpu", "h20_fp8_mla")
 TABLE_DIR = Path(__file__).resolve().parent.parent / "tables"
 log = logging.getLogger("sglang_h20.mha_mla")
+_note = OnceLog(log, "mha_mla policy: ")
 TERMS = ("se", "prefix", "extend", "const")  # cost = sum(coef[t] * feature[t])
 UPSTREAM_THRESHOLD = 8192
 # flashinfer's absorbed-MLA prefill (the flashmla and flashinfer backends) was right up to 16436 new tokens in one
@@ -432,8 +438,18 @@ def make_router(policy):
     return route
 
 
+def note_prefill_backend(result, runner, *args, **kwargs) -> None:
+    """AFTER ModelRunner.init_attention_backends: say once when this runner's prefill backend has SGLang's own
+    MHA/MLA rule, which the policy does not touch (the switch is on, yet nothing changes there)."""
+    name = getattr(runner, "prefill_attention_backend_str", None)
+    if name and name not in SHARED_DISPATCH:
+        _note(f"inert with prefill backend {name!r}: it has its own MHA/MLA rule in SGLang, which is kept "
+              f"(the policy applies to {', '.join(SHARED_DISPATCH)})")
+
+
 def hooks(settings: Settings) -> list[Hook]:
     from sglang_h20 import compat
 
     g = compat.gpu()
-    return [Hook(TARGET, make_router(policy_for(settings, g.name if g else "")), "around")]
+    return [Hook(TARGET, make_router(policy_for(settings, g.name if g else "")), "around"),
+            Hook(BACKENDS_TARGET, note_prefill_backend, "after")]
