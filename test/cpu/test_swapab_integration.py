@@ -40,7 +40,7 @@ from sgl_kernel_ext.quant import (  # noqa: E402
 )
 from sglang_h20 import compat, dense_linear  # noqa: E402
 from sglang_h20.features import FEATURES, decide  # noqa: E402
-from sglang_h20.moe import swapab  # noqa: E402
+from sglang_h20.moe import runner_check, swapab  # noqa: E402
 from sglang_h20.settings import Settings  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
@@ -249,8 +249,9 @@ def test_hooks_need_a_table_for_this_gpu(monkeypatch, tmp_path, caplog):
     hooks = swapab.hooks(Settings.from_env({}))
     assert [(h.target, h.kind) for h in hooks] == [(swapab.TRITON_MOE, "around"), (swapab.DEEPEP_MASKED, "around"),
                                                    (dense_linear.TRITON_LINEAR, "around"),
-                                                   (dense_linear.DEEPGEMM_LINEAR, "around")]
-    assert [h.fn for h in hooks[2:]] == [dense_linear.triton_linear_hook, dense_linear.deepgemm_linear_hook]
+                                                   (dense_linear.DEEPGEMM_LINEAR, "around"),
+                                                   (runner_check.LOAD_TARGET, "after")]
+    assert [h.fn for h in hooks[2:4]] == [dense_linear.triton_linear_hook, dense_linear.deepgemm_linear_hook]
     assert not caplog.records
     swapab.enabled(Settings.from_env({}))
     assert len(caplog.records) == 1 and "t.json" in caplog.records[0].getMessage()

@@ -30,7 +30,8 @@ other GPU the feature stays off with one log line, so upstream's own SBO applies
    graphs, or hook 4), our dense GEMMs under their linears (the swapAB switch's) run as n programs of at most 3
    stages (`dense_linear.sm_budget`), small enough to share SMs with the routed experts' persistent grid, whose
    combine tail needs all its programs resident; elsewhere, and for SGLang's own linears, nothing changes.
-Every decline reason is logged once.
+Every decline reason is logged once; so is a MoE runner other than triton, once the model has loaded
+(`moe.runner_check`): hook 3 never sees its calls.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import torch
 from sglang_h20 import dense_linear
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
+from sglang_h20.moe import runner_check
 from sglang_h20.settings import Settings
 
 INIT_MOE_CONFIG = "sglang.srt.layers.moe.utils.initialize_moe_config"
@@ -305,7 +307,14 @@ def hooks(settings: Settings) -> list[Hook]:
     return [Hook(INIT_MOE_CONFIG, init_moe_config_hook, "around"),
             Hook(COMBINE_DOWN_FLAG, combine_down_flag_hook, "around"),
             Hook(TRITON_MOE, fused_experts_hook, "around"),
-            Hook(SHARED_FORWARD, forward_normal_hook, "around"), *capped]
+            Hook(SHARED_FORWARD, forward_normal_hook, "around"), *capped,
+            runner_check.after_load(_note, runner_served, "the triton runner's fused_experts for the combine in the "
+                                                          "down GEMM (the shared-expert overlap does not depend on it)")]
+
+
+def runner_served(runner: str, a2a: str) -> bool:
+    """Whether a MoE layer on this resolved runner reaches hook 3 (the combine in the down GEMM): triton only."""
+    return runner == "triton"
 
 
 def enabled(settings: Settings) -> None:
@@ -320,4 +329,4 @@ def enabled(settings: Settings) -> None:
                 "sbo_e2e_cap8_c32_c56_h200.json)", MAX_PAIRS_PER_EXPERT)
 
 
-ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD, SHARED_EXPERTS)
+ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD, SHARED_EXPERTS, runner_check.LOAD_TARGET)

@@ -30,7 +30,9 @@ python/sglang_h20/tables/grouped_gemm_<gpu>.json. Re-tune on your GPU with one c
    deep_gemm: sglang_h20.dense_linear, by the same table's 'dense' entries.
 No table for this GPU: no hooks at all, and the feature's one log line says so. A call we cannot serve (dtype,
 quant config, block shape, activation...) goes upstream; each such reason is logged once.
-Not hooked: the non-fused MoE runner path (LoRA, SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1).
+Not hooked: the non-fused MoE runner path (LoRA, SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1), and every other MoE runner
+(DeepGEMM contiguous without DeepEP, flashinfer, cutlass, ...): once the model has loaded, one line names the runner
+(`moe.runner_check`).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import torch
 from sglang_h20 import dense_linear
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
+from sglang_h20.moe import runner_check
 from sglang_h20.settings import Settings
 
 TRITON_MOE_MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
@@ -304,7 +307,15 @@ def hooks(settings: Settings) -> list[Hook]:
                           f"{gemm_table.table_path(_gpu)}; measure one with: python "
                           f"benchmark/kernels/bench_grouped_gemm.py --tune), so every MoE GEMM stays upstream")
     return [Hook(TRITON_MOE, fused_experts_hook, "around"), Hook(DEEPEP_MASKED, masked_gemm_hook, "around"),
-            *dense_linear.hooks()]
+            *dense_linear.hooks(),
+            runner_check.after_load(_note, runner_served, "the triton runner and DeepEP's masked DeepGEMM (the dense "
+                                                          "linears still follow the table)")]
+
+
+def runner_served(runner: str, a2a: str) -> bool:
+    """Whether a MoE layer on this resolved runner reaches one of our MoE hooks: the triton runner's fused_experts,
+    or DeepGEMM's masked grouped GEMM under DeepEP (its low-latency path)."""
+    return runner == "triton" or (runner == "deep_gemm" and a2a == "deepep")
 
 
 def enabled(settings: Settings) -> None:

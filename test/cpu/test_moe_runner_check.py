@@ -1,0 +1,74 @@
+"""sglang_h20.moe.runner_check against the installed sglang: the MoE runners a loaded model resolved to, and the one
+line swapAB and SBO give when none of their MoE hooks can see a layer's calls."""
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+
+from sglang_h20 import compat
+from sglang_h20.moe import runner_check, sbo, swapab
+from sglang_h20.settings import Settings
+
+
+def moe_layer(backend):
+    """A real FusedMoE instance (its __init__ needs a distributed world, so only nn.Module's runs) whose quant method
+    holds a MoeRunner of `backend` (a MoeRunnerBackend name), or none at all (None)."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    layer = FusedMoE.__new__(FusedMoE)
+    torch.nn.Module.__init__(layer)
+    runner = None if backend is None else types.SimpleNamespace(runner_backend=MoeRunnerBackend[backend])
+    layer.quant_method = types.SimpleNamespace(runner=runner)
+    return layer
+
+
+def model_of(*backends):
+    return torch.nn.Sequential(torch.nn.Linear(2, 2), *(moe_layer(b) for b in backends))
+
+
+def test_the_load_target_resolves_and_runners_are_read_off_the_model():
+    assert compat.check_target(runner_check.LOAD_TARGET) == (True, runner_check.LOAD_TARGET)
+    assert runner_check.a2a_backend() == "none"  # SGLang's default flags: no all-to-all backend
+    assert runner_check.resolved_runners(model_of("TRITON", "TRITON", "DEEP_GEMM", None)) == {"triton", "deep_gemm",
+                                                                                             runner_check.NO_RUNNER}
+    assert runner_check.resolved_runners(torch.nn.Linear(2, 2)) == set()  # a dense model: nothing to say
+
+
+@pytest.mark.parametrize("feature", ["swapab", "sbo"])
+def test_a_runner_our_moe_hooks_cannot_see_is_named_once(feature, monkeypatch, caplog):
+    """swapAB serves the triton runner and, under DeepEP, DeepGEMM's masked GEMM; SBO's combine only the triton
+    runner. A model loaded onto another runner gets one line per process; the triton runner none."""
+    module = {"swapab": swapab, "sbo": sbo}[feature]
+    hook = runner_check.after_load(module._note, module.runner_served, "covers")
+    assert (hook.target, hook.kind) == (runner_check.LOAD_TARGET, "after")
+    module._note.clear()
+    a2a = {"value": "none"}
+    monkeypatch.setattr(runner_check, "a2a_backend", lambda: a2a["value"])
+    logger = f"sglang_h20.{feature}"
+    with caplog.at_level(logging.INFO, logger=logger):
+        for _ in range(2):  # a second runner (or a reload) in the same process adds nothing
+            assert hook.fn(None, types.SimpleNamespace(model=model_of("TRITON", "DEEP_GEMM", None))) is None
+        assert hook.fn(None, types.SimpleNamespace(model=model_of("TRITON"))) is None
+        assert hook.fn(None, types.SimpleNamespace(model=None)) is None  # load_model failed: nothing to read
+        a2a["value"] = "deepep"
+        hook.fn(None, types.SimpleNamespace(model=model_of("DEEP_GEMM")))
+    lines = [r.getMessage() for r in caplog.records if r.name == logger]
+    first = f"{feature}: upstream for every MoE layer on runner 'deep_gemm', 'none' with a2a 'none': our MoE hooks wrap"
+    assert lines[0].startswith(first), lines
+    if feature == "swapab":  # DeepGEMM under DeepEP is its masked path: served
+        assert len(lines) == 1, lines
+    else:
+        assert len(lines) == 2 and "runner 'deep_gemm' with a2a 'deepep'" in lines[1], lines
+
+
+def test_both_features_install_the_check(monkeypatch):
+    """Each feature's hook list ends with the check (test_swapab_integration and test_sbo pin the whole lists)."""
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H200", (9, 0), 140.0))
+    last = sbo.hooks(Settings.from_env({"SGLANG_H20_SBO": "on"}))[-1]
+    assert (last.target, last.kind) == (runner_check.LOAD_TARGET, "after")
+    assert sbo.runner_served("triton", "none") and not sbo.runner_served("deep_gemm", "deepep")
+    assert swapab.runner_served("deep_gemm", "deepep") and not swapab.runner_served("deep_gemm", "none")
