@@ -223,11 +223,38 @@ def test_dump_load_round_trip(tmp_path):
 # ----------------------------------------------------------------------------- hooks
 def test_every_hook_target_resolves_against_installed_sglang():
     hooks = integration.hooks(ON)
-    assert len(hooks) == 6
+    assert len(hooks) == 7
     for hook in hooks:
         assert compat.check_target(hook.target) == (True, hook.target)
         assert hook.kind in ("before", "after", "around", "replace")
     assert integration.hooks(Settings.from_env({"SGLANG_H20_EPLB": "off"})) == []
+
+
+@pytest.mark.parametrize("module", ["integration", "async_rebalance"])
+def test_a_server_without_sglangs_eplb_is_told_once(module, caplog):
+    """SGLANG_H20_EPLB=affinity or SGLANG_H20_EPLB_ASYNC=on without --enable-eplb: SGLang makes no EPLB manager, no
+    rebalance ever runs, and the switch would change nothing without a word. One line per process; none with a
+    manager, none from a draft runner (which never has one)."""
+    import logging
+    import types
+
+    from sglang_h20.eplb import async_rebalance
+
+    mod = {"integration": integration, "async_rebalance": async_rebalance}[module]
+    env = {"SGLANG_H20_EPLB": "affinity"} if module == "integration" else {"SGLANG_H20_EPLB_ASYNC": "on"}
+    (hook,) = [h for h in mod.hooks(Settings.from_env(env)) if h.target == integration.RUNNER_INIT_TARGET]
+    assert hook.kind == "after"
+    mod._note.clear()
+    runner = lambda manager, draft=False: types.SimpleNamespace(eplb_manager=manager, is_draft_worker=draft)
+    with caplog.at_level(logging.INFO, logger="sglang_h20.eplb"):
+        for r in (runner(object()), runner(None, draft=True), runner(None), runner(None)):
+            assert hook.fn(None, r) is None
+    lines = [r.getMessage() for r in caplog.records]
+    prefix = "eplb: " if module == "integration" else "eplb_async: "
+    assert lines == [prefix + "SGLang's EPLB is off in this server (no --enable-eplb), so "
+                     + ("no affinity placement is made (co-activation is still recorded whenever SGLang's "
+                        "expert-distribution recorder records)" if module == "integration"
+                        else "there is no rebalance to run without stalling decode")], lines
 
 
 def test_post_process_parameter_order_matches_sglang():

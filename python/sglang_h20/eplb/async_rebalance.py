@@ -90,21 +90,23 @@ import torch.distributed as dist
 
 from sglang_h20.abstats import nearest_rank
 from sglang_h20.eplb import throttle
+from sglang_h20.eplb.integration import RUNNER_INIT_TARGET, eplb_off_check
 from sglang_h20.eplb.migration import MigrationExecutor, connect_peers, pacing, slot_digests
 from sglang_h20.eplb.migration_plan import group_free, plan_migration
 from sglang_h20.eplb.peer_copies import share_weights
 from sglang_h20.eplb.placement import Placement, Topology
 from sglang_h20.features import Hook
+from sglang_h20.logonce import OnceLog
 from sglang_h20.settings import Settings
 
 log = logging.getLogger("sglang_h20.eplb.async")
+_note = OnceLog(log, "eplb_async: ")
 
 MANAGER = "sglang.srt.eplb.eplb_manager.EPLBManager"
 INIT_TARGET = MANAGER + ".__init__"
 REBALANCE_TARGET = MANAGER + ".rebalance"
 PASS_TARGET = MANAGER + ".on_forward_pass_end"
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
-MODEL_INIT_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
 
 # ExpertLocationMetadata fields that route tokens (the list upstream's `update` copies), dim 0 = layer
 ROUTING_FIELDS = ("physical_to_logical_map", "physical_to_logical_map_cpu",
@@ -885,5 +887,6 @@ def hooks(settings: Settings) -> list[Hook]:
                                                               settings["eplb_async_shuffle"],
                                                               settings["eplb_async_peer"],
                                                               layered=settings["eplb"] != "affinity")), "around"),
-            Hook(PASS_TARGET, after_pass, "after"), Hook(FORWARD_TARGET, before_forward, "before")] + (
-        [Hook(MODEL_INIT_TARGET, after_model_init, "after")] if settings["eplb_async_peer"] else [])
+            Hook(PASS_TARGET, after_pass, "after"), Hook(FORWARD_TARGET, before_forward, "before"),
+            eplb_off_check(_note, "there is no rebalance to run without stalling decode")] + (
+        [Hook(RUNNER_INIT_TARGET, after_model_init, "after")] if settings["eplb_async_peer"] else [])

@@ -48,6 +48,7 @@ import torch
 from sglang_h20.eplb.recorder import CoactivationRecorder, _capturing
 from sglang_h20.eplb.stats import CoactivationStats
 from sglang_h20.features import Hook
+from sglang_h20.logonce import OnceLog
 from sglang_h20.settings import Settings
 
 log = logging.getLogger("sglang_h20.eplb")
@@ -62,6 +63,7 @@ STEP_TARGET = "sglang.srt.eplb.eplb_manager.EPLBManager.on_forward_pass_end"
 DUMP_TARGET = DIST_RECORDER + ".dump_record"
 COMPUTE_ALGORITHM_TARGET = ALGO_MODULE + ".compute_algorithm"
 REBALANCE_TARGET = ALGO_MODULE + ".rebalance_experts"
+RUNNER_INIT_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
 
 # Parameter order of _post_process_topk_ids in sglang 0.5.17 (a test compares it with the real one).
 POST_PROCESS_PARAMS = ("topk_ids", "topk_weights", "topk_config", "router_logits", "layer_id",
@@ -354,6 +356,21 @@ def _affinity_rebalance(stats: CoactivationStats | None, a: dict, affinity: floa
 
 
 # ----------------------------------------------------------------------------- feature entry
+def eplb_off_check(note, what: str) -> Hook:
+    """AFTER ModelRunner.initialize: `note` (a feature's OnceLog) gets one line when this target runner has no EPLB
+    manager, i.e. SGLang's EPLB is off (no --enable-eplb): no rebalance ever runs, so `what` never happens either."""
+
+    def check(result, runner, *args, **kwargs) -> None:
+        if not getattr(runner, "is_draft_worker", False) and getattr(runner, "eplb_manager", None) is None:
+            note(f"SGLang's EPLB is off in this server (no --enable-eplb), so {what}")
+        return None
+
+    return Hook(RUNNER_INIT_TARGET, check, "after")
+
+
+_note = OnceLog(log, "eplb: ")
+
+
 def hooks(settings: Settings) -> list[Hook]:
     """The eplb feature's whole patch surface (empty when the switch is off)."""
     if settings["eplb"] != "affinity":
@@ -365,4 +382,6 @@ def hooks(settings: Settings) -> list[Hook]:
         Hook(DUMP_TARGET, after_dump_record, "after"),
         Hook(COMPUTE_ALGORITHM_TARGET, around_compute_algorithm, "around"),
         Hook(REBALANCE_TARGET, make_rebalance_wrapper(settings), "around"),
+        eplb_off_check(_note, "no affinity placement is made (co-activation is still recorded whenever SGLang's "
+                              "expert-distribution recorder records)"),
     ]
