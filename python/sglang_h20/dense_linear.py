@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from sglang_h20 import runner_check
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
 
@@ -145,8 +146,17 @@ def deepgemm_linear_hook(original, input, weight, block_size, weight_scale, inpu
 
 
 def hooks() -> list[Hook]:
-    """Both backends' linears (the table decides per shape; a GPU without 'dense' entries keeps upstream)."""
-    return [Hook(TRITON_LINEAR, triton_linear_hook, "around"), Hook(DEEPGEMM_LINEAR, deepgemm_linear_hook, "around")]
+    """Both backends' linears (the table decides per shape; a GPU without 'dense' entries keeps upstream), and one
+    line once the model has loaded if its block-FP8 linears picked another backend's function."""
+    return [Hook(TRITON_LINEAR, triton_linear_hook, "around"), Hook(DEEPGEMM_LINEAR, deepgemm_linear_hook, "around"),
+            runner_check.after_load(_note, unseen_linears, lambda names: (
+                f"every block-FP8 linear on {', '.join(names)}: ours replaces "
+                f"{' and '.join(t.rsplit('.', 1)[1] for t in UPSTREAM_OF)} (--fp8-gemm-backend triton or deep_gemm)"))]
+
+
+def unseen_linears(model) -> list[str]:
+    """The block-FP8 linear functions of the loaded model that neither of our hooks wraps."""
+    return sorted(runner_check.block_fp8_linears(model) - {t.rsplit(".", 1)[1] for t in UPSTREAM_OF})
 
 
 def dense_entries(table: dict) -> tuple[int, dict]:

@@ -40,7 +40,8 @@ from sgl_kernel_ext.quant import (  # noqa: E402
 )
 from sglang_h20 import compat, dense_linear  # noqa: E402
 from sglang_h20.features import FEATURES, decide  # noqa: E402
-from sglang_h20.moe import runner_check, swapab  # noqa: E402
+from sglang_h20 import runner_check  # noqa: E402
+from sglang_h20.moe import swapab  # noqa: E402
 from sglang_h20.settings import Settings  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
@@ -250,6 +251,7 @@ def test_hooks_need_a_table_for_this_gpu(monkeypatch, tmp_path, caplog):
     assert [(h.target, h.kind) for h in hooks] == [(swapab.TRITON_MOE, "around"), (swapab.DEEPEP_MASKED, "around"),
                                                    (dense_linear.TRITON_LINEAR, "around"),
                                                    (dense_linear.DEEPGEMM_LINEAR, "around"),
+                                                   (runner_check.LOAD_TARGET, "after"),
                                                    (runner_check.LOAD_TARGET, "after")]
     assert [h.fn for h in hooks[2:4]] == [dense_linear.triton_linear_hook, dense_linear.deepgemm_linear_hook]
     assert not caplog.records

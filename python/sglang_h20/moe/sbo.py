@@ -31,7 +31,7 @@ other GPU the feature stays off with one log line, so upstream's own SBO applies
    stages (`dense_linear.sm_budget`), small enough to share SMs with the routed experts' persistent grid, whose
    combine tail needs all its programs resident; elsewhere, and for SGLang's own linears, nothing changes.
 Every decline reason is logged once; so is a MoE runner other than triton, once the model has loaded
-(`moe.runner_check`): hook 3 never sees its calls.
+(`runner_check`): hook 3 never sees its calls.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import torch
 from sglang_h20 import dense_linear
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
-from sglang_h20.moe import runner_check
+from sglang_h20 import runner_check
 from sglang_h20.settings import Settings
 
 INIT_MOE_CONFIG = "sglang.srt.layers.moe.utils.initialize_moe_config"
@@ -308,7 +308,7 @@ def hooks(settings: Settings) -> list[Hook]:
             Hook(COMBINE_DOWN_FLAG, combine_down_flag_hook, "around"),
             Hook(TRITON_MOE, fused_experts_hook, "around"),
             Hook(SHARED_FORWARD, forward_normal_hook, "around"), *capped,
-            runner_check.after_load(_note, runner_served, "the triton runner's fused_experts for the combine in the "
+            runner_check.moe_check(_note, runner_served, "the triton runner's fused_experts for the combine in the "
                                                           "down GEMM (the shared-expert overlap does not depend on it)")]
 
 

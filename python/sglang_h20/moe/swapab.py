@@ -32,7 +32,7 @@ No table for this GPU: no hooks at all, and the feature's one log line says so. 
 quant config, block shape, activation...) goes upstream; each such reason is logged once.
 Not hooked: the non-fused MoE runner path (LoRA, SGLANG_CI_DISABLE_MOE_FUSED_FUNC=1), and every other MoE runner
 (DeepGEMM contiguous without DeepEP, flashinfer, cutlass, ...): once the model has loaded, one line names the runner
-(`moe.runner_check`).
+(`runner_check`).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import torch
 from sglang_h20 import dense_linear
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
-from sglang_h20.moe import runner_check
+from sglang_h20 import runner_check
 from sglang_h20.settings import Settings
 
 TRITON_MOE_MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
@@ -308,7 +308,7 @@ def hooks(settings: Settings) -> list[Hook]:
                           f"benchmark/kernels/bench_grouped_gemm.py --tune), so every MoE GEMM stays upstream")
     return [Hook(TRITON_MOE, fused_experts_hook, "around"), Hook(DEEPEP_MASKED, masked_gemm_hook, "around"),
             *dense_linear.hooks(),
-            runner_check.after_load(_note, runner_served, "the triton runner and DeepEP's masked DeepGEMM (the dense "
+            runner_check.moe_check(_note, runner_served, "the triton runner and DeepEP's masked DeepGEMM (the dense "
                                                           "linears still follow the table)")]
 
 

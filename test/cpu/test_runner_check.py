@@ -1,5 +1,6 @@
-"""sglang_h20.moe.runner_check against the installed sglang: the MoE runners a loaded model resolved to, and the one
-line swapAB and SBO give when none of their MoE hooks can see a layer's calls."""
+"""sglang_h20.runner_check against the installed sglang: the MoE runners and block-FP8 linear functions a loaded
+model resolved to, and the one line swapAB (MoE and dense linears) and SBO give when none of their hooks can see a
+layer's calls."""
 from __future__ import annotations
 
 import logging
@@ -8,8 +9,8 @@ import types
 import pytest
 import torch
 
-from sglang_h20 import compat
-from sglang_h20.moe import runner_check, sbo, swapab
+from sglang_h20 import compat, dense_linear, runner_check
+from sglang_h20.moe import sbo, swapab
 from sglang_h20.settings import Settings
 
 
@@ -33,9 +34,10 @@ def model_of(*backends):
 def test_the_load_target_resolves_and_runners_are_read_off_the_model():
     assert compat.check_target(runner_check.LOAD_TARGET) == (True, runner_check.LOAD_TARGET)
     assert runner_check.a2a_backend() == "none"  # SGLang's default flags: no all-to-all backend
-    assert runner_check.resolved_runners(model_of("TRITON", "TRITON", "DEEP_GEMM", None)) == {"triton", "deep_gemm",
+    assert runner_check.moe_runners(model_of("TRITON", "TRITON", "DEEP_GEMM", None)) == {"triton", "deep_gemm",
                                                                                              runner_check.NO_RUNNER}
-    assert runner_check.resolved_runners(torch.nn.Linear(2, 2)) == set()  # a dense model: nothing to say
+    assert runner_check.moe_runners(torch.nn.Linear(2, 2)) == set()  # a dense model: nothing to say
+    assert runner_check.block_fp8_linears(model_of("TRITON")) == set()  # no FP8 linear method in it
 
 
 @pytest.mark.parametrize("feature", ["swapab", "sbo"])
@@ -43,7 +45,7 @@ def test_a_runner_our_moe_hooks_cannot_see_is_named_once(feature, monkeypatch, c
     """swapAB serves the triton runner and, under DeepEP, DeepGEMM's masked GEMM; SBO's combine only the triton
     runner. A model loaded onto another runner gets one line per process; the triton runner none."""
     module = {"swapab": swapab, "sbo": sbo}[feature]
-    hook = runner_check.after_load(module._note, module.runner_served, "covers")
+    hook = runner_check.moe_check(module._note, module.runner_served, "covers")
     assert (hook.target, hook.kind) == (runner_check.LOAD_TARGET, "after")
     module._note.clear()
     a2a = {"value": "none"}
@@ -72,3 +74,32 @@ def test_both_features_install_the_check(monkeypatch):
     assert (last.target, last.kind) == (runner_check.LOAD_TARGET, "after")
     assert sbo.runner_served("triton", "none") and not sbo.runner_served("deep_gemm", "deepep")
     assert swapab.runner_served("deep_gemm", "deepep") and not swapab.runner_served("deep_gemm", "none")
+
+
+def test_a_block_fp8_linear_our_dense_hooks_cannot_see_is_named_once(caplog):
+    """The dense GEMM replaces SGLang's triton and DeepGEMM block-FP8 linears; a model whose linears picked another
+    backend's function (cutlass, flashinfer: --fp8-gemm-backend) gets one line, with the function's name."""
+    from sglang.srt.layers.quantization import fp8_utils
+
+    def linear(fn):
+        m = torch.nn.Linear(2, 2)
+        m.quant_method = types.SimpleNamespace(w8a8_block_fp8_linear=fn)
+        return m
+
+    ours = torch.nn.Sequential(linear(fp8_utils.triton_w8a8_block_fp8_linear),
+                               linear(fp8_utils.deepgemm_w8a8_block_fp8_linear_with_fallback), linear(None))
+    other = torch.nn.Sequential(linear(fp8_utils.triton_w8a8_block_fp8_linear),
+                                linear(fp8_utils.cutlass_w8a8_block_fp8_linear_with_fallback))
+    assert runner_check.block_fp8_linears(ours) == {"triton_w8a8_block_fp8_linear",
+                                                    "deepgemm_w8a8_block_fp8_linear_with_fallback"}
+    assert dense_linear.unseen_linears(ours) == []
+    assert dense_linear.unseen_linears(other) == ["cutlass_w8a8_block_fp8_linear_with_fallback"]
+    (hook,) = [h for h in dense_linear.hooks() if h.target == runner_check.LOAD_TARGET]
+    dense_linear._note.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_h20.dense_linear"):
+        for model in (ours, other, other):
+            assert hook.fn(None, types.SimpleNamespace(model=model)) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "sglang_h20.dense_linear"]
+    assert lines == ["dense linear: upstream for every block-FP8 linear on cutlass_w8a8_block_fp8_linear_with_fallback: "
+                     "ours replaces triton_w8a8_block_fp8_linear and deepgemm_w8a8_block_fp8_linear_with_fallback "
+                     "(--fp8-gemm-backend triton or deep_gemm)"], lines
