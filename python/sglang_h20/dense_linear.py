@@ -149,14 +149,20 @@ def hooks() -> list[Hook]:
     """Both backends' linears (the table decides per shape; a GPU without 'dense' entries keeps upstream), and one
     line once the model has loaded if its block-FP8 linears picked another backend's function."""
     return [Hook(TRITON_LINEAR, triton_linear_hook, "around"), Hook(DEEPGEMM_LINEAR, deepgemm_linear_hook, "around"),
-            runner_check.after_load(_note, unseen_linears, lambda names: (
-                f"every block-FP8 linear on {', '.join(names)}: ours replaces "
-                f"{' and '.join(t.rsplit('.', 1)[1] for t in UPSTREAM_OF)} (--fp8-gemm-backend triton or deep_gemm)"))]
+            runner_check.after_load(_note, unseen_linears, unseen_message)]
+
+
+HOOKED = tuple(target.rsplit(".", 1)[1] for target in UPSTREAM_OF)  # the function names our two hooks wrap
 
 
 def unseen_linears(model) -> list[str]:
     """The block-FP8 linear functions of the loaded model that neither of our hooks wraps."""
-    return sorted(runner_check.block_fp8_linears(model) - {t.rsplit(".", 1)[1] for t in UPSTREAM_OF})
+    return sorted(runner_check.block_fp8_linears(model) - set(HOOKED))
+
+
+def unseen_message(names: list[str]) -> str:
+    return (f"every block-FP8 linear on {', '.join(names)}: ours replaces {' and '.join(HOOKED)} "
+            f"(--fp8-gemm-backend triton or deep_gemm)")
 
 
 def dense_entries(table: dict) -> tuple[int, dict]:

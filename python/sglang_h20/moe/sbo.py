@@ -39,10 +39,9 @@ import logging
 
 import torch
 
-from sglang_h20 import dense_linear
+from sglang_h20 import dense_linear, runner_check
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
-from sglang_h20 import runner_check
 from sglang_h20.settings import Settings
 
 INIT_MOE_CONFIG = "sglang.srt.layers.moe.utils.initialize_moe_config"
@@ -308,8 +307,8 @@ def hooks(settings: Settings) -> list[Hook]:
             Hook(COMBINE_DOWN_FLAG, combine_down_flag_hook, "around"),
             Hook(TRITON_MOE, fused_experts_hook, "around"),
             Hook(SHARED_FORWARD, forward_normal_hook, "around"), *capped,
-            runner_check.moe_check(_note, runner_served, "the triton runner's fused_experts for the combine in the "
-                                                          "down GEMM (the shared-expert overlap does not depend on it)")]
+            runner_check.moe_check(_note, runner_served, "the triton runner's fused_experts for the combine in "
+                                                          "the down GEMM (the shared-expert overlap does not need it)")]
 
 
 def runner_served(runner: str, a2a: str) -> bool:

@@ -44,10 +44,9 @@ from typing import NamedTuple
 
 import torch
 
-from sglang_h20 import dense_linear
+from sglang_h20 import dense_linear, runner_check
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
-from sglang_h20 import runner_check
 from sglang_h20.settings import Settings
 
 TRITON_MOE_MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe"
@@ -292,7 +291,8 @@ def masked_gemm_hook(original, lhs, rhs, out, masked_m, expected_m, overlap_args
 # Feature entry
 # ---------------------------------------------------------------------------------------------
 def hooks(settings: Settings) -> list[Hook]:
-    """Both hooks when this GPU has a table; none when it has not (Unsupported: the feature's one log line)."""
+    """The MoE and dense-linear hooks when this GPU has a table; none when it has not (Unsupported: the feature's one
+    log line)."""
     global _gpu
     from sgl_kernel_ext import gemm_table
 
