@@ -24,7 +24,7 @@
 #     kernel (-DMLA_TRACE clock64 stamps) -> $OUT/mla_trace.json + .png (+ .log)
 #   (STEPS layer) benchmark/attention/mha_mla_layer.py; (swapab) swapab_e2e.py; (fp8mla) fp8_mla_e2e.py;
 #   (parity_ep) plugin_parity.py with --tp/--ep-size/--dp = all visible GPUs, DP attention (multi-GPU kinds),
-#     phases PHASES (default: upstream features)
+#     phases PHASES (default: upstream features; 'policy' and 'observe' run each of the two features alone)
 #   (affinity) affinity_remote_share.py: tokens leaving their GPU, upstream EPLB vs affinity, and each rebalance's
 #     stall; AFFINITY_ARGS="--arms none deepseek deepseek+async deepseek+async-thread --fraction 0 --hang-s 60":
 #     upstream's blocking stall vs our migration, transfers posted by the decode loop or by a thread (multi-GPU);

@@ -2,9 +2,10 @@
 """Does installing sglang-h20 with every feature off change anything? Same server, with and without it.
 
 Phases alternate between `upstream` (SGLANG_PLUGINS names no plugin, so ours is never loaded) and
-`plugin-off` (ours loaded, all features off). Each phase launches the real server, sends fixed
-greedy prompts one at a time (batch composition identical), warms up with `--concurrency` requests at once
-(Server.warm_up: no bench_serving client), then runs bench_serving `--repeats` times. The record holds the
+`plugin-off` (ours loaded, all features off); `features` turns on the two that keep the model's numerics (the
+MHA/MLA policy and observation), `policy` and `observe` each of them alone. Each phase launches the real server,
+sends fixed greedy prompts one at a time (batch composition identical), warms up with `--concurrency` requests at
+once (Server.warm_up: no bench_serving client), then runs bench_serving `--repeats` times. The record holds the
 output ids, their agreement, every throughput and the spread, and each phase against `upstream` (output tok/s
 and median ITL ratios).
 
