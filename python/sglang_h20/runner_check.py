@@ -9,12 +9,15 @@ feature says so once, rather than nothing at all.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from sglang_h20.features import Hook
+from sglang_h20.logonce import OnceLog
 
 LOAD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 NO_RUNNER = "none"  # a MoE layer whose quant method built no MoeRunner (SGLang's flashinfer / cutlass paths, ...)
+_failed = OnceLog(logging.getLogger("sglang_h20.runner_check"), "runner check: ")
 
 
 def moe_runners(model) -> set[str]:
@@ -52,7 +55,11 @@ def after_load(note: Callable[[str], None], unseen: Callable[[object], list[str]
 
     def check(result, model_runner, *args, **kwargs) -> None:
         model = getattr(model_runner, "model", None)
-        names = unseen(model) if model is not None else []
+        try:  # a diagnostic: it must never stop a server from starting
+            names = unseen(model) if model is not None else []
+        except Exception as e:
+            _failed(f"could not read what the loaded model runs on ({type(e).__name__}: {e}); no line about it")
+            return None
         if names:
             note(message(names))
         return None

@@ -51,11 +51,15 @@ def test_a_runner_our_moe_hooks_cannot_see_is_named_once(feature, monkeypatch, c
     a2a = {"value": "none"}
     monkeypatch.setattr(runner_check, "a2a_backend", lambda: a2a["value"])
     logger = f"sglang_h20.{feature}"
-    with caplog.at_level(logging.INFO, logger=logger):
+    runner_check._failed.clear()
+    with caplog.at_level(logging.INFO):
         for _ in range(2):  # a second runner (or a reload) in the same process adds nothing
             assert hook.fn(None, types.SimpleNamespace(model=model_of("TRITON", "DEEP_GEMM", None))) is None
         assert hook.fn(None, types.SimpleNamespace(model=model_of("TRITON"))) is None
         assert hook.fn(None, types.SimpleNamespace(model=None)) is None  # load_model failed: nothing to read
+        broken = torch.nn.Linear(2, 2)
+        broken.modules = lambda: (_ for _ in ()).throw(RuntimeError("boom"))  # the check itself fails: one line
+        assert hook.fn(None, types.SimpleNamespace(model=broken)) is None
         a2a["value"] = "deepep"
         hook.fn(None, types.SimpleNamespace(model=model_of("DEEP_GEMM")))
     lines = [r.getMessage() for r in caplog.records if r.name == logger]
@@ -65,6 +69,9 @@ def test_a_runner_our_moe_hooks_cannot_see_is_named_once(feature, monkeypatch, c
         assert len(lines) == 1, lines
     else:
         assert len(lines) == 2 and "runner 'deep_gemm' with a2a 'deepep'" in lines[1], lines
+    failed = [r.getMessage() for r in caplog.records if r.name == "sglang_h20.runner_check"]
+    assert failed == ["runner check: could not read what the loaded model runs on (RuntimeError: boom); no line "
+                      "about it"], failed
 
 
 def test_both_features_install_the_check(monkeypatch):
