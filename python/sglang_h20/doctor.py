@@ -47,6 +47,8 @@ def report(settings: Settings | None = None) -> tuple[str, bool]:
         all_good &= d.on or not feature.wanted(settings) and not any(
             n in settings.errors for n in (feature.switch, *feature.options))
         lines.append(f"  {feature.name:<16} {'ON ' if d.on else 'off'}  {d.reason}")
+        if d.on and feature.needs:
+            lines.append(f"  {'':<16}      needs {feature.needs}")
     lines += tables_and_kernels()
     return "\n".join(lines), all_good
 

@@ -34,6 +34,7 @@ class Feature:
     needs_gpu: bool = True  # Hopper (sm_90) or newer
     kernel_modules: tuple[str, ...] = ()  # must import, or the feature stays off
     options: tuple[str, ...] = ()  # its other switches: a bad value there keeps the feature off too
+    needs: str = ""  # the server flags its hooks need; elsewhere it is on but routed around (one line at startup)
 
     def wanted(self, settings: Settings) -> bool:
         value = settings[self.switch]
@@ -50,14 +51,23 @@ class Feature:
 
 
 FEATURES: tuple[Feature, ...] = (
-    Feature("mha_mla_policy", "mha_mla_policy", "sglang_h20.attention.mha_mla", options=("mha_mla_control",)),
+    Feature("mha_mla_policy", "mha_mla_policy", "sglang_h20.attention.mha_mla", options=("mha_mla_control",),
+            needs="a prefill attention backend with SGLang's shared MHA/MLA rule: fa3, flashinfer, flashmla, "
+                  "cutlass_mla, fa4, intel_xpu or h20_fp8_mla (not triton, trtllm_mla, aiter, dsa, ...)"),
     Feature("fp8_mla", "fp8_mla", "sglang_h20.attention.fp8_mla_backend", kernel_modules=("sgl_kernel_ext.mla_decode",),
             options=("fp8_mla_kernel",)),
-    Feature("swapab", "swapab", "sglang_h20.moe.swapab", kernel_modules=("triton", "sgl_kernel_ext.grouped_gemm_fp8")),
-    Feature("sbo", "sbo", "sglang_h20.moe.sbo", kernel_modules=("triton", "sgl_kernel_ext.sbo")),
-    Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False, options=("eplb_affinity",)),
+    Feature("swapab", "swapab", "sglang_h20.moe.swapab", kernel_modules=("triton", "sgl_kernel_ext.grouped_gemm_fp8"),
+            needs="MoE: --moe-runner-backend triton (auto picks it without an all-to-all backend), or DeepGEMM's "
+                  "masked GEMM under --moe-a2a-backend deepep; dense linears: --fp8-gemm-backend triton or deep_gemm "
+                  "(auto picks one of them on Hopper)"),
+    Feature("sbo", "sbo", "sglang_h20.moe.sbo", kernel_modules=("triton", "sgl_kernel_ext.sbo"),
+            needs="the combine in the down GEMM: --moe-runner-backend triton (auto picks it without an all-to-all "
+                  "backend)"),
+    Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False, options=("eplb_affinity",),
+            needs="--enable-eplb (the placement runs in SGLang's rebalances)"),
     Feature("eplb_async", "eplb_async", "sglang_h20.eplb.async_rebalance", needs_gpu=False,
-            options=("eplb_async_launch", "eplb_async_verify", "eplb_async_shuffle", "eplb_async_peer")),
+            options=("eplb_async_launch", "eplb_async_verify", "eplb_async_shuffle", "eplb_async_peer"),
+            needs="--enable-eplb (it runs SGLang's rebalances)"),
     Feature("dummy_router", "dummy_router_clusters", "sglang_h20.eplb.dummy_router", needs_gpu=False),
     Feature("observe", "observe", "sglang_h20.observe.stages", options=("observe_control",)),
 )

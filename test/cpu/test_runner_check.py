@@ -110,3 +110,22 @@ def test_a_block_fp8_linear_our_dense_hooks_cannot_see_is_named_once(caplog):
     assert lines == ["dense linear: upstream for every block-FP8 linear on cutlass_w8a8_block_fp8_linear_with_fallback: "
                      "ours replaces triton_w8a8_block_fp8_linear and deepgemm_w8a8_block_fp8_linear_with_fallback "
                      "(--fp8-gemm-backend triton or deep_gemm)"], lines
+
+
+def test_doctor_says_what_an_on_feature_needs_from_the_server_flags():
+    """`doctor` prints each feature's `needs` under it when it is on (what the startup lines above check), and the
+    policy's text names every backend of its SHARED_DISPATCH, so the two cannot drift apart."""
+    from sglang_h20 import doctor
+    from sglang_h20.attention import mha_mla
+    from sglang_h20.features import FEATURES
+
+    by = {f.name: f for f in FEATURES}
+    assert all(name in by["mha_mla_policy"].needs for name in mha_mla.SHARED_DISPATCH)
+    assert "--enable-eplb" in by["eplb"].needs and "--enable-eplb" in by["eplb_async"].needs
+    text, _ = doctor.report(Settings.from_env({"SGLANG_H20_EPLB": "affinity"}))
+    lines = text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("eplb ") and " ON " in ln)
+    assert lines[at + 1].split() == ["needs", *by["eplb"].needs.split()]
+    off, _ = doctor.report(Settings.from_env({}))
+    features = off.split("features (", 1)[1].split("tables and kernels", 1)[0]
+    assert "switched off" in features and "needs" not in features  # nothing is on: nothing needed
