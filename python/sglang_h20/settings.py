@@ -73,7 +73,7 @@ def _design_options(text: str) -> tuple[str, ...]:
     names = [t for t in text.replace(",", " ").split() if t.lower() != "none"]
     bad = [n for n in names if not re.fullmatch(r"MLA_[A-Z0-9_]+", n)]
     if bad:
-        raise SettingError(f"expected design options like MLA_EAGER_RESCALE, got {', '.join(bad)}")
+        raise SettingError(f"expected design options like MLA_EAGER_RESCALE, got {', '.join(map(repr, bad))}")
     return tuple(dict.fromkeys(names))
 
 

@@ -291,8 +291,8 @@ for rank in (0, 1):
 pickle.dump((p2l.tolist(), phys), open(os.path.join(sys.argv[1], "truth.pkl"), "wb"))
 '''
     r = subprocess.run([sys.executable, "-c", code, str(tmp)], capture_output=True, text=True, timeout=300)
-    if r.returncode != 0:
-        pytest.skip(f"SGLang's recorder does not run on this CPU host: {r.stderr[-500:]}")
+    # sglang 0.5.17 is pinned and its recorder runs on a CPU: a failure here is the drift this test is for
+    assert r.returncode == 0, f"SGLang's recorder failed: {r.stderr[-2000:]}"
     import pickle
 
     p2l, phys = pickle.load(open(tmp / "truth.pkl", "rb"))

@@ -230,7 +230,7 @@ def test_notes_of_a_feature_come_only_once_it_is_on(activate):
 
 # ---- bad flag values: argparse refuses them, in one line --------------------------------------------------------
 
-BAD_FLAGS = {"bool": "maybe", "choice": "bogus", "fraction": "1.5"}
+BAD_FLAGS = {"bool": "maybe", "choice": "bogus", "fraction": "1.5", "int": "-3", "options": "NOT_AN_OPTION"}
 
 
 def _kind(switch) -> str | None:
@@ -242,7 +242,19 @@ def _kind(switch) -> str | None:
         return "choice"
     if switch.parse is settings._fraction:
         return "fraction"
+    if switch.parse is settings._non_negative_int:
+        return "int"
+    if switch.parse is settings._design_options:
+        return "options"
     return None  # a path: any text
+
+
+def test_every_flag_but_the_paths_has_a_bad_value_test():
+    """A new kind of switch gets its bad value in BAD_FLAGS, not a silent pass as 'a path'."""
+    from sglang_h20 import settings
+
+    assert {s.name for s in BY_NAME.values() if _kind(s) is None} == {
+        s.name for s in BY_NAME.values() if s.parse is settings._path}
 
 
 @pytest.mark.parametrize("switch", [s for s in BY_NAME.values() if _kind(s)], ids=lambda s: s.flag)

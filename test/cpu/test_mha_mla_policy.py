@@ -417,6 +417,16 @@ def test_choice_is_cheap_and_remembered_for_the_next_layer():
     assert per_call < 1e-3  # pure Python on CPU lists; measured ~20 us
     assert len(t._memo) <= mha_mla.MEMO_SIZE
     assert [t.choose(s) for s in shapes] == first  # remembered or recomputed: the same answer
+    # the next layer asks about the same batch: answered from memory, no cost computed again
+    recent = shapes[-8:]
+    answers = [t.choose(s) for s in recent]
+    computed = []
+    real = t.prefill_cost
+    object.__setattr__(t, "prefill_cost", lambda *a, **k: computed.append(a) or real(*a, **k))
+    assert [t.choose(s) for s in recent for _ in range(61)][::61] == answers and computed == []
+    new = BatchShape([4242], [17])
+    t.choose(new)
+    assert len(computed) == 2  # a new batch: both methods costed once
 
 
 def test_router_uses_a_grid_table_like_any_policy():

@@ -4,12 +4,15 @@ Each lane builds its FP8 wgmma A fragment of V^T from one ldmatrix.x4.trans of t
 checks, for every warp, lane, 64-channel block and k-step, that fragment register a[i] byte b holds V[token][channel]
 for the A row (g, or g + 8 for a[1] / a[3]) and k (4q + b, + 16 for a[2] / a[3]) that the PTX fragment layout
 assigns to it, under the kernels' relabellings: A row g / g + 8 of warp w is channel 16w + 2g / + 1 of the block,
-and k is the P' byte position of its token (kpos_of). A wrong
-selector, lane address or position map fails here, not on a GPU. The partial-tile masks zero exactly the tokens past
+and k is the P' byte position of its token (kpos_of). The selectors, the lane address and the position map are read
+out of the kernel source (csrc/mla_fp8_decode_sm90_v3.cu), so a wrong one there fails here, not on a GPU. The partial-tile masks zero exactly the tokens past
 the end. The fragment layout itself (rows g / g + 8, k 4q .. 4q + 3 and + 16) was confirmed on the GPU by v3's
 tests (outputs equal to version 2's within 1.4e-5, session 29).
 """
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +20,21 @@ import pytest
 from repo_scripts import load_script
 
 vt = load_script("benchmark/kernels/vt_transpose_model.py")
+V3_SOURCE = (Path(__file__).resolve().parents[2] / "sgl-kernel-ext" / "sgl_kernel_ext" / "csrc"
+             / "mla_fp8_decode_sm90_v3.cu").read_text()
+
+
+def from_kernel(pattern: str) -> str:
+    """The one match of `pattern`'s group in the v3 kernel source (a C integer expression or literal)."""
+    found = re.findall(pattern, V3_SOURCE, re.S)
+    assert len(found) == 1, (pattern, found)
+    return found[0]
+
+
+# C integer expressions of non-negative ints that read the same in Python (&, |, ^, ~, <<, >>, +, *)
+KPOS_EXPR = from_kernel(r"constexpr int kpos_of\(int t\) \{\s*return (.+?);\s*\}")
+V_OFF_EXPR = from_kernel(r"const uint32_t v_off = (.+?);")
+SEL_LO, SEL_HI = (int(x, 16) for x in from_kernel(r"vt_fragment<(0x[0-9a-f]+)u, (0x[0-9a-f]+)u, MASK>"))
 
 
 def smem_tile(rng):
@@ -30,10 +48,9 @@ def smem_tile(rng):
 
 
 def v_lane_offset(lane, w):
-    """The kernel's per-lane ldmatrix row address in a K block (v3's v_off): row 8j + i of a 32-token
-    step, the 16-byte chunk of channels 16w .. 16w + 15."""
-    j, i = divmod(lane, 8)
-    return j * 512 + i * 64 + (((w ^ (i >> 1)) & 3) << 4)
+    """The kernel's per-lane ldmatrix row address in a K block (v3's v_off, read from its source): row 8j + i of a
+    32-token step, the 16-byte chunk of channels 16w .. 16w + 15."""
+    return eval(V_OFF_EXPR, {}, {"lj": lane >> 3, "li": lane & 7, "w": w})
 
 
 def ldsm_x4_trans(buf, addrs):
@@ -51,11 +68,16 @@ def ldsm_x4_trans(buf, addrs):
     return out
 
 
-def kpos_v3(t):  # the v3 kernel's kpos_of
-    return (t & ~15) + 4 * ((t & 7) >> 1) + (t & 1) + 2 * ((t >> 3) & 1)
+def kpos_v3(t):  # the v3 kernel's kpos_of, read from its source
+    return eval(KPOS_EXPR, {}, {"t": t})
 
 
-SEL_LO, SEL_HI = 0x6420, 0x7531  # v3's prmt selectors (vt_fragment's template arguments)
+def test_the_source_expressions_are_what_the_model_expects():
+    """Reading the kernel worked: the expressions found are the ones this model was written against (a change in
+    the kernel shows here first, and the fragment test below says whether it is still right)."""
+    assert (SEL_LO, SEL_HI) == (0x6420, 0x7531)
+    assert [kpos_v3(t) for t in range(16)] == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+    assert [v_lane_offset(lane, 1) for lane in (0, 1, 2, 8)] == [16, 80, 128, 528]
 
 
 @pytest.mark.parametrize("nvalid", [64, 37, 1])
