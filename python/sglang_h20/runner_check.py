@@ -16,7 +16,7 @@ from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
 
 LOAD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
-NO_RUNNER = "none"  # a MoE layer whose quant method built no MoeRunner (SGLang's flashinfer / cutlass paths, ...)
+NO_RUNNER = "no MoeRunner"  # a MoE layer whose quant method built none (SGLang's flashinfer / cutlass paths, ...)
 _failed = OnceLog(logging.getLogger("sglang_h20.runner_check"), "runner check: ")
 
 

@@ -63,7 +63,8 @@ def test_a_runner_our_moe_hooks_cannot_see_is_named_once(feature, monkeypatch, c
         a2a["value"] = "deepep"
         hook.fn(None, types.SimpleNamespace(model=model_of("DEEP_GEMM")))
     lines = [r.getMessage() for r in caplog.records if r.name == logger]
-    first = f"{feature}: upstream for every MoE layer on runner 'deep_gemm', 'none' with a2a 'none': our MoE hooks wrap"
+    first = (f"{feature}: upstream for every MoE layer on runner 'deep_gemm', 'no MoeRunner' with a2a 'none': "
+             f"our MoE hooks wrap")
     assert lines[0].startswith(first), lines
     if feature == "swapab":  # DeepGEMM under DeepEP is its masked path: served
         assert len(lines) == 1, lines
