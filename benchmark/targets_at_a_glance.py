@@ -45,6 +45,7 @@ E2E_SWITCHED = [("swapAB", "swapab/swapab_e2e_s41_c4_c16_h200.json", "on", "4"),
                 ("swapAB", "swapab/swapab_e2e_s44_c16_c128_h200.json", "on", "128"),
                 ("SBO", "sbo/sbo_e2e_s35_c16_c32_h200.json", "sbo", "16"),
                 ("SBO", "sbo/sbo_e2e_s35_c16_c32_h200.json", "sbo", "32"),
+                ("SBO", "sbo/sbo_e2e_s35_c56_c32_h200.json", "sbo", "32"),  # the second call's @32: both shown
                 ("SBO", "sbo/sbo_e2e_s35_c56_c32_h200.json", "sbo", "56")]
 # (record, workload, anchor): fp8_mla_e2e's ours against FlashMLA in one call
 E2E_FP8_MLA = [("mla_decode/fp8_mla_e2e_s38_c16_flashmla_fp8_h200.json", "4096x512@16", "flashmla-fp8"),
@@ -61,7 +62,10 @@ def load(rel: str) -> dict:
 def source(rel: str, rec: dict) -> dict:
     """Where a number came from: the record and its run's commit, GPU and date."""
     prov = rec.get("provenance") or rec
-    return {"file": rel, "git_commit": prov.get("git_commit"), "gpu": prov.get("gpu"), "date": prov.get("date")}
+    out = {"file": rel, "git_commit": prov.get("git_commit"), "gpu": prov.get("gpu"), "date": prov.get("date")}
+    if rec.get("partial"):  # the sweep did not finish: its counts cover the points it measured
+        out["partial"] = {"not_started": len(rec.get("not_started") or [])}
+    return out
 
 
 def mla_targets() -> dict:

@@ -975,43 +975,78 @@ def roofline_png(path, points, peak_tbs):
 
 
 def issue_targets(points, peak_tbs: float) -> dict:
-    """The swapAB issue's kernel targets, on the best of our providers against the best upstream one at each MoE
-    point (same run, layout and draw; ratios are time_upstream / time_ours, above 1: ours faster): >= 1.0x
-    everywhere, >= 90% of the run's measured read peak at <= 64 tokens per expert, >= 1.25x at 128-256 tokens,
-    and the H20-MODELLED time against DeepGEMM masked >= 1.5x at <= 32 tokens."""
+    """The swapAB issue's kernel targets, on the best of our providers (the fastest measured) against the best
+    upstream one at each MoE point (same run, layout and draw; ratios are time_upstream / time_ours, above 1: ours
+    faster): >= 1.0x everywhere, >= 90% of the run's measured read peak at <= 64 tokens per expert, >= 1.25x at
+    128-256 tokens, and the H20-MODELLED time against DeepGEMM masked >= 1.5x at <= 32 tokens. A point where every
+    one of ours that was asked failed (no finite time) while an upstream kernel ran counts as missed (ratio 0).
+
+    Two readings are recorded beside the main ones, so that no rule choice hides a miss: >= 1.0x across layouts
+    (ours' best in any layout against the best upstream kernel in any layout, per shape, experts, tokens and draw:
+    SGLang's Triton runs the contiguous layout only, DeepGEMM both), and the H20 ratio with ours = the kernel
+    fastest on THIS GPU (the main H20 ratio takes the least-padded of ours, the one the model says an H20 re-tune
+    would pick; `h20_ours_provider` names it)."""
     by_point: dict = {}
     for p in points:
-        if p.get("kind") == "moe" and isinstance(p.get("us"), (int, float)) and math.isfinite(p["us"]) and p["us"] > 0:
+        if p.get("kind") == "moe":
             key = (p["shape"], p["groups"], p["tokens_per_group"], p["distribution"], p["layout"])
             by_point.setdefault(key, []).append(p)
+    timed = lambda p: isinstance(p.get("us"), (int, float)) and math.isfinite(p["us"]) and p["us"] > 0
     per_point = []
     for (shape, groups, m, dist, layout), pts in sorted(by_point.items()):
-        ours = [p for p in pts if p["provider"].startswith("ours")]
-        upstream = [p for p in pts if not p["provider"].startswith("ours")]
-        if not ours or not upstream:
+        asked = [p for p in pts if p["provider"].startswith("ours")]
+        ours = [p for p in asked if timed(p)]
+        upstream = [p for p in pts if not p["provider"].startswith("ours") and timed(p)]
+        if not upstream or not asked:
+            continue  # nothing to compare against, or ours not run here
+        row = {"shape": shape, "groups": groups, "tokens_per_group": m, "distribution": dist, "layout": layout}
+        rival = min(upstream, key=lambda p: p["us"])
+        if not ours:  # ours failed where upstream ran: a miss, not a gap in the count
+            per_point.append({**row, "best_ours": None, "ours_us": None, "best_upstream": rival["provider"],
+                              "upstream_us": rival["us"], "vs_best_upstream": 0.0, "read_frac": 0.0,
+                              "h20_modelled_vs_deepgemm_masked": None, "h20_ours_provider": None,
+                              "h20_modelled_fastest_ours_vs_deepgemm_masked": None})
             continue
-        best, rival = min(ours, key=lambda p: p["us"]), min(upstream, key=lambda p: p["us"])
+        best = min(ours, key=lambda p: p["us"])
         dg = next((p for p in upstream if p["provider"] == "deepgemm"), None)
-        h20 = (dg["h20_modelled_us"] / min(p["h20_modelled_us"] for p in ours)
-               if layout == "masked" and dg and all(p.get("h20_modelled_us") for p in ours + [dg]) else None)
-        per_point.append({"shape": shape, "groups": groups, "tokens_per_group": m, "distribution": dist,
-                          "layout": layout, "best_ours": best["provider"], "ours_us": best["us"],
-                          "best_upstream": rival["provider"], "vs_best_upstream": rival["us"] / best["us"],
+        modelled = layout == "masked" and dg and all(p.get("h20_modelled_us") for p in ours + [dg])
+        least = min(ours, key=lambda p: p["h20_modelled_us"]) if modelled else None
+        per_point.append({**row, "best_ours": best["provider"], "ours_us": best["us"],
+                          "best_upstream": rival["provider"], "upstream_us": rival["us"],
+                          "vs_best_upstream": rival["us"] / best["us"],
                           "read_frac": best["weight_tbs"] / peak_tbs if peak_tbs else None,
-                          "h20_modelled_vs_deepgemm_masked": h20})
+                          "h20_modelled_vs_deepgemm_masked": (dg["h20_modelled_us"] / least["h20_modelled_us"]
+                                                              if modelled else None),
+                          "h20_ours_provider": least["provider"] if modelled else None,
+                          "h20_modelled_fastest_ours_vs_deepgemm_masked": (
+                              dg["h20_modelled_us"] / best["h20_modelled_us"] if modelled else None)})
+
+    any_layout: dict = {}  # (shape, groups, m, draw) -> [best ours us, best upstream us] over both layouts
+    for p in per_point:
+        key = (p["shape"], p["groups"], p["tokens_per_group"], p["distribution"])
+        o, u = any_layout.get(key, (None, None))
+        mine = p["ours_us"]
+        any_layout[key] = (mine if o is None else (o if mine is None else min(o, mine)),
+                           p["upstream_us"] if u is None else min(u, p["upstream_us"]))
+    across = [0.0 if o is None else u / o for o, u in any_layout.values()]
 
     def check(name, pts, key, bound):
         return target_check(name, [p[key] for p in pts], bound)
 
+    small = [p for p in per_point if p["tokens_per_group"] <= 32]
     checks = {"vs_best_upstream": check(">= 1.0x the best upstream kernel", per_point, "vs_best_upstream", 1.0),
               "read_frac_m64": check(">= 90% of the measured read peak (<= 64 tokens per expert)",
                                      [p for p in per_point if p["tokens_per_group"] <= 64], "read_frac", 0.9),
               "vs_best_upstream_m128_256": check(">= 1.25x the best upstream (128-256 tokens per expert)",
                                                  [p for p in per_point if 128 <= p["tokens_per_group"] <= 256],
                                                  "vs_best_upstream", 1.25),
-              "h20_modelled_m32": check(">= 1.5x DeepGEMM masked on an H20, MODELLED (<= 32 tokens per expert)",
-                                        [p for p in per_point if p["tokens_per_group"] <= 32],
-                                        "h20_modelled_vs_deepgemm_masked", 1.5)}
+              "h20_modelled_m32": check(">= 1.5x DeepGEMM masked on an H20, MODELLED (<= 32 tokens per expert; "
+                                        "ours: the least padded)", small, "h20_modelled_vs_deepgemm_masked", 1.5),
+              "vs_best_upstream_any_layout": target_check(
+                  ">= 1.0x the best upstream kernel, either layout against either layout", across, 1.0),
+              "h20_modelled_m32_fastest_ours": check(
+                  ">= 1.5x DeepGEMM masked on an H20, MODELLED (<= 32 tokens; ours: the fastest on this GPU)", small,
+                  "h20_modelled_fastest_ours_vs_deepgemm_masked", 1.5)}
     return {"per_point": per_point, "checks": checks, "summary": [c["line"] for c in checks.values()]}
 
 

@@ -308,3 +308,32 @@ def test_issue_targets_compare_within_one_layout_and_draw():
     assert checks["vs_best_upstream_m128_256"]["points"] == 0
     assert checks["h20_modelled_m32"]["met"] == 1
     assert t["summary"][0].startswith("target >= 1.0x the best upstream kernel: 1 of 2 points")
+
+
+def test_issue_targets_record_the_other_readings_and_count_a_failed_ours_as_missed():
+    """The two readings beside the main ones (across layouts; the H20 ratio with the fastest of ours on this GPU),
+    a point whose ours all failed counted as a miss, and an exact bound met in spite of float rounding."""
+    pts = [moe_point("ours-swapab", 70.0, h20=60.0), moe_point("ours-normal", 50.0, h20=90.0),
+           moe_point("deepgemm", 55.0, h20=90.0),
+           # contiguous, same (shape, experts, tokens, draw): SGLang's triton beats ours' best in either layout
+           moe_point("ours-swapab", 60.0, layout="contiguous"), moe_point("sglang-triton", 45.0, layout="contiguous"),
+           # m = 16: ours asked and failed (NaN) where DeepGEMM ran
+           moe_point("ours-swapab", float("nan"), m=16), moe_point("deepgemm", 30.0, m=16),
+           # m = 8: the H20 model's exact 1.5 as the floats give it
+           moe_point("ours-swapab", 10.0, m=8, h20=22548578304 / 296e6), moe_point("deepgemm", 11.0, m=8,
+                                                                                   h20=33822867456 / 296e6)]
+    t = bench.issue_targets(pts, peak_tbs=4.5)
+    rows = {(p["layout"], p["tokens_per_group"]): p for p in t["per_point"]}
+    masked = rows[("masked", 32)]
+    assert masked["best_ours"] == "ours-normal" and masked["h20_ours_provider"] == "ours-swapab"
+    assert masked["h20_modelled_vs_deepgemm_masked"] == pytest.approx(1.5)
+    assert masked["h20_modelled_fastest_ours_vs_deepgemm_masked"] == pytest.approx(1.0)
+    failed = rows[("masked", 16)]
+    assert failed["best_ours"] is None and failed["vs_best_upstream"] == 0.0
+    assert rows[("masked", 8)]["h20_modelled_vs_deepgemm_masked"] < 1.5  # 1.4999999999999998 ...
+    checks = t["checks"]
+    assert (checks["h20_modelled_m32"]["met"], checks["h20_modelled_m32"]["points"]) == (2, 2)  # ... met
+    assert (checks["h20_modelled_m32_fastest_ours"]["met"], checks["h20_modelled_m32_fastest_ours"]["points"]) == (1, 2)
+    assert (checks["vs_best_upstream"]["met"], checks["vs_best_upstream"]["points"]) == (2, 4)
+    # across layouts: m 32 is ours 50 (masked) vs triton 45 (contiguous): missed; m 16 missed; m 8 met
+    assert (checks["vs_best_upstream_any_layout"]["met"], checks["vs_best_upstream_any_layout"]["points"]) == (1, 3)

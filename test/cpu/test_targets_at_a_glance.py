@@ -19,6 +19,15 @@ def test_the_figure_and_its_numbers(tmp_path):
     s44 = summary["grouped_gemm"]["s44 16-256 experts"]["checks"]
     assert (s44["vs_best_upstream"]["met"], s44["vs_best_upstream"]["points"]) == (52, 72)
     assert (s44["read_frac_m64"]["met"], s44["h20_modelled_m32"]["met"]) == (3, 36)
+    # the readings beside: across layouts, and the H20 ratio with the kernel fastest on the H200
+    assert (s44["vs_best_upstream_any_layout"]["met"], s44["vs_best_upstream_any_layout"]["points"]) == (24, 36)
+    assert (s44["h20_modelled_m32_fastest_ours"]["met"], s44["h20_modelled_m32_fastest_ours"]["points"]) == (16, 36)
+    # the exact 1.5 of 8 experts x 32 tokens (uneven) counts as met: s38 and s43 all of theirs
+    for run, n in (("s38 swapAB 8-32 tok", 36), ("s43 register cap", 16)):
+        h20 = summary["grouped_gemm"][run]["checks"]["h20_modelled_m32"]
+        assert (h20["met"], h20["points"]) == (n, n) and abs(h20["min"] - 1.5) < 1e-9
+    full = summary["grouped_gemm"]["full grid, 11-30"]
+    assert full["source"]["partial"] == {"not_started": 6}  # the full grid's 6 points never started
     s45 = summary["grouped_gemm"]["s45 CUDA normal variant"]["checks"]["vs_best_upstream_m128_256"]
     assert (s45["met"], s45["points"]) == (0, 8) and 0.72 < s45["min"] < s45["max"] < 0.98
     e2e = summary["e2e"]
