@@ -1,4 +1,6 @@
-"""Test-suite wiring: `gpu`-marked tests are skipped unless a Hopper-class CUDA GPU is visible.
+"""Test-suite wiring: `gpu`-marked tests are skipped unless a Hopper-class CUDA GPU is visible; on the device run
+(scripts/gpu_check.sh sets SGLANG_H20_EXPECT_GPU=1) a GPU the guard cannot see stops the run instead, since every GPU
+test would otherwise "pass" as skipped.
 
 Without an NVIDIA device, Triton kernels run on its CPU interpreter: TRITON_INTERPRET must be set
 before anything imports triton, so it is set here, first.
@@ -17,6 +19,8 @@ def pytest_collection_modifyitems(config, items):
     ok, why = compat.check_gpu()
     if ok:
         return
+    if os.environ.get("SGLANG_H20_EXPECT_GPU") == "1":
+        raise pytest.UsageError(f"SGLANG_H20_EXPECT_GPU=1 but {why}: every gpu test would be skipped")
     skip = pytest.mark.skip(reason=f"gpu test: {why}")
     for item in items:
         if "gpu" in item.keywords:

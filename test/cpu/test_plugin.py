@@ -20,6 +20,7 @@ from sglang_h20 import compat, plugin
 from sglang_h20.features import FEATURES, decide
 from sglang_h20.settings import SWITCHES, Settings
 
+REPO = Path(__file__).resolve().parents[2]
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_H20_") and k != "SGLANG_PLUGINS"}
 
 
@@ -267,3 +268,18 @@ def test_doctor_runs_on_a_cpu_machine():
     r = subprocess.run([sys.executable, "-m", "sglang_h20", "doctor"], capture_output=True, text=True,
                        env=CLEAN_ENV, timeout=300)
     assert r.returncode == 0, r.stdout
+
+
+def test_a_device_run_whose_guard_sees_no_gpu_stops_instead_of_skipping(tmp_path):
+    """gpu_check.sh sets SGLANG_H20_EXPECT_GPU=1: there a GPU the guard cannot see (here: none) must stop pytest with
+    the reason, not turn every gpu test into a skip and exit 0; without the variable the same test is skipped."""
+    (tmp_path / "test_one_gpu.py").write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_x():\n    assert True\n")
+    (tmp_path / "conftest.py").write_text((REPO / "test" / "conftest.py").read_text())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), str(REPO / "sgl-kernel-ext")])}
+    run = lambda extra: subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                                        str(tmp_path)], capture_output=True, text=True, timeout=300,
+                                       env={**env, **extra}, cwd=tmp_path)
+    expect = run({"SGLANG_H20_EXPECT_GPU": "1"})
+    assert expect.returncode != 0 and "SGLANG_H20_EXPECT_GPU=1 but" in expect.stdout + expect.stderr, expect.stdout
+    plain = run({})
+    assert plain.returncode == 0 and "1 skipped" in plain.stdout, plain.stdout

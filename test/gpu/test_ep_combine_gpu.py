@@ -6,7 +6,8 @@ H200s); NCCL (torch.distributed) provides barriers and the reference reduce_scat
 
 Each rank runs ep_down_and_combine (producer + its own finish on one stream) on the same gathered tokens, then
 the same partials are recomputed in torch from the GEMM's own bf16 rows (fp32, per rank) and reduce-scattered
-with NCCL: the fused result must match up to the summation order (sbo.order_error <= 1), never flag an error,
+with NCCL: the fused result must match up to the summation order (sbo.order_error <= 1) and the float32 reference
+on the dequantized operands within 2e-2 (ep.ep_partials_reference, reduce-scattered alike), never flag an error,
 and repeat bit for bit across many calls on the same buffers (the arrivals' reset under real concurrency); the
 producer on the flattened, TMA-fed walk (config flat + tma) must give the same bits.
 Also: a rank that skips its producer makes both owners flag status instead of hanging.
@@ -93,6 +94,14 @@ def _run(rank, init_file):
     err = sbo.order_error(first, want)
     assert err <= 1, f"rank {rank}: order_error {err}"
     assert not torch.isnan(first.float()).any()
+
+    # and against float32 on the dequantized operands (the partials not from y: a wrong scale or K loop in the
+    # producer's GEMM shows here), reduce-scattered the same way; bounds as test/cpu/test_ep_combine.py
+    send.zero_()
+    send[owner.long(), index.long()] = ep.ep_partials_reference(q, qs, wq, ws, w, lay, weight_scale=2.5)
+    dist.reduce_scatter_tensor(got, send.view(WORLD * cap, H))
+    exact = got[:SIZES[rank]]
+    torch.testing.assert_close(first.float(), exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
 
     # the producer on the flattened, TMA-fed walk: the same tiles as the group walk with the same tile config,
     # so the same partials and the same bits, over repeated calls (alternating the two walks on one set of buffers)

@@ -151,8 +151,8 @@ def test_a_benchmark_point_checks_and_times_both_paths(kernels, layer):
 def test_fp8_kv_b_proj_variant(kernels):
     try:
         k = bench.load_kernels("fp8", kernels.provider)
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"FP8 kv_b_proj path does not load: {type(e).__name__}: {e}")
+    except bench.Unavailable as e:  # a missing kernel; any other error (a changed signature) fails the test
+        pytest.skip(f"FP8 kv_b_proj path does not load: {e}")
     layer = bench.Layer(k)
     X, mha, mla = outputs(k, layer, [37, 200, 64], [300, 0, 129], CAPACITY, seed=2)
     ref = bench.reference_rows(k, layer, X, 0, list(range(37)), expanded=True)

@@ -9,6 +9,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_gpu_is_hopper_class():
+    """Runs only where the guard already saw a Hopper-class GPU; what stops a device run whose guard sees none is
+    test/conftest.py's SGLANG_H20_EXPECT_GPU check (gpu_check.sh sets it). Here: the GPU's own numbers."""
     ok, why = compat.check_gpu()
     assert ok, why
     assert compat.gpu().capability >= (9, 0)
