@@ -374,10 +374,13 @@ def test_register_cap_changes_no_bit(mods, shape):
             assert torch.equal(outs[cap][0].isnan(), outs[None][0].isnan()), f"{what}: other rows written"
             assert torch.equal(torch.nan_to_num(outs[cap][0]), torch.nan_to_num(outs[None][0])), what
             assert torch.equal(outs[cap][1], outs[None][1]), what
-    ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
-    for g, m in enumerate(c):
-        if m:
-            check(outs[128][0][g, :m], ref[g, :m], f"maxnreg 128 masked {shape} g={g}")
+        # both layouts of both configs against float32 (the capped runs equal these bit for bit)
+        ref = gg.grouped_gemm_reference(a, a_s, b, b_s, masked_m=mm)
+        for g, m in enumerate(c):
+            if m:
+                check(outs[128][0][g, :m], ref[g, :m], f"maxnreg 128 masked {shape} {bn}x32 g={g}")
+        check(outs[128][1], gg.grouped_gemm_reference(ac, ac_s, b, b_s, m_indptr=ip),
+              f"maxnreg 128 contiguous {shape} {bn}x32")
 
 
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))

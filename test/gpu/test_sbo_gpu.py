@@ -80,10 +80,16 @@ def combine64(y, lay, w, weight_scale=2.5):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("experts", [256, 32])
 def test_overlap_equals_plain_many_routings(mods, weights, experts, masked):
+    """Overlapped = plain up to the summation order over 40 routings; among them experts with no token and experts
+    with more tokens than one 16-row tile (checked on the routings themselves, not assumed)."""
     _, _, sbo = mods
+    saw_empty = saw_multi_tile = False
     for seed in range(40):
         t = [1, 3, 8, 16, 32, 56, 64, 100][seed % 8]
         lay, w, q, qs, wq, ws = case(mods, weights, t, experts, seed, masked)
+        per_expert = torch.bincount(routing(t, experts, seed)[0].flatten().long(), minlength=experts)
+        saw_empty |= bool((per_expert == 0).any())
+        saw_multi_tile |= int(per_expert.max()) > 16
         plain, st0 = run(sbo, lay, w, q, qs, wq, ws, overlap=False)
         for rep in range(5):  # the last two: consumer programs beside the GEMM's on the same SMs (colocate)
             y = nan_y(lay, t)
@@ -97,14 +103,7 @@ def test_overlap_equals_plain_many_routings(mods, weights, experts, masked):
             ref = sbo.moe_down_and_combine_reference(q, qs, wq, ws, w, lay, weight_scale=2.5).float()
             err = (plain.float() - ref).norm() / ref.norm()
             assert err < 1e-2, (seed, float(err))
-
-
-def test_some_experts_are_empty(mods):
-    _, _, sbo = mods
-    ids, _ = routing(8, 256, seed=3)
-    lay = sbo.build_layout(ids, 256)
-    counts = lay.m_indptr[1:] - lay.m_indptr[:-1]
-    assert int((counts == 0).sum()) > 0 and int(counts.max()) > 1
+    assert saw_empty and saw_multi_tile, (saw_empty, saw_multi_tile)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -312,8 +311,24 @@ def test_tail_waits_that_give_up_still_complete_out(mods, weights, monkeypatch, 
     assert marks > 0 or max_spin > 0  # with no poll at all every program but the last marks
 
 
+def moe_reference_f32(x, w1q, w1s, w2q, w2s, w, ids, scale):
+    """The MoE layer in float32 on the dequantized weights and the unquantized bf16 input (the activations' FP8
+    rounding is the error the bounds allow)."""
+    from sgl_kernel_ext import quant
+
+    w1f, w2f = quant.dequant_per_block(w1q, w1s), quant.dequant_per_block(w2q, w2s)
+    ref = torch.zeros(x.shape[0], H, device="cuda")
+    for k in range(ids.shape[1]):
+        e = ids[:, k].long()
+        h = torch.einsum("th,tnh->tn", x.float(), w1f[e])
+        act = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        ref += scale * w[:, k, None].float() * torch.einsum("ti,thi->th", act, w2f[e])
+    return ref
+
+
 def test_moe_forward_overlap_equals_plain():
-    """The plugin's whole SBO MoE path, overlap on vs off, with DeepSeek-V3 sizes at batch 16."""
+    """The plugin's whole SBO MoE path, overlap on vs off, with DeepSeek-V3 sizes at batch 16; the plain path within
+    the bound of test_fused_quant_as_accurate_as_sglang_quant of float32."""
     from sgl_kernel_ext import quant, sbo
 
     from sglang_h20.moe import sbo as plugin_sbo
@@ -325,6 +340,8 @@ def test_moe_forward_overlap_equals_plain():
     x = torch.randn(t, H, device="cuda", generator=g).to(torch.bfloat16)
     ids, w = routing(t, experts, 9)
     a = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, overlap=False)
+    ref = moe_reference_f32(x, w1q, w1s, w2q, w2s, w, ids, 2.5)
+    assert float((a.float() - ref).norm() / ref.norm()) < 6e-2
     for _ in range(5):
         b = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=2.5, overlap=True)
         assert sbo.order_error(b, a) <= 1, sbo.order_error(b, a)
@@ -358,13 +375,7 @@ def test_fused_quant_as_accurate_as_sglang_quant():
     kw = dict(routed_scaling_factor=2.5, combine="tail")
     a = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, fused_quant=False, **kw)
     fq = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, fused_quant=True, **kw)
-    w1f, w2f = quant.dequant_per_block(w1q, w1s), quant.dequant_per_block(w2q, w2s)
-    ref = torch.zeros(t, H, device="cuda")
-    for k in range(ids.shape[1]):
-        e = ids[:, k].long()
-        h = torch.einsum("th,tnh->tn", x.float(), w1f[e])
-        act = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
-        ref += 2.5 * w[:, k, None].float() * torch.einsum("ti,thi->th", act, w2f[e])
+    ref = moe_reference_f32(x, w1q, w1s, w2q, w2s, w, ids, 2.5)
     err = lambda o: float((o.float() - ref).norm() / ref.norm())  # noqa: E731
     assert bool(torch.isfinite(fq.float()).all())
     assert err(a) < 6e-2 and err(fq) <= 1.05 * err(a) + 1e-3, (err(a), err(fq))
