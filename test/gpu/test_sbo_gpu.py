@@ -426,7 +426,8 @@ def test_signal_counts_exactly_once_per_tile(mods, weights, config):
 
 
 def test_shared_overlap_hook_equals_serial():
-    """forward_normal_hook on a stand-in MoE: shared on the alt stream + routed = upstream's serial sum."""
+    """forward_normal_hook on a stand-in MoE: shared on the alt stream + routed = upstream's serial sum (and the
+    overlap did serve it: the shared part ran on the alt stream, the original was asked to skip it)."""
     import types
 
     from sglang_h20.moe import sbo as plugin_sbo
@@ -438,9 +439,11 @@ def test_shared_overlap_hook_equals_serial():
         moe = types.SimpleNamespace(shared_experts=object(), num_fused_shared_experts=0, tp_size=1,
                                     alt_stream=torch.cuda.Stream(),
                                     experts=types.SimpleNamespace(moe_runner_config=types.SimpleNamespace(inplace=inplace)))
-        moe._forward_shared_experts = lambda x: x @ ws
+        shared_on, skips = [], []
+        moe._forward_shared_experts = lambda x: (shared_on.append(torch.cuda.current_stream()), x @ ws)[1]
 
         def original(self, x, alloc=None, input_ids=None, input_ids_global=None, skip_shared_experts=False):
+            skips.append(skip_shared_experts)
             routed = x @ wr
             if inplace:  # as the inplace triton runner: the input buffer is overwritten
                 x.copy_(routed)
@@ -453,3 +456,4 @@ def test_shared_overlap_hook_equals_serial():
             got = plugin_sbo.forward_normal_hook(original, moe, x.clone())
             torch.cuda.synchronize()
             assert torch.equal(got, want)
+            assert skips[-1] is True and shared_on[-1] == moe.alt_stream  # not the serial fallback
