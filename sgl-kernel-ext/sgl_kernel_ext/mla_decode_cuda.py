@@ -89,10 +89,10 @@ ABLATIONS = ("MLA_ABLATE_NO_TRANSPOSE", "MLA_ABLATE_NO_SOFTMAX", "MLA_ABLATE_NO_
 # in session 33 and were removed in session 38; the default builds' cubins were byte-identical before and after.)
 # (Session 46's MLA_FULL_TILES and MLA_LOADER_SLEEP, from v2's per-instruction profile: 13% fewer executed
 # instructions, 0.99-1.02x the default build's time; removed, benchmark/results/mla_decode/README.md session 46.)
-# MLA_UNIFORM_WG (version 1; session 46): the warpgroup index through a shuffle, the wgmma descriptors in uniform
-# registers (v2 and v3 always).
+# (Session 46's MLA_UNIFORM_WG, version 1's warpgroup index through a shuffle: 0.99-1.00x the default build at batch
+# 1-8 on the H200 in session 48, bit-identical; removed.)
 DESIGN_OPTIONS = ("MLA_VT_PRMT", "MLA_VT_STORE_SWIZZLE", "MLA_VT_LDSM", "MLA_CP_ASYNC_LOAD", "MLA_EAGER_RESCALE",
-                  "MLA_PREPASS_Q", "MLA_SPLIT_Q", "MLA_UNIFORM_WG")
+                  "MLA_PREPASS_Q", "MLA_SPLIT_Q")
 REORDERING_OPTIONS = DESIGN_OPTIONS[:3]  # close to the default build's results, not bit-identical
 ROUNDING_OPTIONS = ("MLA_EAGER_RESCALE",)  # likewise close: another rounding than the default's
 _libs: dict[tuple[int, tuple[str, ...]], ctypes.CDLL] = {}  # (version, defines)

@@ -101,14 +101,9 @@ __global__ void __launch_bounds__(THREADS, 1) mla_fp8_decode_kernel(const __grid
   uint8_t* smem = aligned_smem(smem_raw, sbase);
 
   const int tid = threadIdx.x;
-  // warpgroup: tokens 32wg.. of each tile in S, channels 256wg.. of O. Design option MLA_UNIFORM_WG reads it through
-  // a shuffle, as v2 and v3 do, so that ptxas sees a warp-uniform value and keeps the wgmma descriptors in uniform
-  // registers (R2UR 44 -> 9 in the SASS; session 46, unmeasured)
-#if MLA_UNIFORM_WG
-  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-#else
+  // warpgroup: tokens 32wg.. of each tile in S, channels 256wg.. of O. (Read through a shuffle, as v2 and v3 do, the
+  // wgmma descriptors stay in uniform registers: R2UR 44 -> 9; measured 0.99-1.00x, session 48, so not kept.)
   const int wg = tid >> 7;
-#endif
   const int warp = (tid >> 5) & 3;   // warp within the warpgroup: rows 16warp..16warp+15
   const int lane = tid & 31;
   const int q4 = lane & 3;

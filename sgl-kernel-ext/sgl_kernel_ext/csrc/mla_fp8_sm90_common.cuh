@@ -109,11 +109,6 @@ constexpr float MLA_LAZY_SCALE_STEP = 256.f;  // a V-scale max may run this many
 #ifndef MLA_SPLIT_Q
 #define MLA_SPLIT_Q 0
 #endif
-// Design option MLA_UNIFORM_WG (version 1; v2 and v3 always do it): the warpgroup index read through a shuffle
-// (mla_fp8_decode_sm90.cu says why).
-#ifndef MLA_UNIFORM_WG
-#define MLA_UNIFORM_WG 0
-#endif
 
 namespace mla_fp8_common {
 using namespace sm90;  // the PTX wrappers (sm90_ptx.cuh)
