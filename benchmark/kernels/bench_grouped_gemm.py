@@ -1021,14 +1021,15 @@ def issue_targets(points, peak_tbs: float) -> dict:
                           "h20_modelled_fastest_ours_vs_deepgemm_masked": (
                               dg["h20_modelled_us"] / best["h20_modelled_us"] if modelled else None)})
 
-    any_layout: dict = {}  # (shape, groups, m, draw) -> [best ours us, best upstream us] over both layouts
+    ours_us: dict = {}  # (shape, groups, m, draw) -> times of ours and of upstream, both layouts together
+    upstream_us: dict = {}
     for p in per_point:
         key = (p["shape"], p["groups"], p["tokens_per_group"], p["distribution"])
-        o, u = any_layout.get(key, (None, None))
-        mine = p["ours_us"]
-        any_layout[key] = (mine if o is None else (o if mine is None else min(o, mine)),
-                           p["upstream_us"] if u is None else min(u, p["upstream_us"]))
-    across = [0.0 if o is None else u / o for o, u in any_layout.values()]
+        upstream_us.setdefault(key, []).append(p["upstream_us"])
+        ours_us.setdefault(key, [])
+        if p["ours_us"] is not None:
+            ours_us[key].append(p["ours_us"])
+    across = [min(upstream_us[k]) / min(ours_us[k]) if ours_us[k] else 0.0 for k in upstream_us]
 
     def check(name, pts, key, bound):
         return target_check(name, [p[key] for p in pts], bound)

@@ -11,8 +11,8 @@ tests (outputs equal to version 2's within 1.4e-5, session 29).
 """
 from __future__ import annotations
 
+import importlib
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +20,7 @@ import pytest
 from repo_scripts import load_script
 
 vt = load_script("benchmark/kernels/vt_transpose_model.py")
-V3_SOURCE = (Path(__file__).resolve().parents[2] / "sgl-kernel-ext" / "sgl_kernel_ext" / "csrc"
-             / "mla_fp8_decode_sm90_v3.cu").read_text()
+V3_SOURCE = importlib.import_module("sgl_kernel_ext.mla_decode_cuda").source_path(3).read_text()
 
 
 def from_kernel(pattern: str) -> str:

@@ -20,7 +20,8 @@ from sglang_h20 import compat, plugin
 from sglang_h20.features import FEATURES, decide
 from sglang_h20.settings import SWITCHES, Settings
 
-REPO = Path(__file__).resolve().parents[2]
+from repo_scripts import REPO
+
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_H20_") and k != "SGLANG_PLUGINS"}
 
 
