@@ -209,6 +209,9 @@ def parse_args(argv=None):
     ap.add_argument("--cuda-scales", nargs="+", choices=["row-major", "mn-major"], default=["row-major"],
                     help="ours-cuda's activation scale layouts to time (mn-major: made outside the timed call, as "
                          "DeepGEMM's are; default: %(default)s)")
+    ap.add_argument("--cuda-min-tokens", type=int, default=1, metavar="TOKENS",
+                    help="ours-cuda only at points of at least this many tokens per expert (its forms are the normal "
+                         "variant's, for large m; default: %(default)s, every point)")
     ap.add_argument("--providers", nargs="+", choices=PROVIDERS + OPT_IN_PROVIDERS, default=list(PROVIDERS),
                     metavar="PROVIDER", help=f"what to time (default: all of {', '.join(PROVIDERS)}; opt-in: "
                     f"{', '.join(OPT_IN_PROVIDERS)}, the hand-written CUDA normal variant)")
@@ -696,7 +699,7 @@ def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune
             tiles, issued = split_tiles(counts, n, k, groups, mean, cfg["split_at"], layout)
             record("ours-split", layout, us, tiles, err, cfg, {"trials": cands.trials, **issued})
 
-    if "ours-cuda" in args.providers:
+    if "ours-cuda" in args.providers and tokens >= args.cuda_min_tokens:
         from sgl_kernel_ext import grouped_gemm_cuda as ggc
         ok, why = ggc.available()
         if not ok:

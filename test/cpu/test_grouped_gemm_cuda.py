@@ -155,6 +155,8 @@ def test_bench_times_it_only_when_asked():
     assert bench.parse_args(["--providers", "ours-cuda", "deepgemm"]).providers == ["ours-cuda", "deepgemm"]
     assert bench.parse_args([]).cuda_forms == list(ggc.FORMS)
     assert bench.parse_args(["--cuda-forms", "128x192-s"]).cuda_forms == ["128x192-s"]
+    assert bench.parse_args([]).cuda_min_tokens == 1  # every point unless asked
+    assert bench.parse_args(["--cuda-min-tokens", "64"]).cuda_min_tokens == 64
     with pytest.raises(SystemExit):
         bench.parse_args(["--cuda-forms", "32x32"])
 
