@@ -29,7 +29,7 @@ from sglang_h20.cliargs import read_json  # noqa: E402
 
 MLA_GRID = "mla_decode/mla_decode_full_grid_s30_h200.json"
 # oldest first: a later run of the same points is drawn over an earlier one
-GEMM_RUNS = {"full grid, 11-30": "swapab/grouped_gemm_full_h200.json",
+GEMM_RUNS = {"full grid, 11-30": "swapab/grouped_gemm_full_h200.json.xz",
              "s38 swapAB 8-32 tok": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t8_t32_h200.json",
              "s39 swapAB 1-24 tok": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t1_t24_h200.json",
              "s39 swapAB 256 experts": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t1_t24_g256_h200.json",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import math
 from pathlib import Path
 
@@ -38,10 +39,12 @@ def positive_float(text: str) -> float:
 
 
 def read_json(path, what: str, error: type[Exception] = ValueError):
-    """The JSON in `path`, or `error` with one line: "WHAT PATH: cannot read JSON (reason)"."""
+    """The JSON in `path` (xz-compressed when it ends in .xz: large records are stored so, to keep the working tree
+    that travels to the GPU host under its limit), or `error` with one line: "WHAT PATH: cannot read JSON (reason)"."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+        data = Path(path).read_bytes()
+        return json.loads(lzma.decompress(data) if str(path).endswith(".xz") else data)
+    except (OSError, ValueError, lzma.LZMAError) as e:
         raise error(f"{what} {path}: cannot read JSON ({e})") from None
 
 

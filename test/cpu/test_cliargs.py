@@ -1,5 +1,6 @@
 """The shared argparse value types: bad counts and rates stop at parse time with one line."""
 import argparse
+import lzma
 
 import pytest
 
@@ -33,9 +34,14 @@ def test_read_json_and_make_dir_fail_in_one_line_naming_the_input(tmp_path):
     good = tmp_path / "r.json"
     good.write_text('{"a": 1}')
     assert read_json(good, "--run") == {"a": 1}
+    packed = tmp_path / "r.json.xz"  # large records are stored compressed
+    packed.write_bytes(lzma.compress(b'{"a": 2}'))
+    assert read_json(packed, "--run") == {"a": 2}
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    for path in (bad, tmp_path / "missing.json"):
+    not_xz = tmp_path / "plain.json.xz"
+    not_xz.write_text('{"a": 3}')
+    for path in (bad, tmp_path / "missing.json", not_xz):
         with pytest.raises(ValueError, match=f"^--run {path}: cannot read JSON") as e:
             read_json(path, "--run")
         assert "\n" not in str(e.value)

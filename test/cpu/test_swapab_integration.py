@@ -43,6 +43,7 @@ from sglang_h20.features import FEATURES, decide  # noqa: E402
 from sglang_h20 import runner_check  # noqa: E402
 from sglang_h20.moe import swapab  # noqa: E402
 from sglang_h20.settings import Settings  # noqa: E402
+from sglang_h20.cliargs import read_json  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
 import bench_grouped_gemm as bench  # noqa: E402  (the --table-from merge that built the shipped table)
@@ -50,7 +51,8 @@ import bench_grouped_gemm as bench  # noqa: E402  (the --table-from merge that b
 E, H, INTER = 4, 256, 256
 REL_UPSTREAM, REL_EXACT, REL_GEMM = 2.5e-2, 4e-2, 1e-2
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHIPPED_RUNS = [os.path.join(REPO, "benchmark", "results", "swapab", f"grouped_gemm_{name}_h200.json") for name in (
+SHIPPED_RUNS = [next(p for p in (base + ".json", base + ".json.xz") if os.path.isfile(p))  # large ones are xz'd
+                for base in (os.path.join(REPO, "benchmark", "results", "swapab", f"grouped_gemm_{name}_h200") for name in (
     "full",  # MoE, every shape
     "dense_tuned",  # the dense linears, tuned
     "tune_bn256_t32_t64",  # MoE retunes at some shapes (a later run replaces those shapes)
@@ -60,7 +62,7 @@ SHIPPED_RUNS = [os.path.join(REPO, "benchmark", "results", "swapab", f"grouped_g
     "tune_swapab_ppsm34_uneven_t1_t24_g256",  # ... and 256 experts
     "split_s41",  # 16-64 tokens, 8-256 experts, both draws: normal and split measured beside swapab (shipped configs)
     "tune_normal_g32_t64_s41",  # 32 experts x 64 tokens retuned (the run's 256-expert points left out: no uneven draw)
-    "tune_maxnreg_s43")]  # 8-16 experts x 24-64 tokens: swapAB with registers capped, beside everything (session 43)
+    "tune_maxnreg_s43"))]  # 8-16 experts x 24-64 tokens: swapAB with registers capped, beside everything (session 43)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -559,7 +561,7 @@ def test_user_retune_comes_before_the_shipped_table(monkeypatch, tmp_path):
 def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
     table = gemm_table.load_table("NVIDIA H200")
-    runs = [json.load(open(path)) for path in SHIPPED_RUNS]
+    runs = [read_json(path, "shipped run") for path in SHIPPED_RUNS]
     assert table["gpu"] == "NVIDIA H200" and {r["provenance"]["gpu"] for r in runs} == {"NVIDIA H200"}
     assert table["measured"] is True and table["date"] == max(r["provenance"]["date"] for r in runs)  # the latest
     assert table["source"]["benchmark_command"] == runs[0]["provenance"]["command"]
