@@ -30,7 +30,11 @@ PHASE_ENV = {"upstream": {"SGLANG_PLUGINS": "__none__"}, "plugin-off": {},
              # --observe-fraction): greedy ids are reported against the first phase
              "features": {"SGLANG_H20_MHA_MLA_POLICY": "se", "SGLANG_H20_OBSERVE": "0.001"},
              # each of the two alone: which one costs what 'features' costs (EP 2 ran at 0.92x upstream, session 14)
-             "policy": {"SGLANG_H20_MHA_MLA_POLICY": "se"}, "observe": {"SGLANG_H20_OBSERVE": "0.001"}}
+             "policy": {"SGLANG_H20_MHA_MLA_POLICY": "se"}, "observe": {"SGLANG_H20_OBSERVE": "0.001"},
+             # switches a one-GPU server without --enable-eplb routes around (EPLB) or serves (swapAB, SBO): the
+             # record's plugin_log_lines show each feature's startup line live (runner_check, eplb_off_check)
+             "switched": {"SGLANG_H20_SWAPAB": "on", "SGLANG_H20_SBO": "on", "SGLANG_H20_EPLB": "affinity",
+                          "SGLANG_H20_EPLB_ASYNC": "on"}}
 COMPARED = ("plugin-off", "features", "policy", "observe")  # each against upstream in the record's summary
 PLUGIN_MARK = "[sglang-h20 pid"
 HOOKS_APPLIED = re.compile(r"hooks applied: (\d+)/(\d+)")
