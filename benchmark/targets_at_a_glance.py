@@ -27,15 +27,18 @@ import bench_mla_decode  # noqa: E402
 from sglang_h20 import provenance  # noqa: E402
 from sglang_h20.cliargs import read_json  # noqa: E402
 
-MLA_GRID = "mla_decode/mla_decode_full_grid_s30_h200.json"
-# oldest first: a later run of the same points is drawn over an earlier one
-GEMM_RUNS = {"full grid, 11-30": "swapab/grouped_gemm_full_h200.json.xz",
+MLA_GRID = "mla_decode/mla_decode_full_grid_s49_h200.json.xz"  # the issue's whole grid, one run (session 49)
+# oldest first: a later run of the same points is drawn over an earlier one; a tuple is one sweep and the run that
+# measured what its deadline left (bench_grouped_gemm.merged_results: the later file's points at the keys it measured)
+GEMM_RUNS = {
              "s38 swapAB 8-32 tok": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t8_t32_h200.json",
              "s39 swapAB 1-24 tok": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t1_t24_h200.json",
              "s39 swapAB 256 experts": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t1_t24_g256_h200.json",
              "s43 register cap": "swapab/grouped_gemm_tune_maxnreg_s43_h200.json",
              "s44 16-256 experts": "swapab/grouped_gemm_tune_swapab_maxnreg_t16_t32_s44_h200.json",
-             "s45 CUDA normal variant": "swapab/grouped_gemm_cuda_diet_s45_h200.json"}
+             "s45 CUDA normal variant": "swapab/grouped_gemm_cuda_diet_s45_h200.json",
+             "s49 full grid": ("swapab/grouped_gemm_full_s49_h200.json.xz",
+                               "swapab/grouped_gemm_full_s49_g256_m64_m256_h200.json.xz")}
 # (feature, record, arm, concurrency): bench_serving median ITL, ours / the anchor (below 1: ours faster)
 E2E_SWITCHED = [("swapAB", "swapab/swapab_e2e_s41_c4_c16_h200.json", "on", "4"),
                 ("swapAB", "swapab/swapab_e2e_s44_c16_c128_h200.json", "on", "16"),
@@ -75,11 +78,29 @@ def mla_targets() -> dict:
 
 def gemm_targets() -> dict:
     runs = {}
-    for label, rel in GEMM_RUNS.items():
-        rec = load(rel)
-        runs[label] = {"source": source(rel, rec), **bench_grouped_gemm.issue_targets(rec["points"],
-                                                                                     rec["peak_read_tbs"])}
+    for label, rels in GEMM_RUNS.items():
+        rels = (rels,) if isinstance(rels, str) else rels
+        recs = [load(rel) for rel in rels]
+        rec = bench_grouped_gemm.merged_results([RESULTS / rel for rel in rels]) if len(rels) > 1 else recs[0]
+        # a merged sweep: its points read against the first run's peak (the later runs' peaks are listed beside)
+        src = source(rels[0], recs[0]) if len(rels) == 1 else {"runs": [source(rel, r) for rel, r in zip(rels, recs)]}
+        if len(rels) > 1:
+            src["peak_read_tbs"] = [r["peak_read_tbs"] for r in recs]
+            src["not_started_after_merge"] = not_started_after(recs)
+        runs[label] = {"source": src, **bench_grouped_gemm.issue_targets(rec["points"], rec["peak_read_tbs"])}
     return runs
+
+
+def not_started_after(recs: list[dict]) -> list[str]:
+    """The first run's points that its deadline left and no later run measured (bench_grouped_gemm's labels)."""
+    done = {(p["shape"], p["groups"], p["tokens_per_group"], p["distribution"]) for r in recs[1:] for p in r["points"]
+            if p.get("kind") == "moe"}
+    left = []
+    for label in recs[0].get("not_started") or []:
+        shape, g, m, dist = label.split()
+        if (shape, int(g[1:]), int(m[1:]), dist) not in done:
+            left.append(label)
+    return left
 
 
 def e2e_rows() -> list[dict]:
@@ -121,7 +142,7 @@ def plot(summary: dict, path: Path) -> Path:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(list(xs), labels, rotation=90, fontsize=5)
     ax.set_ylabel("ours / upstream speed (above 1: ours faster)")
-    ax.set_title("FP8 MLA decode kernel, best of ours per point (s30 grid)", fontsize=10)
+    ax.set_title(f"FP8 MLA decode kernel, best of ours per point ({Path(MLA_GRID).name})", fontsize=8)
     ax.legend(fontsize=7)
 
     ax = axes[1][0]

@@ -14,8 +14,9 @@ def test_the_figure_and_its_numbers(tmp_path):
     summary = json.loads((tmp_path / "glance.json").read_text())
     mla = summary["mla_decode"]["checks"]
     assert (mla["vs_flashmla_bf16_h128_b16_ctx4k"]["met"], mla["vs_flashmla_bf16_h128_b16_ctx4k"]["points"]) == (0, 12)
-    assert (mla["vs_fastest_upstream_fp8"]["met"], mla["vs_fastest_upstream_fp8"]["points"]) == (18, 48)
-    assert (mla["roofline"]["met"], mla["roofline"]["points"]) == (5, 48)
+    assert (mla["vs_fastest_upstream_fp8"]["met"], mla["vs_fastest_upstream_fp8"]["points"]) == (19, 48)
+    assert (mla["roofline"]["met"], mla["roofline"]["points"]) == (4, 48)
+    assert summary["mla_decode"]["source"]["git_commit"].startswith("1ade022")  # session 49's grid, one run
     s44 = summary["grouped_gemm"]["s44 16-256 experts"]["checks"]
     assert (s44["vs_best_upstream"]["met"], s44["vs_best_upstream"]["points"]) == (52, 72)
     assert (s44["read_frac_m64"]["met"], s44["h20_modelled_m32"]["met"]) == (3, 36)
@@ -26,8 +27,16 @@ def test_the_figure_and_its_numbers(tmp_path):
     for run, n in (("s38 swapAB 8-32 tok", 36), ("s43 register cap", 16)):
         h20 = summary["grouped_gemm"][run]["checks"]["h20_modelled_m32"]
         assert (h20["met"], h20["points"]) == (n, n) and abs(h20["min"] - 1.5) < 1e-9
-    full = summary["grouped_gemm"]["full grid, 11-30"]
-    assert full["source"]["partial"] == {"not_started": 6}  # the full grid's 6 points never started
+    # session 49's grid: one sweep (25 points left by its deadline) + the run of the 256-expert 64-256-token ones
+    full = summary["grouped_gemm"]["s49 full grid"]
+    first, rest = full["source"]["runs"]
+    assert first["partial"] == {"not_started": 25} and "partial" not in rest
+    assert len(full["source"]["not_started_after_merge"]) == 14  # 256 experts x 1-32 tokens, uneven, both shapes
+    assert all(label.startswith(("gate_up g256", "down g256")) and label.endswith("uneven")
+               for label in full["source"]["not_started_after_merge"])
+    big = full["checks"]["vs_best_upstream_m128_256"]
+    assert (big["met"], big["points"]) == (0, 64) and 0.72 < big["min"] < big["max"] < 1.13
+    assert (full["checks"]["vs_best_upstream"]["met"], full["checks"]["vs_best_upstream"]["points"]) == (154, 292)
     s45 = summary["grouped_gemm"]["s45 CUDA normal variant"]["checks"]["vs_best_upstream_m128_256"]
     assert (s45["met"], s45["points"]) == (0, 8) and 0.72 < s45["min"] < s45["max"] < 0.98
     e2e = summary["e2e"]
