@@ -707,22 +707,45 @@ def test_gpu_decode_reads_q_parts_in_place(heads, batch, monkeypatch):
 
 
 def test_auto_decode_kernel_picks_the_version_by_shape(monkeypatch):
-    """'auto' calls version 3 for at most V3_MAX_ROWS query rows, else version 1 below V2_FROM_BATCH sequences and
-    version 2 from there, passing every argument on; without v3 the row count does not matter."""
+    """'auto' calls version 3 below V2_FROM_BATCH sequences and for at most V3_MAX_ROWS query rows, else version 2,
+    passing every argument on; without v3, version 1 takes the small batches and the row count does not matter."""
     cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
     calls = []
     monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (True, ""))
     monkeypatch.setattr(cu, "mla_decode_fp8_cuda", lambda q, *a, version=1, defines=(), **k: calls.append(
         (q.shape[0], version, a, k)) or version)
     fn = fb.decode_kernel("auto").fn
-    cases = [(1, 1, 128, 1), (fb.V2_FROM_BATCH - 1, 1, 128, 1), (fb.V2_FROM_BATCH, 1, 128, 2), (128, 2, 128, 2),
-             (1, 1, 16, 3), (128, 2, 16, 3), (128, 3, 16, 2), (64, 1, 32, 3), (64, 1, 33, 2)]
+    cases = [(1, 1, 128, 3), (fb.V2_FROM_BATCH - 1, 2, 128, 3), (fb.V2_FROM_BATCH, 1, 128, 2), (128, 2, 128, 2),
+             (1, 1, 16, 3), (128, 2, 16, 3), (128, 3, 16, 2), (64, 1, 32, 3), (64, 1, 33, 2), (1, 1, 64, 3)]
     for batch, q_len, heads, want in cases:
         assert fn(torch.empty(batch, q_len, heads, 576), "kv", "bt", "lens", 0.1, "plan", out="o") == want
     assert all(c[2] == ("kv", "bt", "lens", 0.1, "plan") and c[3] == {"out": "o"} for c in calls)
     monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (version != 3, "" if version != 3 else "v3 failed"))
     k = fb.decode_kernel("auto")
     assert k.fn(torch.empty(1, 1, 16, 576), "kv", "bt", "lens", 0.1, "plan") == 1 and "v3 unavailable: v3 failed" in k.what
+    assert k.fn(torch.empty(fb.V2_FROM_BATCH, 1, 16, 576), "kv", "bt", "lens", 0.1, "plan") == 2
+
+
+def test_auto_plans_for_the_ctas_of_the_version_it_calls(monkeypatch):
+    """'auto' plans each call for its version's CTAs: version 3 at 128 heads below V2_FROM_BATCH sequences runs four
+    32-row CTAs per sequence (a plan for two of 64 would count half its CTAs per split); version 2 from there two of
+    64; 16 heads one of 16. The split table of a CUDA-graph batch size agrees with the planner."""
+    cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
+    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (True, ""))
+    k = fb.decode_kernel("auto")
+    assert k.what.startswith("CUDA v3 below batch 16, v2 from there (v3 for <= 32 query rows at any batch)")
+    for batch, heads, block_h, row_blocks in ((1, 128, 32, 4), (fb.V2_FROM_BATCH - 1, 128, 32, 4),
+                                              (fb.V2_FROM_BATCH, 128, 64, 2), (64, 16, 16, 1)):
+        lens = torch.full((batch,), 4096, dtype=torch.int32)
+        meta = k.plan(lens, heads, 1, num_sm=132, max_seqlen=4096)
+        assert (meta.block_h, meta.num_row_blocks) == (block_h, row_blocks)
+        assert meta == cu.get_mla_decode_metadata(lens, heads, 1, 132, max_seqlen=4096, rows_per_cta=block_h)
+        assert torch.equal(k.splits_lut(heads, 1, batch, 16384, num_sm=132),
+                           cu.splits_lut(heads, 1, batch, 16384, num_sm=132, rows_per_cta=block_h))
+    # 128 heads at batch 1 x 16k: the 32-row plan differs from the 64-row one v1 / v2 would get
+    one = torch.full((1,), 16384, dtype=torch.int32)
+    assert k.plan(one, 128, 1, num_sm=132, max_seqlen=16384).num_splits != \
+        cu.get_mla_decode_metadata(one, 128, 1, 132, max_seqlen=16384).num_splits
 
 
 def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
@@ -740,8 +763,8 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     fn, plan, lut, what, _ = fb.decode_kernel("cuda")
     assert fn is cu.mla_decode_fp8_cuda and plan is cu.get_mla_decode_metadata and what.startswith("CUDA (")
     assert lut is cu.splits_lut
-    fn, plan, lut, what, _ = fb.decode_kernel()  # auto: the versions, by shape
-    assert plan is cu.get_mla_decode_metadata and what.startswith("CUDA v1 below batch 16, v2 from there, v3 for")
+    fn, plan, lut, what, _ = fb.decode_kernel()  # auto: the versions, by shape, each planned for its CTAs
+    assert plan is not cu.get_mla_decode_metadata and what.startswith("CUDA v3 below batch 16, v2 from there")
     monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (version == 1, "" if version == 1 else "v2 failed\nx"))
     fn, plan, lut, what, _ = fb.decode_kernel()  # auto without v2: v1, and why
     assert fn is cu.mla_decode_fp8_cuda and "v2 unavailable: v2 failed" in what and "x" not in what.split(": ")[-1]

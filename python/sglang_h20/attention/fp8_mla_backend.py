@@ -81,23 +81,45 @@ class DecodeKernel(NamedTuple):
     takes_q_rope: bool = False  # fn accepts q_rope= (Q as latent and rope parts): the CUDA entry does
 
 
-# 'auto' runs version 2 from this many sequences per call, version 1 below: in the full grid (H200,
+# 'auto' runs version 2 from this many sequences per call: in the full grid (H200,
 # benchmark/results/mla_decode/mla_decode_full_grid_h200.json) v2 ran at 0.99-1.10x v1's speed at batch >= 16
-# (1.03-1.10x at 64 and 128) and 0.95-1.04x at batch 1. Under CUDA graphs each captured batch size keeps its version.
-# Calls of at most mla_decode_cuda.V3_MAX_ROWS query rows (16 heads x q_len <= 2: TP8 layouts) run version 3 at
-# every batch: in the H100 grid of session 29 (mla_decode_full_grid_v3_h100.json, 16 heads) it was the fastest of
-# the three at 16 of 24 points and within 3.5% of the fastest at the others, 1.13-1.14x v2 at batch 128 x 16k.
+# (1.03-1.10x at 64 and 128). Under CUDA graphs each captured batch size keeps its version.
+# Version 3 runs every call below that batch and every call of at most mla_decode_cuda.V3_MAX_ROWS query rows (16
+# heads x q_len <= 2: TP8 layouts): at 16 heads, in the H100 grid of session 29 (mla_decode_full_grid_v3_h100.json)
+# it was the fastest of the three at 16 of 24 points and within 3.5% of the fastest at the others, 1.13-1.14x v2 at
+# batch 128 x 16k; at 128 heads and batch 1, in 32-row CTAs, it took 0.82-0.91x version 1's time at all six
+# contexts x q_len of session 49's H200 grid (mla_decode_full_grid_s49_h200.json.xz; version 1 had run there before).
 V2_FROM_BATCH = 16
 
 
-def _by_shape(v1: Callable, v2: Callable, v3: Callable | None, from_batch: int, max_rows: int) -> Callable:
-    """One decode function over the kernel versions (same arguments and results): v3 for calls of at most
-    max_rows query rows (when given), else v1 / v2 by q's batch."""
+def _auto_version(batch: int, rows: int, ok2: bool, ok3: bool, max_rows: int) -> int:
+    """The version 'auto' runs for `batch` sequences of `rows` query rows each (heads x q_len), of those that
+    build here (version 1 always does)."""
+    if ok3 and (rows <= max_rows or batch < V2_FROM_BATCH):
+        return 3
+    return 2 if ok2 and batch >= V2_FROM_BATCH else 1
+
+
+def _by_shape(fns: dict[int, Callable], version_of: Callable[[int, int], int]) -> Callable:
+    """One decode function over the kernel versions (same arguments and results): `version_of(batch, rows)`'s."""
     def decode(q, *args, **kwargs):
-        if v3 is not None and q.shape[1] * q.shape[2] <= max_rows:
-            return v3(q, *args, **kwargs)
-        return (v2 if q.shape[0] >= from_batch else v1)(q, *args, **kwargs)
+        return fns[version_of(q.shape[0], q.shape[1] * q.shape[2])](q, *args, **kwargs)
     return decode
+
+
+def _planned_by_shape(cu, version_of: Callable[[int, int], int]) -> tuple[Callable, Callable]:
+    """The split planner and split table for _by_shape's decode: each plans for the CTAs of the version that its
+    batch and rows call (version 3 at 128 heads: four 32-row CTAs per sequence, not two of 64)."""
+    def plan(cache_seqlens, num_heads, q_len=1, num_sm=None, **kwargs):
+        rows = num_heads * q_len
+        return cu.get_mla_decode_metadata(cache_seqlens, num_heads, q_len, num_sm, **kwargs,
+                                          rows_per_cta=cu.cta_rows(version_of(cache_seqlens.numel(), rows), rows))
+
+    def lut(num_heads, q_len, batch, max_seqlen, page=cu.PAGE_SIZE, num_sm=None, device=None, **kwargs):
+        rows = num_heads * q_len
+        return cu.splits_lut(num_heads, q_len, batch, max_seqlen, page, num_sm, device, **kwargs,
+                             rows_per_cta=cu.cta_rows(version_of(batch, rows), rows))
+    return plan, lut
 
 
 def _first_line(why: str) -> str:
@@ -109,8 +131,9 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
     """(decode function, its split planner, its split table, what it is) for SGLANG_H20_FP8_MLA_KERNEL (`choice`;
     default: the environment's): the CUDA split kernel (FP8 wgmma for QK^T and PV) with its own plan (whole waves of
     one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the
-    reason. 'auto': version 3 for calls of at most 32 query rows, else version 1 below V2_FROM_BATCH sequences and
-    version 2 from there (what cannot run is left out, with why); 'cuda' / 'cuda-v2' / 'cuda-v3': one version
+    reason. 'auto': version 3 below V2_FROM_BATCH sequences and for calls of at most 32 query rows, version 2 for the
+    others (what cannot run is left out, with why; version 1 where neither builds), each planned for its own CTAs;
+    'cuda' / 'cuda-v2' / 'cuda-v3': one version
     (v3 runs more rows as CTAs of 32, planned for them). Same arguments and format for all; the choice is logged once
     per process."""
     import functools
@@ -149,16 +172,19 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
     if choice != "auto":
         return DecodeKernel(version_fn(1), cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}", True)
     (ok2, why2), (ok3, why3) = (cu.available(v, _kernel_defines(v, split_q, options)) for v in (2, 3))
-    v1 = version_fn(1)
-    v2 = version_fn(2) if ok2 else v1
-    v3 = version_fn(3) if ok3 else None
-    what = f"CUDA v1 below batch {V2_FROM_BATCH}, v2 from there" if ok2 else "CUDA v1"
-    what += f", v3 for <= {cu.V3_MAX_ROWS} query rows" if ok3 else ""
+    if not (ok2 or ok3):
+        return DecodeKernel(version_fn(1), cu.get_mla_decode_metadata, cu.splits_lut,
+                            f"CUDA v1 {kinds}; v2 unavailable: {_first_line(why2)}; v3 unavailable: {_first_line(why3)}",
+                            True)
+    small = "v3" if ok3 else "v1"
+    what = f"CUDA {small} below batch {V2_FROM_BATCH}, {'v2' if ok2 else small} from there"
+    what += f" (v3 for <= {cu.V3_MAX_ROWS} query rows at any batch)" if ok3 else ""
     what += f" {kinds}"
     what += "" if ok2 else f"; v2 unavailable: {_first_line(why2)}"
     what += "" if ok3 else f"; v3 unavailable: {_first_line(why3)}"
-    fn = _by_shape(v1, v2, v3, V2_FROM_BATCH, cu.V3_MAX_ROWS) if ok2 or ok3 else v1
-    return DecodeKernel(fn, cu.get_mla_decode_metadata, cu.splits_lut, what, True)
+    version_of = functools.partial(_auto_version, ok2=ok2, ok3=ok3, max_rows=cu.V3_MAX_ROWS)
+    fns = {v: version_fn(v) for v, ok in ((1, True), (2, ok2), (3, ok3)) if ok}
+    return DecodeKernel(_by_shape(fns, version_of), *_planned_by_shape(cu, version_of), what, True)
 
 
 def _kernel_defines(version: int, split_q: bool, options: tuple[str, ...] = ()) -> tuple[str, ...]:
