@@ -130,7 +130,7 @@ SWITCHES: tuple[Switch, ...] = (
            "FP8 MLA decode: FP8 KV cache with FP8 QK^T and PV on Hopper tensor cores"),
     Switch("fp8_mla_kernel", _choice("auto", "cuda", "cuda-v2", "cuda-v3", "triton"), "auto",
            "decode kernel of the h20_fp8_mla backend: 'auto' = the CUDA split kernel where it builds (sm_90 + "
-           "nvcc; version 3 below batch 16 and for <= 32 query rows (16 heads x q_len <= 2), else version 2), "
+           "nvcc; version 3 below batch 8 and for <= 32 query rows (16 heads x q_len <= 2), else version 2), "
            "else the Triton one; 'cuda' / 'cuda-v2' / 'cuda-v3' = one CUDA version ('cuda-v3' "
            "runs more than 32 rows as CTAs of 32, e.g. 128 heads as 4); 'triton' = the Triton kernel (A/B runs)"),
     Switch("fp8_mla_split_q", _parse_bool, "on",

@@ -733,7 +733,8 @@ def test_auto_plans_for_the_ctas_of_the_version_it_calls(monkeypatch):
     cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
     monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (True, ""))
     k = fb.decode_kernel("auto")
-    assert k.what.startswith("CUDA v3 below batch 16, v2 from there (v3 for <= 32 query rows at any batch)")
+    assert k.what.startswith(f"CUDA v3 below batch {fb.V2_FROM_BATCH}, v2 from there "
+                             "(v3 for <= 32 query rows at any batch)")
     for batch, heads, block_h, row_blocks in ((1, 128, 32, 4), (fb.V2_FROM_BATCH - 1, 128, 32, 4),
                                               (fb.V2_FROM_BATCH, 128, 64, 2), (64, 16, 16, 1)):
         lens = torch.full((batch,), 4096, dtype=torch.int32)
@@ -764,7 +765,7 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     assert fn is cu.mla_decode_fp8_cuda and plan is cu.get_mla_decode_metadata and what.startswith("CUDA (")
     assert lut is cu.splits_lut
     fn, plan, lut, what, _ = fb.decode_kernel()  # auto: the versions, by shape, each planned for its CTAs
-    assert plan is not cu.get_mla_decode_metadata and what.startswith("CUDA v3 below batch 16, v2 from there")
+    assert plan is not cu.get_mla_decode_metadata and what.startswith(f"CUDA v3 below batch {fb.V2_FROM_BATCH}, v2 from there")
     monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (version == 1, "" if version == 1 else "v2 failed\nx"))
     fn, plan, lut, what, _ = fb.decode_kernel()  # auto without v2: v1, and why
     assert fn is cu.mla_decode_fp8_cuda and "v2 unavailable: v2 failed" in what and "x" not in what.split(": ")[-1]

@@ -81,15 +81,17 @@ class DecodeKernel(NamedTuple):
     takes_q_rope: bool = False  # fn accepts q_rope= (Q as latent and rope parts): the CUDA entry does
 
 
-# 'auto' runs version 2 from this many sequences per call: in the full grid (H200,
-# benchmark/results/mla_decode/mla_decode_full_grid_h200.json) v2 ran at 0.99-1.10x v1's speed at batch >= 16
-# (1.03-1.10x at 64 and 128). Under CUDA graphs each captured batch size keeps its version.
-# Version 3 runs every call below that batch and every call of at most mla_decode_cuda.V3_MAX_ROWS query rows (16
-# heads x q_len <= 2: TP8 layouts): at 16 heads, in the H100 grid of session 29 (mla_decode_full_grid_v3_h100.json)
-# it was the fastest of the three at 16 of 24 points and within 3.5% of the fastest at the others, 1.13-1.14x v2 at
-# batch 128 x 16k; at 128 heads and batch 1, in 32-row CTAs, it took 0.82-0.91x version 1's time at all six
-# contexts x q_len of session 49's H200 grid (mla_decode_full_grid_s49_h200.json.xz; version 1 had run there before).
-V2_FROM_BATCH = 16
+# 'auto' runs version 2 from this many sequences per call and version 3 below it, and version 3 for every call of
+# at most mla_decode_cuda.V3_MAX_ROWS query rows (16 heads x q_len <= 2: TP8 layouts). Measured (H200, 128 heads,
+# session 49: mla_decode_full_grid_s49_h200.json.xz at batch 1 and 16, mla_decode_h128_b2_b8_s49_h200.json.xz at 2, 4
+# and 8; contexts 1k / 4k / 16k x q_len 1 / 2): version 3 in 32-row CTAs is the fastest of ours at every point of
+# batch 1 (0.82-0.91x version 1's time) and at 1k contexts up to batch 16; version 2 at most 4k-16k points from batch
+# 4 (up to 1.36x faster than v3 at 8 x 16k); version 1 at none. A batch-size rule, since a CUDA graph keeps the
+# version of its batch size: with version 3 below 2 / 4 / 8 / 16 the geometric mean of time over the best of ours is
+# 1.070 / 1.045 / 1.039 / 1.053 (1.145 for session 48's rule, version 1 below 16). At 16 heads version 3 was the
+# fastest of the three at 16 of 24 points of the H100 grid of session 29 (mla_decode_full_grid_v3_h100.json) and
+# within 3.5% at the others.
+V2_FROM_BATCH = 8
 
 
 def _auto_version(batch: int, rows: int, ok2: bool, ok3: bool, max_rows: int) -> int:
