@@ -28,18 +28,18 @@ from sglang_h20 import provenance  # noqa: E402
 from sglang_h20.cliargs import read_json  # noqa: E402
 
 MLA_GRID = "mla_decode/mla_decode_full_grid_s49_h200.json.xz"  # the whole grid, one run (session 49)
-# oldest first: a later run of the same points is drawn over an earlier one; a tuple is one sweep and the run that
+# oldest first: a later run of the same points is drawn over an earlier one; a tuple is one sweep and the runs that
 # measured what its deadline left (bench_grouped_gemm.merged_results: the later file's points at the keys it measured)
 GEMM_RUNS = {
-             "s38 swapAB 8-32 tok": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t8_t32_h200.json",
-             "s39 swapAB 1-24 tok": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t1_t24_h200.json",
-             "s39 swapAB 256 experts": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t1_t24_g256_h200.json",
-             "s43 register cap": "swapab/grouped_gemm_tune_maxnreg_s43_h200.json",
-             "s44 16-256 experts": "swapab/grouped_gemm_tune_swapab_maxnreg_t16_t32_s44_h200.json",
-             "s45 CUDA normal variant": "swapab/grouped_gemm_cuda_diet_s45_h200.json",
-             "s49 full grid": ("swapab/grouped_gemm_full_s49_h200.json.xz",
-                               "swapab/grouped_gemm_full_s49_g256_m64_m256_h200.json.xz",
-                               "swapab/grouped_gemm_full_s49_g256_m1_m32_h200.json.xz")}
+    "s38 swapAB 8-32 tok": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t8_t32_h200.json",
+    "s39 swapAB 1-24 tok": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t1_t24_h200.json",
+    "s39 swapAB 256 experts": "swapab/grouped_gemm_tune_swapab_ppsm34_uneven_t1_t24_g256_h200.json",
+    "s43 register cap": "swapab/grouped_gemm_tune_maxnreg_s43_h200.json",
+    "s44 16-256 experts": "swapab/grouped_gemm_tune_swapab_maxnreg_t16_t32_s44_h200.json",
+    "s45 CUDA normal variant": "swapab/grouped_gemm_cuda_diet_s45_h200.json",
+    "s49 full grid": ("swapab/grouped_gemm_full_s49_h200.json.xz",
+                      "swapab/grouped_gemm_full_s49_g256_m64_m256_h200.json.xz",
+                      "swapab/grouped_gemm_full_s49_g256_m1_m32_h200.json.xz")}
 # (feature, record, arm, concurrency): bench_serving median ITL, ours / the anchor (below 1: ours faster)
 E2E_SWITCHED = [("swapAB", "swapab/swapab_e2e_s41_c4_c16_h200.json", "on", "4"),
                 ("swapAB", "swapab/swapab_e2e_s44_c16_c128_h200.json", "on", "16"),

@@ -135,9 +135,8 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
     one CTA per SM) where it builds and runs here (sm_90, nvcc), else the Triton kernel and its plan, with the
     reason. 'auto': version 3 below V2_FROM_BATCH sequences and for calls of at most 32 query rows, version 2 for the
     others (what cannot run is left out, with why; version 1 where neither builds), each planned for its own CTAs;
-    'cuda' / 'cuda-v2' / 'cuda-v3': one version
-    (v3 runs more rows as CTAs of 32, planned for them). Same arguments and format for all; the choice is logged once
-    per process."""
+    'cuda' / 'cuda-v2' / 'cuda-v3': one version (v3 runs more rows as CTAs of 32, planned for them). Same arguments
+    and format for all; the choice is logged once per process."""
     import functools
 
     settings = Settings.from_env() if None in (choice, split_q, options) else None
