@@ -94,14 +94,9 @@ def gemm_targets() -> dict:
 
 def not_started_after(recs: list[dict]) -> list[str]:
     """The first run's points that its deadline left and no later run measured (bench_grouped_gemm's labels)."""
-    done = {(p["shape"], p["groups"], p["tokens_per_group"], p["distribution"]) for r in recs[1:] for p in r["points"]
-            if p.get("kind") == "moe"}
-    left = []
-    for label in recs[0].get("not_started") or []:
-        shape, g, m, dist = label.split()
-        if (shape, int(g[1:]), int(m[1:]), dist) not in done:
-            left.append(label)
-    return left
+    done = {bench_grouped_gemm.moe_label(p["shape"], p["groups"], p["tokens_per_group"], p["distribution"])
+            for r in recs[1:] for p in r["points"] if p.get("kind") == "moe"}
+    return [label for label in recs[0].get("not_started") or [] if label not in done]
 
 
 def e2e_rows() -> list[dict]:

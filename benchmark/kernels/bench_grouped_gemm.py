@@ -1087,6 +1087,11 @@ def read_results(path: Path) -> dict:
     return result
 
 
+def moe_label(shape: str, groups: int, tokens: int, dist: str) -> str:
+    """How a run names a MoE point (its "not_started" list; its progress)."""
+    return f"{shape} g{groups} m{tokens} {dist}"
+
+
 def point_key(p: dict) -> tuple:
     """What one run measures side by side: every provider, layout and draw of one GEMM shape and token count."""
     return (p.get("kind"), p.get("n"), p.get("k"), p.get("groups"), p.get("tokens_per_group"))
@@ -1177,13 +1182,13 @@ def main(argv=None) -> int:
     for g in groups:  # shapes innermost: a deadline cuts the largest expert counts of every shape alike
         for t in tokens:
             for shape in moe_shapes:
-                if in_time(f"{shape} g{g} m{t} uniform"):
+                if in_time(moe_label(shape, g, t, "uniform")):
                     points += moe_points(args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune, time_up)
                     checkpoint()
         for t in uneven_tokens:
             counts = uneven_counts(g, t, args.seed)
             for shape in moe_shapes:
-                if in_time(f"{shape} g{g} m{t} uneven"):
+                if in_time(moe_label(shape, g, t, "uneven")):
                     points += moe_points(args, shape, g, t, "uneven", counts, gen, unavailable, args.tune, time_up)
                     checkpoint()
     if args.size_matched_read:

@@ -44,3 +44,11 @@ def test_the_figure_and_its_numbers(tmp_path):
     assert all(r["source"]["gpu"] == "NVIDIA H200" and r["source"]["git_commit"] for r in e2e)
     swapab = [r["median_itl_ratio"] for r in e2e if r["feature"] == "swapAB"]
     assert max(swapab) < 0.91  # "no concurrency slower": the swapAB switch's e2e target
+
+
+def test_not_started_after_a_merge_keeps_what_no_later_run_measured():
+    """A later run's MoE points take their labels off the first run's leftovers; the rest (a dense linear too) stay."""
+    first = {"not_started": ["gate_up g256 m64 uneven", "down g256 m64 uneven", "o_proj m64"]}
+    later = {"points": [{"kind": "moe", "shape": "gate_up", "groups": 256, "tokens_per_group": 64,
+                         "distribution": "uneven"}]}
+    assert glance.not_started_after([first, later]) == ["down g256 m64 uneven", "o_proj m64"]
