@@ -412,8 +412,7 @@ def run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, un
         kv_bytes = batch * ctx * info["bytes_per_token"]
         qo_bytes = batch * q_len * heads * (576 * (1 if name == "flashmla-fp8" else 2) + 512 * 2)
         nbytes = kv_bytes + qo_bytes
-        peak = ceilings["fp8_flops"] if info["precision"] == "fp8" else ceilings["bf16_flops"]
-        t_roof = max(flops / peak, kv_bytes / ceilings["copy_bytes_per_s"])  # the issue's roofline: KV bytes
+        t_flops, t_kv = roofline_times(flops, kv_bytes, info["precision"], ceilings)
         h20_peak = H20_FP8_FLOPS if info["precision"] == "fp8" else H20_BF16_FLOPS
         err = None
         if exact is not None:
@@ -422,8 +421,8 @@ def run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, un
             err = ((out[:nb].float() - exact).norm() / exact.norm()).item()
         row = {"provider": key, "batch": batch, "context": ctx, "heads": heads, "q_len": q_len, "latency_us": us,
                "tflops": flops / (us * 1e-6) / 1e12, "gbps": nbytes / (us * 1e-6) / 1e9,
-               "roofline_frac": t_roof / (us * 1e-6), "bound": "compute" if flops / peak >= kv_bytes /
-               ceilings["copy_bytes_per_s"] else "memory", "flops": flops, "bytes": nbytes, "kv_bytes": kv_bytes,
+               "roofline_frac": max(t_flops, t_kv) / (us * 1e-6), "bound": "compute" if t_flops >= t_kv else "memory",
+               "flops": flops, "bytes": nbytes, "kv_bytes": kv_bytes,
                "h20_modelled_us": max(flops / h20_peak, nbytes / H20_HBM_BPS) * 1e6, "rel_err_vs_exact": err,
                "timing": mode, "input_sets": len(sets), **info}
         rows.append(row)
@@ -454,6 +453,13 @@ def h20_scaled_us(row, ceilings, hidden: bool) -> float:
     return 1e6 * max(scaled, row["bytes"] / H20_HBM_BPS)
 
 
+def roofline_times(flops, kv_bytes, precision, ceilings) -> tuple[float, float]:
+    """The issue's binding roofline, its two terms in seconds: FLOPs at the measured matmul rate of `precision`, KV
+    bytes at the measured copy bandwidth (Q and O bytes left out, as the issue defines it)."""
+    peak = ceilings["fp8_flops"] if precision == "fp8" else ceilings["bf16_flops"]
+    return flops / peak, kv_bytes / ceilings["copy_bytes_per_s"]
+
+
 def kv_roofline_frac(row, ceilings) -> float:
     """The issue's binding roofline over the measured time: max(FLOPs at the measured matmul rate of the row's
     precision, KV bytes at the measured copy bandwidth) / time. Older records' rows (no `kv_bytes`) give it from
@@ -463,8 +469,7 @@ def kv_roofline_frac(row, ceilings) -> float:
         kv = row["batch"] * row["context"] * row["bytes_per_token"]
     if kv is None or not ceilings or "flops" not in row:
         return row["roofline_frac"]
-    peak = ceilings["fp8_flops"] if row.get("precision") == "fp8" else ceilings["bf16_flops"]
-    return max(row["flops"] / peak, kv / ceilings["copy_bytes_per_s"]) / (row["latency_us"] * 1e-6)
+    return max(roofline_times(row["flops"], kv, row.get("precision"), ceilings)) / (row["latency_us"] * 1e-6)
 
 
 def issue_targets(rows, ceilings=None) -> dict:
