@@ -52,7 +52,9 @@ E2E_SWITCHED = [("swapAB", "swapab/swapab_e2e_s41_c4_c16_h200.json", "on", "4"),
                 ("SBO", "sbo/sbo_e2e_s35_c56_c32_h200.json", "sbo", "32"),  # the second call's @32: both shown
                 ("SBO", "sbo/sbo_e2e_s35_c56_c32_h200.json", "sbo", "56")]
 # (record, workload, anchor): fp8_mla_e2e's ours against FlashMLA in one call
-E2E_FP8_MLA = [("mla_decode/fp8_mla_e2e_s38_c16_flashmla_fp8_h200.json", "4096x512@16", "flashmla-fp8"),
+E2E_FP8_MLA = [("mla_decode/fp8_mla_e2e_s50_c4_flashmla_fp8_h200.json", "4096x512@4", "flashmla-fp8"),
+               ("mla_decode/fp8_mla_e2e_s50_c8_flashmla_fp8_h200.json", "4096x512@8", "flashmla-fp8"),
+               ("mla_decode/fp8_mla_e2e_s38_c16_flashmla_fp8_h200.json", "4096x512@16", "flashmla-fp8"),
                ("mla_decode/fp8_mla_e2e_s37_c48_flashmla_fp8_h200.json", "4096x512@48", "flashmla-fp8"),
                ("mla_decode/fp8_mla_e2e_s41_c64_same_call_h200.json", "2048x512@64", "flashmla-fp8"),
                ("mla_decode/fp8_mla_e2e_s38_c128_flashmla_fp8_h200.json", "1024x256@128", "flashmla-fp8"),
