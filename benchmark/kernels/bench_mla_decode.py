@@ -58,6 +58,7 @@ Output: --json OUT holds one object: numeric "latency_us" and "tflops" of ours a
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -249,18 +250,14 @@ def make_ours_cuda(torch, mla, sets, ctx, version=1, plan_kind="cuda", server_co
     ok, why = cu.available(version, defines)
     if not ok:
         raise Unavailable(why.splitlines()[0][:300] if why else "unavailable")
-    import functools
-
-    rows = cu.cta_rows(version, sets[0]["q"].shape[1] * sets[0]["q"].shape[2])  # version 3 above 32 rows: blocks of 32
-    plan = mla.get_mla_decode_metadata if plan_kind == "triton" else functools.partial(cu.get_mla_decode_metadata,
-                                                                                        rows_per_cta=rows)
+    cuda_plan, cuda_lut = cu.planners(version)  # for this version's CTAs (version 3 above 32 rows: blocks of 32)
+    plan = mla.get_mla_decode_metadata if plan_kind == "triton" else cuda_plan
     bound = server_context if plan_kind in ("ctx", "graph") else ctx
     metas = [plan(s["cache_seqlens"], s["q"].shape[2], s["q"].shape[1], max_seqlen=bound) for s in sets]
     if plan_kind == "graph":  # as the backend captures it: the grid for the bound, the count for these lengths
         for i, s in enumerate(sets):
             B, T, H, _ = s["q"].shape
-            metas[i], table = mla.graph_metadata(plan, functools.partial(cu.splits_lut, rows_per_cta=rows), B, H, T,
-                                                 bound, PAGE, "cuda")
+            metas[i], table = mla.graph_metadata(plan, cuda_lut, B, H, T, bound, PAGE, "cuda")
             if metas[i].splits_dev is not None:
                 mla.set_splits(metas[i].splits_dev, table, s["cache_seqlens"], PAGE)
     planned = metas[0].num_splits

@@ -31,7 +31,7 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
 
 import ncu_report  # noqa: E402  (beside this file)
 
-PROVIDERS = ("ours-cuda", "ours-cuda-v2", "flashmla-bf16", "flashmla-fp8")
+PROVIDERS = ("ours-cuda", "ours-cuda-v2", "flashmla-bf16", "flashmla-fp8", "ours-cuda-v3")
 # raw metrics asked for on top of the sections: the tensor pipe and shared memory, which the sections summarize only
 RAW_METRICS = [
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
@@ -91,19 +91,19 @@ def child(args) -> int:
     for p in args.providers:
         if p.startswith("ours-cuda"):
             cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-            version = 2 if p.endswith("v2") else 1
+            version = int(p[-1]) if p[-2:] in ("v2", "v3") else 1
             ok, why = cu.available(version, tuple(args.defines))
             if not ok:
                 print(f"{p}: unavailable: {why}", flush=True)
                 continue
             bound = 163840 if args.plan in ("ctx", "graph") else args.context
+            plan, lut = cu.planners(version)  # version 3: CTAs of 16 or 32 rows, planned as such
             if args.plan == "graph":  # as the backend captures it
-                meta, table = mla.graph_metadata(cu.get_mla_decode_metadata, cu.splits_lut, args.batch, args.heads,
-                                                 args.q_len, bound, 64, "cuda")
+                meta, table = mla.graph_metadata(plan, lut, args.batch, args.heads, args.q_len, bound, 64, "cuda")
                 if meta.splits_dev is not None:
                     mla.set_splits(meta.splits_dev, table, sl, 64)
             else:
-                meta = cu.get_mla_decode_metadata(sl, args.heads, args.q_len, max_seqlen=bound)
+                meta = plan(sl, args.heads, args.q_len, max_seqlen=bound)
             print(f"{p}: plan {args.plan}, grid splits {meta.num_splits}, run-time "
                   f"{meta.splits_dev.item() if meta.splits_dev is not None else meta.num_splits}", flush=True)
             calls[p] = lambda cu=cu, meta=meta, version=version: cu.mla_decode_fp8_cuda(

@@ -50,7 +50,7 @@ from .mla_decode import (
 )
 
 __all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path",
-           "NVCC_FLAGS", "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "cta_rows", "ABLATIONS", "DESIGN_OPTIONS",
+           "NVCC_FLAGS", "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "cta_rows", "planners", "ABLATIONS", "DESIGN_OPTIONS",
            "REORDERING_OPTIONS", "ROUNDING_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
@@ -272,6 +272,25 @@ def splits_lut(num_heads: int, q_len: int, batch: int, max_seqlen: int, page: in
     top = (tiles // MIN_SPLIT_TILES).clamp_(1, max_splits)
     cost = torch.where(splits[None, :] <= top[:, None], cost, float("inf"))
     return (torch.argmin(cost, dim=1) + 1).to(torch.int32).to(device or "cpu")  # first minimum: fewer splits
+
+
+def planners(version) -> tuple:
+    """(planner, split table) with get_mla_decode_metadata's and splits_lut's signatures, for calls run by `version`:
+    an int, or version(batch, rows) -> int where the version depends on the call's shape (the backend's 'auto').
+    Each plans for the CTAs of the version that runs (cta_rows: version 3 at 128 heads runs four 32-row CTAs per
+    sequence, where versions 1 and 2 run two of 64, so a 64-row plan would count half its CTAs per split)."""
+    version_of = version if callable(version) else (lambda batch, rows: version)
+
+    def plan(cache_seqlens, num_heads, q_len=1, num_sm=None, **kwargs):
+        rows = num_heads * q_len
+        return get_mla_decode_metadata(cache_seqlens, num_heads, q_len, num_sm, **kwargs,
+                                       rows_per_cta=cta_rows(version_of(cache_seqlens.numel(), rows), rows))
+
+    def lut(num_heads, q_len, batch, max_seqlen, page=PAGE_SIZE, num_sm=None, device=None, **kwargs):
+        rows = num_heads * q_len
+        return splits_lut(num_heads, q_len, batch, max_seqlen, page, num_sm, device, **kwargs,
+                          rows_per_cta=cta_rows(version_of(batch, rows), rows))
+    return plan, lut
 
 
 def _ptr(t: torch.Tensor | None) -> int:

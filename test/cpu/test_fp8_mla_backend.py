@@ -773,11 +773,15 @@ def test_decode_kernel_falls_back_to_triton_with_the_reason(monkeypatch):
     fn, plan, lut, what, _ = fb.decode_kernel("cuda-v2")
     assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 2, "defines": ("MLA_SPLIT_Q",)}  # default
     assert what.startswith("CUDA v2")
-    assert plan.func is cu.get_mla_decode_metadata and plan.keywords == {"rows_per_cta": 64}
+    lens = torch.full((16,), 4096, dtype=torch.int32)
+    assert plan(lens, 128, 1, 132, max_seqlen=4096) == cu.get_mla_decode_metadata(lens, 128, 1, 132, max_seqlen=4096)
     fn, plan, lut, what, _ = fb.decode_kernel("cuda-v3")
     assert fn.func is cu.mla_decode_fp8_cuda and fn.keywords == {"version": 3, "defines": ("MLA_SPLIT_Q",)}
     assert what.startswith("CUDA v3")
-    assert plan.keywords == lut.keywords == {"rows_per_cta": 32}  # 128 heads: 4 CTAs per sequence and split
+    # 128 heads: 4 CTAs of 32 rows per sequence and split, planner and split table alike
+    assert plan(lens, 128, 1, 132, max_seqlen=4096) == \
+        cu.get_mla_decode_metadata(lens, 128, 1, 132, max_seqlen=4096, rows_per_cta=32)
+    assert torch.equal(lut(128, 1, 16, 4096, num_sm=132), cu.splits_lut(128, 1, 16, 4096, num_sm=132, rows_per_cta=32))
     monkeypatch.setenv("SGLANG_H20_FP8_MLA_KERNEL", "triton")  # the switch, read when no choice is passed
     fn, plan, lut, what, _ = fb.decode_kernel()
     assert fn is mla.mla_decode_fp8 and plan is mla.get_mla_decode_metadata and "=triton" in what

@@ -3,7 +3,6 @@
 The Triton kernel's plan asks for 2 waves' worth of programs, which for a kernel with one CTA per SM leaves a
 short last wave (batch 16 x 128 heads: 9 splits = 288 CTAs = 3 waves on 132 SMs, the last a sixth full) and
 writes fp32 partials where no split is needed (batch 64: 128 CTAs fill the GPU unsplit). No GPU needed."""
-import functools
 import importlib
 
 import pytest
@@ -125,8 +124,30 @@ def test_version_3_row_blocks_are_planned_as_such():
     assert splits(16, 4096, 16) == cu.get_mla_decode_metadata(lens, 16, 2, 132, max_seqlen=4096,
                                                               rows_per_cta=32).num_splits
     # a CUDA graph's plan caps its waves by the kernel's own CTAs per split (64 here, not the 32 of 64-row blocks)
-    plan = functools.partial(cu.get_mla_decode_metadata, rows_per_cta=32)
+    plan, lut = cu.planners(3)
     meta = plan(lens, 128, 1, 132, max_seqlen=4096)
     assert (meta.block_h, meta.num_row_blocks) == (32, 4)
-    meta, _ = mla.graph_metadata(plan, functools.partial(cu.splits_lut, rows_per_cta=32), 16, 128, 1, 163840, 64, "cpu")
+    meta, _ = mla.graph_metadata(plan, lut, 16, 128, 1, 163840, 64, "cpu")
     assert meta.num_splits == mla.GRAPH_MAX_WAVES * 132 // (16 * 4)
+
+
+def test_planners_plan_for_the_ctas_of_the_version_that_runs():
+    """planners(version): a fixed version plans every call for its own CTAs (v1 / v2: 64 rows; v3: 16 up to 16 rows,
+    else 32); with version(batch, rows) each call for the version its shape picks, planner and split table alike."""
+    lens = torch.full((4,), 16384, dtype=torch.int32)
+    for version, heads, block_h in ((1, 128, 64), (2, 16, 64), (3, 16, 16), (3, 128, 32)):
+        plan, lut = cu.planners(version)
+        meta = plan(lens, heads, 1, 132, max_seqlen=16384)
+        assert meta == cu.get_mla_decode_metadata(lens, heads, 1, 132, max_seqlen=16384, rows_per_cta=block_h)
+        assert torch.equal(lut(heads, 1, 4, 16384, num_sm=132),
+                           cu.splits_lut(heads, 1, 4, 16384, num_sm=132, rows_per_cta=block_h))
+    by_batch = lambda batch, rows: 3 if batch < 8 else 2  # noqa: E731  (the backend's 'auto' at 128 heads)
+    plan, lut = cu.planners(by_batch)
+    small, big = torch.full((4,), 16384, dtype=torch.int32), torch.full((8,), 16384, dtype=torch.int32)
+    assert plan(small, 128, 1, 132, max_seqlen=16384) == cu.planners(3)[0](small, 128, 1, 132, max_seqlen=16384)
+    assert plan(big, 128, 1, 132, max_seqlen=16384) == cu.planners(2)[0](big, 128, 1, 132, max_seqlen=16384)
+    # batch 4 at 128 heads: four 32-row CTAs per sequence plan other splits than two of 64 would
+    assert plan(small, 128, 1, 132, max_seqlen=16384).num_splits != \
+        cu.get_mla_decode_metadata(small, 128, 1, 132, max_seqlen=16384).num_splits
+    assert torch.equal(lut(128, 1, 4, 16384, num_sm=132), cu.planners(3)[1](128, 1, 4, 16384, num_sm=132))
+    assert torch.equal(lut(128, 1, 8, 16384, num_sm=132), cu.planners(2)[1](128, 1, 8, 16384, num_sm=132))

@@ -109,21 +109,6 @@ def _by_shape(fns: dict[int, Callable], version_of: Callable[[int, int], int]) -
     return decode
 
 
-def _planned_by_shape(cu, version_of: Callable[[int, int], int]) -> tuple[Callable, Callable]:
-    """The split planner and split table for _by_shape's decode: each plans for the CTAs of the version that its
-    batch and rows call (version 3 at 128 heads: four 32-row CTAs per sequence, not two of 64)."""
-    def plan(cache_seqlens, num_heads, q_len=1, num_sm=None, **kwargs):
-        rows = num_heads * q_len
-        return cu.get_mla_decode_metadata(cache_seqlens, num_heads, q_len, num_sm, **kwargs,
-                                          rows_per_cta=cu.cta_rows(version_of(cache_seqlens.numel(), rows), rows))
-
-    def lut(num_heads, q_len, batch, max_seqlen, page=cu.PAGE_SIZE, num_sm=None, device=None, **kwargs):
-        rows = num_heads * q_len
-        return cu.splits_lut(num_heads, q_len, batch, max_seqlen, page, num_sm, device, **kwargs,
-                             rows_per_cta=cu.cta_rows(version_of(batch, rows), rows))
-    return plan, lut
-
-
 def _first_line(why: str) -> str:
     return why.splitlines()[0][:160] if why else "?"
 
@@ -167,9 +152,7 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
         return functools.partial(cu.mla_decode_fp8_cuda, version=v, defines=defines) if v > 1 or defines \
             else cu.mla_decode_fp8_cuda
     if version > 1:
-        rows = cu.cta_rows(version, cu.V3_MAX_ROWS)  # v3: 32-row CTAs above 16 rows (one CTA either way up to 32)
-        return DecodeKernel(version_fn(version), functools.partial(cu.get_mla_decode_metadata, rows_per_cta=rows),
-                            functools.partial(cu.splits_lut, rows_per_cta=rows), f"CUDA v{version} {kinds}", True)
+        return DecodeKernel(version_fn(version), *cu.planners(version), f"CUDA v{version} {kinds}", True)
     if choice != "auto":
         return DecodeKernel(version_fn(1), cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}", True)
     (ok2, why2), (ok3, why3) = (cu.available(v, _kernel_defines(v, split_q, options)) for v in (2, 3))
@@ -185,7 +168,7 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
     what += "" if ok3 else f"; v3 unavailable: {_first_line(why3)}"
     version_of = functools.partial(_auto_version, ok2=ok2, ok3=ok3, max_rows=cu.V3_MAX_ROWS)
     fns = {v: version_fn(v) for v, ok in ((1, True), (2, ok2), (3, ok3)) if ok}
-    return DecodeKernel(_by_shape(fns, version_of), *_planned_by_shape(cu, version_of), what, True)
+    return DecodeKernel(_by_shape(fns, version_of), *cu.planners(version_of), what, True)
 
 
 def _kernel_defines(version: int, split_q: bool, options: tuple[str, ...] = ()) -> tuple[str, ...]:
