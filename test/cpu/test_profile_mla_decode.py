@@ -54,3 +54,12 @@ def test_defines_reach_the_child_and_unknown_ones_are_refused(tmp_path, monkeypa
     assert prof.main(["--out", str(tmp_path), "--defines", "MLA_VT_LDSM"]) == 1  # the fake ncu "failed"
     cmd = seen["cmd"]
     assert cmd[cmd.index("--child"):][-2:] == ["--defines", "MLA_VT_LDSM"]
+
+
+def test_every_cuda_version_can_be_profiled(tmp_path):
+    """A provider per CUDA kernel version (version 3 since session 50: the one 'auto' runs below batch 8)."""
+    from sgl_kernel_ext import mla_decode_cuda as cu
+    names = {1: "ours-cuda", **{v: f"ours-cuda-v{v}" for v in cu.VERSIONS if v > 1}}
+    assert set(names.values()) <= set(prof.PROVIDERS)
+    assert prof.parse_args(["--out", str(tmp_path), "--providers", "ours-cuda-v3", "flashmla-fp8"]).providers == \
+        ["ours-cuda-v3", "flashmla-fp8"]
