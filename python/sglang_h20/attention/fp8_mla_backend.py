@@ -161,7 +161,7 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
                             f"CUDA v1 {kinds}; v2 unavailable: {_first_line(why2)}; v3 unavailable: {_first_line(why3)}",
                             True)
     small = "v3" if ok3 else "v1"
-    what = f"CUDA {small} below batch {V2_FROM_BATCH}, {'v2' if ok2 else small} from there"
+    what = f"CUDA {small} below batch {V2_FROM_BATCH}, {'v2' if ok2 else 'v1'} from there"
     what += f" (v3 for <= {cu.V3_MAX_ROWS} query rows at any batch)" if ok3 else ""
     what += f" {kinds}"
     what += "" if ok2 else f"; v2 unavailable: {_first_line(why2)}"
