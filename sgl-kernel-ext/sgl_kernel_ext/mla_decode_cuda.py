@@ -49,9 +49,9 @@ from .mla_decode import (
     HEAD_DIM_QK, KV_LORA_RANK, LOG2E, NUM_KV_SCALES, MLADecodeMetadata, _cache_views, _quantize_q, decode_args,
 )
 
-__all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "source_path",
-           "NVCC_FLAGS", "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "cta_rows", "planners", "ABLATIONS", "DESIGN_OPTIONS",
-           "REORDERING_OPTIONS", "ROUNDING_OPTIONS"]
+__all__ = ["build", "available", "library", "mla_decode_fp8_cuda", "get_mla_decode_metadata", "planners",
+           "source_path", "NVCC_FLAGS", "VERSIONS", "GENERAL_VERSIONS", "V3_MAX_ROWS", "cta_rows", "ABLATIONS",
+           "DESIGN_OPTIONS", "REORDERING_OPTIONS", "ROUNDING_OPTIONS"]
 
 PAGE_SIZE = 64   # the kernel's KV tile is one page
 ROWS_PER_CTA = 64  # query rows (q position x head) per CTA

@@ -726,7 +726,8 @@ def test_auto_decode_kernel_picks_the_version_by_shape(monkeypatch):
     assert k.fn(torch.empty(fb.V2_FROM_BATCH, 1, 16, 576), "kv", "bt", "lens", 0.1, "plan") == 2
     # v2 failing: version 1 from V2_FROM_BATCH above 32 rows (faster than v3 in 32-row CTAs at 16 of the 18 points
     # of 128 heads from batch 16 in session 49's grid), and `what` says so (it had said v3)
-    monkeypatch.setattr(cu, "available", lambda version=1, defines=(): (version != 2, "" if version != 2 else "v2 failed"))
+    monkeypatch.setattr(cu, "available",
+                        lambda version=1, defines=(): (version != 2, "" if version != 2 else "v2 failed"))
     k = fb.decode_kernel("auto")
     assert k.what.startswith(f"CUDA v3 below batch {fb.V2_FROM_BATCH}, v1 from there") and "v2 failed" in k.what
     assert k.fn(torch.empty(fb.V2_FROM_BATCH, 1, 128, 576), "kv", "bt", "lens", 0.1, "plan") == 1
