@@ -90,16 +90,9 @@ def gemm_targets() -> dict:
         if len(rels) > 1:
             src["peak_read_tbs"] = [r["peak_read_tbs"] for r in recs]
             src["not_started_after_merge"] = not_started_after(recs)
-        src["ours_not_timed"] = ours_not_timed(rec["points"])
+        src["ours_not_timed"] = bench_grouped_gemm.ours_not_timed(rec["points"])
         runs[label] = {"source": src, **bench_grouped_gemm.issue_targets(rec["points"], rec["peak_read_tbs"])}
     return runs
-
-
-def ours_not_timed(points: list[dict]) -> list[str]:
-    """The bench's default variants of ours that a run did not time: its "best of ours" is the best of the others
-    (session 49's grid left out ours-split, the variant that won 30 of session 44's 52 points)."""
-    timed = {p["provider"] for p in points if p.get("kind") == "moe"}
-    return [v for v in bench_grouped_gemm.PROVIDERS if v.startswith("ours") and v not in timed]
 
 
 def not_started_after(recs: list[dict]) -> list[str]:

@@ -77,6 +77,22 @@ def test_partial_record_keeps_what_was_measured_and_names_the_representative():
     assert rec["partial"] and rec["not_started"] == ["down g256 m8 uniform"] and rec["points"] == pts
     assert rec["representative"]["provider"] == "ours-swapab" and rec["latency_us"] == 5.0
     assert rec["provenance"]["git_commit"]
+    assert rec["ours_not_timed"] == []  # no MoE point (no "kind"): nothing to say
+
+
+def test_a_record_names_the_variants_of_ours_it_did_not_time(capsys):
+    """Session 49's grid passed --providers without ours-split, so its "best of ours" was without the variant that
+    won 30 of session 44's 52 points; the record and the printed targets now say so. A dense point does not stand for
+    the MoE variant of the same name."""
+    pts = [{"kind": "moe", "provider": "ours-swapab"}, {"kind": "moe", "provider": "deepgemm"},
+           {"kind": "dense", "provider": "ours-normal"}]
+    assert bench.ours_not_timed(pts) == ["ours-normal", "ours-split"]
+    assert bench.ours_not_timed(pts + [{"kind": "moe", "provider": v} for v in ("ours-normal", "ours-split")]) == []
+    args = bench.parse_args(["--quick"])
+    moe = [{"kind": "moe", "provider": "ours-swapab", "us": 5.0, "tflops": 2.0, "shape": "gate_up", "n": 4096,
+            "k": 7168, "groups": 32, "tokens_per_group": 8, "distribution": "uniform", "layout": "masked"}]
+    rec = bench.result_record(args, moe, {"peak_read_tbs": 4.5}, {}, [], partial=False)
+    assert rec["ours_not_timed"] == ["ours-normal", "ours-split"]
 
 
 def test_table_from_an_unreadable_file_exits_with_one_line(tmp_path):

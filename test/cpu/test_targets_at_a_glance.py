@@ -55,9 +55,3 @@ def test_not_started_after_a_merge_keeps_what_no_later_run_measured():
     later = {"points": [{"kind": "moe", "shape": "gate_up", "groups": 256, "tokens_per_group": 64,
                          "distribution": "uneven"}]}
     assert glance.not_started_after([first, later]) == ["down g256 m64 uneven", "o_proj m64"]
-
-
-def test_ours_not_timed_names_the_default_variants_a_run_left_out():
-    points = [{"kind": "moe", "provider": "ours-swapab"}, {"kind": "moe", "provider": "deepgemm"},
-              {"kind": "dense", "provider": "ours-normal"}]  # a dense point does not stand for the MoE variant
-    assert glance.ours_not_timed(points) == ["ours-normal", "ours-split"]
