@@ -157,16 +157,15 @@ def decode_kernel(choice: str | None = None, split_q: bool | None = None,
         return DecodeKernel(version_fn(1), cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA {kinds}", True)
     (ok2, why2), (ok3, why3) = (cu.available(v, _kernel_defines(v, split_q, options)) for v in (2, 3))
     if not (ok2 or ok3):
-        return DecodeKernel(version_fn(1), cu.get_mla_decode_metadata, cu.splits_lut,
-                            f"CUDA v1 {kinds}; v2 unavailable: {_first_line(why2)}; v3 unavailable: {_first_line(why3)}",
-                            True)
-    small = "v3" if ok3 else "v1"
-    what = f"CUDA {small} below batch {V2_FROM_BATCH}, {'v2' if ok2 else 'v1'} from there"
-    what += f" (v3 for <= {cu.V3_MAX_ROWS} query rows at any batch)" if ok3 else ""
+        why = f"v2 unavailable: {_first_line(why2)}; v3 unavailable: {_first_line(why3)}"
+        return DecodeKernel(version_fn(1), cu.get_mla_decode_metadata, cu.splits_lut, f"CUDA v1 {kinds}; {why}", True)
+    version_of = functools.partial(_auto_version, ok2=ok2, ok3=ok3, max_rows=cu.V3_MAX_ROWS)
+    rows = cu.V3_MAX_ROWS + 1  # the line is read off the rule itself: more rows than version 3 always takes
+    what = f"CUDA v{version_of(1, rows)} below batch {V2_FROM_BATCH}, v{version_of(V2_FROM_BATCH, rows)} from there"
+    what += f" (v3 for <= {cu.V3_MAX_ROWS} query rows at any batch)" if version_of(V2_FROM_BATCH, rows - 1) == 3 else ""
     what += f" {kinds}"
     what += "" if ok2 else f"; v2 unavailable: {_first_line(why2)}"
     what += "" if ok3 else f"; v3 unavailable: {_first_line(why3)}"
-    version_of = functools.partial(_auto_version, ok2=ok2, ok3=ok3, max_rows=cu.V3_MAX_ROWS)
     fns = {v: version_fn(v) for v, ok in ((1, True), (2, ok2), (3, ok3)) if ok}
     return DecodeKernel(_by_shape(fns, version_of), *cu.planners(version_of), what, True)
 
