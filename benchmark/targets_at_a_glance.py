@@ -84,12 +84,13 @@ def gemm_targets() -> dict:
     for label, rels in GEMM_RUNS.items():
         rels = (rels,) if isinstance(rels, str) else rels
         recs = [load(rel) for rel in rels]
-        rec = bench_grouped_gemm.merged_results([RESULTS / rel for rel in rels]) if len(rels) > 1 else recs[0]
-        # a merged sweep: its points read against the first run's peak (the later runs' peaks are listed beside)
-        src = source(rels[0], recs[0]) if len(rels) == 1 else {"runs": [source(rel, r) for rel, r in zip(rels, recs)]}
-        if len(rels) > 1:
-            src["peak_read_tbs"] = [r["peak_read_tbs"] for r in recs]
-            src["not_started_after_merge"] = not_started_after(recs)
+        rec = bench_grouped_gemm.merge_results(recs, [RESULTS / rel for rel in rels])
+        if len(rels) == 1:
+            src = source(rels[0], rec)
+        else:  # a merged sweep: its points read against the first run's peak (the later runs' peaks listed beside)
+            src = {"runs": [source(rel, r) for rel, r in zip(rels, recs)],
+                   "peak_read_tbs": [r["peak_read_tbs"] for r in recs],
+                   "not_started_after_merge": not_started_after(recs)}
         src["ours_not_timed"] = bench_grouped_gemm.ours_not_timed(rec["points"])
         runs[label] = {"source": src, **bench_grouped_gemm.issue_targets(rec["points"], rec["peak_read_tbs"])}
     return runs

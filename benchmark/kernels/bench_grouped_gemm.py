@@ -1056,9 +1056,10 @@ def issue_targets(points, peak_tbs: float) -> dict:
 
 def ours_not_timed(points: list[dict]) -> list[str]:
     """The default variants of ours that no MoE point of a run timed: its "best of ours" is the best of the others
-    (session 49's grid left out ours-split, the fastest of ours at 30 of session 44's 52 points >= 1.0x)."""
+    (session 49's grid left out ours-split, the fastest of ours at 30 of session 44's 52 points >= 1.0x). A run
+    without MoE points (dense only) has nothing to say."""
     timed = {p["provider"] for p in points if p.get("kind") == "moe"}
-    return [v for v in PROVIDERS if v.startswith("ours") and v not in timed]
+    return [v for v in PROVIDERS if v.startswith("ours") and v not in timed] if timed else []
 
 
 def result_record(args, points, peak, unavailable, skipped, partial: bool) -> dict:
@@ -1079,7 +1080,7 @@ def result_record(args, points, peak, unavailable, skipped, partial: bool) -> di
         "points": points,
         "table_entries": table_entries(points),
         "targets": issue_targets(points, peak["peak_read_tbs"]),
-        "ours_not_timed": ours_not_timed(points) if any(p.get("kind") == "moe" for p in points) else [],
+        "ours_not_timed": ours_not_timed(points),
         "quick": args.quick,
         "partial": partial,
         "not_started": skipped,
@@ -1127,7 +1128,11 @@ def merged_results(paths: list[Path]) -> dict:
     at a key it measured (`point_key`), so a table entry never weighs ours from one run against upstream from
     another: a retune of some shapes supersedes those shapes only. What a replacing run did not measure at such a
     key is listed under its "replaced_without" and printed (`table_merge_gaps`)."""
-    results = [read_results(p) for p in paths]
+    return merge_results([read_results(p) for p in paths], paths)
+
+
+def merge_results(results: list[dict], paths: list) -> dict:
+    """merged_results of records already read (`paths`: where each came from, for the sources and the messages)."""
     if len(results) == 1:
         return results[0]
     points: dict = {}
