@@ -37,76 +37,47 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
     Out-of-range tokens / weight rows load as 0 (and scale 0), stores are masked.
   * SPLIT_K > 1 (dense small-M GEMMs with too few tiles to fill the GPU): each k-slice writes fp32
     partials to a workspace, `_splitk_reduce_kernel` sums them into bf16 for valid rows only. Config
-    "serial_reduce" (session 33; its GPU tests pass, and session 34's dense tune picked it at 8 of 90
-    (variant, point) pairs): no reduce kernel; after its partial store (CTA barrier)
-    each k-slice counts itself on the output tile with acq_rel, and the one that completes the count sums
-    the slices in the same order (bit-equal), stores bf16 and zeroes the counter: one launch less per
-    GEMM, the sum done while other tiles still stream (per-stream counters, `_fixup_counters`).
+    "serial_reduce": no reduce kernel; after its partial store (CTA barrier) each k-slice counts itself on
+    the output tile with acq_rel, and the one that completes the count sums the slices in the same order
+    (bit-equal), stores bf16 and zeroes the counter (per-stream counters, `_fixup_counters`): one launch
+    less per GEMM.
   * signal (masked / contiguous, SPLIT_K = 1; single-batch overlap, `sgl_kernel_ext.sbo`): after a
     tile's store, a CTA barrier, then one atomic +1 with release semantics on signal[g, token tile],
     so a consumer that reads ceil(N / BLOCK_N) there with acquire sees every row of that token tile.
     num_sms caps the persistent grid, to lend SMs to that consumer.
-  * combine (masked / contiguous, SPLIT_K = 1; `EpilogueCombine`): the MoE combine in the epilogue,
-    for one GPU, where a second kernel on lent SMs costs the bandwidth-bound GEMM more than the combine
-    itself. Each finished tile stores its rows, then (CTA barrier) counts them per (token, N-tile) with
-    acq_rel; the tile that brings a count to top_k gathers that token's top_k rows of this N-range
-    (L2 reads of rows just written), sums them weighted in fp32 in slot order and writes the bf16
-    output: one integer atomic per row and tile, no float atomics, a deterministic sum. (The first
-    form added every element into an fp32 accumulator with float atomics: 2-4% slower than GEMM then
-    combine on the H200, 2026-11-29, benchmark/results/sbo/bench_sbo_fused_h200.json. The gather form
-    is 2-9% slower too, 2026-11-30: 27-35 us over the GEMM alone, as if each tile's epilogue held up
-    the next tile's loads.) defer=True: the completing tile only notes (token, N-tile) in its program's
-    list, and the program gathers its list after its last GEMM tile, so the gathers stop interrupting
-    the weight stream and fill the persistent grid's tail instead. Measured 2026-11-30
-    (bench_sbo_counts_only_h200.json): 1.04-1.08x serial, and counting alone (counts_only) costs as much.
-    A first try at taking the per-tile release out (2026-12-01, bench_sbo_segments_h200.json): each program one
-    contiguous range of tiles, one count per group range, whole tokens gathered by the program completing them:
-    1.41-1.65x serial (counting alone +64-111 us: a second scalar walk over the groups before the tiles; the
-    whole-token gathers serial in few programs). tail=True (group walk only): no per-tile count at all. Every
-    program stores its rows plainly; after its last tile it arrives at ONE grid-wide counter (CTA barrier, one
-    release add), waits until every program arrived, and gathers every NUM_PROGRAMS-th block of (token, N-tile)
-    items: the combine fills the persistent grid's tail, spread over all programs, with one kernel launch. The
-    grid is capped at the programs resident at once (`_resident_programs`), so nobody waits for a program that
-    cannot start. A wait that still runs out (TAIL_MAX_SPIN polls) adds a mark (1 << TAIL_GAVE_UP_SHIFT) to the same
-    counter and leaves; the last program to arrive sees that in the value its own arrival returns and gathers every
-    item, so out is always complete: a give-up costs time, never a wrong answer. (A leaver whose add finds every
-    program arrived does its share after all: the last one came before its mark.) Counters: int32 [1].
-    Beside other kernels (the decode graphs run the shared expert on a side stream) some programs start only
-    after those finish, and with a static stride their tiles wait for them: 0.96x upstream's layer at 16 tokens per
-    expert there (benchmark/results/sbo/sbo_layer_shared_e16_h200.json). Tiles and gathers from atomic tickets
-    (no program has to be resident) measured slower, alone and beside it (sbo_layer_tail_dyn_shared_e16_h200.json;
-    that form is at commit 06994ea).
+  * combine (masked / contiguous, SPLIT_K = 1; `EpilogueCombine`): the MoE combine in the epilogue, for
+    one GPU, where a second kernel on lent SMs costs the bandwidth-bound GEMM more than the combine itself.
+    No float atomics; each token's top_k rows are summed in fp32 in slot order (deterministic). Three forms:
+    - inline (default): each finished tile stores its rows, then (CTA barrier) counts them per (token,
+      N-tile) with acq_rel; the tile that brings a count to top_k gathers that token's top_k rows of this
+      N-range (L2 reads of rows just written) and writes the bf16 output.
+    - defer=True: the completing tile only notes (token, N-tile) in its program's list, and the program
+      gathers its list after its last GEMM tile, so gathers do not interrupt the weight stream.
+    - tail=True (group walk only): no per-tile count. Every program stores its rows plainly; after its last
+      tile it arrives at ONE grid-wide counter (CTA barrier, one release add), waits until every program
+      arrived, and gathers every NUM_PROGRAMS-th block of (token, N-tile) items: the combine fills the
+      persistent grid's tail with one launch. The grid is capped at the programs resident at once
+      (`_resident_programs`), so nobody waits for a program that cannot start. A wait that runs out
+      (TAIL_MAX_SPIN polls) adds a mark (1 << TAIL_GAVE_UP_SHIFT) to the same counter and leaves; the last
+      program to arrive sees that in the value its own arrival returns and gathers every item, so out is
+      always complete: a give-up costs time, never a wrong answer. Counters: int32 [1].
 
-Config "flat": True (masked / contiguous, plain outputs or EpilogueCombine; no signal, no split-K) runs
-_fp8_grouped_gemm_flat_kernel: the same tiles in one flattened, pipelined loop over the program's tiles
-(tl.range(..., flatten=True)), so the weight stream does not drain at every tile boundary, and with
-EpilogueCombine the next tiles' loads stay in flight while a tile counts (sm_90a: the inline form keeps the
-plain flat loop's multi-buffered shared memory; the deferred form compiles single-buffered). With "tma": True
-as well, its FP8 operands arrive through host-built tensor descriptors (TMA boxes of [BLOCK_T | BLOCK_N, 128])
-instead of pointer loads, as DeepGEMM feeds its wgmmas: no address math or per-element masks in the loop (rows
-past a tile's real ones are read and masked on the store).
-Both bit-identical to the group walk (CPU tests). Measured at gate_up 32 x 128 masked (2026-11-30): best plain
-338.4, flat 386.2, tma 334.1 us against DeepGEMM's 277.8.
-Config "ws": True (masked / contiguous, plain outputs, no split-K or signal; else the configs above run): two
-launches. `_token_tile_map_kernel` (one program) lists every real token tile as (group, first row, end of the
-group's rows) and their count; `_fp8_grouped_gemm_ws_kernel` walks those token tiles x weight tiles persistently,
-the FP8 operands through TMA boxes. The walk was built for Triton 3.6's warp-specialize pass (which rejects a
-kernel with any reduction, hence the map in a launch of its own, or an early return, and leaves a flattened loop
-unspecialized); with "ws_split": True its tile loop is a tl.range(warp_specialize=True), split on sm_90a into a
-producer warp group that only issues the copies and MMA warp groups given the registers (setmaxnreg; 12 warps for
-num_warps=4), DeepGEMM's structure. Measured on the H200 (2026-12-02, benchmark/results/swapab/
-probe_ws_walk_h200.json, probe_ws_walk_w8_h200.json): the split never completed (the launch returned, the kernel
-hung) in 5 of 6 cases (normal 128x128 gate_up at 3 and 4 stages, down at 4, swapab 32x128 at 3 and 4); it ran once
-(normal 128x64, 3 stages, gate_up 32 x 128: 540 us, the TMA flat walk 514). So the split runs only with
-SGLANG_H20_WS_SPLIT=1 (for probe_ws_walk.py). Unsplit, the walk ran every case but is no faster where it matters:
-gate_up / down 32 x 256 at 128x128, 8 warps, 727 / 379 us against the TMA flat walk's 611 / 331 (at 4 warps, where
-both spill, 1090 vs 1271; swapab 32x128 gate_up 32 x 32: 274 vs 275). Bit-identical to the group walk in the
-CPU interpreter (which ignores the split).
-`bench_grouped_gemm.py --tune` times all of them.
+Walks selected by config keys (masked / contiguous; each bit-identical to the group walk in the CPU tests):
+  * "flat": True (plain outputs or EpilogueCombine; no signal, no split-K): `_fp8_grouped_gemm_flat_kernel`,
+    the same tiles in one flattened, pipelined loop over the program's tiles (tl.range(..., flatten=True)), so
+    the weight stream does not drain at every tile boundary. With "tma": True as well, the FP8 operands arrive
+    through host-built tensor descriptors (TMA boxes of [BLOCK_T | BLOCK_N, 128]), as DeepGEMM feeds its
+    wgmmas: no address math or per-element masks in the loop.
+  * "ws": True (plain outputs, no split-K or signal): two launches. `_token_tile_map_kernel` (one program)
+    lists every real token tile as (group, first row, end of the group's rows); `_fp8_grouped_gemm_ws_kernel`
+    walks those token tiles x weight tiles persistently through TMA boxes. It has the shape Triton 3.6's
+    warp-specialize pass accepts (no reduction, no early return); "ws_split": True asks for that split, which
+    hung on the H200 in most cases, so it runs only with SGLANG_H20_WS_SPLIT=1 (for probe_ws_walk.py).
 Variant "split" (`_split_launch`): one call as two launches, swapAB on the groups with at most split_at tokens and
 the normal variant on the rest, each walk skipping the other's groups by count on the GPU (count_range): for
 uneven routing, where a few experts get hundreds of tokens that swapAB tiles would serve BLOCK_T at a time.
 With config split_streams 2 the two launches run on two streams, so one fills the SMs the other's tail leaves.
+What each form measured, and the forms tried and dropped: ../NOTES.md ("Grouped GEMM").
 
 Variant choice. The per-GPU table (`gemm_table`: this user's re-tune, else the shipped one; H200 ships,
 measured) feeds `choose_variant` / `choose_config` (variant='auto' for direct callers; without a table the

@@ -40,7 +40,7 @@ FP8 math in the kernel
 * PV, default (``pv_16bit``): V's FP8 tile is dequantized in registers (times its token's scale) to fp16 and
   multiplied with P in fp16 on 16-bit tensor cores. Why not FP8: FP8 wgmma takes both operands K-major only,
   and V's reduction dimension is the token, so an FP8 PV has to transpose every V tile through registers and
-  shared memory; measured on the H200 that costs ~2.9x the whole kernel (below). 16-bit wgmma reads the
+  shared memory; measured on the H200 that costs ~2.9x the whole kernel (../NOTES.md). 16-bit wgmma reads the
   token-major tile as it lies. So QK^T (576 of the 1088 MACs per (row, token)) runs in FP8, PV in fp16.
 * PV in FP8 (``pv_16bit=False``): ``O[h, c] = sum_n P[h, n] * V8[n, c] * s_v[n]``. The V scale varies along
   the reduction dimension n, so it is folded into P: ``P' = P * s_v[n] / c * 448`` with c the largest s_v of
@@ -71,18 +71,9 @@ return at once. :func:`splits_lut` and :func:`set_splits` fill it from the lengt
 References: :func:`mla_decode_exact` (fp32 math on the bf16 inputs) and :func:`mla_decode_reference`
 (fp32 math on the dequantized FP8 cache and the quantize-dequantized Q, i.e. everything but P rounding).
 
-Tuning notes (Triton 3.6, compiled for sm_90a; registers/spills from ptxas; times on the H200, 2026-11-29)
--------------------------------------------------------------------------------------------------------------
-* Per-element pointer tiles ([512, 32] offsets) cost most of the register file: every variant spilled
-  (0.5-5 KB). TMA descriptors removed that: no spills at (64, 32, BLOCK_V 256, 8 warps).
-* B=64, 4k context, 128 heads, q_len 1 (FlashMLA BF16: 124 us in the same run):
-  FP8 PV, 5 group scales, pointer loads (the first version)  1139 us
-  FP8 PV, 2 scales, TMA, BLOCK_V 256 (no spills)              1251 us  <- spills were not the bottleneck
-  fp16 PV, BLOCK_V 256 / 512                                   749 / 429 us  <- the V transpose was
-  So the kernel is still ~3.5x slower than FlashMLA BF16 on the H200: what is left is Triton's schedule
-  (one warpgroup pair per CTA, no producer/consumer split, P through shared memory between the QK^T and PV
-  warp layouts); beating FlashMLA needs a CUDA kernel with FlashMLA's structure and FP8 QK^T.
-* ``bench_mla_decode.py --configs 64x32x512x8x2b 64x32x256x8x2`` times variants (b: fp16 PV).
+Tuning: ``bench_mla_decode.py --configs 64x32x512x8x2b 64x32x256x8x2`` times variants (b: fp16 PV). What each
+version measured, and why the CUDA kernels (`mla_decode_cuda`) replaced this one on Hopper: ../NOTES.md
+("FP8 MLA decode").
 """
 from __future__ import annotations
 

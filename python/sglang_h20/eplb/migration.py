@@ -91,28 +91,13 @@ Known limits: migration advances only while decode steps run (switching needs bo
 server would have to call `maybe_switch` from its idle loop, in lockstep on all ranks); the
 executor expects a dedicated process group (`group`) so that its P2P ops never interleave with the
 model's own collectives; for NCCL that group must be initialised eagerly (one collective on it at
-creation) because the first op on a group must include all ranks. The CUDA path is written but
-only the CPU/gloo path is tested.
+creation) because the first op on a group must include all ranks. CI tests the CPU/gloo path
+(test/cpu/test_eplb_migration*.py); the CUDA path has GPU tests (test/gpu/test_eplb_migration_gpu.py on one
+GPU; the peer-copy test needs two) and ran in real EP-2 servers (benchmark/results/eplb/README.md).
 
-Where it plugs into SGLang 0.5.17 (wired up in sglang_h20.eplb.async_rebalance, switch eplb_async)
----------------------------------------------------------------------------------------------
-`ModelRunner.forward` calls `EPLBManager.on_forward_pass_end()` after every forward pass, which
-advances the `_entrypoint` generator; every `rebalance_num_iterations` passes it runs
-`yield from self.rebalance()`, which calls `update_expert_location_with_recovery` ->
-`ExpertLocationUpdater.update` (blocking P2P of all layers, then
-`ExpertLocationMetadata.update(new, update_layer_ids)`). A plugin hook AROUND
-`EPLBManager.rebalance` would keep the upstream front half (dump_record all-reduce and
-`_compute_expert_location_metadata`, identical on every rank) and replace the update with:
-old/new `Placement` from `physical_to_logical_map_cpu` of the current and new metadata,
-`Topology(nnodes, ep_size // nnodes, num_local_physical_experts)`, `plan_migration` with
-expert_bytes = sum of `t[0].nbytes` over `model.routed_experts_weights_of_layer[layer]`, a
-`MigrationExecutor(ep_rank, ep_size, topo, model.routed_experts_weights_of_layer, plan,
-group=<NCCL group created once at ModelRunner init>, on_switch=lambda ls:
-get_global_expert_location_metadata().update(new_metadata, update_layer_ids=ls))`, `start()`, and
-then `while ex.status.state == "running": yield; ex.maybe_switch()`, since each `yield` is one
-forward pass on every rank. Afterwards: `init_lplb_solvers` when ep_dispatch_algorithm == "lp".
-Both the weights (copied in place) and the metadata tensors (updated in place) keep their
-addresses, so captured CUDA graphs stay valid. Elastic-EP post-scale rebalances stay upstream.
+Where it plugs into SGLang 0.5.17: `sglang_h20.eplb.async_rebalance` (switch eplb_async) replaces the blocking
+update of `EPLBManager.rebalance` with a planner + executor run, driven by the same generator (each `yield` is one
+forward pass on every rank); its docstring lists the hook targets.
 """
 from __future__ import annotations
 
