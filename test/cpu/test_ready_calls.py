@@ -1,0 +1,117 @@
+"""The GPU calls that benchmark/results/README.md lists as ready parse against the current scripts, as
+scripts/gpu_check.sh would pass them: a renamed flag, a dropped choice, a knob no step reads or a server flag
+SGLang does not know fails here, on the CPU, instead of in a lent machine's minutes."""
+from __future__ import annotations
+
+import argparse
+import re
+import runpy
+import shlex
+import sys
+
+import pytest
+
+from repo_scripts import REPO
+
+CALLS = re.findall(r"`(STEPS=[^`]*)`", (REPO / "benchmark" / "results" / "README.md").read_text())
+GPU_CHECK = (REPO / "scripts" / "gpu_check.sh").read_text()
+STEP_IF = re.compile(r'^if \[\[ " \$STEPS " == \*" (\w+) "\* \]\]', re.M)
+ARITHMETIC = re.compile(r"\$\(\((?:[^()]|\([^()]*\))*\)\)")  # $(( $(left) - 40 )), a number at run time
+EXPANSION = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+
+
+def call_env(call: str) -> dict[str, str]:
+    """`STEPS=ncu NCU_ARGS="--batch 1"` -> {"STEPS": "ncu", "NCU_ARGS": "--batch 1"}."""
+    return dict(word.split("=", 1) for word in shlex.split(call))
+
+
+def step_blocks() -> dict[str, str]:
+    """gpu_check.sh's `if [[ " $STEPS " == *" name "* ]] ... fi` blocks by step name, continuation lines joined."""
+    return {m.group(1): GPU_CHECK[m.start():GPU_CHECK.index("\nfi\n", m.start())].replace("\\\n", " ")
+            for m in STEP_IF.finditer(GPU_CHECK)}
+
+
+def server_args() -> str:
+    return re.search(r'^SERVER_ARGS="([^"]*)"', GPU_CHECK, re.M).group(1)
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The shell's expansions in one command line: the call's variables (or their defaults), $OUT, $n (GPUs), the
+    kernels loop's $name."""
+    known = {"OUT": "/tmp/out", "n": "2", "name": "bench", "SERVER_ARGS": server_args(), **env}
+    text = ARITHMETIC.sub("100", text).replace('"${table_out[@]}"', "")
+    return EXPANSION.sub(lambda m: known.get(m.group(1) or m.group(3), m.group(2) or ""), text)
+
+
+def commands(step: str, env: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """(script, argv) of every `python3 <script>.py ...` the step runs with this call's variables."""
+    out = []
+    for line in step_blocks()[step].splitlines():
+        m = re.search(r'python3 ("\$b"|\S+\.py)(.*)', line)
+        if not m:
+            continue
+        args = expand(re.split(r" 2>&1| \| ", m.group(2))[0], env)
+        scripts = ([f"benchmark/kernels/bench_{b}.py" for b in env.get("BENCHES", "").split()] if m.group(1) == '"$b"'
+                   else [m.group(1)])
+        out += [(s, shlex.split(args)) for s in scripts]
+    return out
+
+
+class Parsed(Exception):
+    pass
+
+
+def parse_as_run(script: str, argv: list[str], monkeypatch) -> argparse.Namespace:
+    """The script's own parser on argv, run as `python3 script argv` up to its first parse_args (required options
+    waived: gpu_check.sh passes them); an unknown flag or a bad value exits with argparse's message instead."""
+    plain = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        for action in self._actions:
+            action.required = False
+        raise Parsed(plain(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.syspath_prepend(str(REPO / script.rsplit("/", 1)[0]))
+    with pytest.raises(Parsed) as parsed:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+    return parsed.value.args[0]
+
+
+def test_the_readme_lists_calls():
+    assert len(CALLS) >= 8, CALLS  # the pattern still finds the two tables' calls
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_every_knob_of_the_call_is_read_by_its_steps(call):
+    env = call_env(call)
+    blocks = step_blocks()
+    steps = env["STEPS"].split()
+    assert set(steps) <= set(blocks), f"no such step in gpu_check.sh: {set(steps) - set(blocks)}"
+    unread = [k for k in env if k != "STEPS" and not any(f"${{{k}" in blocks[s] for s in steps)]
+    assert not unread, f"{unread}: no step of {steps} reads them"
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_the_call_parses_against_its_scripts(call, monkeypatch):
+    env = call_env(call)
+    runs = [run for step in env["STEPS"].split() for run in commands(step, env)]
+    assert runs, f"{call}: its steps run no script"
+    for script, argv in runs:
+        with monkeypatch.context() as m:
+            ns = parse_as_run(script, argv, m)
+        if "--server-args" in argv:  # the server flags the script passes on: SGLang's own parser
+            from sglang.srt.server_args import ServerArgs
+            parser = argparse.ArgumentParser()
+            ServerArgs.add_cli_args(parser)
+            parser.parse_args(["--model-path", "/tmp/model", *shlex.split(argv[argv.index("--server-args") + 1])])
+        assert ns is not None
+
+
+def test_a_wrong_flag_fails_the_parse(monkeypatch):
+    """The check can fail: a call with a flag the script does not have exits with argparse's error."""
+    env = {"STEPS": "ncu", "NCU_ARGS": "--batch 1 --no-such-flag"}
+    (script, argv), = commands("ncu", env)
+    with pytest.raises(SystemExit):
+        parse_as_run(script, argv, monkeypatch)
