@@ -3,7 +3,7 @@
 The environment is the source of truth because SGLang spawns its scheduler processes and
 each of them loads plugins on its own; `--h20-*` flags on `python -m sglang.launch_server`
 are parsed in the launching process and exported to the environment before anything is
-spawned (see `plugin.export_cli_flags`).
+spawned (`export_cli_args`, which the plugin hooks onto SGLang's `ServerArgs.from_cli_args`).
 """
 from __future__ import annotations
 

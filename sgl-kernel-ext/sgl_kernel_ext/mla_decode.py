@@ -52,7 +52,8 @@ FP8 math in the kernel
 
 Kernels
 -------
-1. ``_quant_q_kernel``: q [B, q_len, H, 576] -> q8 [B * q_len * H, 576] FP8 + [.., 2] fp32 scales.
+1. ``_quant_rows_kernel`` (``_quantize_q``; the same kernel quantizes K/V rows on store): q [B, q_len, H, 576]
+   -> q8 [B * q_len * H, 576] FP8 + [.., 2] fp32 scales.
 2. ``_mla_fp8_split_kernel``: grid (row_blocks x value_blocks, num_splits, B). Query rows are (q position,
    head) pairs packed q-major, BLOCK_H = 64 rows per program (FP8 wgmma's M; an MTP step reads each KV tile
    once for all its query positions). The 512 value channels are cut into value blocks of BLOCK_V: each
