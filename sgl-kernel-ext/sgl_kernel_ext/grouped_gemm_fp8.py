@@ -60,24 +60,28 @@ layout has its own tile walk; both share the tile's K loop, `_mma_tile`)
       (`_resident_programs`), so nobody waits for a program that cannot start. A wait that runs out
       (TAIL_MAX_SPIN polls) adds a mark (1 << TAIL_GAVE_UP_SHIFT) to the same counter and leaves; the last
       program to arrive sees that in the value its own arrival returns and gathers every item, so out is
-      always complete: a give-up costs time, never a wrong answer. Counters: int32 [1].
+      always complete: a give-up costs time, never a wrong answer. (A leaver whose add finds every program
+      arrived does its share after all: the last one came before its mark.) Counters: int32 [1].
 
 Walks selected by config keys (masked / contiguous; each bit-identical to the group walk in the CPU tests):
   * "flat": True (plain outputs or EpilogueCombine; no signal, no split-K): `_fp8_grouped_gemm_flat_kernel`,
     the same tiles in one flattened, pipelined loop over the program's tiles (tl.range(..., flatten=True)), so
-    the weight stream does not drain at every tile boundary. With "tma": True as well, the FP8 operands arrive
-    through host-built tensor descriptors (TMA boxes of [BLOCK_T | BLOCK_N, 128]), as DeepGEMM feeds its
-    wgmmas: no address math or per-element masks in the loop.
+    the weight stream does not drain at every tile boundary, and with EpilogueCombine the next tiles' loads stay
+    in flight while a tile counts. With "tma": True as well, the FP8 operands arrive through host-built tensor
+    descriptors (TMA boxes of [BLOCK_T | BLOCK_N, 128]), as DeepGEMM feeds its wgmmas: no address math or
+    per-element masks in the loop (rows past a tile's real ones are read and masked on the store).
   * "ws": True (plain outputs, no split-K or signal): two launches. `_token_tile_map_kernel` (one program)
     lists every real token tile as (group, first row, end of the group's rows); `_fp8_grouped_gemm_ws_kernel`
     walks those token tiles x weight tiles persistently through TMA boxes. It has the shape Triton 3.6's
     warp-specialize pass accepts (no reduction, no early return); "ws_split": True asks for that split, which
     hung on the H200 in most cases, so it runs only with SGLANG_H20_WS_SPLIT=1 (for probe_ws_walk.py).
+
 Variant "split" (`_split_launch`): one call as two launches, swapAB on the groups with at most split_at tokens and
 the normal variant on the rest, each walk skipping the other's groups by count on the GPU (count_range): for
 uneven routing, where a few experts get hundreds of tokens that swapAB tiles would serve BLOCK_T at a time.
 With config split_streams 2 the two launches run on two streams, so one fills the SMs the other's tail leaves.
-What each form measured, and the forms tried and dropped: ../NOTES.md ("Grouped GEMM").
+`bench_grouped_gemm.py --tune` times the walks. What each form measured, and the forms tried and dropped:
+../NOTES.md ("Grouped GEMM").
 
 Variant choice. The per-GPU table (`gemm_table`: this user's re-tune, else the shipped one; H200 ships,
 measured) feeds `choose_variant` / `choose_config` (variant='auto' for direct callers; without a table the

@@ -32,7 +32,7 @@ def code_words(source: str) -> set[str]:
         elif tok.type == tokenize.STRING and after not in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
                                                            tokenize.NL):
             words.update(re.findall(r"\w+", tok.string))
-        if tok.type not in (tokenize.COMMENT,):
+        if tok.type != tokenize.COMMENT:
             after = tok.type
     return words
 
