@@ -1,5 +1,6 @@
 """Names that docstrings and comments put in backticks still exist: a function renamed or removed leaves its old name
-in the prose that explains it (session 51 found `_quant_q_kernel` and `plugin.export_cli_flags`, both long gone).
+in the prose that explains it (session 51 found two: mla_decode's Q quantizer and plugin's flag export, both
+renamed long before).
 A name counts as existing when the code of this repository (Python tokens outside docstrings, or the CUDA and shell
 sources) or the installed sglang uses it. Only identifier-like names are checked: with an underscore or a lower-to-
 upper case change, so plain words in backticks stay prose."""

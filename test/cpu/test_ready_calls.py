@@ -13,7 +13,7 @@ import pytest
 
 from repo_scripts import REPO
 
-CALLS = re.findall(r"`(STEPS=[^`]*)`", (REPO / "benchmark" / "results" / "README.md").read_text())
+CALLS = re.findall(r"`(STEPS=\w[^`]*)`", (REPO / "benchmark" / "results" / "README.md").read_text())
 GPU_CHECK = (REPO / "scripts" / "gpu_check.sh").read_text()
 STEP_IF = re.compile(r'^if \[\[ " \$STEPS " == \*" (\w+) "\* \]\]', re.M)
 ARITHMETIC = re.compile(r"\$\(\((?:[^()]|\([^()]*\))*\)\)")  # $(( $(left) - 40 )), a number at run time
