@@ -51,8 +51,9 @@ def commands(step: str, env: dict[str, str]) -> list[tuple[str, list[str]]]:
         if not m:
             continue
         args = expand(re.split(r" 2>&1| \| ", m.group(2))[0], env)
-        scripts = ([f"benchmark/kernels/bench_{b}.py" for b in env.get("BENCHES", "").split()] if m.group(1) == '"$b"'
-                   else [m.group(1)])
+        scripts = [m.group(1)] if m.group(1) != '"$b"' else (  # the kernels loop: BENCHES, else every bench
+            [f"benchmark/kernels/bench_{b}.py" for b in env["BENCHES"].split()] if "BENCHES" in env
+            else sorted(str(p.relative_to(REPO)) for p in (REPO / "benchmark" / "kernels").glob("bench_*.py")))
         out += [(s, shlex.split(args)) for s in scripts]
     return out
 
