@@ -3,6 +3,7 @@ a cited record moved away fails here instead of leaving the README quietly wrong
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 
@@ -40,10 +41,10 @@ def test_the_table_has_no_row_for_a_switch_that_does_not_exist():
     assert set(switch_rows()) == {s.env for s in settings.SWITCHES}
 
 
-def cited_records() -> set[str]:
+def cited_records(text: str = README) -> set[str]:
     """Every `folder/file.json`-like name in backticks (brace alternatives expanded), relative to benchmark/results."""
     names = set()
-    for m in re.finditer(r"`((?:[a-z_0-9]+/)?[A-Za-z0-9_.{},-]+\.(?:json|png|log)(?:\.xz)?)`", README):
+    for m in re.finditer(r"`((?:[a-z_0-9]+/)?[A-Za-z0-9_.{},-]+\.(?:json|png|log)(?:\.xz)?)`", text):
         name = m.group(1)
         brace = re.search(r"\{([^}]*)\}", name)
         alts = brace.group(1).split(",") if brace else [""]
@@ -62,3 +63,19 @@ def test_cited_records_exist():
 def test_the_two_setup_commands_exist():
     assert "    bash scripts/gpu_check.sh\n" in README and "    bash scripts/test.sh\n" in README
     assert (REPO / "scripts" / "gpu_check.sh").is_file() and (REPO / "scripts" / "test.sh").is_file()
+
+
+NOT_TRACKED = {"MANIFEST.txt"}  # the devkit's, built beside the checkout (.devkit/), never committed
+
+
+def test_files_cited_by_the_result_readmes_and_kernel_notes_exist():
+    """Every backticked record name in benchmark/results' READMEs and sgl-kernel-ext/NOTES.md is a tracked file
+    (found by name, or stored .xz since session 49): a record renamed, moved or never committed fails here."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    names = {n.rsplit("/", 1)[-1] for n in tracked} | NOT_TRACKED
+    docs = [REPO / "sgl-kernel-ext" / "NOTES.md", RESULTS / "README.md", *sorted(RESULTS.glob("*/README.md"))]
+    cited = {(d.relative_to(REPO).as_posix(), n.rsplit("/", 1)[-1]) for d in docs for n in cited_records(d.read_text())}
+    assert len(cited) > 300  # the pattern still finds the records
+    missing = sorted((d, n) for d, n in cited
+                     if not {n, n + ".xz", n.removesuffix(".xz")} & names and not n.startswith(("_", ".")))
+    assert not missing, missing
