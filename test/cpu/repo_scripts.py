@@ -1,7 +1,9 @@
-"""The repository's benchmark and script files (not packages) loaded as modules, for the CPU tests."""
+"""The repository's files for the CPU tests: benchmark and script files (not packages) loaded as modules, and the
+list of tracked files."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,3 +21,9 @@ def load_script(rel: str):
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def tracked_files() -> list[Path]:
+    """Every file git tracks in the checkout (what a fresh clone has)."""
+    names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    return [REPO / n for n in names]

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
 import tokenize
 from pathlib import Path
 
 import sglang
 
-from repo_scripts import REPO
+from repo_scripts import REPO, tracked_files
 
 BACKTICKED = re.compile(r"`([A-Za-z_][\w.]*)(?:\(\))?`")
 
 
 def tracked(*suffixes: str) -> list[Path]:
-    names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    return [REPO / n for n in names if n.endswith(suffixes)]
+    return [p for p in tracked_files() if p.name.endswith(suffixes)]
 
 
 def code_words(source: str) -> set[str]:

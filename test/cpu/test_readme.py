@@ -3,11 +3,10 @@ a cited record moved away fails here instead of leaving the README quietly wrong
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
-from repo_scripts import REPO
+from repo_scripts import REPO, tracked_files
 from sglang_h20 import settings
 
 README = (REPO / "README.md").read_text()
@@ -71,8 +70,7 @@ NOT_TRACKED = {"MANIFEST.txt"}  # the devkit's, built beside the checkout (.devk
 def test_files_cited_by_the_result_readmes_and_kernel_notes_exist():
     """Every backticked record name in benchmark/results' READMEs and sgl-kernel-ext/NOTES.md is a tracked file
     (found by name, or stored .xz since session 49): a record renamed, moved or never committed fails here."""
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    names = {n.rsplit("/", 1)[-1] for n in tracked} | NOT_TRACKED
+    names = {p.name for p in tracked_files()} | NOT_TRACKED
     docs = [REPO / "sgl-kernel-ext" / "NOTES.md", RESULTS / "README.md", *sorted(RESULTS.glob("*/README.md"))]
     cited = {(d.relative_to(REPO).as_posix(), n.rsplit("/", 1)[-1]) for d in docs for n in cited_records(d.read_text())}
     assert len(cited) > 300  # the pattern still finds the records
