@@ -30,6 +30,7 @@ for _p in (REPO / "python", REPO / "sgl-kernel-ext"):  # run from a checkout wit
         sys.path.append(str(_p))
 
 import ncu_report  # noqa: E402  (beside this file)
+from bench_mla_decode import cuda_version  # noqa: E402  (beside this file)
 
 PROVIDERS = ("ours-cuda", "ours-cuda-v2", "flashmla-bf16", "flashmla-fp8", "ours-cuda-v3")
 # raw metrics asked for on top of the sections: the tensor pipe and shared memory, which the sections summarize only
@@ -91,7 +92,7 @@ def child(args) -> int:
     for p in args.providers:
         if p.startswith("ours-cuda"):
             cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
-            version = int(p[-1]) if p[-2:] in ("v2", "v3") else 1
+            version = cuda_version(p)
             ok, why = cu.available(version, tuple(args.defines))
             if not ok:
                 print(f"{p}: unavailable: {why}", flush=True)
