@@ -61,5 +61,6 @@ def test_every_cuda_version_can_be_profiled(tmp_path):
     from sgl_kernel_ext import mla_decode_cuda as cu
     names = {1: "ours-cuda", **{v: f"ours-cuda-v{v}" for v in cu.VERSIONS if v > 1}}
     assert set(names.values()) <= set(prof.PROVIDERS)
+    assert {prof.cuda_version(n): n for n in names.values()} == names  # the kernel each provider profiles
     assert prof.parse_args(["--out", str(tmp_path), "--providers", "ours-cuda-v3", "flashmla-fp8"]).providers == \
         ["ours-cuda-v3", "flashmla-fp8"]
