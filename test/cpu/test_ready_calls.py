@@ -25,20 +25,16 @@ def call_env(call: str) -> dict[str, str]:
     return dict(word.split("=", 1) for word in shlex.split(call))
 
 
-def step_blocks() -> dict[str, str]:
-    """gpu_check.sh's `if [[ " $STEPS " == *" name "* ]] ... fi` blocks by step name, continuation lines joined."""
-    return {m.group(1): GPU_CHECK[m.start():GPU_CHECK.index("\nfi\n", m.start())].replace("\\\n", " ")
-            for m in STEP_IF.finditer(GPU_CHECK)}
-
-
-def server_args() -> str:
-    return re.search(r'^SERVER_ARGS="([^"]*)"', GPU_CHECK, re.M).group(1)
+# gpu_check.sh's `if [[ " $STEPS " == *" name "* ]] ... fi` blocks by step name, continuation lines joined
+STEP_BLOCKS = {m.group(1): GPU_CHECK[m.start():GPU_CHECK.index("\nfi\n", m.start())].replace("\\\n", " ")
+               for m in STEP_IF.finditer(GPU_CHECK)}
+SERVER_ARGS = re.search(r'^SERVER_ARGS="([^"]*)"', GPU_CHECK, re.M).group(1)
 
 
 def expand(text: str, env: dict[str, str]) -> str:
     """The shell's expansions in one command line: the call's variables (or their defaults), $OUT, $n (GPUs), the
     kernels loop's $name."""
-    known = {"OUT": "/tmp/out", "n": "2", "name": "bench", "SERVER_ARGS": server_args(), **env}
+    known = {"OUT": "/tmp/out", "n": "2", "name": "bench", "SERVER_ARGS": SERVER_ARGS, **env}
     text = ARITHMETIC.sub("100", text).replace('"${table_out[@]}"', "")
     return EXPANSION.sub(lambda m: known.get(m.group(1) or m.group(3), m.group(2) or ""), text)
 
@@ -46,7 +42,7 @@ def expand(text: str, env: dict[str, str]) -> str:
 def commands(step: str, env: dict[str, str]) -> list[tuple[str, list[str]]]:
     """(script, argv) of every `python3 <script>.py ...` the step runs with this call's variables."""
     out = []
-    for line in step_blocks()[step].splitlines():
+    for line in STEP_BLOCKS[step].splitlines():
         m = re.search(r'python3 ("\$b"|\S+\.py)(.*)', line)
         if not m:
             continue
@@ -87,10 +83,9 @@ def test_the_readme_lists_calls():
 @pytest.mark.parametrize("call", CALLS)
 def test_every_knob_of_the_call_is_read_by_its_steps(call):
     env = call_env(call)
-    blocks = step_blocks()
     steps = env["STEPS"].split()
-    assert set(steps) <= set(blocks), f"no such step in gpu_check.sh: {set(steps) - set(blocks)}"
-    unread = [k for k in env if k != "STEPS" and not any(f"${{{k}" in blocks[s] for s in steps)]
+    assert set(steps) <= set(STEP_BLOCKS), f"no such step in gpu_check.sh: {set(steps) - set(STEP_BLOCKS)}"
+    unread = [k for k in env if k != "STEPS" and not any(f"${{{k}" in STEP_BLOCKS[s] for s in steps)]
     assert not unread, f"{unread}: no step of {steps} reads them"
 
 
