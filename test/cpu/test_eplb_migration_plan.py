@@ -37,6 +37,8 @@ def test_local_copy_preferred_over_links():
     assert [(t.kind, t.link, t.src_rank, t.src_slot, t.dst_slot) for t in plan.transfers] == [
         ("local", "gpu", 0, 1, 0), ("local", "gpu", 0, 0, 1), ("local", "gpu", 0, 1, 2)]
     assert plan.totals["link_bytes"] == {"gpu": 3 * EB, "nvlink": 0, "network": 0}
+    assert plan.totals["copies"] == {"local": 3, "nvlink": 0, "network": 0, "forward": 0}
+    assert plan.totals["bytes"] == {"local": 3 * EB, "nvlink": 0, "network": 0, "forward": 0}
 
 
 def test_nvlink_sources_spread_over_holders():
@@ -73,6 +75,18 @@ def test_network_fetched_once_per_node_then_forwarded():
     stages = [s.kind for s in plan.chunks[0].stages]
     assert stages == ["network", "forward"]
     assert plan.totals["link_bytes"] == {"gpu": 0, "nvlink": 2 * EB, "network": 2 * EB}
+
+
+@pytest.mark.parametrize("needing_gpu,rail_src", [(1, 3), (0, 2)])
+def test_network_source_ties_go_to_the_gateways_rail(needing_gpu, rail_src):
+    """Two holders on the other node, equally loaded: the one with the gateway's local rank sends (same rail),
+    not the lowest GPU id."""
+    old = P([[0, 1, 0, 2, 3, 2, 4, 5, 6, 4, 7, 6]])  # expert 4 on GPU2 (slot 6) and GPU3 (slot 9)
+    row = [0, 1, 0, 2, 3, 2, 4, 5, 6, 4, 7, 6]
+    row[2 if needing_gpu == 0 else 5] = 4  # one slot of node 0 newly needs 4 (its old expert is held elsewhere)
+    plan = plan_migration(old, P([row]), EB, 10 * EB)
+    (net,) = plan.transfers
+    assert (net.kind, net.dst_rank, net.src_rank) == ("network", needing_gpu, rail_src)
 
 
 def test_same_gpu_duplicate_fetched_once():
@@ -181,6 +195,49 @@ def test_budget_too_small_and_single_chunk():
     assert len(plan.chunks) == 1 and plan.chunks[0].layers == (0, 1, 2)
     same = plan_migration(old, old, EB, EB)
     assert same.transfers == () and same.chunks == () and same.totals["total_bytes"] == 0
+
+
+def test_mismatched_placements_are_refused():
+    old = P([[0, 1, 0, 2, 3, 2, 4, 5, 6, 4, 7, 6]])
+    same_slots = Topology(num_nodes=1, gpus_per_node=4, slots_per_gpu=3)  # 12 slots too, other topology
+    with pytest.raises(ValueError, match="topology or shape"):
+        plan_migration(old, P(old.phy2log, same_slots), EB, 10 * EB)
+    with pytest.raises(ValueError, match="topology or shape"):
+        plan_migration(old, P(np.tile(old.phy2log, (2, 1))), EB, 10 * EB)  # two layers against one
+    with pytest.raises(ValueError, match="num_experts"):
+        plan_migration(old, P([[0, 1, 0, 2, 3, 2, 4, 5, 6, 8, 7, 6]], experts=9), EB, 10 * EB)
+    with pytest.raises(ValueError, match="expert_bytes"):
+        plan_migration(old, old, 0, 10 * EB)
+
+
+def test_chunk_filled_exactly_to_the_budget_stays_one_chunk():
+    """Two layers of two local copies each on one GPU: a budget of exactly four experts holds both."""
+    one = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=4)
+    old = P([[0, 1, 2, 3], [0, 1, 2, 3]], one, 4)
+    new = P([[1, 0, 2, 3], [0, 1, 3, 2]], one, 4)
+    assert [c.layers for c in plan_migration(old, new, EB, 4 * EB).chunks] == [(0, 1)]
+    assert [c.layers for c in plan_migration(old, new, EB, 4 * EB - 1).chunks] == [(0,), (1,)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_boundary_schedule_posts_every_transfer_once_within_the_per_rank_limit(seed):
+    """Two nodes (every kind of transfer, links of unequal counts): each transfer is posted once, stages in order,
+    and a boundary has every rank send at most `per_boundary` experts and receive at most as many."""
+    old, new = random_placements(4, seed, Topology(2, 4, 4), 20)
+    plan = plan_migration(old, new, EB, 10**9)
+    assert {t.kind for t in plan.transfers} == set(KINDS)
+    for per_boundary in (1, 2):
+        batches, flush = boundary_schedule(plan, per_boundary)
+        for chunk, posted, told in zip(plan.chunks, batches, flush):
+            flat = [tid for b in posted for tid in b]
+            assert sorted(flat) == sorted(tid for s in chunk.stages for tid in s.tids)
+            kinds = [KINDS.index(plan.transfers[tid].kind) for tid in flat]
+            assert kinds == sorted(kinds)  # stage by stage
+            for b in posted:
+                sends = Counter(plan.transfers[tid].src_rank for tid in b)
+                recvs = Counter(plan.transfers[tid].dst_rank for tid in b)
+                assert max(sends.values()) <= per_boundary and max(recvs.values()) <= per_boundary
+            assert len(told) == len(posted) and told[-1]
 
 
 def test_boundary_schedule_tells_the_waiter_at_layer_ends_and_every_flush_every_batches():

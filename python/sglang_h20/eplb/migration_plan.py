@@ -163,7 +163,7 @@ def plan_migration(old: Placement, new: Placement, expert_bytes: int,
     chunks: list[Chunk] = []
     for ci, layers in enumerate(chunk_layers):
         raw: list[dict] = []  # transfers of this chunk before numbering
-        send_load = {k: np.zeros(G, dtype=np.int64) for k in ("nvlink", "network", "forward")}
+        send_load = {k: np.zeros(G, dtype=np.int64) for k in ("nvlink", "network")}  # bytes sent per GPU, by link
         net_recv = np.zeros(G, dtype=np.int64)
 
         def add(kind, layer, e, src_gpu, src_slot, dst_slot, src_ref=None):
