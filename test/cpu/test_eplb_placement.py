@@ -305,3 +305,28 @@ def test_switch_default_matches_the_planner_default():
     from sglang_h20.settings import Settings
 
     assert Settings.from_env({})["eplb_affinity"] == DEFAULT_AFFINITY
+
+
+def test_affinity_replicas_go_to_the_highest_load_per_replica():
+    """SGLang's EPLB rule, which affinity placement keeps: each extra slot to the expert with the most load per copy
+    (not the most load), at most `max_copies` copies; exactly E * max_copies slots is allowed, one more is not."""
+    from sglang_h20.eplb.placement import _replica_counts
+
+    load = np.array([[10.0, 8.0, 1.0], [1.0, 1.0, 9.0]])
+    assert _replica_counts(load, 5, 3).tolist() == [[2, 2, 1], [1, 1, 3]]
+    assert _replica_counts(load, 9, 3).tolist() == [[3, 3, 3], [3, 3, 3]]
+    with pytest.raises(ValueError, match="copies"):
+        _replica_counts(load, 10, 3)
+
+
+@pytest.mark.parametrize("num_nodes", range(1, 10))
+def test_cross_node_rounds_pair_every_two_nodes_once(num_nodes):
+    """The swap search's round robin: each round a set of disjoint node pairs, every pair in exactly one round."""
+    from sglang_h20.eplb.placement import _matchings
+
+    seen = []
+    for ia, ib in _matchings(num_nodes):
+        nodes = np.concatenate([ia, ib]).tolist()
+        assert len(nodes) == len(set(nodes)) and (ia < ib).all()
+        seen += list(zip(ia.tolist(), ib.tolist()))
+    assert sorted(seen) == [(a, b) for a in range(num_nodes) for b in range(a + 1, num_nodes)]
