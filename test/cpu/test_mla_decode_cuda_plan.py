@@ -42,6 +42,23 @@ def test_split_cost_counts_waves_and_the_split_overhead():
     assert cu.split_cost(128, 64, 1, 132) == 64  # one wave, no partials
     assert cu.split_cost(128, 64, 3, 132) == 3 * (22 + cu.SPLIT_COST_TILES)  # 384 CTAs: 3 waves
     assert cu.split_cost(32, 64, 9, 132) == 3 * (8 + cu.SPLIT_COST_TILES)  # 288 CTAs: 3 waves, the last short
+    assert cu.split_cost(133, 64, 1, 132) == 2 * 64 and cu.split_cost(264, 64, 1, 132) == 2 * 64  # 1 CTA over: 2
+
+
+@pytest.mark.parametrize("heads,q_len,batch,rows_per_cta", [(128, 1, 1, 64), (128, 2, 4, 64), (16, 1, 2, 16),
+                                                            (128, 1, 16, 32), (16, 2, 64, 32)])
+def test_split_table_is_the_planner_at_every_length(heads, q_len, batch, rows_per_cta):
+    """splits_lut's entry t (a CUDA graph replay's longest sequence of t pages) is get_mla_decode_metadata's split
+    count for that length, every t up to the captured context; entry 0 is entry 1."""
+    max_seqlen = 300 * cu.PAGE_SIZE + 5
+    lut = cu.splits_lut(heads, q_len, batch, max_seqlen, num_sm=132, rows_per_cta=rows_per_cta)
+    assert lut.shape == (302,) and lut.dtype == torch.int32 and int(lut[0]) == int(lut[1])
+    lens = torch.ones(batch, dtype=torch.int32)
+    for t in range(1, 302):
+        want = cu.get_mla_decode_metadata(lens, heads, q_len, 132, max_seqlen=t * cu.PAGE_SIZE,
+                                          rows_per_cta=rows_per_cta).num_splits
+        assert int(lut[t]) == want, t
+    assert int(lut.max()) > 1  # the lengths reach split plans
 
 
 def test_plan_fields_match_the_kernel():
