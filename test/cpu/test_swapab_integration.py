@@ -361,6 +361,8 @@ def test_fallbacks_call_upstream_unchanged_and_log_once(monkeypatch, tmp_path, c
         "not FP8": dict(use_fp8_w8a8=False, use_int8_w8a8=True),
         "fp32 scales": dict(w1_scale=w1s.to(torch.bfloat16)),
         "biases": dict(b1=torch.zeros(E, 2 * INTER)),
+        "pre-quantized without scales": dict(a1_q=x.to(torch.float8_e4m3fn)),
+        "pre-quantized in bf16": dict(a1_q=x, a1_scale=torch.ones(x.shape[0], H // 128)),
     }
     for why, change in cases.items():
         kw = {**dict(use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128]), **change}
@@ -379,7 +381,8 @@ def test_fallbacks_call_upstream_unchanged_and_log_once(monkeypatch, tmp_path, c
                                   w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
         assert len(calls) == 1
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == len(cases) + 2 and len(set(lines)) == len(lines), lines  # once per reason
+    # once per reason: the two pre-quantized cases share one
+    assert len(lines) == len(cases) + 1 and len(set(lines)) == len(lines), lines
     assert spy_aligned == []
 
 
@@ -465,6 +468,23 @@ def test_masked_hook_falls_back(monkeypatch, tmp_path):
         (args, kw), = calls
         assert args[0] is lhs_ and args[1] is rhs and args[4] == 4
         assert kw["overlap_args"] is kwargs.get("overlap_args") and kw["recipe_a"] == kwargs.get("recipe_a")
+    assert out.isnan().all()
+    (a, a_s), (b, b_s) = lhs, rhs
+    other = {  # each check of masked_unsupported alone: an input the kernel cannot take goes upstream as it came
+        "fp16 out": (lhs, rhs, out.half(), masked_m),
+        "int64 counts": (lhs, rhs, out, masked_m.long()),
+        "2-D weights": (lhs, (b[0], b_s[0]), out, masked_m),
+        "per-tensor activation scale": ((a, a_s[:, :, :1]), rhs, out, masked_m),
+        "per-channel weight scale": (lhs, (b, b_s[:, :1, :]), out, masked_m),
+        "out of another width": (lhs, rhs, out[:, :, :128], masked_m),
+    }
+    use_table(monkeypatch, masked_table(tmp_path, "swapab"))
+    for why, args in other.items():
+        assert swapab.masked_unsupported(*args, None, None, None), why
+        calls = []
+        assert swapab.masked_gemm_hook(recording_original(calls), *args, 4) == "upstream", why
+        (got, _), = calls
+        assert all(x is y for x, y in zip(got, args)), why
     assert out.isnan().all()
     lhs2, rhs2, out2, mm2 = masked_inputs(7, n=128)  # a shape the table does not hold (e.g. MLA's bmm)
     calls = []
