@@ -53,9 +53,6 @@ class CoactivationStats:
         self.coact += np.einsum("lti,ltj->lij", onehot, onehot)
         self.tokens += T
 
-    def merge(self, other: "CoactivationStats") -> "CoactivationStats":
-        return CoactivationStats(self.coact + other.coact, self.tokens + other.tokens)
-
     def save(self, path: Path) -> Path:
         np.savez_compressed(path, format=FORMAT, coact=self.coact, tokens=self.tokens)
         return Path(path)
