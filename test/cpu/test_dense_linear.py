@@ -129,6 +129,8 @@ def test_falls_back_unchanged_and_logs_each_reason_once(table, caplog):
     cases = [dict(args=(x, w, [128, 128], w_s), kw=dict(bias=bias)),
              dict(args=(x, w, [128, 128], w_s), kw=dict(input_scale=torch.ones(2, 2))),
              dict(args=(x, w, [128, 128], packed), kw={}),
+             dict(args=(x, w, [128, 128], w_s[:, :1].contiguous()), kw={}),  # fp32, per output block only
+             dict(args=(x, w, [128, 128], w_s.to(torch.bfloat16)), kw={}),  # the right shape in bf16
              dict(args=(x, w, [64, 64], w_s), kw={}),
              dict(args=(x.float(), w, [128, 128], w_s), kw={}),
              dict(args=(x, w, [128, 128], w_s), kw=dict(bias=bias))]  # the first reason again: not re-logged
@@ -138,7 +140,7 @@ def test_falls_back_unchanged_and_logs_each_reason_once(table, caplog):
         (args, kw), = calls
         assert all(a is b for a, b in zip(args, case["args"]))
         assert kw == {} and args[4:] == (case["kw"].get("input_scale"), case["kw"].get("bias"))
-    assert len(caplog.records) == 5
+    assert len(caplog.records) == 7
 
 
 def test_upstream_where_the_table_says_or_has_no_dense_entry(table):

@@ -440,3 +440,19 @@ def test_mha_mla_control_file_naming_a_policy_without_a_table_keeps_serving(plug
     write_control(ctl, "mla")
     os.utime(ctl, ns=(10**18, 10**18))  # a new version even within the clock's resolution
     assert hook.fn.policy.choose(shape) == "mla"  # a later good word still switches
+
+
+def test_the_edges_of_a_closed_range_are_accepted():
+    """Fractions take both ends (observe 1 = every decode pass; affinity 0 = balance only), counts take 0; just
+    past an end, or not a number, is refused."""
+    from sglang_h20 import settings
+
+    assert [settings._fraction(t) for t in ("0", "1", "0.25")] == [0.0, 1.0, 0.25]
+    for text in ("1.0001", "-0.0001", "nan", "x"):
+        with pytest.raises(settings.SettingError, match=r"\[0, 1\]"):
+            settings._fraction(text)
+    assert settings._non_negative_int("0") == 0
+    with pytest.raises(settings.SettingError):
+        settings._non_negative_int("-1")
+    s = settings.Settings.from_env({"SGLANG_H20_OBSERVE": "1", "SGLANG_H20_EPLB_AFFINITY": "0"})
+    assert s["observe"] == 1.0 and s["eplb_affinity"] == 0.0
