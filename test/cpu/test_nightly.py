@@ -52,6 +52,21 @@ def test_noise_is_tolerated():
     assert cmp.compare_metric("p", "m", [95.9, 96.0, 96.1], [99.9, 100.0, 100.1], "higher").verdict == "regression"
 
 
+def test_two_repeats_have_a_spread_and_a_zero_baseline_an_infinite_change():
+    # two repeats (a quick nightly): the MAD of [1.0, 1.2] about their median 1.1 is 0.1
+    assert cmp.spread([1.0, 1.2]) == pytest.approx(1.4826 * 0.1 / 1.1) and cmp.spread([7.0]) == 0.0
+    assert cmp.relative_change(5.0, 0.0, "higher") == float("inf") and cmp.relative_change(0.0, 0.0, "higher") == 0.0
+    assert cmp.relative_change(5.0, 0.0, "lower") == float("-inf")  # lower is better: worse without bound
+
+
+def test_a_change_of_exactly_the_tolerance_is_not_a_verdict():
+    # quiet repeats: the tolerance is the 3% floor; -3% exactly stays "same", past it is a regression
+    at = cmp.compare_metric("p", "m", [97.0] * 3, [100.0] * 3, "higher", rel=0.03)
+    assert at.change == -0.03 and at.tolerance == 0.03 and at.verdict == "same"
+    assert cmp.compare_metric("p", "m", [96.9] * 3, [100.0] * 3, "higher", rel=0.03).verdict == "regression"
+    assert cmp.compare_metric("p", "m", [103.0] * 3, [100.0] * 3, "higher", rel=0.03).verdict == "same"
+
+
 def test_noise_of_either_side_counts():
     quiet, noisy = [99.9, 100.0, 100.1], [90.0, 100.0, 110.0]
     assert cmp.compare_metric("p", "m", [92.0, 93.0, 94.0], noisy, "higher").verdict == "same"
