@@ -501,6 +501,20 @@ def grid_entries(best_of, layout="contiguous", n=4096, k=7168):
             for g in (8, 32) for m in (1, 8, 32, 128)]
 
 
+def test_lookup_keeps_the_layout_asked_for(monkeypatch, tmp_path):
+    """'auto' (gemm_table.lookup): an entry measured for another layout is never used; one without a layout
+    serves both; layout None takes any."""
+    entries = (grid_entries(lambda g, m: "swapab") + grid_entries(lambda g, m: "normal", layout="masked")
+               + [{"n": 4096, "k": 7168, "groups": 8, "m": 256, "best": "split"}])  # no layout
+    use_table(monkeypatch, write_table(tmp_path / "t.json", entries))
+    look = lambda m, layout: gemm_table.lookup(m, 4096, 7168, 8, "test", layout)  # noqa: E731
+    assert look(8, "contiguous")["best"] == "swapab" and look(8, "masked")["best"] == "normal"
+    assert look(200, "contiguous")["best"] == look(200, "masked")["best"] == "split"
+    assert look(8, None)["best"] in ("swapab", "normal")
+    assert gemm_table.lookup(8, 4096, 7168, 8, "test", "other")["best"] == "split"  # only the layoutless entry
+    assert gemm_table.lookup(8, 4096, 2048, 8, "test", "masked") is None  # no entry for (N, K)
+
+
 def test_table_choice_rounds_to_nearest_and_defaults_to_upstream(monkeypatch, tmp_path):
     best = {(8, 1): "swapab", (8, 8): "swapab", (8, 32): "upstream", (8, 128): "normal",
             (32, 1): "upstream", (32, 8): "swapab", (32, 32): "swapab", (32, 128): "upstream"}
