@@ -39,7 +39,8 @@ GEMM_RUNS = {
     "s45 CUDA normal variant": "swapab/grouped_gemm_cuda_diet_s45_h200.json",
     "s49 full grid": ("swapab/grouped_gemm_full_s49_h200.json.xz",
                       "swapab/grouped_gemm_full_s49_g256_m64_m256_h200.json.xz",
-                      "swapab/grouped_gemm_full_s49_g256_m1_m32_h200.json.xz")}
+                      "swapab/grouped_gemm_full_s49_g256_m1_m32_h200.json.xz"),
+             "s52 split 16-64 tok": "swapab/grouped_gemm_split_t16_t64_s52_h200.json.xz"}
 # (feature, record, arm, concurrency): bench_serving median ITL, ours / the anchor (below 1: ours faster)
 E2E_SWITCHED = [("swapAB", "swapab/swapab_e2e_s41_c4_c16_h200.json", "on", "4"),
                 ("swapAB", "swapab/swapab_e2e_s44_c16_c128_h200.json", "on", "16"),

@@ -40,6 +40,9 @@ def test_the_figure_and_its_numbers(tmp_path):
     # its best of ours is without the split variant, which s44 timed (30 of its 52 wins)
     assert full["source"]["ours_not_timed"] == ["ours-split"]
     assert summary["grouped_gemm"]["s44 16-256 experts"]["source"]["ours_not_timed"] == []
+    s52 = summary["grouped_gemm"]["s52 split 16-64 tok"]  # session 50's split call, one run at 86bd5dd
+    assert (s52["checks"]["vs_best_upstream"]["met"], s52["checks"]["vs_best_upstream"]["points"]) == (97, 128)
+    assert s52["source"]["ours_not_timed"] == [] and s52["source"]["git_commit"].startswith("86bd5dd")
     s45 = summary["grouped_gemm"]["s45 CUDA normal variant"]["checks"]["vs_best_upstream_m128_256"]
     assert (s45["met"], s45["points"]) == (0, 8) and 0.72 < s45["min"] < s45["max"] < 0.98
     e2e = summary["e2e"]
