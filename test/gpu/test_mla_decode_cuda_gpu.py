@@ -282,7 +282,7 @@ def test_tiles_far_below_the_row_max(gap_log2, version):
         check(o, lse, ref, ref_lse, exact, f"sink gap 2^{gap_log2} splits={splits}", exact_bound=1e-1)
 
 
-def test_backend_auto_kernel_is_v3_below_v2_from_batch_and_v2_from_there():
+def test_backend_auto_kernel_is_v3_for_few_sequences_and_v2_from_v2_from_batch():
     """The h20_fp8_mla backend's default ('auto') decode function at 128 heads, both versions loaded in one process:
     its output is bit-identical to version 3's (four 32-row CTAs per sequence) below V2_FROM_BATCH sequences and to
     version 2's from there, each under the plan 'auto' makes for it, and within 2e-2 of the float reference."""
