@@ -326,6 +326,38 @@ def test_pool_layout_bytes_and_writes_touch_only_their_slots():
     assert torch.equal(torch.cat([nope, rope], -1), back.bfloat16())
     pool.move_kv_cache(torch.tensor([5], device=DEVICE), loc[:1])
     assert torch.equal(pool.dequantize_tokens(1, torch.tensor([5], device=DEVICE), torch.float32), back[:1])
+    assert pool.get_mla_kv_buffer(lyr, loc[:2])[0].dtype == torch.bfloat16  # upstream's default
+
+
+@pytest.mark.parametrize("kw, bad", [
+    (dict(dtype=torch.bfloat16), "dtype"),              # the format alone wrong
+    (dict(qk_rope_head_dim=32), "dim=544"),             # the latent's width alone
+    (dict(kv_lora_rank=448, qk_rope_head_dim=128), "kv_lora_rank=448"),  # 576 wide, but not 512 + 64
+    (dict(size=PAGE + 1), "whole number"),              # a pool of a page and one token
+])
+def test_pool_refuses_each_wrong_layout_alone(kw, bad):
+    from sglang_h20.attention.fp8_kv_pool import FP8MLATokenToKVPool
+
+    args = dict(size=4 * PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn, kv_lora_rank=512, qk_rope_head_dim=64,
+                layer_num=1, device=DEVICE, enable_memory_saver=False)
+    with pytest.raises(ValueError, match=bad):
+        FP8MLATokenToKVPool(**{**args, **kw})
+
+
+def test_pool_of_a_later_pipeline_stage_indexes_its_own_layers():
+    """Under pipeline parallelism a pool holds layers start_layer.. only: layer ids map to its buffers by offset."""
+    from sglang_h20.attention.fp8_kv_pool import FP8MLATokenToKVPool
+
+    pool = FP8MLATokenToKVPool(2 * PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn, kv_lora_rank=512,
+                               qk_rope_head_dim=64, layer_num=2, device=DEVICE, enable_memory_saver=False,
+                               start_layer=5, end_layer=7)
+    gen = torch.Generator().manual_seed(1)
+    latent = deepseek_latent(3, gen, torch.randn(512, generator=gen))
+    loc = torch.tensor([1, 70, 100], device=DEVICE)
+    pool.set_kv_buffer(layer(6), loc, latent, latent[:, :, :512])
+    assert pool.kv_cache(6)[1].view(-1, mla.NUM_KV_SCALES)[loc].abs().sum() > 0  # its scales, not layer 5's
+    assert pool.kv_scale_buffer[0].abs().sum() == 0
+    assert rel(pool.dequantize_tokens(6, loc, torch.float32), latent) <= 3.5e-2
 
 
 # ---- the backend: decode ---------------------------------------------------------------------------------------
