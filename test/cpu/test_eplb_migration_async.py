@@ -525,6 +525,59 @@ def test_pass_intervals_leave_idle_gaps_out_and_summaries_use_nearest_rank():
     assert (s["p50_ms"], s["p99_ms"], s["max_ms"]) == (100.0, 198.0, 200.0)
 
 
+def test_rebalance_passes_line_up_each_pass_with_its_phase_and_work():
+    from sglang_h20.eplb import async_rebalance as ar
+
+    spanned = [(10.000, True), (10.010, True), (10.030, False), (10.041, True)]  # three passes
+    p = ar.rebalance_passes(spanned, [5e-6, 7e-6, 9e-6, 1.0], gate_steps=2, switch_at={2}, t_ref=9.5)
+    assert p["ms"] == [10.0, 20.0, 11.0]
+    assert p["end_ms"] == [510.0, 530.0, 541.0]  # after the job's creation, one per pass
+    assert p["decode"] == [True, False, True]
+    assert p["phase"] == ["placement", "start", "migration"]
+    assert p["work_us"] == [5.0, 7.0, 9.0]  # the work of passes past the span is not counted
+    assert p["switch"] == [False, False, True]
+
+
+def test_rebalances_upstream_must_run_are_named_and_warned_once(monkeypatch, caplog):
+    """Where upstream's own checks would refuse or redirect a rebalance (no metadata, a world its EP size does not
+    span), ours hands it to upstream: one warning per reason; upstream's own "disabled" is logged by upstream."""
+    import torch.distributed as dist
+    from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+    from sglang.srt.eplb import expert_location
+
+    from sglang_h20.eplb import async_rebalance as ar
+
+    meta = [None]
+    monkeypatch.setattr(ElasticEPStateManager, "instance", classmethod(lambda cls: None))
+    monkeypatch.setattr(expert_location, "get_global_expert_location_metadata", lambda: meta[0])
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    manager = types.SimpleNamespace(_rebalance_disabled_reason=None, _server_args=types.SimpleNamespace(nnodes=2))
+    assert ar._upstream_reason(manager) == "ep_size None != world size 4"
+    meta[0] = types.SimpleNamespace(ep_size=2)
+    assert ar._upstream_reason(manager) == "ep_size 2 != world size 4"
+    meta[0] = types.SimpleNamespace(ep_size=4)
+    assert ar._upstream_reason(manager) is None
+    manager._server_args.nnodes = 3
+    assert ar._upstream_reason(manager) == "ep_size not divisible by nnodes"
+
+    ran = []
+
+    def upstream(mgr, *a, **k):
+        ran.append(a)
+        yield "upstream"
+
+    caplog.set_level(logging.WARNING, logger=ar.log.name)
+    for _ in range(2):
+        assert list(ar._rebalance(upstream, manager, None, 7)) == ["upstream"]
+    manager._rebalance_disabled_reason = "off"
+    assert ar._upstream_reason(manager) == "disabled"
+    assert list(ar._rebalance(upstream, manager, None, 8)) == ["upstream"]
+    assert ran == [(7,), (7,), (8,)]
+    warned = [r.getMessage() for r in caplog.records if "runs upstream" in r.getMessage()]
+    assert warned == ["eplb_async: ep_size not divisible by nnodes: this rebalance runs upstream (blocking)"]
+
+
 def test_migration_group_nccl_options_cap_ctas(monkeypatch):
     """The migration group's NCCL kernels take at most TUNING.nccl_max_ctas SMs beside decode; None: NCCL's own."""
     from sglang_h20.eplb import async_rebalance as ar
