@@ -618,6 +618,25 @@ def test_shared_overlap_declines_where_unsafe():
     assert r == "upstream" and calls == [{"input_ids_global": None, "skip_shared_experts": False}]
 
 
+def test_shared_overlap_reasons_past_the_stream_check(monkeypatch):
+    """On a GPU the checks after 'alt stream / off CUDA' decide: each alone sends the call upstream, and a TP-1
+    shared expert (or one SGLang keeps at TP 1) with an alt stream and rows is served."""
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    monkeypatch.setattr(plugin_sbo, "_in_piecewise_graph", lambda: False)
+    gpu_rows = types.SimpleNamespace(is_cuda=True, shape=(3, 8))
+    moe = types.SimpleNamespace(shared_experts=object(), num_fused_shared_experts=0, alt_stream=object(), tp_size=1)
+    assert plugin_sbo.shared_unsupported(moe, gpu_rows, False) is None
+    assert "off CUDA" in plugin_sbo.shared_unsupported(moe, torch.zeros(3, 8), False)
+    assert "empty" in plugin_sbo.shared_unsupported(moe, types.SimpleNamespace(is_cuda=True, shape=(0, 8)), False)
+    moe.tp_size = 2
+    assert "TP all-reduce" in plugin_sbo.shared_unsupported(moe, gpu_rows, False)
+    moe._shared_expert_tp1 = True
+    assert plugin_sbo.shared_unsupported(moe, gpu_rows, False) is None
+    monkeypatch.setattr(plugin_sbo, "_in_piecewise_graph", lambda: True)
+    assert "piecewise" in plugin_sbo.shared_unsupported(moe, gpu_rows, False)
+
+
 
 def test_resident_programs_cached(monkeypatch):
     """The static tail's residency count compiles (warms up) the kernel once per compile-relevant arguments, not on
