@@ -587,6 +587,31 @@ def test_triton_hook_declines_to_original_off_cuda():
     assert r == "upstream" and calls[0]["block_shape"] == [128, 128]
 
 
+def test_triton_hook_sends_expert_parallel_and_fused_all_reduce_calls_upstream(monkeypatch):
+    """Past the device check (a GPU-looking input here): any EP size above 1 goes upstream (top-k ids may be -1
+    there), and at EP 1 so does SGLang's fused sum + all-reduce; each reason is noted."""
+    from sglang_h20.moe import sbo as plugin_sbo
+    from sglang_h20.moe import swapab
+
+    fused_sum = types.SimpleNamespace(get_exec=lambda: types.SimpleNamespace(
+        moe=types.SimpleNamespace(enable_fused_moe_sum_all_reduce=True)))
+    monkeypatch.setattr(swapab, "moe_unsupported", lambda *a: None)
+    monkeypatch.setattr(swapab, "_modules", lambda: (fused_sum, None))
+    monkeypatch.setattr(plugin_sbo, "_in_piecewise_graph", lambda: False)
+    x = types.SimpleNamespace(is_cuda=True, shape=(16, 7168))
+    ids, w = routing(16, 8, seed=61, experts=16)  # 8 (token, expert) pairs per expert: a size ours serves
+    w1 = torch.empty(16, 1)
+    plugin_sbo._note.clear()
+    for ep, reason in ((2, "expert parallelism"), (1, "fused sum + all-reduce")):
+        monkeypatch.setattr(plugin_sbo, "_ep_size", lambda ep=ep: ep)
+        calls = []
+        r = plugin_sbo.fused_experts_hook(lambda *a, **kw: calls.append(a) or "upstream", x, w1, None, (w, ids, None),
+                                          types.SimpleNamespace())
+        assert r == "upstream" and calls[0][0] is x
+        assert any(reason in seen for seen in plugin_sbo._note.seen), plugin_sbo._note.seen
+    plugin_sbo._note.clear()
+
+
 def test_size_limits_of_the_triton_hook():
     """Ours serves decode sizes up to MAX_PAIRS_PER_EXPERT (token, expert) pairs per expert, where the whole layer
     measured faster than upstream's; above, and above MAX_TOKENS, the call goes upstream with its reason."""
