@@ -291,6 +291,38 @@ def test_calibrate_command_says_it_needs_a_gpu(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("grid", ["quick", "full"])
+def test_calibrate_layer_method_writes_where_the_loader_looks_first(monkeypatch, tmp_path, capsys, grid):
+    """The default re-tune (the layer method) measures the chosen grid and writes this machine's table, which
+    load_table reads before the shipped one; --out overrides the place."""
+    from sglang_h20 import calibrate
+    from sglang_h20.attention import mha_mla_measure
+
+    seen = []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H20", (9, 0), 96.0))
+    monkeypatch.setattr(mha_mla_measure, "main", lambda argv: seen.append(argv) or 0)
+    assert calibrate.main(["mha-mla", "--grid", grid, "--work-dir", str(tmp_path / "w")]) == 0
+    argv = seen[-1]
+    assert argv[argv.index("--write-table") + 1] == str(mha_mla.user_table_path("NVIDIA H20"))
+    assert argv[argv.index("--json") + 1] == str(tmp_path / "w" / "mha_mla_layer.json")
+    assert ("--quick" in argv) == (grid == "quick")
+    assert calibrate.main(["mha-mla", "--grid", grid, "--out", str(tmp_path / "t.json")]) == 0
+    assert seen[-1][seen[-1].index("--write-table") + 1] == str(tmp_path / "t.json")
+    assert "the plugin now reads" in capsys.readouterr().out
+
+
+def test_calibrate_compares_both_paths_token_by_token():
+    from sglang_h20 import calibrate
+
+    a = [[[-0.5, 11], [-1.0, 12]], [[-0.25, 7]]]  # per prompt: [logprob, token] of each new token
+    same = calibrate.compare_probes(a, [[[-0.75, 11], [-2.0, 12]], [[-0.25, 7]]])
+    assert same["greedy_tokens_identical"] and same["max_abs_first_logprob_diff"] == 0.25
+    assert same["first_logprobs"] == [[-0.5, -0.75], [-0.25, -0.25]]
+    other = calibrate.compare_probes(a, [[[-0.5, 11], [-1.0, 13]], [[-0.25, 7]]])  # a later token differs
+    assert not other["greedy_tokens_identical"] and other["max_abs_first_logprob_diff"] == 0.0
+
+
 def test_nnls_fit_recovers_known_coefficients():
     rng = random.Random(3)
     truth = {"se": 2e-6, "prefix": 0.05, "extend": 0.01, "const": 30.0}
