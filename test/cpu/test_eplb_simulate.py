@@ -369,6 +369,14 @@ def test_simulate_without_place_needs_trivial_only(monkeypatch):
         sim.simulate(cfg, progress=False)
 
 
+@pytest.mark.parametrize("bad", [dict(warmup=0), dict(rebalance_every=0)])
+def test_simulate_refuses_an_empty_warmup_or_window_alone(bad):
+    cfg = sim.SimConfig(topologies=("ep16",), structures=("none",), algorithms=("trivial",),
+                        layers=1, tokens_per_step=64, steps=3, **{"warmup": 1, "rebalance_every": 1, **bad})
+    with pytest.raises(ValueError, match="must be >= 1"):
+        sim.simulate(cfg, progress=False)
+
+
 def test_summary_reduction():
     def alg(c, b):
         return {"cross_node_mean": c, "balancedness": b, "balancedness_window": b + 0.05}
