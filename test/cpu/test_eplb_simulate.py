@@ -352,6 +352,7 @@ def test_simulate_driver_with_stand_in_placer():
     r = rec["results"]["clusters"]["ep16"]["algorithms"]
     assert _shift_placer.calls == 3  # plans at steps 2, 4, 6
     assert [m["step"] for m in r["shift"]["migrations"]] == [2, 4, 6]
+    assert [m["from"] for m in r["shift"]["migrations"]] == ["initial", "previous", "previous"]
     assert r["shift"]["evaluated_steps"] == r["trivial"]["evaluated_steps"] == 5
     # every slot changes expert at each rotation: 256 slots x 2 layers
     assert all(m["total"] == 2 * 256 * sim.EXPERT_BYTES for m in r["shift"]["migrations"])
@@ -375,6 +376,22 @@ def test_simulate_refuses_an_empty_warmup_or_window_alone(bad):
                         layers=1, tokens_per_step=64, steps=3, **{"warmup": 1, "rebalance_every": 1, **bad})
     with pytest.raises(ValueError, match="must be >= 1"):
         sim.simulate(cfg, progress=False)
+
+
+@pytest.mark.parametrize("wrong", ["topology", "layers"])
+def test_simulate_refuses_a_placement_for_another_topology_or_layer_count_alone(wrong):
+    """A placer's answer must fit the simulated cluster: 4 nodes x 4 GPUs has ep16's 256 slots but not its NVLink
+    domains; one layer too many has the right topology but the wrong shape."""
+    def placer(stats, topo, algorithm, **kw):
+        t = Topology(4, 4, topo.slots_per_gpu) if wrong == "topology" else topo
+        rows = stats.num_layers + (wrong == "layers")
+        return Placement(np.tile(np.arange(t.num_slots) % stats.num_experts, (rows, 1)), t, stats.num_experts,
+                         algorithm)
+
+    cfg = sim.SimConfig(topologies=("ep16",), structures=("none",), algorithms=("odd",),
+                        layers=1, tokens_per_step=64, steps=3, warmup=1, rebalance_every=1)
+    with pytest.raises(ValueError, match="odd: placement of shape"):
+        sim.simulate(cfg, placer=placer, progress=False)
 
 
 def test_summary_reduction():
