@@ -330,7 +330,7 @@ def test_pool_layout_bytes_and_writes_touch_only_their_slots():
 
 
 @pytest.mark.parametrize("kw, bad", [
-    (dict(dtype=torch.bfloat16), "dtype"),              # the format alone wrong
+    (dict(dtype=torch.bfloat16), "got torch.bfloat16"),  # the format alone wrong
     (dict(qk_rope_head_dim=32), "dim=544"),             # the latent's width alone
     (dict(kv_lora_rank=448, qk_rope_head_dim=128), "kv_lora_rank=448"),  # 576 wide, but not 512 + 64
     (dict(size=PAGE + 1), "whole number"),              # a pool of a page and one token
