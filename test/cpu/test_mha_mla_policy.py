@@ -312,6 +312,20 @@ def test_calibrate_layer_method_writes_where_the_loader_looks_first(monkeypatch,
     assert "the plugin now reads" in capsys.readouterr().out
 
 
+def test_calibrate_model_command_writes_the_gpus_shipped_table_by_default(monkeypatch, tmp_path, capsys):
+    """`calibrate mha-mla-model` needs no GPU; without --out it writes the package's table of that GPU (how the
+    modelled H20 table is made), with --out there."""
+    from sglang_h20 import calibrate
+
+    monkeypatch.setattr(calibrate, "table_path", lambda gpu: tmp_path / f"shipped_{gpu.split()[-1]}.json")
+    rates = ["--gpu", "NVIDIA H20", "--bf16-tflops", "148", "--hbm-tbs", "4.0"]
+    assert calibrate.main(["mha-mla-model", *rates]) == 0
+    written = json.loads((tmp_path / "shipped_H20.json").read_text())
+    assert written["gpu"] == "NVIDIA H20" and "provenance" in written
+    assert calibrate.main(["mha-mla-model", *rates, "--out", str(tmp_path / "mine.json")]) == 0
+    assert json.loads((tmp_path / "mine.json").read_text())["gpu"] == "NVIDIA H20"
+
+
 def test_calibrate_compares_both_paths_token_by_token():
     from sglang_h20 import calibrate
 
