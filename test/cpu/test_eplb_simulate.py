@@ -384,9 +384,7 @@ def test_simulate_refuses_a_placement_for_another_topology_or_layer_count_alone(
     domains; one layer too many has the right topology but the wrong shape."""
     def placer(stats, topo, algorithm, **kw):
         t = Topology(4, 4, topo.slots_per_gpu) if wrong == "topology" else topo
-        rows = stats.num_layers + (wrong == "layers")
-        return Placement(np.tile(np.arange(t.num_slots) % stats.num_experts, (rows, 1)), t, stats.num_experts,
-                         algorithm)
+        return sim.trivial_placement(t, stats.num_layers + (wrong == "layers"), stats.num_experts)
 
     cfg = sim.SimConfig(topologies=("ep16",), structures=("none",), algorithms=("odd",),
                         layers=1, tokens_per_step=64, steps=3, warmup=1, rebalance_every=1)

@@ -125,26 +125,26 @@ def test_no_cuda_or_a_gpu_older_than_sm90(activate, name, gpu, why):
 def test_gpu_reads_the_first_device_and_a_broken_driver_is_no_gpu(monkeypatch):
     """What every guard above stands on: compat.gpu() describes device 0 as the guards read it, and is None where
     CUDA is absent or the driver raises."""
+    def fresh_gpu():  # compat.gpu() is cached per process
+        compat.gpu.cache_clear()
+        return compat.gpu()
+
+    def broken(i):
+        raise RuntimeError("CUDA driver version is insufficient")
+
     props = SimpleNamespace(name="NVIDIA H20", major=9, minor=0, total_memory=96 * 2**30)
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: seen.append(i) or props)
-    compat.gpu.cache_clear()
     try:
-        g = compat.gpu()
+        g = fresh_gpu()
         assert (g.name, g.capability, g.memory_gib, seen) == ("NVIDIA H20", (9, 0), 96.0, [0])
         assert g.label == "NVIDIA H20 (sm_90, 96 GiB)"
-
-        def broken(i):
-            raise RuntimeError("CUDA driver version is insufficient")
-
         monkeypatch.setattr(torch.cuda, "get_device_properties", broken)
-        compat.gpu.cache_clear()
-        assert compat.gpu() is None
+        assert fresh_gpu() is None
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-        compat.gpu.cache_clear()
-        assert compat.gpu() is None
+        assert fresh_gpu() is None
     finally:
         compat.gpu.cache_clear()
 

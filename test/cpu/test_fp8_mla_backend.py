@@ -276,11 +276,13 @@ def test_pool_hook_builds_the_fp8_pool_only_for_this_backend(monkeypatch):
 
 # ---- the pool ----------------------------------------------------------------------------------------------------
 
-def make_pool(pages=8, layers=2):
+def make_pool(pages=8, layers=2, **kw):
+    """DeepSeek's FP8 pool of `pages` pages; kw overrides any constructor argument (size, dtype, start_layer, ...)."""
     from sglang_h20.attention.fp8_kv_pool import FP8MLATokenToKVPool
 
-    return FP8MLATokenToKVPool(pages * PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn, kv_lora_rank=512,
-                               qk_rope_head_dim=64, layer_num=layers, device=DEVICE, enable_memory_saver=False)
+    return FP8MLATokenToKVPool(**{**dict(size=pages * PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn,
+                                         kv_lora_rank=512, qk_rope_head_dim=64, layer_num=layers, device=DEVICE,
+                                         enable_memory_saver=False), **kw})
 
 
 def deepseek_latent(n, gen, mu) -> torch.Tensor:
@@ -336,21 +338,13 @@ def test_pool_layout_bytes_and_writes_touch_only_their_slots():
     (dict(size=PAGE + 1), "whole number"),              # a pool of a page and one token
 ])
 def test_pool_refuses_each_wrong_layout_alone(kw, bad):
-    from sglang_h20.attention.fp8_kv_pool import FP8MLATokenToKVPool
-
-    args = dict(size=4 * PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn, kv_lora_rank=512, qk_rope_head_dim=64,
-                layer_num=1, device=DEVICE, enable_memory_saver=False)
     with pytest.raises(ValueError, match=bad):
-        FP8MLATokenToKVPool(**{**args, **kw})
+        make_pool(pages=4, layers=1, **kw)
 
 
 def test_pool_of_a_later_pipeline_stage_indexes_its_own_layers():
     """Under pipeline parallelism a pool holds layers start_layer.. only: layer ids map to its buffers by offset."""
-    from sglang_h20.attention.fp8_kv_pool import FP8MLATokenToKVPool
-
-    pool = FP8MLATokenToKVPool(2 * PAGE, page_size=PAGE, dtype=torch.float8_e4m3fn, kv_lora_rank=512,
-                               qk_rope_head_dim=64, layer_num=2, device=DEVICE, enable_memory_saver=False,
-                               start_layer=5, end_layer=7)
+    pool = make_pool(pages=2, layers=2, start_layer=5, end_layer=7)
     gen = torch.Generator().manual_seed(1)
     latent = deepseek_latent(3, gen, torch.randn(512, generator=gen))
     loc = torch.tensor([1, 70, 100], device=DEVICE)
