@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_h20.eplb.migration import MAX_RUNS, MigrationExecutor, _copy_rows, _parse, _runs
+from sglang_h20.eplb.migration import MAX_RUNS, MigrationExecutor, _copy_rows, _parse, _runs, _wide, pacing
 from sglang_h20.eplb.migration_plan import KINDS, boundary_schedule, plan_migration
 from sglang_h20.eplb.peer_copies import share_weights
 from sglang_h20.eplb.placement import Placement, Topology
@@ -78,6 +78,70 @@ def test_paced_local_migration_spreads_its_copies_and_lands_bit_identical():
     assert sorted(sw) == [0, 1, 2] and all(type(b) is int and 1 <= b <= ex.status.boundary for b in sw.values())
     with pytest.raises(ValueError, match="positive"):
         MigrationExecutor(0, 1, topo, w, plan, store=torch.distributed.HashStore(), max_bytes_per_s=0)
+
+
+def test_first_round_switches_at_boundary_switch_every():
+    """Round r is settled at boundary (r + 1) * switch_every: a migration whose copies all landed before the loop's
+    first step switches every layer at boundary switch_every, decided decide_ahead boundaries earlier by the
+    control thread (the loop sleeps between steps so that the thread wins that race)."""
+    topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=2)
+    old = Placement(np.tile(np.arange(2), (2, 1)), topo, 2)
+    new = Placement(np.array([[1, 0], [1, 0]]), topo, 2)
+    w = {l: torch.randn(2, 4, generator=torch.Generator().manual_seed(l)) for l in range(2)}
+    plan = plan_migration(old, new, 16, 4 * 16)
+    ex = MigrationExecutor(0, 1, topo, w, plan, store=torch.distributed.HashStore(), switch_every=3, decide_ahead=2)
+    ex.start()
+    t0 = time.monotonic()
+    while ex.status.ready_layers != (0, 1) and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert ex.status.ready_layers == (0, 1) and ex.status.boundary == 0
+    while ex.status.state == "running" and time.monotonic() - t0 < 20:
+        ex.maybe_switch()
+        time.sleep(0.05)
+    ex.close(timeout=5)
+    assert ex.status.state == "done" and dict(ex.status.switch_boundary) == {0: 3, 1: 3}
+    assert ex.status.bytes_received == 4 * 16
+
+
+@pytest.mark.parametrize("every, ahead, ok", [(1, 0, True), (4, 3, True), (4, 0, True), (0, 0, False),
+                                              (4, 4, False), (4, -1, False), (1, 1, False)])
+def test_round_spacing_is_checked(every, ahead, ok):
+    """switch_every >= 1 and 0 <= decide_ahead < switch_every; anything else is refused before a thread starts."""
+    topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=2)
+    old = Placement(np.tile(np.arange(2), (1, 1)), topo, 2)
+    plan = plan_migration(old, Placement(np.array([[1, 0]]), topo, 2), 16, 64)
+    make = lambda: MigrationExecutor(0, 1, topo, {0: torch.zeros(2, 4)}, plan,  # noqa: E731
+                                     store=torch.distributed.HashStore(), switch_every=every, decide_ahead=ahead)
+    if ok:
+        assert make().status.state == "pending"
+    else:
+        with pytest.raises(ValueError, match="switch_every >= 1"):
+            make()
+
+
+def test_pacing_keywords_per_launch_mode():
+    assert pacing("boundary", 1000, 3, 5.0) == {"bytes_per_boundary": 3000}
+    assert pacing("thread", 1000, 3, 2.5) == {"max_bytes_per_s": 2.5e9}
+    assert pacing("thread", 1000, 3, None) == pacing("thread", 1000, 3, 0) == {"max_bytes_per_s": None}
+    with pytest.raises(ValueError, match="launch 'graph'"):
+        pacing("graph", 1000, 3, 1.0)
+
+
+def test_wide_view_is_the_widest_integer_dividing_a_row():
+    """index_copy_ moves one element per thread, so the switch copy views rows as the widest integer type that
+    divides them; the bytes stay the same."""
+    cases = [(torch.zeros(3, 10, dtype=torch.float32), torch.int64),    # 40 B rows
+             (torch.zeros(3, 6, dtype=torch.float32), torch.int64),     # 24 B
+             (torch.zeros(3, 3, dtype=torch.float32), torch.int32),     # 12 B
+             (torch.zeros(3, 3, dtype=torch.bfloat16), torch.int16),    # 6 B
+             (torch.zeros(3, 5, 3).to(torch.float8_e4m3fn), torch.uint8),  # 3 B
+             (torch.zeros(3, 4, dtype=torch.int64), torch.int64),
+             (torch.zeros(4, dtype=torch.float32), torch.float32),      # 1-D: left alone
+             (torch.zeros(3, 8, dtype=torch.float32)[:, ::2], torch.float32)]  # not contiguous: left alone
+    for t, want in cases:
+        v = _wide(t)
+        assert v.dtype == want and v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        assert v.shape[:-1] == t.shape[:-1] and v.shape[-1] * v.element_size() == t.shape[-1] * t.element_size()
 
 
 def test_runs_of_consecutive_slots():
@@ -442,6 +506,8 @@ def test_migration_runs_in_background_consistently(tmp_path, mode):
         # peer copies: exactly the nvlink transfers into this rank were pulled (its peers posted nothing for them)
         pulled = sum(t.nbytes for t in plan_for(res).transfers if t.kind == "nvlink" and t.dst_rank == r)
         assert st.pulled_bytes == (pulled if mode.startswith("peer") else 0)
+        # every transfer into this rank arrived once (local copies, pulls and receives alike), none more
+        assert st.bytes_received == sum(t.dst_rank == r for t in plan_for(res).transfers) * EXPERT_BYTES > 0
     if mode.startswith("peer"):
         assert sum(res["status"].pulled_bytes for res in out.values()) > 0
     # every rank flipped each layer at the same step; chunks made the layers switch at different steps
