@@ -226,6 +226,20 @@ def test_trace_clusters_coactivate():
     assert synthetic_trace(1, clusters=None).cluster_members(0) == []
 
 
+@pytest.mark.parametrize("E, clusters", [(8, 2), (12, 3), (10, 3)])
+def test_trace_full_strength_tokens_take_their_whole_cluster(E, clusters):
+    """cluster_strength 1 and top_k = the largest cluster's size: a token of a full cluster is exactly that cluster
+    (expert 0 included, wherever it sits), a token of a smaller one takes all of it plus global draws."""
+    size = -(-E // clusters)
+    tr = synthetic_trace(2, E, size, 300, steps=2, clusters=clusters, cluster_strength=1.0, seed=E)
+    for l in range(2):
+        members = [set(m.tolist()) for m in tr.cluster_members(l)]
+        for step in tr:
+            for token in step[l]:
+                got = set(token.tolist())
+                assert any(m <= got and (len(m) < size or m == got) for m in members), (got, members)
+
+
 def test_trace_drift_changes_popularity():
     def corr(drift):
         tr = synthetic_trace(4, tokens_per_step=8192, steps=40, clusters=None, drift=drift, seed=5)
