@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -365,6 +366,7 @@ def test_runner_kernels_record_values_skips_and_failures(tmp_path, monkeypatch):
     assert pts["kernel/ok"]["error"] is None
     assert pts["kernel/absent"]["error"] == "skipped: not found: benchmark/kernels/bench_nope.py"
     assert "exit status 3" in pts["kernel/bad"]["error"] and "out of memory" in pts["kernel/bad"]["error"]
+    assert pts["kernel/bad"]["error"].startswith("repeat 1: ")  # the first repeat failed, the second was not run
     assert pts["kernel/after"]["metrics"]["tflops"]["values"] == [500.0, 500.0]  # the run went on
     assert cmp.failures(rec) == {"kernel/bad": pts["kernel/bad"]["error"]}
 
@@ -380,6 +382,24 @@ def test_runner_only_filter_and_missing_metric(tmp_path, monkeypatch):
     assert "lacks metric(s) ['gbps']" in rec["points"]["kernel/one"]["error"]
     with pytest.raises(ValueError, match="selects no point"):
         runner.run(conf, tmp_path / "out", only="serving/")
+
+
+@pytest.mark.parametrize("value", ["true", '"fast"', "null", "[1.0]"])
+def test_runner_refuses_a_non_numeric_metric(tmp_path, monkeypatch, value):
+    """A flag or a string where a number belongs is an error on the point, not a 1.0 or a crash."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "b.py").write_text(f"import json, sys\nopen(sys.argv[1], 'w').write('{{\"t\": {value}, \"u\": 2}}')\n")
+    conf = cfg.parse({"name": "t", "gpu": "H200", "repeats": 1, "kernel": [
+        {"name": "one", "command": f"{sys.executable} b.py {{out}}", "metrics": {"t": "higher", "u": "lower"}}]})
+    err = runner.run(conf, tmp_path / "out")["points"]["kernel/one"]["error"]
+    assert "non-numeric metric(s) {'t': " in err and "'u'" not in err
+
+
+def test_progress_lines_carry_the_minutes_since_start(capsys):
+    runner._progress(time.time() - 90, "serving/x repeat 1/2")
+    runner._progress(0, "no start yet")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("] [+  1.5 min] serving/x repeat 1/2") and out[1].endswith("] [+  0.0 min] no start yet")
 
 
 class FakeServer:
