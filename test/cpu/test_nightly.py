@@ -371,13 +371,18 @@ def test_runner_kernels_record_values_skips_and_failures(tmp_path, monkeypatch):
     assert cmp.failures(rec) == {"kernel/bad": pts["kernel/bad"]["error"]}
 
 
-def test_runner_only_filter_and_missing_metric(tmp_path, monkeypatch):
+def test_runner_only_filter_and_missing_metric(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "b.py").write_text("import json, sys\njson.dump({'tflops': 1.0}, open(sys.argv[1], 'w'))\n")
     conf = cfg.parse({"name": "t", "gpu": "H200", "repeats": 1, "kernel": [
         {"name": "one", "command": f"{sys.executable} b.py {{out}}", "metrics": {"gbps": "higher"}},
         {"name": "two", "command": f"{sys.executable} b.py {{out}}", "metrics": {"tflops": "higher"}}]})
     rec = runner.run(conf, tmp_path / "out", only="kernel/one")
+    assert "WARNING: config 't' is for H200; this host's GPU: None" in capsys.readouterr().out  # a CPU host
+    here = runner.provenance.record
+    monkeypatch.setattr(runner.provenance, "record", lambda command=None: {**here(command), "gpu": "NVIDIA H200"})
+    runner.run(conf, tmp_path / "out", only="kernel/one")
+    assert "WARNING" not in capsys.readouterr().out
     assert list(rec["points"]) == ["kernel/one"]
     assert "lacks metric(s) ['gbps']" in rec["points"]["kernel/one"]["error"]
     with pytest.raises(ValueError, match="selects no point"):
@@ -463,7 +468,7 @@ def test_runner_serving_with_fake_server(tmp_path, monkeypatch):
     assert c16["metrics"]["output_throughput"] == {"values": [200.0, 300.0], "better": "higher"}
     assert c16["metrics"]["median_itl_ms"]["better"] == "lower"
     assert c16["params"]["concurrency"] == 16 and c16["error"] is None
-    assert "bench_serving failed" in pts["serving/m/off/c48"]["error"]
+    assert pts["serving/m/off/c48"]["error"] == "repeat 1: RuntimeError: bench_serving failed (rc=1)"
     assert pts["serving/m/off/c128"]["metrics"]["decode_tok_s"]["values"] == [5005.0, 6005.0]  # run went on
 
 
