@@ -22,7 +22,7 @@ import torch
 from sglang_h20 import compat
 from sglang_h20.features import Feature, decide
 from sglang_h20.observe import analyze, export, recorder, report, stages, synth
-from sglang_h20.observe.recorder import OUTSIDE, CpuClock, StageRecorder, remote_share
+from sglang_h20.observe.recorder import OUTSIDE, CpuClock, StageRecorder, rank_loads, remote_share
 from sglang_h20.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,9 +114,37 @@ def test_recorder_exclusive_attribution_with_overlap_and_nesting():
     assert s["moe_other"] == pytest.approx(0.35)  # incl. the main stream while shared was issued on alt
     assert s["layer_other"] == pytest.approx(0.25)
     assert entry["overlap"] == {"shared_expert": pytest.approx(0.1)}
+    assert "overlap" not in r  # nothing ran off the main stream outside a layer
     assert r["outside"][OUTSIDE] == pytest.approx(0.9)
     assert r["step_ms"] == pytest.approx(clk.now)
     assert _sum_record(r) == pytest.approx(r["step_ms"], rel=1e-12)
+
+
+def test_off_stream_work_outside_any_layer_is_the_steps_overlap():
+    """A frame on another stream with no layer around it (e.g. a side-stream copy between layers) is reported as the
+    step's own overlap, not as a layer's, and takes nothing from the critical path."""
+    clk = FakeClock()
+    rec = StageRecorder(clock=clk)
+    rec.begin_step(1)
+    clk.advance(1.0)
+    clk.cur = "alt"
+    with rec.stage("copy", "weight_copy"):
+        clk.advance(0.4)
+    clk.cur = "main"
+    clk.advance(0.6)
+    rec.end_step()
+    (r,) = rec.poll()
+    assert r["overlap"] == {"weight_copy": pytest.approx(0.4)} and r["layers"] == []
+    assert r["step_ms"] == pytest.approx(2.0) and _sum_record(r) == pytest.approx(2.0)
+
+
+def test_rank_loads_by_expert_owner():
+    """Expert e lives on rank e // experts_per_rank (ceil(P / ep_size) when not given); slots past the last rank's
+    share stay on the last rank; one rank: the total."""
+    assert rank_loads([[1, 2, 3, 4, 5, 6, 7]], 3, 3).tolist() == [[6, 15, 7]]
+    assert rank_loads([1, 2, 3, 4, 5, 6, 7], 0, 2).tolist() == [10, 18]
+    assert rank_loads([1] * 7, 2, 3).tolist() == [2, 2, 3]
+    assert rank_loads([[1, 2], [3, 4]], 1, 1).tolist() == [[3], [7]]
 
 
 def test_recorder_waits_for_events_and_survives_exceptions():
@@ -195,6 +223,7 @@ def test_recorder_cpu_clock_sums_match_step_time(monkeypatch):
             got = e["stages"][stage]
             assert sec * 1e3 <= got <= sec * 1e3 + 0.05, (stage, got)  # its sleep plus a few 10 us readings
     assert r["step_ms"] == pytest.approx(3 * sum(plan.values()) * 1e3, abs=2.0)
+    assert r["cpu_ms"] == pytest.approx(r["step_ms"], abs=0.1)  # host time from begin_step to end_step, in ms
     assert 0.9 < r["coverage"] <= 1.0
 
 
@@ -222,6 +251,7 @@ def test_record_load_counts_and_balancedness():
     one.end_step()
     (r1,) = one.poll()
     assert r1["expert_load"] == [[1, 0, 0, 1, 0, 3, 0, 1]] and "token_leave_share" not in r1
+    assert r1["ep_size"] == 1 and r1["balancedness"] == [1.0] and "remote_share" not in r1  # one GPU by default
     assert remote_share([[0, 0, 3, 1], [2, 0, 0, 0]], 2, 2, rank=1) == [0.0, 1.0]
     assert remote_share([[0, 0, 0, 0]], 2, 2, rank=0) == [0.0]  # nothing routed
 
