@@ -753,6 +753,11 @@ def test_dump_round_trip_and_rotation(tmp_path):
         fh.write('{"kind": "stages", "rank": 0, "ste')  # a process killed mid-line
     errors = []
     assert len(export.read_dump(path, errors)) == len(recs) and len(errors) == 1
+    with open(path, "a") as fh:  # JSON, but not a record: each skipped and named
+        fh.write('\n{"step": 1}\n{"rank": 0}\n[1, 2]\n')
+    errors = []
+    assert len(export.read_dump(path, errors)) == len(recs)
+    assert len(errors) == 4 and sum(e.endswith("not an observe record") for e in errors) == 3
     w = export.JsonlWriter(tmp_path / "dir", rank=2, max_bytes=4000, keep=2)
     for r in recs:
         w.write(r)
@@ -762,6 +767,25 @@ def test_dump_round_trip_and_rotation(tmp_path):
     assert len(files) == 3  # rotated, oldest dropped
     back = export.read_dump(tmp_path / "dir")
     assert 0 < len(back) < len(recs) and all(r in recs for r in back)
+    # keep=0: rotation drops the full file, no numbered copies; a line longer than max_bytes still lands whole
+    w = export.JsonlWriter(tmp_path / "none", rank=0, max_bytes=60, keep=0)
+    for i in range(5):
+        w.write({"step": i, "rank": 0, "pad": "x" * 80})
+    w.close()
+    assert [f.name for f in (tmp_path / "none").iterdir()] == ["observe-rank000.jsonl"]
+    assert export.read_dump(tmp_path / "none") == [{"step": 4, "rank": 0, "pad": "x" * 80, "kind": "stages"}]
+    big = export.JsonlWriter(tmp_path / "big", rank=0, max_bytes=10, keep=2)
+    big.write({"step": 0, "rank": 0})  # longer than max_bytes, but the file is empty: nothing to rotate
+    big.close()
+    assert [f.name for f in (tmp_path / "big").iterdir()] == ["observe-rank000.jsonl"]
+
+
+def test_stage_totals_sum_layers_overlap_and_outside():
+    rec = {"layers": [{"layer": 0, "stages": {"attention": 1.0, "combine": 0.5}, "overlap": {"shared_expert": 0.25}},
+                      {"layer": 1, "stages": {"attention": 2.0}, "overlap": {"shared_expert": 0.5}}],
+           "outside": {"outside_layers": 0.75}}
+    assert export.stage_totals(rec) == {"attention": 3.0, "combine": 0.5, "overlap:shared_expert": 0.75,
+                                        "outside_layers": 0.75}
 
 
 class _FakeMetric:
