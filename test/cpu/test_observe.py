@@ -6,6 +6,7 @@ is on PATH (apt-get install -y chromium); otherwise that test is skipped, with t
 """
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -387,8 +388,25 @@ def test_hooks_sample_eagerly_and_keep_graphs_otherwise(wrapped_fakes):
             assert set(s) >= {"attention", "router", "dispatch", "routed_experts", "combine", "shared_expert"}
             assert s["attention"] >= 2.0 and s["routed_experts"] >= 1.5 and s["dispatch"] >= 1.0
         assert _sum_record(r) == pytest.approx(r["step_ms"], rel=1e-9)
-        assert r["expert_load"] == [[0, 1, 2, 1], [0, 1, 2, 1]] and r["ep_size"] == 2
+        assert r["expert_load"] == [[0, 1, 2, 1], [0, 1, 2, 1]]
+        assert (r["num_experts"], r["experts_per_rank"], r["ep_size"]) == (4, 2, 2)
     assert not stages._state.force_eager and stages._ACTIVE is None
+
+
+def test_hooks_skip_the_nextn_layers_load_quietly(wrapped_fakes, caplog):
+    """The MTP draft layer (is_nextn) routes too, but its load is not the model's: skipped, without a warning."""
+    exp = _ListExporter()
+    stages.configure(1.0, exporter=exp, recorder=StageRecorder(clock=CpuClock(), rank=0))
+    runner = _Runner()
+    runner.layers[1].mlp.is_nextn = True
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE"), batch_size=2, input_ids=torch.zeros(2))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            runner.forward(decode)
+        runner.forward(SimpleNamespace(forward_mode=SimpleNamespace(name="EXTEND")))
+    recs = [r for r in exp.records if r["kind"] == "stages"]
+    assert recs and all(r["expert_load_layers"] == [0] and r["expert_load"] == [[0, 1, 2, 1]] for r in recs)
+    assert "not recorded" not in caplog.text
 
 
 class _Mark:
