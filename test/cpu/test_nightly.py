@@ -11,7 +11,7 @@ import pytest
 
 from sglang_h20.nightly import compare as cmp
 from sglang_h20.nightly import config as cfg
-from sglang_h20.nightly import runner, serving
+from sglang_h20.nightly import report, runner, serving
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "nightly"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -481,6 +481,39 @@ def test_runner_records_a_server_that_fails_to_start(tmp_path, monkeypatch):
     conf = cfg.parse(minimal(kernel=[]))
     rec = runner.run(conf, tmp_path, models="/m")
     assert rec["points"]["serving/m/off/c16"]["error"] == "server: RuntimeError: server exited with 1 before ready"
+
+
+# --- report.md ------------------------------------------------------------------------------------------------
+
+def test_report_numbers_and_one_line_errors():
+    assert [report._num(x) for x in (None, 8436.2, 1000.0, -1234.4, 999.94, 12.34, 10.0, 9.87654, -0.5)] == [
+        "-", "8,436", "1,000", "-1,234", "999.9", "12.3", "10.0", "9.877", "-0.500"]
+    assert report._one_line("a\n   b\tc") == "a b c"
+    assert report._one_line("x" * 300) == "x" * 300 and report._one_line("x" * 301) == "x" * 300 + " ..."
+    assert report._one_line("ab cd", limit=3) == "ab  ..."
+
+
+def test_report_summary_counts_each_verdict():
+    def rows(*verdicts):
+        return [cmp.Row(f"p{i}", "m", "higher", v) for i, v in enumerate(verdicts)]
+    assert report._summary(rows("regression", "regression", "improvement", "new", "same"), {"x": "boom"}) == \
+        "2 regressions, 1 improvement, 1 new, 1 failed points"
+    assert report._summary(rows("regression", "improvement", "improvement", "missing"), {}) == \
+        "1 regression, 1 missing, 2 improvements"  # in the verdicts' order of severity
+    assert report._summary(rows("same", "same"), {}) == "no changes"
+
+
+def test_report_without_a_baseline_names_it_and_folds_long_errors():
+    run = load("run_clean")
+    run["points"]["serving/x/c1"] = {"kind": "serving", "metrics": {}, "error": "server: boom\n" + "y" * 400}
+    md = report.markdown(run, None, cmp.compare(run, {"points": {}}), [])
+    assert "No baseline given: every metric is `new`." in md and "Warning: GPUs differ" not in md
+    assert f"| sglang | {run['versions']['sglang']} | - |" in md and "| git commit | " in md
+    (failed,) = [ln for ln in md.splitlines() if ln.startswith("- `serving/x/c1`")]
+    assert failed == "- `serving/x/c1`: server: boom " + "y" * 287 + " ..."  # 300 characters
+    other = {**load("baseline"), "gpu": "NVIDIA H20"}
+    assert "**Warning: GPUs differ** (current NVIDIA H200, baseline NVIDIA H20)." in report.markdown(
+        run, other, cmp.compare(run, other), [])
 
 
 # --- CLI --------------------------------------------------------------------------------------------------------
