@@ -205,6 +205,8 @@ def test_config_defaults():
      "serving[0] 'm/off': points at concurrency 16 exceed --cuda-graph-max-bs 8: they would decode without CUDA"),
     (lambda d: d["serving"][0].update(server_args=["--cuda-graph-max-bs-decode=x"]),
      "--cuda-graph-max-bs-decode needs an integer, got 'x'"),
+    (lambda d: d["serving"][0].update(server_args=["--tp", "1", "--cuda-graph-max-bs"]),  # the value forgotten
+     "--cuda-graph-max-bs needs an integer, got ''"),
 ])
 def test_config_errors_are_clear(mutate, message):
     doc = minimal()
