@@ -8,6 +8,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -286,7 +287,9 @@ def test_hook_functions_follow_sglang_recorder_window(monkeypatch, tmp_path):
     integration.on_forward_pass(sglang_rec, 0, None)
     select_experts(1, target_cfg, torch.tensor(3))  # the 4th row is padding
     select_experts(2, draft_cfg)  # MTP/draft layer: skipped
-    select_experts(L + 3, target_cfg)  # out-of-range layer: skipped
+    select_experts(L + 3, target_cfg)  # out-of-range layers: skipped quietly, the recorder stays on
+    select_experts(L, target_cfg)
+    assert integration._state.disabled is None
     integration.on_forward_pass_end(None)
     assert rec.step_count == 1
     want, want_tokens = brute_force([(1, ids.tolist())], L, E, num_valid=3)
@@ -423,6 +426,30 @@ def test_snapshot_of_wrong_shape_falls_back(eplb_log):
     want = UPSTREAM_REBALANCE(**inputs, algorithm=EplbAlgorithm.deepseek)
     torch.testing.assert_close(got[0], want[0])
     assert len(eplb_log) == 1 and "SGLang asks for 5 x 16" in eplb_log[0]
+
+
+@pytest.mark.parametrize("stats_tokens, layout, reason", [
+    (0, {}, "the co-activation snapshot holds no tokens"),
+    (5, {"num_local_physical_experts": 0}, "24 slots, 0 per GPU, 2 node(s) is no N x G x S layout"),
+    (5, {"num_local_physical_experts": 5}, "24 slots, 5 per GPU, 2 node(s) is no N x G x S layout"),
+    (5, {"num_local_physical_experts": 8}, "24 slots, 8 per GPU, 2 node(s) is no N x G x S layout"),  # 3 GPUs
+])
+def test_snapshot_or_layout_it_cannot_place_is_a_fallback(stats_tokens, layout, reason):
+    """Each reason alone makes the affinity placement give way to upstream's algorithm: an empty snapshot, no slots
+    per GPU, slots that do not divide into GPUs, GPUs that do not divide into the nodes."""
+    stats = recorded_stats(7)
+    with pytest.raises(integration._Fallback, match=re.escape(reason)):
+        integration._affinity_rebalance(CoactivationStats(stats.coact, stats_tokens),
+                                        {**rebalance_inputs(7), **layout}, 0.5)
+
+
+def test_empty_snapshot_falls_back_to_upstream(eplb_log):
+    stats = recorded_stats(8)
+    integration.set_latest_snapshot(CoactivationStats(stats.coact, 0))
+    inputs = rebalance_inputs(8)
+    got = integration.make_rebalance_wrapper(ON)(UPSTREAM_REBALANCE, **inputs, algorithm=EplbAlgorithm.deepseek)
+    torch.testing.assert_close(got[0], UPSTREAM_REBALANCE(**inputs, algorithm=EplbAlgorithm.deepseek)[0])
+    assert len(eplb_log) == 1 and "holds no tokens" in eplb_log[0]
 
 
 def test_switch_off_and_no_affinity_algorithm_is_untouched():
