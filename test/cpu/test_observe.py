@@ -965,6 +965,13 @@ def test_synth_rejects_bad_injections():
             synth.synthesize(ranks=8, layers=4, steps=5, inject=bad, first_dense=1)
     (inj,) = synth.parse_injections("slow-stage:dispatch@rank5x2.5")
     assert (inj.stage, inj.rank, inj.factor) == ("dispatch", 5, 2.5)
+    # the range checks at their edges: 8 ranks, 5 passes, 256 experts (first one past the end refused, the last taken)
+    for bad, names in (("slow-rank:8", "rank 8, outside 0..7"), ("slow-link:2-8", "rank 8, outside 0..7"),
+                       ("hot-expert:256", "expert 256, outside 0..255"), ("spike:attention@rank1:5", "pass index 5")):
+        with pytest.raises(ValueError, match=re.escape(names)):
+            synth.synthesize(ranks=8, layers=4, steps=5, inject=bad, first_dense=1)
+    for good in ("slow-rank:7", "slow-link:0-7", "hot-expert:255", "spike:attention@rank0:4"):
+        assert synth.synthesize(ranks=8, layers=4, steps=5, inject=good, first_dense=1)
 
 
 # ----------------------------------------------------------------------------- CLI + HTML report
