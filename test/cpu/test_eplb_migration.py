@@ -97,7 +97,7 @@ def test_first_round_switches_at_boundary_switch_every():
     assert ex.status.ready_layers == (0, 1) and ex.status.boundary == 0
     while ex.status.state == "running" and time.monotonic() - t0 < 20:
         ex.maybe_switch()
-        time.sleep(0.05)
+        time.sleep(0.2)  # 0.4 s between the wake-up boundary and the switch: room on a loaded 2-core host
     ex.close(timeout=5)
     assert ex.status.state == "done" and dict(ex.status.switch_boundary) == {0: 3, 1: 3}
     assert ex.status.bytes_received == 4 * 16
