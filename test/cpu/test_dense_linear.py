@@ -156,9 +156,11 @@ def test_upstream_where_the_table_says_or_has_no_dense_entry(table):
     assert dense_linear.triton_linear_hook(recording_original(calls), empty, w, [128, 128], w_s) == "upstream"
 
 
-def test_each_backend_hook_weighs_ours_against_the_kernel_it_replaces(monkeypatch, tmp_path):
+def test_each_backend_hook_weighs_ours_against_the_kernel_it_replaces(monkeypatch, tmp_path, caplog):
     """DeepGEMM fastest (8 us), ours 10, SGLang's Triton GEMM 20: the triton backend's hook runs ours, the deep_gemm
-    backend's keeps DeepGEMM; an entry without the provider's time falls back to its overall "best"."""
+    backend's keeps DeepGEMM; an entry without the provider's time falls back to its overall "best". A pick of ours
+    is logged at INFO (what swapab_e2e counts from a server log), one of upstream at DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="sglang_h20.dense_linear")
     entry = {"n": N, "k": K, "groups": 1, "layout": "dense", "best": "upstream", "us": {"swapab": 10, "upstream": 8},
              "upstream_us_by_provider": {"deepgemm": 8, "sglang-triton": 20}}
     tables = {"both": [{**entry, "m": m} for m in (1, 2, 4)],
@@ -173,6 +175,8 @@ def test_each_backend_hook_weighs_ours_against_the_kernel_it_replaces(monkeypatc
             calls = []
             out = hook(recording_original(calls), x, w, [128, 128], w_s)
             assert (len(calls) == 0) == ours and (out == "upstream") != ours, (name, hook.__name__)
+    picks = [(r.levelno, "-> ours" in r.getMessage()) for r in caplog.records if "dense linear M=" in r.getMessage()]
+    assert sorted(set(picks)) == [(logging.DEBUG, False), (logging.INFO, True)]
     t = {"entries": [entry, {**entry, "us": {"swapab": 30}}, {"layout": "masked", "best": "swapab"}]}
     assert dense_linear.dense_entries(t) == (2, {"sglang-triton": 1, "deepgemm": 0})
 
