@@ -133,8 +133,10 @@ def test_selection_keeps_an_explicit_other_backend():
     (dict(speculative_algorithm="EAGLE"), None, "speculative decoding (EAGLE) is not supported"),
     (dict(dcp_size=2), None, "context parallelism"),
     (dict(disaggregation_mode="decode"), None, "PD disaggregation"),
-    ({}, dict(attention_arch="MHA", hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])), "does not use MLA"),
-    ({}, dict(hf_config=SimpleNamespace(architectures=["MiniCPM3ForCausalLM"])), "is not DeepSeek-V2/V3"),
+    ({}, dict(attention_arch="MHA", hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])),
+     "the model (LlamaForCausalLM) does not use MLA"),
+    ({}, dict(hf_config=SimpleNamespace(architectures=["MiniCPM3ForCausalLM"])),
+     "the model (MiniCPM3ForCausalLM) is not DeepSeek-V2/V3"),
     ({}, dict(kv_lora_rank=256), "the MLA latent is 256+64"),
     ({}, dict(dtype=torch.float32), "the model dtype is torch.float32"),
 ])
