@@ -78,6 +78,7 @@ def test_switch_turns_the_feature_on_with_the_dummy_loader_hook_only():
     assert not bad.on and "bad value" in bad.reason
     with pytest.raises(Unsupported, match="at least 2"):
         dummy_router.hooks({"dummy_router_clusters": 1})
+    assert [h.target for h in dummy_router.hooks({"dummy_router_clusters": 2})] == [dummy_router.TARGET]  # pairs
 
 
 def test_affinity_keeps_clustered_tokens_on_their_gpu_where_deepseek_does_not(tmp_path, monkeypatch):
