@@ -517,7 +517,7 @@ def test_lookup_keeps_the_layout_asked_for(monkeypatch, tmp_path):
 
 def test_table_choice_rounds_to_nearest_and_defaults_to_upstream(monkeypatch, tmp_path):
     best = {(8, 1): "swapab", (8, 8): "swapab", (8, 32): "upstream", (8, 128): "normal",
-            (32, 1): "upstream", (32, 8): "swapab", (32, 32): "swapab", (32, 128): "upstream"}
+            (32, 1): "upstream", (32, 8): "swapab", (32, 32): "swapab", (32, 128): "swapab"}
     entries = grid_entries(lambda g, m: best[g, m]) + grid_entries(lambda g, m: "swapab", layout="masked")
     use_table(monkeypatch, write_table(tmp_path / "t.json", entries))
 
@@ -529,6 +529,7 @@ def test_table_choice_rounds_to_nearest_and_defaults_to_upstream(monkeypatch, tm
     assert tc(8, 11) == "swapab" and tc(1, 11) == "swapab" and tc(1, 23) == "upstream"  # nearest groups
     assert tc(8, 16) == "swapab"  # 16 is between 8 and 32: both measured swapab
     assert tc(1, 16) == "upstream" and tc(32, 16) == "upstream"  # neighbours disagree: unsure
+    assert tc(128, 16) == "upstream" and tc(128, 32) == "swapab"  # normal at 8 groups, swapab at 32: two of ours
     assert tc(2.83, 8) == "upstream" and tc(2, 8) == "swapab"  # 2.83 is over 2x from both m = 1 and 8
     assert tc(16, 8) == "upstream"  # halfway between m = 8 (swapab) and 32 (upstream)
     assert tc(256, 8) == "normal" and tc(257, 8) == "upstream"  # over 2x beyond the largest m
