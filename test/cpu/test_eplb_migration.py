@@ -108,7 +108,7 @@ def test_first_round_switches_at_boundary_switch_every():
 def test_round_spacing_is_checked(every, ahead, ok):
     """switch_every >= 1 and 0 <= decide_ahead < switch_every; anything else is refused before a thread starts."""
     topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=2)
-    old = Placement(np.tile(np.arange(2), (1, 1)), topo, 2)
+    old = Placement(np.arange(2)[None], topo, 2)
     plan = plan_migration(old, Placement(np.array([[1, 0]]), topo, 2), 16, 64)
     make = lambda: MigrationExecutor(0, 1, topo, {0: torch.zeros(2, 4)}, plan,  # noqa: E731
                                      store=torch.distributed.HashStore(), switch_every=every, decide_ahead=ahead)

@@ -419,13 +419,17 @@ def test_no_snapshot_falls_back_to_upstream(algorithm, eplb_log):
     assert len(eplb_log) == 1 and "no co-activation snapshot yet" in eplb_log[0]
 
 
-def test_snapshot_of_wrong_shape_falls_back(eplb_log):
-    integration.set_latest_snapshot(CoactivationStats(np.ones((L_, E_ + 1, E_ + 1), np.int64), 5))
+@pytest.mark.parametrize("snapshot, reason", [
+    (lambda: CoactivationStats(np.ones((L_, E_ + 1, E_ + 1), np.int64), 5), "SGLang asks for 5 x 16"),  # wrong shape
+    (lambda: CoactivationStats(recorded_stats(8).coact, 0), "holds no tokens"),  # empty
+])
+def test_snapshot_it_cannot_use_falls_back(snapshot, reason, eplb_log):
+    integration.set_latest_snapshot(snapshot())
     inputs = rebalance_inputs(3)
     got = integration.make_rebalance_wrapper(ON)(UPSTREAM_REBALANCE, **inputs, algorithm=EplbAlgorithm.deepseek)
     want = UPSTREAM_REBALANCE(**inputs, algorithm=EplbAlgorithm.deepseek)
     torch.testing.assert_close(got[0], want[0])
-    assert len(eplb_log) == 1 and "SGLang asks for 5 x 16" in eplb_log[0]
+    assert len(eplb_log) == 1 and reason in eplb_log[0]
 
 
 @pytest.mark.parametrize("stats_tokens, layout, reason", [
@@ -441,15 +445,6 @@ def test_snapshot_or_layout_it_cannot_place_is_a_fallback(stats_tokens, layout, 
     with pytest.raises(integration._Fallback, match=re.escape(reason)):
         integration._affinity_rebalance(CoactivationStats(stats.coact, stats_tokens),
                                         {**rebalance_inputs(7), **layout}, 0.5)
-
-
-def test_empty_snapshot_falls_back_to_upstream(eplb_log):
-    stats = recorded_stats(8)
-    integration.set_latest_snapshot(CoactivationStats(stats.coact, 0))
-    inputs = rebalance_inputs(8)
-    got = integration.make_rebalance_wrapper(ON)(UPSTREAM_REBALANCE, **inputs, algorithm=EplbAlgorithm.deepseek)
-    torch.testing.assert_close(got[0], UPSTREAM_REBALANCE(**inputs, algorithm=EplbAlgorithm.deepseek)[0])
-    assert len(eplb_log) == 1 and "holds no tokens" in eplb_log[0]
 
 
 def test_switch_off_and_no_affinity_algorithm_is_untouched():
