@@ -604,7 +604,13 @@ def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     assert [m["provenance"] for m in table["source"]["merged_from"]] == [r["provenance"] for r in runs]
     # rebuilt from the recorded points of those runs, the later one's wherever two measured a shape
     merged = bench.merged_results([Path(p) for p in SHIPPED_RUNS])
-    assert table["entries"] == gemm_table.table_entries(merged["points"])
+    rebuilt = gemm_table.table_entries(merged["points"])
+    key = lambda e: (e["n"], e["k"], e["groups"], e["m"], e["layout"])  # noqa: E731
+    # but for one pick: session 55's rule (each variant of ours judged on both draws) takes split at gate_up 16 x 64
+    # contiguous, which ships only after the candidate table's end to end (benchmark/results/README.md)
+    assert {key(e): (e["best"], r["best"]) for e, r in zip(table["entries"], rebuilt) if e["best"] != r["best"]} == {
+        (4096, 7168, 16, 64, "contiguous"): ("upstream", "split")}
+    assert [{**e, "best": None} for e in table["entries"]] == [{**r, "best": None} for r in rebuilt]
     dc = lambda m, n, k, against: gemm_table.table_choice(  # noqa: E731
         m, n, k, 1, "dense", "NVIDIA H200", against).best
     assert dc(16, 2112, 7168, None) == "swapab"  # q_a+kv_a: 13.5 us vs DeepGEMM 14.7, Triton 39.4
@@ -670,6 +676,20 @@ def test_table_entries_take_the_split_variant_with_its_boundary():
     assert gemm_table.entry_best(e, "deepgemm") == "split"
     [e] = gemm_table.table_entries(points[:-1] + [pt("deepgemm", 13.9, "uneven")])  # upstream wins the uneven draw
     assert e["best"] == "upstream"
+
+
+def test_a_variant_of_ours_that_wins_both_draws_is_picked_when_the_uniform_fastest_loses_the_uneven_one():
+    """Session 53's down 16x64 contiguous: split fastest on the uniform draw but slower than upstream on the uneven
+    one, normal faster than upstream on both: normal, not upstream; upstream only when no variant wins both."""
+    both = {"split": 77.4, "normal": 77.5, "swapab": 90.0, "upstream": 82.5}
+    uneven = {"split": 89.2, "normal": 87.1, "swapab": 95.0, "upstream": 88.7}
+    assert gemm_table._fastest(both, uneven) == "normal"
+    assert gemm_table._fastest(both, {**uneven, "normal": 88.7}) == "upstream"  # a tie on the uneven draw is upstream's
+    assert gemm_table._fastest(both, None) == "split"  # no uneven draw: the uniform draw's fastest
+    assert gemm_table._fastest({**both, "normal": 82.5}, uneven) == "upstream"  # a uniform tie is upstream's too
+    e = {"best": "upstream", "us": {"split": 77.4, "normal": 77.5}, "us_uneven": uneven,
+         "upstream_us_by_provider": {"deepgemm": 82.5, "sglang-triton": 95.0}}
+    assert gemm_table.entry_best(e, "deepgemm") == "normal" and gemm_table.entry_best(e, "sglang-triton") == "normal"
 
 
 def test_table_entries_judge_a_tuned_variant_by_one_config_on_both_draws():
