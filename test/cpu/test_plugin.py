@@ -255,6 +255,18 @@ def test_doctor_names_the_tables_and_kernel_of_this_gpu(monkeypatch, tmp_path):
     assert text.count("none for this GPU; make one here") == 2
 
 
+def test_doctor_names_the_tested_version_beside_an_untested_one(monkeypatch):
+    """A version other than the tested one gets "(tested: X)" beside it; the tested one and the untracked ones none."""
+    from sglang_h20 import doctor
+
+    versions = {"sglang": "0.5.18", "torch": compat.TESTED_TORCH, "triton": "3.6.0"}
+    monkeypatch.setattr(compat, "version", lambda dist: versions.get(dist))
+    text = doctor.report()[0]
+    assert f"  sglang             0.5.18  (tested: {compat.TESTED_SGLANG})\n" in text
+    assert f"  torch              {compat.TESTED_TORCH}\n" in text and "  triton             3.6.0\n" in text
+    assert "  sglang-kernel      not installed\n" in text and text.count("(tested:") == 1
+
+
 def test_doctor_runs_on_a_cpu_machine():
     r = subprocess.run([sys.executable, "-m", "sglang_h20", "doctor"], capture_output=True, text=True,
                        env={**CLEAN_ENV, "SGLANG_H20_FP8_MLA": "yes"}, timeout=300)
