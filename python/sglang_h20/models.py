@@ -71,7 +71,7 @@ def write_tokenizer(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins the words with spaces again
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
-                                                       special_tokens=[(BOS, 0)])
+                                                       special_tokens=[(BOS, vocab[BOS])])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tok.save(str(out / "tokenizer.json"))
     template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
@@ -79,7 +79,7 @@ def write_tokenizer(out: Path) -> None:
     _dump(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
         "unk_token": UNK, "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": 163840, "chat_template": template})
+        "model_max_length": DEEPSEEK_V3["max_position_embeddings"], "chat_template": template})
     _dump(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK})
 
 
@@ -91,7 +91,8 @@ def make(root: Path, name: str) -> Path:
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     _dump(out / "config.json", config(name))
-    _dump(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1, "do_sample": False})
+    _dump(out / "generation_config.json", {"bos_token_id": DEEPSEEK_V3["bos_token_id"],
+                                           "eos_token_id": DEEPSEEK_V3["eos_token_id"], "do_sample": False})
     write_tokenizer(out)
     return out
 

@@ -125,6 +125,24 @@ def test_bad_flag_values_are_rejected_with_a_clear_message(argv, message):
     assert "Traceback" not in r.stderr
 
 
+def test_the_dummy_models_tokenizer_agrees_with_its_config(tmp_path):
+    """The generated tokenizer puts the config's BOS id first, ends on its EOS id, and allows the config's context:
+    SGLang reads the ids from config.json / generation_config.json and the rest from the tokenizer."""
+    from transformers import AutoTokenizer
+
+    from sglang_h20 import models
+
+    out = models.make(tmp_path, "dsv3-4l")
+    cfg = json.loads((out / "config.json").read_text())
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (cfg["bos_token_id"], cfg["eos_token_id"])
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok("w5 w77").input_ids == [cfg["bos_token_id"], 5, 77]
+    assert (tok.bos_token_id, tok.eos_token_id) == (cfg["bos_token_id"], cfg["eos_token_id"])
+    assert tok.model_max_length == cfg["max_position_embeddings"] and len(tok) == cfg["vocab_size"]
+    assert tok.decode([5, 77]) == "w5 w77"
+
+
 def test_cli_flags_reach_a_spawned_child_process(tmp_path):
     """The launcher parses --h20-* flags, exports them, and a spawned process (like the scheduler) sees them."""
     model = tmp_path / "m"
