@@ -142,6 +142,18 @@ def test_the_dummy_models_tokenizer_agrees_with_its_config(tmp_path):
     assert tok.model_max_length == cfg["max_position_embeddings"] and len(tok) == cfg["vocab_size"]
     assert tok.decode([5, 77]) == "w5 w77"
 
+    class Edge:  # an rng that draws the lowest or the highest word random_words may ask for
+        def __init__(self, high):
+            self.high = high
+
+        def randint(self, a, b):
+            return b if self.high else a
+
+    for high in (False, True):
+        ids = tok(models.random_words(Edge(high), 3)).input_ids[1:]
+        assert len(ids) == 3 and len(set(ids)) == 1 and tok.unk_token_id not in ids
+        assert ids[0] not in tok.all_special_ids and ids[0] == (cfg["vocab_size"] - 1 if high else 4)
+
 
 def test_cli_flags_reach_a_spawned_child_process(tmp_path):
     """The launcher parses --h20-* flags, exports them, and a spawned process (like the scheduler) sees them."""
