@@ -945,6 +945,23 @@ def test_detector_finds_transient_communication_and_slow_links():
     assert [(a.detector, a.rank) for a in found] == [("latency", 2)]  # one slow rank, not 8 links
 
 
+@pytest.mark.parametrize("inject", ["spike:attention@rank2:20", "spike:combine@rank4:10,slow-link:1-6", "hot-expert:17",
+                                    "slow-rank:3"])
+def test_every_message_states_the_numbers_of_its_finding(inject):
+    """What a person reads (the ratio, the percentage, the link times) is what the anomaly records."""
+    found = _detect(inject, 0)
+    assert found
+    for a in found:
+        ratio = a.value / a.baseline
+        if a.detector == "experts":
+            assert f" gets {ratio:.1f}x the median expert's tokens" in a.message, a.message
+        elif a.detector == "latency":
+            assert f": {a.value * 1e3:.0f} us vs {a.baseline * 1e3:.0f} us median link" in a.message, a.message
+        else:
+            assert f"({ratio - 1:+.0%}; " in a.message, a.message
+            assert f"{a.value:.3f} ms" in a.message or f"{a.value:.0f} tokens" in a.message, a.message
+
+
 def test_detector_thresholds_are_configurable():
     recs = synth.synthesize(ranks=8, layers=8, steps=20, inject="slow-rank:3x1.3", seed=0, first_dense=1)
     assert {a.rank for a in analyze.detect(recs)} == {3}
