@@ -247,6 +247,22 @@ def test_ablation_needs_gpu(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cap,problem", [((9, 0), None), ((8, 0), "device is sm_80"), ((9, 1), "device is sm_91"),
+                                         ((10, 0), "device is sm_100")])
+def test_only_sm90_devices_run_the_sm90a_kernels(monkeypatch, cap, problem):
+    """sm_90a code runs on sm_90 alone (H100, H200, H20): any other capability gets the reason, not a launch."""
+    import torch
+
+    from sgl_kernel_ext import cuda_build
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap)
+    got = cuda_build.device_problem()
+    assert got is None if problem is None else (problem in got and "needs sm_90 (Hopper)" in got)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda_build.device_problem() == "no CUDA device"
+
+
 def test_descriptor_advance_equals_a_fresh_descriptor():
     """csrc's desc_add(desc_sw64(a), n) == desc_sw64(a + n) (python mirrors of both): the kernels build one descriptor
     per operand and advance it per wgmma, exact while a + n stays below 256 KB of shared memory (228 KB on sm_90)."""
