@@ -18,7 +18,8 @@ Phases
           shared experts beside the routed ones on our dense GEMMs), 'sbo+on+cap' (that with those GEMMs on
           --shared-sms programs of slim tiles, SGLANG_H20_SBO_SHARED_SMS). Per arm: one warm-up
           (Triton JIT of eager batch sizes), then bench_serving at each --concurrency: output tok/s,
-          median ITL, TTFT; the server's sglang-h20 log lines, incl. the batch sizes swapab served.
+          median ITL, TTFT, the decode-only tok/s of the server's log lines at that level (prefill excluded);
+          the server's sglang-h20 log lines, incl. the batch sizes swapab served.
 The deadline splits what is left after the layer phase between the arms; later arms run only the
 concurrency levels the first one finished, so every number has its pair, and an arm starts only if
 the time left covers the last arm's time to its first level (a cold server start takes ~260 s).
@@ -43,7 +44,7 @@ from plugin_parity import HOOKS_APPLIED, PLUGIN_MARK  # same directory
 
 from sglang_h20 import provenance
 from sglang_h20.gputime import graph_median_us
-from sglang_h20.nightly.serving import Server, graphs_up_to, with_mem_fraction, write_sharegpt
+from sglang_h20.nightly.serving import Server, decode_throughput, graphs_up_to, with_mem_fraction, write_sharegpt
 
 SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-backend pytorch "
                "--moe-runner-backend triton --fp8-gemm-backend triton --grammar-backend none "
@@ -189,12 +190,18 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
             if results and time.time() - t0 > budget_s:
                 print(f"  {name}: arm budget spent, skipping concurrency {c} and later", flush=True)
                 break
+            before = log.stat().st_size
             rec = srv.bench(out / f"c{c}.jsonl", num_prompts=max(args.min_prompts, args.waves * c),
                             input_len=args.input_len, output_len=args.output_len, concurrency=c,
                             dataset_path=str(sharegpt))
             results[c] = {k: rec.get(k) for k in ("output_throughput", "median_itl_ms", "p99_itl_ms",
                                                   "median_ttft_ms", "duration", "completed")}
-            print(f"  {name} c={c}: {rec['output_throughput']:.1f} tok/s, median ITL {rec['median_itl_ms']:.2f} ms",
+            # the server's own decode rate at this level, prefill excluded: a short wave's output tok/s moves
+            # with how the prompts fell into prefill batches (session 55: one extra round, 0.94x at 128)
+            results[c]["decode_only_tok_s"] = decode_throughput(
+                level_log(log, before), min_running=max(1, int(0.9 * c)))["median_tok_s"]
+            print(f"  {name} c={c}: {rec['output_throughput']:.1f} tok/s, median ITL {rec['median_itl_ms']:.2f} ms, "
+                  f"median TTFT {rec['median_ttft_ms']:.0f} ms, decode-only {results[c]['decode_only_tok_s']} tok/s",
                   flush=True)
             first_level_s = first_level_s or time.time() - t0
     text = log.read_text(errors="replace")
@@ -205,6 +212,13 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
             "hooks_applied": [m.group(0) for ln in mine for m in [HOOKS_APPLIED.search(ln)] if m],
             "swapab_ours_lines": [ln for ln in mine if "swapab: MoE" in ln and "-> ours" in ln],
             "dense_ours_lines": [ln for ln in mine if "dense linear M=" in ln and "-> ours" in ln]}
+
+
+def level_log(log: Path, offset: int) -> str:
+    """The server log written since `offset` bytes: one level's lines."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
 
 
 def arm_fits(left_s: float, last: dict) -> bool:
@@ -232,9 +246,12 @@ def compare(arms: list[dict]) -> dict:
         for c, off in by[base]["levels"].items():
             on = by[name]["levels"].get(c)
             if on:
-                out.setdefault(name, {})[str(c)] = {
+                pair = out.setdefault(name, {})[str(c)] = {
                     "output_throughput_ratio": on["output_throughput"] / off["output_throughput"],
                     "median_itl_ratio": on["median_itl_ms"] / off["median_itl_ms"]}
+                for key, ratio in (("decode_only_tok_s", "decode_only_ratio"), ("median_ttft_ms", "median_ttft_ratio")):
+                    if on.get(key) and off.get(key):  # records before session 55 have no decode-only rate
+                        pair[ratio] = on[key] / off[key]
     return out
 
 

@@ -1,6 +1,8 @@
 """swapab_e2e.py's arm bookkeeping: repeated arms get their own label and pair with the 'off' of their repeat."""
 from __future__ import annotations
 
+import pytest
+
 from repo_scripts import load_script
 
 e2e = load_script("benchmark/serving/swapab_e2e.py")
@@ -18,6 +20,26 @@ def test_repeated_arms_are_labelled_and_paired():
     assert ratios["sbo#2"]["32"] == {"output_throughput_ratio": 1.2, "median_itl_ratio": 0.75}  # off#2, not off
     assert ratios["forced#3"]["32"]["output_throughput_ratio"] == 2.0  # no off#3: the first off
     assert set(ratios) == {"sbo", "sbo#2", "forced#3"}
+
+
+def test_decode_only_and_ttft_ratios_where_both_arms_have_them(tmp_path):
+    """The server log's decode rate (prefill excluded) and the TTFT are paired beside the bench's output tok/s;
+    a level without them (records before session 55, or no steady log line) keeps the two bench ratios alone."""
+    off, on = arm("off", 100.0, 20.0), arm("on", 90.0, 18.0)
+    off["levels"]["32"].update(decode_only_tok_s=1000.0, median_ttft_ms=200.0)
+    on["levels"]["32"].update(decode_only_tok_s=1100.0, median_ttft_ms=300.0)
+    assert e2e.compare([off, on])["on"]["32"] == pytest.approx({
+        "output_throughput_ratio": 0.9, "median_itl_ratio": 0.9, "decode_only_ratio": 1.1, "median_ttft_ratio": 1.5})
+    on["levels"]["32"]["decode_only_tok_s"] = None
+    assert set(e2e.compare([off, on])["on"]["32"]) == {"output_throughput_ratio", "median_itl_ratio",
+                                                       "median_ttft_ratio"}
+    # one level's lines: what the log gained after the offset taken before its bench
+    log = tmp_path / "server.log"
+    log.write_text("warm-up line\n")
+    offset = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("level line\n")
+    assert e2e.level_log(log, offset) == "level line\n"
 
 
 def test_fp8_gemm_backend_replaces_the_flag_and_sets_deepgemms_jit(tmp_path):
