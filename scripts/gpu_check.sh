@@ -45,8 +45,9 @@
 #     then swapab_e2e.py --arms SBO_ARMS (default off sbo; "off sbo off sbo" repeats the pair; sbo+on+cap caps at
 #     SBO_E2E_SHARED_SMS, default swapab_e2e's 32) at SBO_CONC (default 16 32) -> $OUT/sbo_e2e.json (the e2e starts
 #     only with more than 300 s left)
-#   (decodeprof) benchmark/serving/decode_profile.py: torch-profiler kernels of steady decode steps per attention
-#     backend (DECODEPROF_MODEL, default dsv3-ep16-slice; DECODEPROF_ARGS, e.g. "--arms ours flashmla-fp8 --batch 32")
+#   (decodeprof) benchmark/serving/decode_profile.py: torch-profiler kernels of steady decode steps per arm: an
+#     attention backend, optionally with plugin features on (DECODEPROF_MODEL, default dsv3-ep16-slice;
+#     DECODEPROF_ARGS, e.g. "--arms ours flashmla-fp8 --batch 32" or "--arms ours ours+swapab --batch 4")
 #     -> $OUT/decode_profile.json (the traces stay on the host)
 #   (observe) benchmark/serving/observe_overhead.py: one server, observation flipped on/off in windows
 #   (overhead ratio + CI, stage sum vs step time, /metrics series) -> $OUT/observe_overhead.json
@@ -314,7 +315,7 @@ if [[ " $STEPS " == *" observe "* ]] && [ "$(left)" -gt 150 ]; then
   (cd /tmp/observe && tar -cJf "$OUT/observe_logs.tar.xz" server.log dump control ./*.log 2>/dev/null)
 fi
 if [[ " $STEPS " == *" decodeprof "* ]] && [ "$(left)" -gt 150 ]; then  # traces stay here: only the summary returns
-  say "decode-step profile per attention backend on ${DECODEPROF_MODEL:-dsv3-ep16-slice} ${DECODEPROF_ARGS:-}"
+  say "decode-step profile per arm on ${DECODEPROF_MODEL:-dsv3-ep16-slice} ${DECODEPROF_ARGS:-}"
   timeout $(( $(left) - 20 )) python3 benchmark/serving/decode_profile.py --model /tmp/models/${DECODEPROF_MODEL:-dsv3-ep16-slice} \
     --out /tmp/decode_profile ${DECODEPROF_ARGS:-} 2>&1 | tee "$OUT/decode_profile.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1

@@ -13,7 +13,7 @@ it stops by itself), and the trace is summarised per step: the GPU kernel time, 
 to last end; a span well above the kernel time is host or launch gaps), the launches, the top kernels and CPU ops.
 The kernels are then compared with the first arm's. Traces stay in OUT/<arm>/.
 
-usage: decode_profile.py --model DIR --out DIR [--arms ours flashmla-fp8] [--batch 32] [--steps 20]
+usage: decode_profile.py --model DIR --out DIR [--arms ours flashmla-fp8 | ours ours+swapab] [--batch 32] [--steps 20]
 """
 from __future__ import annotations
 
@@ -34,6 +34,31 @@ from fp8_mla_e2e import HOST_ENV, PHASES, SERVER_ARGS
 from trace_summary import compare, load_trace, summarize, wait_for_traces
 
 STAGE = "DECODE"  # SGLang's per-stage profiler names the decode trace <profile_id>-TP-0-DECODE.trace.json.gz
+FEATURE_ENV = {"swapab": {"SGLANG_H20_SWAPAB": "on"}, "sbo": {"SGLANG_H20_SBO": "on"}}  # "+name" on an arm
+
+
+def arm_setup(name: str) -> tuple[list[str], dict]:
+    """(server flags, env) of an arm: one of fp8_mla_e2e.py's phases, optionally with plugin features on, e.g.
+    'ours+swapab' (the step's dense and MoE GEMMs are most of it at small batches: session 55)."""
+    phase, *features = name.split("+")
+    if phase not in PHASES:
+        raise ValueError(f"unknown arm {name!r}: the phase before '+' is one of {', '.join(PHASES)}")
+    flags, env, _ = PHASES[phase]
+    unknown = [f for f in features if f not in FEATURE_ENV]
+    if unknown:
+        raise ValueError(f"unknown feature {unknown[0]!r} in arm {name!r} (known: {', '.join(FEATURE_ENV)})")
+    if features and env.get("SGLANG_PLUGINS") == "__none__":
+        raise ValueError(f"arm {name!r}: phase {phase!r} runs without the plugin, so '+{features[0]}' would do nothing")
+    return flags, {**env, **{k: v for f in features for k, v in FEATURE_ENV[f].items()}}
+
+
+def arm_name(text: str) -> str:
+    """argparse type for --arms: the name as given, once arm_setup accepts it."""
+    try:
+        arm_setup(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def all_decoding(log_text: str, batch: int) -> bool:
@@ -49,7 +74,7 @@ def kernel_span_ms(events: list[dict]) -> float:
 
 
 def profile_arm(name: str, args, port: int) -> dict:
-    flags, env, _ = PHASES[name]
+    flags, env = arm_setup(name)
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     log = out / "server.log"
@@ -113,9 +138,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="model folder (scripts/make_model.py's, dummy weights)")
     ap.add_argument("--out", type=Path, required=True,
                     help="output folder: decode_profile.json, each arm's server log and trace under OUT/<arm>/")
-    ap.add_argument("--arms", nargs="+", default=["ours", "flashmla-fp8"], choices=list(PHASES),
-                    help="attention backends (fp8_mla_e2e.py's phases); the first is the one compared (default: "
-                         "%(default)s)")
+    ap.add_argument("--arms", nargs="+", default=["ours", "flashmla-fp8"], type=arm_name,
+                    help="attention backends (fp8_mla_e2e.py's phases: " + ", ".join(PHASES) + "), each optionally "
+                         "with plugin features on: 'ours+swapab', 'ours+swapab+sbo'; the first arm is the one "
+                         "compared (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=32, help="requests decoding together (default: %(default)s)")
     ap.add_argument("--input-len", type=int, default=1024, help="prompt tokens each (default: %(default)s)")
     ap.add_argument("--output-len", type=int, default=512,

@@ -73,6 +73,7 @@ class FakeServer:
 
     def __init__(self, model, args, log, env=None, port=0, ready_timeout_s=0):
         self.log, self.start_s = Path(log), 1.0
+        FakeServer.started = (list(args), dict(env or {}))
 
     def __enter__(self):
         self.log.write_text("")
@@ -108,6 +109,29 @@ def test_profile_arm_profiles_decode_steps_once_all_requests_decode(tmp_path, mo
     assert rec["gpu_kernel_ms_per_step"] == pytest.approx(0.03)  # 60 us over 2 steps
     assert rec["gpu_span_ms_per_step"] == pytest.approx(0.02)  # 0 to 40 us (the second kernel inside the first)
     assert rec["kernels"][0]["name"] == "mla"
+
+
+def test_an_arm_adds_plugin_features_to_a_phase_that_loads_the_plugin(tmp_path, monkeypatch, capsys):
+    """'ours+swapab' is the ours phase with swapAB on (the GEMMs are most of a small batch's step); a feature on
+    a phase that runs without the plugin, or one not known, stops at parse time with the reason."""
+    ours_flags, ours_env, _ = decode.PHASES["ours"]
+    assert decode.arm_setup("ours") == (ours_flags, ours_env)
+    assert decode.arm_setup("ours+swapab+sbo") == (ours_flags, {**ours_env, "SGLANG_H20_SWAPAB": "on",
+                                                                 "SGLANG_H20_SBO": "on"})
+    for bad, why in (("flashmla-fp8+swapab", "runs without the plugin"), ("ours+fast", "unknown feature 'fast'"),
+                     ("nope", "unknown arm 'nope'")):
+        with pytest.raises(ValueError, match=why):
+            decode.arm_setup(bad)
+        with pytest.raises(SystemExit):
+            decode.main(["--model", "m", "--out", str(tmp_path), "--arms", "ours", bad])
+        assert why in capsys.readouterr().err
+    FakeServer.done = threading.Event()
+    monkeypatch.setattr(decode, "Server", FakeServer)
+    args = decode.argparse.Namespace(model="m", out=tmp_path, batch=4, input_len=8, output_len=100, steps=2,
+                                     server_args="--load-format dummy", wait_s=20, ready_timeout_s=5)
+    rec = decode.profile_arm("ours+swapab", args, port=1)
+    assert FakeServer.started == (["--load-format", "dummy", *ours_flags], {**ours_env, "SGLANG_H20_SWAPAB": "on"})
+    assert rec["env"] == {**ours_env, "SGLANG_H20_SWAPAB": "on"} and (tmp_path / "ours+swapab" / "server.log").exists()
 
 
 def test_cli_refuses_too_few_output_tokens(tmp_path, capsys):
