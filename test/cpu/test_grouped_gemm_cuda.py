@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,61 @@ def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
         kw["form"] = "128x192-sm"
     with pytest.raises(ValueError, match=message):
         ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, **kw)
+
+
+@pytest.mark.parametrize("a_shape, masked, message", [((3, 4, 256), True, "masked a must be"),
+                                                      ((2, 4, 256), False, "contiguous a must be")])
+def test_the_layout_and_a_must_agree(a_shape, masked, message, monkeypatch):
+    """Masked: a is [groups, max_m, K] (here 3 groups of a for 2 experts); contiguous: a is [M, K]."""
+    monkeypatch.setattr(ggc, "_load", lambda *_: pytest.fail("built or loaded for bad operands"))
+    _, _, b, b_s, indptr = _operands()
+    a = torch.zeros(*a_shape, dtype=torch.float8_e4m3fn)
+    a_s = torch.ones(*a_shape[:-1], 2)
+    kw = {"masked_m": torch.tensor([4, 4], dtype=torch.int32)} if masked else {"m_indptr": indptr}
+    with pytest.raises(ValueError, match=message):
+        ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, **kw)
+
+
+class FakeLib:
+    """Records what the launcher passes to the CUDA library."""
+    def __init__(self):
+        self.calls = []
+
+    def grouped_gemm_fp8_sm90(self, *args):
+        self.calls.append(args)
+        return 0
+
+
+def test_the_launch_gets_the_rows_the_layout_and_the_scale_strides(monkeypatch):
+    """Contiguous: rows = M, max_m 0, a_scale's strides behind a 0 group stride; masked: rows = G * max_m, max_m,
+    a_scale's own 3-D strides; no rows: the output comes back without a launch."""
+    lib = FakeLib()
+    monkeypatch.setattr(ggc, "_load", lambda *_: lib)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: types.SimpleNamespace(cuda_stream=7))
+    a, a_s, b, b_s, indptr = _operands()
+    out = ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, m_indptr=indptr, num_sms=5)
+    assert out.shape == (8, 256) and out.dtype == torch.bfloat16
+    given = torch.empty(8, 256, dtype=torch.bfloat16)
+    assert ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, m_indptr=indptr, out=given, num_sms=5) is given
+    args = lib.calls[-1]
+    assert args[7] == given.data_ptr()
+    assert args[2:5] == (0, *a_s.stride())  # the scale strides: group, row, K block
+    assert args[10:] == (8, 2, 0, 256, 256, 5, ggc.FORMS.index(ggc.DEFAULT_FORM), 7)
+    mn = ggc.mn_major(a_s)
+    assert torch.equal(mn, a_s) and mn.stride() == (1, 8)  # the same values, the rows contiguous per K block
+    ggc.m_grouped_fp8_gemm_nt_cuda(a, mn, b, b_s, m_indptr=indptr, num_sms=5)
+    assert lib.calls[-1][2:5] == (0, 1, 8)
+    am = torch.zeros(2, 4, 256, dtype=torch.float8_e4m3fn)
+    am_s = torch.ones(2, 4, 2)
+    out = ggc.m_grouped_fp8_gemm_nt_cuda(am, am_s, b, b_s, masked_m=torch.tensor([4, 1], dtype=torch.int32),
+                                         num_sms=5)
+    assert out.shape == (2, 4, 256)
+    args = lib.calls[-1]
+    assert args[2:5] == am_s.stride() and args[10:13] == (8, 2, 4)
+    calls = len(lib.calls)
+    empty = ggc.m_grouped_fp8_gemm_nt_cuda(a[:0], a_s[:0], b, b_s, m_indptr=torch.zeros(3, dtype=torch.int32),
+                                           num_sms=5)
+    assert empty.shape == (0, 256) and len(lib.calls) == calls
 
 
 def test_unavailable_without_a_gpu_says_why(monkeypatch):
