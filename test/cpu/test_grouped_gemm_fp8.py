@@ -436,6 +436,13 @@ def test_rejects_bad_operands():
         gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, variant="fast")
     with pytest.raises(ValueError):
         gg.fp8_gemm_nt(a, a_s, b[0], b_s[0], split_k=3)  # K/128 = 2 is not divisible by 3
+    # masked: a is [G, max_m, K] with G = b's experts
+    am, am_s = activations((3, 2, 256), seed=3)
+    mm = torch.tensor([2, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"a must be \[G=2, max_m, K\], got \(3, 2, 256\)"):
+        gg.m_grouped_fp8_gemm_nt_masked(am, am_s, b, b_s, mm)
+    with pytest.raises(ValueError, match="masked_m must be int32"):
+        gg.m_grouped_fp8_gemm_nt_masked(am[:2], am_s[:2], b, b_s, mm.long())
 
 
 # ---------------------------------------------------------------------------------------------
