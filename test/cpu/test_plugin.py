@@ -126,8 +126,8 @@ def test_bad_flag_values_are_rejected_with_a_clear_message(argv, message):
 
 
 def test_the_dummy_models_tokenizer_agrees_with_its_config(tmp_path):
-    """The generated tokenizer puts the config's BOS id first, ends on its EOS id, and allows the config's context:
-    SGLang reads the ids from config.json / generation_config.json and the rest from the tokenizer."""
+    """The generated tokenizer puts the config's BOS id first, names the config's EOS id as its own, and allows the
+    config's context: SGLang reads the ids from config.json / generation_config.json and the rest from the tokenizer."""
     from transformers import AutoTokenizer
 
     from sglang_h20 import models
