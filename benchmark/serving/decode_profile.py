@@ -28,7 +28,9 @@ from pathlib import Path
 
 from sglang_h20 import provenance
 from sglang_h20.models import random_words
-from sglang_h20.nightly.serving import DECODE_LINE, Server, graphs_up_to, stop_servers_on_sigterm, with_mem_fraction
+from sglang_h20.nightly.serving import (
+    DECODE_LINE, Server, graphs_up_to, log_since, stop_servers_on_sigterm, with_mem_fraction,
+)
 
 from fp8_mla_e2e import HOST_ENV, PHASES, SERVER_ARGS
 from trace_summary import compare, load_trace, summarize, wait_for_traces
@@ -91,10 +93,8 @@ def profile_arm(name: str, args, port: int) -> dict:
         worker.start()
         deadline = time.time() + args.wait_s
         while time.time() < deadline:
-            with open(log, errors="replace") as f:
-                f.seek(mark)
-                if all_decoding(f.read(), args.batch):
-                    break
+            if all_decoding(log_since(log, mark), args.batch):
+                break
             time.sleep(0.2)
         else:
             rec["error"] = f"never saw {args.batch} requests decoding within {args.wait_s:.0f}s"

@@ -62,7 +62,7 @@ from sglang_h20 import provenance
 from sglang_h20.cliargs import read_json
 from sglang_h20.models import random_words
 from sglang_h20.nightly.serving import (
-    Server, decode_throughput, graphs_up_to, output_ids, prefill_tokens, stop_servers_on_sigterm, tail,
+    Server, decode_throughput, graphs_up_to, log_since, output_ids, prefill_tokens, stop_servers_on_sigterm, tail,
     with_mem_fraction, write_sharegpt,
 )
 
@@ -220,9 +220,7 @@ def run_phase(name: str, args, port: int, sharegpt: Path, clock: Clock, measured
                     break
                 continue
             measured[w] = max(measured.get(w, 0.0), time.time() - tb)
-            with open(log, errors="replace") as f:
-                f.seek(before)
-                new_log = f.read()
+            new_log = log_since(log, before)
             rec["benches"][w] = {**{k: r.get(k) for k in ("output_throughput", "input_throughput",
                                                            "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
                                                            "median_ttft_ms", "p99_ttft_ms", "duration",

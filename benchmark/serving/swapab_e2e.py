@@ -44,7 +44,9 @@ from plugin_parity import HOOKS_APPLIED, PLUGIN_MARK  # same directory
 
 from sglang_h20 import provenance
 from sglang_h20.gputime import graph_median_us
-from sglang_h20.nightly.serving import Server, decode_throughput, graphs_up_to, with_mem_fraction, write_sharegpt
+from sglang_h20.nightly.serving import (
+    Server, decode_throughput, graphs_up_to, log_since, with_mem_fraction, write_sharegpt,
+)
 
 SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-backend pytorch "
                "--moe-runner-backend triton --fp8-gemm-backend triton --grammar-backend none "
@@ -199,7 +201,7 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
             # the server's own decode rate at this level, prefill excluded: a short wave's output tok/s moves
             # with how the prompts fell into prefill batches (session 55: one extra round, 0.94x at 128)
             results[c]["decode_only_tok_s"] = decode_throughput(
-                level_log(log, before), min_running=max(1, int(0.9 * c)))["median_tok_s"]
+                log_since(log, before), min_running=max(1, int(0.9 * c)))["median_tok_s"]
             print(f"  {name} c={c}: {rec['output_throughput']:.1f} tok/s, median ITL {rec['median_itl_ms']:.2f} ms, "
                   f"median TTFT {rec['median_ttft_ms']:.0f} ms, decode-only {results[c]['decode_only_tok_s']} tok/s",
                   flush=True)
@@ -212,13 +214,6 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
             "hooks_applied": [m.group(0) for ln in mine for m in [HOOKS_APPLIED.search(ln)] if m],
             "swapab_ours_lines": [ln for ln in mine if "swapab: MoE" in ln and "-> ours" in ln],
             "dense_ours_lines": [ln for ln in mine if "dense linear M=" in ln and "-> ours" in ln]}
-
-
-def level_log(log: Path, offset: int) -> str:
-    """The server log written since `offset` bytes: one level's lines."""
-    with open(log, "rb") as f:
-        f.seek(offset)
-        return f.read().decode(errors="replace")
 
 
 def arm_fits(left_s: float, last: dict) -> bool:

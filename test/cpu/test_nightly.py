@@ -294,6 +294,20 @@ FULL_POOL_LOG = """\
 """
 
 
+def test_log_since_is_one_bench_s_lines_even_mid_character(tmp_path):
+    """A bench's lines are what the server log gained after its size before the bench; a byte offset that splits a
+    UTF-8 character (a log line with a prompt's text) gives a replacement character, not an error."""
+    log = tmp_path / "server.log"
+    log.write_text("warm-up \u00e9\n", encoding="utf-8")
+    before = log.stat().st_size
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(LOG)
+    assert serving.log_since(log, before) == LOG
+    whole = serving.log_since(log, 0)  # the warm-up line is no decode line: the same rate as the bench's alone
+    assert whole.startswith("warm-up") and serving.decode_throughput(whole, 48) == serving.decode_throughput(LOG, 48)
+    assert serving.log_since(log, before - 2).startswith("\ufffd\n")  # inside the two bytes of the e-acute
+
+
 def test_decode_throughput_says_why_a_run_had_no_steady_lines():
     d = serving.decode_throughput(FULL_POOL_LOG, min_running=115)
     assert d == {"lines": 4, "steady_lines": 0, "median_tok_s": None,

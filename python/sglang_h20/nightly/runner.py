@@ -196,7 +196,7 @@ def bench_point(server, pid: str, p, params: dict, repeats: int, sharegpt: Path,
             result = server.bench(bench_dir / f"{pid.replace('/', '_')}.r{r}.jsonl", num_prompts=p.num_prompts,
                                   input_len=p.input_len, output_len=p.output_len, concurrency=p.concurrency,
                                   dataset_path=str(sharegpt))
-            new_log = _read_from(server.log_path, before)
+            new_log = serving.log_since(server.log_path, before)
         except Exception as e:
             point["error"] = f"repeat {r + 1}: {type(e).__name__}: {e}"
             _progress(t0, f"{pid} FAILED: {point['error']}")
@@ -226,12 +226,6 @@ def _size(path: Path) -> int:
     except OSError:
         return 0
 
-
-def _read_from(path: Path, offset: int) -> str:
-    """The part of a log written after byte `offset`."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read().decode(errors="replace")
 
 
 def _fmt(values: dict[str, float]) -> str:

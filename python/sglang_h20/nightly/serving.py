@@ -267,6 +267,13 @@ def tail(path: Path, n: int) -> str:
         return ""
 
 
+def log_since(path: Path, offset: int) -> str:
+    """The part of a log written after byte `offset` (its size before a bench: that bench's lines)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
 def output_ids(response: dict) -> list[int]:
     """The generated token ids of a /generate response (SGLang puts them at the top level)."""
     ids = response.get("output_ids")
