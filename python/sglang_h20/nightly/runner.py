@@ -227,6 +227,5 @@ def _size(path: Path) -> int:
         return 0
 
 
-
 def _fmt(values: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:.4g}" for k, v in values.items())
