@@ -13,7 +13,8 @@ it stops by itself), and the trace is summarised per step: the GPU kernel time, 
 to last end; a span well above the kernel time is host or launch gaps), the launches, the top kernels and CPU ops.
 The kernels are then compared with the first arm's. Traces stay in OUT/<arm>/.
 
-usage: decode_profile.py --model DIR --out DIR [--arms ours flashmla-fp8 | ours ours+swapab] [--batch 32] [--steps 20]
+usage: decode_profile.py --model DIR --out DIR [--arms ours flashmla-fp8 | ours ours+swapab] [--table FILE]
+                         [--batch 32] [--steps 20]
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from sglang_h20 import provenance
 from sglang_h20.models import random_words
+from sgl_kernel_ext.gemm_table import TABLE_ENV
 from sglang_h20.nightly.serving import (
     DECODE_LINE, Server, graphs_up_to, log_since, stop_servers_on_sigterm, with_mem_fraction,
 )
@@ -39,9 +41,10 @@ STAGE = "DECODE"  # SGLang's per-stage profiler names the decode trace <profile_
 FEATURE_ENV = {"swapab": {"SGLANG_H20_SWAPAB": "on"}, "sbo": {"SGLANG_H20_SBO": "on"}}  # "+name" on an arm
 
 
-def arm_setup(name: str) -> tuple[list[str], dict]:
+def arm_setup(name: str, table: Path | None = None) -> tuple[list[str], dict]:
     """(server flags, env) of an arm: one of fp8_mla_e2e.py's phases, optionally with plugin features on, e.g.
-    'ours+swapab' (the step's dense and MoE GEMMs are most of it at small batches: session 55)."""
+    'ours+swapab' (the step's dense and MoE GEMMs are most of it at small batches: session 55). table: the
+    grouped-GEMM table a '+swapab' arm uses instead of the one the plugin finds for this GPU."""
     phase, *features = name.split("+")
     if phase not in PHASES:
         raise ValueError(f"unknown arm {name!r}: the phase before '+' is one of {', '.join(PHASES)}")
@@ -51,7 +54,10 @@ def arm_setup(name: str) -> tuple[list[str], dict]:
         raise ValueError(f"unknown feature {unknown[0]!r} in arm {name!r} (known: {', '.join(FEATURE_ENV)})")
     if features and env.get("SGLANG_PLUGINS") == "__none__":
         raise ValueError(f"arm {name!r}: phase {phase!r} runs without the plugin, so '+{features[0]}' would do nothing")
-    return flags, {**env, **{k: v for f in features for k, v in FEATURE_ENV[f].items()}}
+    env = {**env, **{k: v for f in features for k, v in FEATURE_ENV[f].items()}}
+    if table is not None and "swapab" in features:
+        env[TABLE_ENV] = str(Path(table).resolve())
+    return flags, env
 
 
 def arm_name(text: str) -> str:
@@ -76,7 +82,7 @@ def kernel_span_ms(events: list[dict]) -> float:
 
 
 def profile_arm(name: str, args, port: int) -> dict:
-    flags, env = arm_setup(name)
+    flags, env = arm_setup(name, args.table)
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     log = out / "server.log"
@@ -147,6 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=512,
                     help="tokens each generates; enough to outlast the profiled steps (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps profiled (default: %(default)s)")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="grouped-GEMM table the '+swapab' arms use (default: the one the plugin finds for this GPU; "
+                         "elsewhere than the table's GPU swapAB falls back to upstream, so name one to profile it)")
     ap.add_argument("--server-args", default=None,
                     help="server flags, one string (default: fp8_mla_e2e.py's, decode graphs up to --batch)")
     ap.add_argument("--mem-fraction-static", type=float, default=None,
@@ -159,6 +168,11 @@ def main(argv=None) -> int:
     if args.output_len < 4 * args.steps:
         ap.error(f"--output-len {args.output_len} is too short to decode through {args.steps} profiled steps "
                  f"after all {args.batch} requests are in (use at least {4 * args.steps})")
+    if args.table is not None:
+        if not args.table.is_file():
+            ap.error(f"--table {args.table}: no such file")
+        if not any("swapab" in a.split("+")[1:] for a in args.arms):
+            ap.error("--table is read only by '+swapab' arms, and none is asked for")
     if args.server_args is None:
         args.server_args = with_mem_fraction(graphs_up_to(SERVER_ARGS, args.batch), args.mem_fraction_static)
     for k, v in HOST_ENV.items():  # as fp8_mla_e2e.py: the host's own settings win

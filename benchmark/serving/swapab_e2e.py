@@ -44,6 +44,7 @@ from plugin_parity import HOOKS_APPLIED, PLUGIN_MARK  # same directory
 
 from sglang_h20 import provenance
 from sglang_h20.gputime import graph_median_us
+from sgl_kernel_ext.gemm_table import TABLE_ENV
 from sglang_h20.nightly.serving import (
     Server, decode_throughput, graphs_up_to, log_since, with_mem_fraction, write_sharegpt,
 )
@@ -53,7 +54,6 @@ SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-back
                "--mem-fraction-static 0.6")  # + decode graphs up to the largest --concurrency
 BASE_ENV = {"SGL_KERNEL_FLASHINFER": "0", "SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK": "1",
             "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
-TABLE_ENV = "SGLANG_H20_GEMM_TABLE"
 ARMS = ("off", "on", "forced", "moe-only", "sbo", "sbo+on", "sbo+on+cap")  # --arms (module doc)
 
 

@@ -50,14 +50,17 @@ def _gpu_key(gpu_name: str) -> str:
     return key[0] if key else "unknown"
 
 
+TABLE_ENV = "SGLANG_H20_GEMM_TABLE"  # a table file that overrides the lookup (A/B runs, tests)
+
+
 def table_path(gpu_name: str) -> Path:
     """The shipped table: tables/grouped_gemm_<gpu>.json ('NVIDIA H200' -> grouped_gemm_h200.json,
     'NVIDIA H20' -> grouped_gemm_h20.json).
 
     SGLANG_H20_GEMM_TABLE=<file> overrides (for A/B runs and tests).
     """
-    if os.environ.get("SGLANG_H20_GEMM_TABLE"):
-        return Path(os.environ["SGLANG_H20_GEMM_TABLE"])
+    if os.environ.get(TABLE_ENV):
+        return Path(os.environ[TABLE_ENV])
     return _table_dir() / f"grouped_gemm_{_gpu_key(gpu_name)}.json"
 
 
@@ -83,7 +86,7 @@ def _find(gpu_name: str) -> tuple[Path | None, float]:
     environment reads and two stat calls per call cost more host time than the launch (~140 us with the lookup,
     here). A new SGLANG_H20_GEMM_TABLE counts at once; a new cache root (XDG_CACHE_HOME, HOME) with the files."""
     now = time.monotonic()
-    override = os.environ.get("SGLANG_H20_GEMM_TABLE")
+    override = os.environ.get(TABLE_ENV)
     hit = _found.get((gpu_name, override))
     if hit is not None and now - hit[0] < TABLE_RECHECK_S:
         return hit[1], hit[2]

@@ -101,7 +101,8 @@ def test_profile_arm_profiles_decode_steps_once_all_requests_decode(tmp_path, mo
     FakeServer.done = threading.Event()
     monkeypatch.setattr(decode, "Server", FakeServer)
     args = decode.argparse.Namespace(model="m", out=tmp_path, batch=4, input_len=8, output_len=100, steps=2,
-                                     server_args="--load-format dummy", wait_s=20, ready_timeout_s=5)
+                                     server_args="--load-format dummy", wait_s=20, ready_timeout_s=5,
+                                     table=None)
     rec = decode.profile_arm("ours", args, port=1)
     path, body = FakeServer.posts[-1]
     assert path == "/start_profile" and body["num_steps"] == 2 and body["profile_by_stage"]
@@ -128,10 +129,28 @@ def test_an_arm_adds_plugin_features_to_a_phase_that_loads_the_plugin(tmp_path, 
     FakeServer.done = threading.Event()
     monkeypatch.setattr(decode, "Server", FakeServer)
     args = decode.argparse.Namespace(model="m", out=tmp_path, batch=4, input_len=8, output_len=100, steps=2,
-                                     server_args="--load-format dummy", wait_s=20, ready_timeout_s=5)
+                                     server_args="--load-format dummy", wait_s=20, ready_timeout_s=5,
+                                     table=None)
     rec = decode.profile_arm("ours+swapab", args, port=1)
     assert FakeServer.started == (["--load-format", "dummy", *ours_flags], {**ours_env, "SGLANG_H20_SWAPAB": "on"})
     assert rec["env"] == {**ours_env, "SGLANG_H20_SWAPAB": "on"} and (tmp_path / "ours+swapab" / "server.log").exists()
+
+
+def test_a_named_table_reaches_only_the_swapab_arms(tmp_path, capsys):
+    """--table profiles swapAB on a GPU whose shipped table is another's: the '+swapab' arms get it as
+    SGLANG_H20_GEMM_TABLE, the others do not; a missing file, or no '+swapab' arm to read it, stops at parse time."""
+    table = tmp_path / "t.json"
+    table.write_text("{}")
+    ours_flags, ours_env, _ = decode.PHASES["ours"]
+    assert decode.arm_setup("ours", table) == (ours_flags, ours_env)
+    assert decode.arm_setup("ours+swapab", table)[1] == {**ours_env, "SGLANG_H20_SWAPAB": "on",
+                                                         decode.TABLE_ENV: str(table.resolve())}
+    assert decode.TABLE_ENV == "SGLANG_H20_GEMM_TABLE"
+    for arms, table_arg, why in ((["ours", "ours+swapab"], tmp_path / "none.json", "no such file"),
+                                 (["ours", "ours+sbo"], table, "none is asked for")):
+        with pytest.raises(SystemExit):
+            decode.main(["--model", "m", "--out", str(tmp_path), "--arms", *arms, "--table", str(table_arg)])
+        assert why in capsys.readouterr().err
 
 
 def test_cli_refuses_too_few_output_tokens(tmp_path, capsys):
