@@ -36,7 +36,8 @@ ON = {  # the one switch that asks for each feature
     "observe": {"SGLANG_H20_OBSERVE": "0.01"},
 }
 H200 = compat.Gpu("NVIDIA H200", (9, 0), 140.0)
-H100 = compat.Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80.0)  # Hopper, but no shipped table of ours
+H100 = compat.Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80.0)  # Hopper, with a grouped-GEMM table but no MHA/MLA one
+H800 = compat.Gpu("NVIDIA H800", (9, 0), 80.0)  # Hopper, no shipped table of ours
 B200 = compat.Gpu("NVIDIA B200", (10, 0), 180.0)
 A100 = compat.Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80.0)
 
@@ -228,11 +229,18 @@ def test_sbo_on_a_gpu_that_is_not_sm90(activate):
     assert not any("hides 12-30% of the combine" in ln for ln in lines)
 
 
-@pytest.mark.parametrize("gpu", [H100, compat.Gpu("NVIDIA H20", (9, 0), 96.0), B200])
+@pytest.mark.parametrize("gpu", [H800, compat.Gpu("NVIDIA H20", (9, 0), 96.0), B200])
 def test_swapab_on_a_gpu_without_a_table(activate, gpu):
     """Was: the module's 'no grouped-GEMM table' line, then 'swapab: on (...; 0 hook(s))' (so on an H20, too)."""
     d, lines, reg = activate(ON["swapab"], gpu=gpu)
     assert_one_fallback_line("swapab", d, lines, reg, f"no grouped-GEMM table for {gpu.name}", "--tune")
+
+
+def test_swapab_on_an_h100_reads_its_own_table(activate):
+    """Since session 56 the H100 has a measured table: swapAB turns on there and names it (not the H200's)."""
+    d, lines, reg = activate(ON["swapab"], gpu=H100)
+    sw = lines_of("swapab", lines)
+    assert d["swapab"].on and len(sw) == 2 and "grouped_gemm_h100.json" in sw[1] and "h200" not in sw[1]
 
 
 def test_mha_mla_se_policy_on_a_gpu_without_a_table(activate):
