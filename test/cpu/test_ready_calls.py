@@ -40,10 +40,11 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 def commands(step: str, env: dict[str, str]) -> list[tuple[str, list[str]]]:
-    """(script, argv) of every `python3 <script>.py ...` the step runs with this call's variables."""
+    """(script, argv) of every `python3 <script>.py ...` or `python3 -m <module> ...` the step runs with this call's
+    variables (a module as '-m <module>')."""
     out = []
     for line in STEP_BLOCKS[step].splitlines():
-        m = re.search(r'python3 ("\$b"|\S+\.py)(.*)', line)
+        m = re.search(r'python3 ("\$b"|-m \S+|\S+\.py)(.*)', line)
         if not m:
             continue
         args = expand(re.split(r" 2>&1| \| ", m.group(2))[0], env)
@@ -70,9 +71,12 @@ def parse_as_run(script: str, argv: list[str], monkeypatch) -> argparse.Namespac
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     monkeypatch.setattr(sys, "argv", [script, *argv])
-    monkeypatch.syspath_prepend(str(REPO / script.rsplit("/", 1)[0]))
     with pytest.raises(Parsed) as parsed:
-        runpy.run_path(str(REPO / script), run_name="__main__")
+        if script.startswith("-m "):
+            runpy.run_module(script[3:], run_name="__main__", alter_sys=True)
+        else:
+            monkeypatch.syspath_prepend(str(REPO / script.rsplit("/", 1)[0]))
+            runpy.run_path(str(REPO / script), run_name="__main__")
     return parsed.value.args[0]
 
 
@@ -109,5 +113,17 @@ def test_a_wrong_flag_fails_the_parse(monkeypatch):
     """The check can fail: a call with a flag the script does not have exits with argparse's error."""
     env = {"STEPS": "ncu", "NCU_ARGS": "--batch 1 --no-such-flag"}
     (script, argv), = commands("ncu", env)
+    with pytest.raises(SystemExit):
+        parse_as_run(script, argv, monkeypatch)
+
+
+def test_a_module_step_parses_with_the_module_itself(monkeypatch):
+    """`python3 -m sglang_h20 calibrate ...` (the calibrate step) is parsed by the package's own CLI: a good grid
+    parses, a bad one exits with argparse's error."""
+    (script, argv), = commands("calibrate", {"STEPS": "calibrate", "GRID": "full"})
+    assert script == "-m sglang_h20" and argv[:4] == ["calibrate", "mha-mla", "--grid", "full"]
+    with monkeypatch.context() as m:
+        assert parse_as_run(script, argv, m).grid == "full"
+    (script, argv), = commands("calibrate", {"STEPS": "calibrate", "GRID": "huge"})
     with pytest.raises(SystemExit):
         parse_as_run(script, argv, monkeypatch)
