@@ -97,12 +97,16 @@ class FakeServer:
         return "ok"
 
 
+def profile_args(out):
+    """decode_profile's parsed arguments for profile_arm against the fake server."""
+    return decode.argparse.Namespace(model="m", out=out, batch=4, input_len=8, output_len=100, steps=2,
+                                     server_args="--load-format dummy", wait_s=20, ready_timeout_s=5, table=None)
+
+
 def test_profile_arm_profiles_decode_steps_once_all_requests_decode(tmp_path, monkeypatch):
     FakeServer.done = threading.Event()
     monkeypatch.setattr(decode, "Server", FakeServer)
-    args = decode.argparse.Namespace(model="m", out=tmp_path, batch=4, input_len=8, output_len=100, steps=2,
-                                     server_args="--load-format dummy", wait_s=20, ready_timeout_s=5,
-                                     table=None)
+    args = profile_args(tmp_path)
     rec = decode.profile_arm("ours", args, port=1)
     path, body = FakeServer.posts[-1]
     assert path == "/start_profile" and body["num_steps"] == 2 and body["profile_by_stage"]
@@ -128,9 +132,7 @@ def test_an_arm_adds_plugin_features_to_a_phase_that_loads_the_plugin(tmp_path, 
         assert why in capsys.readouterr().err
     FakeServer.done = threading.Event()
     monkeypatch.setattr(decode, "Server", FakeServer)
-    args = decode.argparse.Namespace(model="m", out=tmp_path, batch=4, input_len=8, output_len=100, steps=2,
-                                     server_args="--load-format dummy", wait_s=20, ready_timeout_s=5,
-                                     table=None)
+    args = profile_args(tmp_path)
     rec = decode.profile_arm("ours+swapab", args, port=1)
     assert FakeServer.started == (["--load-format", "dummy", *ours_flags], {**ours_env, "SGLANG_H20_SWAPAB": "on"})
     assert rec["env"] == {**ours_env, "SGLANG_H20_SWAPAB": "on"} and (tmp_path / "ours+swapab" / "server.log").exists()
