@@ -27,9 +27,9 @@ import threading
 import time
 from pathlib import Path
 
+from sgl_kernel_ext.gemm_table import TABLE_ENV
 from sglang_h20 import provenance
 from sglang_h20.models import random_words
-from sgl_kernel_ext.gemm_table import TABLE_ENV
 from sglang_h20.nightly.serving import (
     DECODE_LINE, Server, graphs_up_to, log_since, stop_servers_on_sigterm, with_mem_fraction,
 )

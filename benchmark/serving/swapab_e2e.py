@@ -42,9 +42,9 @@ from pathlib import Path
 
 from plugin_parity import HOOKS_APPLIED, PLUGIN_MARK  # same directory
 
+from sgl_kernel_ext.gemm_table import TABLE_ENV
 from sglang_h20 import provenance
 from sglang_h20.gputime import graph_median_us
-from sgl_kernel_ext.gemm_table import TABLE_ENV
 from sglang_h20.nightly.serving import (
     Server, decode_throughput, graphs_up_to, log_since, with_mem_fraction, write_sharegpt,
 )
