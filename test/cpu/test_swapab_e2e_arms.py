@@ -1,6 +1,10 @@
 """swapab_e2e.py's arm bookkeeping: repeated arms get their own label and pair with the 'off' of their repeat."""
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 
 from repo_scripts import load_script
@@ -44,8 +48,6 @@ def test_fp8_gemm_backend_replaces_the_flag_and_sets_deepgemms_jit(tmp_path):
 
 
 def test_moe_only_table_drops_the_dense_entries(tmp_path):
-    import json
-
     src = tmp_path / "t.json"
     src.write_text(json.dumps({"gpu": "x", "entries": [{"layout": "dense", "m": 1}, {"layout": "masked", "m": 2},
                                                        {"m": 3}]}))
@@ -59,3 +61,127 @@ def test_an_arm_starts_only_when_the_last_ones_first_level_fits_in_the_time_left
     assert e2e.arm_fits(370.0, cold)
     assert not e2e.arm_fits(59.0, {"first_level_s": 10.0}) and e2e.arm_fits(60.0, {"first_level_s": 10.0})
     assert e2e.arm_fits(60.0, {"first_level_s": None})  # the last arm finished no level: the floor only
+
+
+class FakeServer:
+    """sglang_h20.nightly.serving.Server as run_arm uses it: each bench writes the server's decode lines (running =
+    the concurrency, gen throughput = 10 x concurrency) and returns bench_serving's numbers; the plugin's lines
+    are in the log from the start."""
+    benches: list = []
+    envs: list = []
+
+    def __init__(self, model, args, log, env=None, port=0):
+        self.log, self.start_s = Path(log), 5.0
+        FakeServer.envs.append(dict(env or {}))
+
+    def __enter__(self):
+        self.log.write_text("[sglang-h20 pid 1] hooks applied: 9/9 (x)\n"
+                            "[sglang-h20 pid 1] swapab: MoE M=4 -> ours (swapab)\n"
+                            "[sglang-h20 pid 1] swapab: dense linear M=4 N=2112 K=7168 -> ours (swapab)\n"
+                            "unrelated line -> ours\n")
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def bench(self, path, num_prompts, input_len, output_len, concurrency, dataset_path):
+        FakeServer.benches.append((Path(path).name, num_prompts, output_len, concurrency))
+        with open(self.log, "a") as f:
+            for running in (1, concurrency, concurrency):  # a ramp line below 0.9 x concurrency, then steady
+                f.write(f"Decode batch, #running-req: {running}, cuda graph: True, "
+                        f"gen throughput (token/s): {10.0 * running}\n")
+        return {"output_throughput": 5.0 * concurrency, "median_itl_ms": 20.0, "p99_itl_ms": 30.0,
+                "median_ttft_ms": 100.0, "duration": 1.0, "completed": num_prompts}
+
+
+def e2e_args(tmp_path, **kw):
+    ns = dict(out=tmp_path, model="m", server_args="--load-format dummy", base_env={"B": "1"}, input_len=256,
+              output_len=64, waves=2, min_prompts=16)
+    ns.update(kw)
+    return e2e.argparse.Namespace(**ns)
+
+
+def test_run_arm_warms_up_then_benches_each_level_and_reads_its_decode_lines(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e, "Server", FakeServer)
+    FakeServer.benches, FakeServer.envs = [], []
+    rec = e2e.run_arm("on", e2e_args(tmp_path), {"SGLANG_H20_SWAPAB": "on"}, [4, 48], 1e9, tmp_path / "s.json", 1)
+    # warm-up at the top level with 16 output tokens; then max(min_prompts, waves x c) prompts per level
+    assert FakeServer.benches == [("warmup.jsonl", 48, 16, 48), ("c4.jsonl", 16, 64, 4), ("c48.jsonl", 96, 64, 48)]
+    assert FakeServer.envs == [{"B": "1", "SGLANG_H20_SWAPAB": "on"}]
+    assert list(rec["levels"]) == [4, 48] and rec["levels"][48]["output_throughput"] == 240.0
+    # each level's own lines, the ramp line (1 running) left out: not the warm-up's, not the other level's
+    assert rec["levels"][4]["decode_only_tok_s"] == 40.0 and rec["levels"][48]["decode_only_tok_s"] == 480.0
+    assert rec["server_start_s"] == 5.0 and 0 <= rec["first_level_s"] <= rec["wall_s"]
+    assert rec["hooks_applied"] == ["hooks applied: 9/9"] and len(rec["plugin_log_lines"]) == 3
+    assert rec["swapab_ours_lines"] == ["[sglang-h20 pid 1] swapab: MoE M=4 -> ours (swapab)"]
+    assert len(rec["dense_ours_lines"]) == 1 and "dense linear M=4" in rec["dense_ours_lines"][0]
+
+
+def test_run_arm_stops_after_its_first_level_once_its_budget_is_spent(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(e2e, "Server", FakeServer)
+    FakeServer.benches = []
+    rec = e2e.run_arm("off", e2e_args(tmp_path), {}, [4, 48, 128], 0.0, tmp_path / "s.json", 1)
+    assert list(rec["levels"]) == [4] and [b[0] for b in FakeServer.benches] == ["warmup.jsonl", "c4.jsonl"]
+    assert "skipping concurrency 48 and later" in capsys.readouterr().out
+    first = rec["first_level_s"]
+    assert first is not None and first <= rec["wall_s"]
+
+
+def write_model(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"n_routed_experts": 16, "num_experts_per_tok": 8,
+                                                   "hidden_size": 7168, "moe_intermediate_size": 2048}))
+    return model
+
+
+def test_main_pairs_the_arms_level_by_level_and_keeps_what_finished(tmp_path, monkeypatch):
+    """The second arm runs only the levels the first finished; 'on' with --table carries it; the forced table
+    names ours at every group count up to the model's experts; the record is written after each arm."""
+    monkeypatch.setattr(e2e, "Server", FakeServer)
+    FakeServer.benches, FakeServer.envs = [], []
+    model, table = write_model(tmp_path), tmp_path / "t.json"
+    table.write_text(json.dumps({"gpu": "x", "entries": [{"layout": "dense", "m": 1}]}))
+    out = tmp_path / "out"
+    runs = []
+    real = e2e.run_arm
+
+    def arm(name, args, env, levels, budget_s, sharegpt, port):
+        runs.append((name, list(levels), budget_s))
+        return real(name, args, env, levels, 0.0 if name == "off" else budget_s, sharegpt, port)  # off: one level
+    monkeypatch.setattr(e2e, "run_arm", arm)
+    monkeypatch.setattr(sys, "argv", ["swapab_e2e.py", "--model", str(model), "--out", str(out), "--no-layer",
+                                      "--arms", "off", "on", "--concurrency", "4", "48", "--table", str(table),
+                                      "--deadline-s", "1000"])
+    assert e2e.main() == 0
+    assert [(n, lv) for n, lv, _ in runs] == [("off", [4, 48]), ("on", [4])]
+    assert 400 < runs[0][2] <= 500 and runs[1][2] > 900  # what is left, split over the arms still to run
+    assert FakeServer.envs[1][e2e.TABLE_ENV] == str(table.resolve()) and e2e.TABLE_ENV not in FakeServer.envs[0]
+    rec = json.loads((out / "swapab_e2e.json").read_text())
+    assert [a["arm"] for a in rec["arms"]] == ["off", "on"] and rec["partial"] is False
+    assert rec["table_on_arm"] == str(table) and rec["workload"]["concurrency"] == [4, 48]
+    assert rec["vs_off"]["on"]["4"]["output_throughput_ratio"] == 1.0 and set(rec["vs_off"]["on"]) == {"4"}
+    forced = json.loads((out / "forced_table.json").read_text())["entries"]
+    assert {e["groups"] for e in forced} == {1, 2, 4, 8, 16} and {e["best"] for e in forced} == {"swapab"}
+    assert {(e["n"], e["k"]) for e in forced} == {(4096, 7168), (7168, 2048)}
+
+
+def test_main_skips_an_arm_that_cannot_reach_its_first_level(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(e2e, "Server", FakeServer)
+    monkeypatch.setattr(e2e, "arm_fits", lambda left, last: False)
+    model, out = write_model(tmp_path), tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["swapab_e2e.py", "--model", str(model), "--out", str(out), "--no-layer",
+                                      "--arms", "off", "on", "--concurrency", "4"])
+    assert e2e.main() == 0
+    assert "deadline: skipping arm on" in capsys.readouterr().out
+    rec = json.loads((out / "swapab_e2e.json").read_text())
+    assert [a["arm"] for a in rec["arms"]] == ["off"] and rec["partial"] is True and rec["vs_off"] == {}
+    assert rec["table_on_arm"] == "plugin default"
+
+
+def test_moe_only_without_a_table_anywhere_stops_with_the_reason(tmp_path, monkeypatch):
+    from sgl_kernel_ext import gemm_table
+
+    monkeypatch.setattr(gemm_table, "find_table", lambda gpu: None)
+    with pytest.raises(SystemExit, match="moe-only needs a table"):
+        e2e.without_dense(None, tmp_path)
