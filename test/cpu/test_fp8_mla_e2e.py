@@ -359,3 +359,77 @@ def test_the_plan_warns_when_the_phases_cannot_all_run_one_workload(tmp_path, mo
 
 def e2e_args(argv):
     return e2e.build_parser().parse_args(argv + ["--out", "/nonexistent"])
+
+
+def test_agreement_counts_the_prefix_and_the_share_of_equal_positions():
+    """Per prompt: equal tokens before the first difference, and equal positions over the reference's length (a
+    shorter output counts its missing tokens as different)."""
+    a = e2e.agreement([[1, 2, 3, 4], [5, 6], [7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8], [7, 8]])
+    assert [r["matching_prefix"] for r in a["per_prompt"]] == [2, 2, 2]
+    assert [r["match_rate"] for r in a["per_prompt"]] == [0.75, 0.5, 1.0]
+    assert a["mean_matching_prefix"] == 2.0 and a["mean_match_rate"] == pytest.approx(0.75)
+    assert a["identical"] is False
+    same = e2e.agreement([[1, 2]], [[1, 2]])
+    assert same["identical"] is True and same["per_prompt"] == [{"matching_prefix": 2, "match_rate": 1.0}]
+    assert same["mean_match_rate"] == 1.0 and same["mean_matching_prefix"] == 2.0
+
+
+def test_a_phase_is_worth_starting_for_its_start_greedy_step_and_cheapest_workload():
+    args = e2e.argparse.Namespace(prompts=4, workloads=["4096x512@48", "1024x256@128"])
+    measured = {"startup": 60.0, "greedy": 10.0, "1024x256@128": 30.0}
+    assert e2e.phase_need_s("ours", args, measured) == 60.0 + 10.0 + 30.0  # the cheaper of 70 (guess) and 30
+    assert e2e.phase_need_s("triton", args, measured) == 70.0  # the greedy reference benchmarks nothing
+    args.prompts = 0
+    assert e2e.phase_need_s("ours", args, {}) == e2e.GUESS_S["startup"] + e2e.GUESS_S["1024x256@128"]
+
+
+def test_a_workload_the_time_left_cannot_hold_is_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(e2e, "Server", recording_server(calls))
+    monkeypatch.setattr(e2e.Clock, "left", lambda self: 60.0)
+    args = e2e.argparse.Namespace(out=tmp_path, server_env={}, model="/m", server_args="--load-format dummy",
+                                  prompts=0, gen_tokens=4, workloads=["4096x512@48", "1024x256@128"], num_prompts=0)
+    rec = e2e.run_phase("ours", args, 1, tmp_path / "sharegpt.json", e2e.Clock(60.0),
+                        {"4096x512@48": 61.0, "1024x256@128": 60.0})
+    assert list(rec["benches"]) == ["1024x256@128"]  # 60 s left: 60 expected fits, 61 does not
+    assert rec["skipped"] == ["4096x512@48: 60s left < ~61s expected"]
+    assert "deadline: ours 4096x512@48: 60s left" in capsys.readouterr().out
+
+
+def test_the_plugins_own_cost_is_a_ratio_only_where_both_servers_have_the_number():
+    plugin = phase([], 450.0, 25.0)
+    plugin["benches"]["4096x512@16"]["decode_log"] = {"median_tok_s": None}  # no steady decode line
+    ratios = e2e.summarize({"flashmla-fp8": phase([], 500.0, 20.0), "flashmla-fp8-plugin": plugin},
+                           None)["plugin_loaded_over"]["4096x512@16"]
+    assert set(ratios) == {"output_tok_s", "median_itl_ms"}
+
+
+def test_the_summary_lists_only_ours_fallback_lines_and_whether_our_backend_ran():
+    ours = phase([], 1.0, 1.0)
+    ours["plugin_log_lines"] = ["[sglang-h20 pid 1] fp8_mla: attention backend h20_fp8_mla (--attention-backend ...)",
+                                "[sglang-h20 pid 1] mha_mla_policy: switched off (SGLANG_H20_MHA_MLA_POLICY=upstream)",
+                                "[sglang-h20 pid 1] fp8_mla: falls back to upstream: no sm_90",
+                                "[sglang-h20 pid 1] hooks applied: 6/6"]
+    s = e2e.summarize({"ours": ours}, None)
+    assert s["ours_backend_selected"] is True
+    assert s["ours_fallback_lines"] == ours["plugin_log_lines"][1:3]
+
+
+def test_the_run_fails_when_a_phase_errs_or_ours_was_skipped(tmp_path, monkeypatch):
+    """Exit status 1 when a phase raised, or when ours was asked for and never ran (the deadline skipped it): a
+    record without the phase the call is about must not read as a success."""
+    fake_phases(monkeypatch)
+    base = ["--model", "/m", "--prompts", "0", "--workloads", "1024x256@32", "--out", str(tmp_path)]
+    assert e2e.main(base + ["--phases", "flashmla-fp8", "ours"]) == 0
+    monkeypatch.setattr(e2e.Clock, "left", lambda self: 1.0)  # nothing after the first phase fits
+    assert e2e.main(base + ["--phases", "flashmla-fp8", "ours"]) == 1
+    assert e2e.main(base + ["--phases", "flashmla-fp8", "flashmla"]) == 0  # ours not asked for
+    real = e2e.run_phase
+
+    def failing(name, *a, **kw):
+        if name == "flashmla":
+            raise RuntimeError("server died")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(e2e, "run_phase", failing)
+    monkeypatch.setattr(e2e.Clock, "left", lambda self: 1e6)
+    assert e2e.main(base + ["--phases", "ours", "flashmla"]) == 1
