@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     if args.table is not None:
         if not args.table.is_file():
             ap.error(f"--table {args.table}: no such file")
-        if not any("swapab" in a.split("+")[1:] for a in args.arms):
+        if not any(TABLE_ENV in arm_setup(a, args.table)[1] for a in args.arms):  # arm_setup decides who reads it
             ap.error("--table is read only by '+swapab' arms, and none is asked for")
     if args.server_args is None:
         args.server_args = with_mem_fraction(graphs_up_to(SERVER_ARGS, args.batch), args.mem_fraction_static)
