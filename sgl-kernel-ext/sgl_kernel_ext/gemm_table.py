@@ -45,9 +45,18 @@ def _table_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "python" / "sglang_h20" / "tables"
 
 
-def _gpu_key(gpu_name: str) -> str:
-    key = gpu_name.lower().replace("nvidia", "").strip().split()
-    return key[0] if key else "unknown"
+FORM_FACTORS = ("pcie", "nvl")  # words that change bandwidth or clocks: the same chip gets a table of its own
+
+
+def gpu_key(gpu_name: str) -> str:
+    """The file-name key of a GPU's tables: the model word plus its form factor ('NVIDIA H100 80GB HBM3' -> 'h100',
+    'NVIDIA H100 PCIe' -> 'h100-pcie', 'NVIDIA H100 NVL' -> 'h100-nvl'). Why the form factor: a PCIe card reads at
+    about 2/3 of the SXM part's bandwidth, so the SXM part's picks are not its picks; it gets no table (upstream, one
+    log line) until it is tuned. Memory size and type words do not change the key."""
+    words = gpu_name.lower().replace("nvidia", " ").split()
+    if not words:
+        return "unknown"
+    return "-".join([words[0]] + [w for w in words[1:] if w in FORM_FACTORS])
 
 
 TABLE_ENV = "SGLANG_H20_GEMM_TABLE"  # a table file that overrides the lookup (A/B runs, tests)
@@ -61,14 +70,14 @@ def table_path(gpu_name: str) -> Path:
     """
     if os.environ.get(TABLE_ENV):
         return Path(os.environ[TABLE_ENV])
-    return _table_dir() / f"grouped_gemm_{_gpu_key(gpu_name)}.json"
+    return _table_dir() / f"grouped_gemm_{gpu_key(gpu_name)}.json"
 
 
 def user_table_path(gpu_name: str) -> Path:
     """Where a re-tune on this machine writes (and the loader looks first):
     $XDG_CACHE_HOME (default ~/.cache) /sglang_h20/grouped_gemm_<gpu>.json."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "sglang_h20" / f"grouped_gemm_{_gpu_key(gpu_name)}.json"
+    return Path(root) / "sglang_h20" / f"grouped_gemm_{gpu_key(gpu_name)}.json"
 
 
 TABLE_RECHECK_S = 1.0  # how long a found table file (and its mtime) is trusted before the files are looked at again

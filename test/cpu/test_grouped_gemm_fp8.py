@@ -463,6 +463,26 @@ def test_table_path_naming(monkeypatch):
     assert gemm_table.table_path("NVIDIA H200").parent.name == "tables"
 
 
+@pytest.mark.parametrize("name,key", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-nvl"),
+    ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200-nvl"), ("NVIDIA H20", "h20"), ("NVIDIA H800 PCIe", "h800-pcie"),
+    ("NVIDIA GH200 480GB", "gh200"), ("", "unknown"), ("NVIDIA", "unknown")])
+def test_gpu_key_keeps_the_form_factor(name, key):
+    """A PCIe or NVL card reads slower than the SXM part of the same chip: it must not load the SXM part's table."""
+    assert gemm_table.gpu_key(name) == key
+
+
+def test_an_h100_pcie_gets_no_table_and_the_mha_mla_tables_share_the_key(monkeypatch):
+    from sglang_h20.attention import mha_mla
+
+    monkeypatch.delenv("SGLANG_H20_GEMM_TABLE", raising=False)
+    assert gemm_table.table_path("NVIDIA H100 PCIe").name == "grouped_gemm_h100-pcie.json"
+    assert not gemm_table.table_path("NVIDIA H100 PCIe").exists()
+    assert gemm_table.table_path("NVIDIA H100 80GB HBM3").exists()
+    assert mha_mla.table_path("NVIDIA H100 NVL").name == "mha_mla_h100-nvl.json"
+    assert mha_mla.table_path("NVIDIA H200").exists()
+
+
 def test_choose_variant_from_table(monkeypatch, tmp_path):
     entries = [
         {"n": 4096, "k": 7168, "groups": 32, "m": 4, "best": "swapab",

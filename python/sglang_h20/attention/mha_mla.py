@@ -37,6 +37,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
+from sgl_kernel_ext.gemm_table import gpu_key  # one file-name key for every per-GPU table
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
 from sglang_h20.settings import Settings
@@ -295,8 +296,7 @@ class Forced:
 
 
 def _table_name(gpu_name: str) -> str:
-    key = gpu_name.lower().replace("nvidia", "").strip().split()[0] if gpu_name.strip() else "unknown"
-    return f"mha_mla_{key}.json"
+    return f"mha_mla_{gpu_key(gpu_name)}.json"
 
 
 def table_path(gpu_name: str) -> Path:
