@@ -74,8 +74,7 @@ def tables_and_kernels() -> list[str]:
         return lines + ["  no CUDA GPU visible: tables are per GPU, the decode kernel needs one"]
     from sglang_h20.attention import mha_mla
 
-    user, shipped = mha_mla.user_table_path(g.name), mha_mla.table_path(g.name)
-    lines.append("  MHA/MLA cost table  " + _table_line(user if user.exists() else shipped,
+    lines.append("  MHA/MLA cost table  " + _table_line(mha_mla.find_table(g.name),
                                                          "python -m sglang_h20 calibrate mha-mla"))
     try:
         gemm_table = importlib.import_module("sgl_kernel_ext.gemm_table")

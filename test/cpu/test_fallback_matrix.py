@@ -36,7 +36,7 @@ ON = {  # the one switch that asks for each feature
     "observe": {"SGLANG_H20_OBSERVE": "0.01"},
 }
 H200 = compat.Gpu("NVIDIA H200", (9, 0), 140.0)
-H100 = compat.Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80.0)  # Hopper, with a grouped-GEMM table but no MHA/MLA one
+H100 = compat.Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80.0)  # Hopper, with both tables of its own (sessions 56, 57)
 H800 = compat.Gpu("NVIDIA H800", (9, 0), 80.0)  # Hopper, no shipped table of ours
 B200 = compat.Gpu("NVIDIA B200", (10, 0), 180.0)
 A100 = compat.Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80.0)
@@ -244,14 +244,22 @@ def test_swapab_on_an_h100_reads_its_own_table(activate):
 
 
 def test_mha_mla_se_policy_on_a_gpu_without_a_table(activate):
-    d, lines, reg = activate(ON["mha_mla_policy"], gpu=H100)
+    d, lines, reg = activate(ON["mha_mla_policy"], gpu=H800)
     assert not d["mha_mla_policy"].on
     (line,) = lines_of("mha_mla_policy", lines)
-    assert "no MHA/MLA cost table for 'NVIDIA H100 80GB HBM3'" in line and "calibrate mha-mla" in line
+    assert "no MHA/MLA cost table for 'NVIDIA H800'" in line and "calibrate mha-mla" in line
     assert reg == [] and lines[-1].endswith("no features (upstream behaviour)")
     # the forced policies need no table: they turn on
-    d, lines, reg = activate({"SGLANG_H20_MHA_MLA_POLICY": "mla"}, gpu=H100)
+    d, lines, reg = activate({"SGLANG_H20_MHA_MLA_POLICY": "mla"}, gpu=H800)
     assert d["mha_mla_policy"].on and len(lines_of("mha_mla_policy", lines)) == 1
+
+
+def test_mha_mla_se_policy_on_an_h100_reads_its_own_table(activate):
+    """Since session 57 the H100 has a measured cost table: the 'se' policy turns on there and names it."""
+    d, lines, reg = activate(ON["mha_mla_policy"], gpu=H100)
+    assert d["mha_mla_policy"].on
+    text = " ".join(lines_of("mha_mla_policy", lines))
+    assert "mha_mla_h100.json" in text and "measured on NVIDIA H100 80GB HBM3" in text and "h200" not in text
 
 
 def test_notes_of_a_feature_come_only_once_it_is_on(activate):
@@ -461,7 +469,7 @@ def test_mha_mla_control_file_naming_a_policy_without_a_table_keeps_serving(plug
     from sglang_h20.controlfile import write_control
     from sglang_h20.settings import Settings
 
-    monkeypatch.setattr(compat, "gpu", lambda: H100)
+    monkeypatch.setattr(compat, "gpu", lambda: H800)
     ctl = tmp_path / "policy"
     hook, _ = mha_mla.hooks(Settings.from_env({"SGLANG_H20_MHA_MLA_POLICY": "mha",
                                                "SGLANG_H20_MHA_MLA_CONTROL": str(ctl)}))

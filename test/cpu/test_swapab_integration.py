@@ -639,31 +639,38 @@ def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     assert tc(24, 4096, 7168, 16, "contiguous") == "split"  # two streams: 126.8 vs 129.7, uneven 135.1 vs 135.5
 
 
-H100_RUN = os.path.join(REPO, "benchmark", "results", "swapab", "grouped_gemm_g16_dense_s56_h100.json")
+H100_RUNS = [os.path.join(REPO, "benchmark", "results", "swapab", f) for f in (
+    "grouped_gemm_g16_dense_s56_h100.json", "grouped_gemm_g8_32_256_s57_h100.json.xz")]
 
 
 def test_shipped_h100_table_is_the_measured_run(monkeypatch):
-    """The H100's table (session 56) is one untuned run's points (shipped configs, every upstream provider timed):
-    16 experts x 1-256 tokens, the shape of dsv3-ep16-slice, and the dense linears."""
+    """The H100's table is two untuned runs' points (shipped configs, every upstream provider timed): session 56's
+    16 experts x 1-256 tokens (dsv3-ep16-slice's shape) with the dense linears, session 57's 8, 32 and 256 experts
+    x 1-64 tokens (256: dsv3-4l's), merged with `--table-from`."""
     monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
     gpu = "NVIDIA H100 80GB HBM3"
-    table, run = gemm_table.load_table(gpu), read_json(H100_RUN, "shipped run")
-    assert table["gpu"] == run["provenance"]["gpu"] == gpu and table["measured"] is True
-    assert table["date"] == run["provenance"]["date"] and table["source"]["benchmark_command"] == run["provenance"]["command"]
-    rebuilt = gemm_table.table_from_result(run)["entries"]
-    assert table["entries"] == rebuilt and len(rebuilt) == 85
-    assert {e["groups"] for e in rebuilt if e["layout"] != "dense"} == {16}
+    table, runs = gemm_table.load_table(gpu), [read_json(p, "shipped run") for p in H100_RUNS]
+    assert table["gpu"] == gpu and {r["provenance"]["gpu"] for r in runs} == {gpu} and table["measured"] is True
+    assert table["date"] == max(r["provenance"]["date"] for r in runs)
+    assert table["source"]["benchmark_command"] == runs[0]["provenance"]["command"]
+    assert [m["provenance"] for m in table["source"]["merged_from"]] == [r["provenance"] for r in runs]
+    rebuilt = gemm_table.table_entries(bench.merged_results([Path(p) for p in H100_RUNS])["points"])
+    assert table["entries"] == rebuilt and len(rebuilt) == 181
+    assert {e["groups"] for e in rebuilt if e["layout"] != "dense"} == {8, 16, 32, 256}
     dc = lambda m, n, k, against: gemm_table.table_choice(m, n, k, 1, "dense", gpu, against).best  # noqa: E731
     assert dc(1, 2112, 7168, None) == "swapab"  # q_a+kv_a: 14.9 us vs DeepGEMM 18.5, Triton 40.4
     assert dc(8, 7168, 16384, None) == "upstream"  # o_proj: DeepGEMM is faster than ours ...
     assert dc(8, 7168, 16384, "sglang-triton") != "upstream"  # ... Triton's GEMM slower than ours
-    tc = lambda m, n, k, layout, against=None: gemm_table.table_choice(  # noqa: E731
-        m, n, k, 16, layout, gpu, against).best
-    assert tc(1, 4096, 7168, "contiguous") == "upstream"  # gate_up: 176.9 us vs Triton 174.8
-    assert tc(2, 7168, 2048, "contiguous") == "swapab"  # down: 96.3 vs 96.6, uneven 72.5 vs 73.6
-    assert tc(1, 7168, 2048, "masked") == "upstream"  # DeepGEMM masked 94.6 vs 95.3
-    # no 256-expert entries: the nearest measured group count is over 2x away, so upstream
-    assert gemm_table.table_choice(2, 7168, 2048, 256, "contiguous", gpu).best == "upstream"
+    tc = lambda m, n, k, g, layout, against=None: gemm_table.table_choice(  # noqa: E731
+        m, n, k, g, layout, gpu, against).best
+    assert tc(1, 4096, 7168, 16, "contiguous") == "upstream"  # gate_up: 176.9 us vs Triton 174.8
+    assert tc(2, 7168, 2048, 16, "contiguous") == "swapab"  # down: 96.3 vs 96.6, uneven 72.5 vs 73.6
+    assert tc(1, 7168, 2048, 16, "masked") == "upstream"  # DeepGEMM masked 94.6 vs 95.3
+    # session 57's groups: the H100 streams the weights for every provider, so most picks are a tie kept upstream
+    assert tc(1, 7168, 2048, 32, "masked") == "swapab"  # 172.5 us vs DeepGEMM 174.8
+    assert tc(64, 4096, 7168, 32, "contiguous") == "normal"  # 363.7 us vs Triton 371.2
+    assert tc(4, 7168, 2048, 256, "masked") == "swapab"  # 1296.5 us vs DeepGEMM 1309.8
+    assert tc(1, 4096, 7168, 256, "contiguous") == "upstream"
 
 
 def test_table_entries_rules():

@@ -311,11 +311,15 @@ def user_table_path(gpu_name: str) -> Path:
     return Path(root) / "sglang_h20" / _table_name(gpu_name)
 
 
+def find_table(gpu_name: str) -> Path:
+    """The table file in force: this machine's re-tune if there is one, else the shipped one (which may not exist)."""
+    user = user_table_path(gpu_name)
+    return user if user.exists() else table_path(gpu_name)
+
+
 def load_table(gpu_name: str, path: Path | None = None) -> CostTable:
     """This machine's re-tune if there is one, else the shipped table (or `path`)."""
-    if path is None:
-        path = next((p for p in (user_table_path(gpu_name), table_path(gpu_name)) if p.exists()),
-                    table_path(gpu_name))
+    path = path or find_table(gpu_name)
     if not path.exists():
         known = sorted(p.stem.removeprefix("mha_mla_") for p in TABLE_DIR.glob("mha_mla_*.json"))
         raise FileNotFoundError(f"no MHA/MLA cost table for {gpu_name!r} ({path.name}; shipped: {known}); "
@@ -445,6 +449,21 @@ def note_prefill_backend(result, runner, *args, **kwargs) -> None:
     if name and name not in SHARED_DISPATCH:
         _note(f"inert with prefill backend {name!r}: it has its own MHA/MLA rule in SGLang, which is kept "
               f"(the policy applies to {', '.join(SHARED_DISPATCH)})")
+
+
+def enabled(settings: Settings) -> None:
+    """Once on: the cost table the 'se' policy reads (the plugin calls this after the feature's line)."""
+    if settings["mha_mla_policy"] != "se":
+        return
+    from sglang_h20 import compat
+
+    g = compat.gpu()
+    gpu = g.name if g else ""
+    path = find_table(gpu)
+    table = load_table(gpu, path)
+    other = "" if table.gpu == gpu else f", running on {gpu}"
+    log.info("mha_mla_policy: table %s (%s%s), %s; re-tune here: python -m sglang_h20 calibrate mha-mla", path,
+             table.source.split(" (")[0], other, table.meta.get("provenance", {}).get("date", "undated"))
 
 
 def hooks(settings: Settings) -> list[Hook]:
