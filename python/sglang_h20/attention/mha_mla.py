@@ -37,7 +37,6 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from sgl_kernel_ext.gemm_table import gpu_key  # one file-name key for every per-GPU table
 from sglang_h20.features import Hook
 from sglang_h20.logonce import OnceLog
 from sglang_h20.settings import Settings
@@ -296,6 +295,10 @@ class Forced:
 
 
 def _table_name(gpu_name: str) -> str:
+    # one file-name key for every per-GPU table; imported here because the kernel package's import brings torch
+    # and triton (about 1.4 s), which this module does not otherwise need
+    from sgl_kernel_ext.gemm_table import gpu_key
+
     return f"mha_mla_{gpu_key(gpu_name)}.json"
 
 
