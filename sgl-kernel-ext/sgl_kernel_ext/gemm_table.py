@@ -50,9 +50,10 @@ FORM_FACTORS = ("pcie", "nvl")  # words that change bandwidth or clocks: the sam
 
 def gpu_key(gpu_name: str) -> str:
     """The file-name key of a GPU's tables: the model word plus its form factor ('NVIDIA H100 80GB HBM3' -> 'h100',
-    'NVIDIA H100 PCIe' -> 'h100-pcie', 'NVIDIA H100 NVL' -> 'h100-nvl'). Why the form factor: a PCIe card reads at
-    about 2/3 of the SXM part's bandwidth, so the SXM part's picks are not its picks; it gets no table (upstream, one
-    log line) until it is tuned. Memory size and type words do not change the key."""
+    'NVIDIA H100 PCIe' -> 'h100-pcie', 'NVIDIA H100 NVL' -> 'h100-nvl'). Why the form factor: the same chip has
+    other bandwidth and clocks in each (H100 spec sheet: PCIe 2.0, SXM 3.35, NVL 3.9 TB/s), so the SXM part's picks
+    are not its picks; it gets no table (upstream, one log line) until it is tuned. Memory size and type words do
+    not change the key."""
     words = gpu_name.lower().replace("nvidia", " ").split()
     if not words:
         return "unknown"

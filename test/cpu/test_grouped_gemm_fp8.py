@@ -468,7 +468,7 @@ def test_table_path_naming(monkeypatch):
     ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200-nvl"), ("NVIDIA H20", "h20"), ("NVIDIA H800 PCIe", "h800-pcie"),
     ("NVIDIA GH200 480GB", "gh200"), ("", "unknown"), ("NVIDIA", "unknown")])
 def test_gpu_key_keeps_the_form_factor(name, key):
-    """A PCIe or NVL card reads slower than the SXM part of the same chip: it must not load the SXM part's table."""
+    """A PCIe or NVL card has other bandwidth than the SXM part of the same chip: it must not load that one's table."""
     assert gemm_table.gpu_key(name) == key
 
 
