@@ -260,6 +260,12 @@ def test_mha_mla_se_policy_on_an_h100_reads_its_own_table(activate):
     assert d["mha_mla_policy"].on
     text = " ".join(lines_of("mha_mla_policy", lines))
     assert "mha_mla_h100.json" in text and "measured on NVIDIA H100 80GB HBM3" in text and "h200" not in text
+    # the H20's shipped table is modelled, and its line says so; a forced policy reads no table and names none
+    d, lines, reg = activate(ON["mha_mla_policy"], gpu=compat.Gpu("NVIDIA H20", (9, 0), 96.0))
+    (table_line,) = [ln for ln in lines_of("mha_mla_policy", lines) if "table" in ln]
+    assert d["mha_mla_policy"].on and "mha_mla_h20.json (modelled" in table_line
+    d, lines, reg = activate({"SGLANG_H20_MHA_MLA_POLICY": "mla"}, gpu=H100)
+    assert d["mha_mla_policy"].on and not any("table" in ln for ln in lines_of("mha_mla_policy", lines))
 
 
 def test_notes_of_a_feature_come_only_once_it_is_on(activate):
