@@ -330,3 +330,120 @@ def test_cross_node_rounds_pair_every_two_nodes_once(num_nodes):
         assert len(nodes) == len(set(nodes)) and (ia < ib).all()
         seen += list(zip(ia.tolist(), ib.tolist()))
     assert sorted(seen) == [(a, b) for a in range(num_nodes) for b in range(a + 1, num_nodes)]
+
+
+# --- the GPU-level swap rounds against a brute force over every candidate swap -------------------
+
+def _round_state(seed, topo, replicated=3, layers=4, alpha=0.4):
+    """A random _State: every expert one copy, `replicated` of them a second copy on another node; copy loads
+    random, normalized so the mean GPU load is 1 (as _affinity does); a random symmetric co-activation W."""
+    from sglang_h20.eplb.placement import _State
+
+    rng = np.random.default_rng(seed)
+    S, N, C = topo.num_slots, topo.num_nodes, topo.gpus_per_node * topo.slots_per_gpu
+    E = S - replicated
+    e, prim, gpu = np.empty((layers, S), np.int64), np.zeros((layers, S), bool), np.empty((layers, S), np.int64)
+    for l in range(layers):
+        # a replica sits on another node than its primary: primaries of the replicated experts on node 0's slots,
+        # their replicas on the last node's
+        experts = np.concatenate([np.arange(E), np.arange(replicated)])
+        prim[l, :E] = True
+        slots = np.empty(S, np.int64)
+        slots[:replicated] = rng.permutation(C)[:replicated]  # node 0
+        slots[E:] = (N - 1) * C + rng.permutation(C)[:replicated]  # the last node
+        rest = np.setdiff1d(np.arange(S), slots[list(range(replicated)) + list(range(E, S))])
+        slots[replicated:E] = rng.permutation(rest)
+        e[l], gpu[l] = experts, slots // topo.slots_per_gpu
+    w = rng.random((layers, S)) + 0.05
+    w *= topo.num_gpus / w.sum(axis=1, keepdims=True)
+    W = rng.random((layers, E, E)).astype(np.float32)
+    W = (W + W.transpose(0, 2, 1)) / 2
+    W[:, np.arange(E), np.arange(E)] = 0.0
+    return _State(W, e, w, prim, gpu, topo), alpha
+
+
+def _objective(st, l, gpu, alpha):
+    """GPU-balance penalty plus alpha times the cut (pair weight between primaries on different nodes), from the
+    copies' GPUs alone."""
+    from sglang_h20.eplb.placement import _penalty
+
+    load = np.bincount(gpu, weights=st.w[l], minlength=st.topo.num_gpus)
+    node = gpu // st.topo.gpus_per_node
+    p = np.flatnonzero(st.prim[l])
+    cross = node[p][:, None] != node[p][None, :]
+    cut = float((st.W[l][np.ix_(st.e[l, p], st.e[l, p])] * cross).sum()) / 2
+    return float(_penalty(load, alpha).sum()) + alpha * cut
+
+
+def _best_gain(st, l, candidates, alpha):
+    """How much the best of the candidate exchanges (x, y) lowers the objective (0 if none does); swaps that would
+    put two copies of an expert on one node are not allowed."""
+    gpu, G = st.gpu[l], st.topo.gpus_per_node
+    before, best = _objective(st, l, gpu, alpha), 0.0
+    for x, y in candidates:
+        g = gpu.copy()
+        g[x], g[y] = gpu[y], gpu[x]
+        node = g // G
+        if any(len(set(node[st.e[l] == ex])) < (st.e[l] == ex).sum() for ex in (st.e[l, x], st.e[l, y])):
+            continue
+        best = max(best, before - _objective(st, l, g, alpha))
+    return best
+
+
+def _check_round(st, before_gpu, candidates, gains, moved, alpha):
+    """Per layer: the round made one swap per group that has an improving candidate (a node's, or the layer's),
+    each between one of that group's candidate pairs, lowering the objective by the best candidate's gain (ties are
+    common: with two copies per GPU, swapping either pair can leave the same two loads); the loads kept."""
+    for l in range(before_gpu.shape[0]):
+        changed = np.flatnonzero(st.gpu[l] != before_gpu[l])
+        want = [g for g in gains[l] if g > 1e-9]
+        assert len(changed) == 2 * len(want) and moved[l] == bool(want), (l, changed, gains[l])
+        pairs = {frozenset(map(int, c)) for group in candidates[l] for c in group}
+        made = {frozenset((int(x), int(y))) for x in changed for y in changed
+                if x < y and st.gpu[l, x] == before_gpu[l, y] and st.gpu[l, y] == before_gpu[l, x]}
+        assert len(made) == len(want) and made <= pairs, (l, made)
+        after = _objective(st, l, st.gpu[l], alpha)
+        assert _objective(st, l, before_gpu[l], alpha) - after == pytest.approx(sum(want), rel=1e-9, abs=1e-12)
+        np.testing.assert_allclose(st.load[l], np.bincount(st.gpu[l], weights=st.w[l], minlength=st.topo.num_gpus))
+
+
+@pytest.mark.parametrize("gpus_per_node", [2, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_within_node_round_makes_each_nodes_best_swap(seed, gpus_per_node):
+    """Per node: the best swap between its hottest GPU and a copy on one of its two coldest GPUs (no cut change)."""
+    from sglang_h20.eplb.placement import _within_node_round
+
+    topo = Topology(num_nodes=2, gpus_per_node=gpus_per_node, slots_per_gpu=2)
+    st, alpha = _round_state(seed, topo)
+    before, candidates, gains = st.gpu.copy(), [], []
+    for l in range(st.gpu.shape[0]):
+        candidates.append([]), gains.append([])
+        for n in range(topo.num_nodes):
+            gpus = n * topo.gpus_per_node + np.arange(topo.gpus_per_node)
+            order = gpus[np.argsort(st.load[l, gpus])]
+            hot, cold = order[-1], order[:2]
+            cands = [(x, y) for x in np.flatnonzero(before[l] == hot) for y in np.flatnonzero(np.isin(before[l], cold))]
+            candidates[l].append(cands)
+            gains[l].append(_best_gain(st, l, cands, alpha))
+    assert any(g > 1e-9 for gl in gains for g in gl), "the random states should leave some node a swap to make"
+    moved = _within_node_round(st, np.arange(st.gpu.shape[0]), alpha)
+    _check_round(st, before, candidates, gains, moved, alpha)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hottest_gpu_round_makes_each_layers_best_swap(seed):
+    """Per layer: the best swap between a copy on the hottest GPU and a copy on any other GPU, a cross-node one
+    paying its cut change, none putting two copies of an expert on one node."""
+    from sglang_h20.eplb.placement import _hottest_gpu_round
+
+    topo = Topology(num_nodes=3, gpus_per_node=2, slots_per_gpu=2)
+    st, alpha = _round_state(seed, topo)
+    before, candidates, gains = st.gpu.copy(), [], []
+    for l in range(st.gpu.shape[0]):
+        hot = int(np.argmax(st.load[l]))
+        cands = [(x, y) for x in np.flatnonzero(before[l] == hot) for y in np.flatnonzero(before[l] != hot)]
+        candidates.append([cands])
+        gains.append([_best_gain(st, l, cands, alpha)])
+    assert any(g > 1e-9 for gl in gains for g in gl), "the random states should leave some layer a swap to make"
+    moved = _hottest_gpu_round(st, np.arange(st.gpu.shape[0]), alpha)
+    _check_round(st, before, candidates, gains, moved, alpha)
