@@ -360,6 +360,8 @@ def test_fallbacks_call_upstream_unchanged_and_log_once(monkeypatch, tmp_path, c
         "block shape": dict(block_shape=[64, 64]),
         "not FP8": dict(use_fp8_w8a8=False, use_int8_w8a8=True),
         "fp32 scales": dict(w1_scale=w1s.to(torch.bfloat16)),
+        "w1 scales not per 128x128 block": dict(w1_scale=w1s.repeat(1, 2, 1)),  # each scale check alone
+        "w2 scales not per 128x128 block": dict(w2_scale=w2s.repeat(1, 1, 2)),
         "biases": dict(b1=torch.zeros(E, 2 * INTER)),
         "pre-quantized without scales": dict(a1_q=x.to(torch.float8_e4m3fn)),
         "pre-quantized in bf16": dict(a1_q=x, a1_scale=torch.ones(x.shape[0], H // 128)),
