@@ -415,6 +415,17 @@ def test_grid_table_reproduces_its_measurements_and_round_trips():
     assert lin.measured_grid is None and lin.cost("mla", s) < t.cost("mla", s)
 
 
+def test_a_zero_time_in_the_grid_counts_as_unmeasured():
+    """A node timed as 0 (no measurement) is filled from its neighbours like a missing one, not taken as a time."""
+    grid = mha_mla.grid_from_points(bumped_points())
+    zero, missing = json.loads(json.dumps(grid)), json.loads(json.dumps(grid))
+    zero["mha_us"][0][1][0], missing["mha_us"][0][1][0] = 0.0, None  # [batch 1][extend 1024][prefix 0]
+    tz, tm = (CostTable("NVIDIA H200", "measured on NVIDIA H200", H200.mha, H200.mla, {"measured": True}, g)
+              for g in (zero, missing))
+    s = BatchShape([1024], [0])
+    assert tz.cost("mha", s) == tm.cost("mha", s) > 0
+
+
 def test_grid_interpolates_between_nodes_and_keeps_the_linear_model_outside():
     t = grid_table(bumped_points())
     s = BatchShape([2048] * 2, [1024] * 2)  # between nodes on every axis: corrected by a fraction of the bump
