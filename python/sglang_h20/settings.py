@@ -54,11 +54,17 @@ def _fraction(text: str) -> float:
     return v
 
 
+_fraction.metavar = "FRACTION"
+
+
 def _non_negative_int(text: str) -> int:
     try:
         return cliargs.non_negative_int(text.strip())
     except argparse.ArgumentTypeError as e:
         raise SettingError(str(e)) from None
+
+
+_non_negative_int.metavar = "N"
 
 
 def _path(text: str) -> str:
@@ -245,7 +251,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             nargs="?" if s.parse is _parse_bool else None,
             const="on" if s.parse is _parse_bool else None,
             metavar="{" + ",".join(choices) + "}" if choices else ("{on,off}" if s.parse is _parse_bool
-                                                                   else getattr(s.parse, "metavar", "FRACTION")),
+                                                                   else getattr(s.parse, "metavar", "VALUE")),
             help=f"{s.help} [env {s.env}, default {s.default}]",
         )
 

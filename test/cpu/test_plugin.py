@@ -112,6 +112,21 @@ def test_flags_appear_in_launch_server_help():
         assert s.flag in r.stdout and s.env in r.stdout
 
 
+def test_each_flag_shows_what_it_takes():
+    """--help's placeholder says the kind of value: on/off (optional), the choices, a path, a count, a fraction."""
+    import argparse
+
+    from sglang_h20.settings import add_cli_args
+
+    ap = argparse.ArgumentParser(prog="launch_server")
+    add_cli_args(ap)
+    usage = " ".join(ap.format_usage().split())
+    for shown in ("--h20-swapab [{on,off}]", "--h20-mha-mla-policy {upstream,se,mha,mla}", "--h20-observe FRACTION",
+                  "--h20-eplb-affinity FRACTION", "--h20-sbo-shared-sms N", "--h20-dummy-router-clusters N",
+                  "--h20-observe-control PATH", "--h20-fp8-mla-kernel-options MLA_OPTION[,...]"):
+        assert shown in usage, shown
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--h20-fp8-mla", "maybe"], "argument --h20-fp8-mla: expected one of on/off/1/0/true/false, got 'maybe'"),
     (["--h20-mha-mla-policy", "fast"], "argument --h20-mha-mla-policy: expected one of upstream/se/mha/mla, got 'fast'"),
