@@ -103,6 +103,17 @@ def test_h20_table_is_labelled_modelled_until_an_h20_run():
     assert not t.meta["measured"] and "modelled" in t.source
 
 
+def test_h20_table_is_what_its_command_models():
+    """The shipped H20 table is `calibrate mha-mla-model --gpu 'NVIDIA H20' --bf16-tflops 148 --hbm-tbs 4.0`, term
+    for term: a change to the model's FLOP or byte counts shows here."""
+    t = mha_mla.load_table("NVIDIA H20")
+    assert "--bf16-tflops 148 --hbm-tbs 4.0" in t.meta["provenance"]["command"]
+    m = modelled_table("NVIDIA H20", 148, 4.0)
+    assert m.source == t.source
+    for method in ("mha", "mla"):
+        assert getattr(m, method) == pytest.approx(getattr(t, method), rel=1e-12), method
+
+
 def test_unknown_gpu_gets_a_clear_error():
     with pytest.raises(FileNotFoundError, match="no MHA/MLA cost table for 'NVIDIA A100-SXM4-80GB'.*calibrate mha-mla"):
         mha_mla.load_table("NVIDIA A100-SXM4-80GB")
