@@ -74,8 +74,11 @@ def tables_and_kernels() -> list[str]:
         return lines + ["  no CUDA GPU visible: tables are per GPU, the decode kernel needs one"]
     from sglang_h20.attention import mha_mla
 
-    lines.append("  MHA/MLA cost table  " + _table_line(mha_mla.find_table(g.name),
-                                                         "python -m sglang_h20 calibrate mha-mla"))
+    try:  # the table's file name comes from the kernel package (gemm_table.gpu_key), whose import needs triton
+        lines.append("  MHA/MLA cost table  " + _table_line(mha_mla.find_table(g.name),
+                                                             "python -m sglang_h20 calibrate mha-mla"))
+    except Exception as e:
+        lines.append(f"  MHA/MLA cost table  unavailable ({type(e).__name__}: {e})")
     try:
         gemm_table = importlib.import_module("sgl_kernel_ext.gemm_table")
         lines.append("  grouped GEMM table  " + _table_line(

@@ -298,6 +298,11 @@ def test_doctor_names_the_tables_and_kernel_of_this_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA B200", (10, 0), 180.0))
     text = "\n".join(doctor.tables_and_kernels())
     assert text.count("none for this GPU; make one here") == 2
+    # a kernel package that cannot be imported (it needs triton) leaves both table lines saying why, not a traceback
+    monkeypatch.setitem(sys.modules, "sgl_kernel_ext.gemm_table", None)
+    text = "\n".join(doctor.tables_and_kernels())
+    assert "MHA/MLA cost table  unavailable (ModuleNotFoundError" in text
+    assert "grouped GEMM table  unavailable (ModuleNotFoundError" in text
 
 
 def test_doctor_names_the_tested_version_beside_an_untested_one(monkeypatch):
