@@ -159,6 +159,8 @@ def test_plan_invariants_budget_dedup_totals(seed):
             h = plan.transfers[t.src_tid]
             assert h.kind in ("network", "nvlink") and (h.dst_rank, h.dst_slot) == (t.src_rank, t.src_slot)
             assert stage_of[h.tid][0] == stage_of[t.tid][0] and stage_of[h.tid][1] < stage_of[t.tid][1]
+        else:  # a copy from a slot names no staging buffer (the executor reads src_tid only for forwards)
+            assert t.src_tid == -1
     # chunks: whole layers, stage order, staging per rank within the budget
     assert sorted(plan.layers) == sorted(set(np.flatnonzero(changed.any(axis=1))))
     assert len(plan.chunks) >= 2
