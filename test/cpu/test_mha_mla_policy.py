@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from sglang_h20.attention.mha_mla import BatchShape, CostTable, Forced, Upstream
 from sglang_h20.calibrate import fit_table, grid_points, modelled_table, nnls_fit, QUICK_GRID
 from sglang_h20.settings import Settings
 
+REPO = Path(__file__).resolve().parents[2]
 h = importlib.import_module(mha_mla.HANDLER_MODULE)
 M = h.AttnForwardMethod
 H200 = modelled_table("NVIDIA H200", 790, 4.3)
@@ -85,16 +87,24 @@ def test_shipped_tables_load_and_say_where_they_come_from(name):
     assert t.choose(BatchShape([8], [65536])) == "mla"  # a few new tokens on a huge prefix
 
 
-def test_h100_table_is_session_57s_full_grid():
-    """The H100's table: `calibrate mha-mla --grid full` on an H100 (session 57), shipped as written. Its fit loses
-    nothing on its own grid, where SGLang's prefix-only rule loses up to 389%; no per-prefill MHA overhead was timed
-    on this card (the H200's came from mha_mla_layer.py), so none is charged."""
+def test_h100_table_is_session_57s_grid_with_session_58s_overhead():
+    """The H100's table: `calibrate mha-mla --grid full` on an H100 (session 57), shipped as written; its fit loses
+    nothing on its own grid, where SGLang's prefix-only rule loses up to 389%. Session 58 added the once-per-prefill
+    MHA overhead from `prefix_ttft.py --one-server --arms mla mha --fit-overhead` on the same card: the value is
+    what fit_mha_prefix_overhead gives on that run's recorded medians with this table's per-layer costs."""
     t = mha_mla.load_table("NVIDIA H100 80GB HBM3")
     prov = t.meta["provenance"]
     assert prov["gpu"] == "NVIDIA H100 80GB HBM3" and "--grid full" in prov["command"]
     assert prov["date"].startswith("2026-12-05")
     assert t.meta["fit"]["in_sample_worst_loss_pct"] < 1.0 < t.meta["fit"]["upstream_worst_loss_pct"]
-    assert t.mha_prefix_overhead_us == 0.0
+    over = t.meta["mha_prefix_overhead"]
+    run = json.loads((REPO / over["fitted_from"][0]).read_text())
+    assert run["gpu"] == over["gpu"] == "NVIDIA H100 80GB HBM3" and "--fit-overhead" in run["command"]
+    samples = [(BatchShape([int(n) // 2], [int(n) // 2]), r["single"]["median_ms"]["mha"],
+                r["single"]["median_ms"]["mla"]) for n, r in run["one_server"]["lengths"].items()]
+    fit = mha_mla.fit_mha_prefix_overhead(t, samples, 4)
+    assert len(samples) == 3 and t.mha_prefix_overhead_us == pytest.approx(fit["mha_prefix_overhead_us"], abs=0.1)
+    assert over["values_us"] == [round(v) for v in fit["values_us"]] and 2000 < t.mha_prefix_overhead_us < 6000
     assert t.choose(BatchShape([1024], [1024])) == "mha" and t.choose(BatchShape([128], [8192])) == "mla"
 
 
