@@ -102,7 +102,8 @@ def test_h100_table_is_session_57s_grid_with_session_58s_overhead():
     assert run["gpu"] == over["gpu"] == "NVIDIA H100 80GB HBM3" and "--fit-overhead" in run["command"]
     samples = [(BatchShape([int(n) // 2], [int(n) // 2]), r["single"]["median_ms"]["mha"],
                 r["single"]["median_ms"]["mla"]) for n, r in run["one_server"]["lengths"].items()]
-    fit = mha_mla.fit_mha_prefix_overhead(t, samples, 4)
+    assert over["layers"] == 4  # dsv3-4l's, the model the run served
+    fit = mha_mla.fit_mha_prefix_overhead(t, samples, over["layers"])
     assert len(samples) == 3 and t.mha_prefix_overhead_us == pytest.approx(fit["mha_prefix_overhead_us"], abs=0.1)
     assert over["values_us"] == [round(v) for v in fit["values_us"]] and 2000 < t.mha_prefix_overhead_us < 6000
     assert t.choose(BatchShape([1024], [1024])) == "mha" and t.choose(BatchShape([128], [8192])) == "mla"
