@@ -641,6 +641,15 @@ def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     assert tc(24, 4096, 7168, 16, "contiguous") == "split"  # two streams: 126.8 vs 129.7, uneven 135.1 vs 135.5
 
 
+def test_table_dir_found_without_sglang_h20(monkeypatch):
+    """sgl_kernel_ext stands alone: where sglang_h20 is not importable, the shipped tables are the checkout's."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang_h20" else real(name, *a))
+    alone = gemm_table._table_dir()
+    assert alone == Path(REPO, "python", "sglang_h20", "tables").resolve()
+    assert (alone / "grouped_gemm_h200.json").is_file() and (alone / "grouped_gemm_h100.json").is_file()
+
+
 H100_RUNS = [os.path.join(REPO, "benchmark", "results", "swapab", f) for f in (
     "grouped_gemm_g16_dense_s56_h100.json", "grouped_gemm_g8_32_256_s57_h100.json.xz",
     "grouped_gemm_tune_g16_gate_up_s58_h100.json.xz")]
