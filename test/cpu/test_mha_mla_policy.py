@@ -179,6 +179,29 @@ def test_router_passes_the_ranks_attention_layers(monkeypatch):
     assert route(h._handle_attention_backend, attn, fb, "flashmla") == M.MLA and seen == [4]
 
 
+def test_router_without_chunked_prefix_cache_still_chooses_for_fresh_prompts():
+    """--disable-chunked-prefix-cache rules MHA out only where a cached prefix would need it: a batch without one is
+    still the policy's; a batch that reports no prefix lengths at all is one with none (zeros, not ones)."""
+    seen = []
+    route = _router(SimpleNamespace(choose=lambda shape, layers=None: seen.append(shape) or "mha"))
+    attn, fb = fake([512, 64], [0, 0], disable_chunked=True)
+    assert route(h._handle_attention_backend, attn, fb, "flashmla") != M.MLA and seen[-1].prefix == [0, 0]
+    attn, fb = fake([512], [512], disable_chunked=True)
+    n = len(seen)
+    assert route(h._handle_attention_backend, attn, fb, "flashmla") == M.MLA and len(seen) == n  # upstream's answer
+    attn, fb = fake([256, 32], [0, 0])
+    fb.extend_prefix_lens_cpu = None
+    assert route(h._handle_attention_backend, attn, fb, "flashmla") != M.MLA and seen[-1].prefix == [0, 0]
+
+
+def test_equivalent_uniform_of_a_batch_with_no_new_tokens():
+    """se = 0 (nothing to extend): the uniform batch has extend 0 and the same mean prefix, with or without one."""
+    assert mha_mla.equivalent_uniform(BatchShape([0, 0], [0, 0])) == (2, 0.0, 0.0)
+    assert mha_mla.equivalent_uniform(BatchShape([0, 0], [100, 300])) == (2, 0.0, 200.0)
+    b, e, p = mha_mla.equivalent_uniform(BatchShape([3, 5], [100, 300]))
+    assert (b, p) == (2, 200.0) and b * e * e + 400 * e == pytest.approx(3 * 103 + 5 * 305)
+
+
 def test_upstream_rule_matches_the_documented_threshold():
     r = UpstreamRule()
     assert r.choose(BatchShape([10, 10], [0, 0])) == "mha"
