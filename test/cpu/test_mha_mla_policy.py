@@ -5,7 +5,6 @@ our AROUND hook around it with the same random batches and constraint flags.
 """
 import importlib
 import json
-import math
 import random
 from pathlib import Path
 from types import SimpleNamespace
