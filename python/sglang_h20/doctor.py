@@ -74,24 +74,28 @@ def tables_and_kernels() -> list[str]:
         return lines + ["  no CUDA GPU visible: tables are per GPU, the decode kernel needs one"]
     from sglang_h20.attention import mha_mla
 
-    try:  # the table's file name comes from the kernel package (gemm_table.gpu_key), whose import needs triton
-        lines.append("  MHA/MLA cost table  " + _table_line(mha_mla.find_table(g.name),
-                                                             "python -m sglang_h20 calibrate mha-mla"))
-    except Exception as e:
-        lines.append(f"  MHA/MLA cost table  unavailable ({type(e).__name__}: {e})")
-    try:
-        gemm_table = importlib.import_module("sgl_kernel_ext.gemm_table")
-        lines.append("  grouped GEMM table  " + _table_line(
-            gemm_table.find_table(g.name), "python benchmark/kernels/bench_grouped_gemm.py --tune (from a checkout)"))
-    except Exception as e:  # the kernel package's import needs triton; say so instead of failing the doctor
-        lines.append(f"  grouped GEMM table  unavailable ({type(e).__name__}: {e})")
-    try:
+    def fp8_mla_decode() -> str:
         from sglang_h20.attention.fp8_mla_backend import decode_kernel
 
-        lines.append(f"  FP8 MLA decode      {decode_kernel().what}")
+        return decode_kernel().what
+
+    # the table file names come from the kernel package (gemm_table.gpu_key), whose import needs triton
+    return lines + [
+        _guarded("MHA/MLA cost table", lambda: _table_line(mha_mla.find_table(g.name),
+                                                           "python -m sglang_h20 calibrate mha-mla")),
+        _guarded("grouped GEMM table", lambda: _table_line(
+            importlib.import_module("sgl_kernel_ext.gemm_table").find_table(g.name),
+            "python benchmark/kernels/bench_grouped_gemm.py --tune (from a checkout)")),
+        _guarded("FP8 MLA decode", fp8_mla_decode)]
+
+
+def _guarded(label: str, describe) -> str:
+    """One line of the doctor's table section: what `describe()` says, or why it cannot say (a kernel package that
+    needs triton, no nvcc), so one missing piece never fails the whole report."""
+    try:
+        return f"  {label:<20}{describe()}"
     except Exception as e:
-        lines.append(f"  FP8 MLA decode      unavailable ({type(e).__name__}: {e})")
-    return lines
+        return f"  {label:<20}unavailable ({type(e).__name__}: {e})"
 
 
 def main(argv: list[str] | None = None) -> int:
