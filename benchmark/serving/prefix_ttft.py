@@ -138,15 +138,22 @@ def one_server(args) -> dict:
     return res
 
 
+def overhead_samples(res: dict) -> list:
+    """A --arms mla mha run's single-request medians as fit_mha_prefix_overhead's samples (shape, mha_ms, mla_ms):
+    at length L the prefill extends L/2 tokens on a cached prefix of L/2."""
+    from sglang_h20.attention import mha_mla
+
+    return [(mha_mla.BatchShape([int(n) // 2], [int(n) // 2]), r["single"]["median_ms"]["mha"],
+             r["single"]["median_ms"]["mla"]) for n, r in res["lengths"].items()]
+
+
 def fit_overhead(res: dict, model: str, table_out: Path | None) -> dict:
     """Fit the table's once-per-prefill MHA cost from a --arms mla mha run and write the table back."""
     from sglang_h20.attention import mha_mla
 
     gpu, layers = gpu_and_layers(model)
     table = mha_mla.load_table(gpu)
-    samples = [(mha_mla.BatchShape([int(n) // 2], [int(n) // 2]), r["single"]["median_ms"]["mha"],
-                r["single"]["median_ms"]["mla"]) for n, r in res["lengths"].items()]
-    fit = mha_mla.fit_mha_prefix_overhead(table, samples, layers)
+    fit = mha_mla.fit_mha_prefix_overhead(table, overhead_samples(res), layers)
     out = table_out or mha_mla.user_table_path(gpu)
     d = table.to_json()
     d["mha_prefix_overhead_us"] = fit["mha_prefix_overhead_us"]

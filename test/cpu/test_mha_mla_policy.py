@@ -17,6 +17,8 @@ from sglang_h20.attention.mha_mla import BatchShape, CostTable, Forced, Upstream
 from sglang_h20.calibrate import fit_table, grid_points, modelled_table, nnls_fit, QUICK_GRID
 from sglang_h20.settings import Settings
 
+from repo_scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 h = importlib.import_module(mha_mla.HANDLER_MODULE)
 M = h.AttnForwardMethod
@@ -99,8 +101,7 @@ def test_h100_table_is_session_57s_grid_with_session_58s_overhead():
     over = t.meta["mha_prefix_overhead"]
     run = json.loads((REPO / over["fitted_from"][0]).read_text())
     assert run["gpu"] == over["gpu"] == "NVIDIA H100 80GB HBM3" and "--fit-overhead" in run["command"]
-    samples = [(BatchShape([int(n) // 2], [int(n) // 2]), r["single"]["median_ms"]["mha"],
-                r["single"]["median_ms"]["mla"]) for n, r in run["one_server"]["lengths"].items()]
+    samples = load_script("benchmark/serving/prefix_ttft.py").overhead_samples(run["one_server"])
     assert over["layers"] == 4  # dsv3-4l's, the model the run served
     fit = mha_mla.fit_mha_prefix_overhead(t, samples, over["layers"])
     assert len(samples) == 3 and t.mha_prefix_overhead_us == pytest.approx(fit["mha_prefix_overhead_us"], abs=0.1)
