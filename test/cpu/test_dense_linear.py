@@ -143,6 +143,19 @@ def test_falls_back_unchanged_and_logs_each_reason_once(table, caplog):
     assert len(caplog.records) == 7
 
 
+def test_unsupported_at_the_shape_edges():
+    """K must be a multiple of 128 and match the input; the weight scales have ceil(N / 128) rows. N = 129 is the
+    smallest N whose partial block is one row: a 129-row weight needs 2 scale rows, not 1."""
+    x, w, w_s = make(6, 2)
+    assert dense_linear.unsupported(x, w, [128, 128], w_s, None, None) is None
+    assert "K=256" in dense_linear.unsupported(x[:, :128].contiguous(), w, [128, 128], w_s, None, None)
+    w192 = w[:, :192].contiguous()
+    assert "K=192" in dense_linear.unsupported(x[:, :192].contiguous(), w192, [128, 128], w_s[:, :2], None, None)
+    w129, s129 = w[:129].contiguous(), w_s[:2].contiguous()
+    assert dense_linear.unsupported(x, w129, [128, 128], s129, None, None) is None
+    assert "(1, 2)" in dense_linear.unsupported(x, w129, [128, 128], s129[:1].contiguous(), None, None)
+
+
 def test_upstream_where_the_table_says_or_has_no_dense_entry(table):
     x, w, w_s = make(4, 2)
     for kw in (dict(best="upstream"), dict(n=2 * N), dict(ms=(64, 128))):  # measured upstream / other N / m far

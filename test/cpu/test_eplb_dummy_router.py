@@ -60,6 +60,21 @@ def test_every_rank_draws_the_same_gates_and_other_modules_are_untouched():
     assert torch.equal(a.layers[0].post_attention_layernorm.weight, norm)
 
 
+def test_gate_rows_are_scaled_by_the_input_norms_rms():
+    """Row norm = g * |u_c + 0.1 n_e| ~ g * sqrt(1.01) (u_c, n_e near-orthogonal units), g = SPREAD / rms(norm weight);
+    a norm weight of zeros (rms 0) takes g = SPREAD * sqrt(hidden) instead of dividing by it."""
+    model = dummy_model()
+    norm = model.layers[1].post_attention_layernorm.weight
+    rms = float(norm.detach().pow(2).mean().sqrt())
+    with torch.no_grad():
+        model.layers[2].post_attention_layernorm.weight.zero_()
+    dummy_router.cluster_gates(model, SIZE)
+    hidden = norm.numel()
+    for layer, g in ((1, dummy_router.SPREAD / rms), (2, dummy_router.SPREAD * hidden ** 0.5)):
+        rows = model.layers[layer].mlp.gate.weight.detach().float().norm(dim=1) / g
+        assert ((rows - (1 + dummy_router.OWN_NOISE ** 2) ** 0.5).abs() < 0.02).all(), (layer, rows.min(), rows.max())
+
+
 def test_layer_that_does_not_split_is_left_as_loaded(caplog):
     model = dummy_model(layers=(1,))
     w = model.layers[1].mlp.gate.weight.detach().clone()
