@@ -333,6 +333,18 @@ def test_recorder_built_inside_inference_mode_updates_outside(monkeypatch):
     assert integration.latest_snapshot().coact[1].sum() == 4 and integration.get_recorder().acc.sum() == 0
 
 
+def test_recorder_line_states_its_size(monkeypatch, eplb_log):
+    """The recorder's one line gives the accumulator's real size: DeepSeek-V3's 61 layers x 257^2 int64 counts are
+    31 MiB of GPU memory, the figure an operator weighs against the KV pool."""
+    monkeypatch.setattr(integration, "_metadata_shape", lambda: (61, 256))
+    integration.on_forward_pass(SimpleNamespace(recording=True), 0, None)
+    integration.on_post_process_topk_ids(torch.tensor([[0, 1]]), None, None, None, 1)  # allocates lazily
+    assert integration.get_recorder().acc.nbytes == 61 * 257 * 257 * 8
+    assert [line for line in eplb_log if "co-activation recorder:" in line] == [
+        f"co-activation recorder: 61 layers x 256 experts on cpu (31 MiB), sample every {integration.SAMPLE_EVERY} "
+        "step(s)"]
+
+
 def test_record_hook_never_raises(monkeypatch):
     monkeypatch.setattr(integration, "_metadata_shape", lambda: (2, 4))
     integration.on_forward_pass(SimpleNamespace(recording=True), 0, None)

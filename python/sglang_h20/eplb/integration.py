@@ -127,7 +127,7 @@ def _new_recorder(num_layers: int, num_experts: int, device) -> CoactivationReco
     rec.set_active(_state.active_wanted)
     _state.recorder = rec
     log.info("co-activation recorder: %d layers x %d experts on %s (%.0f MiB), sample every %d step(s)",
-             num_layers, num_experts, rec.device, rec.acc.numel() * 8 / 2**20, SAMPLE_EVERY)
+             num_layers, num_experts, rec.device, rec.acc.nbytes / 2**20, SAMPLE_EVERY)
     return rec
 
 
