@@ -372,8 +372,23 @@ def test_simulate_driver_with_stand_in_placer():
     assert all(m["total"] == 2 * 256 * sim.EXPERT_BYTES for m in r["shift"]["migrations"])
     assert all(m["total"] == 0 for m in r["trivial"]["migrations"])
     assert 0 < r["trivial"]["balancedness"] <= 1 and r["trivial"]["cross_node_mean"] > 0
+    # the window's load summed before mean / max is at least as even as its most uneven step
+    for v in (r["trivial"], r["shift"]):
+        assert v["balancedness_min"] <= v["balancedness_window"] <= 1
     assert rec["provenance"]["command"] == "test"
     json.dumps(rec)
+
+
+def test_each_structure_draws_its_own_trace(monkeypatch):
+    """'clusters' draws the trace with the config's co-activation clusters, 'none' without any."""
+    from sglang_h20.eplb import trace
+
+    seen, real = [], trace.synthetic_trace
+    monkeypatch.setattr(trace, "synthetic_trace", lambda *a, **kw: seen.append(kw["clusters"]) or real(*a, **kw))
+    cfg = sim.SimConfig(topologies=("ep16",), structures=("clusters", "none"), algorithms=("trivial",),
+                        layers=1, tokens_per_step=64, steps=3, warmup=1, rebalance_every=1)
+    sim.simulate(cfg, progress=False)
+    assert seen == [cfg.clusters, None] and cfg.clusters
 
 
 def test_simulate_without_place_needs_trivial_only(monkeypatch):
