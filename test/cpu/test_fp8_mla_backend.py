@@ -118,8 +118,25 @@ def test_selection_takes_an_unset_flashmla_or_named_backend(user):
     decl, line = fb.plan_selection(sa)
     assert decl == {"attention_backend": fb.NAME, "page_size": 64, "kv_cache_dtype": "fp8_e4m3"}
     assert line.startswith(f"fp8_mla: attention backend {fb.NAME} (")
-    assert f"{mla.KV_BYTES_PER_TOKEN} B/token/layer" in line and "page size 16 -> 64" in line
+    assert f"{mla.KV_BYTES_PER_TOKEN} B/token/layer (BF16: 1152)" in line and "page size 16 -> 64" in line  # 576 x 2
     assert sa.cuda_graph_config.prefill.backend == "disabled"  # prefill runs eagerly
+
+
+def test_a_captured_prefill_the_user_locked_keeps_upstream():
+    """A prefill CUDA graph the user set explicitly (locked) is refused with its name; the default one, or a locked
+    'disabled', is switched off or kept off and the backend is selected."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+
+    locked = {(Phase.PREFILL, "backend")}
+    sa = server_args(attention_backend="flashmla", _cuda_graph_config_locked=locked)
+    decl, line = fb.plan_selection(sa)
+    assert decl == {} and f"a captured prefill ({sa.cuda_graph_config.prefill.backend}) was asked for" in line
+    for sa in (server_args(attention_backend="flashmla"), server_args(attention_backend="flashmla",
+                                                                      _cuda_graph_config_locked=locked)):
+        if sa._cuda_graph_config_locked:
+            sa.cuda_graph_config.prefill.backend = Backend.DISABLED
+        decl, line = fb.plan_selection(sa)
+        assert decl["attention_backend"] == fb.NAME and sa.cuda_graph_config.prefill.backend == Backend.DISABLED
 
 
 def test_selection_keeps_an_explicit_other_backend():
@@ -593,7 +610,7 @@ def test_mha_prefill_goes_to_flashinfer_and_never_reads_the_pool(monkeypatch):
     b = Batch([32, 16], heads=16, seed=4)
     fake = FakePrefill()
     be = b.backend(prefill=fake)
-    assert be.mha_prefill
+    assert be.mha_prefill and not b.backend(prefill=None).mha_prefill  # no prefill backend: no MHA prefill
     mha = RadixAttention(16, 192, 1 / math.sqrt(192), 16, 2, v_head_dim=128)
     fbatch = extend_batch(b, [0, 0], [32, 16])
     be.init_forward_metadata(fbatch)  # no cached prefix: FlashInfer plans its ragged MHA
