@@ -968,6 +968,36 @@ def test_detector_thresholds_are_configurable():
     assert analyze.detect(recs, analyze.Thresholds(rel=0.5)) == []
 
 
+def _clean_attention(ranks=8, layers=8):
+    """A clean dataset whose attention times are set to exactly 1 ms, so a test writes its own deviations."""
+    ds = analyze.load(synth.synthesize(ranks=ranks, layers=layers, steps=12, seed=5, first_dense=1))
+    k = ds.stages.index("attention")
+    ds.times[..., k] = 1.0
+    return ds, k
+
+
+def test_cross_rank_counts_isolated_layers_only_when_strong():
+    """8 layers: a rank slow at fewer than ceil(0.25 x 8) = 2 layers is reported only where it exceeds twice the
+    relative threshold (40%); at 2 layers the plain 20% suffices; with fewer than 4 ranks nothing is compared."""
+    def attention_finding(excess_by_layer, ranks=8):
+        ds, k = _clean_attention(ranks)
+        for layer, excess in excess_by_layer.items():
+            ds.times[3 % ranks, :, ds.layers.index(layer), k] = 1.0 + excess
+        return [(a.rank, a.layers) for a in analyze.cross_rank(ds, analyze.Thresholds()) if a.stage == "attention"]
+
+    assert attention_finding({4: 0.3}) == []
+    assert attention_finding({4: 0.5}) == [(3, [4])]
+    assert attention_finding({4: 0.3, 6: 0.3}) == [(3, [4, 6])]
+    assert attention_finding({4: 0.5}, ranks=3) == []  # min_ranks 4
+
+
+def test_flags_need_the_absolute_floor_too():
+    x = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.5])
+    for floor, flagged in ((0.4, True), (0.6, False)):  # 0.5 ms above the median
+        flag, _, _ = analyze._flags(x, 0, 5.0, 0.2, floor, 0.01)
+        assert flag.tolist() == [False] * 5 + [flagged]
+
+
 def test_robust_z_ignores_outliers_and_floors_the_scale():
     x = np.array([10.0, 10.1, 9.9, 10.0, 50.0])
     z, med, scale = analyze.robust_z(x, 0)
