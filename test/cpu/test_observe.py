@@ -991,6 +991,33 @@ def test_cross_rank_counts_isolated_layers_only_when_strong():
     assert attention_finding({4: 0.5}, ranks=3) == []  # min_ranks 4
 
 
+def test_a_slow_rank_with_a_larger_batch_is_imbalance():
+    """Slow attention on a rank whose batch is 1.3x the median rank's (> 1 + 0.15) is load, not a slow GPU."""
+    ds, k = _clean_attention()
+    ds.times[3, ..., k] = 1.5
+    ds.tokens[:] = 100.0
+    found = [a for a in analyze.cross_rank(ds, analyze.Thresholds()) if a.stage == "attention"]
+    assert [(a.kind, a.rank) for a in found] == [("compute", 3)]
+    ds.tokens[3] = 130.0
+    found = [a for a in analyze.cross_rank(ds, analyze.Thresholds()) if a.stage == "attention"]
+    assert [(a.kind, a.rank) for a in found] == [("imbalance", 3)] and "its batch is 1.30x" in found[0].message
+
+
+def test_a_rank_with_half_its_links_slow_is_one_finding():
+    """8 ranks: 14 links per rank; with 7 of them slow the rank is named once instead of 7 links."""
+    ds, _ = _clean_attention()
+    ds.latency = np.full((8, 8), 0.02)
+    np.fill_diagonal(ds.latency, 0.0)
+    for peer in (0, 1, 4):
+        ds.latency[2, peer] = ds.latency[peer, 2] = 0.1
+    ds.latency[2, 5] = 0.1  # the 7th
+    found = analyze.latency_links(ds, analyze.Thresholds())
+    assert [(a.rank, a.link) for a in found] == [(2, None)] and "7 of 14 links slow" in found[0].message
+    ds.latency[2, 5] = 0.02  # 6 of 14: each link on its own
+    assert sorted(a.link for a in analyze.latency_links(ds, analyze.Thresholds())) == sorted(
+        [(2, p) for p in (0, 1, 4)] + [(p, 2) for p in (0, 1, 4)])
+
+
 def test_flags_need_the_absolute_floor_too():
     x = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.5])
     for floor, flagged in ((0.4, True), (0.6, False)):  # 0.5 ms above the median
