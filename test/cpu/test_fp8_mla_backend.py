@@ -131,10 +131,10 @@ def test_a_captured_prefill_the_user_locked_keeps_upstream():
     sa = server_args(attention_backend="flashmla", _cuda_graph_config_locked=locked)
     decl, line = fb.plan_selection(sa)
     assert decl == {} and f"a captured prefill ({sa.cuda_graph_config.prefill.backend}) was asked for" in line
-    for sa in (server_args(attention_backend="flashmla"), server_args(attention_backend="flashmla",
-                                                                      _cuda_graph_config_locked=locked)):
-        if sa._cuda_graph_config_locked:
-            sa.cuda_graph_config.prefill.backend = Backend.DISABLED
+    default = server_args(attention_backend="flashmla")  # the default prefill graph: switched off
+    locked_off = server_args(attention_backend="flashmla", _cuda_graph_config_locked=locked)
+    locked_off.cuda_graph_config.prefill.backend = Backend.DISABLED  # locked, to 'disabled': kept off
+    for sa in (default, locked_off):
         decl, line = fb.plan_selection(sa)
         assert decl["attention_backend"] == fb.NAME and sa.cuda_graph_config.prefill.backend == Backend.DISABLED
 

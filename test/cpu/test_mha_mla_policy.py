@@ -6,7 +6,6 @@ our AROUND hook around it with the same random batches and constraint flags.
 import importlib
 import json
 import random
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,9 +16,8 @@ from sglang_h20.attention.mha_mla import BatchShape, CostTable, Forced, Upstream
 from sglang_h20.calibrate import fit_table, grid_points, modelled_table, nnls_fit, QUICK_GRID
 from sglang_h20.settings import Settings
 
-from repo_scripts import load_script
+from repo_scripts import REPO, load_script
 
-REPO = Path(__file__).resolve().parents[2]
 h = importlib.import_module(mha_mla.HANDLER_MODULE)
 M = h.AttnForwardMethod
 H200 = modelled_table("NVIDIA H200", 790, 4.3)
