@@ -410,9 +410,12 @@ def triton_cdiv(a, b):
     return -(-a // b)
 
 
-def attend(q, kv, scale, causal_offset=None):
-    """fp32 attention of q [T, H, 576] over kv [N, 576]; causal: query t sees keys < causal_offset + t + 1."""
+def attend(q, kv, scale, causal_offset=None, cap=0.0):
+    """fp32 attention of q [T, H, 576] over kv [N, 576]; causal: query t sees keys < causal_offset + t + 1; cap > 0:
+    scores soft-capped to cap * tanh(s / cap), as SGLang's kernels do."""
     s = torch.einsum("thd,nd->thn", q.float(), kv.float()) * scale
+    if cap > 0:
+        s = cap * torch.tanh(s / cap)
     if causal_offset is not None:
         t = torch.arange(q.shape[0], device=q.device)[:, None, None]
         s = s.masked_fill(torch.arange(kv.shape[0], device=q.device)[None, None, :] > causal_offset + t, float("-inf"))
@@ -525,14 +528,14 @@ def extend_reference_kernel(q, k, v, o, k_buffer, v_buffer, qo_indptr, kv_indptr
                             **_):
     """SGLang's extend_attention_fwd contract in float32: request b's queries see its prefix (k_buffer rows at
     kv_indices[kv_indptr[b]:kv_indptr[b+1]]) and, causally, its own new tokens."""
-    assert custom_mask is None and is_causal and k.shape[1] == 1 and logit_cap == 0.0
+    assert custom_mask is None and is_causal and k.shape[1] == 1
     for bi in range(qo_indptr.numel() - 1):
         q0, q1 = int(qo_indptr[bi]), int(qo_indptr[bi + 1])
         pre = k_buffer[kv_indices[int(kv_indptr[bi]):int(kv_indptr[bi + 1])].long(), 0]
         assert torch.equal(v_buffer[kv_indices[int(kv_indptr[bi]):int(kv_indptr[bi + 1])].long(), 0], pre[:, :512])
         kv = torch.cat([pre, k[q0:q1, 0]]).float()
         assert torch.equal(v[q0:q1, 0], k[q0:q1, 0, :512])
-        o[q0:q1] = attend(q[q0:q1], kv, sm_scale, causal_offset=pre.shape[0]).to(o.dtype)
+        o[q0:q1] = attend(q[q0:q1], kv, sm_scale, causal_offset=pre.shape[0], cap=logit_cap).to(o.dtype)
 
 
 def extend_batch(b, prefix, new):
@@ -548,7 +551,7 @@ def extend_batch(b, prefix, new):
                            extend_seq_lens_cpu=list(new), out_cache_loc=out_loc)
 
 
-def check_mla_extend(b, be, prefix, new, lyr, parts=False):
+def check_mla_extend(b, be, prefix, new, lyr, parts=False, qscale=0.5):
     """Prefix cached; the backend stores the new tokens and attends over FP8 prefix + bf16 new tokens. parts: Q and
     K handed as SGLang's (latent, rope) parts, as to a backend on its absorb-core list."""
     for r, p in enumerate(prefix):
@@ -556,8 +559,9 @@ def check_mla_extend(b, be, prefix, new, lyr, parts=False):
     fbatch = extend_batch(b, prefix, new)
     be.init_forward_metadata(fbatch)
     T = sum(new)
-    q = torch.randn(T, b.heads, 576, generator=b.gen).bfloat16().to(DEVICE) * 0.5
+    q = torch.randn(T, b.heads, 576, generator=b.gen).bfloat16().to(DEVICE) * qscale
     k = torch.cat([b.latent[r][p:p + e] for r, (p, e) in enumerate(zip(prefix, new))])
+    cap = lyr.logit_cap or 0.0
     if parts:
         out = be.forward(q[..., :512], k[..., :512], k[..., :512], lyr, fbatch, q_rope=q[..., 512:],
                          k_rope=k[..., 512:]).view(T, b.heads, 512)
@@ -566,8 +570,8 @@ def check_mla_extend(b, be, prefix, new, lyr, parts=False):
     q0 = 0
     for r, (p, e) in enumerate(zip(prefix, new)):
         pre = b.pool.dequantize_tokens(lyr.layer_id, b.slots(r, 0, p), torch.bfloat16)[:, 0]
-        want = attend(q[q0:q0 + e], torch.cat([pre, b.latent[r][p:p + e, 0]]), lyr.scaling, causal_offset=p)
-        exact = attend(q[q0:q0 + e], b.latent[r][:p + e, 0], lyr.scaling, causal_offset=p)
+        want = attend(q[q0:q0 + e], torch.cat([pre, b.latent[r][p:p + e, 0]]), lyr.scaling, causal_offset=p, cap=cap)
+        exact = attend(q[q0:q0 + e], b.latent[r][:p + e, 0], lyr.scaling, causal_offset=p, cap=cap)
         assert rel(out[q0:q0 + e], want) <= 1e-2, (r, rel(out[q0:q0 + e], want))  # bf16 output rounding
         assert rel(out[q0:q0 + e], exact) <= 4e-2
         # the new tokens went into the pool, quantized
@@ -585,6 +589,25 @@ def test_mla_prefill_reads_the_dequantized_prefix(monkeypatch):
     check_mla_extend(b, b.backend(), prefix=[70, 0, 4], new=[5, 40, 5], lyr=layer(1))
     b = Batch([75, 40, 9], heads=16, seed=8)
     check_mla_extend(b, b.backend(), prefix=[70, 0, 4], new=[5, 40, 5], lyr=layer(1), parts=True)
+
+
+def test_logit_cap_reaches_the_prefill_kernel_and_is_refused_by_decode(monkeypatch):
+    """A layer with a soft cap: the MLA prefill hands it to SGLang's kernel (checked against a capped reference; at
+    this q scale the uncapped output is 22% off it), and decode, whose kernel has none, refuses it."""
+    import sglang.kernels.ops.attention.extend_attention as ext
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(ext, "extend_attention_fwd", extend_reference_kernel)
+    lyr = layer(1)
+    lyr.logit_cap = 2.0
+    b = Batch([75, 40, 9], heads=16, seed=5)
+    check_mla_extend(b, b.backend(), prefix=[70, 0, 4], new=[5, 40, 5], lyr=lyr, qscale=1.0)
+    b = Batch([16, 9], heads=16, seed=6)
+    be = b.backend()
+    be.init_forward_metadata(decode_batch(b))
+    q = torch.randn(2, 16, 576, device=DEVICE).bfloat16()
+    with pytest.raises(NotImplementedError, match="logit_cap=2.0"):
+        be.forward_decode(q, None, None, lyr, decode_batch(b))
 
 
 class FakePrefill:

@@ -602,6 +602,9 @@ class FP8MLABackend(AttentionBackend):
                        **kwargs):
         """q [B, heads, 576], or its latent part [B, heads, 512] with q_rope [B, heads, 64] (and K likewise) when
         SGLang hands the parts (take_q_in_parts)."""
+        if layer.logit_cap:  # the kernel has no soft cap; DeepSeek's layers have none (0.0)
+            raise NotImplementedError(f"{NAME}: attention logit soft-capping (logit_cap={layer.logit_cap}) is not "
+                                      "supported by the FP8 decode kernel; use --attention-backend flashinfer")
         if k is not None and save_kv_cache:
             if k_rope is not None:
                 self.token_to_kv_pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
