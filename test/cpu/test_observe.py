@@ -1143,3 +1143,42 @@ def test_full_latency_matrix_records_are_read():
     recs[0]["rank_latency_ms"] = m.tolist()
     found = analyze.latency_links(analyze.load(recs), analyze.Thresholds())
     assert [(a.kind, a.link) for a in found] == [("communication", (3, 4))]
+
+
+def test_over_time_charges_the_waiting_peers_step_to_the_straggler_but_keeps_its_own():
+    """At the pass where rank 2's attention spikes, the other ranks wait in dispatch and every rank's step grows:
+    the peers' dispatch and step flags are waits and dropped; rank 2 keeps its attention and its step."""
+    rng = np.random.default_rng(0)
+    recs = []
+    for s in range(12):
+        for r in range(8):
+            att, dis = 1.0 + 0.01 * rng.standard_normal(), 0.3 + 0.003 * rng.standard_normal()
+            if s == 9:
+                att, dis = (att + 2.0, dis) if r == 2 else (att, dis + 2.0)
+            recs.append({"kind": "stages", "rank": r, "step": 100 + s, "step_ms": att + dis + 0.5 + 0.005 * rng.standard_normal(),
+                         "layers": [{"layer": 0, "stages": {"attention": att, "dispatch": dis}}]})
+    found = analyze.over_time(analyze.load(recs), analyze.Thresholds())
+    assert [(a.kind, a.rank, a.stage, a.steps) for a in found] == [("compute", 2, "attention", [109]),
+                                                                     ("compute", 2, "step", [109])]
+    assert all("peers 0-1,3-7 waited" in a.message for a in found)
+
+
+@pytest.mark.parametrize("frac, flagged", [(0.25, True), (0.5, False)])
+def test_load_imbalance_needs_its_share_of_moe_layers(frac, flagged):
+    """Rank 5's experts get 1.5x the tokens in one of four MoE layers: a finding at a 25% layer share (one layer
+    suffices), none at 50%."""
+    rng = np.random.default_rng(0)
+    recs = []
+    for s in range(12):
+        for r in range(8):
+            load = rng.poisson(100, (4, 64)).astype(float)
+            load[1, 40:48] *= 1.5
+            recs.append({"kind": "stages", "rank": r, "step": s, "step_ms": 1.0,
+                         "layers": [{"layer": 0, "stages": {"attention": 1.0}}], "num_experts": 64,
+                         "experts_per_rank": 8, "ep_size": 8, "expert_load_layers": [3, 4, 5, 6],
+                         "expert_load": load.tolist()})
+    found = analyze.load_imbalance(analyze.load(recs), analyze.Thresholds(load_layer_frac=frac))
+    assert [(a.rank, a.layers) for a in found] == ([(5, [4])] if flagged else [])
+    if flagged:
+        assert found[0].value / found[0].baseline == pytest.approx(1.5, abs=0.05)
+        assert "busiest hosted expert 4" in found[0].message
