@@ -25,7 +25,8 @@ concurrency levels the first one finished, so every number has its pair, and an 
 the time left covers the last arm's time to its first level (a cold server start takes ~260 s).
 
 usage: swapab_e2e.py --out DIR [--model /tmp/models/dsv3-ep16-slice] [--deadline-s 360]
-                     [--arms off on forced moe-only sbo sbo+on sbo+on+cap] [--table FILE] [--concurrency 16 48 128]
+                     [--arms off on forced moe-only sbo sbo+on sbo+on+cap] [--anchor off] [--table FILE]
+                     [--concurrency 16 48 128]
                      [--no-layer] [--shared-sms 32]
                      [--fp8-gemm-backend triton|deep_gemm]
 """
@@ -229,13 +230,14 @@ def arm_labels(names: list[str]) -> list[str]:
     return [n if names[:i].count(n) == 0 else f"{n}#{names[:i].count(n) + 1}" for i, n in enumerate(names)]
 
 
-def compare(arms: list[dict]) -> dict:
-    """Each arm against 'off' of the same repeat ('sbo#2' against 'off#2', else 'off'), per level both ran."""
+def compare(arms: list[dict], anchor: str = "off") -> dict:
+    """Each arm against the anchor arm of the same repeat ('sbo#2' against 'off#2', else 'off'), per level both
+    ran."""
     by = {a["arm"]: a for a in arms}
     out = {}
-    for name in sorted(k for k in by if k.split("#")[0] != "off"):
+    for name in sorted(k for k in by if k.split("#")[0] != anchor):
         repeat = name.partition("#")[2]
-        base = f"off#{repeat}" if repeat and f"off#{repeat}" in by else "off"
+        base = f"{anchor}#{repeat}" if repeat and f"{anchor}#{repeat}" in by else anchor
         if base not in by:
             continue
         for c, off in by[base]["levels"].items():
@@ -259,6 +261,9 @@ def main() -> int:
     ap.add_argument("--arms", nargs="+", default=["off", "on"], choices=list(ARMS),
                     help="servers to run, in order; a repeated arm runs again as NAME#2 and pairs with off#2 "
                          "(module doc; default: %(default)s)")
+    ap.add_argument("--anchor", choices=list(ARMS), default="off",
+                    help="the arm every other one is compared with, e.g. 'on' for what SBO adds to swapAB "
+                         "(record key vs_<anchor>; default: %(default)s)")
     ap.add_argument("--table", type=Path, help="table file for the 'on' arm (default: the one the plugin finds)")
     ap.add_argument("--shared-sms", type=int, default=32,
                     help="arm sbo+on+cap: programs of the shared experts' GEMMs (slim tiles, "
@@ -282,6 +287,8 @@ def main() -> int:
     ap.add_argument("--layer-only", type=Path, help=argparse.SUPPRESS)  # child mode: write layer JSON here
     ap.add_argument("--result", type=Path, help="results JSON (default OUT/swapab_e2e.json)")
     args = ap.parse_args()
+    if args.anchor not in args.arms:
+        ap.error(f"--anchor {args.anchor}: not one of --arms {' '.join(args.arms)}")
     args.server_args = with_mem_fraction(graphs_up_to(args.server_args, max(args.concurrency)))  # H100: 0.88
     args.server_args, args.base_env = backend_setup(args.server_args, args.fp8_gemm_backend)
     if not (Path(args.model) / "config.json").is_file():
@@ -317,6 +324,7 @@ def main() -> int:
     assert set(envs) == set(ARMS)
     sharegpt = write_sharegpt(args.out / "sharegpt.json")
     result = args.result or args.out / "swapab_e2e.json"
+    vs = f"vs_{args.anchor}"
 
     def save(arms) -> dict:
         """The record of the arms run so far, written after each (a run stopped from outside keeps them)."""
@@ -325,7 +333,8 @@ def main() -> int:
                   "table_on_arm": str(args.table or "plugin default"),
                   "workload": {k: getattr(args, k) for k in ("concurrency", "input_len", "output_len", "waves",
                                                               "min_prompts")},
-                  "layer": layer, "arms": arms, "vs_off": compare(arms), "partial": len(arms) < len(args.arms)}
+                  "layer": layer, "arms": arms, "anchor": args.anchor, vs: compare(arms, args.anchor),
+                  "partial": len(arms) < len(args.arms)}
         result.write_text(json.dumps(record, indent=1))
         return record
 
@@ -340,7 +349,7 @@ def main() -> int:
         save(arms)
         levels = [c for c in levels if c in arm["levels"]]  # the next arm pairs with these
     record = save(arms)
-    print(json.dumps({"vs_off": record["vs_off"],
+    print(json.dumps({vs: record[vs],
                       "batch sizes served by ours": {a["arm"]: len(a["swapab_ours_lines"]) for a in arms},
                       "dense linear shapes served by ours": {a["arm"]: len(a["dense_ours_lines"]) for a in arms}},
                      indent=1))

@@ -26,6 +26,16 @@ def test_repeated_arms_are_labelled_and_paired():
     assert set(ratios) == {"sbo", "sbo#2", "forced#3"}
 
 
+def test_another_anchor_pairs_every_arm_with_its_own_repeat():
+    """--anchor on: what SBO adds on top of swapAB ('sbo+on' against 'on', 'sbo+on#2' against 'on#2')."""
+    ratios = e2e.compare([arm("on", 100.0, 20.0), arm("sbo+on", 105.0, 19.0), arm("off", 80.0, 25.0),
+                          arm("on#2", 50.0, 40.0), arm("sbo+on#2", 40.0, 44.0)], anchor="on")
+    assert ratios["sbo+on"]["32"] == pytest.approx({"output_throughput_ratio": 1.05, "median_itl_ratio": 0.95})
+    assert ratios["off"]["32"] == pytest.approx({"output_throughput_ratio": 0.8, "median_itl_ratio": 1.25})
+    assert ratios["sbo+on#2"]["32"] == pytest.approx({"output_throughput_ratio": 0.8, "median_itl_ratio": 1.1})
+    assert set(ratios) == {"sbo+on", "off", "sbo+on#2"}
+
+
 def test_decode_only_and_ttft_ratios_where_both_arms_have_them():
     """The server log's decode rate (prefill excluded) and the TTFT are paired beside the bench's output tok/s;
     a level without them (records before session 55, or no steady log line) keeps the two bench ratios alone."""
@@ -164,6 +174,21 @@ def test_main_pairs_the_arms_level_by_level_and_keeps_what_finished(tmp_path, mo
     forced = json.loads((out / "forced_table.json").read_text())["entries"]
     assert {e["groups"] for e in forced} == {1, 2, 4, 8, 16} and {e["best"] for e in forced} == {"swapab"}
     assert {(e["n"], e["k"]) for e in forced} == {(4096, 7168), (7168, 2048)}
+
+
+def test_main_records_the_anchor_and_refuses_one_it_does_not_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(e2e, "Server", FakeServer)
+    model, out = write_model(tmp_path), tmp_path / "out"
+    argv = ["swapab_e2e.py", "--model", str(model), "--out", str(out), "--no-layer", "--concurrency", "4"]
+    monkeypatch.setattr(sys, "argv", argv + ["--arms", "on", "sbo+on", "--anchor", "on"])
+    assert e2e.main() == 0
+    rec = json.loads((out / "swapab_e2e.json").read_text())
+    assert rec["anchor"] == "on" and "vs_off" not in rec and set(rec["vs_on"]) == {"sbo+on"}
+    assert FakeServer.envs[-1]["SGLANG_H20_SBO"] == "on" and FakeServer.envs[-1]["SGLANG_H20_SWAPAB"] == "on"
+    monkeypatch.setattr(sys, "argv", argv + ["--arms", "on", "sbo+on", "--anchor", "off"])
+    with pytest.raises(SystemExit):
+        e2e.main()
+    assert "--anchor off: not one of --arms on sbo+on" in capsys.readouterr().err
 
 
 def test_main_skips_an_arm_that_cannot_reach_its_first_level(tmp_path, monkeypatch, capsys):
