@@ -56,6 +56,8 @@ def test_noise_is_tolerated():
 def test_two_repeats_have_a_spread_and_a_zero_baseline_an_infinite_change():
     # two repeats (a quick nightly): the MAD of [1.0, 1.2] about their median 1.1 is 0.1
     assert cmp.spread([1.0, 1.2]) == pytest.approx(1.4826 * 0.1 / 1.1) and cmp.spread([7.0]) == 0.0
+    # a metric whose median repeat is 0 (e.g. no failed requests) has no relative spread; one at 1 has one
+    assert cmp.spread([0.0, 0.0, 3.0]) == 0.0 and cmp.spread([0.9, 1.0, 1.2]) == pytest.approx(1.4826 * 0.1)
     assert cmp.relative_change(5.0, 0.0, "higher") == float("inf") and cmp.relative_change(0.0, 0.0, "higher") == 0.0
     assert cmp.relative_change(5.0, 0.0, "lower") == float("-inf")  # lower is better: worse without bound
 
