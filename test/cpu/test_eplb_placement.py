@@ -467,8 +467,8 @@ def _node_objective(st, l, alpha):
 def test_node_round_swaps_each_lower_the_objective(alpha):
     """The node phase's cross-node round makes up to two swaps per node pair; the second one's gain is corrected
     for the first (node loads and the pair weights to the first swap's two copies). Checked from outside: every
-    swap, the second included, lowers its layer's node objective by more than the tolerance, and its lowering is
-    what the round's own bookkeeping (the loads and A) then holds."""
+    swap, the second included, lowers its layer's node objective by more than the tolerance; afterwards the
+    incrementally kept loads and A equal a recount."""
     from sglang_h20.eplb import placement as pl
 
     topo = Topology(num_nodes=2, gpus_per_node=2, slots_per_gpu=3)

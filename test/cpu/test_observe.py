@@ -1155,7 +1155,8 @@ def test_over_time_charges_the_waiting_peers_step_to_the_straggler_but_keeps_its
             att, dis = 1.0 + 0.01 * rng.standard_normal(), 0.3 + 0.003 * rng.standard_normal()
             if s == 9:
                 att, dis = (att + 2.0, dis) if r == 2 else (att, dis + 2.0)
-            recs.append({"kind": "stages", "rank": r, "step": 100 + s, "step_ms": att + dis + 0.5 + 0.005 * rng.standard_normal(),
+            step = att + dis + 0.5 + 0.005 * rng.standard_normal()
+            recs.append({"kind": "stages", "rank": r, "step": 100 + s, "step_ms": step,
                          "layers": [{"layer": 0, "stages": {"attention": att, "dispatch": dis}}]})
     found = analyze.over_time(analyze.load(recs), analyze.Thresholds())
     assert [(a.kind, a.rank, a.stage, a.steps) for a in found] == [("compute", 2, "attention", [109]),
