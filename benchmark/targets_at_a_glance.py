@@ -42,12 +42,13 @@ GEMM_RUNS = {
                       "swapab/grouped_gemm_full_s49_g256_m1_m32_h200.json.xz"),
              "s52 split 16-64 tok": "swapab/grouped_gemm_split_t16_t64_s52_h200.json.xz"}
 # (feature, record, arm, concurrency): bench_serving median ITL, ours / the anchor (below 1: ours faster)
-E2E_SWITCHED = [("swapAB", "swapab/swapab_e2e_s41_c4_c16_h200.json", "on", "4"),
-                ("swapAB", "swapab/swapab_e2e_s44_c16_c128_h200.json", "on", "16"),
-                ("swapAB", "swapab/swapab_e2e_s43_c48_h200.json", "on", "48"),
+# swapAB: the table shipped in session 59 at 4/16/48/128 (its pre-ship runs); 56 and 64 ran only with the table before
+E2E_SWITCHED = [("swapAB", "swapab/swapab_e2e_candidate_c16_c4_s59_h200.json", "on", "4"),
+                ("swapAB", "swapab/swapab_e2e_candidate_c16_c4_s59_h200.json", "on", "16"),
+                ("swapAB", "swapab/swapab_e2e_candidate_c48_c128_s59_h200.json", "on", "48"),
                 ("swapAB", "swapab/swapab_e2e_s42_c56_c64_h200.json", "on", "56"),
                 ("swapAB", "swapab/swapab_e2e_s42_c56_c64_h200.json", "on", "64"),
-                ("swapAB", "swapab/swapab_e2e_s44_c16_c128_h200.json", "on", "128"),
+                ("swapAB", "swapab/swapab_e2e_candidate_c48_c128_s59_h200.json", "on", "128"),
                 ("SBO", "sbo/sbo_e2e_s35_c16_c32_h200.json", "sbo", "16"),
                 ("SBO", "sbo/sbo_e2e_s35_c16_c32_h200.json", "sbo", "32"),
                 ("SBO", "sbo/sbo_e2e_s35_c56_c32_h200.json", "sbo", "32"),  # the second call's @32: both shown
