@@ -240,6 +240,21 @@ def test_trace_full_strength_tokens_take_their_whole_cluster(E, clusters):
                 assert any(m <= got and (len(m) < size or m == got) for m in members), (got, members)
 
 
+def test_trace_argument_edges():
+    """top_k may equal the expert count (every token then routes to all of them); cluster_strength spans [0, 1]
+    inclusive (0: tokens ignore their cluster), outside it and top_k above the expert count are refused."""
+    step = next(iter(synthetic_trace(1, 8, 8, 50, steps=1, clusters=None)))
+    assert (np.sort(step[0], axis=1) == np.arange(8)).all()
+    for strength in (0.0, 1.0):
+        step = next(iter(synthetic_trace(1, 16, 4, 50, steps=1, clusters=4, cluster_strength=strength)))
+        assert step.shape == (1, 50, 4)
+    for bad in (-0.01, 1.01):
+        with pytest.raises(ValueError, match="cluster_strength"):
+            synthetic_trace(1, 16, 4, 50, clusters=4, cluster_strength=bad)
+    with pytest.raises(ValueError, match="top_k=9 > num_experts=8"):
+        synthetic_trace(1, 8, 9, 50)
+
+
 def test_trace_drift_changes_popularity():
     def corr(drift):
         tr = synthetic_trace(4, tokens_per_step=8192, steps=40, clusters=None, drift=drift, seed=5)
@@ -330,6 +345,20 @@ def test_read_sglang_per_token_dump(tmp_path):
     # a single rank file works too
     one = read_sglang_dump(sorted(tmp_path.glob("*_0.pt"))[0])
     assert one.steps[0].shape == (2, 3, 8)
+
+
+def test_read_sglang_dump_takes_records_without_a_rank_as_rank_0(tmp_path):
+    """A hand-made per_token dump: records without 'rank' count as rank 0 and sort before rank 1's; the physical
+    ids map back through the dump's map, and padding (-1) stays padding."""
+    import torch
+
+    p2l = torch.tensor([[3, 2, 1, 0]])  # one layer, 4 slots, reversed
+    recs = [dict(forward_pass_id=7, rank=1, topk_ids_of_layer=torch.tensor([[[0, 1]]], dtype=torch.int32)),
+            dict(forward_pass_id=7, topk_ids_of_layer=torch.tensor([[[2, -1], [3, 0]]], dtype=torch.int32))]
+    torch.save(dict(records=recs, last_physical_to_logical_map=p2l), tmp_path / "dump.pt")
+    d = read_sglang_dump(tmp_path / "dump.pt")
+    assert d.token_ranks[0].tolist() == [0, 0, 1] and d.forward_pass_ids == [7] and d.num_experts == 4
+    assert d.steps[0].tolist() == [[[1, -1], [0, 3], [3, 2]]]
 
 
 def test_read_sglang_dump_refuses_aggregated_modes(tmp_path):
