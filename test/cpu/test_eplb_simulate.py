@@ -347,9 +347,10 @@ def test_read_sglang_per_token_dump(tmp_path):
     assert one.steps[0].shape == (2, 3, 8)
 
 
-def test_read_sglang_dump_takes_records_without_a_rank_as_rank_0(tmp_path):
+def test_read_sglang_dump_takes_records_without_a_rank_as_rank_0_and_names_a_layer_mismatch(tmp_path):
     """A hand-made per_token dump: records without 'rank' count as rank 0 and sort before rank 1's; the physical
-    ids map back through the dump's map, and padding (-1) stays padding."""
+    ids map back through the dump's map, and padding (-1) stays padding; a record with more layers than the map is
+    refused with both counts."""
     import torch
 
     p2l = torch.tensor([[3, 2, 1, 0]])  # one layer, 4 slots, reversed
@@ -359,6 +360,10 @@ def test_read_sglang_dump_takes_records_without_a_rank_as_rank_0(tmp_path):
     d = read_sglang_dump(tmp_path / "dump.pt")
     assert d.token_ranks[0].tolist() == [0, 0, 1] and d.forward_pass_ids == [7] and d.num_experts == 4
     assert d.steps[0].tolist() == [[[1, -1], [0, 3], [3, 2]]]
+    recs.append(dict(forward_pass_id=8, topk_ids_of_layer=torch.zeros(2, 1, 2, dtype=torch.int32)))
+    torch.save(dict(records=recs, last_physical_to_logical_map=p2l), tmp_path / "dump.pt")
+    with pytest.raises(ValueError, match="2 layers in topk_ids_of_layer, 1 in the map"):
+        read_sglang_dump(tmp_path / "dump.pt")
 
 
 def test_read_sglang_dump_refuses_aggregated_modes(tmp_path):
