@@ -459,6 +459,10 @@ def test_moe_forward_matches_reference(combine):
             act = torch.nn.functional.silu(hh[:inter]) * hh[inter:]
             ref[ti] += 1.5 * w[ti, kk] * (act @ w2d[e].T)
     torch.testing.assert_close(out.float(), ref, rtol=5e-2, atol=5e-2 * ref.abs().max().item())
+    # rows quantized by the caller (a1_q) are what the GEMMs read, not hidden_states (zeros here)
+    given = plugin_sbo.moe_forward(torch.zeros_like(x), w1q, w2q, w, ids, w1s, w2s, a1_q=a, a1_scale=as_,
+                                   routed_scaling_factor=1.5, combine=combine)
+    torch.testing.assert_close(given.float(), ref, rtol=5e-2, atol=5e-2 * ref.abs().max().item())
     assert plugin_sbo.ONE_GPU_COMBINE in plugin_sbo.COMBINE_MODES
     with pytest.raises(ValueError, match="combine"):
         plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, combine="both")
@@ -569,6 +573,21 @@ def test_init_hook_lifts_the_sm90_refusal(monkeypatch):
         plugin_sbo.init_moe_config_hook(original, args)
     assert plugin_sbo.combine_down_flag_hook(lambda cls: True, object) is True
     moe_utils.get_flags().moe.sbo_enabled = False
+
+
+@pytest.mark.parametrize("runner, a2a, noted", [("triton", "none", False), (None, None, False),
+                                                 ("deep_gemm", "none", True), ("triton", "deepep", True)])
+def test_the_moe_path_line_names_a_runner_or_all_to_all_our_combine_never_serves(runner, a2a, noted):
+    """Either a runner other than triton (auto counts as triton) or an all-to-all keeps the down-GEMM combine
+    upstream: one line, naming both."""
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    plugin_sbo._note.clear()
+    plugin_sbo._note_moe_path(types.SimpleNamespace(moe_runner_backend=runner, moe_a2a_backend=a2a))
+    lines = [r for r in plugin_sbo._note.seen if r.startswith("the MoE runner")]
+    assert lines == ([f"the MoE runner {runner} with all-to-all {a2a} (the down-GEMM combine is ours only on the "
+                      f"triton runner without all-to-all)"] if noted else [])
+    plugin_sbo._note.clear()
 
 
 def test_triton_hook_declines_to_original_off_cuda():
