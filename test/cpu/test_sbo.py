@@ -588,6 +588,8 @@ def test_the_moe_path_line_names_a_runner_or_all_to_all_our_combine_never_serves
     assert lines == ([f"the MoE runner {runner} with all-to-all {a2a} (the down-GEMM combine is ours only on the "
                       f"triton runner without all-to-all)"] if noted else [])
     plugin_sbo._note.clear()
+    # the resolved runners that reach the down-GEMM combine (runner_check's question): triton only
+    assert plugin_sbo.runner_served("triton", "none") and not plugin_sbo.runner_served("deep_gemm", "none")
 
 
 def test_triton_hook_declines_to_original_off_cuda():
@@ -608,7 +610,8 @@ def test_triton_hook_declines_to_original_off_cuda():
 
 def test_triton_hook_sends_expert_parallel_and_fused_all_reduce_calls_upstream(monkeypatch):
     """Past the device check (a GPU-looking input here): any EP size above 1 goes upstream (top-k ids may be -1
-    there), and at EP 1 so does SGLang's fused sum + all-reduce; each reason is noted."""
+    there), and at EP 1 so does SGLang's fused sum + all-reduce; inside a piecewise CUDA graph the call goes upstream
+    before either check; each reason is noted."""
     from sglang_h20.moe import sbo as plugin_sbo
     from sglang_h20.moe import swapab
 
@@ -628,6 +631,11 @@ def test_triton_hook_sends_expert_parallel_and_fused_all_reduce_calls_upstream(m
                                           types.SimpleNamespace())
         assert r == "upstream" and calls[0][0] is x
         assert any(reason in seen for seen in plugin_sbo._note.seen), plugin_sbo._note.seen
+    # inside a piecewise/breakable CUDA graph (not compiling): upstream for that reason, before the EP check
+    plugin_sbo._note.clear()
+    monkeypatch.setattr(plugin_sbo, "_in_piecewise_graph", lambda: True)
+    r = plugin_sbo.fused_experts_hook(lambda *a, **kw: "upstream", x, w1, None, (w, ids, None), types.SimpleNamespace())
+    assert r == "upstream" and plugin_sbo._note.seen == {"MoE under torch.compile or a piecewise/breakable CUDA graph"}
     plugin_sbo._note.clear()
 
 
