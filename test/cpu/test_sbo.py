@@ -472,6 +472,25 @@ def test_moe_forward_matches_reference(combine):
     assert torch.equal(grid, out)
 
 
+def test_moe_forward_hands_each_combine_mode_to_the_kernel(monkeypatch):
+    """The four combine modes give the same sums (test above), so only the flags tell them apart: each mode reaches
+    moe_down_and_combine as its own form (tail: the fused epilogue's grid-tail variant)."""
+    from sgl_kernel_ext import sbo
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    seen = []
+    monkeypatch.setattr(sbo, "moe_down_and_combine", lambda *a, **kw: seen.append(
+        {k: kw[k] for k in ("overlap", "fused", "tail")}) or a[6])
+    ids, w = routing(3, 2, seed=52)
+    x = torch.randn(3, 128, generator=gen(53)).to(torch.bfloat16)
+    w1q, w1s = per_block_quant_fp8(torch.randn(E, 256, 128, generator=gen(54)) * 0.05, 128)
+    w2q, w2s = per_block_quant_fp8(torch.randn(E, 128, 128, generator=gen(55)) * 0.05, 128)
+    for mode in ("tail", "fused", "overlap", "serial"):
+        plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, combine=mode)
+    assert seen == [{"overlap": False, "fused": True, "tail": True}, {"overlap": False, "fused": True, "tail": False},
+                    {"overlap": True, "fused": False, "tail": False}, {"overlap": False, "fused": False, "tail": False}]
+
+
 # ---------------------------------------------------------------------------------------------
 # The plugin module
 # ---------------------------------------------------------------------------------------------
