@@ -389,6 +389,26 @@ def test_fallbacks_call_upstream_unchanged_and_log_once(monkeypatch, tmp_path, c
     assert spy_aligned == []
 
 
+def test_activation_dtype_and_rank_are_each_checked_and_torch_compile_goes_upstream(monkeypatch, tmp_path, caplog):
+    """fp16 2-D activations and bf16 3-D ones are each refused (either alone is enough), and under torch.compile the
+    call goes upstream with that reason, not with another."""
+    caplog.set_level(logging.INFO, logger="sglang_h20.swapab")
+    x, w1q, w1s, w2q, w2s, w, ids = make_moe(seed=2, tokens=4, top_k=2)
+    cfg = runner_config(2, False)
+    args = (cfg, None, None, True, False, False, False, False, w1s, w2s, [128, 128], None, None)
+    assert swapab.moe_unsupported(x, w1q, w2q, ids, *args) is None
+    assert "dtype torch.float16, 2-D" in swapab.moe_unsupported(x.half(), w1q, w2q, ids, *args)
+    assert "dtype torch.bfloat16, 3-D" in swapab.moe_unsupported(x[None], w1q, w2q, ids, *args)
+    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries()))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    calls = []
+    r = swapab.fused_experts_hook(recording_original(calls), x, w1q, w2q, StandardTopKOutput(w, ids, None), cfg,
+                                  use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
+    assert r == "upstream" and len(calls) == 1
+    assert any("MoE under torch.compile" in r.getMessage() for r in caplog.records), caplog.text
+
+
 def test_table_decides_and_missing_table_means_upstream(upstream, monkeypatch, tmp_path, spy_aligned):
     x, w1q, w1s, w2q, w2s, w, ids = make_moe(seed=2, tokens=4, top_k=2)
     cfg = runner_config(2, False)
