@@ -406,7 +406,7 @@ def test_activation_dtype_and_rank_are_each_checked_and_torch_compile_goes_upstr
     r = swapab.fused_experts_hook(recording_original(calls), x, w1q, w2q, StandardTopKOutput(w, ids, None), cfg,
                                   use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
     assert r == "upstream" and len(calls) == 1
-    assert any("MoE under torch.compile" in r.getMessage() for r in caplog.records), caplog.text
+    assert any("MoE under torch.compile" in rec.getMessage() for rec in caplog.records), caplog.text
 
 
 def test_table_decides_and_missing_table_means_upstream(upstream, monkeypatch, tmp_path, spy_aligned):
