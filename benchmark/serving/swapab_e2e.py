@@ -240,15 +240,15 @@ def compare(arms: list[dict], anchor: str = "off") -> dict:
         base = f"{anchor}#{repeat}" if repeat and f"{anchor}#{repeat}" in by else anchor
         if base not in by:
             continue
-        for c, off in by[base]["levels"].items():
-            on = by[name]["levels"].get(c)
-            if on:
+        for c, ref in by[base]["levels"].items():
+            got = by[name]["levels"].get(c)
+            if got:
                 pair = out.setdefault(name, {})[str(c)] = {
-                    "output_throughput_ratio": on["output_throughput"] / off["output_throughput"],
-                    "median_itl_ratio": on["median_itl_ms"] / off["median_itl_ms"]}
+                    "output_throughput_ratio": got["output_throughput"] / ref["output_throughput"],
+                    "median_itl_ratio": got["median_itl_ms"] / ref["median_itl_ms"]}
                 for key, ratio in (("decode_only_tok_s", "decode_only_ratio"), ("median_ttft_ms", "median_ttft_ratio")):
-                    if on.get(key) and off.get(key):  # records before session 55 have no decode-only rate
-                        pair[ratio] = on[key] / off[key]
+                    if got.get(key) and ref.get(key):  # records before session 55 have no decode-only rate
+                        pair[ratio] = got[key] / ref[key]
     return out
 
 

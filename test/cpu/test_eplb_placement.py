@@ -362,17 +362,20 @@ def _round_state(seed, topo, replicated=3, layers=4, alpha=0.4):
     return _State(W, e, w, prim, gpu, topo), alpha
 
 
+def _cut(st, l, node):
+    """Pair weight between layer l's primaries on different nodes, given each copy's node."""
+    p = np.flatnonzero(st.prim[l])
+    cross = node[p][:, None] != node[p][None, :]
+    return float((st.W[l][np.ix_(st.e[l, p], st.e[l, p])] * cross).sum()) / 2
+
+
 def _objective(st, l, gpu, alpha):
     """GPU-balance penalty plus alpha times the cut (pair weight between primaries on different nodes), from the
     copies' GPUs alone."""
     from sglang_h20.eplb.placement import _penalty
 
     load = np.bincount(gpu, weights=st.w[l], minlength=st.topo.num_gpus)
-    node = gpu // st.topo.gpus_per_node
-    p = np.flatnonzero(st.prim[l])
-    cross = node[p][:, None] != node[p][None, :]
-    cut = float((st.W[l][np.ix_(st.e[l, p], st.e[l, p])] * cross).sum()) / 2
-    return float(_penalty(load, alpha).sum()) + alpha * cut
+    return float(_penalty(load, alpha).sum()) + alpha * _cut(st, l, gpu // st.topo.gpus_per_node)
 
 
 def _best_gain(st, l, candidates, alpha):
@@ -457,10 +460,7 @@ def _node_objective(st, l, alpha):
     G = st.topo.gpus_per_node
     node = st.gpu[l] // G
     load = np.bincount(node, weights=st.w[l], minlength=st.topo.num_nodes) / G
-    p = np.flatnonzero(st.prim[l])
-    cross = node[p][:, None] != node[p][None, :]
-    cut = float((st.W[l][np.ix_(st.e[l, p], st.e[l, p])] * cross).sum()) / 2
-    return float(_penalty(load, alpha, _NODE_SLACK).sum()) + alpha * cut
+    return float(_penalty(load, alpha, _NODE_SLACK).sum()) + alpha * _cut(st, l, node)
 
 
 @pytest.mark.parametrize("alpha", [0.2, 0.6, 0.9])

@@ -47,6 +47,14 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def moe_weights(g, hidden=128, inter=128):
+    """FP8 block-quantized gate_up [E, 2*inter, hidden] and down [E, hidden, inter] weights with their scales:
+    (w1q, w1s, w2q, w2s)."""
+    w1q, w1s = per_block_quant_fp8(torch.randn(E, 2 * inter, hidden, generator=g) * 0.05, 128)
+    w2q, w2s = per_block_quant_fp8(torch.randn(E, hidden, inter, generator=g) * 0.05, 128)
+    return w1q, w1s, w2q, w2s
+
+
 def routing(t, k, seed, experts=E, skip=()):
     """topk_ids [t, k]: k distinct experts per token, never one of `skip` (0-token experts)."""
     g = gen(seed)
@@ -445,8 +453,7 @@ def test_moe_forward_matches_reference(combine):
     ids, w = routing(t, k, seed=50, skip=(3,))
     g = gen(51)
     x = (torch.randn(t, hidden, generator=g)).to(torch.bfloat16)
-    w1q, w1s = per_block_quant_fp8(torch.randn(E, 2 * inter, hidden, generator=g) * 0.05, 128)
-    w2q, w2s = per_block_quant_fp8(torch.randn(E, hidden, inter, generator=g) * 0.05, 128)
+    w1q, w1s, w2q, w2s = moe_weights(g, hidden, inter)
     out = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=1.5, combine=combine)
     a, as_ = per_token_group_quant_fp8(x, 128)
     ad = dequant_per_token_group(a, as_)
@@ -483,8 +490,7 @@ def test_moe_forward_hands_each_combine_mode_to_the_kernel(monkeypatch):
         {k: kw[k] for k in ("overlap", "fused", "tail")}) or a[6])
     ids, w = routing(3, 2, seed=52)
     x = torch.randn(3, 128, generator=gen(53)).to(torch.bfloat16)
-    w1q, w1s = per_block_quant_fp8(torch.randn(E, 256, 128, generator=gen(54)) * 0.05, 128)
-    w2q, w2s = per_block_quant_fp8(torch.randn(E, 128, 128, generator=gen(55)) * 0.05, 128)
+    w1q, w1s, w2q, w2s = moe_weights(gen(54))
     for mode in ("tail", "fused", "overlap", "serial"):
         plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, combine=mode)
     assert seen == [{"overlap": False, "fused": True, "tail": True}, {"overlap": False, "fused": True, "tail": False},
@@ -619,8 +625,7 @@ def test_triton_hook_declines_to_original_off_cuda():
                                 no_combine=False, apply_router_weight_on_input=False, inplace=False,
                                 routed_scaling_factor=None)
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
-    w1, w1s = per_block_quant_fp8(torch.randn(E, 256, 128) * 0.05, 128)
-    w2, w2s = per_block_quant_fp8(torch.randn(E, 128, 128) * 0.05, 128)
+    w1, w1s, w2, w2s = moe_weights(gen(60))
     ids, w = routing(2, 2, seed=60)
     r = plugin_sbo.fused_experts_hook(lambda *a, **kw: calls.append(kw) or "upstream", x, w1, w2, (w, ids, None), cfg,
                                       use_fp8_w8a8=True, w1_scale=w1s, w2_scale=w2s, block_shape=[128, 128])
