@@ -40,16 +40,16 @@ def test_the_table_has_no_row_for_a_switch_that_does_not_exist():
     assert set(switch_rows()) == {s.env for s in settings.SWITCHES}
 
 
+def expand_braces(name: str) -> list[str]:
+    """'a{,_b}_c' -> ['a_c', 'a_b_c']: the one brace group the docs use to name a record and its rerun together."""
+    brace = re.search(r"\{([^}]*)\}", name)
+    return [name[:brace.start()] + alt + name[brace.end():] for alt in brace.group(1).split(",")] if brace else [name]
+
+
 def cited_records(text: str = README) -> set[str]:
     """Every `folder/file.json`-like name in backticks (brace alternatives expanded), relative to benchmark/results."""
-    names = set()
-    for m in re.finditer(r"`((?:[a-z_0-9]+/)?[A-Za-z0-9_.{},-]+\.(?:json|png|log)(?:\.xz)?)`", text):
-        name = m.group(1)
-        brace = re.search(r"\{([^}]*)\}", name)
-        alts = brace.group(1).split(",") if brace else [""]
-        for alt in alts:
-            names.add(name[:brace.start()] + alt + name[brace.end():] if brace else name)
-    return names
+    return {n for m in re.finditer(r"`((?:[a-z_0-9]+/)?[A-Za-z0-9_.{},-]+\.(?:json|png|log)(?:\.xz)?)`", text)
+            for n in expand_braces(m.group(1))}
 
 
 def test_cited_records_exist():
@@ -76,4 +76,19 @@ def test_files_cited_by_the_result_readmes_and_kernel_notes_exist():
     assert len(cited) > 300  # the pattern still finds the records
     missing = sorted((d, n) for d, n in cited
                      if not {n, n + ".xz", n.removesuffix(".xz")} & names and not n.startswith(("_", ".")))
+    assert not missing, missing
+
+
+GPU_RECORD = re.compile(r"\b[a-z][a-z0-9_{},]*_h(?:100|200)\.json(?:\.xz)?")
+
+
+def test_records_the_package_names_are_tracked():
+    """The plugin's log lines and comments back their numbers with record names (sbo's cost line, the tables'
+    sources): each is a tracked file, so a claim the server prints at start-up can be looked up."""
+    names = {p.name for p in tracked_files()}
+    sources = [p for root in ("python", "sgl-kernel-ext") for p in sorted((REPO / root).rglob("*.py"))]
+    cited = {(p.relative_to(REPO).as_posix(), n) for p in sources for m in GPU_RECORD.finditer(p.read_text())
+             for n in expand_braces(m.group(0))}
+    assert len(cited) > 20  # the pattern still finds them
+    missing = sorted((p, n) for p, n in cited if not {n, n + ".xz", n.removesuffix(".xz")} & names)
     assert not missing, missing

@@ -323,10 +323,11 @@ def enabled(settings: Settings) -> None:
                 "it our MoE layer is 1.11-1.14x upstream's at 4-8 tokens per expert and 0.96-1.01x at 16 on the H200 "
                 "(benchmark/results/sbo/sbo_layer_shared_e16_h200.json, sbo_layer_tail_dyn_shared_e16_h200.json, "
                 "sbo_layer_tail_grid_shared_e16_h200.json), "
-                "so above %d per expert calls go upstream; end to end on dsv3-ep16-slice: median ITL 0.956-0.958x "
-                "SBO off at 16 concurrent (two runs), 1.00x at 32 and 56 where the batches go upstream "
-                "(sbo_e2e_cap8_c16_h200.json, sbo_e2e_cap8_c16_run2_h200.json, "
-                "sbo_e2e_cap8_c32_c56_h200.json)", MAX_PAIRS_PER_EXPERT)
+                "so above %d per expert calls go upstream; end to end on dsv3-ep16-slice (H200): median ITL "
+                "0.956-0.958x SBO off at 16 concurrent (two runs), 1.00x at 32 and 56 where the batches go upstream "
+                "(sbo_e2e_cap8_c16_h200.json, sbo_e2e_cap8_c16_run2_h200.json, sbo_e2e_cap8_c32_c56_h200.json); "
+                "on the H100 on top of swapAB: 0.989x / 0.992x swapAB alone at 4 / 8 concurrent, 1.006x at 16 "
+                "(sbo_on_swapab_c16_c4_s61_h100.json, sbo_on_swapab_c8_c12_s61_h100.json)", MAX_PAIRS_PER_EXPERT)
 
 
 ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD, SHARED_EXPERTS, runner_check.LOAD_TARGET)
