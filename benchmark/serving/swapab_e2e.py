@@ -214,6 +214,7 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
             "levels": results, "plugin_log_lines": mine,
             "hooks_applied": [m.group(0) for ln in mine for m in [HOOKS_APPLIED.search(ln)] if m],
             "swapab_ours_lines": [ln for ln in mine if "swapab: MoE" in ln and "-> ours" in ln],
+            "sbo_ours_lines": [ln for ln in mine if "sbo: MoE" in ln and "-> ours" in ln],
             "dense_ours_lines": [ln for ln in mine if "dense linear M=" in ln and "-> ours" in ln]}
 
 
@@ -351,6 +352,7 @@ def main() -> int:
     record = save(arms)
     print(json.dumps({vs: record[vs],
                       "batch sizes served by ours": {a["arm"]: len(a["swapab_ours_lines"]) for a in arms},
+                      "MoE batch sizes served by SBO": {a["arm"]: len(a["sbo_ours_lines"]) for a in arms},
                       "dense linear shapes served by ours": {a["arm"]: len(a["dense_ours_lines"]) for a in arms}},
                      indent=1))
     return 0

@@ -739,3 +739,34 @@ def test_resident_programs_cached(monkeypatch):
     assert len(warmups) == 1
     gg._resident_programs(k, [1, 2.0], {"BLOCK_T": 32, "num_warps": 4}, "cuda:0")
     assert len(warmups) == 2
+
+
+def test_triton_hook_serves_and_logs_each_call_size_once(monkeypatch, caplog):
+    """Past every decline (a GPU-looking input, EP 1, no fused all-reduce): ours runs the call, with the tail combine,
+    and says so once per call size, so a server log shows which MoE sizes SBO served (swapab_e2e counts the lines)."""
+    from sglang_h20.moe import sbo as plugin_sbo
+    from sglang_h20.moe import swapab
+
+    no_fused_sum = types.SimpleNamespace(get_exec=lambda: types.SimpleNamespace(
+        moe=types.SimpleNamespace(enable_fused_moe_sum_all_reduce=False)))
+    monkeypatch.setattr(swapab, "moe_unsupported", lambda *a: None)
+    monkeypatch.setattr(swapab, "_modules", lambda: (no_fused_sum, None))
+    monkeypatch.setattr(swapab, "output_like", lambda x, inplace: "out")
+    monkeypatch.setattr(plugin_sbo, "_in_piecewise_graph", lambda: False)
+    monkeypatch.setattr(plugin_sbo, "_ep_size", lambda: 1)
+    served = []
+    monkeypatch.setattr(plugin_sbo, "moe_forward", lambda *a, **kw: served.append(kw) or "ours")
+    cfg = types.SimpleNamespace(inplace=False, routed_scaling_factor=2.5)
+    w1 = torch.empty(16, 1)
+    plugin_sbo._served.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_h20.sbo"):
+        for tokens in (16, 16, 4):
+            ids, w = routing(tokens, 8, seed=tokens, experts=16)
+            x = types.SimpleNamespace(is_cuda=True, shape=(tokens, 7168))
+            assert plugin_sbo.fused_experts_hook(lambda *a, **kw: "upstream", x, w1, None, (w, ids, None), cfg) == "ours"
+    assert [kw["combine"] for kw in served] == [plugin_sbo.ONE_GPU_COMBINE] * 3
+    assert {kw["routed_scaling_factor"] for kw in served} == {2.5} and served[0]["out"] == "out"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"sbo: MoE {t} tokens x top-8 over 16 experts -> ours ({plugin_sbo.ONE_GPU_COMBINE} combine in the down GEMM)"
+        for t in (16, 4)]
+    plugin_sbo._served.clear()

@@ -87,6 +87,8 @@ class FakeServer:
     def __enter__(self):
         self.log.write_text("[sglang-h20 pid 1] hooks applied: 9/9 (x)\n"
                             "[sglang-h20 pid 1] swapab: MoE M=4 -> ours (swapab)\n"
+                            "[sglang-h20 pid 1] sbo: MoE 8 tokens x top-8 over 16 experts -> ours (tail combine in the "
+                            "down GEMM)\n"
                             "[sglang-h20 pid 1] swapab: dense linear M=4 N=2112 K=7168 -> ours (swapab)\n"
                             "unrelated line -> ours\n")
         return self
@@ -122,8 +124,9 @@ def test_run_arm_warms_up_then_benches_each_level_and_reads_its_decode_lines(tmp
     # each level's own lines, the ramp line (1 running) left out: not the warm-up's, not the other level's
     assert rec["levels"][4]["decode_only_tok_s"] == 40.0 and rec["levels"][48]["decode_only_tok_s"] == 480.0
     assert rec["server_start_s"] == 5.0 and 0 <= rec["first_level_s"] <= rec["wall_s"]
-    assert rec["hooks_applied"] == ["hooks applied: 9/9"] and len(rec["plugin_log_lines"]) == 3
+    assert rec["hooks_applied"] == ["hooks applied: 9/9"] and len(rec["plugin_log_lines"]) == 4
     assert rec["swapab_ours_lines"] == ["[sglang-h20 pid 1] swapab: MoE M=4 -> ours (swapab)"]
+    assert len(rec["sbo_ours_lines"]) == 1 and "sbo: MoE 8 tokens" in rec["sbo_ours_lines"][0]
     assert len(rec["dense_ours_lines"]) == 1 and "dense linear M=4" in rec["dense_ours_lines"][0]
 
 

@@ -64,6 +64,7 @@ MAX_PAIRS_PER_EXPERT = 8
 
 log = logging.getLogger("sglang_h20.sbo")
 _note = OnceLog(log, "sbo: upstream for ")  # each reason for going upstream, once per process
+_served = OnceLog(log, "sbo: MoE ")  # each call size ours serves, once per process (which path ran is in the log)
 _shared_sms = 0  # SGLANG_H20_SBO_SHARED_SMS, set by hooks()
 
 
@@ -216,6 +217,8 @@ def fused_experts_hook(original, hidden_states, w1, w2, topk_output, moe_runner_
                         use_int4_w4a16=use_int4_w4a16, per_channel_quant=per_channel_quant,
                         w1_scale=w1_scale, w2_scale=w2_scale, w1_zp=w1_zp, w2_zp=w2_zp, a1_scale=a1_scale,
                         a2_scale=a2_scale, block_shape=block_shape, a1_q=a1_q)
+    _served(f"{hidden_states.shape[0]} tokens x top-{topk_ids.shape[-1]} over {w1.shape[0]} experts -> ours "
+            f"({ONE_GPU_COMBINE} combine in the down GEMM)")
     out = swapab.output_like(hidden_states, cfg.inplace)
     return moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
                        a1_q=a1_q, a1_scale=a1_scale if a1_q is not None else None, out=out,
