@@ -340,6 +340,7 @@ def test_async_rebalance_through_sglang_hooks(world):
         assert [x[0] for x in steps] == ["counts", "init_by_eplb", "agree", "plan", "to_devices", "executor"]
         assert h["pulled_bytes"] == 0 and h["received_bytes"] > 0
         assert all(0 <= a <= b for _, a, b in steps) and steps == [list(s) for s in h["placement_steps"]]
+        assert steps[-1][2] < p["end_ms"][-1]  # on the passes' clock (ms from the job's start): placed before migrated
         assert p["end_ms"] == sorted(p["end_ms"]) and p["end_ms"][0] > 0
         # upstream's one-time empty_cache at the first dump was skipped
         assert x["first_dump_flag"] is False
