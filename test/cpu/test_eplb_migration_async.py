@@ -668,7 +668,7 @@ def test_layered_placement_equals_upstream_init_by_eplb(monkeypatch, algorithm, 
     args = NS(eplb_algorithm=algorithm, device="cpu", nnodes=2, tp_size=WORLD, ep_size=WORLD)
     rng = np.random.default_rng(3)
     counts = torch.tensor(np.stack([rng.permutation(E) * 7 + rng.integers(1, 7, E) for _ in range(NUM_LAYERS)]))
-    counts[0, 0] = 1000  # layer 0's hot expert gets more replicas than any expert elsewhere: the other layers are padded
+    counts[0, 0] = 1000  # layer 0's hot expert gets more replicas than any other: the other layers are padded
     want = el.ExpertLocationMetadata.init_by_eplb(args, None, counts)
     assert want.logical_to_all_physical_map_num_valid.max(dim=-1).values.unique().numel() > 1
     with throttle.bursts(burst_s=0.0, pause_s=0.0):

@@ -763,7 +763,8 @@ def test_triton_hook_serves_and_logs_each_call_size_once(monkeypatch, caplog):
         for tokens in (16, 16, 4):
             ids, w = routing(tokens, 8, seed=tokens, experts=16)
             x = types.SimpleNamespace(is_cuda=True, shape=(tokens, 7168))
-            assert plugin_sbo.fused_experts_hook(lambda *a, **kw: "upstream", x, w1, None, (w, ids, None), cfg) == "ours"
+            got = plugin_sbo.fused_experts_hook(lambda *a, **kw: "upstream", x, w1, None, (w, ids, None), cfg)
+            assert got == "ours"
     assert [kw["combine"] for kw in served] == [plugin_sbo.ONE_GPU_COMBINE] * 3
     assert {kw["routed_scaling_factor"] for kw in served} == {2.5} and served[0]["out"] == "out"
     assert [r.getMessage() for r in caplog.records] == [
