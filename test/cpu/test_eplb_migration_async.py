@@ -509,6 +509,21 @@ def test_step_time_benchmark_cpu_smoke_two_ranks(tmp_path):
     assert p["ours"]["bytes_cross_gpu_gb"] + p["ours"]["bytes_local_gb"] == pytest.approx(p["ours"]["bytes_copied_gb"])
 
 
+def test_the_steady_window_keeps_steady_passes_intervals(monkeypatch):
+    """Before a rebalance a rank keeps the last TUNING.steady_passes pass intervals (that many + 1 boundaries) as the
+    steady reference its p99 is compared with: no more, however long the server ran."""
+    from types import SimpleNamespace as NS
+
+    from sglang_h20.eplb import async_rebalance as ar
+
+    monkeypatch.setattr(ar.TUNING, "steady_passes", 5)
+    manager = NS()
+    for _ in range(12):
+        ar.after_pass(None, manager)
+    st = ar._state(manager)
+    assert len(st.pass_ends) == 6 and len(ar.pass_intervals(st.pass_ends)) == 5
+
+
 def test_pass_intervals_leave_idle_gaps_out_and_summaries_use_nearest_rank():
     from sglang_h20.eplb import async_rebalance as ar
 
