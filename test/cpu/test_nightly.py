@@ -761,3 +761,12 @@ def test_graphs_up_to_the_concurrency_unless_the_args_set_graphs():
     for own in ("--cuda-graph-max-bs 64", "--cuda-graph-max-bs-decode=32", "--disable-cuda-graph",
                 "--cuda-graph-bs 1 2 4"):
         assert serving.graphs_up_to(f"{base} {own}", 128) == f"{base} {own}"  # the caller's choice stands
+
+
+def test_output_ids_read_either_place_sglang_puts_them():
+    """Greedy-agreement checks compare these ids: top level first (SGLang 0.5.17), else meta_info; neither is an error
+    that names the keys the response had, not an empty list that would agree with anything."""
+    assert serving.output_ids({"output_ids": (5, 6), "meta_info": {"output_ids": [7]}}) == [5, 6]
+    assert serving.output_ids({"text": "x", "meta_info": {"output_ids": [7, 8]}}) == [7, 8]
+    with pytest.raises(KeyError, match=r"no output_ids in /generate response keys \['meta_info', 'text'\]"):
+        serving.output_ids({"text": "x", "meta_info": {}})
