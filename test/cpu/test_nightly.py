@@ -770,3 +770,19 @@ def test_output_ids_read_either_place_sglang_puts_them():
     assert serving.output_ids({"text": "x", "meta_info": {"output_ids": [7, 8]}}) == [7, 8]
     with pytest.raises(KeyError, match=r"no output_ids in /generate response keys \['meta_info', 'text'\]"):
         serving.output_ids({"text": "x", "meta_info": {}})
+
+
+@pytest.mark.parametrize("rc,writes", [(1, True), (0, False)])
+def test_bench_serving_that_fails_or_writes_nothing_is_an_error_with_its_log(monkeypatch, tmp_path, rc, writes):
+    """A non-zero exit is a failure even when a record was written (it may be a partial run's), and so is a clean
+    exit without one; either way the error carries the log's tail."""
+    def fake_run(cmd, stdout=None, **_):
+        stdout.write("Traceback: the bench's own error\n")
+        if writes:
+            Path(cmd[cmd.index("--output-file") + 1]).write_text(json.dumps({"output_throughput": 1.0}) + "\n")
+        return subprocess.CompletedProcess(cmd, rc)
+
+    monkeypatch.setattr(serving.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match=rf"bench_serving failed \(rc={rc}\); log tail:\n.*the bench's own error"):
+        serving.run_bench_serving("http://127.0.0.1:30000", "/m", tmp_path / "b.jsonl", num_prompts=8,
+                                  input_len=16, output_len=8)
