@@ -648,6 +648,26 @@ def test_control_file_flips_sampling_at_due_passes_only(wrapped_fakes, tmp_path)
     assert stages._state.recorder.pending() == 0
 
 
+def test_after_an_error_forward_passes_leave_the_recorder_alone(wrapped_fakes):
+    """Once observation turned itself off after an error, a pass runs upstream's forward and nothing else: the
+    recorder that may have failed is not drained again, even with samples still pending."""
+    class BrokenRecorder(StageRecorder):
+        def pending(self):
+            return 1
+
+        def poll(self):
+            raise AssertionError("drained after the error")
+
+    exp = _ListExporter()
+    stages.configure(0.5, exporter=exp, recorder=BrokenRecorder(clock=CpuClock()))
+    stages._disable("an earlier pass", RuntimeError("sync failed"))
+    runner = _Runner()
+    for _ in range(4):
+        assert runner.forward(_decode_batch()).can_run_graph is True
+    assert runner.eager_passes == [] and exp.records == []
+    assert stages._state.disabled == "an earlier pass: RuntimeError: sync failed"
+
+
 def test_control_file_value_comes_from_rank_zero_on_every_rank(wrapped_fakes, tmp_path, monkeypatch):
     """A rank other than 0 never reads the file: it takes rank 0's value from a broadcast, at the
     same due pass, even while observation is off, so all ranks switch together."""
