@@ -709,6 +709,9 @@ def test_sampler_is_deterministic_and_rank_independent():
     assert picks == [p for p in range(1, 1001) if b.decide(p) == "stages"] == list(range(100, 1001, 100))
     assert [p for p in range(1, 301) if a.decide(p) == "graph"] == [50, 150, 250]
     assert stages.Sampler(1.0).decide(7) == "stages" and stages.Sampler(0).decide(100) is None
+    # the shortest period with a graph reference: every other pass, alternating with the sampled ones
+    assert [stages.Sampler(0.5).decide(p) for p in range(1, 5)] == ["graph", "stages", "graph", "stages"]
+    assert {stages.Sampler(1.0).decide(p) for p in range(1, 5)} == {"stages"}  # period 1: no pass left for one
 
 
 # ----------------------------------------------------------------------------- hook targets
