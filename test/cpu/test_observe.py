@@ -648,6 +648,22 @@ def test_control_file_flips_sampling_at_due_passes_only(wrapped_fakes, tmp_path)
     assert stages._state.recorder.pending() == 0
 
 
+def test_control_file_applies_at_the_due_pass_itself(wrapped_fakes, tmp_path):
+    """A change is read at the first pass whose id is a multiple of `every` (the id forward() is about to give it),
+    and that pass already runs with it: at every=4 a 1.0 written after pass 10 samples from pass 12 on."""
+    path = tmp_path / "control"
+    _set_control(path, 0)
+    stages.configure(0, exporter=_ListExporter(), recorder=StageRecorder(clock=CpuClock()),
+                     control=stages.Control(str(path), every=4))
+    runner = _Runner()
+    for _ in range(10):
+        runner.forward(_decode_batch())
+    _set_control(path, 1.0)
+    for _ in range(3):  # passes 11..13
+        runner.forward(_decode_batch())
+    assert runner.eager_passes == [12, 13]
+
+
 def test_after_an_error_forward_passes_leave_the_recorder_alone(wrapped_fakes):
     """Once observation turned itself off after an error, a pass runs upstream's forward and nothing else: the
     recorder that may have failed is not drained again, even with samples still pending."""
