@@ -284,6 +284,9 @@ def test_decode_throughput_parses_real_log_lines():
     assert serving.decode_throughput(LOG, min_running=1)["steady_lines"] == 4
     assert serving.decode_throughput(LOG, min_running=64)["median_tok_s"] is None
     assert serving.decode_throughput("no decode here")["lines"] == 0
+    # a line that decoded nothing in its interval (0.00 tok/s, e.g. a stalled step) is no steady rate
+    stalled = LOG.splitlines()[2].replace("2345.67", "0.00")
+    assert serving.decode_throughput(LOG + stalled + "\n", min_running=48)["steady_lines"] == 3
 
 
 # a full KV pool (FlashMLA BF16 at 4096x512 @128 on dsv3-ep16-slice, 2026-12-02): 87 decode, 41 wait; batches
@@ -786,3 +789,30 @@ def test_bench_serving_that_fails_or_writes_nothing_is_an_error_with_its_log(mon
     with pytest.raises(RuntimeError, match=rf"bench_serving failed \(rc={rc}\); log tail:\n.*the bench's own error"):
         serving.run_bench_serving("http://127.0.0.1:30000", "/m", tmp_path / "b.jsonl", num_prompts=8,
                                   input_len=16, output_len=8)
+
+
+def test_server_post_sends_its_json_body_to_the_named_endpoint(monkeypatch, tmp_path):
+    """The profilers' /start_profile and /stop_profile calls: the body as JSON ({} when none), the reply's text."""
+    sent = []
+
+    class Reply:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return b'{"ok": true}'
+
+    def fake_urlopen(req, timeout):
+        sent.append((req.full_url, req.data, req.get_header("Content-type"), timeout))
+        return Reply()
+
+    monkeypatch.setattr(serving.urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.delenv("SGLANG_H20_PORT_OFFSET", raising=False)
+    srv = serving.Server("/m", [], tmp_path / "s.log", port=30100)
+    assert srv.post("/start_profile", {"num_steps": 3}, timeout=5) == '{"ok": true}'
+    assert srv.post("/stop_profile") == '{"ok": true}'
+    assert sent == [("http://127.0.0.1:30100/start_profile", b'{"num_steps": 3}', "application/json", 5),
+                    ("http://127.0.0.1:30100/stop_profile", b"{}", "application/json", 600)]
