@@ -184,6 +184,10 @@ def test_config_defaults():
     assert (c.repeats, c.threshold.rel, c.threshold.noise_k) == (3, 0.03, 3.0)
     assert c.kernels[0].point_id == "kernel/k"
     assert c.serving[0].point_id(c.serving[0].points[0]) == "serving/m/off/c16"
+    # zero is a valid threshold (every change counts), not an error
+    doc = minimal()
+    doc["threshold"] = {"rel": 0, "noise_k": 0.0}
+    assert (cfg.parse(doc).threshold.rel, cfg.parse(doc).threshold.noise_k) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("mutate, message", [
