@@ -56,6 +56,10 @@ SERVER_ARGS = ("--load-format dummy --attention-backend flashmla --sampling-back
 BASE_ENV = {"SGL_KERNEL_FLASHINFER": "0", "SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK": "1",
             "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
 ARMS = ("off", "on", "forced", "moe-only", "sbo", "sbo+on", "sbo+on+cap")  # --arms (module doc)
+# what the plugin served with its own kernels, from its "-> ours" log lines: (record key, line marker, summary label)
+SERVED = (("swapab_ours_lines", "swapab: MoE", "batch sizes served by ours"),
+          ("sbo_ours_lines", "sbo: MoE", "MoE batch sizes served by SBO"),
+          ("dense_ours_lines", "dense linear M=", "dense linear shapes served by ours"))
 
 
 def backend_setup(server_args: str, fp8_gemm_backend: str) -> tuple[str, dict]:
@@ -213,9 +217,7 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
             "first_level_s": first_level_s,
             "levels": results, "plugin_log_lines": mine,
             "hooks_applied": [m.group(0) for ln in mine for m in [HOOKS_APPLIED.search(ln)] if m],
-            "swapab_ours_lines": [ln for ln in mine if "swapab: MoE" in ln and "-> ours" in ln],
-            "sbo_ours_lines": [ln for ln in mine if "sbo: MoE" in ln and "-> ours" in ln],
-            "dense_ours_lines": [ln for ln in mine if "dense linear M=" in ln and "-> ours" in ln]}
+            **{key: [ln for ln in mine if marker in ln and "-> ours" in ln] for key, marker, _ in SERVED}}
 
 
 def arm_fits(left_s: float, last: dict) -> bool:
@@ -350,10 +352,7 @@ def main() -> int:
         save(arms)
         levels = [c for c in levels if c in arm["levels"]]  # the next arm pairs with these
     record = save(arms)
-    print(json.dumps({vs: record[vs],
-                      "batch sizes served by ours": {a["arm"]: len(a["swapab_ours_lines"]) for a in arms},
-                      "MoE batch sizes served by SBO": {a["arm"]: len(a["sbo_ours_lines"]) for a in arms},
-                      "dense linear shapes served by ours": {a["arm"]: len(a["dense_ours_lines"]) for a in arms}},
+    print(json.dumps({vs: record[vs], **{what: {a["arm"]: len(a[key]) for a in arms} for key, _, what in SERVED}},
                      indent=1))
     return 0
 
