@@ -187,7 +187,8 @@ def test_config_defaults():
     # zero is a valid threshold (every change counts), not an error
     doc = minimal()
     doc["threshold"] = {"rel": 0, "noise_k": 0.0}
-    assert (cfg.parse(doc).threshold.rel, cfg.parse(doc).threshold.noise_k) == (0.0, 0.0)
+    zero = cfg.parse(doc).threshold
+    assert (zero.rel, zero.noise_k) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("mutate, message", [

@@ -632,18 +632,26 @@ def test_triton_hook_declines_to_original_off_cuda():
     assert r == "upstream" and calls[0]["block_shape"] == [128, 128]
 
 
+def past_the_shape_checks(monkeypatch, fused_sum: bool) -> None:
+    """The triton hook's shape and dtype checks answer 'supported', no piecewise graph is capturing, and SGLang's
+    fused MoE sum + all-reduce is `fused_sum`: the hook's remaining checks decide (EP size, the fused sum)."""
+    from sglang_h20.moe import sbo as plugin_sbo
+    from sglang_h20.moe import swapab
+
+    flags = types.SimpleNamespace(get_exec=lambda: types.SimpleNamespace(
+        moe=types.SimpleNamespace(enable_fused_moe_sum_all_reduce=fused_sum)))
+    monkeypatch.setattr(swapab, "moe_unsupported", lambda *a: None)
+    monkeypatch.setattr(swapab, "_modules", lambda: (flags, None))
+    monkeypatch.setattr(plugin_sbo, "_in_piecewise_graph", lambda: False)
+
+
 def test_triton_hook_sends_expert_parallel_and_fused_all_reduce_calls_upstream(monkeypatch):
     """Past the device check (a GPU-looking input here): any EP size above 1 goes upstream (top-k ids may be -1
     there), and at EP 1 so does SGLang's fused sum + all-reduce; inside a piecewise CUDA graph the call goes upstream
     before either check; each reason is noted."""
     from sglang_h20.moe import sbo as plugin_sbo
-    from sglang_h20.moe import swapab
 
-    fused_sum = types.SimpleNamespace(get_exec=lambda: types.SimpleNamespace(
-        moe=types.SimpleNamespace(enable_fused_moe_sum_all_reduce=True)))
-    monkeypatch.setattr(swapab, "moe_unsupported", lambda *a: None)
-    monkeypatch.setattr(swapab, "_modules", lambda: (fused_sum, None))
-    monkeypatch.setattr(plugin_sbo, "_in_piecewise_graph", lambda: False)
+    past_the_shape_checks(monkeypatch, fused_sum=True)
     x = types.SimpleNamespace(is_cuda=True, shape=(16, 7168))
     ids, w = routing(16, 8, seed=61, experts=16)  # 8 (token, expert) pairs per expert: a size ours serves
     w1 = torch.empty(16, 1)
@@ -747,12 +755,8 @@ def test_triton_hook_serves_and_logs_each_call_size_once(monkeypatch, caplog):
     from sglang_h20.moe import sbo as plugin_sbo
     from sglang_h20.moe import swapab
 
-    no_fused_sum = types.SimpleNamespace(get_exec=lambda: types.SimpleNamespace(
-        moe=types.SimpleNamespace(enable_fused_moe_sum_all_reduce=False)))
-    monkeypatch.setattr(swapab, "moe_unsupported", lambda *a: None)
-    monkeypatch.setattr(swapab, "_modules", lambda: (no_fused_sum, None))
+    past_the_shape_checks(monkeypatch, fused_sum=False)
     monkeypatch.setattr(swapab, "output_like", lambda x, inplace: "out")
-    monkeypatch.setattr(plugin_sbo, "_in_piecewise_graph", lambda: False)
     monkeypatch.setattr(plugin_sbo, "_ep_size", lambda: 1)
     served = []
     monkeypatch.setattr(plugin_sbo, "moe_forward", lambda *a, **kw: served.append(kw) or "ours")
