@@ -155,8 +155,12 @@ SWITCHES: tuple[Switch, ...] = (
            "ours faster than the kernel it replaces"),
     Switch("sbo", _parse_bool, "off",
            "single-batch overlap on SM90: MoE combine with the down GEMM, shared experts with dispatch; on one "
-           "GPU our MoE path serves decode calls of up to 8 tokens per expert (measured faster than upstream's "
-           "there), larger ones stay upstream's"),
+           "GPU our MoE path serves decode calls of up to 8 tokens per expert on the H200, 4 on the H100 "
+           "(measured faster than upstream's there; other GPUs: 8), larger ones stay upstream's"),
+    Switch("sbo_max_per_expert", _non_negative_int, "0",
+           "with sbo on: our MoE path serves calls of up to this many tokens per expert, larger ones stay "
+           "upstream's (0 = the cap measured on this GPU, see sbo); to re-tune on another GPU, compare "
+           "benchmark/serving/swapab_e2e.py --arms off sbo at a few concurrencies with it set"),
     Switch("sbo_shared_sms", _non_negative_int, "0",
            "with sbo and swapab on: the shared expert, where it runs beside the routed experts on the layer's side "
            "stream, takes our dense GEMMs as this many programs of at most 3 pipeline stages, so they fit on SMs "

@@ -514,10 +514,10 @@ def test_feature_line_and_hook_targets_resolve():
         assert compat.check_target(target) == (True, target)
 
 
-def fake_gpu(monkeypatch, cap):
+def fake_gpu(monkeypatch, cap, name="Fake"):
     from sglang_h20 import compat
 
-    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("Fake", cap, 80.0))
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu(name, cap, 80.0))
 
 
 def test_hooks_only_on_sm90(monkeypatch, caplog):
@@ -671,12 +671,13 @@ def test_triton_hook_sends_expert_parallel_and_fused_all_reduce_calls_upstream(m
     plugin_sbo._note.clear()
 
 
-def test_size_limits_of_the_triton_hook():
-    """Ours serves decode sizes up to MAX_PAIRS_PER_EXPERT (token, expert) pairs per expert, where the whole layer
+def test_size_limits_of_the_triton_hook(monkeypatch):
+    """Ours serves decode sizes up to the GPU's cap of (token, expert) pairs per expert, where the whole layer
     measured faster than upstream's; above, and above MAX_TOKENS, the call goes upstream with its reason."""
     from sglang_h20.moe import sbo as plugin_sbo
 
-    cap = plugin_sbo.MAX_PAIRS_PER_EXPERT
+    cap = plugin_sbo.MAX_PAIRS_PER_EXPERT["H200"]
+    monkeypatch.setattr(plugin_sbo, "_pairs_cap", cap)
     assert plugin_sbo.size_unsupported(16, 16 * 8, 16) is None  # dsv3-ep16-slice at batch 16: 8 per expert
     assert "tokens per expert" in plugin_sbo.size_unsupported(32, 32 * 8, 16)  # 16 per expert
     assert plugin_sbo.size_unsupported(64, 64 * 8, 256) is None  # the whole 256-expert layer at batch 64
@@ -685,7 +686,29 @@ def test_size_limits_of_the_triton_hook():
     assert str(cap) in plugin_sbo.size_unsupported(2, cap * 4 + 1, 4)
     assert "above 256 tokens" in plugin_sbo.size_unsupported(plugin_sbo.MAX_TOKENS + 1, 8, 4096)
     from sglang_h20.settings import SWITCHES  # the switch's help quotes the cap (a literal there: no torch import)
-    assert f"up to {cap} tokens per expert" in next(s.help for s in SWITCHES if s.name == "sbo")
+    caps = plugin_sbo.MAX_PAIRS_PER_EXPERT
+    assert (f"up to {caps['H200']} tokens per expert on the H200, {caps['H100']} on the H100" in
+            next(s.help for s in SWITCHES if s.name == "sbo"))
+    assert f"other GPUs: {plugin_sbo.DEFAULT_PAIRS_PER_EXPERT})" in next(s.help for s in SWITCHES if s.name == "sbo")
+
+
+@pytest.mark.parametrize("name, override, cap", [("NVIDIA H200", "0", 8), ("NVIDIA H100 80GB HBM3", "0", 4),
+                                                 ("NVIDIA H20", "0", 8), ("NVIDIA H100 80GB HBM3", "6", 6)])
+def test_the_pairs_cap_follows_the_gpu(monkeypatch, caplog, name, override, cap):
+    """The cap was measured per GPU (H200 8, H100 4: end to end, 8 per expert ran 1.011x SBO off on the H100);
+    other GPUs take the H200's; SGLANG_H20_SBO_MAX_PER_EXPERT > 0 replaces it. The startup line says which."""
+    from sglang_h20.moe import sbo as plugin_sbo
+    from sglang_h20.settings import Settings
+
+    fake_gpu(monkeypatch, (9, 0), name)
+    monkeypatch.setattr(plugin_sbo, "_pairs_cap", -1)  # hooks() must set it
+    settings = Settings.from_env({"SGLANG_H20_SBO": "on", "SGLANG_H20_SBO_MAX_PER_EXPERT": override})
+    plugin_sbo.hooks(settings)
+    assert plugin_sbo.size_unsupported(2 * cap, 2 * cap * 8, 16) is None  # batch 2 cap x top-8 over 16: cap each
+    assert f"above {cap} tokens per expert" in plugin_sbo.size_unsupported(2 * cap + 1, (2 * cap + 1) * 8, 16)
+    with caplog.at_level(logging.INFO, logger="sglang_h20.sbo"):
+        plugin_sbo.enabled(settings)
+    assert f"on this GPU ({name}) ours serves up to {cap} per expert" in caplog.text
 
 
 def test_shared_overlap_declines_where_unsafe():

@@ -10,7 +10,7 @@ other GPU the feature stays off with one log line, so upstream's own SBO applies
 2. COMBINE_DOWN_FLAG (around): upstream's down-GEMM/combine overlap, the DeepGEMM+DeepEP signal path
    that does not exist on SM90, answers False there. The flag's remaining meaning is ours:
 3. TRITON_MOE (around `fused_experts`, single GPU / TP): FP8 block-quant [128, 128] MoE with bf16
-   activations, at most MAX_TOKENS tokens and MAX_PAIRS_PER_EXPERT per expert runs dispatch (on-GPU map,
+   activations, at most MAX_TOKENS tokens and this GPU's MAX_PAIRS_PER_EXPERT per expert runs dispatch (on-GPU map,
    one Triton program, `sgl_kernel_ext.sbo`), our
    gate_up grouped GEMM, SiLU*up -> fp8, then the down GEMM with the combine in its epilogue
    (`ONE_GPU_COMBINE`; the signal-consuming combine on a second stream, `combine="overlap"`, is the form
@@ -60,12 +60,20 @@ MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys not
 # end at 16 concurrent median ITL 0.958x / 0.956x SBO off (sbo_e2e_cap8_c16{,_run2}_h200.json).
 # Alone (sbo_layer_fq_e16_h200.json) ours was 1.04x faster at 16 per expert, 0.975x / 0.954x at 28 / 32; 256 experts,
 # 0.25-2 per expert: 1.03-1.05x (sbo_layer_fq_e256_h200.json).
-MAX_PAIRS_PER_EXPERT = 8
+# The H100 (session 62): beside upstream's shared expert ours is 1.017x / 1.021x upstream's layer at 4 / 8 per expert
+# (sbo_layer_shared_e16_b8_b64_s62_h100.json); end to end at 16 concurrent (8 per expert) median ITL 1.011x SBO off,
+# both arm orders (sbo_e2e_c16_c8_s62_h100.json, sbo_e2e_sbo_first_c16_c8_s62_h100.json), 1.002x at 8 (4 per
+# expert); on top of swapAB 0.989x / 0.992x at 2 / 4 per expert, 1.004x at 6 and 8 (sbo_on_swapab_*_s61_h100.json,
+# swapab/swapab_sbo_arms_c16_c12_s62_h100.json). So the H100 stops at 4.
+MAX_PAIRS_PER_EXPERT = {"H100": 4, "H200": 8}  # by a part of the GPU's name
+DEFAULT_PAIRS_PER_EXPERT = 8  # other GPUs: the H200's, where the cap was first measured
 
 log = logging.getLogger("sglang_h20.sbo")
 _note = OnceLog(log, "sbo: upstream for ")  # each reason for going upstream, once per process
 _served = OnceLog(log, "sbo: MoE ")  # each call size ours serves, once per process (which path ran is in the log)
 _shared_sms = 0  # SGLANG_H20_SBO_SHARED_SMS, set by hooks()
+_pairs_cap = DEFAULT_PAIRS_PER_EXPERT  # this GPU's cap or SGLANG_H20_SBO_MAX_PER_EXPERT, set by hooks()
+_gpu_name = "no GPU"  # the GPU _pairs_cap is for, set by hooks()
 
 
 def _sm90() -> bool:
@@ -177,12 +185,20 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
                                     fused=mode in ("fused", "tail"), tail=mode == "tail")
 
 
+def pairs_cap(gpu_name: str, override: int = 0) -> int:
+    """(token, expert) pairs per expert up to which ours serves on this GPU: the override if > 0, else the measured
+    cap of the first MAX_PAIRS_PER_EXPERT key in the name, else DEFAULT_PAIRS_PER_EXPERT."""
+    if override > 0:
+        return override
+    return next((cap for key, cap in MAX_PAIRS_PER_EXPERT.items() if key in gpu_name), DEFAULT_PAIRS_PER_EXPERT)
+
+
 def size_unsupported(num_tokens: int, num_pairs: int, num_experts: int) -> str | None:
-    """Why a call of this size goes upstream (None: ours serves it): MAX_TOKENS, MAX_PAIRS_PER_EXPERT."""
+    """Why a call of this size goes upstream (None: ours serves it): MAX_TOKENS, this GPU's pairs cap."""
     if num_tokens > MAX_TOKENS:
         return f"MoE calls above {MAX_TOKENS} tokens"
-    if num_pairs > MAX_PAIRS_PER_EXPERT * num_experts:
-        return f"MoE calls above {MAX_PAIRS_PER_EXPERT} tokens per expert (upstream's path measured faster there)"
+    if num_pairs > _pairs_cap * num_experts:
+        return f"MoE calls above {_pairs_cap} tokens per expert (upstream's path measured faster there)"
     return None
 
 
@@ -299,9 +315,10 @@ def hooks(settings: Settings) -> list[Hook]:
     if g is None or g.capability[0] != 9:
         raise Unsupported(f"{g.label if g else 'no GPU'} is not SM90 (upstream's own SBO, "
                           f"--enable-single-batch-overlap, applies there)")
-    global _shared_sms
+    global _shared_sms, _pairs_cap, _gpu_name
     _note.clear()
     _shared_sms = int(settings["sbo_shared_sms"])
+    _pairs_cap, _gpu_name = pairs_cap(g.name, int(settings["sbo_max_per_expert"])), g.name
     capped = [Hook(SHARED_EXPERTS, shared_experts_hook, "around")] if _shared_sms > 0 else []
     if capped and not settings["swapab"]:
         log.warning("sbo: SGLANG_H20_SBO_SHARED_SMS=%d caps our dense GEMMs only; with the swapAB switch off the "
@@ -326,11 +343,14 @@ def enabled(settings: Settings) -> None:
                 "it our MoE layer is 1.11-1.14x upstream's at 4-8 tokens per expert and 0.96-1.01x at 16 on the H200 "
                 "(benchmark/results/sbo/sbo_layer_shared_e16_h200.json, sbo_layer_tail_dyn_shared_e16_h200.json, "
                 "sbo_layer_tail_grid_shared_e16_h200.json), "
-                "so above %d per expert calls go upstream; end to end on dsv3-ep16-slice (H200): median ITL "
-                "0.956-0.958x SBO off at 16 concurrent (two runs), 1.00x at 32 and 56 where the batches go upstream "
-                "(sbo_e2e_cap8_c16_h200.json, sbo_e2e_cap8_c16_run2_h200.json, sbo_e2e_cap8_c32_c56_h200.json); "
-                "on the H100 on top of swapAB: 0.989x / 0.992x swapAB alone at 4 / 8 concurrent, 1.006x at 16 "
-                "(sbo_on_swapab_c16_c4_s61_h100.json, sbo_on_swapab_c8_c12_s61_h100.json)", MAX_PAIRS_PER_EXPERT)
+                "so on the H200 above 8 per expert calls go upstream; end to end on dsv3-ep16-slice (H200): median "
+                "ITL 0.956-0.958x SBO off at 16 concurrent (two runs), 1.00x at 32 and 56 where the batches go "
+                "upstream (sbo_e2e_cap8_c16_h200.json, sbo_e2e_cap8_c16_run2_h200.json, "
+                "sbo_e2e_cap8_c32_c56_h200.json); on the H100 1.011x SBO off at 16 concurrent (both arm orders) and "
+                "1.002x at 8, on top of swapAB 0.989x / 0.992x at 4 / 8 concurrent, 1.004x at 12 and 16 "
+                "(sbo_e2e_c16_c8_s62_h100.json, sbo_e2e_sbo_first_c16_c8_s62_h100.json, "
+                "sbo_on_swapab_c16_c4_s61_h100.json, swapab_sbo_arms_c16_c12_s62_h100.json), so it stops at 4 there; "
+                "on this GPU (%s) ours serves up to %d per expert", _gpu_name, _pairs_cap)
 
 
 ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD, SHARED_EXPERTS, runner_check.LOAD_TARGET)
