@@ -49,7 +49,7 @@ def report(settings: Settings | None = None) -> tuple[str, bool]:
         lines.append(f"  {feature.name:<16} {'ON ' if d.on else 'off'}  {d.reason}")
         if d.on and feature.needs:
             lines.append(f"  {'':<16}      needs {feature.needs}")
-    lines += tables_and_kernels()
+    lines += tables_and_kernels(settings)
     return "\n".join(lines), all_good
 
 
@@ -65,9 +65,11 @@ def _table_line(path: Path | None, retune: str) -> str:
     return f"{path.name}, {how} on {data.get('gpu', '?')} ({when}); re-tune here: {retune}"
 
 
-def tables_and_kernels() -> list[str]:
-    """The tuned tables in force for this GPU (this machine's re-tune first, else the shipped one) and the FP8
-    MLA decode kernel the backend would use (on a Hopper GPU with nvcc this builds it once, a few seconds)."""
+def tables_and_kernels(settings: Settings | None = None) -> list[str]:
+    """The tuned tables in force for this GPU (this machine's re-tune first, else the shipped one), the FP8
+    MLA decode kernel the backend would use (on a Hopper GPU with nvcc this builds it once, a few seconds) and
+    SBO's per-GPU cap."""
+    settings = Settings.from_env() if settings is None else settings
     g = compat.gpu()
     lines = ["tables and kernels (this GPU):"]
     if g is None:
@@ -86,7 +88,9 @@ def tables_and_kernels() -> list[str]:
         _guarded("grouped GEMM table", lambda: _table_line(
             importlib.import_module("sgl_kernel_ext.gemm_table").find_table(g.name),
             "python benchmark/kernels/bench_grouped_gemm.py --tune (from a checkout)")),
-        _guarded("FP8 MLA decode", fp8_mla_decode)]
+        _guarded("FP8 MLA decode", fp8_mla_decode),
+        _guarded("SBO cap", lambda: importlib.import_module("sglang_h20.moe.sbo").describe_cap(
+            g.name, int(settings["sbo_max_per_expert"])) if g.capability[0] == 9 else "none: SBO is ours on SM90 only")]
 
 
 def _guarded(label: str, describe) -> str:

@@ -295,9 +295,17 @@ def test_doctor_names_the_tables_and_kernel_of_this_gpu(monkeypatch, tmp_path):
     day = shipped["date"][:10]  # the table's latest run, whichever session made it
     assert f"grouped_gemm_h200.json, measured on NVIDIA H200 ({day})" in text and "--tune" in text
     assert "FP8 MLA decode" in text
+    assert "SBO cap             our MoE path up to 8 tokens per expert (measured end to end on the H200)" in text
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80.0))
+    assert "up to 4 tokens per expert (measured end to end on the H100)" in "\n".join(doctor.tables_and_kernels())
+    override = Settings.from_env({"SGLANG_H20_SBO_MAX_PER_EXPERT": "2"})
+    assert "up to 2 tokens per expert (SGLANG_H20_SBO_MAX_PER_EXPERT=2)" in doctor.report(override)[0]
+    monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA H20", (9, 0), 96.0))
+    assert "up to 8 tokens per expert (the H200's, not measured on this GPU)" in "\n".join(doctor.tables_and_kernels())
     monkeypatch.setattr(compat, "gpu", lambda: compat.Gpu("NVIDIA B200", (10, 0), 180.0))
     text = "\n".join(doctor.tables_and_kernels())
     assert text.count("none for this GPU; make one here") == 2
+    assert "SBO cap             none: SBO is ours on SM90 only" in text
     # a kernel package that cannot be imported (it needs triton) leaves both table lines saying why, not a traceback
     monkeypatch.setitem(sys.modules, "sgl_kernel_ext.gemm_table", None)
     text = "\n".join(doctor.tables_and_kernels())

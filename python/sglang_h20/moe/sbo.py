@@ -185,12 +185,27 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
                                     fused=mode in ("fused", "tail"), tail=mode == "tail")
 
 
+def _measured_on(gpu_name: str) -> str | None:
+    """The MAX_PAIRS_PER_EXPERT key this GPU's name contains (None: its cap was not measured)."""
+    return next((key for key in MAX_PAIRS_PER_EXPERT if key in gpu_name), None)
+
+
 def pairs_cap(gpu_name: str, override: int = 0) -> int:
     """(token, expert) pairs per expert up to which ours serves on this GPU: the override if > 0, else the measured
     cap of the first MAX_PAIRS_PER_EXPERT key in the name, else DEFAULT_PAIRS_PER_EXPERT."""
     if override > 0:
         return override
-    return next((cap for key, cap in MAX_PAIRS_PER_EXPERT.items() if key in gpu_name), DEFAULT_PAIRS_PER_EXPERT)
+    key = _measured_on(gpu_name)
+    return DEFAULT_PAIRS_PER_EXPERT if key is None else MAX_PAIRS_PER_EXPERT[key]
+
+
+def describe_cap(gpu_name: str, override: int = 0) -> str:
+    """The doctor's line: the cap in force on this GPU and where it comes from."""
+    key = _measured_on(gpu_name)
+    source = (f"SGLANG_H20_SBO_MAX_PER_EXPERT={override}" if override > 0 else
+              f"measured end to end on the {key}" if key else "the H200's, not measured on this GPU")
+    return (f"our MoE path up to {pairs_cap(gpu_name, override)} tokens per expert ({source}); re-tune here: "
+            f"benchmark/serving/swapab_e2e.py --arms off sbo with SGLANG_H20_SBO_MAX_PER_EXPERT=n")
 
 
 def size_unsupported(num_tokens: int, num_pairs: int, num_experts: int) -> str | None:
