@@ -676,7 +676,7 @@ def test_size_limits_of_the_triton_hook(monkeypatch):
     measured faster than upstream's; above, and above MAX_TOKENS, the call goes upstream with its reason."""
     from sglang_h20.moe import sbo as plugin_sbo
 
-    cap = plugin_sbo.MAX_PAIRS_PER_EXPERT["H200"]
+    cap = plugin_sbo.TUNED["H200"].max_pairs_per_expert
     monkeypatch.setattr(plugin_sbo, "_pairs_cap", cap)
     assert plugin_sbo.size_unsupported(16, 16 * 8, 16) is None  # dsv3-ep16-slice at batch 16: 8 per expert
     assert "tokens per expert" in plugin_sbo.size_unsupported(32, 32 * 8, 16)  # 16 per expert
@@ -686,10 +686,11 @@ def test_size_limits_of_the_triton_hook(monkeypatch):
     assert str(cap) in plugin_sbo.size_unsupported(2, cap * 4 + 1, 4)
     assert "above 256 tokens" in plugin_sbo.size_unsupported(plugin_sbo.MAX_TOKENS + 1, 8, 4096)
     from sglang_h20.settings import SWITCHES  # the switch's help quotes the cap (a literal there: no torch import)
-    caps = plugin_sbo.MAX_PAIRS_PER_EXPERT
+    caps = {key: t.max_pairs_per_expert for key, t in plugin_sbo.TUNED.items()}
     assert (f"up to {caps['H200']} tokens per expert on the H200, {caps['H100']} on the H100" in
             next(s.help for s in SWITCHES if s.name == "sbo"))
-    assert f"other GPUs: {plugin_sbo.DEFAULT_PAIRS_PER_EXPERT})" in next(s.help for s in SWITCHES if s.name == "sbo")
+    other = plugin_sbo.DEFAULT_TUNED.max_pairs_per_expert
+    assert f"other GPUs: {other})" in next(s.help for s in SWITCHES if s.name == "sbo")
 
 
 @pytest.mark.parametrize("name, override, cap", [("NVIDIA H200", "0", 8), ("NVIDIA H100 80GB HBM3", "0", 4),
@@ -701,6 +702,8 @@ def test_the_pairs_cap_follows_the_gpu(monkeypatch, caplog, name, override, cap)
     from sglang_h20.settings import Settings
 
     fake_gpu(monkeypatch, (9, 0), name)
+    for state in ("_tuned", "_gpu_name"):  # hooks() sets them; restored after the test
+        monkeypatch.setattr(plugin_sbo, state, getattr(plugin_sbo, state))
     monkeypatch.setattr(plugin_sbo, "_pairs_cap", -1)  # hooks() must set it
     settings = Settings.from_env({"SGLANG_H20_SBO": "on", "SGLANG_H20_SBO_MAX_PER_EXPERT": override})
     plugin_sbo.hooks(settings)
@@ -709,6 +712,8 @@ def test_the_pairs_cap_follows_the_gpu(monkeypatch, caplog, name, override, cap)
     with caplog.at_level(logging.INFO, logger="sglang_h20.sbo"):
         plugin_sbo.enabled(settings)
     assert f"on this GPU ({name}) ours serves up to {cap} per expert" in caplog.text
+    # the gate_up GEMM as one program per tile only where it was measured faster: the H100
+    assert plugin_sbo._tuned.gate_up_config == ({"programs_per_sm": 32} if "H100" in name else None)
 
 
 def test_shared_overlap_declines_where_unsafe():
@@ -781,6 +786,8 @@ def test_triton_hook_serves_and_logs_each_call_size_once(monkeypatch, caplog):
     past_the_shape_checks(monkeypatch, fused_sum=False)
     monkeypatch.setattr(swapab, "output_like", lambda x, inplace: "out")
     monkeypatch.setattr(plugin_sbo, "_ep_size", lambda: 1)
+    monkeypatch.setattr(plugin_sbo, "_tuned", plugin_sbo.TUNED["H200"])
+    monkeypatch.setattr(plugin_sbo, "_pairs_cap", plugin_sbo.TUNED["H200"].max_pairs_per_expert)
     served = []
     monkeypatch.setattr(plugin_sbo, "moe_forward", lambda *a, **kw: served.append(kw) or "ours")
     cfg = types.SimpleNamespace(inplace=False, routed_scaling_factor=2.5)
@@ -797,4 +804,13 @@ def test_triton_hook_serves_and_logs_each_call_size_once(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         f"sbo: MoE {t} tokens x top-8 over 16 experts -> ours ({plugin_sbo.ONE_GPU_COMBINE} combine in the down GEMM)"
         for t in (16, 4)]
+    assert [kw["gate_up_config"] for kw in served] == [None] * 3  # the H200's tiles: the table's
+    # the H100's tuning: its gate_up config reaches moe_forward, and the served line names it
+    monkeypatch.setattr(plugin_sbo, "_tuned", plugin_sbo.TUNED["H100"])
+    plugin_sbo._served.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_h20.sbo"):
+        plugin_sbo.fused_experts_hook(lambda *a, **kw: "upstream", x, w1, None, (w, ids, None), cfg)
+    assert served[-1]["gate_up_config"] == {"programs_per_sm": 32}
+    assert caplog.records[0].getMessage().endswith("in the down GEMM; gate_up config {'programs_per_sm': 32})")
     plugin_sbo._served.clear()

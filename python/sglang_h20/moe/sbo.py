@@ -10,7 +10,7 @@ other GPU the feature stays off with one log line, so upstream's own SBO applies
 2. COMBINE_DOWN_FLAG (around): upstream's down-GEMM/combine overlap, the DeepGEMM+DeepEP signal path
    that does not exist on SM90, answers False there. The flag's remaining meaning is ours:
 3. TRITON_MOE (around `fused_experts`, single GPU / TP): FP8 block-quant [128, 128] MoE with bf16
-   activations, at most MAX_TOKENS tokens and this GPU's MAX_PAIRS_PER_EXPERT per expert runs dispatch (on-GPU map,
+   activations, at most MAX_TOKENS tokens and this GPU's TUNED cap per expert runs dispatch (on-GPU map,
    one Triton program, `sgl_kernel_ext.sbo`), our
    gate_up grouped GEMM, SiLU*up -> fp8, then the down GEMM with the combine in its epilogue
    (`ONE_GPU_COMBINE`; the signal-consuming combine on a second stream, `combine="overlap"`, is the form
@@ -36,6 +36,7 @@ Every decline reason is logged once; so is a MoE runner other than triton, once 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -64,16 +65,31 @@ MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys not
 # (sbo_layer_shared_e16_b8_b64_s62_h100.json); end to end at 16 concurrent (8 per expert) median ITL 1.011x SBO off,
 # both arm orders (sbo_e2e_c16_c8_s62_h100.json, sbo_e2e_sbo_first_c16_c8_s62_h100.json), 1.002x at 8 (4 per
 # expert); on top of swapAB 0.989x / 0.992x at 2 / 4 per expert, 1.004x at 6 and 8 (sbo_on_swapab_*_s61_h100.json,
-# swapab/swapab_sbo_arms_c16_c12_s62_h100.json). So the H100 stops at 4.
-MAX_PAIRS_PER_EXPERT = {"H100": 4, "H200": 8}  # by a part of the GPU's name
-DEFAULT_PAIRS_PER_EXPERT = 8  # other GPUs: the H200's, where the cap was first measured
+# swapab/swapab_sbo_arms_c16_c12_s62_h100.json). So the H100 stops at 4. There the gate_up GEMM as one program per
+# tile (the hardware places tiles on the SMs the shared expert leaves free) made the layer beside upstream's shared
+# expert 0.948x / 0.947x upstream's at 4 per expert where the default tiles gave 1.020x / 1.017x, 1.002x / 0.999x at
+# 2, in two runs on two machines (sbo_layer_shared_e16_s61_h100.json, sbo_layer_shared_e16_b8_b64_s62_h100.json);
+# beside our shared expert the two were within 0.5%. The H200's layer at 8 per expert had the default 0.8% ahead
+# (sbo_layer_tail_grid_shared_e16_h200.json).
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """What SBO's one-GPU MoE path was measured to need on one GPU."""
+    max_pairs_per_expert: int  # above this many (token, expert) pairs per expert, calls go upstream
+    gate_up_config: dict | None = None  # tile config keys over the grouped-GEMM table's for the gate_up GEMM
+
+
+TUNED = {"H100": Tuned(4, {"programs_per_sm": 32}), "H200": Tuned(8)}  # by a part of the GPU's name
+DEFAULT_TUNED = TUNED["H200"]  # other GPUs: the H200's, where SBO was first measured
 
 log = logging.getLogger("sglang_h20.sbo")
 _note = OnceLog(log, "sbo: upstream for ")  # each reason for going upstream, once per process
 _served = OnceLog(log, "sbo: MoE ")  # each call size ours serves, once per process (which path ran is in the log)
 _shared_sms = 0  # SGLANG_H20_SBO_SHARED_SMS, set by hooks()
-_pairs_cap = DEFAULT_PAIRS_PER_EXPERT  # this GPU's cap or SGLANG_H20_SBO_MAX_PER_EXPERT, set by hooks()
-_gpu_name = "no GPU"  # the GPU _pairs_cap is for, set by hooks()
+_tuned = DEFAULT_TUNED  # this GPU's, set by hooks()
+_pairs_cap = DEFAULT_TUNED.max_pairs_per_expert  # this GPU's or SGLANG_H20_SBO_MAX_PER_EXPERT, set by hooks()
+_gpu_name = "no GPU"  # the GPU _tuned is for, set by hooks()
 
 
 def _sm90() -> bool:
@@ -153,8 +169,8 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
     (benchmark/results/sbo/sbo_layer_fq_e16_h200.json); as accurate (test_sbo_gpu). gate_up_config: tile config keys
     over the table's for the gate_up GEMM (e.g. {"programs_per_sm": 32}: one program per tile, so the hardware
     places tiles on the SMs free of other kernels, as upstream's grid does: beside the shared expert 1.00x upstream
-    at 16 tokens per expert where the default is 0.96x, 0.99x at 28 (sbo_layer_tail_grid_shared_e16_h200.json); not
-    the default, as the hook stops at 8)."""
+    at 16 tokens per expert where the default is 0.96x, 0.99x at 28 (sbo_layer_tail_grid_shared_e16_h200.json); the
+    hook passes it where TUNED says so: the H100)."""
     mode = combine or ("overlap" if overlap else "serial")
     if mode not in COMBINE_MODES:
         raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
@@ -185,23 +201,25 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
                                     fused=mode in ("fused", "tail"), tail=mode == "tail")
 
 
-def _measured_on(gpu_name: str) -> str | None:
-    """The MAX_PAIRS_PER_EXPERT key this GPU's name contains (None: its cap was not measured)."""
-    return next((key for key in MAX_PAIRS_PER_EXPERT if key in gpu_name), None)
+def measured_on(gpu_name: str) -> str | None:
+    """The TUNED key this GPU's name contains (None: SBO was not measured on it)."""
+    return next((key for key in TUNED if key in gpu_name), None)
+
+
+def tuned_for(gpu_name: str) -> Tuned:
+    """This GPU's measured tuning, else DEFAULT_TUNED."""
+    key = measured_on(gpu_name)
+    return DEFAULT_TUNED if key is None else TUNED[key]
 
 
 def pairs_cap(gpu_name: str, override: int = 0) -> int:
-    """(token, expert) pairs per expert up to which ours serves on this GPU: the override if > 0, else the measured
-    cap of the first MAX_PAIRS_PER_EXPERT key in the name, else DEFAULT_PAIRS_PER_EXPERT."""
-    if override > 0:
-        return override
-    key = _measured_on(gpu_name)
-    return DEFAULT_PAIRS_PER_EXPERT if key is None else MAX_PAIRS_PER_EXPERT[key]
+    """(token, expert) pairs per expert up to which ours serves on this GPU: the override if > 0, else its tuning's."""
+    return override if override > 0 else tuned_for(gpu_name).max_pairs_per_expert
 
 
 def describe_cap(gpu_name: str, override: int = 0) -> str:
     """The doctor's line: the cap in force on this GPU and where it comes from."""
-    key = _measured_on(gpu_name)
+    key = measured_on(gpu_name)
     source = (f"SGLANG_H20_SBO_MAX_PER_EXPERT={override}" if override > 0 else
               f"measured end to end on the {key}" if key else "the H200's, not measured on this GPU")
     return (f"our MoE path up to {pairs_cap(gpu_name, override)} tokens per expert ({source}); re-tune here: "
@@ -249,11 +267,13 @@ def fused_experts_hook(original, hidden_states, w1, w2, topk_output, moe_runner_
                         w1_scale=w1_scale, w2_scale=w2_scale, w1_zp=w1_zp, w2_zp=w2_zp, a1_scale=a1_scale,
                         a2_scale=a2_scale, block_shape=block_shape, a1_q=a1_q)
     _served(f"{hidden_states.shape[0]} tokens x top-{topk_ids.shape[-1]} over {w1.shape[0]} experts -> ours "
-            f"({ONE_GPU_COMBINE} combine in the down GEMM)")
+            f"({ONE_GPU_COMBINE} combine in the down GEMM"
+            f"{'' if _tuned.gate_up_config is None else f'; gate_up config {_tuned.gate_up_config}'})")
     out = swapab.output_like(hidden_states, cfg.inplace)
     return moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale,
                        a1_q=a1_q, a1_scale=a1_scale if a1_q is not None else None, out=out,
-                       routed_scaling_factor=cfg.routed_scaling_factor, combine=ONE_GPU_COMBINE)
+                       routed_scaling_factor=cfg.routed_scaling_factor, combine=ONE_GPU_COMBINE,
+                       gate_up_config=_tuned.gate_up_config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,10 +350,11 @@ def hooks(settings: Settings) -> list[Hook]:
     if g is None or g.capability[0] != 9:
         raise Unsupported(f"{g.label if g else 'no GPU'} is not SM90 (upstream's own SBO, "
                           f"--enable-single-batch-overlap, applies there)")
-    global _shared_sms, _pairs_cap, _gpu_name
+    global _shared_sms, _tuned, _pairs_cap, _gpu_name
     _note.clear()
     _shared_sms = int(settings["sbo_shared_sms"])
-    _pairs_cap, _gpu_name = pairs_cap(g.name, int(settings["sbo_max_per_expert"])), g.name
+    _tuned, _gpu_name = tuned_for(g.name), g.name
+    _pairs_cap = pairs_cap(g.name, int(settings["sbo_max_per_expert"]))
     capped = [Hook(SHARED_EXPERTS, shared_experts_hook, "around")] if _shared_sms > 0 else []
     if capped and not settings["swapab"]:
         log.warning("sbo: SGLANG_H20_SBO_SHARED_SMS=%d caps our dense GEMMs only; with the swapAB switch off the "
@@ -365,7 +386,9 @@ def enabled(settings: Settings) -> None:
                 "1.002x at 8, on top of swapAB 0.989x / 0.992x at 4 / 8 concurrent, 1.004x at 12 and 16 "
                 "(sbo_e2e_c16_c8_s62_h100.json, sbo_e2e_sbo_first_c16_c8_s62_h100.json, "
                 "sbo_on_swapab_c16_c4_s61_h100.json, swapab_sbo_arms_c16_c12_s62_h100.json), so it stops at 4 there; "
-                "on this GPU (%s) ours serves up to %d per expert", _gpu_name, _pairs_cap)
+                "on this GPU (%s) ours serves up to %d per expert, gate_up tiles %s", _gpu_name, _pairs_cap,
+                "as the grouped-GEMM table says" if _tuned.gate_up_config is None else
+                f"with {_tuned.gate_up_config} (measured faster there beside SGLang's shared expert)")
 
 
 ALL_TARGETS = (INIT_MOE_CONFIG, COMBINE_DOWN_FLAG, TRITON_MOE, SHARED_FORWARD, SHARED_EXPERTS, runner_check.LOAD_TARGET)
