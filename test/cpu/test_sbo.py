@@ -685,6 +685,7 @@ def test_size_limits_of_the_triton_hook(monkeypatch):
     assert plugin_sbo.size_unsupported(2, cap * 4, 4) is None
     assert str(cap) in plugin_sbo.size_unsupported(2, cap * 4 + 1, 4)
     assert "above 256 tokens" in plugin_sbo.size_unsupported(plugin_sbo.MAX_TOKENS + 1, 8, 4096)
+    assert plugin_sbo.size_unsupported(plugin_sbo.MAX_TOKENS, 8, 4096) is None  # the edge itself is served
     from sglang_h20.settings import SWITCHES  # the switch's help quotes the cap (a literal there: no torch import)
     caps = {key: t.max_pairs_per_expert for key, t in plugin_sbo.TUNED.items()}
     assert (f"up to {caps['H200']} tokens per expert on the H200, {caps['H100']} on the H100" in
