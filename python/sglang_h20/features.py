@@ -55,12 +55,13 @@ FEATURES: tuple[Feature, ...] = (
             needs="a prefill attention backend with SGLang's shared MHA/MLA rule: fa3, flashinfer, flashmla, "
                   "cutlass_mla, fa4, intel_xpu or h20_fp8_mla (not triton, trtllm_mla, aiter, dsa, ...)"),
     Feature("fp8_mla", "fp8_mla", "sglang_h20.attention.fp8_mla_backend", kernel_modules=("sgl_kernel_ext.mla_decode",),
-            options=("fp8_mla_kernel",)),
+            options=("fp8_mla_kernel", "fp8_mla_split_q", "fp8_mla_kernel_options")),
     Feature("swapab", "swapab", "sglang_h20.moe.swapab", kernel_modules=("triton", "sgl_kernel_ext.grouped_gemm_fp8"),
             needs="MoE: --moe-runner-backend triton (auto picks it without an all-to-all backend), or DeepGEMM's "
                   "masked GEMM under --moe-a2a-backend deepep; dense linears: --fp8-gemm-backend triton or deep_gemm "
                   "(auto picks one of them on Hopper)"),
     Feature("sbo", "sbo", "sglang_h20.moe.sbo", kernel_modules=("triton", "sgl_kernel_ext.sbo"),
+            options=("sbo_max_per_expert", "sbo_shared_sms"),
             needs="the combine in the down GEMM: --moe-runner-backend triton (auto picks it without an all-to-all "
                   "backend)"),
     Feature("eplb", "eplb", "sglang_h20.eplb.integration", needs_gpu=False, options=("eplb_affinity",),

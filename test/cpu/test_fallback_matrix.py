@@ -193,13 +193,23 @@ BAD_ENV = [  # (feature, env, the variable named in the line)
     ("fp8_mla", {"SGLANG_H20_FP8_MLA": "maybe"}, "SGLANG_H20_FP8_MLA='maybe'"),
     ("fp8_mla", {"SGLANG_H20_FP8_MLA": "on", "SGLANG_H20_FP8_MLA_KERNEL": "fastest"},
      "SGLANG_H20_FP8_MLA_KERNEL='fastest'"),
+    ("fp8_mla", {"SGLANG_H20_FP8_MLA": "on", "SGLANG_H20_FP8_MLA_SPLIT_Q": "both"},
+     "SGLANG_H20_FP8_MLA_SPLIT_Q='both'"),
+    ("fp8_mla", {"SGLANG_H20_FP8_MLA": "on", "SGLANG_H20_FP8_MLA_KERNEL_OPTIONS": "NOT_AN_OPTION"},
+     "SGLANG_H20_FP8_MLA_KERNEL_OPTIONS='NOT_AN_OPTION'"),
     ("swapab", {"SGLANG_H20_SWAPAB": "bogus"}, "SGLANG_H20_SWAPAB='bogus'"),
     ("sbo", {"SGLANG_H20_SBO": "2"}, "SGLANG_H20_SBO='2'"),
+    ("sbo", {"SGLANG_H20_SBO": "on", "SGLANG_H20_SBO_MAX_PER_EXPERT": "eight"},
+     "SGLANG_H20_SBO_MAX_PER_EXPERT='eight'"),
+    ("sbo", {"SGLANG_H20_SBO": "on", "SGLANG_H20_SBO_SHARED_SMS": "-3"}, "SGLANG_H20_SBO_SHARED_SMS='-3'"),
     ("eplb", {"SGLANG_H20_EPLB": "on"}, "SGLANG_H20_EPLB='on'"),
     ("eplb", {"SGLANG_H20_EPLB": "affinity", "SGLANG_H20_EPLB_AFFINITY": "2"}, "SGLANG_H20_EPLB_AFFINITY='2'"),
     ("eplb_async", {"SGLANG_H20_EPLB_ASYNC": "soon"}, "SGLANG_H20_EPLB_ASYNC='soon'"),
     ("eplb_async", {"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_LAUNCH": "now"},
      "SGLANG_H20_EPLB_ASYNC_LAUNCH='now'"),
+    *[("eplb_async", {"SGLANG_H20_EPLB_ASYNC": "on", f"SGLANG_H20_EPLB_ASYNC_{o}": "maybe"},
+       f"SGLANG_H20_EPLB_ASYNC_{o}='maybe'") for o in ("VERIFY", "SHUFFLE", "PEER")],
+    ("dummy_router", {"SGLANG_H20_DUMMY_ROUTER_CLUSTERS": "-3"}, "SGLANG_H20_DUMMY_ROUTER_CLUSTERS='-3'"),
     ("observe", {"SGLANG_H20_OBSERVE": "-1"}, "SGLANG_H20_OBSERVE='-1'"),
     ("observe", {"SGLANG_H20_OBSERVE": "0.01x"}, "SGLANG_H20_OBSERVE='0.01x'"),
 ]
@@ -211,6 +221,19 @@ def test_bad_environment_value(activate, name, env, named):
     SGLANG_H20_EPLB_AFFINITY=2 ran affinity placement at 0.25 without a word), keeps it off with one line."""
     d, lines, reg = activate(env)
     assert_one_fallback_line(name, d, lines, reg, "bad value", named)
+
+
+def test_every_switch_belongs_to_a_feature():
+    """A switch no feature owns would have its bad value dropped silently (its default used without a word); only
+    SGLANG_H20_ALLOW_UNTESTED is everyone's (the test below). Each environment variable has a BAD_ENV row."""
+    from sglang_h20.features import FEATURES
+    from sglang_h20.settings import SWITCHES
+
+    owned = [n for f in FEATURES for n in (f.switch, *f.options)]
+    assert len(owned) == len(set(owned))
+    assert {s.name for s in SWITCHES} - set(owned) == {"allow_untested"}
+    in_bad_env = {var for _, env, named in BAD_ENV for var in env if named.startswith(var + "=")}
+    assert {s.env for s in SWITCHES if _kind(s)} - in_bad_env == {"SGLANG_H20_ALLOW_UNTESTED"}
 
 
 @pytest.mark.parametrize("name", NAMES)
