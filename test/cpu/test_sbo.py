@@ -43,6 +43,17 @@ E, H, I = 4, 256, 128  # experts, hidden (down N; two 128-row N-tiles at BLOCK_N
 pytestmark = pytest.mark.usefixtures("no_gemm_table")
 
 
+@pytest.fixture(autouse=True)
+def sbo_state_of_no_gpu(monkeypatch):
+    """hooks() sets the plugin module's per-GPU state (any test file's fake GPU may have left one): each test here
+    starts from the default's and leaves the module as it found it."""
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    for state, value in (("_tuned", plugin_sbo.DEFAULT_TUNED), ("_gpu_name", "no GPU"),
+                         ("_pairs_cap", plugin_sbo.DEFAULT_TUNED.max_pairs_per_expert), ("_shared_sms", 0)):
+        monkeypatch.setattr(plugin_sbo, state, value)
+
+
 def gen(seed):
     return torch.Generator().manual_seed(seed)
 
@@ -671,13 +682,13 @@ def test_triton_hook_sends_expert_parallel_and_fused_all_reduce_calls_upstream(m
     plugin_sbo._note.clear()
 
 
-def test_size_limits_of_the_triton_hook(monkeypatch):
+def test_size_limits_of_the_triton_hook():
     """Ours serves decode sizes up to the GPU's cap of (token, expert) pairs per expert, where the whole layer
     measured faster than upstream's; above, and above MAX_TOKENS, the call goes upstream with its reason."""
     from sglang_h20.moe import sbo as plugin_sbo
 
     cap = plugin_sbo.TUNED["H200"].max_pairs_per_expert
-    monkeypatch.setattr(plugin_sbo, "_pairs_cap", cap)
+    assert plugin_sbo.DEFAULT_TUNED == plugin_sbo.TUNED["H200"]  # the state every test here starts from
     assert plugin_sbo.size_unsupported(16, 16 * 8, 16) is None  # dsv3-ep16-slice at batch 16: 8 per expert
     assert "tokens per expert" in plugin_sbo.size_unsupported(32, 32 * 8, 16)  # 16 per expert
     assert plugin_sbo.size_unsupported(64, 64 * 8, 256) is None  # the whole 256-expert layer at batch 64
@@ -703,8 +714,6 @@ def test_the_pairs_cap_follows_the_gpu(monkeypatch, caplog, name, override, cap)
     from sglang_h20.settings import Settings
 
     fake_gpu(monkeypatch, (9, 0), name)
-    for state in ("_tuned", "_gpu_name"):  # hooks() sets them; restored after the test
-        monkeypatch.setattr(plugin_sbo, state, getattr(plugin_sbo, state))
     monkeypatch.setattr(plugin_sbo, "_pairs_cap", -1)  # hooks() must set it
     settings = Settings.from_env({"SGLANG_H20_SBO": "on", "SGLANG_H20_SBO_MAX_PER_EXPERT": override})
     plugin_sbo.hooks(settings)
@@ -787,8 +796,6 @@ def test_triton_hook_serves_and_logs_each_call_size_once(monkeypatch, caplog):
     past_the_shape_checks(monkeypatch, fused_sum=False)
     monkeypatch.setattr(swapab, "output_like", lambda x, inplace: "out")
     monkeypatch.setattr(plugin_sbo, "_ep_size", lambda: 1)
-    monkeypatch.setattr(plugin_sbo, "_tuned", plugin_sbo.TUNED["H200"])
-    monkeypatch.setattr(plugin_sbo, "_pairs_cap", plugin_sbo.TUNED["H200"].max_pairs_per_expert)
     served = []
     monkeypatch.setattr(plugin_sbo, "moe_forward", lambda *a, **kw: served.append(kw) or "ours")
     cfg = types.SimpleNamespace(inplace=False, routed_scaling_factor=2.5)
