@@ -662,6 +662,7 @@ def test_triton_hook_sends_expert_parallel_and_fused_all_reduce_calls_upstream(m
     before either check; each reason is noted."""
     from sglang_h20.moe import sbo as plugin_sbo
 
+    assert plugin_sbo._ep_size() == 1  # no process group here (tests, a single process): EP 1, nothing declined
     past_the_shape_checks(monkeypatch, fused_sum=True)
     x = types.SimpleNamespace(is_cuda=True, shape=(16, 7168))
     ids, w = routing(16, 8, seed=61, experts=16)  # 8 (token, expert) pairs per expert: a size ours serves
