@@ -67,8 +67,9 @@ MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys not
 # expert); on top of swapAB 0.989x / 0.992x at 2 / 4 per expert, 1.004x at 6 and 8 (sbo_on_swapab_*_s61_h100.json,
 # swapab/swapab_sbo_arms_c16_c12_s62_h100.json). So the H100 stops at 4. There the gate_up GEMM as one program per
 # tile (the hardware places tiles on the SMs the shared expert leaves free) made the layer beside upstream's shared
-# expert 0.948x / 0.947x upstream's at 4 per expert where the default tiles gave 1.020x / 1.017x, 1.002x / 0.999x at
-# 2, in two runs on two machines (sbo_layer_shared_e16_s61_h100.json, sbo_layer_shared_e16_b8_b64_s62_h100.json);
+# expert 0.948x / 0.947x upstream's at 4 per expert where the default tiles gave 1.020x / 1.017x, in two runs on two
+# machines (sbo_layer_shared_e16_s61_h100.json, sbo_layer_shared_e16_b8_b64_s62_h100.json); at 2 per expert (the
+# first run only) 1.002x against the default's 0.999x;
 # beside our shared expert the two were within 0.5%. The H200's layer at 8 per expert had the default 0.8% ahead
 # (sbo_layer_tail_grid_shared_e16_h200.json).
 
