@@ -71,7 +71,10 @@ MAX_TOKENS = 256  # decode sizes; above, the GEMMs dominate and overlap buys not
 # machines (sbo_layer_shared_e16_s61_h100.json, sbo_layer_shared_e16_b8_b64_s62_h100.json); at 2 per expert (the
 # first run only) 1.002x against the default's 0.999x;
 # beside our shared expert the two were within 0.5%. The H200's layer at 8 per expert had the default 0.8% ahead
-# (sbo_layer_tail_grid_shared_e16_h200.json).
+# (sbo_layer_tail_grid_shared_e16_h200.json). End to end with both (session 63, both arm orders,
+# sbo_e2e_h100tuned{,_sbo_first}_c16_c8_c4_s63_h100.json): 1.000x SBO off at 16 concurrent (its batches go
+# upstream), 1.000x / 1.004x at 8 (4 per expert; the table's tiles had 1.002x), 0.984x / 0.985x at 4; on top of
+# swapAB 0.993x / 0.989x at 8 / 4 (sbo_on_swapab_h100tuned_c8_c4_s63_h100.json).
 
 
 @dataclass(frozen=True)
@@ -386,7 +389,9 @@ def enabled(settings: Settings) -> None:
                 "sbo_e2e_cap8_c32_c56_h200.json); on the H100 1.011x SBO off at 16 concurrent (both arm orders) and "
                 "1.002x at 8, on top of swapAB 0.989x / 0.992x at 4 / 8 concurrent, 1.004x at 12 and 16 "
                 "(sbo_e2e_c16_c8_s62_h100.json, sbo_e2e_sbo_first_c16_c8_s62_h100.json, "
-                "sbo_on_swapab_c16_c4_s61_h100.json, swapab_sbo_arms_c16_c12_s62_h100.json), so it stops at 4 there; "
+                "sbo_on_swapab_c16_c4_s61_h100.json, swapab_sbo_arms_c16_c12_s62_h100.json), so it stops at 4 there "
+                "(with that cap 1.000x at 16, 1.000-1.004x at 8, 0.984x at 4; "
+                "sbo_e2e_h100tuned{,_sbo_first}_c16_c8_c4_s63_h100.json); "
                 "on this GPU (%s) ours serves up to %d per expert, gate_up tiles %s", _gpu_name, _pairs_cap,
                 "as the grouped-GEMM table says" if _tuned.gate_up_config is None else
                 f"with {_tuned.gate_up_config} (measured faster there beside SGLang's shared expert)")
