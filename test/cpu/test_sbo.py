@@ -688,8 +688,8 @@ def test_size_limits_of_the_triton_hook():
     measured faster than upstream's; above, and above MAX_TOKENS, the call goes upstream with its reason."""
     from sglang_h20.moe import sbo as plugin_sbo
 
-    cap = plugin_sbo.TUNED["H200"].max_pairs_per_expert
-    assert plugin_sbo.DEFAULT_TUNED == plugin_sbo.TUNED["H200"]  # the state every test here starts from
+    cap = plugin_sbo.TUNED["h200"].max_pairs_per_expert
+    assert plugin_sbo.DEFAULT_TUNED == plugin_sbo.TUNED["h200"]  # the state every test here starts from
     assert plugin_sbo.size_unsupported(16, 16 * 8, 16) is None  # dsv3-ep16-slice at batch 16: 8 per expert
     assert "tokens per expert" in plugin_sbo.size_unsupported(32, 32 * 8, 16)  # 16 per expert
     assert plugin_sbo.size_unsupported(64, 64 * 8, 256) is None  # the whole 256-expert layer at batch 64
@@ -700,17 +700,19 @@ def test_size_limits_of_the_triton_hook():
     assert plugin_sbo.size_unsupported(plugin_sbo.MAX_TOKENS, 8, 4096) is None  # the edge itself is served
     from sglang_h20.settings import SWITCHES  # the switch's help quotes the cap (a literal there: no torch import)
     caps = {key: t.max_pairs_per_expert for key, t in plugin_sbo.TUNED.items()}
-    assert (f"up to {caps['H200']} tokens per expert on the H200, {caps['H100']} on the H100" in
+    assert (f"up to {caps['h200']} tokens per expert on the H200, {caps['h100']} on the H100" in
             next(s.help for s in SWITCHES if s.name == "sbo"))
     other = plugin_sbo.DEFAULT_TUNED.max_pairs_per_expert
     assert f"other GPUs: {other})" in next(s.help for s in SWITCHES if s.name == "sbo")
 
 
 @pytest.mark.parametrize("name, override, cap", [("NVIDIA H200", "0", 8), ("NVIDIA H100 80GB HBM3", "0", 4),
-                                                 ("NVIDIA H20", "0", 8), ("NVIDIA H100 80GB HBM3", "6", 6)])
+                                                 ("NVIDIA H20", "0", 8), ("NVIDIA H100 80GB HBM3", "6", 6),
+                                                 ("NVIDIA H100 PCIe", "0", 8), ("NVIDIA H200 NVL", "0", 8)])
 def test_the_pairs_cap_follows_the_gpu(monkeypatch, caplog, name, override, cap):
     """The cap was measured per GPU (H200 8, H100 4: end to end, 8 per expert ran 1.011x SBO off on the H100);
-    other GPUs take the H200's; SGLANG_H20_SBO_MAX_PER_EXPERT > 0 replaces it. The startup line says which."""
+    other GPUs take the H200's, an H100 PCIe or H200 NVL included (other bandwidth and clocks: another table key);
+    SGLANG_H20_SBO_MAX_PER_EXPERT > 0 replaces it. The startup line says which."""
     from sglang_h20.moe import sbo as plugin_sbo
     from sglang_h20.settings import Settings
 
@@ -724,7 +726,20 @@ def test_the_pairs_cap_follows_the_gpu(monkeypatch, caplog, name, override, cap)
         plugin_sbo.enabled(settings)
     assert f"on this GPU ({name}) ours serves up to {cap} per expert" in caplog.text
     # the gate_up GEMM as one program per tile only where it was measured faster: the H100
-    assert plugin_sbo._tuned.gate_up_config == ({"programs_per_sm": 32} if "H100" in name else None)
+    assert plugin_sbo._tuned.gate_up_config == ({"programs_per_sm": 32} if name.endswith("HBM3") else None)
+
+
+def test_the_cap_says_where_it_was_measured():
+    """The doctor's line claims a measurement only for the parts it was made on (the SXM H100 and the H200)."""
+    from sglang_h20.moe import sbo as plugin_sbo
+
+    assert ("our MoE path up to 4 tokens per expert (measured end to end on the H100)"
+            in plugin_sbo.describe_cap("NVIDIA H100 80GB HBM3"))
+    assert "up to 8 tokens per expert (measured end to end on the H200)" in plugin_sbo.describe_cap("NVIDIA H200")
+    for other in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA H20"):
+        assert plugin_sbo.measured_on(other) is None
+        assert "up to 8 tokens per expert (the H200's, not measured on this GPU)" in plugin_sbo.describe_cap(other)
+    assert "up to 3 tokens per expert (SGLANG_H20_SBO_MAX_PER_EXPERT=3)" in plugin_sbo.describe_cap("NVIDIA H200", 3)
 
 
 def test_shared_overlap_declines_where_unsafe():
@@ -815,7 +830,7 @@ def test_triton_hook_serves_and_logs_each_call_size_once(monkeypatch, caplog):
         for t in (16, 4)]
     assert [kw["gate_up_config"] for kw in served] == [None] * 3  # the H200's tiles: the table's
     # the H100's tuning: its gate_up config reaches moe_forward, and the served line names it
-    monkeypatch.setattr(plugin_sbo, "_tuned", plugin_sbo.TUNED["H100"])
+    monkeypatch.setattr(plugin_sbo, "_tuned", plugin_sbo.TUNED["h100"])
     plugin_sbo._served.clear()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="sglang_h20.sbo"):

@@ -84,8 +84,10 @@ class Tuned:
     gate_up_config: dict | None = None  # tile config keys over the grouped-GEMM table's for the gate_up GEMM
 
 
-TUNED = {"H100": Tuned(4, {"programs_per_sm": 32}), "H200": Tuned(8)}  # by a part of the GPU's name
-DEFAULT_TUNED = TUNED["H200"]  # other GPUs: the H200's, where SBO was first measured
+# By the GPU's table key (gemm_table.gpu_key: 'NVIDIA H100 80GB HBM3' -> 'h100'): an H100 PCIe or NVL has other
+# bandwidth and clocks than the SXM part these were measured on, so it is not told they were measured on it.
+TUNED = {"h100": Tuned(4, {"programs_per_sm": 32}), "h200": Tuned(8)}
+DEFAULT_TUNED = TUNED["h200"]  # other GPUs: the H200's, where SBO was first measured
 
 log = logging.getLogger("sglang_h20.sbo")
 _note = OnceLog(log, "sbo: upstream for ")  # each reason for going upstream, once per process
@@ -206,8 +208,11 @@ def moe_forward(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scal
 
 
 def measured_on(gpu_name: str) -> str | None:
-    """The TUNED key this GPU's name contains (None: SBO was not measured on it)."""
-    return next((key for key in TUNED if key in gpu_name), None)
+    """This GPU's TUNED key, the one its tuned tables are named by (None: SBO was not measured on it)."""
+    from sgl_kernel_ext.gemm_table import gpu_key  # the kernel package names GPUs once (its import needs triton)
+
+    key = gpu_key(gpu_name)
+    return key if key in TUNED else None
 
 
 def tuned_for(gpu_name: str) -> Tuned:
@@ -225,7 +230,7 @@ def describe_cap(gpu_name: str, override: int = 0) -> str:
     """The doctor's line: the cap in force on this GPU and where it comes from."""
     key = measured_on(gpu_name)
     source = (f"SGLANG_H20_SBO_MAX_PER_EXPERT={override}" if override > 0 else
-              f"measured end to end on the {key}" if key else "the H200's, not measured on this GPU")
+              f"measured end to end on the {key.upper()}" if key else "the H200's, not measured on this GPU")
     return (f"our MoE path up to {pairs_cap(gpu_name, override)} tokens per expert ({source}); re-tune here: "
             f"benchmark/serving/swapab_e2e.py --arms off sbo with SGLANG_H20_SBO_MAX_PER_EXPERT=n")
 
