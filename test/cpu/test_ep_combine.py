@@ -140,6 +140,7 @@ CASES = [  # sizes (tokens per owner), top_k, experts with no token, masked (k <
     ([4, 1, 0, 6], 2, (3, 6), False),  # an owner with no tokens, uneven split, empty experts
     ([2, 7], 2, (3,), True),
     ([5, 2, 3, 1], 3, (5,), True),
+    ([9, 8], 2, (1,), False),  # 17 tokens: one past a BLOCK_T of 16, so the zero-partial items take two tiles
 ]
 
 
