@@ -201,8 +201,10 @@ def run_arm(name: str, args, env: dict, levels: list[int], budget_s: float, shar
             rec = srv.bench(out / f"c{c}.jsonl", num_prompts=max(args.min_prompts, args.waves * c),
                             input_len=args.input_len, output_len=args.output_len, concurrency=c,
                             dataset_path=str(sharegpt))
+            # TTFT's spread too: a hook that slows some prefills shows in its p90 and std before its median (s63)
             results[c] = {k: rec.get(k) for k in ("output_throughput", "median_itl_ms", "p99_itl_ms",
-                                                  "median_ttft_ms", "duration", "completed")}
+                                                  "median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "std_ttft_ms",
+                                                  "duration", "completed")}
             # the server's own decode rate at this level, prefill excluded: a short wave's output tok/s moves
             # with how the prompts fell into prefill batches (session 55: one extra round, 0.94x at 128)
             results[c]["decode_only_tok_s"] = decode_throughput(
