@@ -767,6 +767,11 @@ def test_shared_overlap_reasons_past_the_stream_check(monkeypatch):
     assert plugin_sbo.shared_unsupported(moe, gpu_rows, False) is None
     assert "off CUDA" in plugin_sbo.shared_unsupported(moe, torch.zeros(3, 8), False)
     assert "empty" in plugin_sbo.shared_unsupported(moe, types.SimpleNamespace(is_cuda=True, shape=(0, 8)), False)
+    # prefills above MAX_TOKENS keep upstream's in-line shared experts; the decode sizes, the edge included, overlap
+    edge = plugin_sbo.MAX_TOKENS
+    assert plugin_sbo.shared_unsupported(moe, types.SimpleNamespace(is_cuda=True, shape=(edge, 8)), False) is None
+    assert (f"above {edge} tokens" in
+            plugin_sbo.shared_unsupported(moe, types.SimpleNamespace(is_cuda=True, shape=(edge + 1, 8)), False))
     moe.tp_size = 2
     assert "TP all-reduce" in plugin_sbo.shared_unsupported(moe, gpu_rows, False)
     moe._shared_expert_tp1 = True

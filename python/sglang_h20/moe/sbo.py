@@ -24,7 +24,9 @@ other GPU the feature stays off with one log line, so upstream's own SBO applies
    (tp_size == 1, or shared experts replicated per rank: `_shared_expert_tp1`), so the result is the
    same sum. Under CUDA-graph capture upstream already takes `forward_normal_dual_stream` (the same
    overlap), and its DeepEP path already forks shared experts when SBO is off: this hook covers the
-   eager forward_normal (prefill, non-graph decode).
+   eager forward_normal (small prefills, non-graph decode) up to MAX_TOKENS tokens. Larger calls (prefills) keep
+   upstream's in-line shared experts: the overlap was never measured to help there, and the SBO arms of session
+   63 had a wider TTFT spread (benchmark/results/sbo/sbo_e2e_ttft_spread_s63_h100.json).
 5. SHARED_EXPERTS (around `DeepseekV2MoE._forward_shared_experts`, only with SGLANG_H20_SBO_SHARED_SMS=n > 0):
    when the shared experts run on the layer's alt stream, beside the routed ones (upstream's dual-stream decode
    graphs, or hook 4), our dense GEMMs under their linears (the swapAB switch's) run as n programs of at most 3
@@ -298,6 +300,8 @@ def shared_unsupported(moe, hidden_states, skip_shared_experts: bool) -> str | N
         return "MoE without an alt stream / off CUDA"
     if hidden_states.shape[0] == 0:
         return "empty MoE input"
+    if hidden_states.shape[0] > MAX_TOKENS:  # never measured to help there; session 63's SBO arms had wider TTFT
+        return f"forward_normal above {MAX_TOKENS} tokens (prefills: shared experts in line, as upstream runs them)"
     if not (getattr(moe, "tp_size", 1) == 1 or getattr(moe, "_shared_expert_tp1", False)):
         return "shared experts that must be added before the TP all-reduce"
     if torch.compiler.is_compiling() or _in_piecewise_graph():
