@@ -108,6 +108,34 @@ def test_layout_maps_are_inverse(masked):
 
 
 @pytest.mark.parametrize("masked", [False, True])
+def test_dispatch_rows_torch_form_equals_the_kernel(masked, monkeypatch):
+    """On a CPU without the interpreter dispatch_rows takes torch ops: every kept pair's row is the kernel's."""
+    t, k, e = 7, 3, 5
+    g = gen(33)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    ids[2, 1] = ids[5, 0] = -1
+    lay = sbo.build_layout(ids, e, masked_max_m=t if masked else None, drops=True)
+    x = torch.randn(t, 256, generator=g).to(torch.float8_e4m3fn)
+    want = sbo.dispatch_rows(x, lay).reshape(-1, 256).view(torch.uint8)
+    monkeypatch.setattr(sbo, "_interpreting", lambda: False)
+    got = sbo.dispatch_rows(x, lay)
+    assert got.shape == ((e, t, 256) if masked else (t * k, 256))
+    kept = lay.row_of_pair.long()[lay.row_of_pair >= 0]
+    assert kept.numel() == t * k - 2
+    assert torch.equal(got.reshape(-1, 256).view(torch.uint8)[kept], want[kept])
+
+
+def test_down_and_combine_refuses_a_wrong_out():
+    """`out` must be bf16 [tokens, hidden]: a wrong dtype alone, or a wrong shape alone, is refused."""
+    t, k = 5, 2
+    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=12, masked=False)
+    for out in (torch.empty(t, H, dtype=torch.float32), torch.empty(t + 1, H, dtype=torch.bfloat16),
+                torch.empty(t, H // 2, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="out must be bf16"):
+            sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, out, overlap=False, config=CFG, variant="swapab")
+
+
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("drops", [False, True])
 def test_layout_kernel_equals_torch_form(masked, drops):
     """The one-program Triton layout (interpreted here) builds exactly the torch form's maps, random routings with
