@@ -5,6 +5,7 @@ our AROUND hook around it with the same random batches and constraint flags.
 """
 import importlib
 import json
+import math
 import random
 from types import SimpleNamespace
 
@@ -488,6 +489,35 @@ def test_unmeasured_nodes_take_their_neighbours_residual():
         s = BatchShape([e] * b, [p] * b)
         assert t.cost("mla", s) == pytest.approx(H200.cost("mla", s) * 1.25 ** bumped, rel=1e-9)
         assert t.cost("mha", s) == pytest.approx(H200.cost("mha", s), rel=1e-9)
+
+
+def test_fill_on_a_grid_whose_axes_differ_in_length():
+    """2 batches x 3 extends x 4 prefixes, distinct residuals: the residual keeps that shape, a measured node keeps its
+    own, a hole with measured axis neighbours takes their mean, and a hole without any takes the nearest measured node
+    of its own batch (at L1 distance 3) over a closer one of the other batch (distance 2)."""
+    axes = {"batch": [1, 4], "extend": [128, 1024, 8192], "prefix": [0, 1024, 4096, 65536]}
+    r = {(i, j, k): 0.01 * (100 * i + 10 * j + k + 1) for i in range(2) for j in range(3) for k in range(4)}
+    holes = {(0, 2, 3), (0, 1, 3), (0, 2, 2), (0, 0, 3), (0, 1, 2), (0, 2, 1), (1, 2, 3)}
+    grid = dict(axes)
+    for m, coef in (("mha", H200.mha), ("mla", H200.mla)):
+        grid[f"{m}_us"] = [[[None if (i, j, k) in holes else
+                             mha_mla._linear(coef, mha_mla._uniform(b, e, p)) * math.exp(r[(i, j, k)])
+                             for k, p in enumerate(axes["prefix"])] for j, e in enumerate(axes["extend"])]
+                           for i, b in enumerate(axes["batch"])]
+    g = mha_mla.MeasuredGrid.build(grid, H200.mha, H200.mla)
+    for m in ("mha", "mla"):
+        res = g.residual[m]
+        assert [len(res), len(res[0]), len(res[0][0])] == [2, 3, 4] and all(len(c) == 4 for row in res for c in row)
+        at = lambda n: res[n[0]][n[1]][n[2]]
+        for n, want in r.items():
+            if n not in holes:
+                assert at(n) == pytest.approx(want, rel=1e-9), (m, n)
+        mean = lambda *ns: sum(r[n] for n in ns) / len(ns)
+        assert at((0, 1, 3)) == pytest.approx(mean((1, 1, 3)))  # (0, 0, 3), (0, 2, 3), (0, 1, 2) are holes
+        assert at((0, 2, 2)) == pytest.approx(mean((1, 2, 2)))
+        assert at((0, 1, 2)) == pytest.approx(mean((0, 0, 2), (0, 1, 1), (1, 1, 2)))
+        assert at((1, 2, 3)) == pytest.approx(mean((1, 1, 3), (1, 2, 2)))
+        assert at((0, 2, 3)) == pytest.approx(r[(0, 0, 2)])  # nearest in batch 0 (ties: the smaller index)
 
 
 def test_mixed_batches_are_looked_up_at_the_uniform_batch_with_the_same_se_and_prefix():
