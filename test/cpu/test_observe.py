@@ -1222,3 +1222,19 @@ def test_load_imbalance_needs_its_share_of_moe_layers(frac, flagged):
     if flagged:
         assert found[0].value / found[0].baseline == pytest.approx(1.5, abs=0.05)
         assert "busiest hosted expert 4" in found[0].message
+
+
+def test_a_zero_baseline_claims_no_ratio():
+    """Nothing to compare with: an anomaly whose baseline is 0 has no excess (its JSON says null, not a division by
+    zero), and a rank's received load over a median rank that received nothing is unknown (NaN), not infinite, so the
+    cross-rank detector does not call it an imbalance of 'infx'."""
+    a = analyze.Anomaly("compute", "cross-rank", "x", value=2.0, baseline=0.0)
+    assert a.excess == float("inf") and a.to_json()["excess"] is None
+    assert analyze.Anomaly("compute", "cross-rank", "x", value=3.0, baseline=2.0).to_json()["excess"] == 0.5
+    recv = np.zeros((4, 2, 3))  # [steps, layers, ranks]: layer 0 only rank 2 receives; layer 1 all alike
+    recv[:, 0, 2] = 64.0
+    recv[:, 1, :] = 10.0
+    recv[:, 1, 1] = 30.0
+    ratio = analyze._rank_recv_ratio(SimpleNamespace(recv=recv))
+    assert np.isnan(ratio[0]).all()
+    np.testing.assert_allclose(ratio[1], [1.0, 3.0, 1.0])
