@@ -2,6 +2,7 @@
 synthetic traces (distinctness, determinism, clusters, drift), SGLang dump reading, driver and CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -520,3 +521,26 @@ def test_cli_dump_trace(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads((tmp_path / "o" / "eplb_simulate.json").read_text())
     assert rec["results"]["dump"]["ep16"]["algorithms"]["trivial"]["evaluated_steps"] == 1
+
+
+def test_simulate_replays_a_dump_with_up_to_the_configs_experts(tmp_path):
+    """`dump=`: the simulator replays SGLang's recorded routing (structure 'dump') instead of synthetic traces. A
+    dump with the config's expert count, or fewer, replays; one with more experts than the config is refused."""
+    import torch
+
+    rng = np.random.default_rng(5)
+    p2l = torch.arange(32)[None]  # one layer, 32 slots, expert s on slot s
+    recs = [dict(forward_pass_id=i, rank=0,
+                 topk_ids_of_layer=torch.from_numpy(np.stack([rng.permutation(32)[:2] for _ in range(24)])[None]
+                                                     .astype(np.int32)))
+            for i in range(6)]
+    torch.save(dict(records=recs, last_physical_to_logical_map=p2l), tmp_path / "dump.pt")
+    assert read_sglang_dump(tmp_path / "dump.pt").num_experts == 32
+    for experts in (32, 64):
+        cfg = sim.SimConfig(topologies=("ep16",), algorithms=("trivial",), num_experts=experts, warmup=2,
+                            rebalance_every=2, dump=str(tmp_path / "dump.pt"))
+        rec = sim.simulate(cfg, progress=False)
+        assert list(rec["results"]) == ["dump"]
+        assert rec["results"]["dump"]["ep16"]["algorithms"]["trivial"]["evaluated_steps"] == 4
+    with pytest.raises(ValueError, match="dump has 32 experts, config 16"):
+        sim.simulate(dataclasses.replace(cfg, num_experts=16), progress=False)
