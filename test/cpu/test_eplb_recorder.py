@@ -459,6 +459,18 @@ def test_snapshot_or_layout_it_cannot_place_is_a_fallback(stats_tokens, layout, 
                                         {**rebalance_inputs(7), **layout}, 0.5)
 
 
+def test_one_slot_per_gpu_is_a_layout_it_places():
+    """One slot per GPU (256 experts on 256 GPUs; here 16 on 16) is a valid N x G x S layout (S = 1), placed, each
+    layer's slots a permutation of its experts, with the upstream-shaped maps."""
+    stats = recorded_stats(8)
+    inputs = {**rebalance_inputs(8), "num_physical_experts": E_, "num_local_physical_experts": 1}
+    phy2log, log2phy, logcnt = integration._affinity_rebalance(stats, inputs, 0.5)
+    assert phy2log.shape == (L_, E_) and (logcnt == 1).all()
+    for layer in range(L_):
+        assert sorted(phy2log[layer].tolist()) == list(range(E_))
+        assert (phy2log[layer][log2phy[layer, :, 0]] == torch.arange(E_)).all()
+
+
 def test_switch_off_and_no_affinity_algorithm_is_untouched():
     off = Settings.from_env({"SGLANG_H20_EPLB": "off"})
     integration.set_latest_snapshot(recorded_stats())
