@@ -243,7 +243,8 @@ def test_trace_full_strength_tokens_take_their_whole_cluster(E, clusters):
 
 def test_trace_argument_edges():
     """top_k may equal the expert count (every token then routes to all of them); cluster_strength spans [0, 1]
-    inclusive (0: tokens ignore their cluster), outside it and top_k above the expert count are refused."""
+    inclusive (0: tokens ignore their cluster), clusters span [1, num_experts]; outside them, and top_k above the
+    expert count, are refused."""
     step = next(iter(synthetic_trace(1, 8, 8, 50, steps=1, clusters=None)))
     assert (np.sort(step[0], axis=1) == np.arange(8)).all()
     for strength in (0.0, 1.0):
@@ -254,6 +255,12 @@ def test_trace_argument_edges():
             synthetic_trace(1, 16, 4, 50, clusters=4, cluster_strength=bad)
     with pytest.raises(ValueError, match="top_k=9 > num_experts=8"):
         synthetic_trace(1, 8, 9, 50)
+    for clusters in (1, 16):  # one cluster of all experts, or one expert per cluster
+        step = next(iter(synthetic_trace(1, 16, 4, 50, steps=1, clusters=clusters, cluster_strength=1.0)))
+        assert step.shape == (1, 50, 4) and (np.sort(step[0], axis=1)[:, 1:] > np.sort(step[0], axis=1)[:, :-1]).all()
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match=f"clusters={bad}: need 1 <= clusters <= num_experts=16"):
+            synthetic_trace(1, 16, 4, 50, clusters=bad)
 
 
 def test_trace_drift_changes_popularity():
