@@ -410,10 +410,17 @@ def test_fit_table_reports_the_loss_of_its_own_choice():
     for p in pts:
         s = BatchShape([p["extend"]] * p["batch"], [p["prefix"]] * p["batch"])
         p["mha_us"], p["mla_us"] = H200.cost("mha", s), H200.cost("mla", s)
-    t = fit_table("NVIDIA H200", pts, {})
+    # one point measured against the grain: the method the other points' fit picks took 1.5x the other one there
+    odd = dict(pts[len(pts) // 2])
+    s = BatchShape([odd["extend"]] * odd["batch"], [odd["prefix"]] * odd["batch"])
+    picked = H200.choose(s)
+    other = "mla" if picked == "mha" else "mha"
+    odd[f"{picked}_us"] = 1.5 * odd[f"{other}_us"]
+    t = fit_table("NVIDIA H200", pts + [odd], {})
     assert t.meta["measured"] and t.source == "measured on NVIDIA H200"
     assert max(p["loss_vs_best_pct"] for p in pts) < 1.0
-    t8 = fit_table("NVIDIA H200", pts, {}, layers=8)  # per-layer coefficients from an 8-layer model
+    assert odd["chosen"] == picked and odd["loss_vs_best_pct"] == pytest.approx(50.0)  # percent
+    t8 = fit_table("NVIDIA H200", pts + [odd], {}, layers=8)  # per-layer coefficients from an 8-layer model
     for m in ("mha", "mla"):
         for term, v in getattr(t, m).items():
             assert getattr(t8, m)[term] == pytest.approx(v / 8, rel=1e-9, abs=1e-12)
