@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from sglang_h20.eplb.placement import DEFAULT_AFFINITY, Placement, Topology
+from sglang_h20.eplb.placement import ALGORITHMS, DEFAULT_AFFINITY, Placement, Topology
 from sglang_h20.eplb.stats import CoactivationStats
 
 HIDDEN = 7168
@@ -41,7 +41,6 @@ EXPERT_WEIGHT_BYTES = 3 * MOE_INTERMEDIATE * HIDDEN  # gate, up, down in FP8
 EXPERT_SCALE_BYTES = 3 * (MOE_INTERMEDIATE // 128) * (HIDDEN // 128) * 4  # 128x128 blocks, float32
 EXPERT_BYTES = EXPERT_WEIGHT_BYTES + EXPERT_SCALE_BYTES
 
-ALGORITHMS = ("contiguous", "balanced", "deepseek", "deepseek_hierarchical", "affinity")
 SGLANG_ALGORITHMS = ("deepseek", "deepseek_hierarchical")  # SGLang's own EPLB
 TRIVIAL = "trivial"  # SGLang without EPLB: slot s holds expert s % E (built in, needs no `place`)
 TOPOLOGIES = {"ep16": (2, 8), "ep32": (4, 8), "ep64": (8, 8)}  # name -> (nodes, GPUs per node)
