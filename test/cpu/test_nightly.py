@@ -288,7 +288,8 @@ def test_decode_throughput_parses_real_log_lines():
                  "max_running": 48, "max_queued": 0, "eager_lines": 0}
     assert serving.decode_throughput(LOG, min_running=1)["steady_lines"] == 4
     assert serving.decode_throughput(LOG, min_running=64)["median_tok_s"] is None
-    assert serving.decode_throughput("no decode here")["lines"] == 0
+    assert serving.decode_throughput("no decode here") == {"lines": 0, "steady_lines": 0, "median_tok_s": None,
+                                                          "max_running": 0, "max_queued": 0, "eager_lines": 0}
     # a line that decoded nothing in its interval (0.00 tok/s, e.g. a stalled step) is no steady rate
     stalled = LOG.splitlines()[2].replace("2345.67", "0.00")
     assert serving.decode_throughput(LOG + stalled + "\n", min_running=48)["steady_lines"] == 3
