@@ -612,6 +612,22 @@ def sglang_triton(a, a_s, b, b_s, counts, swap_ab: bool):
 # ---------------------------------------------------------------------------------------------
 # Sweep
 # ---------------------------------------------------------------------------------------------
+def unless_out_of_memory(label: str, measure, unavailable: dict) -> list:
+    """measure() -> its points, or none where the point's operands or outputs do not fit on this GPU: one line
+    and an `unavailable` entry instead of a crash that loses the rest of the sweep (on an 80 GB H100 the masked
+    layout of 256 experts x 256 uneven tokens pads every expert to the hottest one's 13,366 tokens: 23 GiB of
+    activations and 26 GiB of output per provider)."""
+    try:
+        return measure()
+    except torch.OutOfMemoryError as e:
+        why = f"out of GPU memory: {str(e).splitlines()[0][:160]}"
+        unavailable[label] = why
+        print(f"{label}: skipped, {why}", file=sys.stderr, flush=True)
+        return []
+    finally:
+        torch.cuda.empty_cache()  # the next point starts from what is free, not from this one's cached blocks
+
+
 def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune, time_up=lambda: False):
     """Every provider at one MoE point; with `tune`, ours over its config grid until `time_up()` (each config is
     a Triton compile of seconds: a deadline must cut the grid, not wait for the point to end)."""
@@ -1195,14 +1211,18 @@ def main(argv=None) -> int:
     for g in groups:  # shapes innermost: a deadline cuts the largest expert counts of every shape alike
         for t in tokens:
             for shape in moe_shapes:
-                if in_time(moe_label(shape, g, t, "uniform")):
-                    points += moe_points(args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune, time_up)
+                label = moe_label(shape, g, t, "uniform")
+                if in_time(label):
+                    points += unless_out_of_memory(label, lambda: moe_points(
+                        args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune, time_up), unavailable)
                     checkpoint()
         for t in uneven_tokens:
             counts = uneven_counts(g, t, args.seed)
             for shape in moe_shapes:
-                if in_time(moe_label(shape, g, t, "uneven")):
-                    points += moe_points(args, shape, g, t, "uneven", counts, gen, unavailable, args.tune, time_up)
+                label = moe_label(shape, g, t, "uneven")
+                if in_time(label):
+                    points += unless_out_of_memory(label, lambda: moe_points(
+                        args, shape, g, t, "uneven", counts, gen, unavailable, args.tune, time_up), unavailable)
                     checkpoint()
     if args.size_matched_read:
         annotate_size_matched(points, peak, args.rep_ms)

@@ -242,6 +242,30 @@ def test_the_uneven_draw_at_a_point_does_not_depend_on_the_rest_of_the_sweep():
     assert bench.uneven_counts(8, 32, 1) != first and bench.uneven_counts(8, 24, 0) != first
 
 
+def test_a_point_that_does_not_fit_is_skipped_with_a_line_and_the_sweep_goes_on(monkeypatch, capsys):
+    """Session 65's H100 run died at 256 experts x 256 uneven tokens (the masked layout pads to the hottest expert:
+    13,366 tokens): the point is now an `unavailable` entry and a line, the points measured stay, the cache is freed,
+    and any other error still propagates."""
+    freed = []
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: freed.append(1))
+    unavailable = {"ours-cuda-masked": "every form failed"}
+    assert bench.unless_out_of_memory("gate_up g8 m1 uniform", lambda: [{"us": 1.0}], unavailable) == [{"us": 1.0}]
+
+    def too_big():
+        raise bench.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 22.84 GiB.\nmore detail")
+    assert bench.unless_out_of_memory("gate_up g256 m256 uneven", too_big, unavailable) == []
+    assert unavailable == {"ours-cuda-masked": "every form failed", "gate_up g256 m256 uneven":
+                           "out of GPU memory: CUDA out of memory. Tried to allocate 22.84 GiB."}
+    assert "gate_up g256 m256 uneven: skipped, out of GPU memory" in capsys.readouterr().err
+    assert max(bench.uneven_counts(256, 256, 0)) == 13366  # the count the docstring names
+
+    def broken():
+        raise RuntimeError("a bug, not memory")
+    with pytest.raises(RuntimeError):
+        bench.unless_out_of_memory("down g8 m1 uniform", broken, unavailable)
+    assert len(freed) == 3 and len(unavailable) == 2
+
+
 def test_candidates_keep_every_checked_trial_and_the_fastest_right_one(monkeypatch, capsys):
     """Every provider's candidate loop goes through Candidates: a timed, checked trial is kept with its time and
     error; one whose call fails leaves no trial and a stderr line; one over the error bound is a trial marked
