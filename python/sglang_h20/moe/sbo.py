@@ -219,13 +219,12 @@ def measured_on(gpu_name: str) -> str | None:
 
 def tuned_for(gpu_name: str) -> Tuned:
     """This GPU's measured tuning, else DEFAULT_TUNED."""
-    key = measured_on(gpu_name)
-    return DEFAULT_TUNED if key is None else TUNED[key]
+    return TUNED.get(measured_on(gpu_name), DEFAULT_TUNED)
 
 
-def pairs_cap(gpu_name: str, override: int = 0) -> int:
-    """(token, expert) pairs per expert up to which ours serves on this GPU: the override if > 0, else its tuning's."""
-    return override if override > 0 else tuned_for(gpu_name).max_pairs_per_expert
+def pairs_cap(tuned: Tuned, override: int = 0) -> int:
+    """(token, expert) pairs per expert up to which ours serves: the override if > 0, else the tuning's."""
+    return override if override > 0 else tuned.max_pairs_per_expert
 
 
 def describe_cap(gpu_name: str, override: int = 0) -> str:
@@ -233,7 +232,8 @@ def describe_cap(gpu_name: str, override: int = 0) -> str:
     key = measured_on(gpu_name)
     source = (f"SGLANG_H20_SBO_MAX_PER_EXPERT={override}" if override > 0 else
               f"measured end to end on the {key.upper()}" if key else "the H200's, not measured on this GPU")
-    return (f"our MoE path up to {pairs_cap(gpu_name, override)} tokens per expert ({source}); re-tune here: "
+    cap = pairs_cap(TUNED.get(key, DEFAULT_TUNED), override)
+    return (f"our MoE path up to {cap} tokens per expert ({source}); re-tune here: "
             f"benchmark/serving/swapab_e2e.py --arms off sbo with SGLANG_H20_SBO_MAX_PER_EXPERT=n")
 
 
@@ -367,7 +367,7 @@ def hooks(settings: Settings) -> list[Hook]:
     _note.clear()
     _shared_sms = int(settings["sbo_shared_sms"])
     _tuned, _gpu_name = tuned_for(g.name), g.name
-    _pairs_cap = pairs_cap(g.name, int(settings["sbo_max_per_expert"]))
+    _pairs_cap = pairs_cap(_tuned, int(settings["sbo_max_per_expert"]))
     capped = [Hook(SHARED_EXPERTS, shared_experts_hook, "around")] if _shared_sms > 0 else []
     if capped and not settings["swapab"]:
         log.warning("sbo: SGLANG_H20_SBO_SHARED_SMS=%d caps our dense GEMMs only; with the swapAB switch off the "
