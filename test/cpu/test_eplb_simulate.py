@@ -433,14 +433,6 @@ def test_each_structure_draws_its_own_trace(monkeypatch):
     assert seen == [cfg.clusters, None] and cfg.clusters
 
 
-def test_simulate_without_place_needs_trivial_only(monkeypatch):
-    monkeypatch.setattr(sim, "_default_placer", lambda: None)
-    cfg = sim.SimConfig(topologies=("ep16",), structures=("none",), algorithms=("contiguous",),
-                        layers=1, tokens_per_step=64, steps=3, warmup=1, rebalance_every=1)
-    with pytest.raises(RuntimeError, match="place"):
-        sim.simulate(cfg, progress=False)
-
-
 @pytest.mark.parametrize("bad", [dict(warmup=0), dict(rebalance_every=0)])
 def test_simulate_refuses_an_empty_warmup_or_window_alone(bad):
     cfg = sim.SimConfig(topologies=("ep16",), structures=("none",), algorithms=("trivial",),

@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from sglang_h20.eplb.placement import ALGORITHMS, DEFAULT_AFFINITY, Placement, Topology
+from sglang_h20.eplb.placement import ALGORITHMS, DEFAULT_AFFINITY, Placement, Topology, place
 from sglang_h20.eplb.stats import CoactivationStats
 
 HIDDEN = 7168
@@ -280,14 +280,6 @@ class SimConfig:
 Placer = Callable[..., Placement]
 
 
-def _default_placer() -> Placer | None:
-    try:
-        from sglang_h20.eplb.placement import place
-    except ImportError:
-        return None
-    return place
-
-
 def _traces(cfg: SimConfig, progress: bool = False) -> dict[str, list[np.ndarray]]:
     if cfg.dump:
         from sglang_h20.eplb.trace import read_sglang_dump
@@ -364,11 +356,7 @@ def simulate(cfg: SimConfig, *, placer: Placer | None = None, progress: bool = T
 
     if cfg.warmup < 1 or cfg.rebalance_every < 1:
         raise ValueError("warmup and rebalance_every must be >= 1")
-    placer = placer or _default_placer()
-    needs_placer = [a for a in cfg.algorithms if a != TRIVIAL]
-    if needs_placer and placer is None:
-        raise RuntimeError(f"sglang_h20.eplb.placement.place is not available; algorithms {needs_placer} "
-                           f"need it (only '{TRIVIAL}' is built in)")
+    placer = placer or place
     topos = {name: make_topology(name, cfg.num_experts, cfg.redundant_slots) for name in cfg.topologies}
     traces = _traces(cfg, progress)
     plans = {}
