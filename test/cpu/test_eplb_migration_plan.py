@@ -258,3 +258,19 @@ def test_boundary_schedule_tells_the_waiter_at_layer_ends_and_every_flush_every_
         assert [k for k in range(n) if flush[c][k]] == sorted({*range(FLUSH_EVERY - 1, n, FLUSH_EVERY), n - 1})
     batches3, _ = boundary_schedule(plan, 3)
     assert [len(b) for b in batches3[0]][:-1] == [3] * (len(batches3[0]) - 1)
+
+
+def test_summary_line_in_mib_and_an_unchanged_placement_stages_nothing():
+    """The log line a rebalance prints: copies and bytes per kind, the staging peak against the budget, in MiB; a
+    plan between equal placements has no chunk, so its staging peak is 0, not a default of one byte."""
+    old = P([[0, 1, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
+    new = P([[1, 0, 1, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
+    mib = 2**20
+    plan = plan_migration(old, new, 3 * mib, 12 * mib)
+    assert plan.totals["max_staging_bytes"] == 3 * 3 * mib  # one chunk: all three local copies staged at once
+    assert plan.summary() == ("3 slot changes in 1 layers, 1 chunks: local 3 (9.0 MiB), nvlink 0 (0.0 MiB), "
+                              "network 0 (0.0 MiB), forward 0 (0.0 MiB); max staging/rank 9.0 MiB <= budget 12.0 MiB")
+    same = plan_migration(old, old, 3 * mib, 12 * mib)
+    assert same.chunks == () and same.totals["max_staging_bytes"] == 0 and same.totals["total_bytes"] == 0
+    assert same.summary().startswith("0 slot changes in 0 layers, 0 chunks: local 0 (0.0 MiB)")
+    assert same.summary().endswith("max staging/rank 0.0 MiB <= budget 12.0 MiB")
