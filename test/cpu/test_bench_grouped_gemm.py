@@ -266,6 +266,19 @@ def test_a_point_that_does_not_fit_is_skipped_with_a_line_and_the_sweep_goes_on(
     assert len(freed) == 3 and len(unavailable) == 2
 
 
+def test_random_fp8_is_finite_signed_and_draws_as_before():
+    """The in-place build draws the same values from the same seed as the out-of-place one it replaced (the bench and
+    profile_grouped_gemm.py rebuild a point from its seed), every code finite and |x| <= 240, both signs present."""
+    x = bench.random_fp8((64, 256), bench.torch.Generator().manual_seed(7), device="cpu")
+    gen = bench.torch.Generator().manual_seed(7)
+    bits = bench.torch.randint(0, 0x78, (64, 256), dtype=bench.torch.uint8, generator=gen)
+    sign = bench.torch.randint(0, 2, (64, 256), dtype=bench.torch.uint8, generator=gen) << 7
+    assert bench.torch.equal(x.view(bench.torch.uint8), bits | sign)
+    f = x.float()
+    assert x.dtype == bench.torch.float8_e4m3fn and bool(f.isfinite().all()) and float(f.abs().max()) == 240.0
+    assert bool((f < 0).any()) and bool((f > 0).any())
+
+
 def test_candidates_keep_every_checked_trial_and_the_fastest_right_one(monkeypatch, capsys):
     """Every provider's candidate loop goes through Candidates: a timed, checked trial is kept with its time and
     error; one whose call fails leaves no trial and a stderr line; one over the error bound is a trial marked
