@@ -313,7 +313,7 @@ def annotate_size_matched(points, peak: dict, rep_ms) -> None:
 # ---------------------------------------------------------------------------------------------
 def random_fp8(shape, gen, device="cuda"):
     """Random finite e4m3 bit patterns (|x| <= 240, no NaN codes), made without an fp32 copy and in place: the peak
-    is two bytes per element, not four (session 65's H100 ran out of memory making 256 experts x 256 uneven tokens'
+    is two bytes per element, not three (session 65's H100 ran out of memory making 256 experts x 256 uneven tokens'
     23 GiB of masked activations with the shift and the or out of place)."""
     bits = torch.randint(0, 0x78, shape, dtype=torch.uint8, device=device, generator=gen)
     sign = torch.randint(0, 2, shape, dtype=torch.uint8, device=device, generator=gen)
