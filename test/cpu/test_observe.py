@@ -837,6 +837,36 @@ def test_dump_round_trip_and_rotation(tmp_path):
     assert [f.name for f in (tmp_path / "big").iterdir()] == ["observe-rank000.jsonl"]
 
 
+def test_rotation_shifts_numbered_copies_newest_first_and_errors_name_their_line(tmp_path, monkeypatch):
+    """One record per file (each write rotates): `.1` is the newest full file, `.keep` the oldest kept, at keep 1 and
+    3; a bad line's error names its 1-based line number; without SGLang's observability context, --enable-metrics is
+    read from the PROMETHEUS_MULTIPROC_DIR its launcher sets."""
+    for keep in (1, 3):
+        w = export.JsonlWriter(tmp_path / f"k{keep}", rank=0, max_bytes=30, keep=keep)
+        for i in range(6):
+            w.write({"step": i, "rank": 0})
+        w.close()
+        files = {f.name: export.read_dump(f) for f in (tmp_path / f"k{keep}").iterdir()}
+        want = {"observe-rank000.jsonl": 5, **{f"observe-rank000.jsonl.{n}": 5 - n for n in range(1, keep + 1)}}
+        assert {name: [r["step"] for r in recs] for name, recs in files.items()} == {
+            name: [step] for name, step in want.items()}
+    path = export.write_dump(tmp_path / "e.jsonl", [{"step": 0, "rank": 0}, {"step": 1, "rank": 0}])
+    with open(path, "a") as fh:
+        fh.write("not json\n")
+    errors = []
+    export.read_dump(path, errors)
+    assert len(errors) == 1 and errors[0].startswith(f"{path}:3: ")
+    import sglang.srt.runtime_context as rc
+
+    def no_context():
+        raise RuntimeError("no observability context in this process")
+    monkeypatch.setattr(rc, "get_observability", no_context, raising=False)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    assert export.metrics_enabled() is False
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert export.metrics_enabled() is True
+
+
 def test_stage_totals_sum_layers_overlap_and_outside():
     rec = {"layers": [{"layer": 0, "stages": {"attention": 1.0, "combine": 0.5}, "overlap": {"shared_expert": 0.25}},
                       {"layer": 1, "stages": {"attention": 2.0}, "overlap": {"shared_expert": 0.5}}],
