@@ -226,9 +226,9 @@ def test_a_tune_into_the_user_table_keeps_the_shapes_it_did_not_measure(tmp_path
     table = json.loads(out.read_text())
     assert sorted((e["m"], e["best"]) for e in table["entries"]) == [(8, "swapab"), (64, "normal")]
     assert table["source"]["kept_from"] == {"path": "/shipped.json", "date": "2026-11-29", "entries": 1}
-    assert table["rule"] == ("best = fastest of ours-swapab / ours-normal / ours-split / upstream (fastest of deepgemm, "
-                             "sglang-triton, sglang-triton-swapab in that layout) on the uniform draw; ours must also "
-                             "win the uneven draw where one was measured")
+    assert table["rule"] == ("best = fastest of ours-swapab / ours-normal / ours-split / upstream (fastest of "
+                             "deepgemm, sglang-triton, sglang-triton-swapab in that layout) on the uniform draw; ours "
+                             "must also win the uneven draw where one was measured")
     assert "2 entries (1 kept from /shipped.json" in capsys.readouterr().out
     bench.write_table(result, out, None, {**base, "gpu": "NVIDIA H20"})
     table = json.loads(out.read_text())
