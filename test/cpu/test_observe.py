@@ -925,6 +925,31 @@ def test_prometheus_export_with_a_fake_client():
     assert made["sglang_h20:step_ms"].values[(("kind", "graph_sampled"), ("rank", "1"))] == 9.0
 
 
+@pytest.mark.parametrize("error", [TypeError("__init__() got an unexpected keyword argument 'multiprocess_mode'"),
+                                   ValueError("Invalid multiprocess mode: mostrecent")])
+def test_gauges_fall_back_to_mode_all_on_an_old_client_and_other_errors_propagate(error):
+    """prometheus_client < 0.17 refuses "mostrecent" (older ones any multiprocess_mode): the gauges are made with
+    "all"; an error that is not about the mode is the caller's."""
+    made = {}
+
+    def factory(kind, refuse=None):
+        def make(name, doc, **kw):
+            if refuse is not None and kw.get("multiprocess_mode") == "mostrecent":
+                raise refuse
+            made[name] = _FakeMetric(kind, name, doc, **kw)
+            return made[name]
+        return make
+
+    prom = SimpleNamespace(Gauge=factory("gauge", error), Histogram=factory("histogram"), Counter=factory("counter"))
+    export.PrometheusExporter(prom=prom)
+    assert made["sglang_h20:step_ms"].kw["multiprocess_mode"] == "all"
+    assert made["sglang_h20:expert_balancedness"].kw["multiprocess_mode"] == "all"
+    other = SimpleNamespace(Gauge=factory("gauge", ValueError("Duplicated timeseries in CollectorRegistry")),
+                            Histogram=factory("histogram"), Counter=factory("counter"))
+    with pytest.raises(ValueError, match="Duplicated"):
+        export.PrometheusExporter(prom=other)
+
+
 def test_prometheus_export_with_the_real_client():
     prometheus_client = pytest.importorskip("prometheus_client")
     registry = prometheus_client.CollectorRegistry()
