@@ -923,6 +923,8 @@ def test_prometheus_export_with_a_fake_client():
     assert made["sglang_h20:expert_remote_share"].values[(("layer", str(r0["expert_load_layers"][1])),
                                                           ("rank", "1"))] == 0.5
     assert made["sglang_h20:step_ms"].values[(("kind", "graph_sampled"), ("rank", "1"))] == 9.0
+    exp.observe({**r0, "layers": [{"layer": 3, "stages": {}, "overlap": {"shared_expert": 0.5}}]})
+    assert sm[(("layer", "3"), ("rank", "1"), ("stage", "overlap:shared_expert"))] == 0.5  # hidden time, its own series
 
 
 @pytest.mark.parametrize("error", [TypeError("__init__() got an unexpected keyword argument 'multiprocess_mode'"),
