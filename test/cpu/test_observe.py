@@ -952,6 +952,19 @@ def test_gauges_fall_back_to_mode_all_on_an_old_client_and_other_errors_propagat
         export.PrometheusExporter(prom=other)
 
 
+def test_every_exporter_of_a_process_shares_one_prometheus_registration(tmp_path, monkeypatch):
+    """The default registry takes each series name once: with --enable-metrics the first exporter of the process
+    registers the sglang_h20:* series, later ones reuse them; without it none is made."""
+    made = []
+    monkeypatch.setattr(export, "PrometheusExporter", lambda: made.append(object()) or made[-1])
+    monkeypatch.setattr(export, "_PROCESS_PROM", None)
+    monkeypatch.setattr(export, "metrics_enabled", lambda: False)
+    assert export.Exporter.for_process(str(tmp_path), 0).prom is None and made == []
+    monkeypatch.setattr(export, "metrics_enabled", lambda: True)
+    first, second = (export.Exporter.for_process(str(tmp_path), r) for r in (0, 1))
+    assert len(made) == 1 and first.prom is second.prom is made[0]
+
+
 def test_prometheus_export_with_the_real_client():
     prometheus_client = pytest.importorskip("prometheus_client")
     registry = prometheus_client.CollectorRegistry()
