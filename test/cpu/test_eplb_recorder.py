@@ -208,6 +208,9 @@ def test_bad_arguments_raise():
         rec.record(0, torch.tensor([0, 1]))
     with pytest.raises(ValueError):
         CoactivationRecorder(2, 4, "cpu", sample_every=0)
+    for layers, experts in ((0, 4), (2, 0), (-1, 4)):  # no layers or no experts: nothing to record into
+        with pytest.raises(ValueError, match="num_layers, num_experts > 0"):
+            CoactivationRecorder(layers, experts, "cpu")
 
 
 def test_dump_load_round_trip(tmp_path):
