@@ -898,18 +898,24 @@ class _FakeMetric:
         return _Child()
 
 
-def test_prometheus_export_with_a_fake_client():
-    made = {}
-
-    def factory(kind):
+def _fake_prom(made: dict, gauge_refuses: Exception | None = None) -> SimpleNamespace:
+    """A prometheus_client stand-in whose metrics land in `made` by name; with gauge_refuses, a Gauge asked for
+    multiprocess mode "mostrecent" raises it."""
+    def factory(kind, refuse=None):
         def make(name, doc, **kw):
+            if refuse is not None and kw.get("multiprocess_mode") == "mostrecent":
+                raise refuse
             made[name] = _FakeMetric(kind, name, doc, **kw)
             return made[name]
-
         return make
 
-    prom = SimpleNamespace(Gauge=factory("gauge"), Histogram=factory("histogram"), Counter=factory("counter"))
-    exp = export.PrometheusExporter(prom=prom)
+    return SimpleNamespace(Gauge=factory("gauge", gauge_refuses), Histogram=factory("histogram"),
+                           Counter=factory("counter"))
+
+
+def test_prometheus_export_with_a_fake_client():
+    made = {}
+    exp = export.PrometheusExporter(prom=_fake_prom(made))
     assert made["sglang_h20:stage_ms"].kw["multiprocess_mode"] == "mostrecent"
     rec = synth.synthesize(ranks=2, layers=4, steps=1, seed=0, experts=8, first_dense=1)
     for r in rec:
@@ -933,23 +939,11 @@ def test_gauges_fall_back_to_mode_all_on_an_old_client_and_other_errors_propagat
     """prometheus_client < 0.17 refuses "mostrecent" (older ones any multiprocess_mode): the gauges are made with
     "all"; an error that is not about the mode is the caller's."""
     made = {}
-
-    def factory(kind, refuse=None):
-        def make(name, doc, **kw):
-            if refuse is not None and kw.get("multiprocess_mode") == "mostrecent":
-                raise refuse
-            made[name] = _FakeMetric(kind, name, doc, **kw)
-            return made[name]
-        return make
-
-    prom = SimpleNamespace(Gauge=factory("gauge", error), Histogram=factory("histogram"), Counter=factory("counter"))
-    export.PrometheusExporter(prom=prom)
+    export.PrometheusExporter(prom=_fake_prom(made, error))
     assert made["sglang_h20:step_ms"].kw["multiprocess_mode"] == "all"
     assert made["sglang_h20:expert_balancedness"].kw["multiprocess_mode"] == "all"
-    other = SimpleNamespace(Gauge=factory("gauge", ValueError("Duplicated timeseries in CollectorRegistry")),
-                            Histogram=factory("histogram"), Counter=factory("counter"))
     with pytest.raises(ValueError, match="Duplicated"):
-        export.PrometheusExporter(prom=other)
+        export.PrometheusExporter(prom=_fake_prom({}, ValueError("Duplicated timeseries in CollectorRegistry")))
 
 
 def test_every_exporter_of_a_process_shares_one_prometheus_registration(tmp_path, monkeypatch):
