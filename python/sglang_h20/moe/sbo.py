@@ -232,9 +232,8 @@ def describe_cap(gpu_name: str, override: int = 0) -> str:
     key = measured_on(gpu_name)
     source = (f"SGLANG_H20_SBO_MAX_PER_EXPERT={override}" if override > 0 else
               f"measured end to end on the {key.upper()}" if key else "the H200's, not measured on this GPU")
-    cap = pairs_cap(TUNED.get(key, DEFAULT_TUNED), override)
-    return (f"our MoE path up to {cap} tokens per expert ({source}); re-tune here: "
-            f"benchmark/serving/swapab_e2e.py --arms off sbo with SGLANG_H20_SBO_MAX_PER_EXPERT=n")
+    return (f"our MoE path up to {pairs_cap(tuned_for(gpu_name), override)} tokens per expert ({source}); "
+            "re-tune here: benchmark/serving/swapab_e2e.py --arms off sbo with SGLANG_H20_SBO_MAX_PER_EXPERT=n")
 
 
 def size_unsupported(num_tokens: int, num_pairs: int, num_experts: int) -> str | None:
