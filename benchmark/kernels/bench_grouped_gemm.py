@@ -621,14 +621,13 @@ def unless_out_of_memory(label: str, measure, unavailable: dict) -> list:
     layout of 256 experts x 256 uneven tokens pads every expert to the hottest one's 13,366 tokens: 23 GiB of
     activations and 26 GiB of output per provider)."""
     try:
-        return measure()
+        return measure()  # a point that ran has freed its own operands (moe_points' last lines)
     except torch.OutOfMemoryError as e:
         why = f"out of GPU memory: {str(e).splitlines()[0][:160]}"
-        unavailable[label] = why
-        print(f"{label}: skipped, {why}", file=sys.stderr, flush=True)
-        return []
-    finally:
-        torch.cuda.empty_cache()  # the next point starts from what is free, not from this one's cached blocks
+    unavailable[label] = why
+    print(f"{label}: skipped, {why}", file=sys.stderr, flush=True)
+    torch.cuda.empty_cache()  # here, not in the except clause: its traceback holds the point's tensors until it ends
+    return []
 
 
 def moe_points(args, shape, groups, tokens, dist, counts, gen, unavailable, tune, time_up=lambda: False):
@@ -1210,23 +1209,23 @@ def main(argv=None) -> int:
                                             indent=1))
 
     points = []
+
+    def moe_point(shape, g, t, dist, counts) -> None:
+        label = moe_label(shape, g, t, dist)
+        if in_time(label):
+            points.extend(unless_out_of_memory(label, lambda: moe_points(
+                args, shape, g, t, dist, counts, gen, unavailable, args.tune, time_up), unavailable))
+            checkpoint()
+
     moe_shapes = [s for s in args.shapes if s in MOE_SHAPES]
     for g in groups:  # shapes innermost: a deadline cuts the largest expert counts of every shape alike
         for t in tokens:
             for shape in moe_shapes:
-                label = moe_label(shape, g, t, "uniform")
-                if in_time(label):
-                    points += unless_out_of_memory(label, lambda: moe_points(
-                        args, shape, g, t, "uniform", [t] * g, gen, unavailable, args.tune, time_up), unavailable)
-                    checkpoint()
+                moe_point(shape, g, t, "uniform", [t] * g)
         for t in uneven_tokens:
             counts = uneven_counts(g, t, args.seed)
             for shape in moe_shapes:
-                label = moe_label(shape, g, t, "uneven")
-                if in_time(label):
-                    points += unless_out_of_memory(label, lambda: moe_points(
-                        args, shape, g, t, "uneven", counts, gen, unavailable, args.tune, time_up), unavailable)
-                    checkpoint()
+                moe_point(shape, g, t, "uneven", counts)
     if args.size_matched_read:
         annotate_size_matched(points, peak, args.rep_ms)
         checkpoint()

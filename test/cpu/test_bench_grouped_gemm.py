@@ -247,16 +247,26 @@ def test_the_uneven_draw_at_a_point_does_not_depend_on_the_rest_of_the_sweep():
 
 def test_a_point_that_does_not_fit_is_skipped_with_a_line_and_the_sweep_goes_on(monkeypatch, capsys):
     """Session 65's H100 run died at 256 experts x 256 uneven tokens (the masked layout pads to the hottest expert:
-    13,366 tokens): the point is now an `unavailable` entry and a line, the points measured stay, the cache is freed,
-    and any other error still propagates."""
-    freed = []
-    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: freed.append(1))
+    13,366 tokens): the point is now an `unavailable` entry and a line, the points measured stay, the cache is freed
+    once the failed point's tensors are released (its traceback holds them until the except clause ends), and any
+    other error still propagates. A point that ran frees its own operands: no second free."""
+    import weakref
+
+    class Operands:
+        pass
+    held = []  # a weak reference to what the failed point held
+    freed = []  # at each cache free: was the failed point's operand object still alive
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: freed.append(held[0]() is not None))
     unavailable = {"ours-cuda-masked": "every form failed"}
     assert bench.unless_out_of_memory("gate_up g8 m1 uniform", lambda: [{"us": 1.0}], unavailable) == [{"us": 1.0}]
+    assert freed == []
 
     def too_big():
+        ops = Operands()
+        held.append(weakref.ref(ops))
         raise bench.torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 22.84 GiB.\nmore detail")
     assert bench.unless_out_of_memory("gate_up g256 m256 uneven", too_big, unavailable) == []
+    assert freed == [False]
     assert unavailable == {"ours-cuda-masked": "every form failed", "gate_up g256 m256 uneven":
                            "out of GPU memory: CUDA out of memory. Tried to allocate 22.84 GiB."}
     assert "gate_up g256 m256 uneven: skipped, out of GPU memory" in capsys.readouterr().err
@@ -266,7 +276,7 @@ def test_a_point_that_does_not_fit_is_skipped_with_a_line_and_the_sweep_goes_on(
         raise RuntimeError("a bug, not memory")
     with pytest.raises(RuntimeError):
         bench.unless_out_of_memory("down g8 m1 uniform", broken, unavailable)
-    assert len(freed) == 3 and len(unavailable) == 2
+    assert freed == [False] and len(unavailable) == 2
 
 
 def test_random_fp8_is_finite_signed_and_draws_as_before():
