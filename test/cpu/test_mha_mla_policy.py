@@ -6,6 +6,7 @@ our AROUND hook around it with the same random batches and constraint flags.
 import importlib
 import json
 import math
+import os
 import random
 from types import SimpleNamespace
 
@@ -587,3 +588,18 @@ def test_router_uses_a_grid_table_like_any_policy():
     attn, fb = fake([16], [65536])  # upstream: MHA; 16 new tokens do not pay for expanding 64k
     assert original(attn, fb, "fa3") in (M.MHA_ONE_SHOT, M.MHA_CHUNKED_KV)
     assert route(original, attn, fb, "fa3") == M.MLA
+
+
+def test_load_table_parses_each_version_of_a_file_once(tmp_path):
+    """The start-up line and the router share one parse; a re-tune written over the file is read afresh."""
+    path = tmp_path / "t.json"
+    shipped = mha_mla.table_path("NVIDIA H200")
+    path.write_text(shipped.read_text())
+    first = mha_mla.load_table("NVIDIA H200", path)
+    assert mha_mla.load_table("NVIDIA H200", path) is first
+    data = json.loads(shipped.read_text())
+    data["gpu"] = "NVIDIA H20 retuned"
+    path.write_text(json.dumps(data))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    again = mha_mla.load_table("NVIDIA H200", path)
+    assert again is not first and again.gpu == "NVIDIA H20 retuned"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -327,7 +328,14 @@ def load_table(gpu_name: str, path: Path | None = None) -> CostTable:
         known = sorted(p.stem.removeprefix("mha_mla_") for p in TABLE_DIR.glob("mha_mla_*.json"))
         raise FileNotFoundError(f"no MHA/MLA cost table for {gpu_name!r} ({path.name}; shipped: {known}); "
                                 f"make one with: python -m sglang_h20 calibrate mha-mla")
-    return CostTable.from_json(json.loads(path.read_text()))
+    st = path.stat()
+    return _parse_table(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_table(path: str, mtime_ns: int, size: int) -> CostTable:
+    """One parse per version of a table file: the start-up line and the router read the same table."""
+    return CostTable.from_json(json.loads(Path(path).read_text()))
 
 
 def named_policy(mode: str, gpu_name: str):
