@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -541,6 +542,25 @@ def test_report_without_a_baseline_names_it_and_folds_long_errors():
     other = {**load("baseline"), "gpu": "NVIDIA H20"}
     assert "**Warning: GPUs differ** (current NVIDIA H200, baseline NVIDIA H20)." in report.markdown(
         run, other, cmp.compare(run, other), [])
+
+
+def test_report_rows_name_both_runs_and_percentages_are_exact():
+    """The header table has each run's own commit, GPU and date; changes and tolerances are percent of 1."""
+    run, base = load("run_clean"), load("baseline")
+    md = report.markdown(run, base, cmp.compare(run, base), [])
+    assert f"| git commit | {run['git_commit']} | {base['git_commit']} |" in md
+    assert f"| date (UTC) | {run['date']} | {base['date']} |" in md
+    assert [report._pct(x) for x in (0.25, 0.03, None)] == ["25.0%", "3.0%", "-"]
+    assert [report._pct(x, signed=True) for x in (-0.104, 0.5, math.inf, -math.inf)] == [
+        "-10.4%", "+50.0%", "+inf", "-inf"]
+
+
+def test_report_without_a_baseline_still_plots_the_run(tmp_path):
+    run = load("run_clean")
+    written = report.write_report(tmp_path, run, None, cmp.compare(run, {"points": {}}))
+    assert [p.name for p in written] == ["report.md", report.THROUGHPUT_PNG, report.ITL_PNG]
+    for png in written[1:]:
+        assert_png(png)
 
 
 # --- CLI --------------------------------------------------------------------------------------------------------
