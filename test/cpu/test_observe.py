@@ -83,6 +83,7 @@ def test_recorder_exclusive_attribution_with_overlap_and_nesting():
         clk.advance(0.1)  # (host time; the alt stream runs concurrently)
     clk.cur = "main"
     exp = rec.push("experts", "dispatch")
+    assert rec.top_kind() == "experts" and rec.inside("moe") and not rec.inside("routed")  # what no_nest reads
     clk.advance(2.0)
     with rec.stage("shared", "shared_expert"):  # SBO: shared experts inside dispatch, main stream
         clk.advance(0.7)
@@ -253,6 +254,11 @@ def test_record_load_counts_and_balancedness():
     (r1,) = one.poll()
     assert r1["expert_load"] == [[1, 0, 0, 1, 0, 3, 0, 1]] and "token_leave_share" not in r1
     assert r1["ep_size"] == 1 and r1["balancedness"] == [1.0] and "remote_share" not in r1  # one GPU by default
+    two = StageRecorder(clock=FakeClock(), rank=1)  # the smallest expert-parallel group has a remote share too
+    two.begin_step(1)
+    two.record_load(0, torch.tensor([[0, 3], [2, 1]]), num_experts=4, experts_per_rank=2, ep_size=2)
+    two.end_step()
+    assert two.poll()[0]["remote_share"] == [pytest.approx(2 / 4)]  # rank 1 holds experts 2-3
     assert remote_share([[0, 0, 3, 1], [2, 0, 0, 0]], 2, 2, rank=1) == [0.0, 1.0]
     assert remote_share([[0, 0, 0, 0]], 2, 2, rank=0) == [0.0]  # nothing routed
 
