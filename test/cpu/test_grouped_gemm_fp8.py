@@ -455,6 +455,19 @@ def test_choose_variant_heuristic():
         assert gg.choose_variant(m, 4096, 7168, 32, "NVIDIA H200") == "normal"
 
 
+def test_heuristic_config_boundaries():
+    """The untuned tiles its docstring states: swapAB's token block covers m (16/32/64), 64-row weight tiles when
+    128-row ones would leave SMs idle; normal 64-token tiles up to 128 tokens, then 128 on 8 warps."""
+    bt = {m: gg.heuristic_config("swapab", m, 4096, 7168, 32)["BLOCK_T"] for m in (1, 16, 17, 32, 33, 64)}
+    assert bt == {1: 16, 16: 16, 17: 32, 32: 32, 33: 64, 64: 64}
+    assert gg.heuristic_config("swapab", 1, 4096, 7168, 4, num_sms=132)["BLOCK_N"] == 64  # 4 x 32 = 128 tiles
+    assert gg.heuristic_config("swapab", 1, 4096, 7168, 5, num_sms=132)["BLOCK_N"] == 128  # 160 tiles
+    normal = [gg.heuristic_config("normal", m, 4096, 7168, 32) for m in (128, 129)]
+    assert [(c["BLOCK_T"], c["num_warps"]) for c in normal] == [(64, 4), (128, 8)]
+    with pytest.raises(ValueError, match="variant must be one of"):
+        gg.heuristic_config("wide", 8, 4096, 7168, 32)
+
+
 def test_table_path_naming(monkeypatch):
     monkeypatch.delenv("SGLANG_H20_GEMM_TABLE")
     assert gemm_table.table_path("NVIDIA H200").name == "grouped_gemm_h200.json"
