@@ -168,3 +168,9 @@ def test_planners_plan_for_the_ctas_of_the_version_that_runs():
         cu.get_mla_decode_metadata(small, 128, 1, 132, max_seqlen=16384).num_splits
     assert torch.equal(lut(128, 1, 4, 16384, num_sm=132), cu.planners(3)[1](128, 1, 4, 16384, num_sm=132))
     assert torch.equal(lut(128, 1, 8, 16384, num_sm=132), cu.planners(2)[1](128, 1, 8, 16384, num_sm=132))
+    # MTP: the query rows per sequence are heads x q_len (16 heads x 2 = 32 rows: version 3's 32-row CTAs);
+    # the planner's q_len defaults to 1, as get_mla_decode_metadata's does
+    seen = []
+    plan, lut = cu.planners(lambda batch, rows: seen.append(rows) or 3)
+    assert plan(small, 16, 2, 132, max_seqlen=16384).block_h == 32 and lut(16, 2, 4, 16384, num_sm=132) is not None
+    assert plan(small, 16, num_sm=132, max_seqlen=16384).block_h == 16 and seen == [32, 32, 16]
