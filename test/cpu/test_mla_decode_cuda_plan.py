@@ -172,5 +172,6 @@ def test_planners_plan_for_the_ctas_of_the_version_that_runs():
     # the planner's q_len defaults to 1, as get_mla_decode_metadata's does
     seen = []
     plan, lut = cu.planners(lambda batch, rows: seen.append(rows) or 3)
-    assert plan(small, 16, 2, 132, max_seqlen=16384).block_h == 32 and lut(16, 2, 4, 16384, num_sm=132) is not None
+    assert plan(small, 16, 2, 132, max_seqlen=16384).block_h == 32
+    assert torch.equal(lut(16, 2, 4, 16384, num_sm=132), cu.splits_lut(16, 2, 4, 16384, num_sm=132, rows_per_cta=32))
     assert plan(small, 16, num_sm=132, max_seqlen=16384).block_h == 16 and seen == [32, 32, 16]

@@ -545,7 +545,7 @@ def test_report_without_a_baseline_names_it_and_folds_long_errors():
 
 
 def test_report_rows_name_both_runs_and_percentages_are_exact():
-    """The header table has each run's own commit, GPU and date; changes and tolerances are percent of 1."""
+    """The header table has each run's own commit and date; changes and tolerances are percent of 1."""
     run, base = load("run_clean"), load("baseline")
     md = report.markdown(run, base, cmp.compare(run, base), [])
     assert f"| git commit | {run['git_commit']} | {base['git_commit']} |" in md
