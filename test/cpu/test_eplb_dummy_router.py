@@ -51,10 +51,14 @@ def test_clustered_gates_co_activate_and_spread_the_load():
         assert torch.count_nonzero(model.layers[l].mlp.gate.e_score_correction_bias) == 0
 
 
-def test_every_rank_draws_the_same_gates_and_other_modules_are_untouched():
+def test_every_rank_draws_the_same_gates_and_other_modules_are_untouched(caplog):
     a, b = dummy_model(), dummy_model()
     norm = a.layers[0].post_attention_layernorm.weight.detach().clone()
-    dummy_router.cluster_gates(a, SIZE)
+    with caplog.at_level("INFO", logger="sglang_h20"):
+        dummy_router.cluster_gates(a, SIZE)
+    # one line per load, naming the layers rewritten (the server log's only sign that the router is clustered)
+    assert [r.getMessage() for r in caplog.records if "dummy_router" in r.getMessage()] == [
+        "dummy_router: 2 MoE gates clustered in groups of 8 (layers [1, 2])"]
     dummy_router.cluster_gates(b, SIZE)
     assert all(torch.equal(a.layers[l].mlp.gate.weight, b.layers[l].mlp.gate.weight) for l in (1, 2))
     assert torch.equal(a.layers[0].post_attention_layernorm.weight, norm)
@@ -78,8 +82,11 @@ def test_gate_rows_are_scaled_by_the_input_norms_rms():
 def test_layer_that_does_not_split_is_left_as_loaded(caplog):
     model = dummy_model(layers=(1,))
     w = model.layers[1].mlp.gate.weight.detach().clone()
-    dummy_router.cluster_gates(model, 12)  # 256 experts do not split into 12s
+    with caplog.at_level("INFO", logger="sglang_h20"):
+        dummy_router.cluster_gates(model, 12)  # 256 experts do not split into 12s
     assert torch.equal(model.layers[1].mlp.gate.weight, w)
+    assert "0 MoE gates clustered in groups of 12 (layers []); left as loaded: layers.1.mlp.gate: 256 experts" in \
+        caplog.text, caplog.text
 
 
 def test_switch_turns_the_feature_on_with_the_dummy_loader_hook_only():
