@@ -325,6 +325,22 @@ def test_doctor_names_the_tested_version_beside_an_untested_one(monkeypatch):
     assert "  sglang-kernel      not installed\n" in text and text.count("(tested:") == 1
 
 
+def test_doctor_lists_only_the_hook_targets_that_do_not_resolve(monkeypatch):
+    """Against the installed SGLang every launcher hook resolves: no "plugin hook" line. One that does not (an
+    SGLang whose function moved) gets its own line with the reason, and the doctor's verdict turns false."""
+    from sglang_h20 import doctor
+
+    text, ok = doctor.report(Settings.from_env({}))
+    assert "plugin hook" not in text and ok, text
+    moved = plugin.plugin_hooks(in_launcher=True)[0].target
+    real = compat.check_target
+    monkeypatch.setattr(compat, "check_target",
+                        lambda t: (False, f"{t}: not found") if t == moved else real(t))
+    text, ok = doctor.report(Settings.from_env({}))
+    assert [l for l in text.splitlines() if "plugin hook" in l] == [f"  plugin hook        {moved}: not found"]
+    assert not ok
+
+
 def test_doctor_runs_on_a_cpu_machine():
     r = subprocess.run([sys.executable, "-m", "sglang_h20", "doctor"], capture_output=True, text=True,
                        env={**CLEAN_ENV, "SGLANG_H20_FP8_MLA": "yes"}, timeout=300)
