@@ -1189,6 +1189,9 @@ def test_report_is_self_contained_with_every_section(report_dir):
     anomalies = json.loads((report_dir / "anomalies.json").read_text())
     assert {(a["kind"], a["rank"]) for a in anomalies} == {("compute", 3), ("communication", 5), ("imbalance", 0)}
     assert "expert 17" in page and "rank 5: dispatch" in page
+    # the anomaly table's rank and "stage / expert / link" columns: the stage of a stage finding, the experts of a
+    # load finding
+    assert re.search(r"<td>5</td><td>dispatch</td>", page) and re.search(r"<td>[0-9]*</td><td>expert 17</td>", page)
 
 
 def _chromium():
