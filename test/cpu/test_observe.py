@@ -1194,6 +1194,16 @@ def test_report_is_self_contained_with_every_section(report_dir):
     assert re.search(r"<td>5</td><td>dispatch</td>", page) and re.search(r"<td>[0-9]*</td><td>expert 17</td>", page)
 
 
+def test_anomaly_table_names_the_stage_the_experts_or_the_link():
+    """One column says where a finding is: a stage, else the experts, else the link as source->destination."""
+    found = [analyze.Anomaly("compute", "cross-rank", "m", rank=5, stage="dispatch"),
+             analyze.Anomaly("imbalance", "experts", "m", experts=[17, 40]),
+             analyze.Anomaly("communication", "latency", "m", rank=2, link=(2, 6))]
+    row = r"<td>([^<]*)</td><td>([^<]*)</td><td>[^<]*</td><td>[^<]*</td><td class"  # rank, where, layers, passes
+    cells = re.findall(row, report._anomalies_html(found))
+    assert cells == [("5", "dispatch"), ("", "expert 17,40"), ("2", "2-&gt;6")], cells  # the page escapes ">"
+
+
 def _chromium():
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
         if shutil.which(name):
