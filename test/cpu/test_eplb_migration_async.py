@@ -149,8 +149,10 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
     decisions = plugin.activate(Settings.from_env({"SGLANG_H20_EPLB_ASYNC": "on", "SGLANG_H20_EPLB_ASYNC_VERIFY": "on",
                                                    "SGLANG_H20_EPLB_ASYNC_LAUNCH": launch,
                                                    "SGLANG_H20_EPLB_ASYNC_PEER": "on"}))
-    errors = _Count()
+    errors, lines = _Count(), _Count()
+    lines.setLevel(logging.INFO)  # every line, for the migration's progress lines
     logging.getLogger("sglang_h20").addHandler(errors)
+    logging.getLogger("sglang_h20").addHandler(lines)
     ar.TUNING = ar.Tuning(switch_every=8, decide_ahead=6, timeout_s=5.0, placement_timeout_s=20.0)
     upstream_place = eplb_algorithms.rebalance_experts
 
@@ -195,7 +197,7 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
     step, deadline = 0, time.monotonic() + LOOP_DEADLINE_S
     for phase in (0, 1, 2):
         old = meta.physical_to_logical_map_cpu.numpy().copy()
-        n_err = len(errors.messages)
+        n_err, n_lines = len(errors.messages), len(lines.messages)
         rows, oks, call_s, own_s, end_step = [], [], [], [], None
         while time.monotonic() < deadline:
             wait = t0 + step * PERIOD_S - time.monotonic()
@@ -240,6 +242,7 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
         res[phase] = dict(labels=labels, call_s=call_s, own_s=own_s, steps=len(rows), end_step=end_step,
                           history=[dict(h) for h in ar.history(mgr)], old=old, final=final,
                           bit_ok=bit_ok(final), errors=errors.messages[n_err:], gate_timeouts=gate.timeouts,
+                          progress=[m for m in lines.messages[n_lines:] if "switched after" in m],
                           dump=json.loads(dump.read_text()) if dump.exists() else None,
                           first_dump_flag=recorder._accumulator._first_dump)
         recorder.reseed(phase + 1)  # new counts: the next placement differs
@@ -347,6 +350,8 @@ def test_async_rebalance_through_sglang_hooks(world):
         assert p["phase"] == ["placement"] * (h["gate_steps"] - 1) + ["start"] + ["migration"] * h["migration_steps"]
         assert sum(p["switch"]) == len(set(f.values())) and all(p["phase"][k] == "migration"
                                                                  for k in range(n) if p["switch"][k])
+        # a progress line per switching pass while layers remain (the last switch ends the rebalance instead)
+        assert len(x["progress"]) == sum(p["switch"]) - 1, x["progress"]
         assert all(w is not None and 0 <= w < 1e6 * STALL_BOUND_S for w in p["work_us"])
         assert sum(p["decode"]) == dd["n"] and p["ms"] and min(p["ms"]) > 0
     assert all(f == flips[0] for f in flips)  # same step on every rank
