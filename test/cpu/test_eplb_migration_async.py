@@ -32,6 +32,7 @@ import logging
 import os
 import pathlib
 import pickle
+import re
 import sys
 import time
 import types
@@ -242,7 +243,7 @@ def _worker(rank: int, port: int, outdir: str, launch: str) -> None:
         res[phase] = dict(labels=labels, call_s=call_s, own_s=own_s, steps=len(rows), end_step=end_step,
                           history=[dict(h) for h in ar.history(mgr)], old=old, final=final,
                           bit_ok=bit_ok(final), errors=errors.messages[n_err:], gate_timeouts=gate.timeouts,
-                          progress=[m for m in lines.messages[n_lines:] if "switched after" in m],
+                          lines=lines.messages[n_lines:],
                           dump=json.loads(dump.read_text()) if dump.exists() else None,
                           first_dump_flag=recorder._accumulator._first_dump)
         recorder.reseed(phase + 1)  # new counts: the next placement differs
@@ -350,8 +351,16 @@ def test_async_rebalance_through_sglang_hooks(world):
         assert p["phase"] == ["placement"] * (h["gate_steps"] - 1) + ["start"] + ["migration"] * h["migration_steps"]
         assert sum(p["switch"]) == len(set(f.values())) and all(p["phase"][k] == "migration"
                                                                  for k in range(n) if p["switch"][k])
-        # a progress line per switching pass while layers remain (the last switch ends the rebalance instead)
-        assert len(x["progress"]) == sum(p["switch"]) - 1, x["progress"]
+        # a progress line per switching pass while layers remain (the last switch ends the rebalance instead), then
+        # the end line with the record's figures in its units
+        progress = [m for m in x["lines"] if "switched after" in m]
+        assert len(progress) == sum(p["switch"]) - 1, progress
+        end = [m for m in x["lines"] if " end: " in m]
+        assert len(end) == 1 and re.search(
+            rf"end: {len(h['switched'])} layers switched over {n} forward passes \(placement {h['gate_steps']}, migration "
+            rf"{h['migration_steps']}\); boundary work on the decode thread: mean {1e6 * h['boundary_work_mean_s']:.0f}"
+            rf" us, max {1e3 * h['boundary_work_max_s']:.2f} ms \(at switches: max {1e3 * h['switch_work_max_s']:.2f}"
+            rf" ms\); received {h['received_bytes'] / 1e9:.2f} GB", end[0]), end
         assert all(w is not None and 0 <= w < 1e6 * STALL_BOUND_S for w in p["work_us"])
         assert sum(p["decode"]) == dd["n"] and p["ms"] and min(p["ms"]) > 0
     assert all(f == flips[0] for f in flips)  # same step on every rank
