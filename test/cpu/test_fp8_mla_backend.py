@@ -194,7 +194,7 @@ def test_fallback_when_the_feature_is_off_logs_one_line(caplog):
     assert env == {"SGLANG_H20_FP8_MLA": "on"}
 
 
-def test_factory_falls_back_to_triton_for_another_model(monkeypatch, caplog):
+def test_factory_falls_back_to_triton_for_another_model_or_pool(monkeypatch, caplog):
     from sglang.srt.layers.attention import attention_registry as reg
 
     monkeypatch.setitem(reg.ATTENTION_BACKENDS, "triton", lambda runner: ("triton", runner))
@@ -202,6 +202,15 @@ def test_factory_falls_back_to_triton_for_another_model(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="sglang_h20"):
         assert fb.create_backend(runner) == ("triton", runner)
     assert len(caplog.records) == 1 and "falls back to SGLang's triton backend" in caplog.records[0].getMessage()
+    assert "the MLA latent is 256+64" in caplog.records[0].getMessage()  # the model's problem named, not the pool's
+    # the model fits but the pool is not ours (a launcher check skipped): the same fallback, naming the pool
+    caplog.clear()
+    runner = SimpleNamespace(model_config=deepseek_config(), token_to_kv_pool=SimpleNamespace())
+    with caplog.at_level(logging.WARNING, logger="sglang_h20"):
+        assert fb.create_backend(runner) == ("triton", runner)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"fp8_mla: the KV pool is SimpleNamespace, not the FP8 pool: backend {fb.NAME} falls back to SGLang's triton "
+        "backend"]
 
 
 @pytest.fixture(scope="module")
