@@ -515,6 +515,33 @@ def test_runner_records_a_server_that_fails_to_start(tmp_path, monkeypatch):
     assert rec["points"]["serving/m/off/c16"]["error"] == "server: RuntimeError: server exited with 1 before ready"
 
 
+def test_runner_records_a_server_that_dies_between_points(tmp_path, monkeypatch):
+    """A live server process benches; once it has exited, each later repeat records its exit code instead of
+    benching a dead port."""
+    from types import SimpleNamespace
+
+    class Dies(FakeServer):
+        def bench(self, *a, **k):
+            out = super().bench(*a, **k)
+            if len(self.calls) == 2:  # the warm-up and c16's repeat 1 ran; then the process is gone
+                self.proc = SimpleNamespace(poll=lambda: 3, returncode=3)
+            return out
+
+        def __enter__(self):
+            self.proc = SimpleNamespace(poll=lambda: None, returncode=None)
+            return super().__enter__()
+
+    monkeypatch.setattr(serving, "Server", Dies)
+    FakeServer.instances = []
+    conf = cfg.parse({"name": "t", "gpu": "H200", "repeats": 2, "serving": [
+        {"name": "m/off", "model": "{models}/m", "points": [
+            {"concurrency": 16, "input_len": 64, "output_len": 16, "num_prompts": 32}]}]})
+    point = runner.run(conf, tmp_path, models="/m")["points"]["serving/m/off/c16"]
+    assert point["metrics"]["output_throughput"]["values"] == [200.0]  # repeat 1, on the live server
+    assert point["error"].startswith("repeat 2: RuntimeError: server exited with 3; log tail:"), point["error"]
+    assert len(FakeServer.instances[0].calls) == 2
+
+
 # --- report.md ------------------------------------------------------------------------------------------------
 
 def test_report_numbers_and_one_line_errors():
