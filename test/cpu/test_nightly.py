@@ -431,9 +431,11 @@ def test_runner_refuses_a_non_numeric_metric(tmp_path, monkeypatch, value):
 
 def test_progress_lines_carry_the_minutes_since_start(capsys):
     runner._progress(time.time() - 90, "serving/x repeat 1/2")
+    runner._progress(time.time() - 600, "ten minutes in")
     runner._progress(0, "no start yet")
     out = capsys.readouterr().out.splitlines()
-    assert out[0].endswith("] [+  1.5 min] serving/x repeat 1/2") and out[1].endswith("] [+  0.0 min] no start yet")
+    assert out[0].endswith("] [+  1.5 min] serving/x repeat 1/2") and out[1].endswith("] [+ 10.0 min] ten minutes in")
+    assert out[2].endswith("] [+  0.0 min] no start yet")
 
 
 class FakeServer:
@@ -501,7 +503,8 @@ def test_runner_serving_with_fake_server(tmp_path, monkeypatch, capsys):
     assert pts["serving/m/off/c128"]["metrics"]["decode_tok_s"]["values"] == [5005.0, 6005.0]  # run went on
     # each repeat's progress line; why a decode rate is missing only where it is
     lines = [l for l in capsys.readouterr().out.splitlines() if re.search(r"serving/m/off/c16 repeat ./2: ", l)]
-    assert len(lines) == 2 and all("decode_tok_s=" in l and "no decode lines" not in l for l in lines), lines
+    assert [re.search(r"repeat (./2)", l)[1] for l in lines] == ["1/2", "2/2"], lines
+    assert all("decode_tok_s=" in l and "no decode lines" not in l for l in lines), lines
 
 
 def test_runner_records_a_server_that_fails_to_start(tmp_path, monkeypatch):
