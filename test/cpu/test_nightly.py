@@ -518,9 +518,9 @@ def test_runner_records_a_server_that_fails_to_start(tmp_path, monkeypatch):
     assert rec["points"]["serving/m/off/c16"]["error"] == "server: RuntimeError: server exited with 1 before ready"
 
 
-def test_runner_records_a_server_that_dies_between_points(tmp_path, monkeypatch):
-    """A live server process benches; once it has exited, each later repeat records its exit code instead of
-    benching a dead port."""
+def test_runner_records_a_server_that_dies_between_repeats(tmp_path, monkeypatch):
+    """A live server process benches; once it has exited, the next repeat records its exit code and ends the point
+    instead of benching a dead port."""
     from types import SimpleNamespace
 
     class Dies(FakeServer):
