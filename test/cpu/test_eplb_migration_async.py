@@ -359,8 +359,9 @@ def test_async_rebalance_through_sglang_hooks(world):
         assert len(end) == 1 and re.search(
             rf"end: {len(h['switched'])} layers switched over {n} forward passes \(placement {h['gate_steps']}, "
             rf"migration {h['migration_steps']}\); boundary work on the decode thread: "
-            rf"mean {1e6 * h['boundary_work_mean_s']:.0f} us, max {1e3 * h['boundary_work_max_s']:.2f} ms \(at switches: max {1e3 * h['switch_work_max_s']:.2f}"
-            rf" ms\); received {h['received_bytes'] / 1e9:.2f} GB", end[0]), end
+            rf"mean {1e6 * h['boundary_work_mean_s']:.0f} us, max {1e3 * h['boundary_work_max_s']:.2f} ms "
+            rf"\(at switches: max {1e3 * h['switch_work_max_s']:.2f} ms\); "
+            rf"received {h['received_bytes'] / 1e9:.2f} GB", end[0]), end
         assert all(w is not None and 0 <= w < 1e6 * STALL_BOUND_S for w in p["work_us"])
         assert sum(p["decode"]) == dd["n"] and p["ms"] and min(p["ms"]) > 0
     assert all(f == flips[0] for f in flips)  # same step on every rank
