@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -521,8 +522,6 @@ def test_runner_records_a_server_that_fails_to_start(tmp_path, monkeypatch):
 def test_runner_records_a_server_that_dies_between_repeats(tmp_path, monkeypatch):
     """A live server process benches; once it has exited, the next repeat records its exit code and ends the point
     instead of benching a dead port."""
-    from types import SimpleNamespace
-
     class Dies(FakeServer):
         def bench(self, *a, **k):
             out = super().bench(*a, **k)
@@ -752,10 +751,9 @@ def test_bench_serving_measures_from_an_empty_prefix_cache(monkeypatch, tmp_path
     # The flags parse with the installed SGLang's own bench_serving parser, and the flush is on there.
     # Its module imports HF `datasets` for the MMMU loader; the CI set has no `datasets`, and parsing needs none.
     import importlib.util
-    import types
 
     if importlib.util.find_spec("datasets") is None:
-        monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=None))
+        monkeypatch.setitem(sys.modules, "datasets", SimpleNamespace(load_dataset=None))
     import sglang.benchmark.serving as bs
 
     parsed = {}
