@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -509,6 +510,51 @@ def test_cli_smoke_writes_json_and_pngs(tmp_path):
         assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
     if HAVE_PLACE:
         assert "affinity_reduction_pct" in rec["summary"]["clusters"]["ep16"]
+
+
+def test_cli_refuses_bad_input_with_exit_2_before_simulating(tmp_path, capsys, monkeypatch):
+    """A usage error (unknown algorithm, missing dump, an --out that cannot be a folder) exits 2 with one line naming
+    it, before the simulation runs; an error inside the simulation also exits 2, its message on stderr."""
+    from sglang_h20.eplb.__main__ import main
+
+    calls = []
+    monkeypatch.setattr(sim, "simulate", lambda *a, **k: calls.append(k))
+    (tmp_path / "a_file").write_text("x")
+    for bad, says in ((["--algorithms", "nope"], "--algorithms: unknown 'nope'"),
+                      (["--dump", str(tmp_path / "missing")], "--dump: no such file or directory"),
+                      (["--out", str(tmp_path / "a_file" / "o")], "--out: cannot create the directory")):
+        args = ["simulate", "--out", str(tmp_path / "o"), *bad] if bad[0] != "--out" else ["simulate", *bad]
+        assert main(args) == 2, bad
+        err = capsys.readouterr().err
+        assert err.startswith("python -m sglang_h20.eplb simulate: error: ") and says in err, err
+    assert calls == []
+
+    def fails(*a, **k):
+        raise ValueError("layers do not match")
+
+    monkeypatch.setattr(sim, "simulate", fails)
+    assert main(["simulate", "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == "error: layers do not match\n"
+
+
+def test_cli_passes_progress_and_reports_what_it_wrote(tmp_path, capsys, monkeypatch):
+    """The progress bar is on unless --no-progress; the last line names the JSON, the PNGs and the seconds taken."""
+    from sglang_h20.eplb.__main__ import main
+
+    seen = []
+    monkeypatch.setattr(sim, "simulate", lambda cfg, progress, command: seen.append((progress, command)) or {})
+    monkeypatch.setattr(sim, "write", lambda rec, out: (Path(out) / "eplb_simulate.json",
+                                                         [Path(out) / "bytes.png", Path(out) / "migration.png"]))
+    monkeypatch.setattr(sim, "format_summary", lambda rec: "summary")
+    for extra, progress in (([], True), (["--no-progress"], False)):
+        assert main(["simulate", "--out", str(tmp_path), *extra]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == "summary"
+        m = re.fullmatch(rf"wrote {re.escape(str(tmp_path))}/eplb_simulate.json and bytes.png, migration.png "
+                         r"in (\d+\.\d) s", out[1])
+        assert m and float(m.group(1)) < 60, out  # seconds taken, not a clock reading
+        assert seen[-1] == (progress, " ".join(["python -m sglang_h20.eplb", "simulate", "--out", str(tmp_path),
+                                                *extra]))
 
 
 def test_cli_dump_trace(tmp_path):

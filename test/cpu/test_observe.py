@@ -1204,6 +1204,49 @@ def test_anomaly_table_names_the_stage_the_experts_or_the_link():
     assert cells == [("5", "dispatch"), ("", "expert 17,40"), ("2", "2-&gt;6")], cells  # the page escapes ">"
 
 
+def test_cli_exit_codes_defaults_and_warnings(tmp_path, capsys):
+    """The exit codes are what scripts read: 0 done, 1 nothing readable, 2 a flagged anomaly with --fail-on-anomaly
+    or bad input. synth's defaults are a DeepSeek-V3 EP-8 server's; unreadable lines are named, five at most."""
+    from sglang_h20.observe.__main__ import main
+
+    clean, slow = tmp_path / "clean.jsonl", tmp_path / "slow.jsonl"
+    assert main(["synth", "--layers", "4", "--first-dense", "1", "--out", str(clean)]) == 0
+    assert "(8 ranks x 50 passes, inject: none)" in capsys.readouterr().out
+    recs = export.read_dump([clean], [])
+    passes = [r for r in recs if r["kind"] == "stages"]  # each sampled pass also has its CUDA-graph reference
+    assert {r["rank"] for r in passes} == set(range(8)) and len({r["step"] for r in passes}) == 50
+    assert {(r["num_experts"], r["num_tokens"], r["ranks_per_node"]) for r in passes} == {(256, 64, 8)}
+    assert main(["synth", "--layers", "4", "--first-dense", "1", "--inject", "slow-rank:3", "--out", str(slow)]) == 0
+    capsys.readouterr()
+    for dump, flag, code in ((clean, [], 0), (clean, ["--fail-on-anomaly"], 0), (slow, [], 0),
+                             (slow, ["--fail-on-anomaly"], 2)):
+        assert main(["analyze", str(dump), *flag]) == code, (dump.name, flag)
+    capsys.readouterr()
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for cmd in (["report", str(empty), "--out", str(tmp_path / "r")], ["analyze", str(empty)]):
+        assert main(cmd) == 1, cmd
+        assert capsys.readouterr().err == f"no records in {empty}\n"
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(f"not json {i}\n" for i in range(7)) + clean.read_text())
+    assert main(["analyze", str(mixed)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 6 and all(e.startswith("warning: skipped ") for e in err[:5]), err
+    assert err[5] == "warning: 2 more unreadable lines"
+
+    for topk, experts in ((8, 8), (9, 8)):  # as many experts per token as experts is allowed, more is not
+        args = ["synth", "--layers", "4", "--first-dense", "1", "--topk", str(topk), "--experts", str(experts),
+                "--ranks", "2", "--steps", "2", "--out", str(tmp_path / "k.jsonl")]
+        if topk <= experts:
+            assert main(args) == 0
+            continue
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2 and "--topk 9 is more than --experts 8" in capsys.readouterr().err
+
+
 def _chromium():
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
         if shutil.which(name):
