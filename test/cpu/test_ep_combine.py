@@ -235,3 +235,10 @@ def test_rejects_bad_buffers():
         ep.ep_down_and_combine(q, qs, w2, w2s, pb.weights, lay, rank=0, world=2, token_owner=pb.owner,
                                owner_index=pb.index, local_pairs=lp[:-1], peer_recv=[b.recv for b in bufs],
                                peer_arrivals=[b.arrivals for b in bufs], recv_capacity=2)
+    # one peer table short, either one alone: refused before the launch, with both counts
+    for recv, arr, counts in (([b.recv for b in bufs], [bufs[0].arrivals], "2 / 1"),
+                              ([bufs[0].recv], [b.arrivals for b in bufs], "1 / 2")):
+        with pytest.raises(ValueError, match=f"need 2 peer buffers, got {counts}"):
+            ep.ep_down_and_combine(q, qs, w2, w2s, pb.weights, lay, rank=0, world=2, token_owner=pb.owner,
+                                   owner_index=pb.index, local_pairs=lp, peer_recv=recv, peer_arrivals=arr,
+                                   recv_capacity=2)
