@@ -558,9 +558,11 @@ def order_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """How far got is from want in units of what the fp32 summation order may change: max over elements of
     |got - want| / (2^-7 |want| + 2^-12 max|want|). <= 1: equal up to that rounding (one bf16 ulp, 2^-8
     to 2^-7 of the value, plus a small floor for sums that cancel); a wrong row or weight gives >> 1."""
+    if not want.numel():  # nothing to compare (e.g. an owner with no tokens)
+        return 0.0
     g, w = got.double(), want.double()
     bound = 2.0 ** -7 * w.abs() + 2.0 ** -12 * float(w.abs().max())
-    return float(((g - w).abs() / bound.clamp_min(1e-30)).max()) if w.numel() else 0.0
+    return float(((g - w).abs() / bound.clamp_min(1e-30)).max())
 
 
 def combine_reference(y: torch.Tensor, layout: MoeLayout, topk_weights: torch.Tensor,

@@ -294,6 +294,16 @@ def test_overlap_emulated_equals_plain_and_references(masked, t, k, skip):
     assert sbo.order_error(bad, plain) > 1 and rel_err(bad, r64) > 1e-2
 
 
+def test_order_error_worked_values():
+    """The unit is 2^-7 |want| + 2^-12 max|want|: a bf16 ulp of 1.0 on a 1.0 beside a 2.0 is 16/17 of it, the
+    same difference on an element near 0 is 2^-7 / 2^-11 = 16 of them (the floor), and no elements give 0."""
+    want = torch.tensor([1.0, -2.0, 0.0])
+    assert sbo.order_error(want + torch.tensor([2.0 ** -7, 0.0, 0.0]), want) == pytest.approx(16 / 17, rel=1e-12)
+    assert sbo.order_error(want + torch.tensor([0.0, 0.0, 2.0 ** -7]), want) == pytest.approx(16.0, rel=1e-12)
+    assert sbo.order_error(want.bfloat16(), want) == 0.0  # exact in bf16: no error, whatever the dtypes
+    assert sbo.order_error(torch.empty(0), torch.empty(0)) == 0.0
+
+
 @pytest.mark.parametrize("form", ["inline", "defer", "tail"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("variant,cfg", [("swapab", CFG), ("normal", {"BLOCK_N": 128, "BLOCK_T": 16})])
