@@ -168,12 +168,18 @@ def test_dispatch_rows_places_each_pair(masked):
     lay = sbo.build_layout(ids, e, masked_max_m=t if masked else None, drops=True)
     for x in (torch.randn(t, 256, generator=g).to(torch.float8_e4m3fn), torch.randn(t, 2, generator=g),
               torch.randint(0, 255, (t, 7), dtype=torch.uint8, generator=g)):
-        out = sbo.dispatch_rows(x, lay).reshape(-1, *x.shape[1:])
+        out = sbo.dispatch_rows(x, lay)
+        assert out.shape == ((e, t) if masked else (t * k,)) + x.shape[1:]  # [E, max_m, ...] or [P, ...]
+        out = out.reshape(-1, *x.shape[1:])
         rop = lay.row_of_pair.long()
         for pair in range(t * k):
             if rop[pair] >= 0:
                 assert torch.equal(out[rop[pair]].view(torch.uint8), x[pair // k].view(torch.uint8)), pair
         assert int((rop < 0).sum()) == 1
+    # no tokens at all (an idle rank's batch): the same shapes, with nothing to place
+    empty = sbo.build_layout(torch.empty(0, k, dtype=torch.int32), e, masked_max_m=t if masked else None)
+    out = sbo.dispatch_rows(torch.randn(0, 2, generator=g), empty)
+    assert out.shape == ((e, t, 2) if masked else (0, 2))
 
 
 @pytest.mark.parametrize("masked", [False, True])
