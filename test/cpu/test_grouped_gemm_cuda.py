@@ -109,7 +109,8 @@ def _operands(groups=2, n=256, k=256, rows=8):
 
 @pytest.mark.parametrize("bad, message", [
     ("both", "exactly one"), ("neither", "exactly one"), ("n", "multiples of 128"), ("dtype", "float8_e4m3fn"),
-    ("b_scale", "b_scale must be"), ("a_scale", "a_scale must be"), ("indptr", "m_indptr must be"),
+    ("b_scale", re.escape("b_scale must be (2, 2, 2), got (2, 1, 2)")),
+    ("a_scale", re.escape("a_scale must be (8, 2), got (8, 1)")), ("indptr", "m_indptr must be"),
     ("masked_a", "masked a must be"), ("out", "out must be"), ("form", "unknown form"),
     ("n_for_form", "multiple of 256"), ("n_for_multicast", "even number of column blocks")])
 def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):

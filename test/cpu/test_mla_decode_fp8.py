@@ -194,6 +194,10 @@ def test_metadata_split_counts():
     assert meta([4096], 16).num_splits == 32
     assert meta([1024], 16).num_splits == 8     # capped by length (1024 / 128)
     assert meta([100], 16).num_splits == 1      # short: no split
+    assert meta([4096], 1).num_splits == 32     # one head (rows past it masked) is planned like 16
+    for heads, q_len in ((0, 1), (16, 0)):
+        with pytest.raises(ValueError, match=f"num_heads={heads}, q_len={q_len}"):
+            meta([4096], heads, q_len)
     assert meta([1], 16).num_splits == 1
     assert meta([4096] * 16, 128).num_splits == 9   # ceil(264 / 32)
     assert meta([4096] * 64, 128).num_splits == 3   # ceil(264 / 128)
@@ -386,7 +390,7 @@ def test_splits_lut_is_the_plan_at_every_length_and_set_splits_indexes_it():
     from sgl_kernel_ext import mla_decode_cuda as cu
 
     for mod, kw in ((mla, {}), (mla, {"block_v": 256, "min_split_tokens": 64}), (cu, {})):
-        for batch, heads, q_len in ((1, 16, 1), (16, 128, 1), (48, 128, 1), (64, 128, 2), (128, 128, 1)):
+        for batch, heads, q_len in ((1, 16, 1), (1, 128, 1), (16, 128, 1), (48, 128, 1), (64, 128, 2), (128, 128, 1)):
             lut = mod.splits_lut(heads, q_len, batch, 300 * 64, 64, num_sm=132, **kw)
             assert lut.dtype == torch.int32 and lut.numel() == 301
             for t in range(1, 301):
