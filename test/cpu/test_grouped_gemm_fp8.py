@@ -159,6 +159,7 @@ def test_contiguous(variant, config, ms, n, k):
     ([0, 24, 5, 17], 24, 192, 256),
     ([1, 0, 0, 40, 70], 72, 128, 512),  # 70 of 72: the last tile is partial
     ([3, 30], 24, 256, 384),  # masked_m > max_m is clamped to max_m
+    ([1, 0, 1], 1, 128, 256),  # one row per expert (a one-token decode batch under expert parallelism)
 ])
 def test_masked(variant, config, masked, max_m, n, k):
     groups = len(masked)
@@ -173,6 +174,16 @@ def test_masked(variant, config, masked, max_m, n, k):
         if m:
             check_rows(out[g, :m], ref[g, :m], f"group {g} (m={m})")
         assert out[g, m:].isnan().all(), f"group {g}: rows at or past masked_m={m} written"
+
+
+def test_pick_split_k_worked_values():
+    """The smallest divisor of the K-block count whose splits fill the SMs (keeping >= 4 blocks each); when none
+    does, the largest that keeps 4; enough tiles already: no split."""
+    assert gg._pick_split_k(132, 56, 132) == 1
+    assert gg._pick_split_k(33, 56, 132) == 4    # 33 x 4 = 132 exactly fills them
+    assert gg._pick_split_k(33, 56, 264) == 8    # 7 gives 231 < 264
+    assert gg._pick_split_k(1, 56, 132) == 14    # none fills them: 56 / 14 = 4 blocks each
+    assert gg._pick_split_k(1, 3, 132) == 1      # 3 K blocks: no split keeps 4
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
