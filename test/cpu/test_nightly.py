@@ -816,6 +816,38 @@ def test_hang_watch_stays_quiet_while_the_log_grows(tmp_path):
     assert srv.hung is None and srv.proc.returncode == 0
 
 
+def test_hang_watch_waits_for_hang_s_of_silence(tmp_path, monkeypatch):
+    """Silence shorter than hang_s is not a hang; a live server silent for longer gets one stack dump. The watch's
+    2 s waits run on a fake clock."""
+    log = tmp_path / "server.log"
+    log.write_text("up\n")
+    clock = [1000.0]
+    monkeypatch.setattr(serving.time, "monotonic", lambda: clock[0])
+
+    class Waits:  # done.wait(s): s seconds pass; set after n waits
+        def __init__(self, n):
+            self.n = n
+
+        def wait(self, s):
+            clock[0] += s
+            self.n -= 1
+            return self.n < 0
+
+    for hang_s, dumps in ((5.0, ["log silent for 5 s during a bench"]), (30.0, [])):  # 20 s of silence each
+        srv = serving.Server("m", [], log, hang_s=hang_s)
+        said = []
+        monkeypatch.setattr(srv, "dump_stacks", said.append)
+        srv._watch(Waits(10))
+        assert said == dumps, hang_s
+
+
+def test_a_server_never_started_exits_quietly(tmp_path):
+    """__exit__ after a failed start (no process yet) stops nothing and raises nothing."""
+    srv = serving.Server("m", [], tmp_path / "server.log")
+    assert srv.proc is None
+    srv.__exit__(None, None, None)
+
+
 def test_graphs_up_to_the_concurrency_unless_the_args_set_graphs():
     base = "--load-format dummy --mem-fraction-static 0.6"
     assert serving.graphs_up_to(base, 128) == base + " --cuda-graph-max-bs 128"
