@@ -372,6 +372,34 @@ def test_epilogue_combine_in_the_flat_walk_equals_the_group_walk(walk, masked, d
 
 
 @pytest.mark.parametrize("masked", [False, True])
+def test_tail_counts_only_synchronizes_without_writing(masked):
+    """counts_only with the tail form (benchmarks: the grid-wide barrier's cost alone): every program arrives and
+    none gives up, the GEMM's rows are written as without a combine, and out is not touched."""
+    t, k = 20, 3
+    ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=78, masked=masked, skip=(1,))
+
+    def gemm(combine=None):
+        y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
+        if masked:
+            gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=CFG, variant="swapab",
+                                            combine=combine)
+        else:
+            gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
+                                                combine=combine)
+        return y
+
+    out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
+    cnt = torch.zeros(gg.TAIL_COUNTERS, dtype=torch.int32)
+    y = gemm(gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), cnt, out, k, 2.5,
+                                counts_only=True, tail=True))
+    plain = gemm()
+    assert torch.equal(y.isnan(), plain.isnan()) and torch.equal(torch.nan_to_num(y), torch.nan_to_num(plain))
+    arrivals, gave_up = int(cnt) & ((1 << 20) - 1), int(cnt) >> 20
+    assert arrivals >= 1 and gave_up == 0, int(cnt)
+    assert out.isnan().all()  # no item gathered
+
+
+@pytest.mark.parametrize("masked", [False, True])
 def test_combine_skips_dropped_pairs(masked):
     """A drops=True layout (EP: pairs on other ranks' experts are -1): those pairs add nothing, a token with no
     local pair gets 0, and the rest is the float64 sum."""
