@@ -339,6 +339,18 @@ def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, form):
     assert sbo.order_error(bad, plain) > 1
 
 
+def swapab_rows(lay, q, qs, wq, ws, t, k, cfg, combine=None):
+    """The swapAB down GEMM's rows in the layout (NaN where no row is written), with an optional EpilogueCombine."""
+    y = torch.full((E, t, H) if lay.masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
+    if lay.masked:
+        gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=cfg, variant="swapab",
+                                        combine=combine)
+    else:
+        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=cfg, variant="swapab",
+                                            combine=combine)
+    return y
+
+
 @pytest.mark.parametrize("walk", [{"flat": True}, {"flat": True, "tma": True}], ids=["flat", "tma"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("defer,counts_only", [(False, False), (True, False), (False, True)],
@@ -351,18 +363,11 @@ def test_epilogue_combine_in_the_flat_walk_equals_the_group_walk(walk, masked, d
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=77, masked=masked, skip=(1,))
 
     def run(cfg):
-        y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
         out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
         cnt = torch.zeros(t, H // cfg["BLOCK_N"], dtype=torch.int32)
         cmb = gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), cnt, out, k, 2.5,
                                  counts_only=counts_only, defer=defer)
-        if masked:
-            gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=cfg, variant="swapab",
-                                            combine=cmb)
-        else:
-            gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=cfg, variant="swapab",
-                                                combine=cmb)
-        return y, out, cnt
+        return swapab_rows(lay, q, qs, wq, ws, t, k, cfg, cmb), out, cnt
 
     (y0, out0, cnt0), (y1, out1, cnt1) = run(CFG), run({**CFG, **walk})
     assert torch.equal(torch.nan_to_num(y1), torch.nan_to_num(y0)) and torch.equal(y1.isnan(), y0.isnan())
@@ -378,21 +383,11 @@ def test_tail_counts_only_synchronizes_without_writing(masked):
     t, k = 20, 3
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=78, masked=masked, skip=(1,))
 
-    def gemm(combine=None):
-        y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
-        if masked:
-            gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=CFG, variant="swapab",
-                                            combine=combine)
-        else:
-            gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
-                                                combine=combine)
-        return y
-
     out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
     cnt = torch.zeros(gg.TAIL_COUNTERS, dtype=torch.int32)
-    y = gemm(gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), cnt, out, k, 2.5,
-                                counts_only=True, tail=True))
-    plain = gemm()
+    y = swapab_rows(lay, q, qs, wq, ws, t, k, CFG, gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1),
+                                                                       cnt, out, k, 2.5, counts_only=True, tail=True))
+    plain = swapab_rows(lay, q, qs, wq, ws, t, k, CFG)
     assert torch.equal(y.isnan(), plain.isnan()) and torch.equal(torch.nan_to_num(y), torch.nan_to_num(plain))
     arrivals, gave_up = int(cnt) & ((1 << 20) - 1), int(cnt) >> 20
     assert arrivals >= 1 and gave_up == 0, int(cnt)
