@@ -248,14 +248,18 @@ def rel_err(got, ref64):
     return float((got.double() - ref64).abs().max() / ref64.abs().max())
 
 
-def signalled_gemm(q, qs, wq, ws, lay, y, signal):
+def down_gemm(q, qs, wq, ws, lay, y, cfg=CFG, **kw):
+    """The swapAB down GEMM into y in the layout's form; kw: signal= or combine=."""
     if lay.masked:
-        gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=CFG, variant="swapab",
-                                        signal=signal)
+        gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=cfg, variant="swapab", **kw)
     else:
-        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
-                                            signal=signal)
+        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=cfg, variant="swapab", **kw)
     return y
+
+
+def nan_rows(lay, t, k):
+    """GEMM rows for the layout, NaN until written."""
+    return torch.full((E, t, H) if lay.masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
 
 
 def test_sorted_maps_follow_expert_order():
@@ -282,7 +286,7 @@ def test_overlap_emulated_equals_plain_and_references(masked, t, k, skip):
     # row blocks of 4 expert-ordered pairs (so a block spans experts and token tiles)
     y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
     wsp = sbo.workspace(lay, t, H, 16, "cpu", block_h=128)
-    signalled_gemm(q, qs, wq, ws, lay, y, wsp.signal)
+    down_gemm(q, qs, wq, ws, lay, y, signal=wsp.signal)
     out = sbo.combine(y, lay, w, torch.full((t, H), float("nan"), dtype=torch.bfloat16), weight_scale=2.5,
                       signal=wsp.signal, expect=H // 128, block_t=16, acc=wsp.acc, counters=wsp.counters,
                       status=wsp.status, num_programs=3, max_spin=10, block_h=128, block_r=4)
@@ -339,18 +343,6 @@ def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, form):
     assert sbo.order_error(bad, plain) > 1
 
 
-def swapab_rows(lay, q, qs, wq, ws, t, k, cfg, combine=None):
-    """The swapAB down GEMM's rows in the layout (NaN where no row is written), with an optional EpilogueCombine."""
-    y = torch.full((E, t, H) if lay.masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
-    if lay.masked:
-        gg.m_grouped_fp8_gemm_nt_masked(q, qs, wq, ws, lay.masked_m, out=y, config=cfg, variant="swapab",
-                                        combine=combine)
-    else:
-        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=cfg, variant="swapab",
-                                            combine=combine)
-    return y
-
-
 @pytest.mark.parametrize("walk", [{"flat": True}, {"flat": True, "tma": True}], ids=["flat", "tma"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("defer,counts_only", [(False, False), (True, False), (False, True)],
@@ -367,7 +359,7 @@ def test_epilogue_combine_in_the_flat_walk_equals_the_group_walk(walk, masked, d
         cnt = torch.zeros(t, H // cfg["BLOCK_N"], dtype=torch.int32)
         cmb = gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), cnt, out, k, 2.5,
                                  counts_only=counts_only, defer=defer)
-        return swapab_rows(lay, q, qs, wq, ws, t, k, cfg, cmb), out, cnt
+        return down_gemm(q, qs, wq, ws, lay, nan_rows(lay, t, k), cfg, combine=cmb), out, cnt
 
     (y0, out0, cnt0), (y1, out1, cnt1) = run(CFG), run({**CFG, **walk})
     assert torch.equal(torch.nan_to_num(y1), torch.nan_to_num(y0)) and torch.equal(y1.isnan(), y0.isnan())
@@ -385,9 +377,10 @@ def test_tail_counts_only_synchronizes_without_writing(masked):
 
     out = torch.full((t, H), float("nan"), dtype=torch.bfloat16)
     cnt = torch.zeros(gg.TAIL_COUNTERS, dtype=torch.int32)
-    y = swapab_rows(lay, q, qs, wq, ws, t, k, CFG, gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1),
-                                                                       cnt, out, k, 2.5, counts_only=True, tail=True))
-    plain = swapab_rows(lay, q, qs, wq, ws, t, k, CFG)
+    cmb = gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), cnt, out, k, 2.5, counts_only=True,
+                             tail=True)
+    y = down_gemm(q, qs, wq, ws, lay, nan_rows(lay, t, k), combine=cmb)
+    plain = down_gemm(q, qs, wq, ws, lay, nan_rows(lay, t, k))
     assert torch.equal(y.isnan(), plain.isnan()) and torch.equal(torch.nan_to_num(y), torch.nan_to_num(plain))
     arrivals, gave_up = int(cnt) & ((1 << 20) - 1), int(cnt) >> 20
     assert arrivals >= 1 and gave_up == 0, int(cnt)
