@@ -1298,6 +1298,16 @@ def test_report_without_load_or_latency_keeps_every_section(tmp_path):
     assert len(re.findall(r"<img ", page)) == 4
 
 
+def test_expert_mean_is_tokens_per_expert_per_pass_over_all_ranks():
+    """Each pass's loads are summed over the ranks and averaged over the passes: rank r routes r + 1 + i tokens to
+    every expert of load layer i in every pass, so two ranks give 3, 5 and 7 per expert."""
+    recs = synth.synthesize(ranks=2, layers=4, steps=5, seed=1, experts=16, first_dense=1, graph_refs=False)
+    for r in recs:
+        r["expert_load"] = [[float(r["rank"] + 1 + i)] * 16 for i in range(len(r["expert_load"]))]
+    ds = analyze.load(recs)
+    assert np.array_equal(ds.expert_mean, np.repeat([[3.0], [5.0], [7.0]], 16, axis=1))
+
+
 def test_full_latency_matrix_records_are_read():
     recs = synth.synthesize(ranks=8, layers=4, steps=10, seed=2, experts=16, first_dense=1, graph_refs=False)
     m = np.full((8, 8), 0.02)
