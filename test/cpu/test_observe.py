@@ -1308,6 +1308,17 @@ def test_expert_mean_is_tokens_per_expert_per_pass_over_all_ranks():
     assert np.array_equal(ds.expert_mean, np.repeat([[3.0], [5.0], [7.0]], 16, axis=1))
 
 
+def test_a_stage_no_other_rank_spends_time_in_is_named_without_a_ratio():
+    """A median rank at 0 ms has no ratio to print: the finding gives the rank's own time."""
+    recs = synth.synthesize(ranks=8, layers=4, steps=10, seed=1, experts=16, first_dense=1, graph_refs=False)
+    for r in recs:
+        for e in r["layers"]:
+            if "router" in e["stages"]:
+                e["stages"]["router"] = 0.05 if r["rank"] == 3 else 0.0
+    found = [a for a in analyze.detect(analyze.load(recs), analyze.Thresholds()) if a.stage == "router"]
+    assert [(a.rank, a.baseline, a.message) for a in found] == [(3, 0.0, "rank 3: router 0.150 ms per pass (layers 1-3)")]
+
+
 def test_full_latency_matrix_records_are_read():
     recs = synth.synthesize(ranks=8, layers=4, steps=10, seed=2, experts=16, first_dense=1, graph_refs=False)
     m = np.full((8, 8), 0.02)
