@@ -1316,7 +1316,8 @@ def test_a_stage_no_other_rank_spends_time_in_is_named_without_a_ratio():
             if "router" in e["stages"]:
                 e["stages"]["router"] = 0.05 if r["rank"] == 3 else 0.0
     found = [a for a in analyze.detect(analyze.load(recs), analyze.Thresholds()) if a.stage == "router"]
-    assert [(a.rank, a.baseline, a.message) for a in found] == [(3, 0.0, "rank 3: router 0.150 ms per pass (layers 1-3)")]
+    want = [(3, 0.0, "rank 3: router 0.150 ms per pass (layers 1-3)")]
+    assert [(a.rank, a.baseline, a.message) for a in found] == want
 
 
 def test_full_latency_matrix_records_are_read():
