@@ -421,6 +421,10 @@ def test_sglang_maps_rejects_missing_expert():
     p2l[0] = [0, 1, 1, 3]
     with pytest.raises(ValueError, match="expert 2 has no replica"):
         integration.sglang_maps(p2l, 4)
+    # an id out of range on either side alone: refused by name (not an index error from the scatter)
+    for bad in ([0, 1, 2, 4], [-1, 1, 2, 3]):
+        with pytest.raises(ValueError, match=re.escape("phy2log holds ids outside [0, 4)")):
+            integration.sglang_maps(np.array([bad]), 4)
 
 
 @pytest.mark.parametrize("algorithm", [EplbAlgorithm.deepseek_hierarchical, integration.AFFINITY_ALGORITHM])
