@@ -284,7 +284,7 @@ def test_overlap_emulated_equals_plain_and_references(masked, t, k, skip):
 
     # the overlapped order, sequentially: GEMM with signals, then the waiting consumer; 2 H-chunks,
     # row blocks of 4 expert-ordered pairs (so a block spans experts and token tiles)
-    y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
+    y = nan_rows(lay, t, k)
     wsp = sbo.workspace(lay, t, H, 16, "cpu", block_h=128)
     down_gemm(q, qs, wq, ws, lay, y, signal=wsp.signal)
     out = sbo.combine(y, lay, w, torch.full((t, H), float("nan"), dtype=torch.bfloat16), weight_scale=2.5,
@@ -327,7 +327,7 @@ def test_epilogue_combine_equals_plain(masked, variant, cfg, t, k, skip, form):
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=40 + t, masked=masked, skip=skip)
     plain = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
                                      weight_scale=2.5, overlap=False, config=cfg, variant=variant)
-    y = torch.full((E, t, H) if masked else (t * k, H), float("nan"), dtype=torch.bfloat16)
+    y = nan_rows(lay, t, k)
     fused = sbo.moe_down_and_combine(q, qs, wq, ws, w, lay, torch.full((t, H), float("nan"), dtype=torch.bfloat16),
                                      y=y, **kw)
     assert not torch.isnan(fused.float()).any()  # every (token, N-tile) was written by its last contributor
@@ -370,8 +370,8 @@ def test_epilogue_combine_in_the_flat_walk_equals_the_group_walk(walk, masked, d
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_tail_counts_only_synchronizes_without_writing(masked):
-    """counts_only with the tail form (benchmarks: the grid-wide barrier's cost alone): every program arrives and
-    none gives up, the GEMM's rows are written as without a combine, and out is not touched."""
+    """counts_only with the tail form (benchmarks: the grid-wide barrier's cost alone): programs arrive and none
+    gives up, the GEMM's rows are written as without a combine, and out is not touched."""
     t, k = 20, 3
     ids, w, lay, q, qs, wq, ws = run_case(t, k, seed=78, masked=masked, skip=(1,))
 
@@ -382,7 +382,7 @@ def test_tail_counts_only_synchronizes_without_writing(masked):
     y = down_gemm(q, qs, wq, ws, lay, nan_rows(lay, t, k), combine=cmb)
     plain = down_gemm(q, qs, wq, ws, lay, nan_rows(lay, t, k))
     assert torch.equal(y.isnan(), plain.isnan()) and torch.equal(torch.nan_to_num(y), torch.nan_to_num(plain))
-    arrivals, gave_up = int(cnt) & ((1 << 20) - 1), int(cnt) >> 20
+    arrivals, gave_up = int(cnt) & gg.TAIL_ARRIVALS.value, int(cnt) >> gg.TAIL_GAVE_UP_SHIFT.value
     assert arrivals >= 1 and gave_up == 0, int(cnt)
     assert out.isnan().all()  # no item gathered
 
