@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -611,7 +612,8 @@ def assert_png(path: Path):
 def test_cli_compare_regression_fixture(tmp_path):
     p = cli("compare", DATA / "run_regression.json", DATA / "baseline.json", "--out", tmp_path)
     assert p.returncode == 1, p.stderr
-    assert "REGRESSION serving/dsv3-4l/features-on/c48 output_throughput" in p.stdout
+    assert "REGRESSION serving/dsv3-4l/features-on/c48 output_throughput: -10.4% (tolerance 3.0%)\n" in p.stdout
+    assert p.stdout.endswith(f"6 regressions, 0 failed points; report: {tmp_path / 'report.md'}\n")
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# Nightly h200: 6 regressions")
     assert "9d3f2a1b8c7e46d5a4b3c2d1e0f9a8b7c6d5e4f3" in md and "NVIDIA H200" in md and "0.5.17" in md
@@ -673,6 +675,8 @@ def test_cli_run_kernel_only_against_baseline(tmp_path, tflops, status):
     assert "kernel/mla_decode repeat 3/3" in p.stdout  # progress per repeat
     rec = json.loads((tmp_path / "out" / "run.json").read_text())
     assert rec["points"]["kernel/mla_decode"]["metrics"]["tflops"]["values"] == [tflops] * 3
+    assert rec["command"] == shlex.join(["python", "-m", "sglang_h20.nightly", "run", "--config", "k.toml", "--out",
+                                         "out", "--baseline", str(DATA / "baseline.json"), "--only", "kernel/mla"])
     md = (tmp_path / "out" / "report.md").read_text()
     assert "serving/" not in md and "missing" not in md  # --only also narrows the baseline
     assert ("**regression**" in md) == (status == 1)
