@@ -357,6 +357,27 @@ def test_doctor_runs_on_a_cpu_machine():
     assert r.returncode == 0, r.stdout
 
 
+def test_top_level_cli_lists_its_commands_and_refuses_unknown_ones(capsys):
+    """`python -m sglang_h20`: help on stdout (exit 0); no command or an unknown one gets the usage on stderr and
+    exit 2, the unknown one named; a known command runs its own module's main with the rest of the arguments."""
+    from sglang_h20 import __main__ as cli
+
+    assert cli.main(["--help"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: python -m sglang_h20 COMMAND [ARGS]\n") and not err
+    assert f"\n  doctor     {cli.COMMANDS['doctor'][1]}\n" in out and "\n  observe    " in out
+    assert cli.main([]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.startswith("usage:") and "error" not in err
+    assert cli.main(["calibrte", "--help"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.endswith("error: unknown command 'calibrte' (choose from doctor, calibrate, eplb, "
+                                    "nightly, observe)\n")
+    with pytest.raises(SystemExit) as e:  # argparse's --help of the command itself, not the top-level usage
+        cli.main(["nightly", "compare", "--help"])
+    assert e.value.code == 0 and "usage: python -m sglang_h20.nightly compare" in capsys.readouterr().out
+
+
 def test_a_device_run_whose_guard_sees_no_gpu_stops_instead_of_skipping(tmp_path):
     """gpu_check.sh sets SGLANG_H20_EXPECT_GPU=1: there a GPU the guard cannot see (here: none) must stop pytest with
     the reason, not turn every gpu test into a skip and exit 0; without the variable the same test is skipped."""
