@@ -5,7 +5,8 @@ One mutation at a time (a comparison flipped, + for -, `and` for `or`, an intege
 dropped), inside the module's functions, a seeded sample of them: the module is rewritten with the mutation, the
 given tests run (`pytest -x`), and a mutation under which they all still pass is listed as a survivor. The module is
 restored afterwards, also on Ctrl-C. A survivor is a place to look, not a verdict: some mutations change nothing
-(e.g. `reshape(..., -2)` is `-1` to numpy). Run it in a clone when other work uses the tree:
+(e.g. `reshape(..., -2)` is `-1` to numpy). `kill` (SIGTERM) restores the module too: a probe started in the
+background with `&` ignores SIGINT. Run it in a clone when other work uses the tree:
 
     python scripts/mutation_probe.py python/sglang_h20/eplb/migration_plan.py --mutants 40 \\
         -- test/cpu/test_eplb_migration_plan.py
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -86,6 +88,7 @@ def main(argv=None) -> int:
     lines = source.splitlines()
     survivors = 0
     print(f"{a.module}: {len(sites)} sites, trying {len(chosen)}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the restore below
     try:
         for n, index in enumerate(chosen, 1):
             mutated, line = mutate(source, index)
