@@ -8,8 +8,13 @@ from repo_scripts import load_script
 glance = load_script("benchmark/targets_at_a_glance.py")
 
 
-def test_the_figure_and_its_numbers(tmp_path):
+def test_the_figure_and_its_numbers(tmp_path, capsys):
     assert glance.main(["--out", str(tmp_path / "glance.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "grouped GEMM, s45 CUDA normal variant: target >= 1.25x the best upstream (128-256 tokens per expert): " \
+           "0 of 8 points" in printed and "0 of 0 points" not in printed  # a target a run has no points for: unsaid
+    assert "\nend to end: median ITL ratio <= 1.0 at 13 of 17 points (above: SBO @32 1.000, SBO @56 1.002, " \
+           "FP8 MLA 4096x512@48 1.061, FP8 MLA 4096x512@48 1.046)\n" in printed
     assert (tmp_path / "glance.png").stat().st_size > 10_000
     summary = json.loads((tmp_path / "glance.json").read_text())
     mla = summary["mla_decode"]["checks"]
@@ -50,6 +55,12 @@ def test_the_figure_and_its_numbers(tmp_path):
     assert all(r["source"]["gpu"] == "NVIDIA H200" and r["source"]["git_commit"] for r in e2e)
     swapab = [r["median_itl_ratio"] for r in e2e if r["feature"] == "swapAB"]
     assert max(swapab) < 0.91  # "no concurrency slower": the swapAB switch's e2e target
+    # FP8 MLA end to end "level with FlashMLA FP8": output tok/s ours / anchor, each workload as the README gives it
+    fp8 = [(r["point"], r["anchor"], round(r["output_throughput_ratio"], 3)) for r in e2e if r["feature"] == "FP8 MLA"]
+    assert fp8 == [("4096x512@4", "flashmla-fp8", 1.023), ("4096x512@8", "flashmla-fp8", 1.014),
+                   ("4096x512@16", "flashmla-fp8", 1.007), ("4096x512@48", "flashmla-fp8", 0.979),
+                   ("2048x512@64", "flashmla-fp8", 1.019), ("1024x256@128", "flashmla-fp8", 1.011),
+                   ("4096x512@48", "flashmla", 0.982)]
 
 
 def test_not_started_after_a_merge_keeps_what_no_later_run_measured():
