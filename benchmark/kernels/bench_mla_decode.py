@@ -385,8 +385,6 @@ def run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, un
     batch, ctx, heads, q_len = point
     sets = build_sets(torch, mla, batch, ctx, heads, q_len, args.max_sets, l2_bytes)
     s0 = sets[0]
-    vis = sum(max(ctx - q_len + 1 + t, 0) for t in range(q_len)) * batch
-    flops = 2.0 * heads * vis * (576 + 512)
     exact = None
     if not args.no_accuracy:
         nb = min(batch, 2)
@@ -406,21 +404,13 @@ def run_point(torch, triton, mla, args, point, ceilings, l2_bytes, providers, un
                                    f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
             traceback.print_exc()
             continue
-        kv_bytes = batch * ctx * info["bytes_per_token"]
-        qo_bytes = batch * q_len * heads * (576 * (1 if name == "flashmla-fp8" else 2) + 512 * 2)
-        nbytes = kv_bytes + qo_bytes
-        t_flops, t_kv = roofline_times(flops, kv_bytes, info["precision"], ceilings)
-        h20_peak = H20_FP8_FLOPS if info["precision"] == "fp8" else H20_BF16_FLOPS
         err = None
         if exact is not None:
             out = first_out()
             nb = exact.shape[0]
             err = ((out[:nb].float() - exact).norm() / exact.norm()).item()
-        row = {"provider": key, "batch": batch, "context": ctx, "heads": heads, "q_len": q_len, "latency_us": us,
-               "tflops": flops / (us * 1e-6) / 1e12, "gbps": nbytes / (us * 1e-6) / 1e9,
-               "roofline_frac": max(t_flops, t_kv) / (us * 1e-6), "bound": "compute" if t_flops >= t_kv else "memory",
-               "flops": flops, "bytes": nbytes, "kv_bytes": kv_bytes,
-               "h20_modelled_us": max(flops / h20_peak, nbytes / H20_HBM_BPS) * 1e6, "rel_err_vs_exact": err,
+        row = {"provider": key, "batch": batch, "context": ctx, "heads": heads, "q_len": q_len,
+               **point_metrics(name, point, us, info, ceilings), "rel_err_vs_exact": err,
                "timing": mode, "input_sets": len(sets), **info}
         rows.append(row)
         print(f"B={batch:4d} ctx={ctx:6d} H={heads:4d} T={q_len} {key:24s} {us:9.1f} us {row['tflops']:7.1f} TFLOP/s "
@@ -448,6 +438,29 @@ def h20_scaled_us(row, ceilings, hidden: bool) -> float:
     t_tc = min(t, t_tc)
     scaled = max(t, H20_TENSOR_SLOWDOWN * t_tc) if hidden else t + (H20_TENSOR_SLOWDOWN - 1) * t_tc
     return 1e6 * max(scaled, row["bytes"] / H20_HBM_BPS)
+
+
+def decode_flops(batch, ctx, heads, q_len) -> float:
+    """The useful work of one decode call: QK^T (576 wide) and PV (512 wide) over the keys each query sees (query
+    t of q_len sees ctx - q_len + 1 + t of them, causal within the call)."""
+    visible = sum(max(ctx - q_len + 1 + t, 0) for t in range(q_len)) * batch
+    return 2.0 * heads * visible * (576 + 512)
+
+
+def point_metrics(provider, point, us, info, ceilings) -> dict:
+    """One provider's figures at one (batch, context, heads, q_len) point from its time: rates, the binding roofline
+    fraction (roofline_times) and the H20-modelled time; `bytes` adds Q (FP8 for FlashMLA's FP8 path, else bf16)
+    and the bf16 output to the KV bytes of the provider's format (`info["bytes_per_token"]`)."""
+    batch, ctx, heads, q_len = point
+    flops = decode_flops(batch, ctx, heads, q_len)
+    kv_bytes = batch * ctx * info["bytes_per_token"]
+    nbytes = kv_bytes + batch * q_len * heads * (576 * (1 if provider == "flashmla-fp8" else 2) + 512 * 2)
+    t_flops, t_kv = roofline_times(flops, kv_bytes, info["precision"], ceilings)
+    h20_peak = H20_FP8_FLOPS if info["precision"] == "fp8" else H20_BF16_FLOPS
+    return {"latency_us": us, "tflops": flops / (us * 1e-6) / 1e12, "gbps": nbytes / (us * 1e-6) / 1e9,
+            "roofline_frac": max(t_flops, t_kv) / (us * 1e-6), "bound": "compute" if t_flops >= t_kv else "memory",
+            "flops": flops, "bytes": nbytes, "kv_bytes": kv_bytes,
+            "h20_modelled_us": max(flops / h20_peak, nbytes / H20_HBM_BPS) * 1e6}
 
 
 def roofline_times(flops, kv_bytes, precision, ceilings) -> tuple[float, float]:

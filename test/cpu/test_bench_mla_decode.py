@@ -1,7 +1,9 @@
 """bench_mla_decode's target check: the best of our providers per point against FlashMLA BF16 (on the issue's
 128-head, batch >= 16, context >= 4k points only), the fastest upstream FP8 path and the roofline."""
 import pytest
-from repo_scripts import load_script
+from repo_scripts import REPO, load_script
+
+from sglang_h20.cliargs import read_json
 
 bench = load_script("benchmark/kernels/bench_mla_decode.py")
 
@@ -124,3 +126,34 @@ def test_roofline_counts_kv_bytes_only_and_a_failed_ours_is_a_miss():
     assert (c["vs_fastest_upstream_fp8"]["points"], c["vs_fastest_upstream_fp8"]["met"]) == (1, 0)
     assert (c["roofline"]["points"], c["roofline"]["met"]) == (2, 0)
     assert bench.issue_targets([fl, gone])["per_point"] == []  # no ours in the run at all: nothing to count
+
+
+def test_point_metrics_worked_values_and_the_committed_grids():
+    """The per-point figures every target reads (rates, roofline fraction, H20-modelled time): a worked point, then
+    every row of the stored H200 runs recomputed from its time and format, equal to what the run wrote."""
+    assert bench.decode_flops(1, 1024, 16, 1) == 2 * 16 * 1024 * 1088
+    assert bench.decode_flops(2, 1024, 16, 2) == 2 * 16 * (1023 + 1024) * 2 * 1088  # MTP: causal within the call
+    assert bench.decode_flops(1, 1, 16, 2) == 2 * 16 * 1 * 1088  # the first query of two sees no key yet
+    ceilings = {"copy_bytes_per_s": 1e12, "fp8_flops": 1e15, "bf16_flops": 5e14}
+    fp8 = bench.point_metrics("flashmla-fp8", (2, 1024, 128, 1), 100.0, {"bytes_per_token": 656, "precision": "fp8"},
+                              ceilings)
+    flops, kv = 2 * 128 * 2048 * 1088, 2 * 1024 * 656
+    assert fp8 == pytest.approx({
+        "latency_us": 100.0, "tflops": flops / 1e-4 / 1e12, "gbps": (kv + 2 * 128 * (576 + 1024)) / 1e-4 / 1e9,
+        "roofline_frac": kv / 1e12 / 1e-4, "bound": "memory", "flops": flops, "bytes": kv + 2 * 128 * (576 + 1024),
+        "kv_bytes": kv, "h20_modelled_us": flops / 296e12 * 1e6}, rel=1e-12)
+    bf16 = bench.point_metrics("flashmla-bf16", (2, 1024, 128, 1), 10.0, {"bytes_per_token": 1152,
+                                                                         "precision": "bf16"},
+                              {**ceilings, "copy_bytes_per_s": 1e13})  # KV 0.24 us at this copy rate, FLOPs 1.14
+    assert bf16["bytes"] == 2 * 1024 * 1152 + 2 * 128 * (1152 + 1024)  # a bf16 Q: two bytes per element
+    assert bf16["bound"] == "compute" and bf16["roofline_frac"] == pytest.approx(flops / 5e14 / 1e-5, rel=1e-12)
+    assert bf16["h20_modelled_us"] == pytest.approx(flops / 148e12 * 1e6, rel=1e-12)
+    runs = {"mla_decode_full_grid_s49_h200.json.xz": 384, "mla_decode_h128_b2_b8_s49_h200.json.xz": 90,
+            "mla_split_sweep_h128_b1_b8_s50_h200.json": 208}
+    for name, rows in runs.items():
+        rec = read_json(REPO / "benchmark" / "results" / "mla_decode" / name, "record")
+        assert len(rec["points"]) == rows
+        for r in rec["points"]:
+            got = bench.point_metrics(r["provider"], (r["batch"], r["context"], r["heads"], r["q_len"]),
+                                      r["latency_us"], r, rec["ceilings"])
+            assert got == pytest.approx({k: r[k] for k in got}, rel=1e-12), (name, r["provider"], r["batch"])
