@@ -7,6 +7,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
 import bench_grouped_gemm as bench  # noqa: E402
+from repo_scripts import REPO  # noqa: E402
+
+from sglang_h20.cliargs import read_json  # noqa: E402
 
 
 def test_tune_walks_filter_the_grid():
@@ -403,3 +406,30 @@ def test_issue_targets_record_the_other_readings_and_count_a_failed_ours_as_miss
     assert (checks["vs_best_upstream"]["met"], checks["vs_best_upstream"]["points"]) == (2, 4)
     # across layouts: m 32 is ours 50 (masked) vs triton 45 (contiguous): missed; m 16 missed; m 8 met
     assert (checks["vs_best_upstream_any_layout"]["met"], checks["vs_best_upstream_any_layout"]["points"]) == (1, 3)
+
+
+def test_point_metrics_worked_values_and_the_committed_grid():
+    """The figures the targets read: weight and total bytes, useful and issued (tile-padded) FLOPs, the H20-modelled
+    time. A worked point first, then every timed point of session 49's grid (not ours-split, whose issued work
+    `split_tiles` adds) recomputed from its time, counts and tiles, equal to what the run wrote."""
+    n, k = 256, 512  # 2 x 4 weight-scale blocks per expert
+    got = bench.metrics(10.0, [3, 0, 40], n, k, (32, 128))
+    weights = 2 * (n * k + 2 * 4 * 4)  # the two experts with tokens, FP8 weights + fp32 128x128 scales
+    total = weights + 43 * (k + 4 * 4) + 43 * n * 2  # FP8 activations + their 1x128 scales, bf16 output
+    issued = 2 * k * n * (32 + 64)  # 3 tokens pad to one 32-token tile, 40 to two
+    assert got == pytest.approx({
+        "us": 10.0, "weight_tbs": weights / 10.0 / 1e6, "tflops": 2 * k * n * 43 / 10.0 / 1e6, "weight_bytes": weights,
+        "total_bytes": total, "useful_flops": 2 * k * n * 43, "issued_flops": issued, "tiles_tok_w": [32, 128],
+        "h20_modelled_us": 1e6 * max(issued / 296e12, total / 4.0e12)}, rel=1e-12)
+    assert bench.issued_flops([1], 300, 128, 16, 128) == 2 * 128 * 16 * 384  # N pads to whole weight tiles too
+    points = 0
+    for name in ("grouped_gemm_full_s49_h200.json.xz", "grouped_gemm_full_s49_g256_m1_m32_h200.json.xz",
+                 "grouped_gemm_full_s49_g256_m64_m256_h200.json.xz"):
+        rec = read_json(REPO / "benchmark" / "results" / "swapab" / name, "record")
+        for p in rec["points"]:
+            if p.get("kind") != "moe" or p["provider"] == "ours-split" or not isinstance(p.get("us"), float):
+                continue
+            got = bench.metrics(p["us"], p["counts"], p["n"], p["k"], p["tiles_tok_w"])
+            assert got == pytest.approx({key: p[key] for key in got}, rel=1e-12), (name, p["provider"], p["groups"])
+            points += 1
+    assert points == 1154 + 224 + 120
