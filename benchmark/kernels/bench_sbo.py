@@ -234,16 +234,11 @@ def main(argv=None) -> int:
         s["fused_counts_only"] = add("fused_counts_only", down(fused=True, counts_only=True))
         s["fused_tail"] = add_checked("fused_tail", down(fused=True, tail=True))
         s["fused_tail_counts_only"] = add("fused_tail_counts_only", down(fused=True, tail=True, counts_only=True))
-        s["fused_gain_us"] = s["serial"] - s["fused"]
-        s["combine_hidden_pct"] = 100 * s["fused_gain_us"] / s["combine_alone"]
-        # of the combine's cost in the serial form (serial - GEMM alone), the share fused_tail removes
-        s["tail_hidden_pct"] = 100 * (s["serial"] - s["fused_tail"]) / (s["serial"] - s["gemm_alone"])
         flat = {**cfg, "flat": True, "tma": True}  # the same tiles on the flattened, TMA-fed walk
         s["flat_gemm_alone"] = add("flat_gemm_alone", gemm(flat))
         s["flat_serial"] = add("flat_serial", down(flat, overlap=False))
         s["flat_fused"] = add_checked("flat_fused", down(flat, fused=True))
         s["flat_fused_counts_only"] = add("flat_fused_counts_only", down(flat, fused=True, counts_only=True))
-        s["flat_combine_hidden_pct"] = 100 * (s["flat_serial"] - s["flat_fused"]) / s["combine_alone"]
         for b in args.budgets:
             lent = gemm(signal=sig, num_sms=sms - b)
             s[f"gemm_lent[{b}]"] = add("gemm_lent", lambda lent=lent: (sig.zero_(), lent()), b)
@@ -256,15 +251,10 @@ def main(argv=None) -> int:
             colocated = down(overlap=True, combine_sms=b, status=status, colocate=True)
             cerr, csame = signalled_check(colocated)
             s[f"colocated[{b}]"] = add("colocated", colocated, b, equal_to_serial=csame, order_error=cerr)
-            s[f"colocated_hidden_pct[{b}]"] = 100 * (s["serial"] - s[f"colocated[{b}]"]) / (s["serial"] - s["gemm_alone"])
             same = same and csame
             if not same:
                 print(f"batch {t}: overlapped output differs from serial at budget {b}!", file=sys.stderr)
-        best = min(args.budgets, key=lambda b: s[f"overlap[{b}]"])
-        s["best_budget"] = best
-        s["overlap_gain_us"] = s["serial"] - s[f"overlap[{best}]"]
-        s["gemm_slowdown_pct_at_best"] = 100 * (s[f"gemm_lent[{best}]"] / s["gemm_alone"] - 1)
-        s["with_shared_gain_us"] = s["serial+shared"] - min(s[f"overlap+shared[{b}]"] for b in args.budgets)
+        s.update(kernel_shares(s, args.budgets))
         summary[t] = s
 
     unavailable, layer_rows = {}, []
@@ -419,6 +409,23 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         print("layer", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         rows.append(row)
     return rows
+
+
+def kernel_shares(s: dict, budgets) -> dict:
+    """The kernel phase's derived figures from one batch's timed forms (us): what fusing or overlapping the combine
+    saves, in us and as a share of the combine (alone, or its cost in the serial form: serial - GEMM alone), and
+    the GEMM's slowdown on the SMs the fastest budget leaves it."""
+    best = min(budgets, key=lambda b: s[f"overlap[{b}]"])
+    combine_cost = s["serial"] - s["gemm_alone"]
+    return {"fused_gain_us": s["serial"] - s["fused"],
+            "combine_hidden_pct": 100 * (s["serial"] - s["fused"]) / s["combine_alone"],
+            "tail_hidden_pct": 100 * (s["serial"] - s["fused_tail"]) / combine_cost,
+            "flat_combine_hidden_pct": 100 * (s["flat_serial"] - s["flat_fused"]) / s["combine_alone"],
+            **{f"colocated_hidden_pct[{b}]": 100 * (s["serial"] - s[f"colocated[{b}]"]) / combine_cost
+               for b in budgets},
+            "best_budget": best, "overlap_gain_us": s["serial"] - s[f"overlap[{best}]"],
+            "gemm_slowdown_pct_at_best": 100 * (s[f"gemm_lent[{best}]"] / s["gemm_alone"] - 1),
+            "with_shared_gain_us": s["serial+shared"] - min(s[f"overlap+shared[{b}]"] for b in budgets)}
 
 
 def batch_generator(t: int, device):

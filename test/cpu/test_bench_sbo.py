@@ -1,4 +1,5 @@
 """bench_sbo's measure of one GPU's overlap (the share of combine + shared-expert time hidden), from a layer row."""
+import json
 import sys
 from pathlib import Path
 
@@ -6,6 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
 import bench_sbo as bench  # noqa: E402
+from repo_scripts import REPO  # noqa: E402
 
 
 def test_hidden_shares_weigh_each_beside_arm_against_nothing_overlapped():
@@ -47,3 +49,24 @@ def test_a_batchs_routing_does_not_depend_on_the_batches_swept_before_it():
     torch.rand(100, generator=bench.batch_generator(8, "cpu"))  # a run that swept batch 8 first
     assert torch.equal(torch.randperm(16, generator=bench.batch_generator(32, "cpu")), first)
     assert not torch.equal(torch.randperm(16, generator=bench.batch_generator(56, "cpu")), first)
+
+
+def test_kernel_shares_worked_values_and_the_committed_runs():
+    """The kernel phase's derived figures (the combine's hidden shares, the best budget and the GEMM's slowdown on
+    the SMs it leaves): a worked batch, then every batch of the two stored runs that timed every form, recomputed
+    from their times and equal to what the runs wrote."""
+    s = {"gemm_alone": 100.0, "combine_alone": 20.0, "serial": 125.0, "fused": 110.0, "fused_tail": 105.0,
+         "flat_serial": 124.0, "flat_fused": 114.0, "serial+shared": 150.0,
+         "overlap[8]": 112.0, "overlap[16]": 108.0, "gemm_lent[8]": 104.0, "gemm_lent[16]": 110.0,
+         "overlap+shared[8]": 130.0, "overlap+shared[16]": 133.0, "colocated[8]": 115.0, "colocated[16]": 120.0}
+    assert bench.kernel_shares(s, [8, 16]) == pytest.approx({
+        "fused_gain_us": 15.0, "combine_hidden_pct": 75.0, "tail_hidden_pct": 80.0,  # 20 of the serial form's 25
+        "flat_combine_hidden_pct": 50.0, "colocated_hidden_pct[8]": 40.0, "colocated_hidden_pct[16]": 20.0,
+        "best_budget": 16, "overlap_gain_us": 17.0, "gemm_slowdown_pct_at_best": 10.0,
+        "with_shared_gain_us": 20.0})  # the best budget with the shared expert beside is 8, not the overlap's 16
+    for name in ("bench_sbo_colocated_h200.json", "bench_sbo_e16_h200.json"):
+        rec = json.loads((REPO / "benchmark" / "results" / "sbo" / name).read_text())
+        for batch, s in rec["summary"].items():
+            budgets = sorted(int(k[len("overlap["):-1]) for k in s if k.startswith("overlap["))
+            got = bench.kernel_shares(s, budgets)
+            assert got == pytest.approx({k: s[k] for k in got}, rel=1e-12), (name, batch)
