@@ -398,10 +398,7 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         if "layer_upstream" in outs and "layer_ours_overlap" in outs:
             a, b = outs["layer_ours_overlap"].float(), outs["layer_upstream"].float()
             row["rel_diff_vs_upstream"] = float((a - b).norm() / b.norm())
-        up_beside = row.get("layer_upstream+shared_beside_us")
-        for name in BESIDE_ARMS[1:]:
-            if up_beside and row.get(f"{name}+shared_beside_us"):  # what the decode graphs run: upstream / ours
-                row[f"{name[len('layer_'):]}_beside_vs_upstream"] = up_beside / row[f"{name}+shared_beside_us"]
+        row.update(beside_vs_upstream(row))
         if args.shared:
             row["hidden_pct"] = hidden_shares(row)
             print(f"layer batch {t}: share of (combine + shared expert) hidden, %: "
@@ -409,6 +406,14 @@ def layer_compare(torch, triton, args, e, unavailable) -> list[dict]:
         print("layer", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         rows.append(row)
     return rows
+
+
+def beside_vs_upstream(row: dict) -> dict:
+    """Upstream's layer time over ours', each with the shared expert beside the routed experts (what the decode
+    graphs run), per arm of ours that ran (BESIDE_ARMS)."""
+    up = row.get("layer_upstream+shared_beside_us")
+    return {f"{name[len('layer_'):]}_beside_vs_upstream": up / row[f"{name}+shared_beside_us"]
+            for name in BESIDE_ARMS[1:] if up and row.get(f"{name}+shared_beside_us")}
 
 
 def kernel_shares(s: dict, budgets) -> dict:

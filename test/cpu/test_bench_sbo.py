@@ -70,3 +70,22 @@ def test_kernel_shares_worked_values_and_the_committed_runs():
             budgets = sorted(int(k[len("overlap["):-1]) for k in s if k.startswith("overlap["))
             got = bench.kernel_shares(s, budgets)
             assert got == pytest.approx({k: s[k] for k in got}, rel=1e-12), (name, batch)
+
+
+def test_the_layer_rows_shares_and_ratios_reproduce_the_stored_runs():
+    """The layer's headline figures (the share of combine + shared expert hidden, upstream / ours with the shared
+    expert beside) recomputed from each stored row's times equal what the runs wrote: the H100 runs of sessions 61
+    and 62 and the H200's slim-shared runs."""
+    rows = 0
+    for name in ("sbo_layer_shared_e16_s61_h100.json", "sbo_layer_shared_e16_b8_b64_s62_h100.json",
+                 "sbo_layer_slim_shared_e16_h200.json", "sbo_layer_slim_shared_e16_b64_h200.json"):
+        for row in json.loads((REPO / "benchmark" / "results" / "sbo" / name).read_text())["layer"]:
+            times = {k: v for k, v in row.items() if k.endswith("_us")}
+            assert bench.hidden_shares(times) == pytest.approx(row["hidden_pct"], rel=1e-12), (name, row["batch"])
+            stored = {k: v for k, v in row.items() if k.endswith("_beside_vs_upstream")}
+            assert len(stored) == 2 and bench.beside_vs_upstream(times) == pytest.approx(stored, rel=1e-12)
+            rows += 1
+    assert rows == 4 + 5 + 4 + 1
+    one_ran = {"layer_upstream+shared_beside_us": 30.0, "layer_ours_tail+shared_beside_us": 25.0,
+               "layer_ours_tail_grid+shared_beside_us": None}  # an arm that failed: no ratio for it
+    assert bench.beside_vs_upstream(one_ran) == {"ours_tail_beside_vs_upstream": 1.2}
