@@ -3,6 +3,7 @@ notes state (a record moved, a target's rule changed or a bench's issue_targets 
 PNG and JSON."""
 import json
 
+import pytest
 from repo_scripts import load_script
 
 glance = load_script("benchmark/targets_at_a_glance.py")
@@ -69,3 +70,21 @@ def test_not_started_after_a_merge_keeps_what_no_later_run_measured():
     later = {"points": [{"kind": "moe", "shape": "gate_up", "groups": 256, "tokens_per_group": 64,
                          "distribution": "uneven"}]}
     assert glance.not_started_after([first, later]) == ["down g256 m64 uneven", "o_proj m64"]
+
+
+def test_the_end_to_end_ratios_it_reads_are_what_the_scripts_compute_from_the_raw_benches():
+    """Each end-to-end record the figure quotes, recomputed from its own arms or phases with today's code: swapab_e2e's
+    pairing gives every ratio the record stores (records before session 55 store no TTFT ratio), and fp8_mla_e2e's
+    summary is the stored one whole (agreement, throughput table, ratios over both FlashMLA anchors, KV-pool flags)."""
+    swapab_e2e = load_script("benchmark/serving/swapab_e2e.py")
+    fp8_mla_e2e = load_script("benchmark/serving/fp8_mla_e2e.py")
+    for rel in sorted({rel for _, rel, _, _ in glance.E2E_SWITCHED}):
+        rec = glance.load(rel)
+        got = swapab_e2e.compare(rec["arms"], rec.get("anchor", "off"))
+        for arm, levels in rec["vs_off"].items():
+            for level, ratios in levels.items():
+                assert {k: got[arm][level][k] for k in ratios} == pytest.approx(ratios, rel=1e-12), (rel, arm, level)
+    for rel, _, _ in glance.E2E_FP8_MLA:
+        rec = glance.load(rel)
+        phases = rec["phases"]
+        assert fp8_mla_e2e.summarize(phases, (phases.get("triton") or {}).get("ids")) == rec["summary"], rel
