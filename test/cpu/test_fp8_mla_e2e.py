@@ -126,6 +126,9 @@ def test_summary_flags_a_phase_whose_kv_pool_held_fewer_requests_than_the_concur
     s = e2e.summarize({"ours": fp8, "flashmla": bf16}, None)
     assert s["kv_pool_full"] == {"4096x512@128": {"flashmla": "at most 87 of 128 decoding at once, up to 44 queued"}}
     assert e2e.summarize({"ours": phase([], 1.0, 1.0)}, None)["kv_pool_full"] == {}  # records without the fields
+    # fewer running than the concurrency with nothing queued: the requests ran out (the wave's tail), not the pool
+    fp8["benches"]["4096x512@128"]["decode_log"].update(max_running=100, max_queued=0)
+    assert e2e.summarize({"ours": fp8}, None)["kv_pool_full"] == {}
 
 
 def fake_phases(monkeypatch, measures: dict | None = None) -> list:
@@ -413,6 +416,8 @@ def test_the_summary_lists_only_ours_fallback_lines_and_whether_our_backend_ran(
     s = e2e.summarize({"ours": ours}, None)
     assert s["ours_backend_selected"] is True
     assert s["ours_fallback_lines"] == ours["plugin_log_lines"][1:3]
+    ours["plugin_log_lines"] = ours["plugin_log_lines"][1:]  # the backend line missing: the server ran another one
+    assert e2e.summarize({"ours": ours}, None)["ours_backend_selected"] is False
 
 
 def test_the_run_fails_when_a_phase_errs_or_ours_was_skipped(tmp_path, monkeypatch):
