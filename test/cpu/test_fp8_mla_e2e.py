@@ -55,13 +55,17 @@ def test_merge_refuses_a_phase_twice_and_mixed_models():
         e2e.merge_records([one, record({"flashmla": phase([[1]], 1.0, 1.0)}, model="/other")], ["x", "y"])
 
 
-def test_model_is_required_without_merge_and_server_env_takes_key_value_words(tmp_path, capsys):
+def test_model_is_required_without_merge_and_server_env_takes_key_value_words(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         e2e.main(["--out", str(tmp_path)])
     assert e.value.code == 2 and "--model is required (unless --merge)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         e2e.main(["--out", str(tmp_path), "--model", "/m", "--server-env", "A=1", "SGLANG_X"])
     assert e.value.code == 2 and "--server-env takes KEY=VALUE words" in capsys.readouterr().err
+    ran = fake_phases(monkeypatch)
+    assert e2e.main(["--out", str(tmp_path), "--model", "/m", "--prompts", "0", "--workloads", "1024x256@32",
+                     "--phases", "ours", "--server-env", "A=1", "B=x=y"]) == 0
+    assert ran[0][1].server_env == {"A": "1", "B": "x=y"}  # split at the first '='
 
 
 def test_summary_lists_a_dead_server_and_ratios_only_what_ran():
