@@ -761,3 +761,25 @@ def test_placement_interference_bench_runs_on_the_cpu(tmp_path):
     assert set(rows) == {"none", "python_20ms_throttled"}  # gpu_alloc needs a GPU: left out
     assert rows["python_20ms_throttled"]["action_ms"] >= 40.0 and rows["none"]["action_ms"] < 5.0
     assert all(0 < r["p50_ms"] <= r["max_ms"] for r in rows.values()) and rec["args"]["cpu"] is True
+
+
+def test_the_step_time_benchmarks_slot_check_catches_a_wrong_move():
+    """migration_step_time's verdict 'bit_identical' rests on moved_ok: a slot must now hold what the slot of its new
+    expert held before. A right move passes; a slot left unmoved, two swapped, or one wrong layer of two fails. Its
+    re-placement draws are derangements: every slot gets another expert."""
+    from repo_scripts import load_script
+
+    step_time = load_script("benchmark/eplb/migration_step_time.py")
+    old = {0: [5, 6, 7], 1: [5, 6, 7]}  # slot s of layer l holds expert old[l][s]
+    new = {0: [7, 5, 6], 1: [6, 7, 5]}
+    before = {0: torch.tensor([50, 60, 70]), 1: torch.tensor([51, 61, 71])}  # each slot's fingerprint
+    right = {0: torch.tensor([70, 50, 60]), 1: torch.tensor([61, 71, 51])}
+    assert step_time.moved_ok(before, right, old, new)
+    for wrong in ({0: before[0], 1: right[1]}, {0: torch.tensor([50, 70, 60]), 1: right[1]},
+                  {0: right[0], 1: torch.tensor([61, 51, 71])}):
+        assert not step_time.moved_ok(before, wrong, old, new)
+    rng = np.random.default_rng(3)
+    for n in (2, 3, 8, 64):
+        for _ in range(20):
+            p = step_time.derangement(rng, n)
+            assert sorted(p.tolist()) == list(range(n)) and not (p == np.arange(n)).any()
