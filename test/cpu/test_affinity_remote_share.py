@@ -222,3 +222,26 @@ def test_pooled_p99_tells_the_phases_of_a_rebalance_apart(tmp_path):
     assert ph["switch"] == {"n": 2, "p50_ms": 12.0, "p99_ms": 12.0, "max_ms": 12.0, "slowest_ms": [12.0, 12.0]}
     assert "{placement 45.0/45.0 ms, start 4.0/4.0 ms, migration 4.0/12.0 ms, switch 12.0/12.0 ms}" in \
         bench.pooled_line({"async_decode_p99_pooled": [p]})
+
+
+def test_the_record_states_affinity_over_upstream_only_where_both_arms_measured(tmp_path):
+    """The issue's two readings, ours over upstream's EPLB (remote copies per pass, tokens that leave their GPU),
+    go into the record only when both arms measured them and upstream's is not 0; the arms are kept as given."""
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(model="/m", gpus=2, fraction=0.05, rebalance_iterations=200, router_clusters=8,
+                        arms=["deepseek", "affinity"], out=tmp_path)
+    arms = {"deepseek": {"remote_share_mean": 0.5, "token_leave_share_mean": 0.8},
+            "affinity": {"remote_share_mean": 0.4, "token_leave_share_mean": 0.6}}
+    bench.write_record(a, arms)
+    rec = json.loads((tmp_path / "affinity_remote_share.json").read_text())
+    assert rec["affinity_over_deepseek"] == pytest.approx(0.8)
+    assert rec["token_leave_affinity_over_deepseek"] == pytest.approx(0.75)
+    assert rec["arms"] == arms and rec["gpus"] == 2 and rec["git_commit"]
+    for deepseek in ({"remote_share_mean": 0.0, "token_leave_share_mean": None}, {}):  # nothing to divide by
+        bench.write_record(a, {**arms, "deepseek": deepseek})
+        rec = json.loads((tmp_path / "affinity_remote_share.json").read_text())
+        assert "affinity_over_deepseek" not in rec and "token_leave_affinity_over_deepseek" not in rec
+    bench.write_record(a, {**arms, "affinity": {"remote_share_mean": 0.0}})  # ours kept nothing remote: a ratio of 0
+    rec = json.loads((tmp_path / "affinity_remote_share.json").read_text())
+    assert rec["affinity_over_deepseek"] == 0.0 and "token_leave_affinity_over_deepseek" not in rec
