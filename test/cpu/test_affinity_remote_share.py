@@ -245,3 +245,32 @@ def test_the_record_states_affinity_over_upstream_only_where_both_arms_measured(
     bench.write_record(a, {**arms, "affinity": {"remote_share_mean": 0.0}})  # ours kept nothing remote: a ratio of 0
     rec = json.loads((tmp_path / "affinity_remote_share.json").read_text())
     assert rec["affinity_over_deepseek"] == 0.0 and "token_leave_affinity_over_deepseek" not in rec
+
+
+def test_arms_are_checked_before_any_server_and_a_repeated_arm_is_recorded_as_its_second(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A typo in --arms, or no --model / --out, ends the call with argparse's message before a server starts; a valid
+    list runs each arm on its own port, a repeat keyed NAME#2, and the record is written after every arm."""
+    assert all(bench.arm_valid(arm) for arm in ("none", "deepseek", "affinity+async-verify-shuffle-peer", "auto"))
+    assert not any(bench.arm_valid(arm) for arm in ("deepsek", "deepseek+sync", "none+async"))
+    ran = []
+
+    def fake_arm(a, arm, data, key=None, port=0):
+        ran.append((arm, key, port))
+        return {"error": "stand-in", "stacks": []}
+    monkeypatch.setattr(bench, "run_arm", fake_arm)
+    for argv, message in ((["--out", str(tmp_path)], "--model and --out are needed"),
+                          (["--model", "/m", "--out", str(tmp_path), "--arms", "deepseek", "deepsek"],
+                           "--arms: unknown deepsek; an arm is none, ALGORITHM or")):
+        monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert ran == []
+    monkeypatch.setattr(sys, "argv", ["affinity_remote_share.py", "--model", "/m", "--out", str(tmp_path / "o"),
+                                      "--arms", "deepseek", "affinity", "--repeat", "2"])
+    assert bench.main() == 0
+    assert ran == [("deepseek", "deepseek", 32400), ("affinity", "affinity", 32401),
+                   ("deepseek", "deepseek_2", 32402), ("affinity", "affinity_2", 32403)]
+    rec = json.loads((tmp_path / "o" / "affinity_remote_share.json").read_text())
+    assert list(rec["arms"]) == ["deepseek", "affinity", "deepseek#2", "affinity#2"]
