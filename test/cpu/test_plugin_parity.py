@@ -103,3 +103,64 @@ def test_server_warm_up_sends_every_prompt_at_the_concurrency_asked(tmp_path):
         assert "HTTP 500" in str(e)
     else:
         raise AssertionError("a failed warm-up request must fail the warm-up")
+
+
+def test_which_phase_differs_and_the_spread_beside_the_ratios():
+    """A phase whose greedy ids differ is named (the others stay identical to the first phase); each phase's spread
+    is (max - min) / median of its runs, and the run-to-run spread beside the ratios is the largest of them."""
+    def runs(name, ids, *tputs):
+        p = phase(name, ids, [] if name == "upstream" else LOADED)
+        p["bench"] = [{"output_throughput": t} for t in tputs]
+        return p
+
+    s = bench.summarize([runs("upstream", [[1, 2]], 100.0, 110.0, 90.0), runs("features", [[1, 3]], 100.0, 104.0),
+                         runs("upstream", [[1, 2]], 95.0)])
+    assert s["per_phase_ids_identical"] == {"upstream#0": True, "features#1": False, "upstream#2": True}
+    assert not s["greedy_ids_identical"]
+    up = s["output_throughput"]["upstream"]
+    assert up["runs"] == [100.0, 110.0, 90.0, 95.0] and up["median"] == 97.5
+    assert abs(up["spread_pct"] - 100 * 20 / 97.5) < 1e-9 and abs(s["run_to_run_spread_pct"] - up["spread_pct"]) < 1e-9
+    assert abs(s["output_throughput"]["features"]["spread_pct"] - 100 * 4 / 102) < 1e-9
+    assert "run_to_run_spread_pct" not in bench.summarize([runs("upstream", [[1]], 1.0, 2.0)])  # no ratio, no spread
+
+
+def test_the_stored_runs_verdicts_and_ratios_are_what_summarize_gives_their_phases():
+    """The parity records the results README quotes (every feature off; the two one-GPU runs of session 48; the EP-2
+    flashmla pair), recomputed from their phases with today's code: every stored figure again (older records lack the
+    ITL ratio added later)."""
+    import json
+    import lzma
+
+    from repo_scripts import REPO
+
+    folder = REPO / "benchmark" / "results"
+    for name in ("plugin_parity_h200.json", "plugin_parity_policy_observe_s48_run1_h200.json.xz",
+                 "plugin_parity_policy_observe_s48_run2_h200.json.xz", "plugin_parity_ep2_flashmla_h200.json"):
+        path = folder / name
+        rec = json.loads(lzma.open(path).read() if name.endswith(".xz") else path.read_text())
+        got = bench.summarize(rec["phases"])
+        assert {k: got[k] for k in rec["summary"]} == rec["summary"], name
+        assert got["greedy_ids_identical"], name
+
+
+def test_the_run_exits_1_when_a_phases_greedy_ids_differ(tmp_path, monkeypatch):
+    """main's exit status is the greedy verdict: 0 when every phase gave the first one's ids, else 1; each phase
+    on its own port, the record written with what ran."""
+    import json
+    import sys
+
+    ids = {"upstream": [[1, 2]], "plugin-off": [[1, 2]]}
+    ports = []
+
+    def fake_phase(name, args, port, sharegpt):
+        ports.append(port)
+        return {**phase(name, ids[name], [] if name == "upstream" else LOADED), "wall_s": 1.0}
+    monkeypatch.setattr(bench, "run_phase", fake_phase)
+    monkeypatch.setattr(bench, "stop_servers_on_sigterm", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["plugin_parity.py", "--model", "/m", "--out", str(tmp_path)])
+    assert bench.main() == 0 and ports == [30000, 30001, 30002, 30003]
+    ids["plugin-off"] = [[1, 3]]
+    assert bench.main() == 1
+    rec = json.loads((tmp_path / "plugin_parity.json").read_text())
+    assert rec["summary"]["per_phase_ids_identical"] == {"upstream#0": True, "plugin-off#1": False,
+                                                         "upstream#2": True, "plugin-off#3": False}
