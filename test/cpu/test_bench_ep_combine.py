@@ -66,3 +66,32 @@ def test_replot_of_an_unreadable_file_is_one_line_and_exit_2(tmp_path, capsys):
     assert bench.main(["--replot", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"bench_ep_combine: --replot {bad}: cannot read JSON") and "\n" not in err
+
+
+def test_the_verdict_judges_the_fused_arms_and_the_waits():
+    """Exit status 1 (rows_ok false) when a fused arm's rows differ from the serial result by more than its
+    summation order, or a consumer's wait gave up; the serial arm's own error does not count."""
+    row = {"order_error_max": {"serial": 7.0, "fused": 1.0, "fused_flat": 0.5}, "any_wait_gave_up": False}
+    assert bench.rows_ok([row, row]) and bench.rows_ok([])
+    assert not bench.rows_ok([row, {**row, "order_error_max": {"serial": 0.0, "fused": 1.5, "fused_flat": 0.0}}])
+    assert not bench.rows_ok([{**row, "any_wait_gave_up": True}])
+
+
+def test_arguments_are_checked_and_quick_is_one_batch(capsys):
+    a = bench.parse_args(["--quick"])
+    assert (a.batches, a.reps, a.iters) == ([32], 5, 20)
+    for bad in (["--batches", "8", "0"], ["--iters", "0"], ["--reps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(bad)
+        assert e.value.code == 2 and "batches, iters and reps must be positive" in capsys.readouterr().err
+
+
+def test_replot_of_a_skipped_run_says_why_it_has_nothing_to_draw(tmp_path, capsys):
+    rec = tmp_path / "skipped.json"
+    rec.write_text('{"benchmark": "ep_combine", "unavailable": "needs 2 or more CUDA GPUs (visible: 1)"}')
+    assert bench.main(["--replot", str(rec)]) == 2
+    assert capsys.readouterr().err == (f"bench_ep_combine: --replot {rec}: no measured rows to plot (the run was "
+                                       "skipped: needs 2 or more CUDA GPUs (visible: 1))\n")
+    rec.write_text("[1, 2]")
+    assert bench.main(["--replot", str(rec)]) == 2 and "no measured rows" in capsys.readouterr().err
+    assert not rec.with_suffix(".png").exists()
