@@ -249,3 +249,48 @@ def test_step_rate_normalizes_the_batch_size():
     text = _decode_line(48, 960) + _decode_line(44, 880) + _decode_line(20, 100)
     assert bench.step_rate(text, 40) == pytest.approx(20.0)  # 960/48 = 880/44 = 20 steps/s
     assert bench.step_rate(text, 64) is None
+
+
+def _analyzed(tmp_path, on_tok_s, observe_fraction, eager_ms=12.0):
+    """analyze() over a written server log (8 ABBA windows of decode lines: off at 1000 tok/s, on at on_tok_s
+    alternating with +1) and a dump: graph reference steps of 10 ms, sampled steps of eager_ms inside the 'on'
+    windows only, each step's stages tiling its time."""
+    out = tmp_path / f"run-{on_tok_s}-{observe_fraction}"
+    (out / "dump").mkdir(parents=True)
+    log, windows, records = b"", [], []
+    for i, state in enumerate(bench.schedule(8)):
+        tok = 1000.0 if state == "off" else on_tok_s + (i % 2)
+        start = len(log)
+        log += "".join(_decode_line(8, tok) for _ in range(5)).encode()
+        windows.append({"state": state, "off_start": start, "off_end": len(log), "t_start": 10.0 * i,
+                        "t_end": 10.0 * i + 9})
+        records += [{"kind": "graph", "step": 2 * i, "rank": 0, "ts": 10.0 * i + 1, "step_ms": 10.0, "batch_size": 8}]
+        if state == "on":
+            records += [{"kind": "stages", "step": 2 * i + 1, "rank": 0, "ts": 10.0 * i + 2, "step_ms": eager_ms,
+                         "batch_size": 8,
+                         "layers": [{"stages": {"attn": eager_ms / 2}}], "outside": {"other": eager_ms / 2}}]
+    (out / "server.log").write_bytes(log)
+    (out / "dump" / "observe-rank000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    res = {"windows": windows, "server_env": {"SGLANG_H20_OBSERVE": str(observe_fraction)},
+           "metrics": {"missing": []}}
+    return bench.analyze(res, out, min_running=8)
+
+
+def test_analyze_verdicts_from_a_log_and_a_dump(tmp_path):
+    """The verdicts the observability overhead claim reads: within 1% (paired mean >= 0.99), conclusive (the
+    interval's lower end >= 0.99 too), the modelled overhead f * (r - 1) with r the sampled step over the graph
+    step, off windows unsampled and on windows sampled."""
+    a = _analyzed(tmp_path, 995.0, 0.02)
+    o, v = a["overhead"], a["verdict"]
+    assert o["pairs"] == 4 and o["ratios"] == pytest.approx([0.996, 0.995, 0.996, 0.995])
+    assert o["median_on_over_median_off"] == pytest.approx(0.9955)
+    assert o["modelled_overhead_pct"] == pytest.approx(100 * 0.02 * (12 / 10 - 1))
+    assert a["eager_vs_graph"]["median_eager_over_graph"] == pytest.approx(1.2)
+    assert v == {"overhead_within_1pct": True, "modelled_overhead_within_1pct": True, "overhead_conclusive": True,
+                 "stage_sum_within_5pct": True, "off_windows_unsampled": True, "on_windows_sampled": 4,
+                 "metrics_series_present": True}
+    v = _analyzed(tmp_path, 980.0, 0.1)["verdict"]  # 2% slower, and a sampled step costs 10 x 20% = 2% modelled
+    assert not v["overhead_within_1pct"] and not v["overhead_conclusive"] and not v["modelled_overhead_within_1pct"]
+    near = _analyzed(tmp_path, 989.6, 0.02)  # the mean at 0.99 but its interval reaching below: not conclusive
+    assert near["verdict"]["overhead_within_1pct"] and not near["verdict"]["overhead_conclusive"]
+    assert near["overhead"]["ci95"][0] < 0.99 <= near["overhead"]["mean"]
