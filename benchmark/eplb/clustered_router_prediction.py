@@ -76,14 +76,19 @@ def predict(gpus: int = 2, cluster_size: int = 8, tokens: int = 3000, layers=(1,
     origin = np.arange(test.shape[1]) % gpus
     placements = {alg: place(stats, topo, alg) for alg in ("deepseek", "affinity")}
     placements["trivial"] = trivial_placement(topo, len(layers), E)
-    out = {}
-    for name, p in placements.items():
-        gpu = topo.slot_gpu()[choose_slots(p, test, np.zeros(test.shape[1], dtype=np.int64))]
-        remote = gpu != origin[None, :, None]
-        load = np.stack([np.bincount(gpu[l].ravel(), minlength=gpus) for l in range(len(layers))])
-        out[name] = {"token_leave_share": float(remote.any(axis=2).mean()), "pair_remote_share": float(remote.mean()),
-                     "gpu_balance_min": float((load.min(axis=1) / load.max(axis=1)).min())}
-    return out
+    return {name: placement_shares(topo.slot_gpu()[choose_slots(p, test, np.zeros(test.shape[1], dtype=np.int64))],
+                                   origin, gpus)
+            for name, p in placements.items()}
+
+
+def placement_shares(gpu: np.ndarray, origin: np.ndarray, gpus: int) -> dict:
+    """gpu[l, t, k]: the GPU serving token t's k-th expert in layer l; origin[t]: the token's own GPU (its DP rank).
+    The share of (layer, token)s with an expert elsewhere (the issue's tokens that leave their GPU), the share of
+    (token, expert) pairs elsewhere, and the least min/max GPU load over the layers."""
+    remote = gpu != origin[None, :, None]
+    load = np.stack([np.bincount(gpu[l].ravel(), minlength=gpus) for l in range(gpu.shape[0])])
+    return {"token_leave_share": float(remote.any(axis=2).mean()), "pair_remote_share": float(remote.mean()),
+            "gpu_balance_min": float((load.min(axis=1) / load.max(axis=1)).min())}
 
 
 def main() -> None:

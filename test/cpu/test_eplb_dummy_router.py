@@ -121,3 +121,16 @@ def test_affinity_keeps_clustered_tokens_on_their_gpu_where_deepseek_does_not(tm
     assert all(0.45 <= v["pair_remote_share"] <= 0.55 for v in res.values()), res  # pairs: no signal either way
     assert res["affinity"]["gpu_balance_min"] >= 0.85, res                          # GPU load balance kept
     assert rec["token_leave_affinity_over_deepseek"] < 0.9 and rec["kind"] == "CPU prediction"
+
+
+def test_placement_shares_count_tokens_that_leave_and_pairs_elsewhere():
+    """A worked case, 2 GPUs, 2 layers, 3 tokens of 2 experts (origins 0, 1, 0): layer 0 keeps token 0 home, sends
+    one of token 1's experts away and both of token 2's; layer 1 keeps every expert home but loads GPU 0 with 4 of 6."""
+    gpu = np.array([[[0, 0], [0, 1], [1, 1]],
+                    [[0, 0], [1, 1], [0, 0]]])
+    got = prediction.placement_shares(gpu, np.array([0, 1, 0]), 2)
+    assert got == pytest.approx({"token_leave_share": 2 / 6, "pair_remote_share": 3 / 12,
+                                 "gpu_balance_min": 2 / 4})
+    lopsided = prediction.placement_shares(np.array([[[0, 0], [0, 0], [0, 1]]]), np.array([0, 1, 0]), 2)
+    assert lopsided == pytest.approx({"token_leave_share": 2 / 3, "pair_remote_share": 3 / 6,
+                                      "gpu_balance_min": 1 / 5})
