@@ -166,6 +166,16 @@ def fit_overhead(res: dict, model: str, table_out: Path | None) -> dict:
     return {**fit, "table": str(out)}
 
 
+def phase_ratios(phases: dict) -> dict:
+    """Our policy's phase over each upstream phase that ran, per prefix length: median TTFT of single requests and of
+    bursts. The keys name both phases: only the pair without prefill graphs on either side isolates the policy."""
+    ours = phases.get("se-no-prefill-graph")
+    return {f"se-no-prefill-graph_vs_{other}": {
+                n: {"single": ours[n]["median_ttft_ms_single"] / phases[other][n]["median_ttft_ms_single"],
+                    "burst": ours[n]["median_burst_ms"] / phases[other][n]["median_burst_ms"]} for n in phases[other]}
+            for other in ("upstream", "upstream-no-prefill-graph") if other in phases and ours}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder (e.g. scripts/make_model.py's, dummy weights)")
@@ -215,13 +225,7 @@ def main() -> int:
         for n, r in phases[name].items():
             print(f"  {name} L={n}: TTFT {r['median_ttft_ms_single']:.1f} ms single, "
                   f"{r['median_burst_ms']:.1f} ms for a burst of {r['burst']}", flush=True)
-    ratios = {}  # keys name both phases: only the no-prefill-graph pair isolates the policy
-    for other in ("upstream", "upstream-no-prefill-graph"):
-        if other in phases and "se-no-prefill-graph" in phases:
-            ratios[f"se-no-prefill-graph_vs_{other}"] = {
-                n: {"single": phases["se-no-prefill-graph"][n]["median_ttft_ms_single"] / phases[other][n]["median_ttft_ms_single"],
-                    "burst": phases["se-no-prefill-graph"][n]["median_burst_ms"] / phases[other][n]["median_burst_ms"]}
-                for n in phases[other]}
+    ratios = phase_ratios(phases)
     record = {**provenance.record(), "benchmark": "prefix_ttft", "model": args.model, "server_args": args.server_args,
               "workload": {"lengths": args.lengths, "prefix_fraction": 0.5, "requests": args.requests,
                            "burst": args.burst},

@@ -125,3 +125,22 @@ def test_fit_overhead_needs_the_forced_arms(tmp_path, monkeypatch):
                                       "--fit-overhead"])
     with pytest.raises(SystemExit):
         bench.main()
+
+
+def test_phase_ratios_reproduce_the_stored_phase_runs_and_need_our_phase():
+    """The phase mode's ratios (our policy over each upstream phase, single and burst TTFT per length), recomputed
+    from the stored phase runs' medians, equal what they wrote (session 1's record named its keys 'se_vs_...' then);
+    without our phase, or with only our phase, there is no ratio."""
+    from repo_scripts import REPO
+
+    key = "ttft_ratio_ours_over_upstream (lower is better)"
+    for name in ("prefix_ttft_session3_h200.json", "prefix_ttft_old_table_h200.json"):
+        rec = json.loads((REPO / "benchmark" / "results" / "mha_mla" / name).read_text())
+        got = bench.phase_ratios(rec["phases"])
+        assert set(got) == {"se-no-prefill-graph_vs_upstream", "se-no-prefill-graph_vs_upstream-no-prefill-graph"}
+        assert got == rec[key], name
+    one = {"4096": {"median_ttft_ms_single": 100.0, "median_burst_ms": 400.0}}
+    ours = {"4096": {"median_ttft_ms_single": 80.0, "median_burst_ms": 500.0}}
+    assert bench.phase_ratios({"upstream": one, "se-no-prefill-graph": ours}) == {
+        "se-no-prefill-graph_vs_upstream": {"4096": {"single": 0.8, "burst": 1.25}}}
+    assert bench.phase_ratios({"upstream": one}) == {} == bench.phase_ratios({"se-no-prefill-graph": ours})
