@@ -93,7 +93,6 @@ def planned_choices(arms, length: int, burst: int, gpu: str, layers: int) -> dic
 def one_server(args) -> dict:
     """The A/B inside one server (see the module docstring)."""
     from sglang_h20.controlfile import write_control
-    from sglang_h20.abstats import mean_ci95
 
     ctl = (args.out / "policy").resolve()
     arms = a, b = tuple(args.arms)
@@ -121,21 +120,30 @@ def one_server(args) -> dict:
                                                             for _ in range(args.burst)], max_new_tokens=1))
                           for _ in range(2)]
                 blocks.append({"arm": arm, "single_ms": single, "burst_ms": bursts})
-            per = {}
-            for mode, key in (("single", "single_ms"), ("burst", "burst_ms")):
-                med = {arm: statistics.median(x for blk in blocks if blk["arm"] == arm for x in blk[key])
-                       for arm in arms}
-                # pairs: blocks (0,1), (2,3), ... each holds one block of each arm
-                pairs = [statistics.median(b2[key]) / statistics.median(b1[key]) if b1["arm"] == a
-                         else statistics.median(b1[key]) / statistics.median(b2[key])
-                         for b1, b2 in zip(blocks[::2], blocks[1::2])]
-                per[mode] = {"median_ms": med, "ratio_of_medians": med[b] / med[a], "paired": mean_ci95(pairs)}
+            per = block_summary(blocks, arms)
             res["lengths"][str(n)] = {"blocks": blocks, **per,
                                       "planned": planned_choices(arms, n, args.burst, gpu, layers)}
             print(f"  L={n}: {b}/{a} TTFT {per['single']['ratio_of_medians']:.3f} single "
                   f"(paired {per['single']['paired']['mean']:.3f}), {per['burst']['ratio_of_medians']:.3f} burst",
                   flush=True)
     return res
+
+
+def block_summary(blocks: list[dict], arms) -> dict:
+    """One length's ABBA blocks, for single requests and for bursts: each arm's median over all its blocks, the
+    second arm's over the first's, and the paired ratios (blocks (0,1), (2,3), ... hold one block of each arm, so
+    slow drift cancels) with their mean and 95% interval."""
+    from sglang_h20.abstats import mean_ci95
+
+    a, b = arms
+    per = {}
+    for mode, key in (("single", "single_ms"), ("burst", "burst_ms")):
+        med = {arm: statistics.median(x for blk in blocks if blk["arm"] == arm for x in blk[key]) for arm in arms}
+        pairs = [statistics.median(b2[key]) / statistics.median(b1[key]) if b1["arm"] == a
+                 else statistics.median(b1[key]) / statistics.median(b2[key])
+                 for b1, b2 in zip(blocks[::2], blocks[1::2])]
+        per[mode] = {"median_ms": med, "ratio_of_medians": med[b] / med[a], "paired": mean_ci95(pairs)}
+    return per
 
 
 def overhead_samples(res: dict) -> list:

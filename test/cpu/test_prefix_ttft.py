@@ -144,3 +144,31 @@ def test_phase_ratios_reproduce_the_stored_phase_runs_and_need_our_phase():
     assert bench.phase_ratios({"upstream": one, "se-no-prefill-graph": ours}) == {
         "se-no-prefill-graph_vs_upstream": {"4096": {"single": 0.8, "burst": 1.25}}}
     assert bench.phase_ratios({"upstream": one}) == {} == bench.phase_ratios({"se-no-prefill-graph": ours})
+
+
+def test_block_summary_reproduces_every_stored_one_server_run():
+    """The one-server A/B's figures (each arm's median TTFT, the ratio of medians, the paired ratios' mean and
+    interval), recomputed from every stored run's raw block timings, equal what the run wrote: H200 and H100, in and
+    out of sample. Runs before 'arms' was recorded name them by the ABBA order (A first)."""
+    from repo_scripts import REPO
+
+    runs = sorted((REPO / "benchmark" / "results" / "mha_mla").glob("prefix_ttft*.json"))
+    lengths = 0
+    for path in runs:
+        rec = json.loads(path.read_text())
+        if "one_server" not in rec:
+            continue
+        one = rec["one_server"]
+        arms = one.get("arms") or one["order"][:2]
+        for n, got in one["lengths"].items():
+            assert bench.block_summary(got["blocks"], arms) == {m: got[m] for m in ("single", "burst")}, (path, n)
+            lengths += 1
+    assert lengths == 6 * 3
+    blocks = [{"arm": "a", "single_ms": [10.0, 12.0], "burst_ms": [40.0]},
+              {"arm": "b", "single_ms": [9.0, 9.0], "burst_ms": [44.0]},
+              {"arm": "b", "single_ms": [10.0], "burst_ms": [40.0]},
+              {"arm": "a", "single_ms": [10.0], "burst_ms": [40.0]}]
+    got = bench.block_summary(blocks, ("a", "b"))
+    assert got["single"]["median_ms"] == {"a": 10.0, "b": 9.0} and got["single"]["ratio_of_medians"] == 0.9
+    assert got["single"]["paired"]["mean"] == pytest.approx((9 / 11 + 1.0) / 2)  # b over a within each pair
+    assert got["burst"]["paired"]["mean"] == pytest.approx((1.1 + 1.0) / 2)
