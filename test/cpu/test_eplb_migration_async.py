@@ -763,10 +763,11 @@ def test_placement_interference_bench_runs_on_the_cpu(tmp_path):
     assert all(0 < r["p50_ms"] <= r["max_ms"] for r in rows.values()) and rec["args"]["cpu"] is True
 
 
-def test_the_step_time_benchmarks_slot_check_catches_a_wrong_move():
+def test_the_step_time_benchmarks_slot_check_tail_ratios_and_draws():
     """migration_step_time's verdict 'bit_identical' rests on moved_ok: a slot must now hold what the slot of its new
     expert held before. A right move passes; a slot left unmoved, two swapped, or one wrong layer of two fails. Its
-    re-placement draws are derangements: every slot gets another expert."""
+    window statistics and tail ratios have worked values, and the stored runs' ratios are those of their own
+    figures. Its re-placement draws are derangements: every slot gets another expert."""
     from repo_scripts import load_script
 
     step_time = load_script("benchmark/eplb/migration_step_time.py")
@@ -778,6 +779,20 @@ def test_the_step_time_benchmarks_slot_check_catches_a_wrong_move():
     for wrong in ({0: before[0], 1: right[1]}, {0: torch.tensor([50, 70, 60]), 1: right[1]},
                   {0: right[0], 1: torch.tensor([61, 51, 71])}):
         assert not step_time.moved_ok(before, wrong, old, new)
+    assert step_time.stats([1.0, 2.0, 3.0, 4.0, 100.0]) == pytest.approx(
+        {"steps": 5, "p50_ms": 3.0, "p99_ms": 4.0 + 0.96 * 96.0, "max_ms": 100.0, "mean_ms": 22.0})
+    assert step_time.over_steady({"p99_ms": 21.0, "max_ms": 30.0}, {"p50_ms": 20.0, "p99_ms": 20.5}) == pytest.approx(
+        {"p99_over_steady_p50": 1.05, "p99_over_steady_p99": 21.0 / 20.5, "max_over_steady_p50": 1.5})
+    windows = 0  # the stored H200 runs' ratios are these of their own figures
+    for path in sorted((pathlib.Path(__file__).parents[2] / "benchmark" / "results" / "eplb").glob(
+            "migration_step_time*.json")):
+        for preset in json.loads(path.read_text())["presets"].values():
+            for k in ("ours", "blocking"):
+                if "p99_over_steady_p50" in preset.get(k, {}):
+                    got = step_time.over_steady(preset[k], preset["steady"])
+                    assert got == pytest.approx({r: preset[k][r] for r in got}, rel=1e-12), (path.name, k)
+                    windows += 1
+    assert windows == 14
     rng = np.random.default_rng(3)
     for n in (2, 3, 8, 64):
         for _ in range(20):
