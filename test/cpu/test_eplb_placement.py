@@ -497,3 +497,18 @@ def test_node_round_swaps_each_lower_the_objective(alpha):
             np.add.at(onehot, (st.gpu[l] // G, st.e[l]), st.prim[l].astype(float))
             np.testing.assert_allclose(st.A[l], onehot @ st.W[l].astype(np.float64), rtol=1e-5, atol=1e-6)
     assert seconds > 10, "the random states should leave many layers a second swap to make"
+
+
+def test_validate_refuses_each_kind_of_broken_placement():
+    """Placement.validate, which every planner's result goes through: a right placement passes; an expert id below 0
+    or past the last expert, an expert left without a replica, or a slot count off the topology's is refused with
+    its reason."""
+    topo = Topology(1, 2, 3)  # 6 slots for 4 experts: 2 redundant
+    ok = np.array([[0, 1, 2, 3, 0, 1]])
+    Placement(ok, topo, 4).validate()
+    for bad, reason in ((np.array([[0, 1, 2, 3, 0, -1]]), "out of range"),
+                        (np.array([[0, 1, 2, 3, 4, 1]]), "out of range"),
+                        (np.array([[0, 1, 2, 0, 0, 1]]), "layer 0: logical expert 3 has no replica"),
+                        (np.array([[0, 1, 2, 3, 0]]), "5 slots per layer, topology has 6")):
+        with pytest.raises(ValueError, match=reason):
+            Placement(bad, topo, 4).validate()
