@@ -512,3 +512,21 @@ def test_validate_refuses_each_kind_of_broken_placement():
                         (np.array([[0, 1, 2, 3, 0]]), "5 slots per layer, topology has 6")):
         with pytest.raises(ValueError, match=reason):
             Placement(bad, topo, 4).validate()
+
+
+def test_a_layer_without_tokens_is_placed_as_if_every_expert_were_equally_loaded():
+    """A layer that saw no token in the window (all counts 0) must still get a valid placement; ours spreads it as
+    if loads were equal (no expert twice on a GPU, one extra copy at most per expert), beside a layer with real
+    routing."""
+    rng = np.random.default_rng(5)
+    topk, _ = routing(1, 512, rng, num_experts=64)
+    coact = stats_from(topk, 64).coact
+    empty = CoactivationStats(np.concatenate([coact, np.zeros_like(coact)]), 512)
+    topo = Topology(2, 2, 18)  # 72 slots for 64 experts
+    place(empty, topo, "deepseek").validate()  # upstream's planner: valid; how it spreads copies is its own
+    p = place(empty, topo, "affinity")
+    p.validate()
+    per_gpu = p.phy2log[1].reshape(topo.num_gpus, -1)
+    assert all(len(set(row)) == topo.slots_per_gpu for row in per_gpu)  # no expert twice on a GPU
+    counts = p.replica_counts()[1]
+    assert counts.min() >= 1 and counts.max() - counts.min() <= 1, counts  # the 8 extra copies spread evenly
