@@ -390,8 +390,8 @@ def test_fallbacks_call_upstream_unchanged_and_log_once(monkeypatch, tmp_path, c
 
 
 def test_activation_dtype_and_rank_are_each_checked_and_torch_compile_goes_upstream(monkeypatch, tmp_path, caplog):
-    """fp16 2-D activations and bf16 3-D ones are each refused (either alone is enough), and under torch.compile the
-    call goes upstream with that reason, not with another."""
+    """fp16 2-D activations and bf16 3-D ones are each refused (either alone is enough), so is each shape our kernels
+    do not take, and under torch.compile the call goes upstream with that reason, not with another."""
     caplog.set_level(logging.INFO, logger="sglang_h20.swapab")
     x, w1q, w1s, w2q, w2s, w, ids = make_moe(seed=2, tokens=4, top_k=2)
     cfg = runner_config(2, False)
@@ -399,6 +399,13 @@ def test_activation_dtype_and_rank_are_each_checked_and_torch_compile_goes_upstr
     assert swapab.moe_unsupported(x, w1q, w2q, ids, *args) is None
     assert "dtype torch.float16, 2-D" in swapab.moe_unsupported(x.half(), w1q, w2q, ids, *args)
     assert "dtype torch.bfloat16, 3-D" in swapab.moe_unsupported(x[None], w1q, w2q, ids, *args)
+    fp8 = lambda *shape: torch.empty(*shape, dtype=torch.float8_e4m3fn)  # noqa: E731  (host-side checks only)
+    for w1, w2, hidden in ((fp8(E, 2 * INTER, 192), fp8(E, 192, INTER), 192),  # K not whole 128-blocks
+                           (fp8(E, 2 * 192, H), fp8(E, H, 192), H),  # intermediate not whole blocks
+                           (w1q, w2q, H + 128),  # activations wider than the weights' K
+                           (w1q, fp8(E, H, 2 * INTER), H)):  # down weights of another intermediate size
+        got = swapab.moe_unsupported(torch.zeros(4, hidden, dtype=torch.bfloat16), w1, w2, ids, *args)
+        assert got == f"MoE shapes w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}"
     use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries()))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     from sglang.srt.layers.moe.topk import StandardTopKOutput
