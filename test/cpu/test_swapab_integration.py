@@ -464,6 +464,19 @@ def test_masked_hook_runs_ours_where_the_table_says(monkeypatch, tmp_path):
         assert out[g, m:].isnan().all()
 
 
+def test_masked_hook_reads_the_one_token_entry_for_an_expected_m_of_0_or_1(monkeypatch, tmp_path):
+    """DeepEP's expected_m is 0 or 1 at a one-token decode: both read the table's m = 1 entry (ours here), while 2
+    reads m = 2 (upstream here)."""
+    entries = [{"n": 256, "k": 256, "groups": 3, "m": m, "layout": "masked", "best": "swapab" if m == 1 else "upstream"}
+               for m in (1, 2, 4, 8)]
+    use_table(monkeypatch, write_table(tmp_path / "one.json", entries))
+    lhs, rhs, out, masked_m = masked_inputs(9)
+    for expected_m, ours in ((0, True), (1, True), (2, False)):
+        calls = []
+        got = swapab.masked_gemm_hook(recording_original(calls), lhs, rhs, out, masked_m, expected_m)
+        assert (got is None and calls == []) if ours else (got == "upstream" and len(calls) == 1), expected_m
+
+
 def test_masked_hook_runs_the_split_variant_with_the_tables_boundary(monkeypatch, tmp_path):
     """An entry whose best is 'split' (swapAB below split_at tokens, normal above): the hook runs both launches with
     the table's boundary, and every group is right (one light, one empty, one heavy group here)."""
