@@ -245,6 +245,12 @@ def test_the_record_states_affinity_over_upstream_only_where_both_arms_measured(
     bench.write_record(a, {**arms, "affinity": {"remote_share_mean": 0.0}})  # ours kept nothing remote: a ratio of 0
     rec = json.loads((tmp_path / "affinity_remote_share.json").read_text())
     assert rec["affinity_over_deepseek"] == 0.0 and "token_leave_affinity_over_deepseek" not in rec
+    for name, n in (("affinity_remote_share_ep2_h200.json", 1), ("affinity_token_leave_ep2_h200.json", 2)):
+        stored = json.loads((REPO / "benchmark" / "results" / "eplb" / name).read_text())  # the EP-2 runs' ratios
+        bench.write_record(a, stored["arms"])
+        rec = json.loads((tmp_path / "affinity_remote_share.json").read_text())
+        keys = [k for k in ("affinity_over_deepseek", "token_leave_affinity_over_deepseek") if k in stored]
+        assert len(keys) == n and {k: rec[k] for k in keys} == {k: stored[k] for k in keys}, name
 
 
 def test_arms_are_checked_before_any_server_and_a_repeated_arm_is_recorded_as_its_second(tmp_path, monkeypatch,
