@@ -1,5 +1,5 @@
-"""The repository's files for the CPU tests: benchmark and script files (not packages) loaded as modules, and the
-list of tracked files."""
+"""The repository's files for the CPU tests: benchmark and script files (not packages) loaded as modules, the
+committed GPU records, and the list of tracked files."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,6 +8,14 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmark" / "results"
+
+
+def stored_record(rel: str) -> dict:
+    """A committed GPU record, RESULTS/rel (xz-compressed or not), read as the benchmarks read it."""
+    from sglang_h20.cliargs import read_json
+
+    return read_json(RESULTS / rel, "record")
 
 
 def load_script(rel: str):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from repo_scripts import load_script
+from repo_scripts import load_script, stored_record
 
 REPO = Path(__file__).resolve().parents[2]
 bench = load_script("benchmark/serving/affinity_remote_share.py")
@@ -246,7 +246,7 @@ def test_the_record_states_affinity_over_upstream_only_where_both_arms_measured(
     rec = json.loads((tmp_path / "affinity_remote_share.json").read_text())
     assert rec["affinity_over_deepseek"] == 0.0 and "token_leave_affinity_over_deepseek" not in rec
     for name, n in (("affinity_remote_share_ep2_h200.json", 1), ("affinity_token_leave_ep2_h200.json", 2)):
-        stored = json.loads((REPO / "benchmark" / "results" / "eplb" / name).read_text())  # the EP-2 runs' ratios
+        stored = stored_record(f"eplb/{name}")  # the EP-2 runs' ratios
         bench.write_record(a, stored["arms"])
         rec = json.loads((tmp_path / "affinity_remote_share.json").read_text())
         keys = [k for k in ("affinity_over_deepseek", "token_leave_affinity_over_deepseek") if k in stored]

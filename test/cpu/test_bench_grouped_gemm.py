@@ -7,9 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
 import bench_grouped_gemm as bench  # noqa: E402
-from repo_scripts import REPO  # noqa: E402
-
-from sglang_h20.cliargs import read_json  # noqa: E402
+from repo_scripts import stored_record  # noqa: E402
 
 
 def test_tune_walks_filter_the_grid():
@@ -425,7 +423,7 @@ def test_point_metrics_worked_values_and_the_committed_grid():
     points = 0
     for name in ("grouped_gemm_full_s49_h200.json.xz", "grouped_gemm_full_s49_g256_m1_m32_h200.json.xz",
                  "grouped_gemm_full_s49_g256_m64_m256_h200.json.xz"):
-        rec = read_json(REPO / "benchmark" / "results" / "swapab" / name, "record")
+        rec = stored_record(f"swapab/{name}")
         for p in rec["points"]:
             if p.get("kind") != "moe" or p["provider"] == "ours-split" or not isinstance(p.get("us"), float):
                 continue

@@ -1,9 +1,7 @@
 """bench_mla_decode's target check: the best of our providers per point against FlashMLA BF16 (on the issue's
 128-head, batch >= 16, context >= 4k points only), the fastest upstream FP8 path and the roofline."""
 import pytest
-from repo_scripts import REPO, load_script
-
-from sglang_h20.cliargs import read_json
+from repo_scripts import load_script, stored_record
 
 bench = load_script("benchmark/kernels/bench_mla_decode.py")
 
@@ -151,7 +149,7 @@ def test_point_metrics_worked_values_and_the_committed_grids():
     runs = {"mla_decode_full_grid_s49_h200.json.xz": 384, "mla_decode_h128_b2_b8_s49_h200.json.xz": 90,
             "mla_split_sweep_h128_b1_b8_s50_h200.json": 208}
     for name, rows in runs.items():
-        rec = read_json(REPO / "benchmark" / "results" / "mla_decode" / name, "record")
+        rec = stored_record(f"mla_decode/{name}")
         assert len(rec["points"]) == rows
         for r in rec["points"]:
             got = bench.point_metrics(r["provider"], (r["batch"], r["context"], r["heads"], r["q_len"]),

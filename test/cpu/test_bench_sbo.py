@@ -1,5 +1,4 @@
 """bench_sbo's measure of one GPU's overlap (the share of combine + shared-expert time hidden), from a layer row."""
-import json
 import sys
 from pathlib import Path
 
@@ -7,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
 import bench_sbo as bench  # noqa: E402
-from repo_scripts import REPO  # noqa: E402
+from repo_scripts import stored_record  # noqa: E402
 
 
 def test_hidden_shares_weigh_each_beside_arm_against_nothing_overlapped():
@@ -65,7 +64,7 @@ def test_kernel_shares_worked_values_and_the_committed_runs():
         "best_budget": 16, "overlap_gain_us": 17.0, "gemm_slowdown_pct_at_best": 10.0,
         "with_shared_gain_us": 20.0})  # the best budget with the shared expert beside is 8, not the overlap's 16
     for name in ("bench_sbo_colocated_h200.json", "bench_sbo_e16_h200.json"):
-        rec = json.loads((REPO / "benchmark" / "results" / "sbo" / name).read_text())
+        rec = stored_record(f"sbo/{name}")
         for batch, s in rec["summary"].items():
             budgets = sorted(int(k[len("overlap["):-1]) for k in s if k.startswith("overlap["))
             got = bench.kernel_shares(s, budgets)
@@ -79,7 +78,7 @@ def test_the_layer_rows_shares_and_ratios_reproduce_the_stored_runs():
     rows = 0
     for name in ("sbo_layer_shared_e16_s61_h100.json", "sbo_layer_shared_e16_b8_b64_s62_h100.json",
                  "sbo_layer_slim_shared_e16_h200.json", "sbo_layer_slim_shared_e16_b64_h200.json"):
-        for row in json.loads((REPO / "benchmark" / "results" / "sbo" / name).read_text())["layer"]:
+        for row in stored_record(f"sbo/{name}")["layer"]:
             times = {k: v for k, v in row.items() if k.endswith("_us")}
             assert bench.hidden_shares(times) == pytest.approx(row["hidden_pct"], rel=1e-12), (name, row["batch"])
             stored = {k: v for k, v in row.items() if k.endswith("_beside_vs_upstream")}

@@ -768,7 +768,7 @@ def test_the_step_time_benchmarks_slot_check_tail_ratios_and_draws():
     expert held before. A right move passes; a slot left unmoved, two swapped, or one wrong layer of two fails. Its
     window statistics and tail ratios have worked values, and the stored runs' ratios are those of their own
     figures. Its re-placement draws are derangements: every slot gets another expert."""
-    from repo_scripts import load_script
+    from repo_scripts import RESULTS, load_script
 
     step_time = load_script("benchmark/eplb/migration_step_time.py")
     old = {0: [5, 6, 7], 1: [5, 6, 7]}  # slot s of layer l holds expert old[l][s]
@@ -784,8 +784,7 @@ def test_the_step_time_benchmarks_slot_check_tail_ratios_and_draws():
     assert step_time.over_steady({"p99_ms": 21.0, "max_ms": 30.0}, {"p50_ms": 20.0, "p99_ms": 20.5}) == pytest.approx(
         {"p99_over_steady_p50": 1.05, "p99_over_steady_p99": 21.0 / 20.5, "max_over_steady_p50": 1.5})
     windows = 0  # the stored H200 runs' ratios are these of their own figures
-    for path in sorted((pathlib.Path(__file__).parents[2] / "benchmark" / "results" / "eplb").glob(
-            "migration_step_time*.json")):
+    for path in sorted((RESULTS / "eplb").glob("migration_step_time*.json")):
         for preset in json.loads(path.read_text())["presets"].values():
             for k in ("ours", "blocking"):
                 if "p99_over_steady_p50" in preset.get(k, {}):

@@ -128,16 +128,11 @@ def test_the_stored_runs_verdicts_and_ratios_are_what_summarize_gives_their_phas
     """The parity records the results README quotes (every feature off; the two one-GPU runs of session 48; the EP-2
     flashmla pair), recomputed from their phases with today's code: every stored figure again (older records lack the
     ITL ratio added later)."""
-    import json
-    import lzma
+    from repo_scripts import stored_record
 
-    from repo_scripts import REPO
-
-    folder = REPO / "benchmark" / "results"
     for name in ("plugin_parity_h200.json", "plugin_parity_policy_observe_s48_run1_h200.json.xz",
                  "plugin_parity_policy_observe_s48_run2_h200.json.xz", "plugin_parity_ep2_flashmla_h200.json"):
-        path = folder / name
-        rec = json.loads(lzma.open(path).read() if name.endswith(".xz") else path.read_text())
+        rec = stored_record(name)
         got = bench.summarize(rec["phases"])
         assert {k: got[k] for k in rec["summary"]} == rec["summary"], name
         assert got["greedy_ids_identical"], name

@@ -131,11 +131,11 @@ def test_phase_ratios_reproduce_the_stored_phase_runs_and_need_our_phase():
     """The phase mode's ratios (our policy over each upstream phase, single and burst TTFT per length), recomputed
     from the stored phase runs' medians, equal what they wrote (session 1's record named its keys 'se_vs_...' then);
     without our phase, or with only our phase, there is no ratio."""
-    from repo_scripts import REPO
+    from repo_scripts import stored_record
 
     key = "ttft_ratio_ours_over_upstream (lower is better)"
     for name in ("prefix_ttft_session3_h200.json", "prefix_ttft_old_table_h200.json"):
-        rec = json.loads((REPO / "benchmark" / "results" / "mha_mla" / name).read_text())
+        rec = stored_record(f"mha_mla/{name}")
         got = bench.phase_ratios(rec["phases"])
         assert set(got) == {"se-no-prefill-graph_vs_upstream", "se-no-prefill-graph_vs_upstream-no-prefill-graph"}
         assert got == rec[key], name
@@ -150,9 +150,9 @@ def test_block_summary_reproduces_every_stored_one_server_run():
     """The one-server A/B's figures (each arm's median TTFT, the ratio of medians, the paired ratios' mean and
     interval), recomputed from every stored run's raw block timings, equal what the run wrote: H200 and H100, in and
     out of sample. Runs before 'arms' was recorded name them by the ABBA order (A first)."""
-    from repo_scripts import REPO
+    from repo_scripts import RESULTS
 
-    runs = sorted((REPO / "benchmark" / "results" / "mha_mla").glob("prefix_ttft*.json"))
+    runs = sorted((RESULTS / "mha_mla").glob("prefix_ttft*.json"))
     lengths = 0
     for path in runs:
         rec = json.loads(path.read_text())

@@ -6,11 +6,10 @@ import re
 
 import pytest
 
-from repo_scripts import REPO, tracked_files
+from repo_scripts import REPO, RESULTS, tracked_files
 from sglang_h20 import settings
 
 README = (REPO / "README.md").read_text()
-RESULTS = REPO / "benchmark" / "results"
 
 
 def switch_rows() -> dict[str, list[str]]:
