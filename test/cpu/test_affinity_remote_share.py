@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from repo_scripts import load_script, stored_record
+from repo_scripts import REPO, load_script, stored_record
 
-REPO = Path(__file__).resolve().parents[2]
 bench = load_script("benchmark/serving/affinity_remote_share.py")
 
 

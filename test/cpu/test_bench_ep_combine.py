@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from repo_scripts import load_script
+from repo_scripts import REPO, load_script
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-REPO = Path(__file__).resolve().parents[2]
 bench = load_script("benchmark/kernels/bench_ep_combine.py")
 
 

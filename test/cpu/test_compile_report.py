@@ -17,7 +17,7 @@ import pytest
 import torch
 import triton
 
-REPO = Path(__file__).resolve().parents[2]
+from repo_scripts import REPO  # noqa: E402
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 SPILL_BOUND = 64  # bytes: a few registers' worth; the shipped configs measured 0-4
 

@@ -210,6 +210,7 @@ def test_mismatched_placements_are_refused():
         plan_migration(old, P([[0, 1, 0, 2, 3, 2, 4, 5, 6, 8, 7, 6]], experts=9), EB, 10 * EB)
     with pytest.raises(ValueError, match="expert_bytes"):
         plan_migration(old, old, 0, 10 * EB)
+    assert plan_migration(old, old, 1, 10).transfers == ()  # the smallest expert is still one
 
 
 def test_chunk_filled_exactly_to_the_budget_stays_one_chunk():

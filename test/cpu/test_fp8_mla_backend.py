@@ -36,7 +36,7 @@ from sglang_h20.settings import Settings
 
 mla = importlib.import_module("sgl_kernel_ext.mla_decode")
 DEVICE = "cpu" if mla._INTERPRETED else "cuda"
-REPO = Path(__file__).resolve().parents[2]
+from repo_scripts import REPO  # noqa: E402
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_H20_") and k != "SGLANG_PLUGINS"}
 PAGE = 64
 

@@ -26,7 +26,7 @@ from sglang_h20.observe import analyze, export, recorder, report, stages, synth
 from sglang_h20.observe.recorder import OUTSIDE, CpuClock, StageRecorder, rank_loads, remote_share
 from sglang_h20.settings import Settings
 
-REPO = Path(__file__).resolve().parents[2]
+from repo_scripts import REPO  # noqa: E402
 ON = Settings.from_env({"SGLANG_H20_OBSERVE": "0.25"})
 
 

@@ -45,12 +45,13 @@ from sglang_h20.moe import swapab  # noqa: E402
 from sglang_h20.settings import Settings  # noqa: E402
 from sglang_h20.cliargs import read_json  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark" / "kernels"))
+from repo_scripts import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmark" / "kernels"))
 import bench_grouped_gemm as bench  # noqa: E402  (the --table-from merge that built the shipped table)
 
 E, H, INTER = 4, 256, 256
 REL_UPSTREAM, REL_EXACT, REL_GEMM = 2.5e-2, 4e-2, 1e-2
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHIPPED_RUNS = [next(p for p in (base + ".json", base + ".json.xz") if os.path.isfile(p))  # large ones are xz'd
                 for base in (os.path.join(REPO, "benchmark", "results", "swapab", f"grouped_gemm_{name}_h200") for name in (
     "full",  # MoE, every shape

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from repo_scripts import load_script
+from repo_scripts import REPO, load_script
 from test_mla_decode_cuda_build import every_kernel_clean
 
 cu = importlib.import_module("sgl_kernel_ext.mla_decode_cuda")
 
-REPO = Path(__file__).resolve().parents[2]
 trace = load_script("benchmark/kernels/trace_mla_decode.py")
 
 TRACE_ENTRY_POINTS = ("mla_fp8_trace_reset", "mla_fp8_trace_read", "mla_fp8_trace_shape")

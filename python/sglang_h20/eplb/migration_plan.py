@@ -269,8 +269,8 @@ def boundary_schedule(plan: MigrationPlan, per_boundary: int) -> tuple[list[list
     """Boundary mode's fixed schedule, the same on every rank: per chunk, the transfer ids posted at each of its
     boundaries (its stages in order, each stage's transfers link by link in turn; a boundary takes transfers in
     that order while every rank sends at most `per_boundary` experts and receives at most as many, links being
-    full duplex), and per batch whether the waiter is told after it: when it holds a layer's last transfer, ends
-    the chunk, or is every FLUSH_EVERY-th."""
+    full duplex), and per batch whether the waiter is told after it: when it holds a layer's last transfer of the
+    chunk (the chunk's last batch always does: it holds the chunk's last transfer), or is every FLUSH_EVERY-th."""
     batches, flush = [], []
     for chunk in plan.chunks:
         order = [tid for stage in chunk.stages for tid in _by_link_round_robin(plan, stage.tids)]
@@ -287,8 +287,7 @@ def boundary_schedule(plan: MigrationPlan, per_boundary: int) -> tuple[list[list
             load.update(ends)
         ends_layer = set(last.values())
         batches.append(out)
-        flush.append([k == len(out) - 1 or k % FLUSH_EVERY == FLUSH_EVERY - 1 or any(t in ends_layer for t in b)
-                      for k, b in enumerate(out)])
+        flush.append([k % FLUSH_EVERY == FLUSH_EVERY - 1 or any(t in ends_layer for t in b) for k, b in enumerate(out)])
     return batches, flush
 
 
