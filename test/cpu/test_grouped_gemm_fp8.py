@@ -596,6 +596,17 @@ def test_silu_mul_quant(rows, inter):
     check_silu_quant(q, s, x)
 
 
+def test_silu_mul_quant_reads_a_strided_input():
+    """x as a view with every stride other than 1 (a column slice of a wider buffer, every other element): the
+    kernel reads it through its strides, as it does a contiguous one."""
+    wide = (torch.randn(7, 4 * 256, generator=gen(57)) * 2).to(torch.bfloat16)
+    x = wide[:, ::2]
+    assert x.stride() == (4 * 256, 2)
+    q, s = silu_mul_quant_fp8(x)
+    assert q.shape == (7, 256) and s.shape == (7, 2)
+    check_silu_quant(q, s, x.contiguous())
+
+
 def test_silu_mul_quant_masked():
     masked = [0, 5, 12]
     x = (torch.randn(3, 12, 2 * 256, generator=gen(51)) * 3).to(torch.bfloat16)
