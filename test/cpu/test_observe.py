@@ -841,6 +841,14 @@ def test_dump_round_trip_and_rotation(tmp_path):
     big.write({"step": 0, "rank": 0})  # longer than max_bytes, but the file is empty: nothing to rotate
     big.close()
     assert [f.name for f in (tmp_path / "big").iterdir()] == ["observe-rank000.jsonl"]
+    line = len('{"step":0,"rank":0}\n')  # 20 bytes: two fill a 40-byte file exactly, a third rotates it
+    full = export.JsonlWriter(tmp_path / "full", rank=0, max_bytes=2 * line, keep=1)
+    full.close()  # closing a writer that never wrote, and closing twice, are no-ops
+    for i in range(3):
+        full.write({"step": i % 10, "rank": 0})
+    full.close()
+    full.close()
+    assert [[r["step"] for r in export.read_dump(f)] for f in sorted((tmp_path / "full").iterdir())] == [[2], [0, 1]]
 
 
 def test_rotation_shifts_numbered_copies_newest_first_and_errors_name_their_line(tmp_path, monkeypatch):
@@ -963,6 +971,9 @@ def test_every_exporter_of_a_process_shares_one_prometheus_registration(tmp_path
     monkeypatch.setattr(export, "metrics_enabled", lambda: True)
     first, second = (export.Exporter.for_process(str(tmp_path), r) for r in (0, 1))
     assert len(made) == 1 and first.prom is second.prom is made[0]
+    assert first.writer.path == tmp_path / "observe-rank000.jsonl" and second.writer.path.parent == tmp_path
+    monkeypatch.chdir(tmp_path)  # no directory named: the default one, under the server's working directory
+    assert export.Exporter.for_process(None, 3).writer.path == Path(export.DEFAULT_DIR, "observe-rank003.jsonl")
 
 
 def test_prometheus_export_with_the_real_client():

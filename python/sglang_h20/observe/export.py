@@ -236,7 +236,6 @@ class Exporter:
 
     def __init__(self, writer: JsonlWriter | None = None, prom: PrometheusExporter | None = None):
         self.writer, self.prom = writer, prom
-        self.count = 0
 
     @classmethod
     def for_process(cls, out_dir: str | None, rank: int) -> "Exporter":
@@ -259,7 +258,6 @@ class Exporter:
 
     def emit(self, record: dict) -> None:
         record.setdefault("schema", SCHEMA)
-        self.count += 1
         if self.writer is not None:
             try:
                 self.writer.write(record)
