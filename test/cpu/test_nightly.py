@@ -374,7 +374,7 @@ def test_runner_fills_models_into_kernel_commands(tmp_path, monkeypatch):
     assert rec["points"]["kernel/m"]["metrics"]["t"]["values"] == [float(len(str(tmp_path / "models") + "/x"))]
 
 
-def test_runner_kernels_record_values_skips_and_failures(tmp_path, monkeypatch):
+def test_runner_kernels_record_values_skips_and_failures(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bench_ok.py").write_text(
         "import json, sys\njson.dump({'tflops': 500.0, 'latency_us': 41.5, 'extra': 'ignored'}, open(sys.argv[1], 'w'))\n")
@@ -400,6 +400,11 @@ def test_runner_kernels_record_values_skips_and_failures(tmp_path, monkeypatch):
     assert pts["kernel/bad"]["error"].startswith("repeat 1: ")  # the first repeat failed, the second was not run
     assert pts["kernel/after"]["metrics"]["tflops"]["values"] == [500.0, 500.0]  # the run went on
     assert cmp.failures(rec) == {"kernel/bad": pts["kernel/bad"]["error"]}
+    # progress: each repeat's command as it starts, then its values
+    said = [re.sub(r"^.*\] ", "", l) for l in capsys.readouterr().out.splitlines() if "kernel/ok" in l]
+    run_ok = f"{py} bench_ok.py {tmp_path / 'out' / 'kernels'}"
+    assert said == [f"kernel/ok repeat 1/2: {run_ok}/ok.r0.json", "kernel/ok repeat 1/2: tflops=500, latency_us=41.5",
+                    f"kernel/ok repeat 2/2: {run_ok}/ok.r1.json", "kernel/ok repeat 2/2: tflops=500, latency_us=41.5"]
 
 
 def test_runner_only_filter_and_missing_metric(tmp_path, monkeypatch, capsys):
@@ -504,12 +509,14 @@ def test_runner_serving_with_fake_server(tmp_path, monkeypatch, capsys):
     assert pts["serving/m/off/c48"]["error"] == "repeat 1: RuntimeError: bench_serving failed (rc=1)"
     assert pts["serving/m/off/c128"]["metrics"]["decode_tok_s"]["values"] == [5005.0, 6005.0]  # run went on
     # each repeat's progress line; why a decode rate is missing only where it is
-    lines = [l for l in capsys.readouterr().out.splitlines() if re.search(r"serving/m/off/c16 repeat ./2: ", l)]
+    out = capsys.readouterr().out.splitlines()
+    lines = [l for l in out if re.search(r"serving/m/off/c16 repeat ./2: ", l)]
     assert [re.search(r"repeat (./2)", l)[1] for l in lines] == ["1/2", "2/2"], lines
+    assert [l[-10:] for l in out if re.search(r"serving/m/off/c16 repeat ./2$", l)] == ["repeat 1/2", "repeat 2/2"]
     assert all("decode_tok_s=" in l and "no decode lines" not in l for l in lines), lines
 
 
-def test_runner_records_a_server_that_fails_to_start(tmp_path, monkeypatch):
+def test_runner_records_a_server_that_fails_to_start(tmp_path, monkeypatch, capsys):
     class Broken(FakeServer):
         def __enter__(self):
             raise RuntimeError("server exited with 1 before ready")
@@ -518,6 +525,7 @@ def test_runner_records_a_server_that_fails_to_start(tmp_path, monkeypatch):
     conf = cfg.parse(minimal(kernel=[]))
     rec = runner.run(conf, tmp_path, models="/m")
     assert rec["points"]["serving/m/off/c16"]["error"] == "server: RuntimeError: server exited with 1 before ready"
+    assert "] serving/m/off FAILED: RuntimeError: server exited with 1 before ready\n" in capsys.readouterr().out
 
 
 def test_runner_records_a_server_that_dies_between_repeats(tmp_path, monkeypatch):
