@@ -17,7 +17,7 @@ from sglang_h20.eplb import placement as placement_mod
 from sglang_h20.eplb import simulate as sim
 from sglang_h20.eplb.placement import Placement, Topology
 from sglang_h20.eplb.stats import CoactivationStats
-from sglang_h20.eplb.trace import read_sglang_dump, synthetic_trace
+from sglang_h20.eplb.trace import read_sglang_dump, synthetic_trace, zipf_weights
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOPO = Topology(num_nodes=2, gpus_per_node=2, slots_per_gpu=2)  # GPUs 0,1 on node 0; 2,3 on node 1
@@ -242,6 +242,20 @@ def test_trace_full_strength_tokens_take_their_whole_cluster(E, clusters):
                 assert any(m <= got and (len(m) < size or m == got) for m in members), (got, members)
 
 
+def test_zipf_weights_sum_to_one_and_fall_by_rank():
+    w = zipf_weights(8, 1.5)
+    assert w.sum() == pytest.approx(1.0, abs=1e-12) and w[0] / w[3] == pytest.approx(4 ** 1.5)
+    assert np.allclose(zipf_weights(5, 0.0), 0.2)
+
+
+def test_trace_cluster_draws_follow_popularity():
+    """cluster_strength 1, one expert per token: a token picks a cluster by its summed popularity, then an expert in
+    it by popularity, so experts are drawn as often as the layer's popularity says (within sampling noise)."""
+    tr = synthetic_trace(1, 32, 1, 100_000, steps=1, skew=1.0, drift=0.0, clusters=4, cluster_strength=1.0, seed=5)
+    drawn = np.bincount(next(iter(tr))[0][:, 0], minlength=32) / 100_000
+    assert 0.5 * np.abs(drawn - tr.popularity(0)[0]).sum() < 0.015  # total variation (seen: 0.006)
+
+
 def test_trace_argument_edges():
     """top_k may equal the expert count (every token then routes to all of them); cluster_strength spans [0, 1]
     inclusive (0: tokens ignore their cluster), clusters span [1, num_experts]; outside them, and top_k above the
@@ -389,6 +403,26 @@ def test_read_sglang_dump_refuses_aggregated_modes(tmp_path):
         read_sglang_dump(tmp_path / "pass.pt")
     with pytest.raises(FileNotFoundError):
         read_sglang_dump(tmp_path / "missing.pt")
+    torch.save(dict(records=[]), tmp_path / "nomap.pt")  # records without the map they are read through
+    with pytest.raises(ValueError, match="not an SGLang expert-distribution dump"):
+        read_sglang_dump(tmp_path / "nomap.pt")
+
+
+def test_read_sglang_dump_directory_prefers_recorder_files_and_keeps_a_layer_routed_to_expert_0(tmp_path):
+    """A directory's expert_distribution_recorder_*.pt files are the dump (another .pt beside them is not read);
+    without any, its .pt files are; a layer whose tokens all went to logical expert 0 is a routed layer."""
+    import torch
+
+    p2l = torch.tensor([[0, 1], [1, 0]])  # two layers, two slots
+    ids = torch.tensor([[[0]], [[1]]], dtype=torch.int32)  # layer 0 -> slot 0, layer 1 -> slot 1: expert 0 both
+    torch.save(dict(records=[dict(forward_pass_id=1, topk_ids_of_layer=ids)], last_physical_to_logical_map=p2l),
+               tmp_path / "expert_distribution_recorder_1_0.pt")
+    torch.save({"weights": torch.ones(2)}, tmp_path / "other.pt")
+    d = read_sglang_dump(tmp_path)
+    assert d.layers.tolist() == [0, 1] and d.steps[0].tolist() == [[[0]], [[0]]] and d.num_experts == 2
+    (tmp_path / "other.pt").unlink()
+    (tmp_path / "expert_distribution_recorder_1_0.pt").rename(tmp_path / "renamed.pt")
+    assert read_sglang_dump(tmp_path).forward_pass_ids == [1]
 
 
 # --- driver ------------------------------------------------------------------------------------------------------
