@@ -1306,6 +1306,28 @@ def test_report_without_load_or_latency_keeps_every_section(tmp_path):
     assert len(re.findall(r"<img ", page)) == 4
 
 
+def test_heatmaps_draw_the_datasets_numbers(monkeypatch):
+    """Each heatmap's cells are the dataset's figures in the unit its label names (ms -> us), the rank x stage one
+    is centred on 1 with a symmetric colour range, and the expert-load lines sit on the EP rank boundaries."""
+    monkeypatch.setattr(report, "_png", lambda fig: fig)  # the figure itself instead of its PNG
+    ds = analyze.load(synth.synthesize(ranks=4, layers=5, steps=6, seed=2, first_dense=1, experts=16))
+    cells = lambda fig: fig.axes[0].images[0].get_array()  # noqa: E731
+    layer_stage = analyze.nanmedian(analyze.nanmedian(ds.times, axis=1), axis=0) * 1e3
+    assert np.allclose(cells(report.plot_layer_stage(ds)).filled(np.nan), layer_stage, equal_nan=True)
+    lat = cells(report.plot_latency(ds))
+    off = ~np.eye(4, dtype=bool)
+    assert lat.mask[~off].all() and np.allclose(lat.data[off], ds.latency[off] * 1e3)
+    fig = report.plot_rank_stage(ds)
+    tot = np.nansum(analyze.nanmedian(ds.times, axis=1), axis=1)
+    ratio = cells(fig)
+    assert np.allclose(ratio, tot / analyze.nanmedian(tot, axis=0))
+    lo, hi = fig.axes[0].images[0].get_clim()
+    assert lo + hi == pytest.approx(2.0) and hi - 1 >= max(0.25, float(np.abs(ratio - 1).max())) - 1e-12
+    lines = [ln.get_xdata()[0] for ln in report.plot_expert_load(ds).axes[0].lines]
+    assert (ds.experts_per_rank, ds.ep_size) == (4, 4) and lines == [3.5, 7.5, 11.5]
+    report._plt().close("all")
+
+
 def test_expert_mean_is_tokens_per_expert_per_pass_over_all_ranks():
     """Each pass's loads are summed over the ranks and averaged over the passes: rank r routes r + 1 + i tokens to
     every expert of load layer i in every pass, so two ranks give 3, 5 and 7 per expert."""
