@@ -456,6 +456,29 @@ def test_simulate_driver_with_stand_in_placer():
     json.dumps(rec)
 
 
+def test_simulate_counts_rebalances_after_the_first_placement_and_reports_per_layer():
+    """The first plan moves weights from the initial layout (a deployment's start, not a rebalance), so the mean
+    bytes per rebalance are the later plans' only; the per-layer figures have one value per layer."""
+    calls = []
+
+    def staged(stats, topo, algorithm, **kw):  # call 1: layer 0 rotated; 2: layer 0 again; 3: both layers
+        calls.append(1)
+        n = len(calls)
+        rows = [(np.arange(topo.num_slots) + (n if l == 0 or n == 3 else 0)) % stats.num_experts
+                for l in range(stats.num_layers)]
+        return Placement(np.stack(rows), topo, stats.num_experts, algorithm)
+
+    cfg = sim.SimConfig(topologies=("ep16",), structures=("clusters",), algorithms=("staged",),
+                        layers=2, tokens_per_step=128, steps=7, warmup=2, rebalance_every=2)
+    r = sim.simulate(cfg, placer=staged, progress=False, command="test")["results"]["clusters"]["ep16"]
+    staged_r = r["algorithms"]["staged"]
+    assert [m["total"] for m in staged_r["migrations"]] == [256 * sim.EXPERT_BYTES, 256 * sim.EXPERT_BYTES,
+                                                           512 * sim.EXPERT_BYTES]
+    assert staged_r["migration_bytes_per_rebalance"] == 384 * sim.EXPERT_BYTES
+    for key in ("balancedness_per_layer", "cross_node_per_layer"):
+        assert len(staged_r[key]) == 2, key  # 5 evaluated steps, 2 layers
+
+
 def test_each_structure_draws_its_own_trace(monkeypatch):
     """'clusters' draws the trace with the config's co-activation clusters, 'none' without any."""
     from sglang_h20.eplb import trace
