@@ -3,7 +3,6 @@ and summarizes by the slowest rank."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch

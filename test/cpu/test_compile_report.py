@@ -17,7 +17,8 @@ import pytest
 import torch
 import triton
 
-from repo_scripts import REPO  # noqa: E402
+from repo_scripts import REPO
+
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 SPILL_BOUND = 64  # bytes: a few registers' worth; the shipped configs measured 0-4
 

@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,9 +33,10 @@ from sglang_h20.attention import fp8_mla_backend as fb
 from sglang_h20.features import FEATURES, Decision, decide
 from sglang_h20.settings import Settings
 
+from repo_scripts import REPO
+
 mla = importlib.import_module("sgl_kernel_ext.mla_decode")
 DEVICE = "cpu" if mla._INTERPRETED else "cuda"
-from repo_scripts import REPO  # noqa: E402
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_H20_") and k != "SGLANG_PLUGINS"}
 PAGE = 64
 

@@ -26,7 +26,8 @@ from sglang_h20.observe import analyze, export, recorder, report, stages, synth
 from sglang_h20.observe.recorder import OUTSIDE, CpuClock, StageRecorder, rank_loads, remote_share
 from sglang_h20.settings import Settings
 
-from repo_scripts import REPO  # noqa: E402
+from repo_scripts import REPO
+
 ON = Settings.from_env({"SGLANG_H20_OBSERVE": "0.25"})
 
 

@@ -4,7 +4,6 @@ import importlib
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
