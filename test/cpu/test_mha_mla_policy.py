@@ -340,6 +340,28 @@ def test_a_retune_on_this_machine_takes_precedence_over_the_shipped_table(tmp_pa
     assert mha_mla.load_table("NVIDIA H200").choose(BatchShape([1024], [1024])) == "mha"
 
 
+def test_measure_point_fills_the_prefix_cache_then_times_each_repeat(monkeypatch):
+    """The server method's one point: with a prefix, one untimed call fills the radix cache; each repeat then times
+    a batch of prefix + new words, and the point is the median of those wall times (a fake server and clock)."""
+    from sglang_h20 import calibrate
+
+    now, calls = [100.0], []
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+
+    class Srv:  # each call takes the next of `took` seconds on the fake clock
+        def generate_batch(self, texts, max_new_tokens):
+            calls.append((len(texts), [len(t.split()) for t in texts], max_new_tokens))
+            now[0] += next(took)
+
+    took = iter([7.0, 0.5, 0.2, 0.9])  # the cache fill (7 s, not counted), then three repeats
+    assert calibrate.measure_point(Srv(), 2, 3, 5, 3, random.Random(0)) == 0.5
+    assert calls == [(2, [5, 5], 1)] + [(2, [8, 8], 1)] * 3
+    calls.clear()
+    took = iter([0.4])  # no prefix: nothing to fill, one timed repeat
+    assert calibrate.measure_point(Srv(), 1, 4, 0, 1, random.Random(0)) == pytest.approx(0.4)
+    assert calls == [(1, [4], 1)]
+
+
 def test_calibrate_command_says_it_needs_a_gpu(monkeypatch, capsys):
     from sglang_h20 import calibrate
 
