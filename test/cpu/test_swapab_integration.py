@@ -642,11 +642,11 @@ def shipped_table_file(gpu: str) -> dict:
     return json.loads(Path(gemm_table.find_table(gpu)).read_text())
 
 
-def rebuilt_table_file(runs, gpu: str, monkeypatch) -> dict:
+def rebuilt_table_file(runs, shipped: dict, monkeypatch) -> dict:
     """What `bench_grouped_gemm.py --table-from` writes from `runs` (named from the checkout's root, as they were),
     given the shipped file's own results file and command: provenance, date, rule and entries included."""
     monkeypatch.chdir(REPO)
-    source = shipped_table_file(gpu)["source"]
+    source = shipped["source"]
     merged = bench.merged_results([Path(os.path.relpath(p, REPO)) for p in runs])
     return gemm_table.table_from_result(merged, source["results_file"], source["table_command"])
 
@@ -661,9 +661,10 @@ def test_shipped_h200_table_is_the_measured_run(monkeypatch):
     assert "--table-from" in table["source"]["table_command"]
     assert [m["provenance"] for m in table["source"]["merged_from"]] == [r["provenance"] for r in runs]
     # rebuilt from the recorded points of those runs, the later one's wherever two measured a shape
-    merged = bench.merged_results([Path(p) for p in SHIPPED_RUNS])
-    rebuilt = gemm_table.table_entries(merged["points"])
-    assert rebuilt_table_file(SHIPPED_RUNS, "NVIDIA H200", monkeypatch) == shipped_table_file("NVIDIA H200")
+    shipped = shipped_table_file("NVIDIA H200")
+    rebuilt_file = rebuilt_table_file(SHIPPED_RUNS, shipped, monkeypatch)
+    rebuilt = rebuilt_file["entries"]
+    assert rebuilt_file == shipped
     # shipped in session 59 after its end to end on an H200 (swapab/swapab_e2e_candidate_*_s59_h200.json)
     assert table["entries"] == rebuilt and len(rebuilt) == 205 and sum(e["best"] != "upstream" for e in rebuilt) == 98
     dc = lambda m, n, k, against: gemm_table.table_choice(  # noqa: E731
@@ -721,9 +722,11 @@ def test_shipped_h100_table_is_the_measured_run(monkeypatch):
     assert table["date"] == max(r["provenance"]["date"] for r in runs)
     assert table["source"]["benchmark_command"] == runs[0]["provenance"]["command"]
     assert [m["provenance"] for m in table["source"]["merged_from"]] == [r["provenance"] for r in runs]
-    rebuilt = gemm_table.table_entries(bench.merged_results([Path(p) for p in H100_RUNS])["points"])
+    shipped = shipped_table_file(gpu)
+    rebuilt_file = rebuilt_table_file(H100_RUNS, shipped, monkeypatch)
+    rebuilt = rebuilt_file["entries"]
     assert table["entries"] == rebuilt and len(rebuilt) == 181
-    assert rebuilt_table_file(H100_RUNS, gpu, monkeypatch) == shipped_table_file(gpu)
+    assert rebuilt_file == shipped
     assert {e["groups"] for e in rebuilt if e["layout"] != "dense"} == {8, 16, 32, 256}
     dc = lambda m, n, k, against: gemm_table.table_choice(m, n, k, 1, "dense", gpu, against).best  # noqa: E731
     assert dc(1, 2112, 7168, None) == "swapab"  # q_a+kv_a: 14.9 us vs DeepGEMM 18.5, Triton 40.4
