@@ -1045,6 +1045,12 @@ def test_detector_finds_a_hot_expert_as_imbalance(seed):
     assert [(a.rank, a.stage) for a in slow] == [(0, "routed_experts")]  # skewed time, high load
 
 
+def test_a_hot_expert_alone_on_its_rank_names_that_rank():
+    """One expert per rank (8 experts on 8 ranks): expert 5's host is rank 5."""
+    found = _detect("hot-expert:5", 0, layers=8, steps=20, experts=8, topk=2, first_dense=1)
+    assert [(a.experts, a.rank) for a in found if a.detector == "experts"] == [([5], 5)]
+
+
 def test_detector_separates_combined_faults():
     found = _detect("slow-rank:3,slow-stage:dispatch@rank5,hot-expert:17", 0)
     got = {(a.kind, a.rank) for a in found}
@@ -1122,6 +1128,10 @@ def test_a_slow_rank_with_a_larger_batch_is_imbalance():
     ds.tokens[3] = 130.0
     found = [a for a in analyze.cross_rank(ds, analyze.Thresholds()) if a.stage == "attention"]
     assert [(a.kind, a.rank) for a in found] == [("imbalance", 3)] and "its batch is 1.30x" in found[0].message
+    ds.tokens[:] = 1.0  # decode at one sequence per rank: a median of one token is still a baseline
+    ds.tokens[3] = 2.0
+    found = [a for a in analyze.cross_rank(ds, analyze.Thresholds()) if a.stage == "attention"]
+    assert [(a.kind, a.rank) for a in found] == [("imbalance", 3)] and "its batch is 2.00x" in found[0].message
 
 
 def test_a_rank_with_half_its_links_slow_is_one_finding():
@@ -1361,6 +1371,23 @@ def test_full_latency_matrix_records_are_read():
     recs[0]["rank_latency_ms"] = m.tolist()
     found = analyze.latency_links(analyze.load(recs), analyze.Thresholds())
     assert [(a.kind, a.link) for a in found] == [("communication", (3, 4))]
+
+
+def test_links_within_a_node_and_across_nodes_have_their_own_baselines():
+    """Eight ranks, four per node (`ranks_per_node` from the records): cross-node links at 3x the intra-node time
+    are normal, and one intra-node link at that time is flagged."""
+    recs = synth.synthesize(ranks=8, layers=4, steps=10, seed=2, experts=16, first_dense=1, graph_refs=False)
+    node = np.arange(8) // 4
+    m = np.where(node[:, None] == node[None, :], 0.02, 0.06)
+    np.fill_diagonal(m, 0)
+    m[1, 2] = 0.06
+    for r in recs:
+        r.pop("peer_latency_ms")
+        r["ranks_per_node"] = 4
+    recs[0]["rank_latency_ms"] = m.tolist()
+    ds = analyze.load(recs)
+    assert ds.ranks_per_node == 4
+    assert [(a.kind, a.link) for a in analyze.latency_links(ds, analyze.Thresholds())] == [("communication", (1, 2))]
 
 
 def test_over_time_charges_the_waiting_peers_step_to_the_straggler_but_keeps_its_own():
