@@ -1051,6 +1051,13 @@ def test_a_hot_expert_alone_on_its_rank_names_that_rank():
     assert [(a.experts, a.rank) for a in found if a.detector == "experts"] == [([5], 5)]
 
 
+def test_each_loaded_rank_names_its_own_busiest_expert():
+    """Expert 5 (rank 0) x10 and expert 40 (rank 1) x20: rank 0's finding names 5, not its neighbour's hotter 40."""
+    found = _detect("hot-expert:5x10,hot-expert:40x20", 0)
+    load = sorted((a.rank, a.message.rsplit("; ", 1)[-1]) for a in found if a.detector == "load")
+    assert load == [(0, "busiest hosted expert 5"), (1, "busiest hosted expert 40")]
+
+
 def test_detector_separates_combined_faults():
     found = _detect("slow-rank:3,slow-stage:dispatch@rank5,hot-expert:17", 0)
     got = {(a.kind, a.rank) for a in found}
