@@ -541,6 +541,10 @@ def test_moe_forward_matches_reference(combine):
     given = plugin_sbo.moe_forward(torch.zeros_like(x), w1q, w2q, w, ids, w1s, w2s, a1_q=a, a1_scale=as_,
                                    routed_scaling_factor=1.5, combine=combine)
     torch.testing.assert_close(given.float(), ref, rtol=5e-2, atol=5e-2 * ref.abs().max().item())
+    # SGLang's quant and two row passes instead of the fused quant + dispatch kernel: the same rows
+    unfused = plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, routed_scaling_factor=1.5, combine=combine,
+                                     fused_quant=False)
+    torch.testing.assert_close(unfused.float(), ref, rtol=5e-2, atol=5e-2 * ref.abs().max().item())
     assert plugin_sbo.ONE_GPU_COMBINE in plugin_sbo.COMBINE_MODES
     with pytest.raises(ValueError, match="combine"):
         plugin_sbo.moe_forward(x, w1q, w2q, w, ids, w1s, w2s, combine="both")
