@@ -123,6 +123,44 @@ def test_recorder_exclusive_attribution_with_overlap_and_nesting():
     assert _sum_record(r) == pytest.approx(r["step_ms"], rel=1e-12)
 
 
+def test_a_routed_frame_relabels_only_an_experts_parent():
+    """Routed experts turn an experts frame from dispatch to combine; under any other parent (here the MoE frame
+    itself) the time after them keeps the parent's label."""
+    clk = FakeClock()
+    rec = StageRecorder(clock=clk)
+    rec.begin_step(1)
+    lay = rec.push("layer", "layer_other", layer=0)
+    moe = rec.push("moe", "moe_other")
+    clk.advance(1.0)
+    with rec.stage("routed", "routed_experts", then="combine", then_parent="experts"):
+        clk.advance(2.0)
+    clk.advance(0.5)
+    rec.pop(moe)
+    rec.pop(lay)
+    rec.end_step()
+    (r,) = rec.poll()
+    assert r["layers"][0]["stages"] == {"moe_other": pytest.approx(1.5), "routed_experts": pytest.approx(2.0),
+                                        "layer_other": 0.0}
+
+
+def test_balancedness_of_an_unrouted_layer_is_one():
+    """No tokens at all is balanced (SGLang's convention), not 0/0 and not 0."""
+    assert recorder.balancedness([[0, 0, 0, 0], [1, 0, 0, 1]], 2, 2) == [1.0, 1.0]
+    assert recorder.balancedness([0, 0, 0, 0], 2, 2) == 1.0
+
+
+def test_a_rank_outside_the_expert_parallel_group_records_no_per_token_or_remote_share():
+    """Rank 2 of an EP group of 2 (expert parallelism narrower than the TP group) hosts no experts: its record has
+    the expert counts but neither share."""
+    rec = StageRecorder(clock=FakeClock(), rank=2)
+    rec.begin_step(1)
+    rec.record_load(0, torch.tensor([[0, 3], [2, 1]]), num_experts=4, experts_per_rank=2, ep_size=2)
+    rec.end_step()
+    (r,) = rec.poll()
+    assert r["expert_load"] == [[1, 1, 1, 1]]
+    assert "token_leave_share" not in r and "remote_share" not in r
+
+
 def test_off_stream_work_outside_any_layer_is_the_steps_overlap():
     """A frame on another stream with no layer around it (e.g. a side-stream copy between layers) is reported as the
     step's own overlap, not as a layer's, and takes nothing from the critical path."""
