@@ -173,6 +173,11 @@ def test_router_passes_the_ranks_attention_layers(monkeypatch):
     pool = SimpleNamespace(layer_num=4)
     monkeypatch.setattr(forward_context, "get_token_to_kv_pool", lambda: pool)
     assert mha_mla.attention_layers() == 4
+    pool.layer_num = 1  # a one-layer model is a layer count too; a pool without layers is not
+    assert mha_mla.attention_layers() == 1
+    pool.layer_num = 0
+    assert mha_mla.attention_layers() is None
+    pool.layer_num = 4
     seen = []
     route = _router(SimpleNamespace(choose=lambda shape, layers=None: seen.append(layers) or "mla"))
     attn, fb = fake([512], [512])
@@ -198,8 +203,15 @@ def test_equivalent_uniform_of_a_batch_with_no_new_tokens():
     """se = 0 (nothing to extend): the uniform batch has extend 0 and the same mean prefix, with or without one."""
     assert mha_mla.equivalent_uniform(BatchShape([0, 0], [0, 0])) == (2, 0.0, 0.0)
     assert mha_mla.equivalent_uniform(BatchShape([0, 0], [100, 300])) == (2, 0.0, 200.0)
+    assert mha_mla.equivalent_uniform(BatchShape([1], [0])) == (1, 1.0, 0.0)  # se = 1: one new token is not none
     b, e, p = mha_mla.equivalent_uniform(BatchShape([3, 5], [100, 300]))
     assert (b, p) == (2, 200.0) and b * e * e + 400 * e == pytest.approx(3 * 103 + 5 * 305)
+
+
+def test_a_tie_goes_to_mha():
+    """Equal modelled costs: MHA, upstream's choice for a prompt without a cached prefix."""
+    same = CostTable("G", "measured on G", H200.mla, H200.mla)
+    assert same.choose(BatchShape([512, 64], [0, 0])) == "mha"
 
 
 def test_upstream_rule_matches_the_documented_threshold():
@@ -585,12 +597,18 @@ def test_choice_is_cheap_and_remembered_for_the_next_layer():
     import time
 
     t = grid_table(bumped_points())
-    shapes = [BatchShape([random.Random(i).randint(1, 9000) for _ in range(32)], [i * 7] * 32) for i in range(400)]
+    rng = random.Random(0)  # 8 x at most 2000 new tokens: under MLA_MAX_EXTEND_TOKENS, so every one is modelled
+    shapes = [BatchShape([rng.randint(1, 2000) for _ in range(8)], [i * 7] * 8) for i in range(400)]
+    assert all(sum(s.extend) <= mha_mla.MLA_MAX_EXTEND_TOKENS for s in shapes)
     t0 = time.thread_time()  # CPU time of this thread: a descheduled or preempted test does not count
     first = [t.choose(s) for s in shapes]  # all new: computed
     per_call = (time.thread_time() - t0) / len(shapes)
     assert per_call < 1e-3  # pure Python on CPU lists; measured ~20 us
     assert len(t._memo) <= mha_mla.MEMO_SIZE
+    fresh = grid_table(bumped_points())
+    for s in shapes[: mha_mla.MEMO_SIZE + 1]:
+        fresh.choose(s)
+        assert len(fresh._memo) <= mha_mla.MEMO_SIZE
     assert [t.choose(s) for s in shapes] == first  # remembered or recomputed: the same answer
     # the next layer asks about the same batch: answered from memory, no cost computed again
     recent = shapes[-8:]
