@@ -402,6 +402,35 @@ def wrapped_fakes(monkeypatch):
     stages.reset_state()
 
 
+def test_frame_hooks_open_one_frame_per_kind_and_no_dense_frame_inside_a_moe(monkeypatch):
+    """DeepEP's MoE runs FusedMoE's methods inside its own (both hooked): one experts / routed frame, not two.
+    DeepseekV2MLP is both a dense layer's MLP and the MoE's shared experts: a frame of its own only outside a MoE."""
+    clk = FakeClock()
+    rec = StageRecorder(clock=clk)
+    rec.begin_step(1)
+    monkeypatch.setattr(stages, "_ACTIVE", rec)
+    kinds = lambda: [f.kind for f in rec._stack][1:]  # below the step's root frame
+    seen = {}
+    lay = rec.push("layer", "layer_other", layer=0)
+    stages.on_dense(lambda: seen.setdefault("dense", kinds()))
+    moe = rec.push("moe", "moe_other")
+    stages.on_dense(lambda: seen.setdefault("shared_mlp", kinds()))
+    stages.on_experts(lambda: stages.on_experts(lambda: stages.on_routed(
+        lambda: stages.on_routed(lambda: seen.setdefault("routed", kinds())))))
+    rec.pop(moe)
+    rec.pop(lay)
+    assert seen == {"dense": ["layer", "dense"], "shared_mlp": ["layer", "moe"],
+                    "routed": ["layer", "moe", "experts", "routed"]}
+
+
+def test_batch_meta_counts_tokens_only_from_a_tensor():
+    """input_ids without a shape (a list from an odd batch) give no token count rather than an error."""
+    fb = SimpleNamespace(batch_size=3, input_ids=torch.zeros(7, dtype=torch.long))
+    assert stages._batch_meta(fb, "decode") == {"mode": "decode", "eager": True, "batch_size": 3, "num_tokens": 7}
+    fb.input_ids = [1, 2, 3]
+    assert stages._batch_meta(fb, "decode") == {"mode": "decode", "eager": True, "batch_size": 3}
+
+
 class _ListExporter:
     def __init__(self):
         self.records = []
