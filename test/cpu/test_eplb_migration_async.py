@@ -428,6 +428,70 @@ def test_map_peers_failure_leaves_the_mapping_to_the_first_rebalance(tmp_path, c
     assert "not mapped at startup" in caplog.records[0].getMessage()
 
 
+def _dropped_rebalance(monkeypatch, passes: int):
+    """Our rebalance generator with stand-ins for the job (gate says go at the 2nd boundary; the transfers never
+    finish), dropped as SGLang's reset_generator drops it after `passes` boundaries: (state, history, closes)."""
+    import threading
+
+    from sglang.srt.eplb import expert_distribution
+    from sglang_h20.eplb import async_rebalance as ar
+
+    closes = []
+
+    class Executor:
+        build_ms, status = {}, types.SimpleNamespace(state="running")
+
+        def start(self):
+            pass
+
+        def maybe_switch(self):
+            return []
+
+        def close(self, timeout=None):
+            closes.append(timeout)
+
+    class Job:
+        def __init__(self, manager, group, counts, ready, mid, mode, state):
+            self.mid, self.launch, self.steps, self.t0 = mid, mode.launch, [], time.perf_counter()
+            self.thread, self.stop = types.SimpleNamespace(start=lambda: None), threading.Event()
+            answers = iter([None, ("go", "")])
+            self.gate = types.SimpleNamespace(step=lambda: next(answers))
+            self.executor = Executor()
+            self.plan = types.SimpleNamespace(layers=[1], summary=lambda: "1 layer")
+
+        def switch_rows(self, layers):
+            pass
+
+    dump = {"average_utilization_rate_over_window": 0.5, "logical_count": torch.ones(1, 4, 8)}
+    recorder = types.SimpleNamespace(dump_record=lambda output_mode: dump)
+    monkeypatch.setattr(expert_distribution, "get_global_expert_distribution_recorder", lambda: recorder)
+    monkeypatch.setattr(ar, "_upstream_reason", lambda manager: None)
+    monkeypatch.setattr(ar, "_new_group", lambda: "group-1")
+    monkeypatch.setattr(ar, "_Job", Job)
+    manager = types.SimpleNamespace(_check_rebalance_needed=lambda rate: True, _server_args=types.SimpleNamespace(),
+                                    _get_model=lambda: types.SimpleNamespace(routed_experts_weights_of_layer={1: 0}))
+    gen = ar._rebalance(None, manager, ar.Mode())
+    for _ in range(passes):
+        next(gen)
+    gen.close()  # what dropping it does (GeneratorExit at the paused yield)
+    return ar._state(manager), ar.history(manager), closes
+
+
+def test_a_dropped_rebalance_closes_its_executor_and_sets_its_group_aside(monkeypatch):
+    """Dropped mid-migration (SGLang's reset_generator, e.g. disable_rebalance): the executor is closed without
+    waiting and its group, whose peers abort through their watchdog, is set aside for a new one."""
+    st, hist, closes = _dropped_rebalance(monkeypatch, passes=4)
+    assert [h["outcome"] for h in hist] == ["closed"] and hist[0]["gate_steps"] == 2
+    assert closes == [0] and st.dead_groups == ["group-1"] and st.group is None and st.during is None
+
+
+def test_a_rebalance_dropped_before_its_transfers_keeps_its_group(monkeypatch):
+    """Dropped while the placement runs: no executor started, nothing to close; the group is still good."""
+    st, hist, closes = _dropped_rebalance(monkeypatch, passes=1)
+    assert [h["outcome"] for h in hist] == ["closed"] and hist[0]["gate_steps"] == 0
+    assert closes == [] and st.dead_groups == [] and st.group == "group-1" and st.during is None
+
+
 # ----------------------------------------------------------------------------- start gate (in-process)
 def _gates(n=2, every=4, ahead=2):
     from sglang_h20.eplb.async_rebalance import _Gate
