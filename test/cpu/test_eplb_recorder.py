@@ -366,6 +366,27 @@ def test_compute_algorithm_accepts_affinity():
     assert call("affinity") is integration.AFFINITY_ALGORITHM
     assert call("deepseek") is EplbAlgorithm.deepseek
     assert call("auto") is EplbAlgorithm.deepseek_hierarchical
+    # upstream's callers may pass the name positionally
+    assert integration.around_compute_algorithm(UPSTREAM_COMPUTE, "affinity", 8, 2) is integration.AFFINITY_ALGORITHM
+    assert integration.around_compute_algorithm(UPSTREAM_COMPUTE, "deepseek", 8, 2) is EplbAlgorithm.deepseek
+
+
+def test_a_failing_hook_turns_recording_off_with_one_warning_per_place(caplog):
+    """An error in a pass hook never reaches serving: the recorder is off, named by the hook and the error, and
+    each hook warns once however often it fails."""
+    def boom():
+        raise RuntimeError("boom")
+
+    integration._state.recorder = SimpleNamespace(step=boom, set_active=lambda want: boom())
+    with caplog.at_level(logging.WARNING, logger="sglang_h20.eplb"):
+        for _ in range(3):
+            assert integration.on_forward_pass_end() is None
+        assert integration._state.disabled == "on_forward_pass_end: RuntimeError: boom"
+        assert integration.on_forward_pass(SimpleNamespace(recording=False)) is None
+        assert integration._state.disabled == "with_forward_pass: RuntimeError: boom"
+    assert [r.getMessage() for r in caplog.records] == [
+        "co-activation recorder off after an error in on_forward_pass_end: RuntimeError: boom",
+        "co-activation recorder off after an error in with_forward_pass: RuntimeError: boom"]
 
 
 # ----------------------------------------------------------------------------- rebalance
