@@ -92,6 +92,8 @@ def test_server_warm_up_sends_every_prompt_at_the_concurrency_asked(tmp_path):
     srv.generate = fake
     assert srv.warm_up(12, 7, 3, 4) > 0
     assert seen == [(7, 3)] * 12 and 2 <= live[1] <= 4
+    live[1] = 0
+    assert srv.warm_up(4, 7, 3, 1) > 0 and live[1] == 1  # one at a time when asked
 
     def failing(**kw):
         raise RuntimeError("HTTP 500")
@@ -103,6 +105,50 @@ def test_server_warm_up_sends_every_prompt_at_the_concurrency_asked(tmp_path):
         assert "HTTP 500" in str(e)
     else:
         raise AssertionError("a failed warm-up request must fail the warm-up")
+
+
+def test_server_requests_reach_sglangs_endpoints_as_greedy_json(tmp_path):
+    """generate / generate_batch / post against a local HTTP stand-in: the path, and the JSON body SGLang's
+    /generate reads (greedy, ignore_eos, the new-token count asked)."""
+    import http.server
+    import json
+    import threading
+
+    from sglang_h20.nightly.serving import Server
+
+    got = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            got.append((self.path, body))
+            reply = json.dumps({"path": self.path}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        srv = Server("/nonexistent-model", [], tmp_path / "server.log")
+        srv.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        greedy = lambda n: {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        assert srv.generate(text="hi") == {"path": "/generate"}
+        assert got[-1] == ("/generate", {"text": "hi", "sampling_params": greedy(32)})
+        srv.generate(input_ids=[5, 6], max_new_tokens=3)
+        assert got[-1] == ("/generate", {"input_ids": [5, 6], "sampling_params": greedy(3)})
+        srv.generate_batch(["a", "b"], return_logprob=True)
+        assert got[-1] == ("/generate", {"text": ["a", "b"], "return_logprob": True, "sampling_params": greedy(1)})
+        assert json.loads(srv.post("/start_profile", {"num_steps": 2})) == {"path": "/start_profile"}
+        assert got[-1] == ("/start_profile", {"num_steps": 2})
+        srv.post("/stop_profile")
+        assert got[-1] == ("/stop_profile", {})
+    finally:
+        httpd.shutdown()
 
 
 def test_which_phase_differs_and_the_spread_beside_the_ratios():
