@@ -419,9 +419,13 @@ def test_a_grid_point_runs_both_paths_and_checks_them(layer, provider):
 def test_run_point_plans_then_checks_and_times_with_stand_ins(layer, monkeypatch):
     """run_point's order: plan (untimed, recorded), check, time each path; the timer is stubbed on CPU."""
     k = fake_kernels(provider="flashinfer")
-    monkeypatch.setattr(bench, "time_us", lambda k, fn, rep_ms, flush, warm=True: (fn(), (1.0, 3))[1])
+    times = iter([(3.0, 5), (2.0, 7)])  # MHA, then MLA
+    monkeypatch.setattr(bench, "time_us", lambda k, fn, rep_ms, flush, warm=True: (fn(), next(times))[1])
     row = bench.run_point(k, layer, {"batch": 2, "extend": 32, "prefix": 100}, 1.0, None, seed=1)
     assert row["mha_variant"] == "one_shot" and row["plan_ms"] >= 0 and row["check"]["max_rel"] <= bench.TOLERANCE
+    assert (row["mha_us"], row["mla_us"], row["mha_over_mla"], row["timed_calls"]) == (3.0, 2.0, 1.5,
+                                                                                         {"mha": 5, "mla": 7})
+    assert (row["se"], row["total_prefix"], row["tokens"]) == (2 * 32 * 132, 200, 264)
 
 
 def test_flashinfer_batches_use_64_token_pages_and_plan_once_per_batch(layer):
