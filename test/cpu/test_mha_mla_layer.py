@@ -383,6 +383,32 @@ def test_w_uk_and_w_uv_are_the_kv_b_proj_rows_sglang_splits(layer):
     assert torch.allclose(kv[..., :128], torch.einsum("sc,hdc->shd", c.float(), layer.w_kc.float()), atol=2e-2)
 
 
+def test_fp8_kv_b_proj_and_w_uk_come_from_one_block_quantized_weight():
+    """--kv-b-proj fp8: MHA projects with the FP8 weight and its 128x128 block scales (SGLang's block-FP8 linear;
+    here a float stand-in that dequantizes per block), MLA absorbs W_UK from the same weight dequantized: both
+    paths must see one weight, or the startup check compares two models."""
+    blocks_seen = []
+
+    def fp8_linear(x, w_fp8, block, w_scale):
+        blocks_seen.append(list(block))
+        n, kd = w_fp8.shape
+        w = w_fp8.float().view(n // 128, 128, kd // 128, 128) * w_scale[:, None, :, None]
+        return (x.float() @ w.reshape(n, kd).T).to(torch.bfloat16)
+
+    k = fake_kernels()
+    k.kv_b_proj, k.fp8_linear = "fp8", fp8_linear
+    fp8 = bench.Layer(k)
+    assert fp8.w_fp8.dtype == torch.float8_e4m3fn
+    assert fp8.w_scale.shape == (256 * bench.HEADS // 128, bench.KV_LORA // 128)
+    peak = fp8.w_fp8.float().view(-1, 128, bench.KV_LORA // 128, 128).abs().amax(dim=(1, 3))
+    assert torch.equal(peak, torch.full_like(peak, 448.0))  # each block's largest entry at the FP8 maximum
+    c = torch.randn(3, bench.KV_LORA, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    kv = fp8.kv_b_proj(c).float().view(3, bench.HEADS, 256)
+    assert blocks_seen == [[128, 128]]
+    assert torch.allclose(kv[..., :128], torch.einsum("sc,hdc->shd", c.float(), fp8.w_kc.float()), atol=2e-2)
+    assert torch.allclose(kv[..., 128:], torch.einsum("sc,hcd->shd", c.float(), fp8.w_vc.float()), atol=2e-2)
+
+
 @pytest.mark.parametrize("provider", bench.PROVIDERS)
 def test_startup_check_passes_with_stand_in_kernels(layer, provider):
     """Both MHA variants (the chunked one over 8 prefix chunks, some requests empty in a chunk) and MLA
