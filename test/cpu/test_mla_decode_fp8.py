@@ -363,6 +363,42 @@ def test_run_time_split_count_matches_the_same_static_plan():
             assert torch.equal(o_dyn, o_static) and torch.equal(l_dyn, l_static), want
 
 
+def test_combine_of_large_split_lses_is_finite_and_exact():
+    """Split LSEs near 200 (a sharply peaked row: exp of them overflows float32): the combine weighs the partials
+    by exp(lse_s - max), so out and lse match the float64 merge; without the shift they would be inf / NaN.
+    Sequences of 256 and 130 tokens over 4 splits of 64: the second uses 3 of them, its 4th partial is never read."""
+    g = torch.Generator().manual_seed(11)
+    B, q_len, H, S, block_n = 2, 1, 3, 4, 64
+    seqlens = torch.tensor([256, 130], dtype=torch.int32, device=DEVICE)
+    op = torch.randn(B, q_len * H, S, mla.KV_LORA_RANK, generator=g).to(DEVICE)
+    lp = (200.0 + 3.0 * torch.randn(B, q_len * H, S, generator=g)).to(DEVICE)
+    op[1, :, 3], lp[1, :, 3] = float("nan"), float("nan")  # past sequence 1's 3 splits
+    out = torch.empty(B, q_len, H, mla.KV_LORA_RANK, dtype=torch.float32, device=DEVICE)
+    lse = torch.empty(B, q_len, H, dtype=torch.float32, device=DEVICE)
+    meta = mla.get_mla_decode_metadata(seqlens, H, q_len, num_sm=1, block_n=block_n)
+    mla.combine_partials(op, lp, seqlens, out, lse, meta, block_n)
+    for b, used in ((0, 4), (1, 3)):
+        l64, o64 = lp[b, :, :used].double().cpu(), op[b, :, :used].double().cpu()
+        ref_lse = torch.logsumexp(l64, dim=-1)
+        ref = (torch.exp(l64 - ref_lse[:, None])[..., None] * o64).sum(dim=1)
+        assert torch.isfinite(out[b]).all() and torch.isfinite(lse[b]).all()
+        assert (out[b].reshape(q_len * H, -1).double().cpu() - ref).abs().max().item() <= 1e-5
+        assert (lse[b].reshape(-1).double().cpu() - ref_lse).abs().max().item() <= 1e-4
+
+
+def test_splits_pointer_checks_the_run_time_split_count():
+    """metadata.splits_dev is read by the kernels as int32 on their device: another dtype is refused."""
+    seqlens = torch.tensor([64], dtype=torch.int32, device=DEVICE)
+    meta = mla.get_mla_decode_metadata(seqlens, 16, 1, num_sm=8)
+    assert mla.splits_pointer(meta, seqlens) is seqlens  # unset: the kernels never read it
+    good = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    import dataclasses
+
+    assert mla.splits_pointer(dataclasses.replace(meta, splits_dev=good), seqlens) is good
+    with pytest.raises(AssertionError, match="int32"):
+        mla.splits_pointer(dataclasses.replace(meta, splits_dev=good.long()), seqlens)
+
+
 def test_launch_args_pass_out_only_to_an_unsplit_launch():
     """mla_decode_cuda.launch_args: an unsplit launch gets out and lse (the kernel writes bf16 rows itself) and no
     partials; a split launch gets the fp32 partials and the run-time split count, and null out / lse (the combine
