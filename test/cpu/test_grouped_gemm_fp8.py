@@ -154,6 +154,19 @@ def test_contiguous(variant, config, ms, n, k):
     assert out[:lead].isnan().all() and out[m_total - tail:].isnan().all(), "rows outside the groups written"
 
 
+def test_contiguous_makes_out_when_none_is_given():
+    """out=None: a fresh bf16 [M_total, N], the groups' rows as with a given out."""
+    ms, n, k = [5, 0, 11], 128, 256
+    a, a_s = activations((1 + sum(ms), k), seed=31)
+    b, b_s = weights(len(ms), n, k, seed=32)
+    ip = cumsum0(ms, start=1)
+    res = gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, variant="swapab")
+    assert res.shape == (1 + sum(ms), n) and res.dtype == torch.bfloat16
+    given = poisoned(1 + sum(ms), n)
+    gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, out=given, variant="swapab")
+    assert torch.equal(res[1:], given[1:])
+
+
 @pytest.mark.parametrize("variant,config", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("masked,max_m,n,k", [
     ([0, 24, 5, 17], 24, 192, 256),
@@ -656,6 +669,7 @@ def test_serial_reduce_equals_the_reduce_kernel_bit_for_bit(layout, split_k):
     n, k = 192, 512
     b, b_s = weights(3, n, k, seed=21)
     outs = []
+    gg._fixup_buffers.clear()
     for serial in (False, True, True):
         cfg = {"serial_reduce": True} if serial else None
         if layout == "dense":
@@ -677,6 +691,8 @@ def test_serial_reduce_equals_the_reduce_kernel_bit_for_bit(layout, split_k):
         if serial:
             (buf,) = [v for key, v in gg._fixup_buffers.items() if key[0] == "cpu"]
             assert int(buf.count_nonzero()) == 0
+        else:
+            assert not gg._fixup_buffers, "serial reduce without the config key"
     assert gg._fixup_buffers, "the serial-reduce path did not run"
     for other in outs[1:]:
         assert torch.equal(other.view(torch.int16), outs[0].view(torch.int16))  # NaN poison included
