@@ -388,12 +388,12 @@ def test_combine_of_large_split_lses_is_finite_and_exact():
 
 def test_splits_pointer_checks_the_run_time_split_count():
     """metadata.splits_dev is read by the kernels as int32 on their device: another dtype is refused."""
+    import dataclasses
+
     seqlens = torch.tensor([64], dtype=torch.int32, device=DEVICE)
     meta = mla.get_mla_decode_metadata(seqlens, 16, 1, num_sm=8)
     assert mla.splits_pointer(meta, seqlens) is seqlens  # unset: the kernels never read it
     good = torch.tensor([2], dtype=torch.int32, device=DEVICE)
-    import dataclasses
-
     assert mla.splits_pointer(dataclasses.replace(meta, splits_dev=good), seqlens) is good
     with pytest.raises(AssertionError, match="int32"):
         mla.splits_pointer(dataclasses.replace(meta, splits_dev=good.long()), seqlens)
