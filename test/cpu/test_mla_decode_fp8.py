@@ -420,6 +420,12 @@ def test_launch_args_pass_out_only_to_an_unsplit_launch():
     one = cu.launch_args(q8, qs, kv, kvs, bt, sl, out, lse, None, None, dataclasses.replace(meta, num_splits=1),
                          True, 0.1, 0)
     assert (one[6], one[7]) == (out.data_ptr(), lse.data_ptr()) and one[8] == one[9] == one[28] == 0
+    # the C entry's order (LAUNCH_ARGTYPES): 10 pointers, then the cache / table strides, out's 3, lse's 2, the
+    # partials' 3 + 2 (zeros when unsplit), the page count, batch, heads, q_len, splits
+    assert len(split) == len(one) == len(cu.LAUNCH_ARGTYPES)
+    assert split[10:28] == (kv.stride(0), kvs.stride(0), bt.stride(0), *out.stride()[:3], *lse.stride()[:2],
+                            *op.stride()[:3], *lp.stride()[:2], 3, B, H, 1, 3)
+    assert one[18:23] == (0, 0, 0, 0, 0) and one[27] == 1
 
 
 def test_splits_lut_is_the_plan_at_every_length_and_set_splits_indexes_it():
