@@ -387,13 +387,13 @@ def test_fp8_kv_b_proj_and_w_uk_come_from_one_block_quantized_weight():
     """--kv-b-proj fp8: MHA projects with the FP8 weight and its 128x128 block scales (SGLang's block-FP8 linear;
     here a float stand-in that dequantizes per block), MLA absorbs W_UK from the same weight dequantized: both
     paths must see one weight, or the startup check compares two models."""
+    from sgl_kernel_ext.quant import dequant_per_block
+
     blocks_seen = []
 
     def fp8_linear(x, w_fp8, block, w_scale):
         blocks_seen.append(list(block))
-        n, kd = w_fp8.shape
-        w = w_fp8.float().view(n // 128, 128, kd // 128, 128) * w_scale[:, None, :, None]
-        return (x.float() @ w.reshape(n, kd).T).to(torch.bfloat16)
+        return (x.float() @ dequant_per_block(w_fp8, w_scale, 128).T).to(torch.bfloat16)
 
     k = fake_kernels()
     k.kv_b_proj, k.fp8_linear = "fp8", fp8_linear
