@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import socket
+import threading
 import time
 from collections import Counter, defaultdict
 
@@ -101,6 +102,60 @@ def test_first_round_switches_at_boundary_switch_every():
     ex.close(timeout=5)
     assert ex.status.state == "done" and dict(ex.status.switch_boundary) == {0: 3, 1: 3}
     assert ex.status.bytes_received == 4 * 16
+
+
+class _StalledStore(torch.distributed.Store):
+    """A store whose reads (the control thread's multi_get) hang until `release` is set: a peer's store server that
+    stopped answering reads. Writes and compare_set go through."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.release = torch.distributed.HashStore(), threading.Event()
+
+    def add(self, key, n):
+        return self.inner.add(key, n)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def multi_get(self, keys):
+        self.release.wait(30)
+        return self.inner.multi_get(keys)
+
+
+def test_stalled_control_thread_never_holds_up_a_boundary():
+    """While the control thread hangs on the store, each due boundary is settled by the decode thread itself as
+    "switch nothing" (one compare_set, no wait): the weights stay old, and deferred_rounds counts exactly those
+    rounds. Released, the control thread decides the later rounds ahead and every layer switches."""
+    topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=2)
+    old = Placement(np.tile(np.arange(2), (2, 1)), topo, 2)
+    new = Placement(np.array([[1, 0], [1, 0]]), topo, 2)
+    w = {l: torch.randn(2, 4, generator=torch.Generator().manual_seed(10 + l)) for l in range(2)}
+    before = {l: t.clone() for l, t in w.items()}
+    store = _StalledStore()
+    plan = plan_migration(old, new, 16, 4 * 16)
+    ex = MigrationExecutor(0, 1, topo, w, plan, store=store, switch_every=2, decide_ahead=1)
+    ex.start()
+    t0 = time.monotonic()
+    while ex.status.ready_layers != (0, 1) and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert ex.status.ready_layers == (0, 1)
+    rounds = 3
+    for _ in range(2 * rounds):  # boundaries 1..6: rounds 0, 1, 2 fall due at 2, 4, 6
+        s = time.monotonic()
+        assert ex.maybe_switch() == []
+        assert time.monotonic() - s < 2.0  # not the store's 30 s
+        time.sleep(0.05)
+    st = ex.status
+    assert st.deferred_rounds == rounds and st.switched_layers == () and st.state == "running"
+    assert all(torch.equal(w[l], before[l]) for l in range(2))
+    store.release.set()
+    while ex.status.state == "running" and time.monotonic() - t0 < 20:
+        ex.maybe_switch()
+        time.sleep(0.2)
+    ex.close(timeout=5)
+    assert ex.status.state == "done" and ex.status.switched_layers == (0, 1)
+    assert all(torch.equal(w[l], before[l][new.phy2log[l]]) for l in range(2))
 
 
 @pytest.mark.parametrize("every, ahead, ok", [(1, 0, True), (4, 3, True), (4, 0, True), (0, 0, False),
