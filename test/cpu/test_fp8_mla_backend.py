@@ -658,6 +658,25 @@ def test_mha_prefill_goes_to_flashinfer_and_never_reads_the_pool(monkeypatch):
     assert fake.calls == [("chunk", 2)]
 
 
+def test_auto_prefill_is_flashinfers_mla_backend_when_flashinfer_is_there(monkeypatch, caplog):
+    """prefill_backend="auto": upstream's FlashInfer MLA backend on the same model runner when flashinfer imports,
+    else none (every prefill absorbed MLA), said once in the log."""
+    import sglang.srt.layers.attention.flashinfer_mla_backend as fimla
+    import sglang.srt.utils as su
+
+    monkeypatch.setattr(fimla, "FlashInferMLAAttnBackend", lambda runner: ("flashinfer", runner))
+    runner = object()
+    monkeypatch.setattr(su, "is_flashinfer_available", lambda: True)
+    with caplog.at_level(logging.WARNING, logger=fb.log.name):
+        assert fb._make_prefill_backend(runner) == ("flashinfer", runner)
+    assert not caplog.records
+    monkeypatch.setattr(su, "is_flashinfer_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=fb.log.name):
+        assert fb._make_prefill_backend(runner) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "fp8_mla: flashinfer is not available: every prefill runs absorbed MLA (Triton extend kernel)"]
+
+
 def test_speculative_modes_are_refused_by_the_backend():
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
