@@ -69,6 +69,13 @@ STEPS=${STEPS-"tests parity"}
 DEADLINE_S=${DEADLINE_S:-540}
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
+# an earlier call's records in OUT (a warm host keeps /tmp) would be taken for this call's: the record copy below
+# keeps a JSON already there, and the bundle would swallow the old logs.tar.xz (session 72 lost a record so)
+stale=$(cd "$OUT" && ls -d ./*.json ./*.tar.xz ./*/ 2>/dev/null | tr '\n' ' ')
+if [ -n "$stale" ]; then
+  echo "gpu_check: OUT=$OUT already holds an earlier call's results (${stale% }); give an empty folder" >&2
+  exit 2
+fi
 
 export MPLBACKEND=Agg PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export SGLANG_H20_EXPECT_GPU=1  # test/conftest.py: a GPU the guard cannot see stops pytest (not 157 skips)
@@ -346,7 +353,7 @@ if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then  # the device tool brings ba
   for f in "$OUT"/*/*.json; do  # a step's record JSON comes back on its own, the rest of the logs in one archive
     [ -e "$f" ] && [ ! -e "$OUT/$(basename "$f")" ] && cp "$f" "$OUT/"
   done
-  (cd "$OUT" && ls | grep -vE '^(check\.log|jitcache\.tar\.xz|.*\.json)$' > /tmp/out_bundle.list \
+  (cd "$OUT" && ls | grep -vE '^(check\.log|jitcache\.tar\.xz|logs\.tar\.xz|.*\.json)$' > /tmp/out_bundle.list \
     && tar -cJf logs.tar.xz -T /tmp/out_bundle.list && xargs rm -rf < /tmp/out_bundle.list \
     && say "bundled into logs.tar.xz: $(tr '\n' ' ' < /tmp/out_bundle.list)")
 fi
