@@ -40,7 +40,9 @@ GEMM_RUNS = {
     "s49 full grid": ("swapab/grouped_gemm_full_s49_h200.json.xz",
                       "swapab/grouped_gemm_full_s49_g256_m64_m256_h200.json.xz",
                       "swapab/grouped_gemm_full_s49_g256_m1_m32_h200.json.xz"),
-             "s52 split 16-64 tok": "swapab/grouped_gemm_split_t16_t64_s52_h200.json.xz"}
+    "s52 split 16-64 tok": "swapab/grouped_gemm_split_t16_t64_s52_h200.json.xz",
+    "s72 grid, 8-32 experts": ("swapab/grouped_gemm_g8_g16_s72_h200.json.xz",
+                               "swapab/grouped_gemm_g32_s72_h200.json.xz")}
 # (feature, record, arm, concurrency): bench_serving median ITL, ours / the anchor (below 1: ours faster)
 # swapAB: the table shipped in session 59 at 4/16/48/128 (its pre-ship runs); 56 and 64 ran only with the table before
 E2E_SWITCHED = [("swapAB", "swapab/swapab_e2e_candidate_c16_c4_s59_h200.json", "on", "4"),

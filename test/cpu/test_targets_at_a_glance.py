@@ -49,6 +49,15 @@ def test_the_figure_and_its_numbers(tmp_path, capsys):
     s52 = summary["grouped_gemm"]["s52 split 16-64 tok"]  # session 50's split call, one run at 86bd5dd
     assert (s52["checks"]["vs_best_upstream"]["met"], s52["checks"]["vs_best_upstream"]["points"]) == (97, 128)
     assert s52["source"]["ours_not_timed"] == [] and s52["source"]["git_commit"].startswith("86bd5dd")
+    # session 72: the grid's 8-32 experts again at 037f426, the split variant timed beside the rest (two calls, each
+    # whole); at session 49's keys 129 of these 240 passed
+    s72 = summary["grouped_gemm"]["s72 grid, 8-32 experts"]
+    assert [r["git_commit"][:7] for r in s72["source"]["runs"]] == ["037f426"] * 2
+    assert s72["source"]["not_started_after_merge"] == [] and s72["source"]["ours_not_timed"] == []
+    c72 = s72["checks"]
+    assert (c72["vs_best_upstream"]["met"], c72["vs_best_upstream"]["points"]) == (134, 240)
+    assert (c72["vs_best_upstream_m128_256"]["met"], c72["vs_best_upstream_m128_256"]["points"]) == (0, 48)
+    assert (c72["h20_modelled_m32"]["met"], c72["h20_modelled_m32"]["points"]) == (84, 84)
     s45 = summary["grouped_gemm"]["s45 CUDA normal variant"]["checks"]["vs_best_upstream_m128_256"]
     assert (s45["met"], s45["points"]) == (0, 8) and 0.72 < s45["min"] < s45["max"] < 0.98
     e2e = summary["e2e"]
