@@ -597,6 +597,21 @@ def test_report_rows_name_both_runs_and_percentages_are_exact():
         "-10.4%", "+50.0%", "+inf", "-inf"]
 
 
+def test_serving_curves_are_one_per_config_sorted_by_concurrency():
+    """One curve per model/arm (the point id less its concurrency), (concurrency, median, min, max) in concurrency
+    order; a kernel point carrying the same metric, or a serving point without its values, draws nothing."""
+    run = load("run_clean")
+    run["points"]["kernel/mla_decode"]["metrics"]["output_throughput"] = {"values": [1.0, 2.0]}
+    run["points"]["serving/dsv3-4l/features-on/c48"]["metrics"]["output_throughput"] = {"values": []}
+    curves = report.serving_curves(run, "output_throughput")
+    assert sorted(curves) == [f"serving/{m}/features-{arm}" for m in ("dsv3-4l", "dsv3-ep16-slice")
+                              for arm in ("off", "on")]
+    assert curves["serving/dsv3-4l/features-off"] == [(16, 3169.787, 3161.956, 3193.007),
+                                                      (48, 7690.7, 7676.249, 7794.665),
+                                                      (128, 14411.806, 14374.334, 14485.714)]
+    assert [c for c, *_ in curves["serving/dsv3-4l/features-on"]] == [16, 128]
+
+
 def test_report_without_a_baseline_still_plots_the_run(tmp_path):
     run = load("run_clean")
     written = report.write_report(tmp_path, run, None, cmp.compare(run, {"points": {}}))

@@ -252,7 +252,7 @@ def test_hooks_need_a_table_for_this_gpu(monkeypatch, tmp_path, caplog):
     with pytest.raises(Unsupported, match="no grouped-GEMM table.*--tune"):
         swapab.hooks(Settings.from_env({}))
     assert not caplog.records
-    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries()))
+    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries() + tiny_entries("upstream", groups=(8,), ms=(1, 2))))
     hooks = swapab.hooks(Settings.from_env({}))
     assert [(h.target, h.kind) for h in hooks] == [(swapab.TRITON_MOE, "around"), (swapab.DEEPEP_MASKED, "around"),
                                                    (dense_linear.TRITON_LINEAR, "around"),
@@ -263,6 +263,7 @@ def test_hooks_need_a_table_for_this_gpu(monkeypatch, tmp_path, caplog):
     assert not caplog.records
     swapab.enabled(Settings.from_env({}))
     assert len(caplog.records) == 1 and "t.json" in caplog.records[0].getMessage()
+    assert "12 entries (0 dense linears), ours fastest at 8;" in caplog.records[0].getMessage()  # 4 say upstream
 
 
 # ---------------------------------------------------------------------------------------------
