@@ -130,16 +130,21 @@ def test_a_module_step_parses_with_the_module_itself(monkeypatch):
         parse_as_run(script, argv, monkeypatch)
 
 
+def gpu_check_into(out) -> subprocess.CompletedProcess:
+    """gpu_check.sh into `out`, holding what the call itself writes first (check.log, card.txt), with no devkit."""
+    (out / "check.log").write_text("")
+    (out / "card.txt").write_text("NVIDIA H200\n")
+    return subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out), "DK": str(out / "no-devkit")})
+
+
 @pytest.mark.parametrize("stale", ["swapab_e2e.json", "logs.tar.xz", "swapab_e2e/"])
 def test_gpu_check_refuses_an_out_folder_with_an_earlier_calls_results(tmp_path, stale):
     """A warm host keeps /tmp: a second call into the same OUT would keep the first call's record (the copy skips a
     JSON already there) and bundle away the old logs archive with the new logs in it. The script stops first, before
-    it unpacks anything; the call's own check.log and card.txt do not count."""
-    (tmp_path / "check.log").write_text("")
-    (tmp_path / "card.txt").write_text("NVIDIA H200\n")
+    it unpacks anything."""
     (tmp_path / stale.rstrip("/")).mkdir() if stale.endswith("/") else (tmp_path / stale).write_text("{}")
-    res = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DK": str(tmp_path / "no-devkit")})
+    res = gpu_check_into(tmp_path)
     assert res.returncode == 2
     assert f"OUT={tmp_path} already holds an earlier call's results (./{stale}); give an empty folder" in res.stderr
     assert "unpack" not in res.stdout + res.stderr  # stopped before the devkit
@@ -147,9 +152,6 @@ def test_gpu_check_refuses_an_out_folder_with_an_earlier_calls_results(tmp_path,
 
 def test_gpu_check_takes_an_out_folder_with_only_the_calls_own_log(tmp_path):
     """check.log and card.txt, which the call writes before the script starts, pass: it goes on to the devkit."""
-    (tmp_path / "check.log").write_text("")
-    (tmp_path / "card.txt").write_text("NVIDIA H200\n")
-    res = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DK": str(tmp_path / "no-devkit")})
+    res = gpu_check_into(tmp_path)
     assert res.returncode == 2 and "already holds" not in res.stderr
     assert f"FAIL: unpack {tmp_path}/no-devkit/site.tar.xz" in res.stdout
