@@ -167,6 +167,22 @@ def test_sampling_records_every_nth_step_only():
     assert len(sampled) == 4
 
 
+def test_an_unsampled_eager_step_launches_nothing(monkeypatch):
+    """Eager (no graph being captured), an unsampled or inactive step returns before any op: the gate would zero
+    its counts anyway, so the work would be spent for nothing on every layer of every decode step."""
+    rec = CoactivationRecorder(1, 8, "cpu", sample_every=2)
+    calls = []
+    monkeypatch.setattr(rec, "_accumulate", lambda *a: calls.append(a[0]))
+    ids = torch.tensor([[0, 1], [2, 3]])
+    rec.record(0, ids)  # step 0: sampled
+    rec.step()
+    rec.record(0, ids)  # step 1: not sampled
+    rec.step()
+    rec.set_active(False)
+    rec.record(0, ids)  # step 2 would be sampled, but recording is off
+    assert calls == [0]
+
+
 def test_graph_path_gates_on_device(monkeypatch):
     """While a graph is captured the ops always run; the device gate zeroes unsampled steps."""
     monkeypatch.setattr(recorder_mod, "_capturing", lambda device: True)
