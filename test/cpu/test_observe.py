@@ -1249,7 +1249,7 @@ def test_synth_rejects_bad_injections():
                        ("hot-expert:256", "expert 256, outside 0..255"), ("spike:attention@rank1:5", "pass index 5")):
         with pytest.raises(ValueError, match=re.escape(names)):
             synth.synthesize(ranks=8, layers=4, steps=5, inject=bad, first_dense=1)
-    for good in ("slow-rank:7", "slow-link:0-7", "hot-expert:255", "spike:attention@rank0:4"):
+    for good in ("slow-rank:7", "slow-link:0-7", "hot-expert:255", "hot-expert:0", "spike:attention@rank0:4"):
         assert synth.synthesize(ranks=8, layers=4, steps=5, inject=good, first_dense=1)
 
 
