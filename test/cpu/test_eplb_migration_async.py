@@ -34,6 +34,7 @@ import pathlib
 import pickle
 import re
 import sys
+import threading
 import time
 import types
 
@@ -431,8 +432,6 @@ def test_map_peers_failure_leaves_the_mapping_to_the_first_rebalance(tmp_path, c
 def _dropped_rebalance(monkeypatch, passes: int):
     """Our rebalance generator with stand-ins for the job (gate says go at the 2nd boundary; the transfers never
     finish), dropped as SGLang's reset_generator drops it after `passes` boundaries: (state, history, closes)."""
-    import threading
-
     from sglang.srt.eplb import expert_distribution
     from sglang_h20.eplb import async_rebalance as ar
 
@@ -509,8 +508,6 @@ def test_upstream_first_dump_still_empties_the_cache_behind_the_flag_we_clear():
 
 
 def test_gate_settles_missed_rounds_as_wait_then_all_go_at_one_boundary():
-    import threading
-
     g0, g1 = _gates()
     assert [g0.step() for _ in range(3)] == [None] * 3
     assert g0.step() == ("wait", "")          # round 0 reached, nobody proposed: settled as wait
@@ -522,8 +519,6 @@ def test_gate_settles_missed_rounds_as_wait_then_all_go_at_one_boundary():
 
 
 def test_gate_abort_reaches_every_rank_at_the_same_boundary():
-    import threading
-
     g0, g1 = _gates()
     g1.step()
     g1.propose("A:rank 1: placement failed", threading.Event())
@@ -710,8 +705,6 @@ def test_throttle_pauses_only_inside_bursts_and_sets_no_profile_hook():
     """`throttle`: inside `bursts` a pace point past the burst sleeps (so a decode thread beside the placement thread
     is not kept waiting for the GIL); outside it, and on other threads, points do nothing; no profile function is set
     (one on any thread slows every thread's Python), also not after an error."""
-    import threading
-
     from sglang_h20.eplb import throttle
 
     def points(n):

@@ -15,6 +15,7 @@ The measured values are printed (pytest -s) by each test.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -348,8 +349,6 @@ def test_run_time_split_count_matches_the_same_static_plan():
     kernels cut into the device value (clamped to 1..grid's). Same cut as a launch planned with that count: the
     same partials and output bits; with 1 split the direct bf16 store and the combined fp32 partial agree to
     rounding. The poisoned workspace shows any partial read that no program wrote."""
-    import dataclasses
-
     d = inputs([150, 90], 16, 2, 32, seed=7, **DEEPSEEK_LIKE)
     grid = mla.get_mla_decode_metadata(d["cache_seqlens"], 16, 2, num_sm=8, block_n=32, min_split_tokens=32)
     assert grid.num_splits == 5
@@ -388,8 +387,6 @@ def test_combine_of_large_split_lses_is_finite_and_exact():
 
 def test_splits_pointer_checks_the_run_time_split_count():
     """metadata.splits_dev is read by the kernels as int32 on their device: another dtype is refused."""
-    import dataclasses
-
     seqlens = torch.tensor([64], dtype=torch.int32, device=DEVICE)
     meta = mla.get_mla_decode_metadata(seqlens, 16, 1, num_sm=8)
     assert mla.splits_pointer(meta, seqlens) is seqlens  # unset: the kernels never read it
@@ -403,7 +400,6 @@ def test_launch_args_pass_out_only_to_an_unsplit_launch():
     """mla_decode_cuda.launch_args: an unsplit launch gets out and lse (the kernel writes bf16 rows itself) and no
     partials; a split launch gets the fp32 partials and the run-time split count, and null out / lse (the combine
     writes them)."""
-    import dataclasses
     from sgl_kernel_ext import mla_decode_cuda as cu
 
     B, H = 2, 16
