@@ -460,10 +460,23 @@ def test_epilogue_combine_rejects_bad_workspace():
                        (gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1)[:5], ok_cnt, out, 2),
                         "weights"),
                        (gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair.long(), w.reshape(-1), ok_cnt, out, 2),
-                        "row_of_pair")):
+                        "row_of_pair"),
+                       # top_k 0 with no weights: the sizes agree (0 == 4 x 0), the top_k bound alone refuses it
+                       (gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair[:0], w.reshape(-1)[:0], ok_cnt, out, 0),
+                        "top_k 0"),
+                       (gg.EpilogueCombine(lay.pair_of_row.long(), lay.row_of_pair, w.reshape(-1), ok_cnt, out, 2),
+                        "pair_of_row"),
+                       (gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), ok_cnt,
+                                           torch.empty(H, 4, dtype=torch.bfloat16).t(), 2), "unit inner stride"),
+                       (gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), ok_cnt, out, 2,
+                                           defer=True, tail=True), "pick one")):
         with pytest.raises(ValueError, match=match):
             gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
                                                 combine=bad)
+    good = gg.EpilogueCombine(lay.pair_of_row, lay.row_of_pair, w.reshape(-1), ok_cnt, out, 2)
+    with pytest.raises(ValueError, match="no signal"):  # the epilogue replaces the store a signal would announce
+        gg.m_grouped_fp8_gemm_nt_contiguous(q, qs, wq, ws, lay.m_indptr, out=y, config=CFG, variant="swapab",
+                                            signal=torch.zeros(E, 1, dtype=torch.int32), combine=good)
 
 
 def test_every_tile_signal_is_awaited():
