@@ -111,8 +111,10 @@ def _operands(groups=2, n=256, k=256, rows=8):
     ("both", "exactly one"), ("neither", "exactly one"), ("n", "multiples of 128"), ("dtype", "float8_e4m3fn"),
     ("b_scale", re.escape("b_scale must be (2, 2, 2), got (2, 1, 2)")),
     ("a_scale", re.escape("a_scale must be (8, 2), got (8, 1)")), ("indptr", "m_indptr must be"),
-    ("masked_a", "masked a must be"), ("out", "out must be"), ("form", "unknown form"),
-    ("n_for_form", "multiple of 256"), ("n_for_multicast", "even number of column blocks")])
+    ("masked_a", "masked a must be"), ("out", re.escape("out must be contiguous bf16 (8, 256)")),
+    ("form", "unknown form"), ("n_for_form", "multiple of 256"), ("n_for_multicast", "even number of column blocks"),
+    ("scale_dtype", "a_scale and b_scale must be float32"), ("b_strides", "b must be contiguous"),
+    ("groups", re.escape("groups must be 1..1024, got 1025"))])
 def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
     monkeypatch.setattr(ggc, "_load", lambda *_: pytest.fail("built or loaded for bad operands"))
     a, a_s, b, b_s, indptr = _operands()
@@ -143,6 +145,13 @@ def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
     elif bad == "n_for_multicast":  # one column block of 192: no pair
         b, b_s = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 1, 2)
         kw["form"] = "128x192-sm"
+    elif bad == "scale_dtype":  # the weights' scales alone in another dtype
+        b_s = b_s.double()
+    elif bad == "b_strides":  # [G, N, K] by shape, K-major in memory
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    elif bad == "groups":  # one past the kernel's per-CTA tile table
+        b, b_s = torch.zeros(1025, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(1025, 1, 2)
+        kw["m_indptr"] = torch.zeros(1026, dtype=torch.int32)
     with pytest.raises(ValueError, match=message):
         ggc.m_grouped_fp8_gemm_nt_cuda(a, a_s, b, b_s, **kw)
 
@@ -205,6 +214,24 @@ def test_the_launch_gets_the_rows_the_layout_and_the_scale_strides(monkeypatch):
 def test_unavailable_without_a_gpu_says_why(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert ggc.available() == (False, "no CUDA device")
+
+
+def test_a_failed_build_is_unavailable_and_tried_once(monkeypatch):
+    """On a usable GPU whose build fails, available() says why, and later calls reuse that answer (no new build)."""
+    tries = []
+
+    def failing_load(*_):
+        tries.append(1)
+        raise RuntimeError("nvcc exited 1")
+
+    monkeypatch.setattr(ggc, "device_problem", lambda: "")
+    monkeypatch.setattr(ggc, "_lib_error", None)
+    monkeypatch.setattr(ggc, "_load", failing_load)
+    assert ggc.available() == (False, "build/load failed: nvcc exited 1")
+    assert ggc.available() == (False, "build/load failed: nvcc exited 1") and len(tries) == 1
+    monkeypatch.setattr(ggc, "_lib_error", None)
+    monkeypatch.setattr(ggc, "_load", lambda *_: object())  # a build that loads
+    assert ggc.available() == (True, "")
 
 
 def test_bench_times_it_only_when_asked():
