@@ -249,6 +249,33 @@ def test_tile_shapes():
     assert [ggc.tile_shape(f) for f in ggc.FORMS] == [(64, 256), (128, 128), (128, 192), (128, 192), (128, 192)]
 
 
+def test_nvcc_is_found_in_order_and_only_as_an_executable_file(monkeypatch, tmp_path):
+    """SGLANG_H20_NVCC first, then PATH, then $CUDA_HOME/bin; a candidate that is missing or not executable is
+    passed over (a typo in the variable falls back to the next, it never becomes the command)."""
+    def tool(folder, mode=0o755):
+        path = tmp_path / folder / "nvcc"
+        path.parent.mkdir(parents=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(mode)
+        return str(path)
+    mine, on_path, home = tool("mine"), tool("path"), tool("home/bin")
+    real_isfile = cuda_build.os.path.isfile
+    monkeypatch.setattr(cuda_build.os.path, "isfile",  # this host's own /usr/local/bin/nvcc stays unseen
+                        lambda p: real_isfile(p) and str(p).startswith(str(tmp_path)))
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SGLANG_H20_NVCC", mine)
+    assert cuda_build.find_nvcc() == mine
+    monkeypatch.setenv("SGLANG_H20_NVCC", str(tmp_path / "typo" / "nvcc"))
+    assert cuda_build.find_nvcc() == on_path
+    monkeypatch.setenv("SGLANG_H20_NVCC", tool("plain", mode=0o644))  # a file, not executable
+    assert cuda_build.find_nvcc() == on_path
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert cuda_build.find_nvcc() == home
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
+    assert cuda_build.find_nvcc() is None
+
+
 def test_without_nvcc_the_build_says_where_it_looked(tmp_path):
     with pytest.raises(RuntimeError, match=r"nvcc not found \(PATH, \$CUDA_HOME/bin, or set SGLANG_H20_NVCC\)"):
         cuda_build.compile_library(ggc.SOURCE, cuda_build.NVCC_FLAGS, None)
