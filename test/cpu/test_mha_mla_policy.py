@@ -560,6 +560,12 @@ def test_fill_on_a_grid_whose_axes_differ_in_length():
         assert at((0, 1, 2)) == pytest.approx(mean((0, 0, 2), (0, 1, 1), (1, 1, 2)))
         assert at((1, 2, 3)) == pytest.approx(mean((1, 1, 3), (1, 2, 2)))
         assert at((0, 2, 3)) == pytest.approx(r[(0, 0, 2)])  # nearest in batch 0 (ties: the smaller index)
+    # the nearest-node rule away from batch 0: a hole in batch 1 (no measured axis neighbour) takes its own batch's
+    # nearest node (distance 3; ties: the smaller index) over the other batches' at one extend or prefix step (a
+    # batch step weighs 100); nothing measured at all gives 0
+    res = {(0, 3, 1): -1.0, (1, 0, 0): 2.0, (1, 3, 3): 3.0, (2, 2, 0): 4.0}
+    assert mha_mla.MeasuredGrid._fill(res, 1, 3, 0) == 2.0
+    assert mha_mla.MeasuredGrid._fill({}, 1, 3, 0) == 0.0
 
 
 def test_mixed_batches_are_looked_up_at_the_uniform_batch_with_the_same_se_and_prefix():
