@@ -141,6 +141,7 @@ CASES = [  # sizes (tokens per owner), top_k, experts with no token, masked (k <
     ([2, 7], 2, (3,), True),
     ([5, 2, 3, 1], 3, (5,), True),
     ([9, 8], 2, (1,), False),  # 17 tokens: one past a BLOCK_T of 16, so the zero-partial items take two tiles
+    ([10, 6], 2, (1,), True),  # 16 tokens: exactly one zero-partial tile, the GEMM's tiles numbered right after it
 ]
 
 
