@@ -147,7 +147,7 @@ def test_bad_operands_are_refused_before_any_build(bad, message, monkeypatch):
         kw["form"] = "128x192-sm"
     elif bad == "scale_dtype":  # the weights' scales alone in another dtype
         b_s = b_s.double()
-    elif bad == "b_strides":  # [G, N, K] by shape, K-major in memory
+    elif bad == "b_strides":  # [G, N, K] by shape, stored as [G, K, N] (N the fast dimension)
         b = b.transpose(1, 2).contiguous().transpose(1, 2)
     elif bad == "groups":  # one past the kernel's per-CTA tile table
         b, b_s = torch.zeros(1025, 128, 256, dtype=torch.float8_e4m3fn), torch.ones(1025, 1, 2)
