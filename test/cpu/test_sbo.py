@@ -183,9 +183,10 @@ def test_dispatch_rows_places_each_pair(masked):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_quant_dispatch_equals_quant_then_dispatch(masked):
+def test_quant_dispatch_equals_quant_then_dispatch(masked, monkeypatch):
     """One kernel gives the bits of per_token_group_quant_fp8 then dispatch_rows, for every kept pair's row (a
-    dropped pair's row is never written; an all-zero group gets the EPS scale and zeros)."""
+    dropped pair's row is never written; an all-zero group gets the EPS scale and zeros). The kernel itself runs
+    here (the interpreter): the torch form, for a plain CPU, would call the quant it is compared with."""
     t, k, e, h = 5, 3, 4, 384
     g = gen(33)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
@@ -193,16 +194,22 @@ def test_quant_dispatch_equals_quant_then_dispatch(masked):
     x = (torch.randn(t, h, generator=g) * torch.logspace(-3, 2, h)).to(torch.bfloat16)
     x[2, 128:256] = 0
     lay = sbo.build_layout(ids, e, masked_max_m=t if masked else None, drops=True)
-    q, sc = sbo.quant_dispatch(x, lay)
+    with monkeypatch.context() as m:
+        m.setattr(importlib.import_module("sgl_kernel_ext.quant"), "per_token_group_quant_fp8",
+                  lambda *a: pytest.fail("quant_dispatch took the torch form under the interpreter"))
+        kernel = sbo.quant_dispatch(x, lay)
+    monkeypatch.setattr(sbo, "_interpreting", lambda: False)  # a plain CPU: the torch form, the same bits
+    torch_form = sbo.quant_dispatch(x, lay)
     wq, ws = per_token_group_quant_fp8(x, 128)
     wq, ws = sbo.dispatch_rows(wq, lay), sbo.dispatch_rows(ws, lay)
-    assert q.shape == wq.shape and sc.shape == ws.shape and q.dtype == wq.dtype and sc.dtype == torch.float32
     rop = lay.row_of_pair.long()
     kept = rop[rop >= 0]
-    q2, wq2 = q.reshape(-1, h)[kept], wq.reshape(-1, h)[kept]
-    assert torch.equal(q2.view(torch.uint8), wq2.view(torch.uint8))
-    assert torch.equal(sc.reshape(-1, h // 128)[kept], ws.reshape(-1, h // 128)[kept])
     assert len(kept) == t * k - 1
+    for q, sc in (kernel, torch_form):
+        assert q.shape == wq.shape and sc.shape == ws.shape and q.dtype == wq.dtype and sc.dtype == torch.float32
+        q2, wq2 = q.reshape(-1, h)[kept], wq.reshape(-1, h)[kept]
+        assert torch.equal(q2.view(torch.uint8), wq2.view(torch.uint8))
+        assert torch.equal(sc.reshape(-1, h // 128)[kept], ws.reshape(-1, h // 128)[kept])
 
 
 def test_masked_gemm_signals_count_finished_tiles():
