@@ -460,6 +460,16 @@ def test_rejects_bad_operands():
         gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s, ip, variant="fast")
     with pytest.raises(ValueError):
         gg.fp8_gemm_nt(a, a_s, b[0], b_s[0], split_k=3)  # K/128 = 2 is not divisible by 3
+    with pytest.raises(TypeError, match="scales must be float32"):
+        gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s.double(), ip)
+    b3, b3_s = weights(2, 128, 384, seed=4)  # K 384 against a's 256, each a multiple of 128
+    with pytest.raises(ValueError, match="K must match"):
+        gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b3, b3_s, ip)
+    k200 = torch.zeros(4, 200).to(torch.float8_e4m3fn)  # K agrees (200) but is not a multiple of 128
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gg.m_grouped_fp8_gemm_nt_contiguous(k200, a_s, k200.new_zeros(2, 128, 200), b_s, ip)
+    with pytest.raises(ValueError, match="128x128 blocks"):
+        gg.m_grouped_fp8_gemm_nt_contiguous(a, a_s, b, b_s[:, :, :1], ip)
     # masked: a is [G, max_m, K] with G = b's experts
     am, am_s = activations((3, 2, 256), seed=3)
     mm = torch.tensor([2, 2], dtype=torch.int32)
