@@ -195,7 +195,7 @@ def test_quant_dispatch_equals_quant_then_dispatch(masked, monkeypatch):
     x[2, 128:256] = 0
     lay = sbo.build_layout(ids, e, masked_max_m=t if masked else None, drops=True)
     with monkeypatch.context() as m:
-        m.setattr(importlib.import_module("sgl_kernel_ext.quant"), "per_token_group_quant_fp8",
+        m.setattr("sgl_kernel_ext.quant.per_token_group_quant_fp8",
                   lambda *a: pytest.fail("quant_dispatch took the torch form under the interpreter"))
         kernel = sbo.quant_dispatch(x, lay)
     monkeypatch.setattr(sbo, "_interpreting", lambda: False)  # a plain CPU: the torch form, the same bits

@@ -252,7 +252,8 @@ def test_hooks_need_a_table_for_this_gpu(monkeypatch, tmp_path, caplog):
     with pytest.raises(Unsupported, match="no grouped-GEMM table.*--tune"):
         swapab.hooks(Settings.from_env({}))
     assert not caplog.records
-    use_table(monkeypatch, write_table(tmp_path / "t.json", tiny_entries() + tiny_entries("upstream", groups=(8,), ms=(1, 2))))
+    entries = tiny_entries() + tiny_entries("upstream", groups=(8,), ms=(1, 2))
+    use_table(monkeypatch, write_table(tmp_path / "t.json", entries))
     hooks = swapab.hooks(Settings.from_env({}))
     assert [(h.target, h.kind) for h in hooks] == [(swapab.TRITON_MOE, "around"), (swapab.DEEPEP_MASKED, "around"),
                                                    (dense_linear.TRITON_LINEAR, "around"),
