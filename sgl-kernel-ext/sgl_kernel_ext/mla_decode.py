@@ -530,9 +530,13 @@ _POISON_WORKSPACE = False  # tests set this: split-KV partial buffers start as N
 
 def decode_args(q: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                 metadata: MLADecodeMetadata | None, out: torch.Tensor | None):
-    """The decode entries' common argument handling: int32 block table and lengths, the default launch plan,
-    out [B, q_len, H, 512] (made in q's dtype if None) and a fresh lse [B, q_len, H] fp32."""
+    """The decode entries' common argument handling: a table row and a length per sequence (checked), int32 block
+    table and lengths, the default launch plan, out [B, q_len, H, 512] (made in q's dtype if None) and a fresh
+    lse [B, q_len, H] fp32."""
     B, q_len, H, _ = q.shape
+    assert block_table.dim() == 2 and block_table.shape[0] >= B, \
+        f"block_table must be [>= {B} sequences, pages], got {tuple(block_table.shape)}"
+    assert cache_seqlens.numel() == B, f"cache_seqlens must hold {B} lengths, got {cache_seqlens.numel()}"
     if block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)
     if cache_seqlens.dtype != torch.int32:
@@ -635,8 +639,6 @@ def mla_decode_fp8(q: torch.Tensor, kv_cache, block_table: torch.Tensor, cache_s
     page_size = kv_data.shape[1]
     assert page_size >= 1 and page_size & (page_size - 1) == 0, f"page_size must be a power of two, got {page_size}"
     assert kv_data.is_contiguous(), "the FP8 cache must be contiguous (read as a flat [slots, 576] TMA tensor)"
-    assert block_table.dim() == 2 and block_table.shape[0] >= B, tuple(block_table.shape)
-    assert cache_seqlens.numel() == B
     block_table, cache_seqlens, metadata, out, lse = decode_args(q, block_table, cache_seqlens, metadata, out)
     rows = q_len * H
     assert metadata.num_row_blocks == cdiv(rows, metadata.block_h), "metadata is for another heads x q_len"

@@ -344,6 +344,28 @@ def test_default_metadata_and_input_forms():
     assert rel(out, ref) <= 2e-2
 
 
+
+def test_decode_refuses_operands_it_cannot_read():
+    """Each operand check, with everything else valid: these calls would otherwise read past a table or a page."""
+    d = inputs([20, 50], 16, 1, 32, seed=23, **DEEPSEEK_LIKE)
+    q, kv, bt, lens, scale = d["q"], d["kv_cache"], d["block_table"], d["cache_seqlens"], d["softmax_scale"]
+    meta = mla.get_mla_decode_metadata(lens, 16, 1, num_sm=4)
+    bad = [
+        (dict(q=q[..., :512]), "q last dim must be 576"),
+        (dict(bt=bt[:1]), r"\[>= 2 sequences, pages\], got \(1, 2\)"),
+        (dict(lens=torch.cat([lens, lens[:1]])), "must hold 2 lengths, got 3"),
+        (dict(kv=(kv[0][:, :16], kv[1][:, :16])), "must be contiguous"),  # half of each page: page 16, strided
+        (dict(kv=tuple(x[:, :24].contiguous() for x in kv)), "power of two, got 24"),
+        (dict(meta=mla.get_mla_decode_metadata(lens, 128, 1, num_sm=4)), "another heads x q_len"),
+        (dict(meta=mla.get_mla_decode_metadata(lens, 16, 1, num_sm=4, block_n=64)), "block_n 64 must divide"),
+    ]
+    for change, match in bad:
+        a = dict(q=q, kv=kv, bt=bt, lens=lens, meta=meta) | change
+        with pytest.raises(AssertionError, match=match):
+            mla.mla_decode_fp8(a["q"], a["kv"], a["bt"], a["lens"], scale, a["meta"])
+    out = mla.mla_decode_fp8(q, kv, torch.cat([bt, bt[:1]]), lens, scale, meta)  # a spare table row is fine
+    assert rel(out, refs(d)[0]) <= 2e-2
+
 def test_run_time_split_count_matches_the_same_static_plan():
     """metadata.splits_dev (a CUDA graph replayed at other lengths): the grid keeps the capture's split count, the
     kernels cut into the device value (clamped to 1..grid's). Same cut as a launch planned with that count: the
