@@ -140,9 +140,11 @@ def test_a_captured_prefill_the_user_locked_keeps_upstream():
 
 
 def test_selection_keeps_an_explicit_other_backend():
-    for sa in (server_args(attention_backend="fa3"), server_args(prefill_attention_backend="fa3")):
+    """The line names what the user chose: the one backend, or the prefill / decode pair."""
+    for sa, chosen in ((server_args(attention_backend="fa3"), "backend fa3;"),
+                       (server_args(prefill_attention_backend="fa3"), "(prefill fa3, decode None);")):
         decl, line = fb.plan_selection(sa)
-        assert decl == {} and "keeping the explicitly chosen attention backend" in line
+        assert decl == {} and "keeping the explicitly chosen attention backend" in line and chosen in line, line
 
 
 @pytest.mark.parametrize("kw, model, problem", [
