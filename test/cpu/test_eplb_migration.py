@@ -104,6 +104,31 @@ def test_first_round_switches_at_boundary_switch_every():
     assert ex.status.bytes_received == 4 * 16
 
 
+def test_the_first_local_failure_is_the_abort_reason_and_the_old_weights_stay():
+    """Two failures on a running rank (say the transfer thread's, then the watchdog's): the abort carries the first
+    one's reason, and no layer leaves the old placement. A paced migration (12 copies at 4 per s) is still running
+    when they happen."""
+    topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=4)
+    old = Placement(np.tile(np.arange(4), (3, 1)), topo, 4)
+    new = Placement(np.array([[1, 2, 3, 0], [3, 0, 1, 2], [2, 3, 0, 1]]), topo, 4)
+    w = {l: torch.randn(4, 100, generator=torch.Generator().manual_seed(l)) for l in range(3)}
+    before = {l: t.clone() for l, t in w.items()}
+    plan = plan_migration(old, new, 400, 4 * 400)
+    ex = MigrationExecutor(0, 1, topo, w, plan, store=torch.distributed.HashStore(), switch_every=2,
+                           decide_ahead=1, max_bytes_per_s=4 * 400)
+    ex.start()
+    ex._fail("rank 0: first failure")
+    ex._fail("rank 0: second failure")
+    t0 = time.monotonic()
+    while ex.status.state == "running" and time.monotonic() - t0 < 10:
+        ex.maybe_switch()
+        time.sleep(0.02)
+    ex.close(timeout=5)
+    st = ex.status
+    assert st.state == "aborted" and "first failure" in st.error and "second" not in st.error, st
+    assert st.switched_layers == () and all(torch.equal(w[l], before[l]) for l in range(3))
+
+
 class _StalledStore(torch.distributed.Store):
     """A store whose reads (the control thread's multi_get) hang until `release` is set: a peer's store server that
     stopped answering reads. Writes and compare_set go through."""
