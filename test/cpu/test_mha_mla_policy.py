@@ -15,7 +15,7 @@ import pytest
 from sglang_h20 import compat
 from sglang_h20.attention import mha_mla
 from sglang_h20.attention.mha_mla import BatchShape, CostTable, Forced, UpstreamRule
-from sglang_h20.calibrate import fit_table, grid_points, modelled_table, nnls_fit, QUICK_GRID
+from sglang_h20.calibrate import MAX_POINT_TOKENS, fit_table, grid_points, modelled_table, nnls_fit, QUICK_GRID
 from sglang_h20.settings import Settings
 
 from repo_scripts import REPO, load_script
@@ -427,6 +427,15 @@ def test_calibrate_compares_both_paths_token_by_token():
     assert same["first_logprobs"] == [[-0.5, -0.75], [-0.25, -0.25]]
     other = calibrate.compare_probes(a, [[[-0.5, 11], [-1.0, 13]], [[-0.25, 7]]])  # a later token differs
     assert not other["greedy_tokens_identical"] and other["max_abs_first_logprob_diff"] == 0.0
+
+
+def test_grid_points_keep_every_point_up_to_the_token_bound():
+    """Every (batch, extend, prefix) in grid order, but for points whose batch x (extend + prefix) tokens exceed
+    MAX_POINT_TOKENS; a point exactly at the bound is measured."""
+    half = MAX_POINT_TOKENS // 2
+    grid = {"batch": [1, 2], "extend": [half, 1], "prefix": [0, 1]}
+    assert grid_points(grid) == [(1, half, 0), (1, half, 1), (1, 1, 0), (1, 1, 1),
+                                 (2, half, 0), (2, 1, 0), (2, 1, 1)]
 
 
 def test_nnls_fit_recovers_known_coefficients():
