@@ -44,15 +44,21 @@ def test_executor_rejects_wrong_expert_bytes():
         MigrationExecutor(0, 4, T222, w, plan, store=torch.distributed.HashStore())
 
 
-def test_paced_local_migration_spreads_its_copies_and_lands_bit_identical():
-    """One GPU, every slot of 3 layers re-placed by local copies at a pace of ~40 copies/s: it takes at
-    least the bytes over the pace (not all at once), keeps the old weights until each layer switches, and
-    ends with every slot holding its new expert's bytes."""
+def one_gpu_reshuffle():
+    """One GPU, 4 slots, 3 layers, every slot re-placed (12 local copies); weights 100 fp32 (400 B) per expert.
+    Returns topo, old, new, the live weights and a copy of them as they were."""
     topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=4)
     old = Placement(np.tile(np.arange(4), (3, 1)), topo, 4)
     new = Placement(np.array([[1, 2, 3, 0], [3, 0, 1, 2], [2, 3, 0, 1]]), topo, 4)
     w = {l: torch.randn(4, 100, generator=torch.Generator().manual_seed(l)) for l in range(3)}
-    before = {l: t.clone() for l, t in w.items()}
+    return topo, old, new, w, {l: t.clone() for l, t in w.items()}
+
+
+def test_paced_local_migration_spreads_its_copies_and_lands_bit_identical():
+    """One GPU, every slot of 3 layers re-placed by local copies at a pace of ~40 copies/s: it takes at
+    least the bytes over the pace (not all at once), keeps the old weights until each layer switches, and
+    ends with every slot holding its new expert's bytes."""
+    topo, old, new, w, before = one_gpu_reshuffle()
     eb = 400  # 100 fp32 per expert
     plan = plan_migration(old, new, eb, 4 * eb)
     # Rounds every 4 steps, decided 3 steps ahead: the control thread has 3 loop iterations (>= 15 ms) to decide
@@ -108,11 +114,7 @@ def test_the_first_local_failure_is_the_abort_reason_and_the_old_weights_stay():
     """Two failures on a running rank (say the transfer thread's, then the watchdog's): the abort carries the first
     one's reason, and no layer leaves the old placement. A paced migration (12 copies at 4 per s) is still running
     when they happen."""
-    topo = Topology(num_nodes=1, gpus_per_node=1, slots_per_gpu=4)
-    old = Placement(np.tile(np.arange(4), (3, 1)), topo, 4)
-    new = Placement(np.array([[1, 2, 3, 0], [3, 0, 1, 2], [2, 3, 0, 1]]), topo, 4)
-    w = {l: torch.randn(4, 100, generator=torch.Generator().manual_seed(l)) for l in range(3)}
-    before = {l: t.clone() for l, t in w.items()}
+    topo, old, new, w, before = one_gpu_reshuffle()
     plan = plan_migration(old, new, 400, 4 * 400)
     ex = MigrationExecutor(0, 1, topo, w, plan, store=torch.distributed.HashStore(), switch_every=2,
                            decide_ahead=1, max_bytes_per_s=4 * 400)
